@@ -1,0 +1,1 @@
+"""Profiles bundled with umopt, addressable by name (see umopt.profile.bundled_profiles)."""

@@ -1,0 +1,223 @@
+"""The cost model: how long a schedule takes and how much memory it needs.
+
+This module is the single source of predicted times. :func:`simulate` is the plain reference
+simulator of docs/formats.md ("Cost model"): it plays any op lists (GPipe, 1F1B or any other order)
+and returns the iteration time, per-stage busy time and peak memory, and the timeline of every op
+and message. Solvers that need speed use :mod:`umopt.vectorized`, which must agree with this to
+1e-9 and is tested against it.
+
+Times are milliseconds. Chunk sizes are whole samples, so per-size costs are tabulated once, with
+linear interpolation between the profile's measured sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .errors import UmoptError
+from .profile import Profile
+
+__all__ = ["Op", "CostTables", "Span", "Message", "Timeline", "simulate", "stage_peak_memory"]
+
+Op = tuple[str, int, int]  # ("F" | "B", lo, hi): a chunk of samples [lo, hi)
+
+
+@dataclass(frozen=True)
+class CostTables:
+    """Per-size costs of one profile, indexed by chunk size ``b`` (index 0 is an empty chunk).
+
+    ``fwd[s, b]`` and ``bwd[s, b]`` are the durations of an F and a B op of ``b`` samples on stage
+    ``s``; with ``recompute`` a B op re-runs the forward, so ``bwd`` already includes it.
+    ``link[s, b]`` is the time of a ``b``-sample message over link ``s`` (either direction).
+    """
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    link: np.ndarray
+    optimizer_ms: float
+    recompute: bool
+    static_bytes: np.ndarray
+    stash_bytes: np.ndarray
+    input_bytes: np.ndarray
+    memory_limit: int | None
+
+    @property
+    def num_stages(self) -> int:
+        return self.fwd.shape[0]
+
+    @property
+    def max_size(self) -> int:
+        return self.fwd.shape[1] - 1
+
+    @classmethod
+    def from_profile(cls, profile: Profile, recompute: bool = False) -> "CostTables":
+        sizes = np.asarray(profile.sizes, dtype=float)
+        b = np.arange(profile.max_size + 1, dtype=float)
+        fwd = np.array([np.interp(b, sizes, st.forward_ms) for st in profile.stages])
+        bwd = np.array([np.interp(b, sizes, st.backward_ms) for st in profile.stages])
+        fwd[:, 0] = bwd[:, 0] = 0.0
+        if recompute:
+            bwd = bwd + fwd
+        link = np.array(
+            [
+                np.where(b > 0, ln.latency_ms + b * st.output_bytes_per_sample / ln.bytes_per_ms, 0.0)
+                for ln, st in zip(profile.links, profile.stages)
+            ]
+        ).reshape(len(profile.links), len(b))
+        for arr in (fwd, bwd, link):
+            arr.setflags(write=False)
+        return cls(
+            fwd=fwd,
+            bwd=bwd,
+            link=link,
+            optimizer_ms=max(st.optimizer_ms for st in profile.stages),
+            recompute=recompute,
+            static_bytes=np.array([st.static_bytes for st in profile.stages], dtype=np.int64),
+            stash_bytes=np.array([st.stash_bytes_per_sample for st in profile.stages], dtype=np.int64),
+            input_bytes=np.array([st.input_bytes_per_sample for st in profile.stages], dtype=np.int64),
+            memory_limit=profile.memory_limit_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class Span:
+    """One op as it runs on a stage."""
+
+    stage: int
+    kind: str
+    lo: int
+    hi: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message on a link: ``direction`` is "fwd" (activations) or "bwd" (gradients)."""
+
+    link: int
+    direction: str
+    lo: int
+    hi: int
+    sent: float
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    iteration_ms: float
+    busy_ms: list[float]
+    peak_memory_bytes: list[int]
+    spans: list[list[Span]] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+
+    @property
+    def makespan_ms(self) -> float:
+        """End of the last op, without the optimizer step."""
+        return max(sp[-1].end for sp in self.spans if sp)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of stage-time idle between 0 and the makespan, averaged over stages."""
+        m = self.makespan_ms
+        return 0.0 if m <= 0 else 1.0 - sum(self.busy_ms) / (m * len(self.busy_ms))
+
+
+def stage_peak_memory(tables: CostTables, stage: int, ops: Sequence[Op]) -> int:
+    """Peak bytes of one stage over its op list (the spec's memory model; it does not depend on time)."""
+    s = stage
+    stashed = 0
+    peak = int(tables.static_bytes[s])
+    for kind, lo, hi in ops:
+        b = hi - lo
+        if kind == "F":
+            stashed += b
+        if tables.recompute:
+            mem = tables.static_bytes[s] + stashed * tables.input_bytes[s] + b * tables.stash_bytes[s]
+        else:
+            mem = tables.static_bytes[s] + stashed * tables.stash_bytes[s]
+        peak = max(peak, int(mem))
+        if kind == "B":
+            stashed -= b
+    return peak
+
+
+def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int) -> Timeline:
+    """Play the op lists of all stages under the cost model.
+
+    Raises :class:`UmoptError` if the schedule deadlocks (some stage waits forever) or a B op
+    comes before the F of its samples on its stage.
+    """
+    S = tables.num_stages
+    if len(ops) != S:
+        raise UmoptError(f"schedule has {len(ops)} stages, the profile {S}")
+    nan = float("nan")
+    # act_at[s][i]: when sample i's activation is ready on stage s (stage 0: at time 0).
+    # grad_at[s][i]: when sample i's gradient is ready on stage s (last stage: its F's end there).
+    act_at = [[0.0] * minibatch] + [[nan] * minibatch for _ in range(S - 1)]
+    grad_at = [[nan] * minibatch for _ in range(S)]
+    fwd_done = [[False] * minibatch for _ in range(S)]
+    link_free = {("fwd", s): 0.0 for s in range(S - 1)} | {("bwd", s): 0.0 for s in range(S - 1)}
+    clock = [0.0] * S
+    busy = [0.0] * S
+    ptr = [0] * S
+    spans: list[list[Span]] = [[] for _ in range(S)]
+    messages: list[Message] = []
+    fwd, bwd, link = tables.fwd, tables.bwd, tables.link
+
+    def send(direction: str, ln: int, lo: int, hi: int, sent: float, dest: list[float]) -> None:
+        start = max(sent, link_free[(direction, ln)])
+        end = start + float(link[ln, hi - lo])
+        link_free[(direction, ln)] = end
+        dest[lo:hi] = [end] * (hi - lo)
+        messages.append(Message(ln, direction, lo, hi, sent, start, end))
+
+    progress = True
+    while progress:
+        progress = False
+        for s in range(S):
+            todo = ops[s]
+            while ptr[s] < len(todo):
+                kind, lo, hi = todo[ptr[s]]
+                if kind == "F":
+                    ready = max(act_at[s][lo:hi])
+                    dur = float(fwd[s, hi - lo])
+                else:
+                    if not all(fwd_done[s][lo:hi]):
+                        raise UmoptError(f"stage {s}: B({lo},{hi}) comes before the F of its samples")
+                    ready = max(grad_at[s][lo:hi])
+                    dur = float(bwd[s, hi - lo])
+                if ready != ready:  # NaN: an input has not been sent yet
+                    break
+                start = max(clock[s], ready)
+                end = start + dur
+                clock[s] = end
+                busy[s] += dur
+                spans[s].append(Span(s, kind, lo, hi, start, end))
+                if kind == "F":
+                    fwd_done[s][lo:hi] = [True] * (hi - lo)
+                    if s + 1 < S:
+                        send("fwd", s, lo, hi, end, act_at[s + 1])
+                    else:
+                        grad_at[s][lo:hi] = [end] * (hi - lo)
+                elif s > 0:
+                    send("bwd", s - 1, lo, hi, end, grad_at[s - 1])
+                ptr[s] += 1
+                progress = True
+    stuck = [s for s in range(S) if ptr[s] < len(ops[s])]
+    if stuck:
+        s = stuck[0]
+        kind, lo, hi = ops[s][ptr[s]]
+        raise UmoptError(f"schedule deadlocks: stage {s} waits forever at {kind}({lo},{hi})")
+    makespan = max((sp[-1].end for sp in spans if sp), default=0.0)
+    return Timeline(
+        iteration_ms=makespan + tables.optimizer_ms,
+        busy_ms=busy,
+        peak_memory_bytes=[stage_peak_memory(tables, s, ops[s]) for s in range(S)],
+        spans=spans,
+        messages=messages,
+    )

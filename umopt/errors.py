@@ -1,0 +1,14 @@
+"""The one exception type a user is meant to see.
+
+Anything wrong with what the user gave us (a malformed file, a schedule that does not fit its
+profile, an impossible request) raises :class:`UmoptError` with a single line that names the
+problem. The CLI prints that line and exits with code 2; every other exception is a bug.
+"""
+
+__all__ = ["UmoptError"]
+
+
+class UmoptError(Exception):
+    """A problem with the user's input, described in one line."""
+
+    exit_code = 2

@@ -1,0 +1,194 @@
+"""The profile file (``umopt-profile/1``): what each pipeline stage costs.
+
+A profile holds, for every stage, forward and backward milliseconds of one chunk at each measured
+chunk size, the bytes it receives, sends and keeps for backward per sample, its static memory and
+its optimizer step, plus the links between neighbouring stages. ``umopt profile`` writes it and
+``umopt solve`` reads it; the field meanings are fixed by docs/formats.md.
+
+Profiles are looked up by path or, failing that, by the name of a file bundled in
+``umopt.profiles`` (``umopt solve gpt-sim ...``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
+
+from annotated_types import Len
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+from .errors import UmoptError
+from .fileio import read_json, write_json
+
+__all__ = [
+    "PROFILE_FORMAT",
+    "StageProfile",
+    "LinkProfile",
+    "Profile",
+    "bundled_profiles",
+    "resolve_profile_path",
+    "load_profile",
+    "save_profile",
+    "pydantic_error_line",
+]
+
+PROFILE_FORMAT = "umopt-profile/1"
+
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    # Strict: a number written as a string is a malformed file, not something to guess at.
+    # Extra fields are allowed: the spec lets writers add metadata freely.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StageProfile(_Strict):
+    layers: Annotated[list[NonNegInt], Len(2, 2)]
+    forward_ms: list[NonNegFloat]
+    backward_ms: list[NonNegFloat]
+    input_bytes_per_sample: NonNegInt
+    output_bytes_per_sample: NonNegInt
+    stash_bytes_per_sample: NonNegInt
+    static_bytes: NonNegInt
+    optimizer_ms: NonNegFloat
+
+
+class LinkProfile(_Strict):
+    latency_ms: NonNegFloat
+    bytes_per_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class ModelInfo(_Strict):
+    name: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class DeviceInfo(_Strict):
+    type: Literal["cuda", "cpu", "sim"]
+    name: str = ""
+    dtype: str = "float32"
+
+
+class Profile(_Strict):
+    format: Literal["umopt-profile/1"]
+    model: ModelInfo
+    device: DeviceInfo
+    sizes: Annotated[list[Annotated[int, Field(ge=1)]], Len(1)]
+    stages: Annotated[list[StageProfile], Len(1)]
+    links: list[LinkProfile]
+    memory_limit_bytes: Optional[Annotated[int, Field(gt=0)]] = None
+
+    _path: Optional[str] = PrivateAttr(default=None)
+    _sha256: Optional[str] = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Profile":
+        sizes = self.sizes
+        if sizes[0] != 1:
+            raise ValueError(f"sizes must start at 1, got {sizes[0]}")
+        if any(b <= a for a, b in zip(sizes, sizes[1:])):
+            raise ValueError("sizes must be strictly ascending")
+        n = len(sizes)
+        for s, st in enumerate(self.stages):
+            for key in ("forward_ms", "backward_ms"):
+                got = len(getattr(st, key))
+                if got != n:
+                    raise ValueError(f"stages[{s}].{key} has {got} values for {n} sizes")
+            if st.layers[0] >= st.layers[1]:
+                raise ValueError(f"stages[{s}].layers {st.layers} is an empty range")
+            if s > 0 and st.layers[0] != self.stages[s - 1].layers[1]:
+                raise ValueError(f"stages[{s}].layers does not start where stage {s - 1} ends")
+            if s + 1 < len(self.stages) and st.output_bytes_per_sample != self.stages[s + 1].input_bytes_per_sample:
+                raise ValueError(
+                    f"stages[{s}].output_bytes_per_sample differs from stages[{s + 1}].input_bytes_per_sample"
+                )
+        if len(self.links) != len(self.stages) - 1:
+            raise ValueError(f"{len(self.stages)} stages need {len(self.stages) - 1} links, got {len(self.links)}")
+        return self
+
+    # --- convenience -------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    @property
+    def path(self) -> Optional[str]:
+        return self._path
+
+    @property
+    def sha256(self) -> str:
+        if self._sha256 is None:
+            self._sha256 = hashlib.sha256(self.to_json_bytes()).hexdigest()
+        return self._sha256
+
+    def to_json_bytes(self) -> bytes:
+        return self.model_dump_json(indent=1).encode()
+
+    def with_memory_limit(self, limit: Optional[int]) -> "Profile":
+        """The same profile with another memory limit (``--memory-limit``)."""
+        other = self.model_copy(update={"memory_limit_bytes": limit})
+        other._path, other._sha256 = self._path, self._sha256
+        return other
+
+
+def pydantic_error_line(exc: ValidationError) -> str:
+    """First validation error as ``where: what`` on one line."""
+    err = exc.errors()[0]
+    where = ""
+    for part in err["loc"]:
+        where += f"[{part}]" if isinstance(part, int) else (f".{part}" if where else str(part))
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        msg = "missing field"
+    elif err["type"] == "literal_error" and where == "format":
+        msg = f"format is {err.get('input')!r}, expected {PROFILE_FORMAT!r}"
+    return f"{where}: {msg}" if where else msg
+
+
+def bundled_profiles() -> list[str]:
+    """Names of the profiles shipped with umopt."""
+    root = resources.files("umopt.profiles")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def resolve_profile_path(name_or_path: str) -> Path:
+    """A path as given if it exists, else the bundled profile of that name."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    name = name_or_path[:-5] if name_or_path.endswith(".json") else name_or_path
+    if "/" not in name and name in bundled_profiles():
+        return Path(str(resources.files("umopt.profiles") / f"{name}.json"))
+    raise UmoptError(
+        f"{name_or_path}: no such file and no bundled profile of that name "
+        f"(bundled: {', '.join(bundled_profiles()) or 'none'})"
+    )
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """Read and validate a profile file; every problem is a one-line :class:`UmoptError`."""
+    path = resolve_profile_path(str(name_or_path))
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise UmoptError(f"{path}: a profile must be a JSON object")
+    if data.get("format") != PROFILE_FORMAT:
+        raise UmoptError(f"{path}: format is {data.get('format')!r}, expected {PROFILE_FORMAT!r}")
+    try:
+        prof = Profile.model_validate(data)
+    except ValidationError as exc:
+        raise UmoptError(f"{path}: {pydantic_error_line(exc)}") from None
+    prof._path = str(path)
+    prof._sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+    return prof
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    write_json(path, profile.model_dump(mode="json"))

@@ -1,0 +1,74 @@
+"""Synthetic profiles (``"device": {"type": "sim"}``) for tests, examples and bundled defaults.
+
+Each stage's forward time follows ``overhead + per_sample * b ** exponent`` (an exponent below 1
+models a device that gets more efficient with bigger chunks), backward about twice forward; the
+numbers are drawn from a seeded generator so a profile is reproducible from its arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .profile import PROFILE_FORMAT, Profile
+
+__all__ = ["synthetic_profile", "powers_of_two"]
+
+
+def powers_of_two(max_size: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_size:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_size]
+
+
+def synthetic_profile(
+    num_stages: int,
+    *,
+    max_size: int = 64,
+    seed: int = 0,
+    overhead_ms: Sequence[float] | None = None,
+    per_sample_ms: Sequence[float] | None = None,
+    exponent: float = 0.85,
+    backward_ratio: float = 2.0,
+    latency_ms: float = 0.05,
+    bytes_per_sample: int = 1 << 16,
+    bytes_per_ms: float = 1e7,
+    memory_limit_bytes: int | None = None,
+    name: str = "synthetic",
+) -> Profile:
+    rng = np.random.default_rng(seed)
+    S = num_stages
+    over = np.asarray(overhead_ms if overhead_ms is not None else rng.uniform(0.2, 3.0, S), dtype=float)
+    per = np.asarray(per_sample_ms if per_sample_ms is not None else rng.uniform(0.2, 1.5, S), dtype=float)
+    sizes = powers_of_two(max_size)
+    b = np.asarray(sizes, dtype=float)
+    stages = []
+    for s in range(S):
+        f = over[s] + per[s] * b**exponent
+        g = backward_ratio * f * rng.uniform(0.9, 1.1)
+        stages.append(
+            {
+                "layers": [s, s + 1],
+                "forward_ms": [round(float(x), 6) for x in f],
+                "backward_ms": [round(float(x), 6) for x in g],
+                "input_bytes_per_sample": 0 if s == 0 else bytes_per_sample,
+                "output_bytes_per_sample": bytes_per_sample if s + 1 < S else 0,
+                "stash_bytes_per_sample": int(4 * bytes_per_sample),
+                "static_bytes": int(1 << 24),
+                "optimizer_ms": round(float(0.1 + 0.2 * rng.random()), 6),
+            }
+        )
+    return Profile.model_validate(
+        {
+            "format": PROFILE_FORMAT,
+            "model": {"name": name, "args": {"stages": S, "seed": seed}},
+            "device": {"type": "sim", "name": "synthetic", "dtype": "float32"},
+            "sizes": sizes,
+            "stages": stages,
+            "links": [{"latency_ms": latency_ms, "bytes_per_ms": bytes_per_ms} for _ in range(S - 1)],
+            "memory_limit_bytes": memory_limit_bytes,
+        }
+    )
