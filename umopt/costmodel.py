@@ -155,11 +155,11 @@ def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int) ->
     S = tables.num_stages
     if len(ops) != S:
         raise UmoptError(f"schedule has {len(ops)} stages, the profile {S}")
-    nan = float("nan")
+    never = float("inf")  # not sent yet; max() over a chunk then says "not ready" by itself
     # act_at[s][i]: when sample i's activation is ready on stage s (stage 0: at time 0).
     # grad_at[s][i]: when sample i's gradient is ready on stage s (last stage: its F's end there).
-    act_at = [[0.0] * minibatch] + [[nan] * minibatch for _ in range(S - 1)]
-    grad_at = [[nan] * minibatch for _ in range(S)]
+    act_at = [[0.0] * minibatch] + [[never] * minibatch for _ in range(S - 1)]
+    grad_at = [[never] * minibatch for _ in range(S)]
     fwd_done = [[False] * minibatch for _ in range(S)]
     link_free = {("fwd", s): 0.0 for s in range(S - 1)} | {("bwd", s): 0.0 for s in range(S - 1)}
     clock = [0.0] * S
@@ -191,7 +191,7 @@ def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int) ->
                         raise UmoptError(f"stage {s}: B({lo},{hi}) comes before the F of its samples")
                     ready = max(grad_at[s][lo:hi])
                     dur = float(bwd[s, hi - lo])
-                if ready != ready:  # NaN: an input has not been sent yet
+                if ready == never:  # an input has not been sent yet
                     break
                 start = max(clock[s], ready)
                 end = start + dur

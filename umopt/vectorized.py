@@ -29,6 +29,7 @@ __all__ = ["PopulationScore", "evaluate_gpipe"]
 @dataclass
 class PopulationScore:
     iteration_ms: np.ndarray  # (P,)
+    finish_ms: np.ndarray  # (P, S) end of each stage's last op
     busy_ms: np.ndarray  # (P, S)
     peak_memory_bytes: np.ndarray  # (P, S)
 
@@ -132,7 +133,7 @@ def evaluate_gpipe(tables: CostTables, fsizes: np.ndarray, bsizes: np.ndarray | 
     # Backward sweep: gradients flow from S-1 to 0 and B chunks run in reverse sample order, so
     # the scans run backwards over the chunks and a chunk waits for the gradient message that
     # holds its *first* sample.
-    finish = np.zeros(P)
+    finish = np.zeros((S, P))
     for s in range(S - 1, -1, -1):
         part = bparts[s]
         if s == S - 1:
@@ -142,13 +143,15 @@ def evaluate_gpipe(tables: CostTables, fsizes: np.ndarray, bsizes: np.ndarray | 
             ready = _gather(arrive, holder) + part.pad
         d = bwd[s][part.sizes]
         end = _scan(ready, d, fwd_end[s], reverse=True)
-        finish = np.maximum(finish, end[0])
+        finish[s] = end[0]
         busy[s] += d.sum(axis=0)
         if s > 0:
             arrive = _scan(end + part.pad, link[s - 1][part.sizes], 0.0, reverse=True)
         peak[s] = _gpipe_peak(tables, s, fparts[s].sizes, part.sizes)
 
-    return PopulationScore(iteration_ms=finish + tables.optimizer_ms, busy_ms=busy.T, peak_memory_bytes=peak.T)
+    return PopulationScore(
+        iteration_ms=finish.max(axis=0) + tables.optimizer_ms, finish_ms=finish.T, busy_ms=busy.T, peak_memory_bytes=peak.T
+    )
 
 
 def _gather(values: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -1,0 +1,206 @@
+"""The ``umopt`` command line: parse, call the library, print. Installed as ``umopt.cli``.
+
+Every user-facing problem arrives as :class:`umopt.errors.UmoptError`; :func:`main` prints it as
+one line on stderr and exits with code 2, without a traceback and without writing any file.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from umopt.errors import UmoptError
+
+__all__ = ["main", "cli"]
+
+out = Console()
+err = Console(stderr=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="umopt")
+def cli() -> None:
+    """umopt: unequal per-stage microbatch partitions for pipeline-parallel training.
+
+    \b
+    profile -> solve -> run:
+      umopt solve gpt-sim --minibatch 64 -o schedule.json --plot schedule.png
+      umopt show schedule.json
+    """
+
+
+def _progress_bar(label: str):
+    return Progress(
+        TextColumn(f"[bold]{label}"),
+        BarColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    )
+
+
+def _ms(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+@cli.command()
+@click.argument("profile_path", metavar="PROFILE")
+@click.option("-B", "--minibatch", type=int, required=True, help="Samples per iteration (per pipeline).")
+@click.option("--recompute", is_flag=True, help="Recompute activations in backward; B chunks become free.")
+@click.option("--solver", type=click.Choice(["auto", "ga", "greedy", "dp", "equal"]), default="auto", show_default=True)
+@click.option("--time-limit", type=float, default=20.0, show_default=True, help="Seconds of search.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed (results are reproducible).")
+@click.option("--memory-limit", type=int, default=None, help="Bytes per stage; overrides the profile's limit.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Schedule file to write.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Gantt chart PNG: best equal GPipe above, this schedule below.")
+@click.option("--trace", type=click.Path(dir_okay=False), default=None, help="Chrome-trace JSON of the predicted timelines (Perfetto).")
+def solve(profile_path, minibatch, recompute, solver, time_limit, seed, memory_limit, output, plot, trace) -> None:
+    """Search unequal per-stage partitions for PROFILE (a path or a bundled profile's name)."""
+    from umopt.profile import load_profile
+    from umopt.schedule import save_schedule
+    from umopt.solve import solve as run_solve
+
+    profile = load_profile(profile_path)
+    if memory_limit is not None:
+        if memory_limit <= 0:
+            raise UmoptError(f"--memory-limit must be positive, got {memory_limit}")
+        profile = profile.with_memory_limit(memory_limit)
+    with _progress_bar(f"solve ({solver})") as bar:
+        task = bar.add_task("", total=1.0)
+
+        def progress(frac: float, best: float) -> None:
+            bar.update(task, completed=frac, description=f"best {best:.3f} ms")
+
+        report = run_solve(profile, minibatch, recompute=recompute, solver=solver, time_limit=time_limit, seed=seed, progress=progress)
+    save_schedule(report.schedule, output)
+    panels = [(f"best equal GPipe (M={report.gpipe.microbatches})", report.gpipe_timeline)] if report.gpipe_timeline else []
+    panels.append((f"umopt ({solver})", report.timeline))
+    if plot:
+        from umopt.plot import gantt
+
+        gantt(panels, plot, title=f"{profile.model.name}, {profile.num_stages} stages, minibatch {minibatch}")
+    if trace:
+        from umopt.trace import write_trace
+
+        write_trace(panels, trace)
+    _print_report(report)
+    written = [output] + [p for p in (plot, trace) if p]
+    out.print(f"wrote {', '.join(written)}")
+
+
+def _print_report(report) -> None:
+    tl = report.timeline
+    table = Table(title=f"minibatch {report.schedule.minibatch}, {len(tl.spans)} stages" + (", recompute" if report.schedule.recompute else ""))
+    for col in ("schedule", "M", "iteration ms", "speedup vs gpipe", "speedup vs 1f1b", "gap to bound", "bubble"):
+        table.add_column(col, justify="right" if col != "schedule" else "left")
+    lb = report.schedule.solver.lower_bound_ms
+
+    def row(name: str, m, it: Optional[float], bubble: Optional[float]) -> None:
+        sg = None if it is None or report.gpipe.iteration_ms is None else report.gpipe.iteration_ms / it
+        so = None if it is None or report.onef1b.iteration_ms is None else report.onef1b.iteration_ms / it
+        gap = None if it is None or not lb else (it - lb) / lb
+        table.add_row(
+            name,
+            "-" if m is None else str(m),
+            _ms(it),
+            "-" if sg is None else f"{sg:.3f}x",
+            "-" if so is None else f"{so:.3f}x",
+            "-" if gap is None else f"{100 * gap:.1f}%",
+            "-" if bubble is None else f"{100 * bubble:.1f}%",
+        )
+
+    gt = report.gpipe_timeline
+    row("gpipe_equal", report.gpipe.microbatches, report.gpipe.iteration_ms, gt.bubble_fraction if gt else None)
+    row("1f1b_equal", report.onef1b.microbatches, report.onef1b.iteration_ms, None)
+    winner = report.result.extra.get("winner")
+    name = f"umopt {report.schedule.solver.name}" + (f" ({winner})" if winner else "")
+    chunks = sorted({len([o for o in st.ops if o[0] == 'F']) for st in report.schedule.stages})
+    row(name, "/".join(map(str, chunks)), tl.iteration_ms, tl.bubble_fraction)
+    table.add_row("lower bound", "", _ms(lb), "", "", "", "")
+    out.print(table)
+    out.print(
+        f"solver {report.schedule.solver.name}: {report.schedule.solver.status}, "
+        f"{report.schedule.solver.seconds:.1f} s, {report.result.evaluated} schedules scored"
+    )
+
+
+@cli.command()
+@click.argument("schedule_path", metavar="SCHEDULE")
+@click.option("--profile", "profile_path", default=None, help="Profile to check against (default: the one the schedule names).")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Gantt chart PNG of the schedule.")
+@click.option("--trace", type=click.Path(dir_okay=False), default=None, help="Chrome-trace JSON of the schedule.")
+def show(schedule_path, profile_path, plot, trace) -> None:
+    """Validate SCHEDULE against its profile, re-simulate it and print its numbers."""
+    from umopt.profile import load_profile
+    from umopt.schedule import check_against_profile, load_schedule
+
+    schedule = load_schedule(schedule_path)
+    profile = load_profile(profile_path or schedule.profile.path)
+    try:
+        tl = check_against_profile(schedule, profile)
+    except UmoptError as exc:
+        raise UmoptError(f"{schedule_path}: {exc}") from None
+    table = Table(title=f"{schedule_path}: {len(tl.spans)} stages, minibatch {schedule.minibatch}")
+    for col in ("stage", "F chunks", "B chunks", "busy ms", "peak memory"):
+        table.add_column(col, justify="right")
+    for s, st in enumerate(schedule.stages):
+        f = [hi - lo for k, lo, hi in st.ops if k == "F"]
+        b = [hi - lo for k, lo, hi in st.ops if k == "B"]
+        table.add_row(str(s), _sizes(f), _sizes(b), f"{tl.busy_ms[s]:.3f}", f"{tl.peak_memory_bytes[s] / 2**20:.1f} MiB")
+    out.print(table)
+    out.print(f"iteration {tl.iteration_ms:.3f} ms (file says {schedule.predicted.iteration_ms:.3f}), bubble {100 * tl.bubble_fraction:.1f}%")
+    panels = [(schedule_path, tl)]
+    if plot:
+        from umopt.plot import gantt
+
+        gantt(panels, plot)
+    if trace:
+        from umopt.trace import write_trace
+
+        write_trace(panels, trace)
+
+
+def _sizes(sizes: list[int]) -> str:
+    text = " ".join(map(str, sizes))
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+@cli.command("profiles")
+def list_profiles() -> None:
+    """List the bundled profiles (usable by name wherever a PROFILE is asked for)."""
+    from umopt.profile import bundled_profiles, load_profile
+
+    table = Table()
+    for col in ("name", "model", "device", "stages", "sizes"):
+        table.add_column(col)
+    for name in bundled_profiles():
+        p = load_profile(name)
+        table.add_row(name, p.model.name, f"{p.device.type} {p.device.name}", str(p.num_stages), f"1..{p.max_size}")
+    out.print(table)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="umopt", standalone_mode=False)
+    except UmoptError as exc:
+        err.print(f"umopt: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        err.print("umopt: aborted", markup=False)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        err.print("umopt: interrupted", markup=False)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Shared fixtures: small hand-made and synthetic profiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from umopt.profile import PROFILE_FORMAT, Profile
+
+
+def two_stage_profile(comm: bool = True, **over) -> Profile:
+    """The S=2 profile whose timelines tests/test_costmodel.py computes by hand."""
+    data = {
+        "format": PROFILE_FORMAT,
+        "model": {"name": "hand", "args": {}},
+        "device": {"type": "sim", "name": "hand", "dtype": "float32"},
+        "sizes": [1, 2],
+        "stages": [
+            {"layers": [0, 1], "forward_ms": [1.0, 1.5], "backward_ms": [2.0, 3.0],
+             "input_bytes_per_sample": 10, "output_bytes_per_sample": 1000 if comm else 0,
+             "stash_bytes_per_sample": 100, "static_bytes": 1000, "optimizer_ms": 0.5},
+            {"layers": [1, 2], "forward_ms": [1.0, 2.0], "backward_ms": [2.0, 3.5],
+             "input_bytes_per_sample": 1000 if comm else 0, "output_bytes_per_sample": 0,
+             "stash_bytes_per_sample": 200, "static_bytes": 2000, "optimizer_ms": 0.25},
+        ],
+        "links": [{"latency_ms": 0.1 if comm else 0.0, "bytes_per_ms": 10000.0}],
+        "memory_limit_bytes": None,
+    }
+    data.update(over)
+    return Profile.model_validate(data)
+
+
+@pytest.fixture
+def profile_file(tmp_path):
+    """Write a profile dict to a file and return its path."""
+
+    def write(profile: Profile | dict, name: str = "profile.json") -> str:
+        path = tmp_path / name
+        data = profile.model_dump(mode="json") if isinstance(profile, Profile) else profile
+        path.write_text(json.dumps(data))
+        return str(path)
+
+    return write

@@ -1,0 +1,103 @@
+"""The reference simulator against timelines computed by hand, and the textbook formulas."""
+
+from __future__ import annotations
+
+import pytest
+
+from umopt.costmodel import CostTables, simulate
+from umopt.errors import UmoptError
+from umopt.partition import equal_sizes, gpipe_ops, onef1b_ops
+from umopt.synthetic import synthetic_profile
+
+from conftest import two_stage_profile
+
+
+def spans(tl, s):
+    return [(sp.kind, sp.lo, sp.hi, round(sp.start, 9), round(sp.end, 9)) for sp in tl.spans[s]]
+
+
+def test_hand_timeline_two_chunks_with_communication():
+    # Each message: 0.1 ms latency + 1000 B/sample / 10000 B/ms = 0.2 ms for one sample.
+    t = CostTables.from_profile(two_stage_profile(comm=True))
+    ops = [gpipe_ops([1, 1], [1, 1]), gpipe_ops([1, 1], [1, 1])]
+    tl = simulate(t, ops, 2)
+    assert spans(tl, 0) == [("F", 0, 1, 0, 1), ("F", 1, 2, 1, 2), ("B", 1, 2, 5.4, 7.4), ("B", 0, 1, 7.4, 9.4)]
+    assert spans(tl, 1) == [("F", 0, 1, 1.2, 2.2), ("F", 1, 2, 2.2, 3.2), ("B", 1, 2, 3.2, 5.2), ("B", 0, 1, 5.2, 7.2)]
+    assert tl.iteration_ms == pytest.approx(9.4 + 0.5)  # plus the slowest optimizer step
+    assert tl.busy_ms == pytest.approx([6.0, 6.0])
+    assert tl.peak_memory_bytes == [1000 + 2 * 100, 2000 + 2 * 200]
+
+
+def test_hand_timeline_two_chunks_without_communication():
+    t = CostTables.from_profile(two_stage_profile(comm=False))
+    tl = simulate(t, [gpipe_ops([1, 1], [1, 1])] * 2, 2)
+    assert spans(tl, 1) == [("F", 0, 1, 1, 2), ("F", 1, 2, 2, 3), ("B", 1, 2, 3, 5), ("B", 0, 1, 5, 7)]
+    assert spans(tl, 0)[2:] == [("B", 1, 2, 5, 7), ("B", 0, 1, 7, 9)]
+    assert tl.iteration_ms == pytest.approx(9.5)
+
+
+def test_hand_timeline_unequal_per_stage_partitions():
+    # Stage 0 sends one 2-sample message (0.1 + 0.2 ms); stage 1 runs two 1-sample chunks and
+    # stage 0's single B waits for both gradients.
+    t = CostTables.from_profile(two_stage_profile(comm=True))
+    tl = simulate(t, [gpipe_ops([2], [2]), gpipe_ops([1, 1], [1, 1])], 2)
+    assert spans(tl, 0) == [("F", 0, 2, 0, 1.5), ("B", 0, 2, 8.0, 11.0)]
+    assert spans(tl, 1) == [("F", 0, 1, 1.8, 2.8), ("F", 1, 2, 2.8, 3.8), ("B", 1, 2, 3.8, 5.8), ("B", 0, 1, 5.8, 7.8)]
+    assert tl.iteration_ms == pytest.approx(11.5)
+
+
+def test_hand_timeline_recompute_with_free_backward_chunks():
+    t = CostTables.from_profile(two_stage_profile(comm=True), recompute=True)
+    ops = [gpipe_ops([1, 1], [2]), gpipe_ops([2], [1, 1])]
+    tl = simulate(t, ops, 2)
+    # B with recompute lasts f + g.
+    assert spans(tl, 1) == [("F", 0, 2, 2.2, 4.2), ("B", 1, 2, 4.2, 7.2), ("B", 0, 1, 7.2, 10.2)]
+    assert spans(tl, 0)[-1] == ("B", 0, 2, 10.4, 14.9)
+    assert tl.iteration_ms == pytest.approx(15.4)
+    # stashed inputs x input bytes + the running chunk x stash bytes
+    assert tl.peak_memory_bytes == [1000 + 2 * 10 + 2 * 100, 2000 + 2 * 1000 + 2 * 200]
+
+
+def test_messages_on_one_link_direction_queue_in_send_order():
+    # Chunks of 1 sample take 1 ms to compute but 3 ms to send: the second message must wait.
+    prof = two_stage_profile(comm=True, links=[{"latency_ms": 2.9, "bytes_per_ms": 10000.0}])
+    tl = simulate(CostTables.from_profile(prof), [gpipe_ops([1, 1], [1, 1])] * 2, 2)
+    fwd = [(m.lo, round(m.start, 9), round(m.end, 9)) for m in tl.messages if m.direction == "fwd"]
+    assert fwd == [(0, 1.0, 4.0), (1, 4.0, 7.0)]
+
+
+def test_linear_interpolation_between_measured_sizes():
+    prof = synthetic_profile(1, max_size=4)
+    t = CostTables.from_profile(prof)
+    f = prof.stages[0].forward_ms  # sizes 1, 2, 4
+    assert t.fwd[0, 3] == pytest.approx((f[1] + f[2]) / 2)
+    assert t.fwd[0, 0] == 0.0
+
+
+@pytest.mark.parametrize("S,M", [(1, 1), (2, 4), (4, 4), (3, 7), (8, 16)])
+def test_uniform_gpipe_is_m_plus_s_minus_1_times_f_plus_g(S, M):
+    f, g = 1.5, 2.75
+    prof = synthetic_profile(S, max_size=8, overhead_ms=[f] * S, per_sample_ms=[0.0] * S, latency_ms=0.0, bytes_per_sample=0)
+    prof = prof.model_copy(update={"stages": [st.model_copy(update={"backward_ms": [g] * len(prof.sizes), "optimizer_ms": 0.0}) for st in prof.stages]})
+    t = CostTables.from_profile(prof)
+    parts = equal_sizes(2 * M, M)
+    tl = simulate(t, [gpipe_ops(parts, parts)] * S, 2 * M)
+    assert tl.iteration_ms == pytest.approx((M + S - 1) * (f + g))
+    # the textbook 1F1B timeline on uniform stages has the same length
+    tl = simulate(t, [onef1b_ops(parts, parts, s, S) for s in range(S)], 2 * M)
+    assert tl.iteration_ms == pytest.approx((M + S - 1) * (f + g))
+
+
+def test_textbook_1f1b_order():
+    assert onef1b_ops([1] * 4, [1] * 4, 0, 2) == [
+        ("F", 0, 1), ("F", 1, 2), ("B", 0, 1), ("F", 2, 3), ("B", 1, 2), ("F", 3, 4), ("B", 2, 3), ("B", 3, 4)
+    ]
+    assert onef1b_ops([1] * 3, [1] * 3, 1, 2) == [("F", 0, 1), ("B", 0, 1), ("F", 1, 2), ("B", 1, 2), ("F", 2, 3), ("B", 2, 3)]
+
+
+def test_deadlock_is_reported():
+    t = CostTables.from_profile(two_stage_profile())
+    # stage 0 wants the gradient of sample 0 before it has sent sample 1; stage 1 needs both first.
+    ops = [[("F", 0, 1), ("B", 0, 1), ("F", 1, 2), ("B", 1, 2)], [("F", 0, 2), ("B", 0, 2)]]
+    with pytest.raises(UmoptError, match="deadlocks"):
+        simulate(t, ops, 2)

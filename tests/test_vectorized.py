@@ -1,0 +1,65 @@
+"""The vectorized population evaluator equals the reference simulator, schedule by schedule."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from umopt.costmodel import CostTables, simulate
+from umopt.partition import ends_to_sizes, gpipe_ops, repair_ends, sizes_to_ends
+from umopt.synthetic import synthetic_profile
+from umopt.vectorized import evaluate_gpipe
+
+
+def _random_population(rng, P, S, B, mx, density):
+    return repair_ends(rng.random((P, S, B)) < density, mx)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    S=st.integers(1, 5),
+    B=st.integers(1, 40),
+    mx=st.integers(1, 16),
+    recompute=st.booleans(),
+    density=st.floats(0.0, 1.0),
+    latency=st.floats(0.0, 2.0),
+    bandwidth=st.floats(1e3, 1e7),
+    seed=st.integers(0, 2**31),
+)
+def test_vectorized_equals_reference(S, B, mx, recompute, density, latency, bandwidth, seed):
+    rng = np.random.default_rng(seed)
+    prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=latency, bytes_per_ms=bandwidth)
+    tables = CostTables.from_profile(prof, recompute)
+    P = 6  # 60 examples x 6 individuals = 360 random schedules
+    fe = _random_population(rng, P, S, B, mx, density)
+    be = _random_population(rng, P, S, B, mx, rng.random()) if recompute else fe
+    fs, bs = ends_to_sizes(fe), ends_to_sizes(be)
+    score = evaluate_gpipe(tables, fs, bs)
+    for p in range(P):
+        ops = [gpipe_ops([x for x in fs[p, s] if x], [x for x in bs[p, s] if x]) for s in range(S)]
+        ref = simulate(tables, ops, B)
+        assert abs(score.iteration_ms[p] - ref.iteration_ms) <= 1e-9
+        np.testing.assert_allclose(score.busy_ms[p], ref.busy_ms, atol=1e-9, rtol=0)
+        np.testing.assert_allclose(score.finish_ms[p], [sp[-1].end for sp in ref.spans], atol=1e-9, rtol=0)
+        assert list(score.peak_memory_bytes[p].astype(np.int64)) == ref.peak_memory_bytes
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=30))
+def test_sizes_ends_round_trip(sizes):
+    B = sum(sizes)
+    ends = sizes_to_ends(sizes, B)
+    assert [x for x in ends_to_sizes(ends[None])[0] if x] == sizes
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 60), st.integers(1, 12), st.integers(0, 2**31))
+def test_repair_splits_long_chunks_only(B, mx, seed):
+    rng = np.random.default_rng(seed)
+    ends = rng.random((3, B)) < 0.1
+    before = ends.copy()
+    repair_ends(ends, mx)
+    sizes = ends_to_sizes(ends)
+    assert sizes.max() <= mx and ends[:, -1].all()
+    assert (ends | ~before).all()  # no end was removed

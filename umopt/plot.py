@@ -1,0 +1,52 @@
+"""Gantt pictures of timelines (matplotlib, PNG).
+
+One row per stage, F chunks and B chunks in two colours, each labelled with its size where it is
+wide enough. Several timelines share one time axis, stacked, so a schedule can be read against the
+best equal GPipe schedule at a glance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from .costmodel import Timeline
+from .fileio import write_atomic
+
+__all__ = ["gantt"]
+
+COLOURS = {"F": "#4C72B0", "B": "#DD8452"}
+
+
+def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: str = "") -> None:
+    """Draw each ``(label, timeline)`` as a panel of one figure and write it to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    S = max(len(tl.spans) for _, tl in panels)
+    horizon = max(tl.iteration_ms for _, tl in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 0.9 + 0.45 * S * len(panels) + 0.4), sharex=True, squeeze=False)
+    for ax, (label, tl) in zip(axes[:, 0], panels):
+        for s, spans in enumerate(tl.spans):
+            for sp in spans:
+                width = sp.end - sp.start
+                ax.barh(s, width, left=sp.start, height=0.8, color=COLOURS[sp.kind], edgecolor="white", linewidth=0.4)
+                if width > horizon / 60:
+                    ax.text(sp.start + width / 2, s, str(sp.hi - sp.lo), ha="center", va="center", fontsize=6, color="white")
+        # the optimizer step closes the iteration on every stage
+        ax.barh(range(len(tl.spans)), tl.iteration_ms - tl.makespan_ms, left=tl.makespan_ms, height=0.8, color="#BBBBBB")
+        ax.set_yticks(range(len(tl.spans)), [f"stage {s}" for s in range(len(tl.spans))])
+        ax.invert_yaxis()
+        ax.set_ylim(len(tl.spans) - 0.5, -0.5)
+        ax.set_title(f"{label}: {tl.iteration_ms:.2f} ms per iteration, bubble {100 * tl.bubble_fraction:.1f}%", fontsize=9, loc="left")
+        ax.set_xlim(0, horizon * 1.01)
+    axes[-1, 0].set_xlabel("time (ms)")
+    axes[0, 0].legend(handles=[Patch(color=COLOURS["F"], label="forward"), Patch(color=COLOURS["B"], label="backward"), Patch(color="#BBBBBB", label="optimizer")], loc="upper right", fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    plt.close(fig)

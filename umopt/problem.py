@@ -1,0 +1,102 @@
+"""What a solver is asked (:class:`Problem`) and what it answers (:class:`Candidate`).
+
+A candidate is one forward and one backward partition per stage plus an op order; it turns into
+op lists with :mod:`umopt.partition` and is scored by the cost model. Every solver returns
+candidates; the final numbers always come from :func:`umopt.costmodel.simulate` on their ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from .costmodel import CostTables, Op, Timeline, simulate
+from .partition import gpipe_ops, onef1b_ops
+from .vectorized import PopulationScore, evaluate_gpipe
+
+__all__ = ["Problem", "Candidate", "SolverResult", "Progress", "pack", "score_gpipe"]
+
+# progress(fraction_done, best_iteration_ms_so_far); solvers call it now and then, the CLI draws it.
+Progress = Callable[[float, float], None]
+
+
+@dataclass(frozen=True)
+class Problem:
+    tables: CostTables
+    minibatch: int
+
+    @property
+    def num_stages(self) -> int:
+        return self.tables.num_stages
+
+    @property
+    def max_size(self) -> int:
+        return min(self.tables.max_size, self.minibatch)
+
+    @property
+    def recompute(self) -> bool:
+        return self.tables.recompute
+
+    @property
+    def memory_limit(self) -> Optional[int]:
+        return self.tables.memory_limit
+
+
+@dataclass
+class Candidate:
+    """Per-stage forward and backward partitions (chunk sizes in sample order) and an order."""
+
+    fsizes: list[list[int]]
+    bsizes: list[list[int]]
+    order: str = "gpipe"  # "gpipe" or "1f1b"
+    iteration_ms: float = float("inf")  # as last scored; the simulator has the final word
+
+    def ops(self) -> list[list[Op]]:
+        S = len(self.fsizes)
+        if self.order == "gpipe":
+            return [gpipe_ops(f, b) for f, b in zip(self.fsizes, self.bsizes)]
+        return [onef1b_ops(f, b, s, S) for s, (f, b) in enumerate(zip(self.fsizes, self.bsizes))]
+
+    def simulate(self, problem: Problem) -> Timeline:
+        return simulate(problem.tables, self.ops(), problem.minibatch)
+
+    def fits(self, timeline: Timeline, problem: Problem) -> bool:
+        limit = problem.memory_limit
+        return limit is None or max(timeline.peak_memory_bytes) <= limit
+
+    @classmethod
+    def uniform(cls, sizes: Sequence[int], num_stages: int, order: str = "gpipe") -> "Candidate":
+        """The same partition on every stage, for forward and backward."""
+        return cls([list(sizes) for _ in range(num_stages)], [list(sizes) for _ in range(num_stages)], order)
+
+
+@dataclass
+class SolverResult:
+    name: str
+    candidate: Candidate
+    status: str  # "optimal" when proven, "feasible" otherwise
+    lower_bound_ms: Optional[float] = None
+    seconds: float = 0.0
+    evaluated: int = 0  # schedules scored
+    extra: dict = field(default_factory=dict)
+
+
+def pack(partitions: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
+    """(P, S, K) zero-padded array of P individuals' per-stage partitions."""
+    K = max(len(part) for ind in partitions for part in ind)
+    out = np.zeros((len(partitions), len(partitions[0]), K), dtype=np.int64)
+    for p, ind in enumerate(partitions):
+        for s, part in enumerate(ind):
+            out[p, s, : len(part)] = part
+    return out
+
+
+def score_gpipe(problem: Problem, fsizes: np.ndarray, bsizes: Optional[np.ndarray] = None) -> tuple[np.ndarray, PopulationScore]:
+    """Iteration ms of each GPipe-order individual, ``inf`` where it breaks the memory limit."""
+    sc = evaluate_gpipe(problem.tables, fsizes, bsizes)
+    it = sc.iteration_ms
+    if problem.memory_limit is not None:
+        it = np.where(sc.peak_memory_bytes.max(axis=1) <= problem.memory_limit, it, np.inf)
+    return it, sc

@@ -1,0 +1,160 @@
+"""The schedule file (``umopt-schedule/1``): who runs which chunk when, and what it should cost.
+
+A schedule holds one ordered op list per stage (``["F", lo, hi]`` and ``["B", lo, hi]``), the
+profile it was made for (path and sha256), the prediction of the cost model for exactly those ops,
+the solver's status and bound, and the baselines. :func:`validate_ops` is the definition of a
+valid schedule (docs/formats.md, "Validity"); :func:`load_schedule` applies it, together with the
+format checks, and :func:`check_against_profile` refuses a schedule made for another profile.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Sequence
+
+from annotated_types import Len
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .costmodel import CostTables, Op, Timeline, simulate
+from .errors import UmoptError
+from .fileio import read_json, write_json
+from .profile import Profile, pydantic_error_line
+
+__all__ = [
+    "SCHEDULE_FORMAT",
+    "Schedule",
+    "validate_ops",
+    "load_schedule",
+    "save_schedule",
+    "check_against_profile",
+]
+
+SCHEDULE_FORMAT = "umopt-schedule/1"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class ProfileRef(_Strict):
+    path: str
+    sha256: str
+
+
+class StageOps(_Strict):
+    ops: list[Annotated[list[Any], Len(3, 3)]]
+
+    @field_validator("ops")
+    @classmethod
+    def _op_shape(cls, ops: list[list[Any]]) -> list[list[Any]]:
+        for i, (kind, lo, hi) in enumerate(ops):
+            if kind not in ("F", "B") or type(lo) is not int or type(hi) is not int:
+                raise ValueError(f"op {i} is {[kind, lo, hi]!r}, expected [\"F\"|\"B\", lo, hi] with integer lo, hi")
+        return ops
+
+
+class Predicted(_Strict):
+    iteration_ms: float
+    busy_ms: list[float]
+    peak_memory_bytes: list[int]
+
+
+class SolverInfo(_Strict):
+    name: str
+    status: str
+    lower_bound_ms: Optional[float] = None
+    seconds: float
+
+
+class Baseline(_Strict):
+    microbatches: Optional[int]
+    iteration_ms: Optional[float]
+
+
+class Schedule(_Strict):
+    format: Literal["umopt-schedule/1"]
+    profile: ProfileRef
+    minibatch: Annotated[int, Field(ge=1)]
+    recompute: bool
+    stages: Annotated[list[StageOps], Len(1)]
+    predicted: Predicted
+    solver: SolverInfo
+    baselines: dict[str, Baseline]
+
+    def op_lists(self) -> list[list[Op]]:
+        return [[(k, lo, hi) for k, lo, hi in st.ops] for st in self.stages]
+
+
+def validate_ops(ops: Sequence[Sequence[Op]], minibatch: int, max_size: int, recompute: bool) -> None:
+    """Raise :class:`UmoptError` unless the op lists form a valid schedule (deadlock aside).
+
+    Deadlock is found by :func:`umopt.costmodel.simulate`, which every caller runs next.
+    """
+    B = minibatch
+    for s, stage_ops in enumerate(ops):
+        where = f"stage {s}"
+        expect = 0
+        f_ranges: set[tuple[int, int]] = set()
+        forwarded = [False] * B
+        covered = [False] * B
+        for kind, lo, hi in stage_ops:
+            if not (0 <= lo < hi <= B):
+                raise UmoptError(f"{where}: {kind}({lo},{hi}) is not a chunk of samples 0..{B - 1}")
+            if hi - lo > max_size:
+                raise UmoptError(f"{where}: {kind}({lo},{hi}) has {hi - lo} samples, the profile measured at most {max_size}")
+            if kind == "F":
+                if lo != expect:
+                    raise UmoptError(f"{where}: F({lo},{hi}) out of order, expected a chunk starting at sample {expect}")
+                expect = hi
+                f_ranges.add((lo, hi))
+                forwarded[lo:hi] = [True] * (hi - lo)
+            else:
+                if not all(forwarded[lo:hi]):
+                    raise UmoptError(f"{where}: B({lo},{hi}) comes before the F of its samples")
+                if any(covered[lo:hi]):
+                    raise UmoptError(f"{where}: B({lo},{hi}) covers samples a B op already covered")
+                if not recompute and (lo, hi) not in f_ranges:
+                    raise UmoptError(f"{where}: B({lo},{hi}) is not one F chunk; without recompute B must reuse F chunks")
+                covered[lo:hi] = [True] * (hi - lo)
+        if expect != B:
+            raise UmoptError(f"{where}: F ops cover samples 0..{expect - 1}, not the minibatch 0..{B - 1}")
+        if not all(covered):
+            raise UmoptError(f"{where}: B ops miss sample {covered.index(False)}")
+
+
+def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: bool = True) -> Timeline:
+    """Validate ``schedule`` for ``profile`` and return its simulated timeline.
+
+    A schedule made for another profile (stage count, sha256), with invalid ops, deadlocking, or
+    over the profile's memory limit is refused with a one-line :class:`UmoptError`.
+    """
+    if len(schedule.stages) != profile.num_stages:
+        raise UmoptError(f"schedule has {len(schedule.stages)} stages but profile {profile.path} has {profile.num_stages}")
+    if strict_hash and schedule.profile.sha256 != profile.sha256:
+        raise UmoptError(f"schedule was made for another profile (sha256 {schedule.profile.sha256[:12]}..., this one {profile.sha256[:12]}...)")
+    ops = schedule.op_lists()
+    validate_ops(ops, schedule.minibatch, profile.max_size, schedule.recompute)
+    tables = CostTables.from_profile(profile, schedule.recompute)
+    timeline = simulate(tables, ops, schedule.minibatch)
+    limit = profile.memory_limit_bytes
+    if limit is not None:
+        for s, peak in enumerate(timeline.peak_memory_bytes):
+            if peak > limit:
+                raise UmoptError(f"stage {s} needs {peak} bytes at its peak, over the memory limit of {limit}")
+    return timeline
+
+
+def load_schedule(path: str) -> Schedule:
+    """Read a schedule file and check its format (ops are checked against a profile separately)."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise UmoptError(f"{path}: a schedule must be a JSON object")
+    if data.get("format") != SCHEDULE_FORMAT:
+        raise UmoptError(f"{path}: format is {data.get('format')!r}, expected {SCHEDULE_FORMAT!r}")
+    try:
+        return Schedule.model_validate(data)
+    except ValidationError as exc:
+        raise UmoptError(f"{path}: {pydantic_error_line(exc)}") from None
+
+
+def save_schedule(schedule: Schedule, path: str) -> None:
+    write_json(path, schedule.model_dump(mode="json"))

@@ -1,0 +1,117 @@
+"""``umopt solve`` as a library call: profile in, schedule (and its report) out.
+
+:func:`solve` builds the problem from a profile, computes the baselines and the lower bound, runs
+the chosen solver, re-scores its answer with the reference simulator (the single source of
+predicted times) and returns a :class:`SolveReport` holding the schedule file's content. Nothing is
+written here; the CLI writes the files once everything has succeeded.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from .baselines import Baseline, gpipe_equal, lower_bound, onef1b_equal
+from .costmodel import CostTables, Timeline
+from .errors import UmoptError
+from .problem import Candidate, Problem, Progress, SolverResult
+from .profile import Profile
+from .schedule import SCHEDULE_FORMAT, Schedule, validate_ops
+from .solvers import SOLVERS
+
+__all__ = ["SolveReport", "solve", "make_problem"]
+
+
+@dataclass
+class SolveReport:
+    schedule: Schedule
+    timeline: Timeline
+    result: SolverResult
+    gpipe: Baseline
+    onef1b: Baseline
+    lower_bound_ms: float
+    gpipe_timeline: Optional[Timeline]
+
+    def speedup_over(self, baseline: Baseline) -> Optional[float]:
+        if baseline.iteration_ms is None:
+            return None
+        return baseline.iteration_ms / self.timeline.iteration_ms
+
+    @property
+    def gap(self) -> float:
+        """(iteration - best bound) / best bound: how far from optimal at most."""
+        lb = self.schedule.solver.lower_bound_ms or self.lower_bound_ms
+        return (self.timeline.iteration_ms - lb) / lb if lb > 0 else 0.0
+
+
+def make_problem(profile: Profile, minibatch: int, recompute: bool) -> Problem:
+    if minibatch < 1:
+        raise UmoptError(f"--minibatch must be at least 1, got {minibatch}")
+    return Problem(CostTables.from_profile(profile, recompute), minibatch)
+
+
+def _baseline_entry(b: Baseline) -> dict:
+    return {"microbatches": b.microbatches, "iteration_ms": b.iteration_ms}
+
+
+def solve(
+    profile: Profile,
+    minibatch: int,
+    *,
+    recompute: bool = False,
+    solver: str = "auto",
+    time_limit: float = 20.0,
+    seed: int = 0,
+    progress: Optional[Progress] = None,
+) -> SolveReport:
+    if solver not in SOLVERS:
+        raise UmoptError(f"unknown solver {solver!r} (choose from {', '.join(SOLVERS)})")
+    if time_limit <= 0:
+        raise UmoptError(f"--time-limit must be positive, got {time_limit}")
+    problem = make_problem(profile, minibatch, recompute)
+    gp, of = gpipe_equal(problem), onef1b_equal(problem)
+    if gp.candidate is None and of.candidate is None:
+        limit = problem.memory_limit
+        raise UmoptError(
+            f"minibatch {minibatch} does not fit the memory limit of {limit} bytes with any equal partition"
+            + ("" if recompute else "; try --recompute")
+        )
+    lb = lower_bound(problem)
+    t0 = time.perf_counter()
+    result = SOLVERS[solver](problem, time_limit=time_limit, seed=seed, progress=progress)
+    seconds = time.perf_counter() - t0
+    cand: Candidate = result.candidate
+    ops = cand.ops()
+    validate_ops(ops, minibatch, problem.max_size, recompute)
+    timeline = cand.simulate(problem)
+    if not cand.fits(timeline, problem):
+        raise UmoptError(f"solver {result.name} found no schedule within the memory limit")
+    schedule = Schedule.model_validate(
+        {
+            "format": SCHEDULE_FORMAT,
+            "profile": {"path": profile.path or "", "sha256": profile.sha256},
+            "minibatch": minibatch,
+            "recompute": recompute,
+            "stages": [{"ops": [list(op) for op in stage]} for stage in ops],
+            "predicted": {
+                "iteration_ms": timeline.iteration_ms,
+                "busy_ms": timeline.busy_ms,
+                "peak_memory_bytes": timeline.peak_memory_bytes,
+                "bubble_fraction": timeline.bubble_fraction,
+            },
+            "solver": {
+                "name": solver,
+                "status": result.status,
+                "lower_bound_ms": result.lower_bound_ms if result.lower_bound_ms is not None else lb,
+                "seconds": seconds,
+                "seed": seed,
+                "time_limit": time_limit,
+                "evaluated": result.evaluated,
+                **({"winner": result.extra["winner"]} if "winner" in result.extra else {}),
+            },
+            "baselines": {"gpipe_equal": _baseline_entry(gp), "1f1b_equal": _baseline_entry(of)},
+        }
+    )
+    gpipe_timeline = gp.candidate.simulate(problem) if gp.candidate is not None else None
+    return SolveReport(schedule, timeline, result, gp, of, lb, gpipe_timeline)

@@ -1,0 +1,22 @@
+"""Solvers: each turns a :class:`umopt.problem.Problem` into a :class:`umopt.problem.SolverResult`.
+
+One module each: ``equal`` (best equal chunks), ``dp`` (one shared partition by dynamic
+programming), ``greedy`` (stage-by-stage local choice), ``ga`` (the paper's dual-chromosome
+genetic algorithm on the vectorized evaluator), and ``auto`` (all of them within a time budget).
+"""
+
+from .auto import solve_auto
+from .dp import solve_dp
+from .equal import solve_equal
+from .ga import solve_ga
+from .greedy import solve_greedy
+
+SOLVERS = {
+    "auto": solve_auto,
+    "ga": solve_ga,
+    "greedy": solve_greedy,
+    "dp": solve_dp,
+    "equal": solve_equal,
+}
+
+__all__ = ["SOLVERS", "solve_auto", "solve_ga", "solve_greedy", "solve_dp", "solve_equal"]

@@ -1,0 +1,21 @@
+"""The best equal schedule: the better of the best equal GPipe and the best equal 1F1B."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from ..baselines import gpipe_equal, onef1b_equal
+from ..errors import UmoptError
+from ..problem import Problem, Progress, SolverResult
+
+__all__ = ["solve_equal"]
+
+
+def solve_equal(problem: Problem, *, time_limit: float = 0.0, seed: int = 0, progress: Optional[Progress] = None, **_) -> SolverResult:
+    t0 = time.perf_counter()
+    options = [b for b in (gpipe_equal(problem), onef1b_equal(problem)) if b.candidate is not None]
+    if not options:
+        raise UmoptError("no equal partition fits the memory limit")
+    best = min(options, key=lambda b: b.iteration_ms)
+    return SolverResult("equal", best.candidate, "feasible", seconds=time.perf_counter() - t0, evaluated=len(options))

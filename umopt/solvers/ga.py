@@ -1,0 +1,279 @@
+"""The paper's dual-chromosome genetic algorithm (DGAP), scored a population at a time (TiDGAP).
+
+An individual carries, for every stage, a forward chromosome and a backward chromosome: each a row
+of B booleans, true where a chunk ends (so every row is a partition of the minibatch). Without
+recompute a stage's backward chunks must be its forward chunks, run in reverse, so only the forward
+chromosomes evolve; with recompute both evolve independently. Each generation:
+
+* the elite survive unchanged;
+* parents are picked by tournament; a child takes each stage's chromosome from one parent up to a
+  random sample and from the other after it (a one-point crossover per stage, which at the ends
+  degenerates to copying a whole stage);
+* mutations shift, add or remove a chunk end, copy a neighbouring stage, or reset a stage to
+  equal chunks; a repair pass splits any chunk longer than the profile's largest size;
+* the whole population is scored in one call of :func:`umopt.vectorized.evaluate_gpipe`.
+
+Seeds (the best equal schedules and any the caller brings) start the population, so the result is
+never worse than they are; a best-improvement local search polishes the elite now and then.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..baselines import feasible_m, gpipe_equal
+from ..partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
+from ..problem import Candidate, Problem, Progress, SolverResult, score_gpipe
+
+__all__ = ["solve_ga", "local_search"]
+
+
+def _to_ends(problem: Problem, cands: Sequence[Candidate]) -> tuple[np.ndarray, np.ndarray]:
+    B = problem.minibatch
+    fe = np.array([[sizes_to_ends(p, B) for p in c.fsizes] for c in cands])
+    be = np.array([[sizes_to_ends(p, B) for p in c.bsizes] for c in cands])
+    return fe, be
+
+
+def _to_candidate(fe: np.ndarray, be: np.ndarray, it: float) -> Candidate:
+    """One individual's (S, B) end masks as a candidate."""
+    fs = [[int(x) for x in row if x] for row in ends_to_sizes(fe)]
+    bs = [[int(x) for x in row if x] for row in ends_to_sizes(be)]
+    cand = Candidate(fs, bs)
+    cand.iteration_ms = float(it)
+    return cand
+
+
+class _Scorer:
+    """Scores populations of end masks; counts how many schedules it has scored."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.count = 0
+
+    def __call__(self, fe: np.ndarray, be: Optional[np.ndarray]) -> np.ndarray:
+        self.count += fe.shape[0]
+        fs = ends_to_sizes(fe)
+        bs = None if be is None else ends_to_sizes(be)
+        return score_gpipe(self.problem, fs, bs)[0]
+
+
+def _neighbours(ends: np.ndarray, max_size: int) -> np.ndarray:
+    """Every partition one move away from each row of ``ends`` (S, B): shift an end by one sample,
+    remove an end, or split a chunk in the middle. Returns (N, S, B)."""
+    S, B = ends.shape
+    out = []
+    for s in range(S):
+        row = ends[s]
+        pos = np.flatnonzero(row)
+        starts = np.concatenate(([0], pos[:-1] + 1))
+        for j, e in enumerate(pos[:-1]):  # the last end (sample B-1) never moves
+            for new in (e - 1, e + 1):
+                # both chunks beside the moved end stay non-empty and within the largest size
+                if starts[j] <= new < pos[j + 1] and new - starts[j] + 1 <= max_size and pos[j + 1] - new <= max_size:
+                    n = ends.copy()
+                    n[s, e], n[s, new] = False, True
+                    out.append(n)
+            if pos[j + 1] - starts[j] + 1 <= max_size:
+                n = ends.copy()
+                n[s, e] = False
+                out.append(n)
+        for lo, hi in zip(starts, pos):
+            if hi > lo:
+                n = ends.copy()
+                n[s, (lo + hi) // 2] = True
+                out.append(n)
+    return np.array(out) if out else ends[None]
+
+
+def local_search(
+    problem: Problem,
+    fe: np.ndarray,
+    be: np.ndarray,
+    it: float,
+    deadline: float,
+    scorer: Optional[_Scorer] = None,
+    max_steps: int = 1000,
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """Best-improvement hill climbing from one individual (forward and, with recompute, backward
+    chromosomes), until no single move helps or the deadline passes."""
+    scorer = scorer or _Scorer(problem)
+    mx = problem.max_size
+    for _ in range(max_steps):
+        if time.perf_counter() > deadline:
+            break
+        nf = _neighbours(fe, mx)
+        if problem.recompute:
+            nb = _neighbours(be, mx)
+            cand_f = np.concatenate([nf, np.broadcast_to(fe, (len(nb),) + fe.shape)])
+            cand_b = np.concatenate([np.broadcast_to(be, (len(nf),) + be.shape), nb])
+            scores = scorer(cand_f, cand_b)
+        else:
+            cand_f, cand_b = nf, None
+            scores = scorer(cand_f, None)
+        k = int(np.argmin(scores))
+        if not scores[k] < it - 1e-12:
+            break
+        it = float(scores[k])
+        fe = cand_f[k].copy()
+        be = cand_b[k].copy() if cand_b is not None else fe
+    return fe, be, it
+
+
+def _equal_rows(rng: np.random.Generator, n: int, problem: Problem) -> np.ndarray:
+    ms = np.array(list(feasible_m(problem)))
+    B = problem.minibatch
+    # log-uniform M: small and large chunk counts are equally likely to be tried
+    pick = ms[np.minimum((np.exp(rng.uniform(0, np.log(len(ms) + 1), n)) - 1).astype(int), len(ms) - 1)]
+    return np.array([sizes_to_ends(equal_sizes(B, int(m)), B) for m in pick]).reshape(n, B)
+
+
+def _mutate(rng: np.random.Generator, pop: np.ndarray, problem: Problem, rate: float) -> None:
+    """Mutate (P, S, B) end masks in place; about ``rate`` mutations per individual."""
+    P, S, B = pop.shape
+    n = rng.poisson(rate * P)
+    if n == 0 or B == 1:
+        return
+    who = rng.integers(0, P, n)
+    st = rng.integers(0, S, n)
+    kind = rng.choice(5, size=n, p=[0.45, 0.2, 0.2, 0.1, 0.05])
+    rows = pop[who, st].copy()  # (n, B)
+    inner = rows[:, :-1]
+    # 0: shift a random chunk end by 1..3 samples either way
+    # 1: add an end at a random sample; 2: remove a random end
+    rand_end = np.argmax(rng.random(inner.shape) * inner, axis=1)
+    has_end = inner.any(axis=1)
+    rand_pos = rng.integers(0, B - 1, n)
+    shift = rng.choice([-3, -2, -1, 1, 2, 3], size=n, p=[0.05, 0.15, 0.3, 0.3, 0.15, 0.05])
+    idx = np.arange(n)
+    m = (kind == 0) & has_end
+    dest = np.clip(rand_end + shift, 0, B - 2)
+    inner[idx[m], rand_end[m]] = False
+    inner[idx[m], dest[m]] = True
+    m = kind == 1
+    inner[idx[m], rand_pos[m]] = True
+    m = (kind == 2) & has_end
+    inner[idx[m], rand_end[m]] = False
+    # 3: copy a neighbouring stage's chromosome
+    m = kind == 3
+    if S > 1 and m.any():
+        other = np.clip(st[m] + rng.choice([-1, 1], size=int(m.sum())), 0, S - 1)
+        rows[m] = pop[who[m], other]
+    # 4: reset to equal chunks
+    m = kind == 4
+    if m.any():
+        rows[m] = _equal_rows(rng, int(m.sum()), problem)
+    repair_ends(rows, problem.max_size)
+    pop[who, st] = rows
+
+
+def _crossover(rng: np.random.Generator, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per stage, one-point crossover in sample space: samples before the cut from one parent."""
+    P, S, B = a.shape
+    cut = rng.integers(0, B + 1, (P, S, 1))
+    swap = rng.random((P, S, 1)) < 0.5
+    first, second = np.where(swap, b, a), np.where(swap, a, b)
+    return np.where(np.arange(B) < cut, first, second)
+
+
+def solve_ga(
+    problem: Problem,
+    *,
+    time_limit: float = 20.0,
+    seed: int = 0,
+    progress: Optional[Progress] = None,
+    seeds: Sequence[Candidate] = (),
+    population: int = 128,
+    elite: int = 8,
+    mutation_rate: float = 1.5,
+    stall_generations: int = 300,
+    max_generations: int = 1_000_000,
+    **_,
+) -> SolverResult:
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit
+    rng = np.random.default_rng(seed)
+    P, S, B, mx = population, problem.num_stages, problem.minibatch, problem.max_size
+    rec = problem.recompute
+    scorer = _Scorer(problem)
+
+    start = [c for c in seeds if c.order == "gpipe"]
+    base = gpipe_equal(problem)
+    if base.candidate is not None:
+        start.insert(0, base.candidate)
+    fe = np.empty((P, S, B), dtype=bool)
+    be = np.empty((P, S, B), dtype=bool)
+    n_seed = min(len(start), P // 2)
+    if n_seed:
+        fe[:n_seed], be[:n_seed] = _to_ends(problem, start[:n_seed])
+    rest = P - n_seed
+    fe[n_seed:] = _equal_rows(rng, rest * S, problem).reshape(rest, S, B)
+    be[n_seed:] = fe[n_seed:] if not rec else _equal_rows(rng, rest * S, problem).reshape(rest, S, B)
+    _mutate(rng, fe[n_seed:], problem, 1.0)
+    if rec:
+        _mutate(rng, be[n_seed:], problem, 1.0)
+    else:
+        be = fe
+    fit = scorer(fe, be if rec else None)
+
+    best_it, stall, gen = float(fit.min()), 0, 0
+    last_report = 0.0
+    while gen < max_generations and time.perf_counter() < deadline and stall < stall_generations:
+        gen += 1
+        order = np.argsort(fit, kind="stable")
+        elite_idx = order[:elite]
+        nchild = P - elite
+        # tournament selection of 2 parents per child
+        cand = rng.integers(0, P, (2, nchild, 3))
+        parents = np.take_along_axis(cand, np.argmin(fit[cand], axis=2)[..., None], axis=2)[..., 0]
+        child_f = _crossover(rng, fe[parents[0]], fe[parents[1]])
+        _mutate(rng, child_f, problem, mutation_rate)
+        if rec:
+            child_b = _crossover(rng, be[parents[0]], be[parents[1]])
+            _mutate(rng, child_b, problem, mutation_rate)
+            # now and then hand a stage's forward chunks to its backward chromosome or back
+            flip = rng.random((nchild, S)) < 0.02
+            child_b[flip] = child_f[flip]
+        else:
+            child_b = child_f
+        repair_ends(child_f, mx)
+        if rec:
+            repair_ends(child_b, mx)
+        child_fit = scorer(child_f, child_b if rec else None)
+        fe = np.concatenate([fe[elite_idx], child_f])
+        be = np.concatenate([be[elite_idx], child_b]) if rec else fe
+        fit = np.concatenate([fit[elite_idx], child_fit])
+
+        # memetic step: every so often polish the best individual by local search
+        if gen % 50 == 0:
+            k = int(np.argmin(fit))
+            pf, pb, pit = local_search(problem, fe[k], be[k], float(fit[k]), min(deadline, time.perf_counter() + 0.1 * time_limit), scorer, max_steps=20)
+            fe[k] = pf
+            if rec:
+                be[k] = pb
+            fit[k] = pit
+
+        now_best = float(fit.min())
+        if now_best < best_it - 1e-9:
+            best_it, stall = now_best, 0
+        else:
+            stall += 1
+        if progress and time.perf_counter() - last_report > 0.1:
+            last_report = time.perf_counter()
+            progress(min(1.0, (last_report - t0) / time_limit), best_it)
+
+    k = int(np.argmin(fit))
+    pf, pb, pit = local_search(problem, fe[k], be[k], float(fit[k]), deadline + 0.05 * time_limit, scorer)
+    if progress:
+        progress(1.0, pit)
+    return SolverResult(
+        "ga",
+        _to_candidate(pf, pb, pit),
+        "feasible",
+        seconds=time.perf_counter() - t0,
+        evaluated=scorer.count,
+        extra={"generations": gen, "population": P},
+    )
