@@ -97,8 +97,9 @@ def solve(profile_path, minibatch, recompute, solver, time_limit, seed, memory_l
 def _print_report(report) -> None:
     tl = report.timeline
     table = Table(title=f"minibatch {report.schedule.minibatch}, {len(tl.spans)} stages" + (", recompute" if report.schedule.recompute else ""))
-    for col in ("schedule", "M", "iteration ms", "speedup vs gpipe", "speedup vs 1f1b", "gap to bound", "bubble"):
-        table.add_column(col, justify="right" if col != "schedule" else "left")
+    table.add_column("schedule", no_wrap=True)
+    for col in ("M", "iter ms", "vs gpipe", "vs 1f1b", "gap", "bubble"):
+        table.add_column(col, justify="right", no_wrap=True)
     lb = report.schedule.solver.lower_bound_ms
 
     def row(name: str, m, it: Optional[float], bubble: Optional[float]) -> None:
@@ -117,9 +118,10 @@ def _print_report(report) -> None:
 
     gt = report.gpipe_timeline
     row("gpipe_equal", report.gpipe.microbatches, report.gpipe.iteration_ms, gt.bubble_fraction if gt else None)
-    row("1f1b_equal", report.onef1b.microbatches, report.onef1b.iteration_ms, None)
+    ot = report.onef1b_timeline
+    row("1f1b_equal", report.onef1b.microbatches, report.onef1b.iteration_ms, ot.bubble_fraction if ot else None)
     winner = report.result.extra.get("winner")
-    name = f"umopt {report.schedule.solver.name}" + (f" ({winner})" if winner else "")
+    name = f"umopt {report.schedule.solver.name}" + (f"/{winner}" if winner else "")
     chunks = sorted({len([o for o in st.ops if o[0] == 'F']) for st in report.schedule.stages})
     row(name, "/".join(map(str, chunks)), tl.iteration_ms, tl.bubble_fraction)
     table.add_row("lower bound", "", _ms(lb), "", "", "", "")

@@ -32,6 +32,7 @@ class SolveReport:
     onef1b: Baseline
     lower_bound_ms: float
     gpipe_timeline: Optional[Timeline]
+    onef1b_timeline: Optional[Timeline]
 
     def speedup_over(self, baseline: Baseline) -> Optional[float]:
         if baseline.iteration_ms is None:
@@ -114,4 +115,5 @@ def solve(
         }
     )
     gpipe_timeline = gp.candidate.simulate(problem) if gp.candidate is not None else None
-    return SolveReport(schedule, timeline, result, gp, of, lb, gpipe_timeline)
+    onef1b_timeline = of.candidate.simulate(problem) if of.candidate is not None else None
+    return SolveReport(schedule, timeline, result, gp, of, lb, gpipe_timeline, onef1b_timeline)

@@ -1,0 +1,5 @@
+"""``python -m umopt.cli``: the same as the ``umopt`` command."""
+
+from . import main
+
+main()

@@ -1,0 +1,155 @@
+"""The command line: solve end to end, and every bad-input class gives one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from umopt.cli import main
+from umopt.costmodel import CostTables, simulate
+from umopt.profile import load_profile
+from umopt.schedule import load_schedule
+
+from conftest import two_stage_profile
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+        raise SystemExit(0)
+    cap = capsys.readouterr()
+    return exc.value.code, cap.out, cap.err
+
+
+def test_solve_bundled_profile_by_name_writes_a_consistent_schedule(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    png = tmp_path / "s.png"
+    trace = tmp_path / "t.json"
+    code, stdout, _ = run(["solve", "gpt-sim", "-B", "16", "--time-limit", "1", "-o", str(out), "--plot", str(png), "--trace", str(trace)], capsys)
+    assert code == 0, stdout
+    assert "gpipe_equal" in stdout and "lower bound" in stdout
+    sched = load_schedule(str(out))
+    prof = load_profile("gpt-sim")
+    assert sched.profile.sha256 == prof.sha256
+    tl = simulate(CostTables.from_profile(prof, sched.recompute), sched.op_lists(), 16)
+    assert sched.predicted.iteration_ms == tl.iteration_ms
+    assert sched.predicted.iteration_ms <= sched.baselines["gpipe_equal"].iteration_ms
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name", "").startswith("F(") for e in events)
+    # show re-validates and re-simulates it
+    code, stdout, _ = run(["show", str(out)], capsys)
+    assert code == 0 and "iteration" in stdout
+
+
+@pytest.mark.parametrize("command", [[shutil.which("umopt") or "umopt"], [sys.executable, "-m", "umopt.cli"]])
+def test_console_entry_points_run_and_fail_cleanly(command, tmp_path):
+    out = tmp_path / "s.json"
+    proc = subprocess.run(command + ["solve", "gpt-sim", "-B", "8", "--solver", "equal", "-o", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert out.exists()
+    proc = subprocess.run(command + ["solve", str(tmp_path / "none.json"), "-B", "8", "-o", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"umopt: error: {tmp_path / 'none.json'}: no such file")
+    assert "Traceback" not in proc.stderr
+
+
+def _bad_profiles():
+    good = two_stage_profile().model_dump(mode="json")
+
+    def edit(fn):
+        d = json.loads(json.dumps(good))
+        fn(d)
+        return d
+
+    return {
+        "not valid JSON": "{ this is not json",
+        "format is 'umopt-profile/0'": edit(lambda d: d.update(format="umopt-profile/0")),
+        "sizes: missing field": edit(lambda d: d.pop("sizes")),
+        "stages[0].forward_ms[1]": edit(lambda d: d["stages"][0]["forward_ms"].__setitem__(1, "fast")),
+        "2 stages need 1 links, got 2": edit(lambda d: d["links"].append(d["links"][0])),
+        "sizes must start at 1": edit(lambda d: d.update(sizes=[2, 4])),
+        "sizes must be strictly ascending": edit(lambda d: d.update(sizes=[1, 1])),
+        "stages[1].backward_ms has 3 values for 2 sizes": edit(lambda d: d["stages"][1]["backward_ms"].append(1.0)),
+        "stages[0].static_bytes": edit(lambda d: d["stages"][0].update(static_bytes=-5)),
+        "a profile must be a JSON object": [1, 2, 3],
+    }
+
+
+@pytest.mark.parametrize("expected", list(_bad_profiles()))
+def test_bad_profile_is_one_line_exit_2_and_nothing_written(expected, tmp_path, capsys):
+    data = _bad_profiles()[expected]
+    path = tmp_path / "bad.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    out = tmp_path / "s.json"
+    code, _, err = run(["solve", str(path), "-B", "4", "-o", str(out), "--plot", str(tmp_path / "p.png")], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("umopt: error: ") and str(path) in lines[0], err
+    assert expected in lines[0]
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["solve", "no-such-profile", "-B", "4"], "no such file and no bundled profile"),
+        (["solve", "gpt-sim", "-B", "0"], "--minibatch must be at least 1"),
+        (["solve", "gpt-sim", "-B", "8", "--memory-limit", "1000"], "does not fit the memory limit"),
+        (["solve", "gpt-sim", "-B", "8", "--time-limit", "0"], "--time-limit must be positive"),
+    ],
+)
+def test_bad_arguments(args, expected, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    code, _, err = run(args + ["-o", str(out)], capsys)
+    assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def _schedule(tmp_path, capsys, profile_path):
+    out = tmp_path / "good.json"
+    code, _, err = run(["solve", profile_path, "-B", "2", "--solver", "equal", "-o", str(out)], capsys)
+    assert code == 0, err
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(
+    "mutate,expected",
+    [
+        (lambda s: s["stages"][0]["ops"].pop(), "B ops miss sample"),
+        (lambda s: s["stages"][1].update(ops=[["F", 0, 1], ["B", 0, 1]]), "F ops cover samples 0..0"),
+        (lambda s: s["stages"][0]["ops"].__setitem__(0, ["X", 0, 1]), "expected [\"F\"|\"B\", lo, hi]"),
+        (lambda s: s.update(format="umopt-schedule/9"), "format is 'umopt-schedule/9'"),
+        (lambda s: s.pop("predicted"), "predicted: missing field"),
+        (lambda s: s["stages"].pop(), "schedule has 1 stages but profile"),
+        (lambda s: s["profile"].update(sha256="0" * 64), "made for another profile"),
+        (
+            lambda s: s["stages"].__setitem__(0, {"ops": [["F", 0, 1], ["B", 0, 1], ["F", 1, 2], ["B", 1, 2]]})
+            or s["stages"].__setitem__(1, {"ops": [["F", 0, 2], ["B", 0, 2]]}),
+            "deadlocks",
+        ),
+    ],
+)
+def test_bad_schedule_is_refused(mutate, expected, tmp_path, capsys, profile_file):
+    prof = profile_file(two_stage_profile())
+    sched = _schedule(tmp_path, capsys, prof)
+    mutate(sched)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(sched))
+    code, _, err = run(["show", str(bad), "--plot", str(tmp_path / "x.png")], capsys)
+    assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_usage_errors_exit_2(capsys):
+    code, _, err = run(["solve", "gpt-sim", "-o", "x.json"], capsys)
+    assert code == 2 and "--minibatch" in err
+    assert not Path("x.json").exists()
