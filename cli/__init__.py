@@ -132,6 +132,73 @@ def _print_report(report) -> None:
     )
 
 
+def _int_list(value: Optional[str], what: str) -> Optional[list[int]]:
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise UmoptError(f"{what} must be comma-separated integers, got {value!r}") from None
+
+
+@cli.command()
+@click.option("--model", required=True, help="vgg16, gpt, mlp, or package.module:factory for your own.")
+@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Model argument, repeatable (e.g. layers=8).")
+@click.option("--stages", type=int, default=None, help="Number of stages, balanced by measured per-layer time.")
+@click.option("--split", default=None, help="Stage cut points instead, e.g. 0,7,17,27.")
+@click.option("--sizes", default=None, help="Chunk sizes to measure, ascending from 1 (default: powers of two).")
+@click.option("--max-size", type=int, default=64, show_default=True, help="Largest chunk size for the default sizes.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True, help="Autocast dtype.")
+@click.option("--threads", type=int, default=1, show_default=True, help="CPU intra-op threads (one rank per core in the runtime).")
+@click.option("--warmup", type=int, default=1, show_default=True)
+@click.option("--repeats", type=int, default=3, show_default=True, help="Timed repeats per entry; the median is kept.")
+@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="sgd", show_default=True)
+@click.option("--link-latency-ms", type=float, default=None, help="Give the link instead of measuring it (needed with one GPU).")
+@click.option("--link-gbps", type=float, default=None, help="Link bandwidth in Gbit/s, with --link-latency-ms.")
+@click.option("--memory-limit", type=int, default=None, help="Bytes per stage to record as the profile's memory limit.")
+@click.option("--trace", "trace_dir", type=click.Path(file_okay=False), default=None, help="Write a torch.profiler trace per stage here.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed the model is built with.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Profile file to write.")
+def profile(model, model_args, stages, split, sizes, max_size, device, dtype, threads, warmup, repeats, optimizer,
+            link_latency_ms, link_gbps, memory_limit, trace_dir, seed, output) -> None:
+    """Measure each stage's forward/backward time per chunk size, its memory and the links."""
+    from umopt.profile import save_profile
+    from umopt.profiler import ProfileOptions, profile_model
+    from umopt.zoo import parse_model_args
+
+    if max_size < 1:
+        raise UmoptError(f"--max-size must be at least 1, got {max_size}")
+    opts = ProfileOptions(
+        model=model, model_args=parse_model_args(list(model_args)), stages=stages, split=_int_list(split, "--split"),
+        sizes=_int_list(sizes, "--sizes"), max_size=max_size, device=device, dtype=dtype, threads=threads,
+        warmup=warmup, repeats=repeats, optimizer=optimizer, link_latency_ms=link_latency_ms, link_gbps=link_gbps,
+        memory_limit_bytes=memory_limit, trace_dir=trace_dir, seed=seed,
+    )
+    with _progress_bar("profile") as bar:
+        task = bar.add_task("", total=None)
+
+        def progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total or None, description=what)
+
+        prof = profile_model(opts, progress=progress, argv=["umopt"] + sys.argv[1:])
+    save_profile(prof, output)
+    table = Table(title=f"{model} on {prof.device.type} ({prof.device.name}), {prof.num_stages} stages")
+    for col in ("stage", "layers", f"F ms @1..{prof.max_size}", f"B ms @1..{prof.max_size}", "stash/sample", "sends/sample"):
+        table.add_column(col, justify="right")
+    for s, st in enumerate(prof.stages):
+        table.add_row(
+            str(s), f"{st.layers[0]}-{st.layers[1]}",
+            f"{st.forward_ms[0]:.2f}..{st.forward_ms[-1]:.2f}", f"{st.backward_ms[0]:.2f}..{st.backward_ms[-1]:.2f}",
+            f"{st.stash_bytes_per_sample / 1024:.1f} KiB", f"{st.output_bytes_per_sample / 1024:.1f} KiB",
+        )
+    out.print(table)
+    if prof.links:
+        ln = prof.links[0]
+        out.print(f"links: {ln.latency_ms:.3f} ms + {8 * ln.bytes_per_ms / 1e6:.2f} Gbit/s ({ln.model_extra.get('source', '')})")
+    out.print(f"wrote {output}")
+
+
 @cli.command()
 @click.argument("schedule_path", metavar="SCHEDULE")
 @click.option("--profile", "profile_path", default=None, help="Profile to check against (default: the one the schedule names).")

@@ -6,7 +6,7 @@ import pytest
 
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
-from umopt.partition import equal_sizes, gpipe_ops, onef1b_ops
+from umopt.partition import equal_sizes, gpipe_ops, onef1b_schedule
 from umopt.synthetic import synthetic_profile
 
 from conftest import two_stage_profile
@@ -84,15 +84,22 @@ def test_uniform_gpipe_is_m_plus_s_minus_1_times_f_plus_g(S, M):
     tl = simulate(t, [gpipe_ops(parts, parts)] * S, 2 * M)
     assert tl.iteration_ms == pytest.approx((M + S - 1) * (f + g))
     # the textbook 1F1B timeline on uniform stages has the same length
-    tl = simulate(t, [onef1b_ops(parts, parts, s, S) for s in range(S)], 2 * M)
+    tl = simulate(t, onef1b_schedule([parts] * S, [parts] * S), 2 * M)
     assert tl.iteration_ms == pytest.approx((M + S - 1) * (f + g))
 
 
 def test_textbook_1f1b_order():
-    assert onef1b_ops([1] * 4, [1] * 4, 0, 2) == [
-        ("F", 0, 1), ("F", 1, 2), ("B", 0, 1), ("F", 2, 3), ("B", 1, 2), ("F", 3, 4), ("B", 2, 3), ("B", 3, 4)
-    ]
-    assert onef1b_ops([1] * 3, [1] * 3, 1, 2) == [("F", 0, 1), ("B", 0, 1), ("F", 1, 2), ("B", 1, 2), ("F", 2, 3), ("B", 2, 3)]
+    first, last = onef1b_schedule([[1] * 4] * 2, [[1] * 4] * 2)
+    assert first == [("F", 0, 1), ("F", 1, 2), ("B", 0, 1), ("F", 2, 3), ("B", 1, 2), ("F", 3, 4), ("B", 2, 3), ("B", 3, 4)]
+    assert last == [("F", 0, 1), ("B", 0, 1), ("F", 1, 2), ("B", 1, 2), ("F", 2, 3), ("B", 2, 3), ("F", 3, 4), ("B", 3, 4)]
+    s0 = onef1b_schedule([[2] * 4] * 4, [[2] * 4] * 4)[0]
+    assert [k for k, _, _ in s0] == list("FFFFBBBB")  # 3 warm-up forwards, then 1F1B with 4 chunks
+
+
+def test_unequal_1f1b_waits_for_what_the_stage_below_needs():
+    # Stage 1 forwards one chunk of 4 samples, so stage 0 must forward all 4 before any backward.
+    ops = onef1b_schedule([[1, 1, 1, 1], [4]], [[1, 1, 1, 1], [4]])
+    assert [k for k, _, _ in ops[0]] == list("FFFFBBBB")
 
 
 def test_deadlock_is_reported():

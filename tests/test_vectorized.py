@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from umopt.costmodel import CostTables, simulate
-from umopt.partition import ends_to_sizes, gpipe_ops, repair_ends, sizes_to_ends
+from umopt.partition import ends_to_sizes, gpipe_ops, onef1b_schedule, repair_ends, sizes_to_ends
 from umopt.synthetic import synthetic_profile
-from umopt.vectorized import evaluate_gpipe
+from umopt.vectorized import evaluate_1f1b, evaluate_gpipe
 
 
 def _random_population(rng, P, S, B, mx, density):
@@ -42,6 +42,31 @@ def test_vectorized_equals_reference(S, B, mx, recompute, density, latency, band
         assert abs(score.iteration_ms[p] - ref.iteration_ms) <= 1e-9
         np.testing.assert_allclose(score.busy_ms[p], ref.busy_ms, atol=1e-9, rtol=0)
         np.testing.assert_allclose(score.finish_ms[p], [sp[-1].end for sp in ref.spans], atol=1e-9, rtol=0)
+        assert list(score.peak_memory_bytes[p].astype(np.int64)) == ref.peak_memory_bytes
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    S=st.integers(1, 5),
+    B=st.integers(1, 40),
+    mx=st.integers(1, 16),
+    density=st.floats(0.0, 1.0),
+    latency=st.floats(0.0, 2.0),
+    bandwidth=st.floats(1e3, 1e7),
+    seed=st.integers(0, 2**31),
+)
+def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth, seed):
+    rng = np.random.default_rng(seed)
+    prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=latency, bytes_per_ms=bandwidth)
+    tables = CostTables.from_profile(prof)
+    fs = ends_to_sizes(_random_population(rng, 6, S, B, mx, density))
+    score = evaluate_1f1b(tables, fs)
+    for p in range(6):
+        parts = [[int(x) for x in fs[p, s] if x] for s in range(S)]
+        ref = simulate(tables, onef1b_schedule(parts, parts), B)  # raises if the order deadlocked
+        assert abs(score.iteration_ms[p] - ref.iteration_ms) <= 1e-9
+        np.testing.assert_allclose(score.finish_ms[p], ref.finish_ms, atol=1e-9, rtol=0)
+        np.testing.assert_allclose(score.busy_ms[p], ref.busy_ms, atol=1e-9, rtol=0)
         assert list(score.peak_memory_bytes[p].astype(np.int64)) == ref.peak_memory_bytes
 
 

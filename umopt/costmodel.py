@@ -114,11 +114,12 @@ class Timeline:
     peak_memory_bytes: list[int]
     spans: list[list[Span]] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
+    finish_ms: list[float] = field(default_factory=list)  # end of each stage's last op
 
     @property
     def makespan_ms(self) -> float:
         """End of the last op, without the optimizer step."""
-        return max(sp[-1].end for sp in self.spans if sp)
+        return max(self.finish_ms)
 
     @property
     def bubble_fraction(self) -> float:
@@ -146,8 +147,11 @@ def stage_peak_memory(tables: CostTables, stage: int, ops: Sequence[Op]) -> int:
     return peak
 
 
-def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int) -> Timeline:
+def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int, *, record: bool = True) -> Timeline:
     """Play the op lists of all stages under the cost model.
+
+    With ``record=False`` the timeline keeps no spans or messages and peak memory is not computed
+    (searches that only need times run faster); every time is the same either way.
 
     Raises :class:`UmoptError` if the schedule deadlocks (some stage waits forever) or a B op
     comes before the F of its samples on its stage.
@@ -174,7 +178,8 @@ def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int) ->
         end = start + float(link[ln, hi - lo])
         link_free[(direction, ln)] = end
         dest[lo:hi] = [end] * (hi - lo)
-        messages.append(Message(ln, direction, lo, hi, sent, start, end))
+        if record:
+            messages.append(Message(ln, direction, lo, hi, sent, start, end))
 
     progress = True
     while progress:
@@ -197,7 +202,8 @@ def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int) ->
                 end = start + dur
                 clock[s] = end
                 busy[s] += dur
-                spans[s].append(Span(s, kind, lo, hi, start, end))
+                if record:
+                    spans[s].append(Span(s, kind, lo, hi, start, end))
                 if kind == "F":
                     fwd_done[s][lo:hi] = [True] * (hi - lo)
                     if s + 1 < S:
@@ -213,11 +219,11 @@ def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int) ->
         s = stuck[0]
         kind, lo, hi = ops[s][ptr[s]]
         raise UmoptError(f"schedule deadlocks: stage {s} waits forever at {kind}({lo},{hi})")
-    makespan = max((sp[-1].end for sp in spans if sp), default=0.0)
     return Timeline(
-        iteration_ms=makespan + tables.optimizer_ms,
+        iteration_ms=max(clock) + tables.optimizer_ms,
         busy_ms=busy,
-        peak_memory_bytes=[stage_peak_memory(tables, s, ops[s]) for s in range(S)],
+        peak_memory_bytes=[stage_peak_memory(tables, s, ops[s]) for s in range(S)] if record else [],
         spans=spans,
         messages=messages,
+        finish_ms=clock,
     )

@@ -22,7 +22,7 @@ __all__ = [
     "ends_to_sizes",
     "repair_ends",
     "gpipe_ops",
-    "onef1b_ops",
+    "onef1b_schedule",
     "partitions_from_ops",
 ]
 
@@ -95,33 +95,50 @@ def gpipe_ops(fsizes: Sequence[int], bsizes: Sequence[int]) -> list[Op]:
     return ops
 
 
-def onef1b_ops(fsizes: Sequence[int], bsizes: Sequence[int], stage: int, num_stages: int) -> list[Op]:
-    """One stage's 1F1B (PipeDream-flush) order, for any pair of partitions.
+def onef1b_schedule(fsizes: Sequence[Sequence[int]], bsizes: Sequence[Sequence[int]]) -> list[list[Op]]:
+    """Every stage's 1F1B (PipeDream-flush) order, for any per-stage partitions.
 
-    ``num_stages - stage - 1`` warm-up forwards, then one forward and one backward in turn, both
-    in sample order, then the remaining backwards. A backward whose samples are not all forwarded
-    yet waits for more forwards, so unequal forward and backward partitions stay valid.
+    Stage ``s`` runs ``S - s - 1`` warm-up forwards, then one forward and at most one backward in
+    turn (both in sample order), then the remaining backwards. With unequal partitions a stage may
+    only start a backward once it has forwarded every sample the stages below need before they
+    can send that backward's gradients back; otherwise it would wait on a stage that waits on it.
+    That requirement is worked out from the last stage up, and a backward whose requirement is
+    not met yet waits for more forwards. With equal partitions this is the textbook 1F1B.
     """
-    fch, bch = chunks(fsizes), chunks(bsizes)
-    ops: list[Op] = []
-    i = j = 0
-    forwarded = 0
-    warmup = min(num_stages - stage - 1, len(fch))
-    for _ in range(warmup):
-        ops.append(("F", *fch[i]))
-        forwarded = fch[i][1]
-        i += 1
-    while i < len(fch) or j < len(bch):
-        if i < len(fch):
+    S = len(fsizes)
+    out: list[list[Op]] = [[] for _ in range(S)]
+    needed_below: list[int] = []  # per B chunk of stage s+1: samples it had forwarded when running it
+    below_b: list[tuple[int, int]] = []
+    for s in range(S - 1, -1, -1):
+        fch, bch = chunks(fsizes[s]), chunks(bsizes[s])
+        need = []
+        for lo, hi in bch:
+            n = hi
+            if s + 1 < S:  # the B chunk of stage s+1 that holds this chunk's last sample
+                k = next(i for i, (l2, h2) in enumerate(below_b) if l2 <= hi - 1 < h2)
+                n = max(n, max(needed_below[: k + 1]))
+            need.append(n)
+        ops: list[Op] = []
+        forwarded_when: list[int] = []
+        i = j = forwarded = 0
+        for _ in range(min(S - s - 1, len(fch))):
             ops.append(("F", *fch[i]))
             forwarded = fch[i][1]
             i += 1
-        while j < len(bch) and bch[j][1] <= forwarded:
-            ops.append(("B", *bch[j]))
-            j += 1
+        while i < len(fch) or j < len(bch):
             if i < len(fch):
-                break
-    return ops
+                ops.append(("F", *fch[i]))
+                forwarded = fch[i][1]
+                i += 1
+            while j < len(bch) and (need[j] <= forwarded or i == len(fch)):
+                ops.append(("B", *bch[j]))
+                forwarded_when.append(forwarded)
+                j += 1
+                if i < len(fch):
+                    break
+        out[s] = ops
+        needed_below, below_b = forwarded_when, bch
+    return out
 
 
 def partitions_from_ops(ops: Sequence[Op]) -> tuple[list[int], list[int]]:

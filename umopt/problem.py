@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .costmodel import CostTables, Op, Timeline, simulate
-from .partition import gpipe_ops, onef1b_ops
+from .partition import gpipe_ops, onef1b_schedule
 from .vectorized import PopulationScore, evaluate_gpipe
 
 __all__ = ["Problem", "Candidate", "SolverResult", "Progress", "pack", "score_gpipe"]
@@ -57,7 +57,7 @@ class Candidate:
         S = len(self.fsizes)
         if self.order == "gpipe":
             return [gpipe_ops(f, b) for f, b in zip(self.fsizes, self.bsizes)]
-        return [onef1b_ops(f, b, s, S) for s, (f, b) in enumerate(zip(self.fsizes, self.bsizes))]
+        return onef1b_schedule(self.fsizes, self.bsizes)
 
     def simulate(self, problem: Problem) -> Timeline:
         return simulate(problem.tables, self.ops(), problem.minibatch)

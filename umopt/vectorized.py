@@ -23,7 +23,7 @@ import numpy as np
 
 from .costmodel import CostTables
 
-__all__ = ["PopulationScore", "evaluate_gpipe"]
+__all__ = ["PopulationScore", "evaluate_gpipe", "evaluate_1f1b"]
 
 
 @dataclass
@@ -87,7 +87,7 @@ class _Partition:
             for i in range(1, B):
                 np.add(count[i - 1], mark[i - 1], out=count[i])
             self._chunk_of = count.ravel()
-        return self._chunk_of[np.minimum(samples, B - 1) * P + cols]
+        return self._chunk_of[np.minimum(samples, B - 1) * P + cols].astype(cols.dtype)
 
 
 def evaluate_gpipe(tables: CostTables, fsizes: np.ndarray, bsizes: np.ndarray | None = None) -> PopulationScore:
@@ -171,3 +171,141 @@ def _gpipe_peak(tables: CostTables, s: int, f: np.ndarray, b: np.ndarray) -> np.
     # B ops run in reverse sample order: while chunk k runs, samples [0, its end) are still held.
     during_b = np.where(b > 0, (_running_sum(b)) * inb + b * stash, 0.0)
     return static + np.maximum(during_f.max(axis=0), during_b.max(axis=0))
+
+
+def evaluate_1f1b(tables: CostTables, fsizes: np.ndarray, max_sweeps: int | None = None) -> PopulationScore:
+    """Score P schedules in 1F1B order (no recompute: each stage's B chunks are its F chunks).
+
+    The op order of every stage is :func:`umopt.partition.onef1b_schedule`'s, built here for the
+    whole population at once: from the last stage up, the samples each backward needs forwarded
+    first, then the slot of every F and B op.
+
+    In 1F1B a stage's backward waits for gradients while its forward feeds the next stage, so the
+    dependencies run both ways and no single sweep over the stages settles them. The times are the
+    least solution of the cost model's max-plus equations instead: start from "ready at -inf",
+    then sweep the stages forwards and backwards, each stage replaying its slots as a scan, until
+    nothing changes. Estimates only grow and reach the simulator's times once the sweeps have
+    followed every turn of the critical path. Individuals still moving after ``max_sweeps``
+    (default: more than any valid schedule needs) get an infinite time.
+    """
+    fsizes = np.asarray(fsizes)
+    P, S, _ = fsizes.shape
+    B = int(fsizes[0, 0].sum())
+    K = fsizes.shape[2]
+    idx = np.int32 if (2 * S + 4) * K * P < 2**31 else np.int64
+    cols = np.arange(P, dtype=idx)
+    parts = [_Partition(np.ascontiguousarray(fsizes[:, s].T, dtype=idx), B, cols) for s in range(S)]
+    Q = 2 * K
+    KP = K * P
+    neg = -np.inf
+    k_col = np.arange(K)[:, None]
+    q_col = np.arange(Q)[:, None]
+
+    # --- the op order of every stage, from the last stage up -----------------------------------
+    f_slot, b_slot, slot_kind, slot_chunk = [None] * S, [None] * S, [None] * S, [None] * S
+    peak = np.zeros((S, P))
+    forwarded_at_b = None  # samples the stage below had forwarded when it ran each B chunk
+    for s in range(S - 1, -1, -1):
+        p = parts[s]
+        n = np.count_nonzero(p.sizes, axis=0)
+        real = k_col < n
+        hi = p.last + 1
+        need = hi if s == S - 1 else np.maximum(hi, _gather(forwarded_at_b, parts[s + 1].chunk_of(p.last)))
+        own = p.chunk_of(need - 1)  # the first F after which the need is met
+        warm = np.minimum(S - s - 1, n)
+        after = np.maximum.accumulate(np.maximum(warm, own) - k_col, axis=0) + k_col  # B_j runs after F number after_j
+        after = np.minimum(after, n - 1)
+        forwarded_at_b = np.where(real, _gather(hi, after), B)
+        b_pos = np.where(real, after + 1 + k_col, Q - 1)
+        taken = np.zeros((Q, P), dtype=bool)
+        taken.ravel()[(b_pos * P + cols)[real]] = True
+        free = ~taken & (q_col < 2 * n)
+        f_index = np.cumsum(free, axis=0) - 1  # which F each free slot holds
+        f_pos = np.full((K, P), Q - 1, dtype=idx)
+        fq, fp = np.nonzero(free)
+        f_pos[f_index[fq, fp], fp] = fq
+        f_slot[s], b_slot[s] = f_pos, b_pos
+        kind = np.full((Q, P), 2, dtype=np.int8)
+        chunk = np.zeros((Q, P), dtype=idx)
+        kind.ravel()[(f_pos * P + cols)[real]] = 0
+        kind.ravel()[(b_pos * P + cols)[real]] = 1
+        chunk.ravel()[(f_pos * P + cols)[real]] = np.broadcast_to(k_col, (K, P))[real]
+        chunk.ravel()[(b_pos * P + cols)[real]] = np.broadcast_to(k_col, (K, P))[real]
+        slot_kind[s], slot_chunk[s] = kind, chunk
+        # peak memory: samples forwarded and not yet backwarded, after each op
+        delta = np.zeros((Q, P), dtype=np.int64)
+        delta.ravel()[(f_pos * P + cols)[real]] = p.sizes[real]
+        delta.ravel()[(b_pos * P + cols)[real]] = -p.sizes[real]
+        held = np.cumsum(delta, axis=0) - np.minimum(delta, 0)  # a B's samples are held while it runs
+        peak[s] = tables.static_bytes[s] + held.max(axis=0) * float(tables.stash_bytes[s])
+
+    # --- playing the slots ----------------------------------------------------------------------
+    # Every stage keeps a pointer to its next slot and runs it as soon as its input is known, as
+    # the reference simulator does, for all individuals at once. ``known`` holds, flat, each
+    # message's arrival time (+inf until sent): stage s's activations at s+1, its gradients at
+    # s-1, and the last stage's own forward ends; a ready time of +inf means "not yet".
+    inf = np.inf
+    zero, f_base, b_base, l_base = 0, P, P + S * KP, P + 2 * S * KP
+    known = np.full(P + 2 * S * KP + KP + P, inf)
+    known[:P] = 0.0
+    scratch = P + 2 * S * KP + KP  # where stage 0's gradients "go"
+    plans = []
+    for s in range(S):
+        p = parts[s]
+        kind, chunk = slot_kind[s], slot_chunk[s]
+        sizes = p.sizes.ravel()[chunk * P + cols]
+        is_f = kind == 0
+        if s == 0:
+            f_src = zero + cols + 0 * chunk
+        else:
+            f_src = f_base + (s - 1) * KP + _gather(parts[s - 1].chunk_of(p.last), chunk) * P + cols
+        if s == S - 1:
+            b_src = l_base + chunk * P + cols
+        else:
+            b_src = b_base + (s + 1) * KP + _gather(parts[s + 1].chunk_of(p.last), chunk) * P + cols
+        f_dst = (l_base if s == S - 1 else f_base + s * KP) + chunk * P + cols
+        b_dst = np.full_like(chunk, scratch) + cols if s == 0 else b_base + s * KP + chunk * P + cols
+        f_msg = tables.link[s][sizes] if s + 1 < S else np.zeros((Q, P))
+        b_msg = tables.link[s - 1][sizes] if s > 0 else np.zeros((Q, P))
+        plans.append(
+            (
+                np.where(is_f, f_src, b_src).ravel(),
+                np.where(is_f, tables.fwd[s][sizes], tables.bwd[s][sizes]).ravel(),
+                is_f.ravel(),
+                np.where(is_f, f_dst, b_dst).ravel(),
+                np.where(is_f, f_msg, b_msg).ravel(),
+                2 * np.count_nonzero(p.sizes, axis=0),
+                s == S - 1,
+            )
+        )
+    ptr = np.zeros((S, P), dtype=np.int64)
+    clock = np.zeros((S, P))
+    f_free = np.zeros((S, P))
+    b_free = np.zeros((S, P))
+    for rnd in range(2 * Q * S + 4):
+        moved = False
+        for s in range(S) if rnd % 2 == 0 else range(S - 1, -1, -1):
+            src, cost, is_f, dst, msg, nslots, last = plans[s]
+            at = np.minimum(ptr[s], Q - 1) * P + cols
+            ready = known[src[at]]
+            go = (ptr[s] < nslots) & (ready < inf)
+            if not go.any():
+                continue
+            moved = True
+            end = np.maximum(clock[s], ready) + cost[at]
+            clock[s] = np.where(go, end, clock[s])
+            f = is_f[at]
+            sent_f = np.maximum(f_free[s], end) + msg[at]
+            sent_b = np.maximum(b_free[s], end) + msg[at]
+            f_free[s] = np.where(go & f, sent_f, f_free[s])
+            b_free[s] = np.where(go & ~f, sent_b, b_free[s])
+            value = np.where(f, end if last else sent_f, sent_b)
+            known[dst[at][go]] = value[go]
+            ptr[s] += go
+        if not moved:
+            break
+    settled = (ptr == np.array([pl[5] for pl in plans])).all(axis=0)
+    finish = clock
+    busy = np.array([(tables.fwd[s][p.sizes] + tables.bwd[s][p.sizes]).sum(axis=0) for s, p in enumerate(parts)])
+    it = np.where(settled, finish.max(axis=0) + tables.optimizer_ms, np.inf)
+    return PopulationScore(iteration_ms=it, finish_ms=finish.T, busy_ms=busy.T, peak_memory_bytes=peak.T)

@@ -11,10 +11,14 @@ chromosomes evolve; with recompute both evolve independently. Each generation:
   degenerates to copying a whole stage);
 * mutations shift, add or remove a chunk end, copy a neighbouring stage, or reset a stage to
   equal chunks; a repair pass splits any chunk longer than the profile's largest size;
-* the whole population is scored in one call of :func:`umopt.vectorized.evaluate_gpipe`.
+* the whole population is scored at once: :func:`umopt.vectorized.evaluate_gpipe` for GPipe
+  order, :func:`umopt.vectorized.evaluate_1f1b` for 1F1B order. Without recompute an individual
+  also carries its order as a gene, so the search picks the order along with the partitions.
 
 Seeds (the best equal schedules and any the caller brings) start the population, so the result is
-never worse than they are; a best-improvement local search polishes the elite now and then.
+never worse than they are; a best-improvement local search (:mod:`.local`) polishes the best
+individual now and then and at the end. Ties in iteration time, which are common because it is a
+max over stages, are broken by the sum of the stages' finish times.
 """
 
 from __future__ import annotations
@@ -24,103 +28,56 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..baselines import feasible_m, gpipe_equal
+from ..baselines import feasible_m, gpipe_equal, onef1b_equal
 from ..partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
 from ..problem import Candidate, Problem, Progress, SolverResult, score_gpipe
+from ..vectorized import evaluate_1f1b
+from .local import hill_climb
 
-__all__ = ["solve_ga", "local_search"]
+__all__ = ["solve_ga"]
 
 
-def _to_ends(problem: Problem, cands: Sequence[Candidate]) -> tuple[np.ndarray, np.ndarray]:
+def _to_ends(problem: Problem, cands: Sequence[Candidate]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     B = problem.minibatch
     fe = np.array([[sizes_to_ends(p, B) for p in c.fsizes] for c in cands])
     be = np.array([[sizes_to_ends(p, B) for p in c.bsizes] for c in cands])
-    return fe, be
+    return fe, be, np.array([c.order == "1f1b" for c in cands])
 
 
-def _to_candidate(fe: np.ndarray, be: np.ndarray, it: float) -> Candidate:
+def _to_candidate(fe: np.ndarray, be: np.ndarray, onef1b: bool) -> Candidate:
     """One individual's (S, B) end masks as a candidate."""
     fs = [[int(x) for x in row if x] for row in ends_to_sizes(fe)]
     bs = [[int(x) for x in row if x] for row in ends_to_sizes(be)]
-    cand = Candidate(fs, bs)
-    cand.iteration_ms = float(it)
-    return cand
+    return Candidate(fs, bs, "1f1b" if onef1b else "gpipe")
 
 
 class _Scorer:
-    """Scores populations of end masks; counts how many schedules it has scored."""
+    """Fitness of populations of end masks (iteration ms, ties broken by a hair); counts calls."""
 
     def __init__(self, problem: Problem):
         self.problem = problem
         self.count = 0
 
-    def __call__(self, fe: np.ndarray, be: Optional[np.ndarray]) -> np.ndarray:
+    def __call__(self, fe: np.ndarray, be: np.ndarray, onef1b: np.ndarray) -> np.ndarray:
         self.count += fe.shape[0]
-        fs = ends_to_sizes(fe)
-        bs = None if be is None else ends_to_sizes(be)
-        return score_gpipe(self.problem, fs, bs)[0]
+        fit = np.empty(fe.shape[0])
+        g = ~onef1b
+        if g.any():
+            it, sc = score_gpipe(self.problem, ends_to_sizes(fe[g]), ends_to_sizes(be[g]) if self.problem.recompute else None)
+            fit[g] = it + 1e-7 * sc.finish_ms.mean(axis=1)
+        if onef1b.any():
+            sc = evaluate_1f1b(self.problem.tables, ends_to_sizes(fe[onef1b]))
+            it = sc.iteration_ms
+            if self.problem.memory_limit is not None:
+                it = np.where(sc.peak_memory_bytes.max(axis=1) <= self.problem.memory_limit, it, np.inf)
+            fit[onef1b] = it + 1e-7 * sc.finish_ms.mean(axis=1)
+        return fit
 
 
-def _neighbours(ends: np.ndarray, max_size: int) -> np.ndarray:
-    """Every partition one move away from each row of ``ends`` (S, B): shift an end by one sample,
-    remove an end, or split a chunk in the middle. Returns (N, S, B)."""
-    S, B = ends.shape
-    out = []
-    for s in range(S):
-        row = ends[s]
-        pos = np.flatnonzero(row)
-        starts = np.concatenate(([0], pos[:-1] + 1))
-        for j, e in enumerate(pos[:-1]):  # the last end (sample B-1) never moves
-            for new in (e - 1, e + 1):
-                # both chunks beside the moved end stay non-empty and within the largest size
-                if starts[j] <= new < pos[j + 1] and new - starts[j] + 1 <= max_size and pos[j + 1] - new <= max_size:
-                    n = ends.copy()
-                    n[s, e], n[s, new] = False, True
-                    out.append(n)
-            if pos[j + 1] - starts[j] + 1 <= max_size:
-                n = ends.copy()
-                n[s, e] = False
-                out.append(n)
-        for lo, hi in zip(starts, pos):
-            if hi > lo:
-                n = ends.copy()
-                n[s, (lo + hi) // 2] = True
-                out.append(n)
-    return np.array(out) if out else ends[None]
-
-
-def local_search(
-    problem: Problem,
-    fe: np.ndarray,
-    be: np.ndarray,
-    it: float,
-    deadline: float,
-    scorer: Optional[_Scorer] = None,
-    max_steps: int = 1000,
-) -> tuple[np.ndarray, np.ndarray, float]:
-    """Best-improvement hill climbing from one individual (forward and, with recompute, backward
-    chromosomes), until no single move helps or the deadline passes."""
-    scorer = scorer or _Scorer(problem)
-    mx = problem.max_size
-    for _ in range(max_steps):
-        if time.perf_counter() > deadline:
-            break
-        nf = _neighbours(fe, mx)
-        if problem.recompute:
-            nb = _neighbours(be, mx)
-            cand_f = np.concatenate([nf, np.broadcast_to(fe, (len(nb),) + fe.shape)])
-            cand_b = np.concatenate([np.broadcast_to(be, (len(nf),) + be.shape), nb])
-            scores = scorer(cand_f, cand_b)
-        else:
-            cand_f, cand_b = nf, None
-            scores = scorer(cand_f, None)
-        k = int(np.argmin(scores))
-        if not scores[k] < it - 1e-12:
-            break
-        it = float(scores[k])
-        fe = cand_f[k].copy()
-        be = cand_b[k].copy() if cand_b is not None else fe
-    return fe, be, it
+def _polish(problem: Problem, fe: np.ndarray, be: np.ndarray, onef1b: bool, deadline: float) -> tuple[np.ndarray, np.ndarray, int]:
+    cand, n = hill_climb(problem, _to_candidate(fe, be, onef1b), deadline)
+    B = problem.minibatch
+    return np.array([sizes_to_ends(p, B) for p in cand.fsizes]), np.array([sizes_to_ends(p, B) for p in cand.bsizes]), n
 
 
 def _equal_rows(rng: np.random.Generator, n: int, problem: Problem) -> np.ndarray:
@@ -191,89 +148,104 @@ def solve_ga(
     mutation_rate: float = 1.5,
     stall_generations: int = 300,
     max_generations: int = 1_000_000,
+    orders: Sequence[str] = ("gpipe", "1f1b"),
     **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
-    deadline = t0 + time_limit
+    polish_share = 0.1
+    deadline = t0 + (1 - polish_share) * time_limit
     rng = np.random.default_rng(seed)
     P, S, B, mx = population, problem.num_stages, problem.minibatch, problem.max_size
     rec = problem.recompute
+    # 1F1B individuals need the vectorized 1F1B evaluator, which knows no recompute
+    use_1f1b = "1f1b" in orders and not rec
+    use_gpipe = "gpipe" in orders or not use_1f1b
     scorer = _Scorer(problem)
 
-    start = [c for c in seeds if c.order == "gpipe"]
-    base = gpipe_equal(problem)
-    if base.candidate is not None:
-        start.insert(0, base.candidate)
+    start = [c for c in seeds if (c.order == "1f1b" and use_1f1b) or (c.order == "gpipe" and use_gpipe)]
+    if use_gpipe:
+        base = gpipe_equal(problem)
+        if base.candidate is not None:
+            start.insert(0, base.candidate)
+    if use_1f1b:
+        base = onef1b_equal(problem)
+        if base.candidate is not None:
+            start.insert(0, base.candidate)
     fe = np.empty((P, S, B), dtype=bool)
     be = np.empty((P, S, B), dtype=bool)
+    ob = np.zeros(P, dtype=bool)
     n_seed = min(len(start), P // 2)
     if n_seed:
-        fe[:n_seed], be[:n_seed] = _to_ends(problem, start[:n_seed])
+        fe[:n_seed], be[:n_seed], ob[:n_seed] = _to_ends(problem, start[:n_seed])
     rest = P - n_seed
     fe[n_seed:] = _equal_rows(rng, rest * S, problem).reshape(rest, S, B)
     be[n_seed:] = fe[n_seed:] if not rec else _equal_rows(rng, rest * S, problem).reshape(rest, S, B)
+    ob[n_seed:] = use_1f1b & (~use_gpipe | (rng.random(rest) < 0.5))
     _mutate(rng, fe[n_seed:], problem, 1.0)
     if rec:
         _mutate(rng, be[n_seed:], problem, 1.0)
     else:
         be = fe
-    fit = scorer(fe, be if rec else None)
+    fit = scorer(fe, be, ob)
 
-    best_it, stall, gen = float(fit.min()), 0, 0
+    best_fit, stall, gen, polished = float(fit.min()), 0, 0, 0
     last_report = 0.0
     while gen < max_generations and time.perf_counter() < deadline and stall < stall_generations:
         gen += 1
-        order = np.argsort(fit, kind="stable")
-        elite_idx = order[:elite]
+        elite_idx = np.argsort(fit, kind="stable")[:elite]
         nchild = P - elite
         # tournament selection of 2 parents per child
         cand = rng.integers(0, P, (2, nchild, 3))
         parents = np.take_along_axis(cand, np.argmin(fit[cand], axis=2)[..., None], axis=2)[..., 0]
         child_f = _crossover(rng, fe[parents[0]], fe[parents[1]])
         _mutate(rng, child_f, problem, mutation_rate)
+        repair_ends(child_f, mx)
         if rec:
             child_b = _crossover(rng, be[parents[0]], be[parents[1]])
             _mutate(rng, child_b, problem, mutation_rate)
-            # now and then hand a stage's forward chunks to its backward chromosome or back
+            # now and then hand a stage's forward chunks to its backward chromosome
             flip = rng.random((nchild, S)) < 0.02
             child_b[flip] = child_f[flip]
+            repair_ends(child_b, mx)
         else:
             child_b = child_f
-        repair_ends(child_f, mx)
-        if rec:
-            repair_ends(child_b, mx)
-        child_fit = scorer(child_f, child_b if rec else None)
+        child_o = ob[parents[0]].copy()
+        if use_1f1b and use_gpipe:
+            child_o ^= rng.random(nchild) < 0.03
+        child_fit = scorer(child_f, child_b, child_o)
         fe = np.concatenate([fe[elite_idx], child_f])
         be = np.concatenate([be[elite_idx], child_b]) if rec else fe
+        ob = np.concatenate([ob[elite_idx], child_o])
         fit = np.concatenate([fit[elite_idx], child_fit])
 
         # memetic step: every so often polish the best individual by local search
         if gen % 50 == 0:
             k = int(np.argmin(fit))
-            pf, pb, pit = local_search(problem, fe[k], be[k], float(fit[k]), min(deadline, time.perf_counter() + 0.1 * time_limit), scorer, max_steps=20)
+            pf, pb, n = _polish(problem, fe[k], be[k], bool(ob[k]), min(deadline, time.perf_counter() + 0.05 * time_limit))
+            polished += n
             fe[k] = pf
             if rec:
                 be[k] = pb
-            fit[k] = pit
+            fit[k] = scorer(fe[k : k + 1], be[k : k + 1], ob[k : k + 1])[0]
 
         now_best = float(fit.min())
-        if now_best < best_it - 1e-9:
-            best_it, stall = now_best, 0
+        if now_best < best_fit - 1e-9:
+            best_fit, stall = now_best, 0
         else:
             stall += 1
         if progress and time.perf_counter() - last_report > 0.1:
             last_report = time.perf_counter()
-            progress(min(1.0, (last_report - t0) / time_limit), best_it)
+            progress(min(1.0, (last_report - t0) / time_limit), best_fit)
 
     k = int(np.argmin(fit))
-    pf, pb, pit = local_search(problem, fe[k], be[k], float(fit[k]), deadline + 0.05 * time_limit, scorer)
+    cand, n = hill_climb(problem, _to_candidate(fe[k], be[k], bool(ob[k])), max(deadline, time.perf_counter()) + polish_share * time_limit)
     if progress:
-        progress(1.0, pit)
+        progress(1.0, cand.iteration_ms)
     return SolverResult(
         "ga",
-        _to_candidate(pf, pb, pit),
+        cand,
         "feasible",
         seconds=time.perf_counter() - t0,
-        evaluated=scorer.count,
+        evaluated=scorer.count + polished + n,
         extra={"generations": gen, "population": P},
     )

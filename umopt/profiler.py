@@ -1,0 +1,493 @@
+"""``umopt profile`` as a library call: measure what each pipeline stage costs, with torch.
+
+For every stage and every chunk size: forward and backward milliseconds of one chunk (after
+warm-up, the median of repeats; CUDA events on GPUs, ``perf_counter`` on CPUs), the bytes autograd
+saves for backward (counted with ``saved_tensors_hooks``), the bytes a stage receives and sends,
+its static memory (parameters, gradients, optimizer state) and one optimizer step. Links are
+measured by a ping-pong between two torch.distributed processes, or given by the user.
+
+Stages are contiguous layer ranges: given as cut points, or balanced by measured per-layer time
+(dynamic programming that minimises the slowest stage).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .errors import UmoptError
+from .profile import PROFILE_FORMAT, Profile
+from .zoo import ModelParts, build_model
+
+__all__ = [
+    "ProfileOptions",
+    "balanced_split",
+    "stash_bytes",
+    "measure_link",
+    "profile_model",
+    "default_sizes",
+]
+
+# progress(done, total, what)
+ProgressFn = Callable[[int, int, str], None]
+
+
+def default_sizes(max_size: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_size:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_size]
+
+
+@dataclass
+class ProfileOptions:
+    model: str
+    model_args: dict = field(default_factory=dict)
+    stages: Optional[int] = None
+    split: Optional[list[int]] = None  # cut points, e.g. [0, 7, 17, 27]
+    sizes: Optional[list[int]] = None
+    max_size: int = 64
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 1
+    warmup: int = 1
+    repeats: int = 3
+    optimizer: str = "sgd"
+    link_latency_ms: Optional[float] = None
+    link_gbps: Optional[float] = None
+    memory_limit_bytes: Optional[int] = None
+    trace_dir: Optional[str] = None
+    seed: int = 0
+
+
+# --- stage splitting ---------------------------------------------------------------------------
+
+
+def balanced_split(layer_ms: Sequence[float], num_stages: int) -> list[int]:
+    """Cut points ``[0, c1, ..., L]`` of contiguous stages minimising the slowest stage's time."""
+    L = len(layer_ms)
+    if num_stages > L:
+        raise UmoptError(f"{num_stages} stages asked for a model of {L} layers")
+    prefix = np.concatenate(([0.0], np.cumsum(layer_ms)))
+    # best[k][j]: slowest stage when the first j layers form k stages; arg keeps the last cut
+    best = np.full((num_stages + 1, L + 1), np.inf)
+    arg = np.zeros((num_stages + 1, L + 1), dtype=int)
+    best[0, 0] = 0.0
+    for k in range(1, num_stages + 1):
+        for j in range(k, L + 1):
+            i = np.arange(k - 1, j)
+            cost = np.maximum(best[k - 1, i], prefix[j] - prefix[i])
+            m = int(np.argmin(cost))
+            best[k, j], arg[k, j] = cost[m], i[m]
+    cuts = [L]
+    for k in range(num_stages, 0, -1):
+        cuts.append(int(arg[k, cuts[-1]]))
+    return cuts[::-1]
+
+
+# --- measuring one stage -----------------------------------------------------------------------
+
+
+class _Stage(nn.Module):
+    """A contiguous slice of the layers; the last stage also computes the (summed) loss."""
+
+    def __init__(self, layers: Sequence[nn.Module], loss: Optional[Callable] = None):
+        super().__init__()
+        self.body = nn.Sequential(*layers)
+        self.loss = loss
+
+    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = self.body(x)
+        return self.loss(out, y) if self.loss is not None else out
+
+
+def stash_bytes(stage: nn.Module, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves during one forward."""
+    params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        stage(x, y)
+    return sum(saved.values())
+
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], object]) -> tuple[float, object]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end), out
+        t0 = time.perf_counter()
+        out = fn()
+        return (time.perf_counter() - t0) * 1e3, out
+
+
+def _boundaries(parts: ModelParts, device: torch.device) -> list[torch.Tensor]:
+    """The tensor entering each layer (and the model's output) for a batch of one sample."""
+    x, _ = parts.make_batch(1, 0)
+    h = x.to(device)
+    out = [h]
+    with torch.no_grad():
+        for layer in parts.layers:
+            h = layer(h)
+            out.append(h)
+    return out
+
+
+def _input(parts: ModelParts, boundary: torch.Tensor, first: bool, b: int, device: torch.device, seed: int):
+    x, y = parts.make_batch(b, seed)
+    if first:
+        return x.to(device), y.to(device)
+    shape = (b,) + tuple(boundary.shape[1:])
+    if boundary.is_floating_point():
+        act = torch.randn(shape, dtype=boundary.dtype, device=device).requires_grad_(True)
+    else:
+        act = torch.zeros(shape, dtype=boundary.dtype, device=device)
+    return act, y.to(device)
+
+
+def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, autocast, progress, label):
+    timer = _Timer(device)
+    fwd_ms, bwd_ms = [], []
+    # first calls allocate and pick kernels; keep that out of every size's numbers
+    for b in (sizes[-1], sizes[0]):
+        x, y = _input(parts, boundary, first, b, device, 0)
+        with autocast():
+            out = stage(x, y if last else None)
+        out.backward(torch.ones_like(out) if last else torch.randn_like(out))
+        stage.zero_grad(set_to_none=True)
+    for b in sizes:
+        f_runs, b_runs = [], []
+        for rep in range(opts.warmup + opts.repeats):
+            x, y = _input(parts, boundary, first, b, device, rep)
+            with autocast():
+                tf, out = timer(lambda: stage(x, y if last else None))
+            grad = torch.ones_like(out) if last else torch.randn_like(out)
+            tb, _ = timer(lambda: out.backward(grad))
+            if rep >= opts.warmup:
+                f_runs.append(tf)
+                b_runs.append(tb)
+            stage.zero_grad(set_to_none=True)
+        fwd_ms.append(statistics.median(f_runs))
+        bwd_ms.append(statistics.median(b_runs))
+        if progress:
+            progress(1, 0, f"{label} size {b}")
+    return fwd_ms, bwd_ms
+
+
+def _optimizer(name: str, params) -> tuple[torch.optim.Optimizer, int]:
+    """The optimizer and how many parameter-sized state tensors it keeps."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9), 1
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3), 2
+    raise UmoptError(f"unknown optimizer {name!r} (sgd or adamw)")
+
+
+def _optimizer_step_ms(stage: nn.Module, opts: ProfileOptions, device: torch.device) -> float:
+    params = [p for p in stage.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    opt, _ = _optimizer(opts.optimizer, params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    timer = _Timer(device)
+    runs = [timer(opt.step)[0] for _ in range(opts.warmup + opts.repeats)]
+    stage.zero_grad(set_to_none=True)
+    return statistics.median(runs[opts.warmup:])
+
+
+# --- links ---------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pingpong_worker(rank: int, port: int, backend: str, sizes: list[int], reps: int, out_path: str) -> None:
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results = []
+    for nbytes in sizes:
+        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        times = []
+        for i in range(reps + 2):
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            if i >= 2:
+                times.append((time.perf_counter() - t0) * 1e3 / 2)  # one way
+        results.append((buf.numel() * 4, statistics.median(times)))
+    if rank == 0:
+        import json
+
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def measure_link(backend: str = "gloo", max_bytes: int = 1 << 24, reps: int = 20) -> tuple[float, float]:
+    """Ping-pong between two processes; fit one-way time = latency + bytes / bandwidth.
+
+    Returns ``(latency_ms, bytes_per_ms)``.
+    """
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    top = max(int(np.ceil(np.log2(max(max_bytes, 1 << 20)))), 20)
+    sizes = [1 << k for k in range(10, top + 1, 2)]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "link.json")
+        mp.start_processes(_pingpong_worker, args=(_free_port(), backend, sizes, reps, out), nprocs=2, start_method="spawn")
+        with open(out) as f:
+            results = json.load(f)
+    x = np.array([r[0] for r in results], dtype=float)
+    t = np.array([r[1] for r in results], dtype=float)
+    # A least-squares line is thrown off by one slow size (a scheduler hiccup on a busy machine);
+    # the latency is the smallest message's time and the bandwidth the median over big messages.
+    latency = float(t[0])
+    big = x >= min(x[-1], 1 << 18)
+    bpm = float(np.median(x[big] / np.maximum(t[big] - latency, 1e-6)))
+    return latency, bpm
+
+
+# --- the whole profile ---------------------------------------------------------------------------
+
+
+def _check(opts: ProfileOptions) -> tuple[list[int], torch.device]:
+    sizes = opts.sizes or default_sizes(opts.max_size)
+    if sizes[0] != 1:
+        raise UmoptError(f"--sizes must start at 1, got {sizes[0]}")
+    if any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise UmoptError(f"--sizes must be strictly ascending, got {','.join(map(str, sizes))}")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise UmoptError("--device cuda asked for, but torch sees no CUDA device (is this a CPU build of torch?)")
+    if opts.device not in ("cpu", "cuda"):
+        raise UmoptError(f"--device must be cpu or cuda, got {opts.device!r}")
+    if opts.dtype not in ("float32", "bfloat16", "float16"):
+        raise UmoptError(f"--dtype must be float32, bfloat16 or float16, got {opts.dtype!r}")
+    if opts.threads < 1 or opts.repeats < 1 or opts.warmup < 0:
+        raise UmoptError("--threads and --repeats must be at least 1, --warmup at least 0")
+    if (opts.link_latency_ms is None) != (opts.link_gbps is None):
+        raise UmoptError("give both --link-latency-ms and --link-gbps, or neither (then the link is measured)")
+    if opts.stages is None and opts.split is None:
+        raise UmoptError("give --stages S or --split 0,...,L")
+    return sizes, torch.device(opts.device)
+
+
+def _layer_ms(parts, bounds, device, opts, autocast, size) -> list[float]:
+    """Forward plus backward time of each layer on its own, at one chunk size (for balancing)."""
+    timer = _Timer(device)
+    out = []
+    for i, layer in enumerate(parts.layers):
+        st = _Stage([layer], parts.loss if i == len(parts.layers) - 1 else None)
+        runs = []
+        for rep in range(opts.warmup + opts.repeats):
+            x, y = _input(parts, bounds[i], i == 0, size, device, rep)
+            last = i == len(parts.layers) - 1
+            with autocast():
+                tf, o = timer(lambda: st(x, y if last else None))
+            tb, _ = timer(lambda: o.backward(torch.ones_like(o) if last else torch.randn_like(o)))
+            if rep >= opts.warmup:
+                runs.append(tf + tb)
+            st.zero_grad(set_to_none=True)
+        out.append(statistics.median(runs))
+    return out
+
+
+def profile_model(opts: ProfileOptions, progress: Optional[ProgressFn] = None, argv: Optional[list[str]] = None) -> Profile:
+    sizes, device = _check(opts)
+    parts = build_model(opts.model, opts.model_args, seed=opts.seed)
+    L = len(parts.layers)
+    prev_threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(opts.threads)
+    try:
+        for m in parts.layers:
+            m.to(device)
+        dtype = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[opts.dtype]
+        autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else nullcontext
+        try:
+            bounds = _boundaries(parts, device)
+        except Exception as exc:  # a user model that does not run is the user's input problem
+            raise UmoptError(f"model {opts.model}: a forward pass of one sample failed ({exc.__class__.__name__}: {exc})") from None
+
+        layer_ms = None
+        if opts.split is not None:
+            cuts = list(opts.split)
+            if cuts[0] != 0 or cuts[-1] != L or any(b <= a for a, b in zip(cuts, cuts[1:])):
+                raise UmoptError(f"--split must rise strictly from 0 to the model's {L} layers, got {','.join(map(str, cuts))}")
+            if opts.stages is not None and opts.stages != len(cuts) - 1:
+                raise UmoptError(f"--stages {opts.stages} disagrees with --split of {len(cuts) - 1} stages")
+        else:
+            if opts.stages < 1 or opts.stages > L:
+                raise UmoptError(f"--stages {opts.stages}: the model {opts.model} has {L} layers")
+            layer_ms = _layer_ms(parts, bounds, device, opts, autocast, min(8, sizes[-1]))
+            cuts = balanced_split(layer_ms, opts.stages)
+        S = len(cuts) - 1
+        total = S * len(sizes)
+        done = 0
+
+        def tick(n, _t, what):
+            nonlocal done
+            done += n
+            if progress:
+                progress(done, total, what)
+
+        stages = []
+        for s in range(S):
+            a, b = cuts[s], cuts[s + 1]
+            first, last = s == 0, s == S - 1
+            stage = _Stage(parts.layers[a:b], parts.loss if last else None).to(device)
+            fwd, bwd = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, autocast, tick, f"stage {s}")
+            lo, hi = (2, 6)
+            x2, y2 = _input(parts, bounds[a], first, lo, device, 0)
+            x6, y6 = _input(parts, bounds[a], first, hi, device, 0)
+            with autocast():
+                stash = (stash_bytes(stage, x6, y6 if last else None) - stash_bytes(stage, x2, y2 if last else None)) // (hi - lo)
+            nparam = sum(p.numel() * p.element_size() for p in stage.parameters())
+            _, nstate = _optimizer(opts.optimizer, [torch.zeros(1, requires_grad=True)])
+            in_bytes = bounds[a][0].numel() * bounds[a].element_size()
+            out_bytes = 0 if last else bounds[b][0].numel() * bounds[b].element_size()
+            if dtype is not None and not last and bounds[b].is_floating_point():
+                out_bytes = bounds[b][0].numel() * torch.tensor([], dtype=dtype).element_size()
+            entry = {
+                "layers": [a, b],
+                "forward_ms": fwd,
+                "backward_ms": bwd,
+                "input_bytes_per_sample": int(in_bytes),
+                "output_bytes_per_sample": int(out_bytes),
+                "stash_bytes_per_sample": int(max(stash, 0)),
+                "static_bytes": int(nparam * (2 + nstate)),
+                "optimizer_ms": _optimizer_step_ms(stage, opts, device),
+            }
+            if device.type == "cuda":
+                entry["cuda_peak_bytes_per_sample"] = _cuda_check(stage, parts, bounds[a], first, last, device, autocast)
+            if opts.trace_dir:
+                _trace_stage(stage, parts, bounds[a], first, last, sizes[-1], device, autocast, os.path.join(opts.trace_dir, f"stage{s}.json"))
+            stages.append(entry)
+        # stage 0's input is the model input; every later stage receives what the one before sent
+        for s in range(1, S):
+            stages[s]["input_bytes_per_sample"] = stages[s - 1]["output_bytes_per_sample"]
+
+        if opts.link_latency_ms is not None:
+            latency, bpm = opts.link_latency_ms, opts.link_gbps * 1e9 / 8 / 1e3
+            link_source = "given"
+        elif S == 1:
+            latency, bpm, link_source = 0.0, 1.0, "none"
+        else:
+            if device.type == "cuda" and torch.cuda.device_count() < 2:
+                raise UmoptError("one GPU: the link cannot be measured; give --link-latency-ms and --link-gbps")
+            if progress:
+                progress(done, total, "link ping-pong")
+            biggest = max(st["output_bytes_per_sample"] for st in stages) * sizes[-1]
+            latency, bpm = measure_link("nccl" if device.type == "cuda" else "gloo", max_bytes=max(biggest, 1 << 16))
+            link_source = "measured"
+    finally:
+        torch.set_num_threads(prev_threads)
+
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    data = {
+        "format": PROFILE_FORMAT,
+        "model": {"name": opts.model, "args": opts.model_args, "seed": opts.seed},
+        "device": {"type": device.type, "name": device_name, "dtype": opts.dtype, "threads": opts.threads},
+        "sizes": sizes,
+        "stages": stages,
+        "links": [{"latency_ms": latency, "bytes_per_ms": bpm, "source": link_source} for _ in range(S - 1)],
+        "memory_limit_bytes": opts.memory_limit_bytes,
+        "split": cuts,
+        "layer_ms": layer_ms,
+        "meta": {
+            "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(argv if argv is not None else sys.argv),
+            "optimizer": opts.optimizer,
+            "warmup": opts.warmup,
+            "repeats": opts.repeats,
+        },
+    }
+    return Profile.model_validate(data)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _cuda_check(stage, parts, boundary, first, last, device, autocast) -> int:
+    """Per-sample growth of max_memory_allocated over one forward, a cross-check of the hooks."""
+    peaks = []
+    for b in (2, 6):
+        x, y = _input(parts, boundary, first, b, device, 0)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        with autocast():
+            out = stage(x, y if last else None)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated(device) - base)
+        del out
+    return int((peaks[1] - peaks[0]) // 4)
+
+
+def _trace_stage(stage, parts, boundary, first, last, size, device, autocast, path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    x, y = _input(parts, boundary, first, size, device, 0)
+    with profile(activities=acts) as prof:
+        with autocast():
+            out = stage(x, y if last else None)
+        out.backward(torch.ones_like(out) if last else torch.randn_like(out))
+    prof.export_chrome_trace(path)
+    stage.zero_grad(set_to_none=True)

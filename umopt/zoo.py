@@ -1,0 +1,203 @@
+"""The model zoo: models as flat lists of layers that stages can slice.
+
+A model is three things (:class:`ModelParts`): ``layers``, a list of ``nn.Module`` run one after
+the other; ``make_batch(n, seed)``, a deterministic ``(inputs, targets)`` batch of ``n`` samples;
+and ``loss(outputs, targets)``, the loss *summed* over the samples (the runtime divides by the
+minibatch, so gradients do not depend on how the minibatch is chunked).
+
+Built in: ``vgg16`` (13 conv + 3 FC), ``gpt`` (embedding, decoder blocks, LM head) and ``mlp``.
+Users bring their own with ``package.module:factory``: a callable taking the model args as
+keyword arguments and returning a :class:`ModelParts` or a ``(layers, make_batch, loss)`` tuple.
+Models are built under ``torch.manual_seed(seed)`` so every process gets the same weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .errors import UmoptError
+
+__all__ = ["ModelParts", "MODELS", "build_model", "parse_model_args"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class ModelParts:
+    layers: list[nn.Module]
+    make_batch: Callable[[int, int], Batch]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _sum_cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), target.reshape(-1), reduction="sum")
+
+
+# --- vgg16 -------------------------------------------------------------------------------------
+
+_VGG16 = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
+
+
+def vgg16(image_size: int = 32, num_classes: int = 10, fc_width: int = 512) -> ModelParts:
+    """VGG16: 13 conv layers (each with its ReLU, and the max-pool that follows it) and 3 FC layers."""
+    if image_size < 32 or image_size % 32:
+        raise UmoptError(f"vgg16: image_size must be a multiple of 32, got {image_size}")
+    layers: list[nn.Module] = []
+    cin = 3
+    for i, v in enumerate(_VGG16):
+        if v == "M":
+            continue
+        block = [nn.Conv2d(cin, v, 3, padding=1), nn.ReLU(inplace=False)]
+        if i + 1 < len(_VGG16) and _VGG16[i + 1] == "M":
+            block.append(nn.MaxPool2d(2))
+        layers.append(nn.Sequential(*block))
+        cin = v
+    side = image_size // 32
+    layers.append(nn.Sequential(nn.Flatten(), nn.Linear(512 * side * side, fc_width), nn.ReLU()))
+    layers.append(nn.Sequential(nn.Linear(fc_width, fc_width), nn.ReLU()))
+    layers.append(nn.Linear(fc_width, num_classes))
+
+    def make_batch(n: int, seed: int = 0) -> Batch:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(n, 3, image_size, image_size, generator=g), torch.randint(0, num_classes, (n,), generator=g)
+
+    return ModelParts(layers, make_batch, _sum_cross_entropy)
+
+
+# --- gpt ---------------------------------------------------------------------------------------
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, d_model: int, seq_len: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: causal self-attention and an MLP, each with a residual."""
+
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.fc2 = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(n, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(n, t, d))
+        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, d_model: int, vocab: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d_model)
+        self.out = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+def gpt(layers: int = 4, d_model: int = 128, heads: int = 4, vocab: int = 1024, seq_len: int = 64) -> ModelParts:
+    """A GPT-style decoder: the embedding is the first layer, the LM head the last."""
+    if d_model % heads:
+        raise UmoptError(f"gpt: d_model {d_model} is not divisible by heads {heads}")
+    mods: list[nn.Module] = [Embedding(vocab, d_model, seq_len)]
+    mods += [Block(d_model, heads) for _ in range(layers)]
+    mods.append(Head(d_model, vocab))
+    for m in mods:
+        for name, p in m.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * layers) if name.endswith(("proj.weight", "fc2.weight")) else 1))
+
+    def make_batch(n: int, seed: int = 0) -> Batch:
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, vocab, (n, seq_len + 1), generator=g)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    return ModelParts(mods, make_batch, _sum_cross_entropy)
+
+
+# --- mlp ---------------------------------------------------------------------------------------
+
+
+def mlp(layers: int = 4, width: int = 256, in_features: int = 64, num_classes: int = 10) -> ModelParts:
+    """Linear+ReLU layers, then a Linear classifier: the smallest thing that pipelines."""
+    mods: list[nn.Module] = []
+    cin = in_features
+    for _ in range(layers - 1):
+        mods.append(nn.Sequential(nn.Linear(cin, width), nn.ReLU()))
+        cin = width
+    mods.append(nn.Linear(cin, num_classes))
+
+    def make_batch(n: int, seed: int = 0) -> Batch:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(n, in_features, generator=g), torch.randint(0, num_classes, (n,), generator=g)
+
+    return ModelParts(mods, make_batch, _sum_cross_entropy)
+
+
+MODELS: dict[str, Callable[..., ModelParts]] = {"vgg16": vgg16, "gpt": gpt, "mlp": mlp}
+
+
+def parse_model_args(pairs: list[str]) -> dict[str, Any]:
+    """``["layers=4", "width=128"]`` -> ``{"layers": 4, "width": 128}`` (ints, floats, else strings)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UmoptError(f"--model-arg {pair!r}: expected key=value")
+        for cast in (int, float):
+            try:
+                out[key] = cast(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = value
+    return out
+
+
+def build_model(name: str, args: dict[str, Any] | None = None, seed: int = 0) -> ModelParts:
+    """Build a zoo model by name, or a user model by ``package.module:factory``."""
+    args = dict(args or {})
+    if ":" in name:
+        mod_name, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(mod_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise UmoptError(f"--model {name}: cannot import it ({exc.__class__.__name__}: {exc})") from None
+    elif name in MODELS:
+        factory = MODELS[name]
+    else:
+        raise UmoptError(f"unknown model {name!r} (built in: {', '.join(MODELS)}; or package.module:factory)")
+    torch.manual_seed(seed)
+    try:
+        parts = factory(**args)
+    except TypeError as exc:
+        raise UmoptError(f"model {name}: bad arguments {args} ({exc})") from None
+    if isinstance(parts, tuple) and len(parts) == 3:
+        parts = ModelParts(list(parts[0]), parts[1], parts[2])
+    if not isinstance(parts, ModelParts) or not parts.layers or not all(isinstance(m, nn.Module) for m in parts.layers):
+        raise UmoptError(f"model {name}: the factory must return (layers, make_batch, loss) with a non-empty list of nn.Module")
+    if not callable(parts.make_batch) or not callable(parts.loss):
+        raise UmoptError(f"model {name}: make_batch and loss must be callables")
+    return parts
