@@ -15,6 +15,7 @@ import numpy as np
 
 from .partition import equal_sizes
 from .problem import Candidate, Problem, pack, score_gpipe
+from .vectorized import evaluate_1f1b
 
 __all__ = ["Baseline", "feasible_m", "gpipe_equal", "onef1b_equal", "lower_bound", "min_work"]
 
@@ -47,17 +48,20 @@ def gpipe_equal(problem: Problem) -> Baseline:
 
 
 def onef1b_equal(problem: Problem) -> Baseline:
-    S = problem.num_stages
-    best: Optional[Baseline] = None
-    for m in feasible_m(problem, lowest=S):
-        cand = Candidate.uniform(equal_sizes(problem.minibatch, m), S, order="1f1b")
-        tl = cand.simulate(problem)
-        if not cand.fits(tl, problem):
-            continue
-        if best is None or tl.iteration_ms < best.iteration_ms:
-            cand.iteration_ms = tl.iteration_ms
-            best = Baseline("1f1b_equal", m, tl.iteration_ms, cand)
-    return best or Baseline("1f1b_equal", None, None, None)
+    S, B = problem.num_stages, problem.minibatch
+    ms = list(feasible_m(problem, lowest=S))
+    if not ms:
+        return Baseline("1f1b_equal", None, None, None)
+    sc = evaluate_1f1b(problem.tables, pack([[equal_sizes(B, m)] * S for m in ms]))
+    it = sc.iteration_ms
+    if problem.memory_limit is not None:
+        it = np.where(sc.peak_memory_bytes.max(axis=1) <= problem.memory_limit, it, np.inf)
+    k = int(np.argmin(it))  # ties go to the smaller M
+    if not np.isfinite(it[k]):
+        return Baseline("1f1b_equal", None, None, None)
+    cand = Candidate.uniform(equal_sizes(B, ms[k]), S, order="1f1b")
+    cand.iteration_ms = float(it[k])
+    return Baseline("1f1b_equal", ms[k], float(it[k]), cand)
 
 
 def min_work(cost: np.ndarray, total: int) -> float:

@@ -1,4 +1,4 @@
-"""Scoring a whole population of GPipe-order schedules in one call (the TiDGAP idea).
+"""Scoring a whole population of schedules in one call (the TiDGAP idea), in GPipe or 1F1B order.
 
 The paper's GA spends its time evaluating schedules; TiDGAP evaluates the whole population with
 matrix operations instead of one simulation per individual. Here the trick is that, in GPipe
@@ -13,6 +13,8 @@ array, and which upstream message holds a chunk's last sample is one ``searchsor
 An individual is, per stage, a forward partition and a backward partition (zero-padded chunk
 sizes in sample order, see :mod:`umopt.partition`). F ops run in sample order, B ops in reverse.
 The result must equal :func:`umopt.costmodel.simulate` on the same ops to 1e-9 (tested).
+:func:`evaluate_1f1b` does the same for 1F1B order, where dependencies run both ways between
+stages and a different scheme is needed (see there).
 """
 
 from __future__ import annotations
@@ -173,20 +175,20 @@ def _gpipe_peak(tables: CostTables, s: int, f: np.ndarray, b: np.ndarray) -> np.
     return static + np.maximum(during_f.max(axis=0), during_b.max(axis=0))
 
 
-def evaluate_1f1b(tables: CostTables, fsizes: np.ndarray, max_sweeps: int | None = None) -> PopulationScore:
-    """Score P schedules in 1F1B order (no recompute: each stage's B chunks are its F chunks).
+def evaluate_1f1b(tables: CostTables, fsizes: np.ndarray) -> PopulationScore:
+    """Score P schedules in 1F1B order, each stage's B chunks being its F chunks (with recompute
+    too, where the backward partition could differ but here does not).
 
     The op order of every stage is :func:`umopt.partition.onef1b_schedule`'s, built here for the
     whole population at once: from the last stage up, the samples each backward needs forwarded
     first, then the slot of every F and B op.
 
     In 1F1B a stage's backward waits for gradients while its forward feeds the next stage, so the
-    dependencies run both ways and no single sweep over the stages settles them. The times are the
-    least solution of the cost model's max-plus equations instead: start from "ready at -inf",
-    then sweep the stages forwards and backwards, each stage replaying its slots as a scan, until
-    nothing changes. Estimates only grow and reach the simulator's times once the sweeps have
-    followed every turn of the critical path. Individuals still moving after ``max_sweeps``
-    (default: more than any valid schedule needs) get an infinite time.
+    dependencies run both ways and no sweep over the stages in one direction settles them. The
+    slots are played instead the way the reference simulator plays ops: every stage keeps a
+    pointer and runs its next slot once the message it waits for has arrived, rounds over the
+    stages alternating in direction, each step one vector operation over the population. An
+    individual whose pointers stop short of the end deadlocked and gets an infinite time.
     """
     fsizes = np.asarray(fsizes)
     P, S, _ = fsizes.shape
@@ -237,7 +239,12 @@ def evaluate_1f1b(tables: CostTables, fsizes: np.ndarray, max_sweeps: int | None
         delta.ravel()[(f_pos * P + cols)[real]] = p.sizes[real]
         delta.ravel()[(b_pos * P + cols)[real]] = -p.sizes[real]
         held = np.cumsum(delta, axis=0) - np.minimum(delta, 0)  # a B's samples are held while it runs
-        peak[s] = tables.static_bytes[s] + held.max(axis=0) * float(tables.stash_bytes[s])
+        if tables.recompute:  # inputs are held; activations only for the chunk that runs
+            running = np.abs(delta)
+            mem = held * float(tables.input_bytes[s]) + running * float(tables.stash_bytes[s])
+            peak[s] = tables.static_bytes[s] + mem.max(axis=0)
+        else:
+            peak[s] = tables.static_bytes[s] + held.max(axis=0) * float(tables.stash_bytes[s])
 
     # --- playing the slots ----------------------------------------------------------------------
     # Every stage keeps a pointer to its next slot and runs it as soon as its input is known, as

@@ -147,6 +147,7 @@ def solve_ga(
     elite: int = 8,
     mutation_rate: float = 1.5,
     stall_generations: int = 300,
+    max_restarts: Optional[int] = None,
     max_generations: int = 1_000_000,
     orders: Sequence[str] = ("gpipe", "1f1b"),
     **_,
@@ -180,7 +181,7 @@ def solve_ga(
     rest = P - n_seed
     fe[n_seed:] = _equal_rows(rng, rest * S, problem).reshape(rest, S, B)
     be[n_seed:] = fe[n_seed:] if not rec else _equal_rows(rng, rest * S, problem).reshape(rest, S, B)
-    ob[n_seed:] = use_1f1b & (~use_gpipe | (rng.random(rest) < 0.5))
+    ob[n_seed:] = use_1f1b & ((not use_gpipe) | (rng.random(rest) < 0.5))
     _mutate(rng, fe[n_seed:], problem, 1.0)
     if rec:
         _mutate(rng, be[n_seed:], problem, 1.0)
@@ -188,9 +189,29 @@ def solve_ga(
         be = fe
     fit = scorer(fe, be, ob)
 
-    best_fit, stall, gen, polished = float(fit.min()), 0, 0, 0
+    best_fit, stall, gen, polished, restarts = float(fit.min()), 0, 0, 0, 0
     last_report = 0.0
-    while gen < max_generations and time.perf_counter() < deadline and stall < stall_generations:
+    while gen < max_generations and time.perf_counter() < deadline:
+        if stall >= stall_generations:
+            # converged: keep the elite, refill the rest with fresh and heavily mutated individuals
+            if max_restarts is not None and restarts >= max_restarts:
+                break
+            restarts += 1
+            stall = 0
+            keep = np.argsort(fit, kind="stable")[:elite]
+            fresh = P - elite
+            new_f = np.concatenate([fe[keep][rng.integers(0, elite, fresh // 2)], _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B)])
+            _mutate(rng, new_f, problem, 4.0)
+            if rec:
+                new_b = np.concatenate([be[keep][rng.integers(0, elite, fresh // 2)], _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B)])
+                _mutate(rng, new_b, problem, 4.0)
+            else:
+                new_b = new_f
+            new_o = np.concatenate([ob[keep][rng.integers(0, elite, fresh // 2)], use_1f1b & ((not use_gpipe) | (rng.random(fresh - fresh // 2) < 0.5))])
+            fe = np.concatenate([fe[keep], new_f])
+            be = np.concatenate([be[keep], new_b]) if rec else fe
+            ob = np.concatenate([ob[keep], new_o])
+            fit = np.concatenate([fit[keep], scorer(new_f, new_b, new_o)])
         gen += 1
         elite_idx = np.argsort(fit, kind="stable")[:elite]
         nchild = P - elite
@@ -247,5 +268,5 @@ def solve_ga(
         "feasible",
         seconds=time.perf_counter() - t0,
         evaluated=scorer.count + polished + n,
-        extra={"generations": gen, "population": P},
+        extra={"generations": gen, "population": P, "restarts": restarts},
     )

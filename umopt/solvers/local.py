@@ -61,7 +61,7 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
         if limit is not None:
             it = np.where(sc.peak_memory_bytes.max(axis=1) <= limit, it, np.inf)
         return it, sc.finish_ms.sum(axis=1)
-    if cands and all(c.order == "1f1b" for c in cands) and not problem.recompute:
+    if cands and all(c.order == "1f1b" and c.fsizes == c.bsizes for c in cands):
         sc = evaluate_1f1b(problem.tables, pack([c.fsizes for c in cands]))
         it = sc.iteration_ms
         if limit is not None:
