@@ -152,7 +152,7 @@ def _int_list(value: Optional[str], what: str) -> Optional[list[int]]:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True, help="Autocast dtype.")
 @click.option("--threads", type=int, default=1, show_default=True, help="CPU intra-op threads (one rank per core in the runtime).")
 @click.option("--warmup", type=int, default=1, show_default=True)
-@click.option("--repeats", type=int, default=3, show_default=True, help="Timed repeats per entry; the median is kept.")
+@click.option("--repeats", type=int, default=5, show_default=True, help="Timed repeats per entry; the median is kept.")
 @click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="sgd", show_default=True)
 @click.option("--link-latency-ms", type=float, default=None, help="Give the link instead of measuring it (needed with one GPU).")
 @click.option("--link-gbps", type=float, default=None, help="Link bandwidth in Gbit/s, with --link-latency-ms.")
@@ -181,7 +181,8 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total or None, description=what)
 
-        prof = profile_model(opts, progress=progress, argv=["umopt"] + sys.argv[1:])
+        ctx_obj = click.get_current_context().obj or {}
+        prof = profile_model(opts, progress=progress, argv=ctx_obj.get("argv", ["umopt", *sys.argv[1:]]))
     save_profile(prof, output)
     table = Table(title=f"{model} on {prof.device.type} ({prof.device.name}), {prof.num_stages} stages")
     for col in ("stage", "layers", f"F ms @1..{prof.max_size}", f"B ms @1..{prof.max_size}", "stash/sample", "sends/sample"):
@@ -256,7 +257,8 @@ def list_profiles() -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     try:
-        cli.main(args=argv, prog_name="umopt", standalone_mode=False)
+        args = list(sys.argv[1:] if argv is None else argv)
+        cli.main(args=args, prog_name="umopt", standalone_mode=False, obj={"argv": ["umopt", *args]})
     except UmoptError as exc:
         err.print(f"umopt: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)

@@ -63,7 +63,7 @@ class ProfileOptions:
     dtype: str = "float32"
     threads: int = 1
     warmup: int = 1
-    repeats: int = 3
+    repeats: int = 5
     optimizer: str = "sgd"
     link_latency_ms: Optional[float] = None
     link_gbps: Optional[float] = None
@@ -363,7 +363,12 @@ def profile_model(opts: ProfileOptions, progress: Optional[ProgressFn] = None, a
         else:
             if opts.stages < 1 or opts.stages > L:
                 raise UmoptError(f"--stages {opts.stages}: the model {opts.model} has {L} layers")
-            layer_ms = _layer_ms(parts, bounds, device, opts, autocast, min(8, sizes[-1]))
+            # balance on the sum of two chunk sizes: a split that only fits one size would be
+            # noise-prone where layers are close, and stages run many sizes
+            small, large = _layer_ms(parts, bounds, device, opts, autocast, min(8, sizes[-1])), _layer_ms(
+                parts, bounds, device, opts, autocast, sizes[-1]
+            )
+            layer_ms = [a + b for a, b in zip(small, large)]
             cuts = balanced_split(layer_ms, opts.stages)
         S = len(cuts) - 1
         total = S * len(sizes)

@@ -1,0 +1,129 @@
+"""The profiler on CPU: a complete profile in seconds, memory counted right, balanced stages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from umopt.cli import main
+from umopt.errors import UmoptError
+from umopt.profile import load_profile
+from umopt.profiler import ProfileOptions, _Stage, balanced_split, measure_link, profile_model, stash_bytes
+from umopt.zoo import build_model
+
+FAST_LINK = ["--link-latency-ms", "0.05", "--link-gbps", "10"]
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+        raise SystemExit(0)
+    cap = capsys.readouterr()
+    return exc.value.code, cap.out, cap.err
+
+
+def test_small_mlp_profile_is_complete_and_sane(tmp_path, capsys):
+    out = tmp_path / "mlp.json"
+    code, stdout, err = run(["profile", "--model", "mlp", "--model-arg", "layers=4", "--stages", "2", "--max-size", "8", *FAST_LINK, "-o", str(out)], capsys)
+    assert code == 0, err
+    prof = load_profile(str(out))
+    assert prof.sizes == [1, 2, 4, 8] and prof.num_stages == 2
+    assert prof.device.type == "cpu" and prof.model.name == "mlp" and prof.model.args == {"layers": 4}
+    for st in prof.stages:
+        assert all(x > 0 for x in st.forward_ms + st.backward_ms)
+        assert st.stash_bytes_per_sample > 0 and st.static_bytes > 0 and st.optimizer_ms > 0
+    # what stage 0 sends is what stage 1 receives: a 256-wide float32 activation
+    assert prof.stages[0].output_bytes_per_sample == prof.stages[1].input_bytes_per_sample == 256 * 4
+    assert prof.stages[0].input_bytes_per_sample == 64 * 4
+    assert prof.links[0].latency_ms == 0.05 and prof.links[0].bytes_per_ms == pytest.approx(10e9 / 8 / 1e3)
+    meta = prof.model_extra["meta"]
+    assert meta["torch"] == torch.__version__ and "umopt profile" in meta["command"] and meta["date"]
+    # and it is usable straight away
+    code, _, err = run(["solve", str(out), "-B", "16", "--time-limit", "1", "-o", str(tmp_path / "s.json")], capsys)
+    assert code == 0, err
+
+
+def test_stash_bytes_match_an_analytic_count_for_linear_relu():
+    # Linear saves its input, ReLU its output, and the next Linear reuses that very tensor:
+    # per sample, the stage input plus one activation per ReLU (float32), no parameters.
+    widths = [24, 40, 56, 8]
+    layers = [nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(widths, widths[1:])]
+    stage = _Stage(layers)
+    per_sample = 4 * (widths[0] + sum(widths[1:]))
+    for n in (1, 3, 7):
+        x = torch.randn(n, widths[0], requires_grad=True)
+        assert stash_bytes(stage, x) == n * per_sample
+
+
+def test_balanced_split_minimises_the_slowest_stage():
+    times = [1, 1, 1, 1, 10, 1, 1, 1]
+    cuts = balanced_split(times, 3)
+    assert cuts[0] == 0 and cuts[-1] == 8
+    worst = max(sum(times[a:b]) for a, b in zip(cuts, cuts[1:]))
+    assert worst == 10
+    with pytest.raises(UmoptError, match="3 stages asked for a model of 2 layers"):
+        balanced_split([1, 1], 3)
+
+
+def test_balanced_split_beats_equal_layers_on_an_uneven_user_model():
+    prof = profile_model(ProfileOptions(model="userzoo:uneven", stages=2, max_size=8, link_latency_ms=0.0, link_gbps=1.0, repeats=5))
+    layer_ms = prof.model_extra["layer_ms"]
+    assert len(layer_ms) == 5
+    assert np.argmax(layer_ms) == 1  # the heavy layer was measured as the heavy one
+
+    def worst(cuts):
+        return max(sum(layer_ms[a:b]) for a, b in zip(cuts, cuts[1:]))
+
+    balanced = prof.model_extra["split"]
+    naive = [0, 3, 5]  # equal layer counts, rounded up front
+    assert worst(balanced) < worst(naive)
+
+
+def test_user_factory_by_import_path():
+    parts = build_model("userzoo:uneven", {"width": 8})
+    x, y = parts.make_batch(3, 0)
+    h = x
+    for layer in parts.layers:
+        h = layer(h)
+    assert h.shape == (3, 4) and parts.loss(h, y).ndim == 0
+
+
+def test_given_split_is_used(tmp_path):
+    prof = profile_model(ProfileOptions(model="mlp", split=[0, 1, 4], max_size=2, link_latency_ms=0.1, link_gbps=1.0))
+    assert [st.layers for st in prof.stages] == [[0, 1], [1, 4]]
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--model", "resnet9000", "--stages", "2"], "unknown model 'resnet9000'"),
+        (["--model", "mlp", "--stages", "2", "--sizes", "2,4"], "--sizes must start at 1"),
+        (["--model", "mlp", "--stages", "2", "--sizes", "1,4,2"], "--sizes must be strictly ascending"),
+        (["--model", "mlp", "--stages", "9"], "--stages 9: the model mlp has 4 layers"),
+        (["--model", "mlp", "--stages", "2", "--device", "cuda"], "--device cuda asked for, but torch sees no CUDA device"),
+        (["--model", "no_such_module:factory", "--stages", "2"], "cannot import it"),
+        (["--model", "userzoo:broken", "--stages", "2"], "the factory must return (layers, make_batch, loss)"),
+        (["--model", "mlp", "--model-arg", "depth", "--stages", "2"], "expected key=value"),
+        (["--model", "mlp", "--model-arg", "depth=3", "--stages", "2"], "bad arguments"),
+        (["--model", "mlp", "--split", "0,2,9"], "--split must rise strictly from 0 to the model's 4 layers"),
+        (["--model", "mlp"], "give --stages S or --split"),
+        (["--model", "mlp", "--stages", "2", "--link-gbps", "10"], "give both --link-latency-ms and --link-gbps"),
+    ],
+)
+def test_bad_profile_arguments(args, expected, tmp_path, capsys):
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = tmp_path / "p.json"
+    code, _, err = run(["profile", *args, "-o", str(out)], capsys)
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert expected in line and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_link_ping_pong_over_gloo():
+    latency, bytes_per_ms = measure_link("gloo", max_bytes=1 << 20, reps=5)
+    assert 0 <= latency < 50
+    assert bytes_per_ms > 1e4  # at least 10 MB/s between two local processes
