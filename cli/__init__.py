@@ -200,6 +200,27 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
     out.print(f"wrote {output}")
 
 
+@cli.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
+def run(argv) -> None:
+    """Execute SCHEDULE with one torch.distributed process per stage (umopt run --help)."""
+    from umopt.launch import launch
+    from umopt.runtime import build_parser
+
+    if not argv or "-h" in argv or "--help" in argv:
+        out.print(build_parser().format_help(), markup=False, highlight=False)
+        return
+    result = launch(list(argv))
+    r = result.report
+    table = Table(title=f"{r['schedule']}: {r['stages']} stages, minibatch {r['minibatch']}, {r['backend']}, {r['steps']} steps")
+    for col in ("", "iteration ms", "stage busy ms"):
+        table.add_column(col, justify="right")
+    table.add_row("predicted", f"{r['predicted_iteration_ms']:.2f}", " ".join(f"{x:.1f}" for x in r["busy_ms"]["predicted"]))
+    table.add_row("measured (median)", f"{r['measured_iteration_ms']:.2f}", " ".join(f"{x:.1f}" for x in r["busy_ms"]["measured"]))
+    out.print(table)
+    out.print(f"measured / predicted = {r['measured_over_predicted']:.3f}; losses per step: " + " ".join(f"{x:.4f}" for x in r["losses"]))
+
+
 @cli.command()
 @click.argument("schedule_path", metavar="SCHEDULE")
 @click.option("--profile", "profile_path", default=None, help="Profile to check against (default: the one the schedule names).")

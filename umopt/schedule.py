@@ -25,6 +25,7 @@ __all__ = [
     "validate_ops",
     "load_schedule",
     "save_schedule",
+    "make_schedule",
     "check_against_profile",
 ]
 
@@ -141,6 +142,35 @@ def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: 
             if peak > limit:
                 raise UmoptError(f"stage {s} needs {peak} bytes at its peak, over the memory limit of {limit}")
     return timeline
+
+
+def make_schedule(
+    profile: Profile,
+    minibatch: int,
+    recompute: bool,
+    ops: Sequence[Sequence[Op]],
+    timeline: Timeline,
+    solver: dict,
+    baselines: dict,
+) -> Schedule:
+    """The schedule file's content for ``ops``, with the cost model's ``timeline`` of exactly them."""
+    return Schedule.model_validate(
+        {
+            "format": SCHEDULE_FORMAT,
+            "profile": {"path": profile.path or "", "sha256": profile.sha256},
+            "minibatch": minibatch,
+            "recompute": recompute,
+            "stages": [{"ops": [list(op) for op in stage]} for stage in ops],
+            "predicted": {
+                "iteration_ms": timeline.iteration_ms,
+                "busy_ms": timeline.busy_ms,
+                "peak_memory_bytes": timeline.peak_memory_bytes,
+                "bubble_fraction": timeline.bubble_fraction,
+            },
+            "solver": solver,
+            "baselines": baselines,
+        }
+    )
 
 
 def load_schedule(path: str) -> Schedule:

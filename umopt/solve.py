@@ -17,7 +17,7 @@ from .costmodel import CostTables, Timeline
 from .errors import UmoptError
 from .problem import Candidate, Problem, Progress, SolverResult
 from .profile import Profile
-from .schedule import SCHEDULE_FORMAT, Schedule, validate_ops
+from .schedule import Schedule, make_schedule, validate_ops
 from .solvers import SOLVERS
 
 __all__ = ["SolveReport", "solve", "make_problem"]
@@ -88,31 +88,23 @@ def solve(
     timeline = cand.simulate(problem)
     if not cand.fits(timeline, problem):
         raise UmoptError(f"solver {result.name} found no schedule within the memory limit")
-    schedule = Schedule.model_validate(
-        {
-            "format": SCHEDULE_FORMAT,
-            "profile": {"path": profile.path or "", "sha256": profile.sha256},
-            "minibatch": minibatch,
-            "recompute": recompute,
-            "stages": [{"ops": [list(op) for op in stage]} for stage in ops],
-            "predicted": {
-                "iteration_ms": timeline.iteration_ms,
-                "busy_ms": timeline.busy_ms,
-                "peak_memory_bytes": timeline.peak_memory_bytes,
-                "bubble_fraction": timeline.bubble_fraction,
-            },
-            "solver": {
-                "name": solver,
-                "status": result.status,
-                "lower_bound_ms": result.lower_bound_ms if result.lower_bound_ms is not None else lb,
-                "seconds": seconds,
-                "seed": seed,
-                "time_limit": time_limit,
-                "evaluated": result.evaluated,
-                **({"winner": result.extra["winner"]} if "winner" in result.extra else {}),
-            },
-            "baselines": {"gpipe_equal": _baseline_entry(gp), "1f1b_equal": _baseline_entry(of)},
-        }
+    schedule = make_schedule(
+        profile,
+        minibatch,
+        recompute,
+        ops,
+        timeline,
+        solver={
+            "name": solver,
+            "status": result.status,
+            "lower_bound_ms": result.lower_bound_ms if result.lower_bound_ms is not None else lb,
+            "seconds": seconds,
+            "seed": seed,
+            "time_limit": time_limit,
+            "evaluated": result.evaluated,
+            **({"winner": result.extra["winner"]} if "winner" in result.extra else {}),
+        },
+        baselines={"gpipe_equal": _baseline_entry(gp), "1f1b_equal": _baseline_entry(of)},
     )
     gpipe_timeline = gp.candidate.simulate(problem) if gp.candidate is not None else None
     onef1b_timeline = of.candidate.simulate(problem) if of.candidate is not None else None

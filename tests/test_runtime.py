@@ -1,0 +1,171 @@
+"""The runtime on CPU with gloo: real processes, gradients equal to one process, faults handled."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from umopt.costmodel import CostTables
+from umopt.errors import UmoptError
+from umopt.launch import RunFailed, launch
+from umopt.problem import Candidate
+from umopt.profile import save_profile
+from umopt.schedule import make_schedule, save_schedule
+from umopt.synthetic import synthetic_profile
+from umopt.zoo import build_model
+
+MLP = {"layers": 6, "width": 24, "in_features": 12, "num_classes": 5}
+B = 12
+
+
+def mlp_profile(tmp_path, S):
+    """A profile of the zoo's mlp split into S stages, with synthetic costs (device "sim")."""
+    prof = synthetic_profile(S, max_size=8, seed=S, bytes_per_sample=MLP["width"] * 4)
+    cuts = np.linspace(0, MLP["layers"], S + 1).round().astype(int).tolist()
+    prof = prof.model_copy(
+        update={
+            "model": prof.model.model_copy(update={"name": "mlp", "args": dict(MLP)}),
+            "stages": [st.model_copy(update={"layers": [cuts[s], cuts[s + 1]]}) for s, st in enumerate(prof.stages)],
+        }
+    )
+    path = tmp_path / f"mlp{S}.json"
+    save_profile(prof, path)
+    from umopt.profile import load_profile
+
+    return load_profile(path)
+
+
+def random_partition(rng, total, mx):
+    parts = []
+    while total:
+        b = int(rng.integers(1, min(total, mx) + 1))
+        parts.append(b)
+        total -= b
+    return parts
+
+
+def write_schedule(tmp_path, profile, order, recompute, seed, name="s.json"):
+    rng = np.random.default_rng(seed)
+    S = profile.num_stages
+    f = [random_partition(rng, B, 8) for _ in range(S)]
+    b = [random_partition(rng, B, 8) for _ in range(S)] if recompute else f
+    cand = Candidate(f, b, order)
+    tables = CostTables.from_profile(profile, recompute)
+    from umopt.costmodel import simulate
+
+    ops = cand.ops()
+    tl = simulate(tables, ops, B)
+    sched = make_schedule(profile, B, recompute, ops, tl, {"name": "test", "status": "feasible", "seconds": 0.0}, {})
+    path = tmp_path / name
+    save_schedule(sched, str(path))
+    return str(path), cand
+
+
+def reference(steps=1, lr=None):
+    """Gradients (steps=1, no update) or parameters after `steps` SGD steps, in one process."""
+    parts = build_model("mlp", MLP, seed=0)
+    model = torch.nn.Sequential(*parts.layers)
+    opt = torch.optim.SGD(model.parameters(), lr=lr or 0.01, momentum=0.9)
+    for step in range(steps):
+        x, y = parts.make_batch(B, step)
+        loss = parts.loss(model(x), y) / B
+        loss.backward()
+        if lr is not None:
+            opt.step()
+            opt.zero_grad()
+    key = lambda n: "layers." + n  # noqa: E731  (Sequential names "3.0.weight")
+    if lr is None:
+        return {key(n): p.grad for n, p in model.named_parameters()}
+    return {key(n): p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "S,order,recompute,seed",
+    [(2, "gpipe", False, 1), (2, "1f1b", True, 2), (3, "1f1b", False, 3), (3, "gpipe", True, 4)],
+)
+def test_gradients_equal_single_process(tmp_path, S, order, recompute, seed):
+    profile = mlp_profile(tmp_path, S)
+    path, cand = write_schedule(tmp_path, profile, order, recompute, seed)
+    assert any(p != cand.fsizes[0] for p in cand.fsizes[1:]) or recompute  # stages chunk differently
+    launch([path, "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True)
+    got = {}
+    for s in range(S):
+        got.update(torch.load(tmp_path / "g" / f"grads_stage{s}.pt"))
+    want = reference()
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
+
+
+def test_three_steps_and_resume_match_single_process_training(tmp_path):
+    profile = mlp_profile(tmp_path, 3)
+    path, _ = write_schedule(tmp_path, profile, "1f1b", False, 7)
+    launch([path, "--steps", "2", "--warmup", "0", "--lr", "0.05", "--checkpoint", str(tmp_path / "ck")], quiet=True)
+    launch([path, "--steps", "1", "--warmup", "0", "--lr", "0.05", "--checkpoint", str(tmp_path / "ck"), "--resume"], quiet=True)
+    want = reference(steps=3, lr=0.05)
+    got = {}
+    for s in range(3):
+        state = torch.load(tmp_path / "ck" / f"stage{s}.pt", weights_only=False)
+        assert state["step"] == 3
+        got.update(state["model"])
+    got = {"layers." + k.removeprefix("layers.") if not k.startswith("layers.") else k: v for k, v in got.items()}
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def _no_runtime_left():
+    out = subprocess.run(["pgrep", "-f", "umopt.runtime"], capture_output=True, text=True).stdout.split()
+    return [p for p in out if int(p) != os.getpid()]
+
+
+@pytest.mark.parametrize("kind,expected", [("raise", "rank 1 (stage 1) failed: RuntimeError: injected fault at step 1"), ("kill", "rank 1 (stage 1) ended without a word")])
+def test_a_failing_rank_ends_the_run(tmp_path, monkeypatch, kind, expected):
+    profile = mlp_profile(tmp_path, 2)
+    path, _ = write_schedule(tmp_path, profile, "gpipe", False, 5)
+    monkeypatch.setenv("UMOPT_FAULT", f"1:1:{kind}")
+    t0 = time.perf_counter()
+    with pytest.raises(RunFailed) as exc:
+        launch([path, "--steps", "5", "--warmup", "0"], quiet=True)
+    assert time.perf_counter() - t0 < 60
+    assert expected in str(exc.value) and exc.value.exit_code == 1
+    time.sleep(0.5)
+    assert _no_runtime_left() == []
+
+
+def test_mismatched_schedule_is_rejected_before_any_process(tmp_path):
+    p2, p3 = mlp_profile(tmp_path, 2), mlp_profile(tmp_path, 3)
+    path, _ = write_schedule(tmp_path, p2, "gpipe", False, 5)
+    with pytest.raises(UmoptError, match="schedule has 2 stages but profile"):
+        launch([path, "--profile", p3.path])
+    save_profile(p2.with_memory_limit(10**12), tmp_path / "other.json")  # same model, other numbers
+    with pytest.raises(UmoptError, match="made for another profile"):
+        launch([path, "--profile", str(tmp_path / "other.json")])
+
+
+def test_run_command_reports_and_refuses_bad_input(tmp_path, capsys):
+    from umopt.cli import main
+
+    profile = mlp_profile(tmp_path, 2)
+    path, _ = write_schedule(tmp_path, profile, "1f1b", False, 6)
+    report, trace, png = tmp_path / "r.json", tmp_path / "t.json", tmp_path / "m.png"
+    main(["run", path, "--steps", "2", "--warmup", "1", "--report", str(report), "--trace", str(trace), "--plot", str(png)])
+    assert "measured / predicted" in capsys.readouterr().out
+    import json
+
+    r = json.loads(report.read_text())
+    assert r["measured_iteration_ms"] > 0 and r["predicted_iteration_ms"] > 0
+    assert r["measured_over_predicted"] == pytest.approx(r["measured_iteration_ms"] / r["predicted_iteration_ms"])
+    assert len(r["step_ms"]) == 2 and len(r["busy_ms"]["measured"]) == 2
+    names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
+    assert "process_name" in names and any(n.startswith("B(") for n in names)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["run", str(tmp_path / "missing.json")])
+    assert exc.value.code == 2
+    assert "no such file" in capsys.readouterr().err

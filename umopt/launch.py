@@ -1,0 +1,82 @@
+"""Starting the runtime's processes on this machine (what ``umopt run`` does).
+
+Checks everything it can before a process starts (:func:`umopt.runtime.preflight`), then runs
+``python -m torch.distributed.run --standalone --nproc-per-node S -m umopt.runtime ...``: one rank
+per stage, a free port, no restarts. If a rank raises or dies, torchrun stops the others; each
+rank leaves a one-line status, so the failing rank's message is what the user sees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .errors import UmoptError
+from .runtime import preflight
+
+__all__ = ["RunFailed", "RunResult", "launch"]
+
+
+class RunFailed(UmoptError):
+    """The run started but a rank failed (exit code 1, unlike bad input)."""
+
+    exit_code = 1
+
+
+@dataclass
+class RunResult:
+    report: dict
+    report_path: str
+
+
+def launch(argv: list[str], *, timeout_s: Optional[float] = None, quiet: bool = False) -> RunResult:
+    cfg = preflight(argv)
+    S = cfg.num_stages
+    with tempfile.TemporaryDirectory(prefix="umopt-run-") as tmp:
+        argv = list(argv)
+        report_path = cfg.args.report
+        if not report_path:
+            report_path = str(Path(tmp) / "report.json")
+            argv += ["--report", report_path]
+        env = dict(os.environ)
+        env["UMOPT_STATUS_DIR"] = tmp
+        threads = cfg.args.threads or int(cfg.profile.device.model_extra.get("threads", 1))
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--standalone", f"--nproc-per-node={S}", "--max-restarts=0", "--monitor-interval=0.5",
+            "-m", "umopt.runtime", *argv,
+        ]
+        log = Path(tmp) / "torchrun.log"
+        with open(log, "w") as out:
+            try:
+                proc = subprocess.run(cmd, env=env, stdout=None if not quiet else out, stderr=out, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                raise RunFailed(f"the run did not finish within {timeout_s:.0f} s") from None
+        if proc.returncode != 0:
+            raise RunFailed(_root_cause(Path(tmp), S, proc.returncode, log))
+        report = json.loads(Path(report_path).read_text())
+        return RunResult(report, cfg.args.report or "")
+
+
+def _root_cause(status_dir: Path, S: int, returncode: int, log: Path) -> str:
+    """The first rank that failed (by time), or one that died without a word."""
+    statuses = {}
+    for r in range(S):
+        f = status_dir / f"rank{r}"
+        statuses[r] = json.loads(f.read_text()) if f.exists() else {"state": "never started", "time": 0.0, "message": ""}
+    failed = sorted((st["time"], r, st["message"]) for r, st in statuses.items() if st["state"] == "failed")
+    silent = [r for r, st in statuses.items() if st["state"] == "started"]
+    if silent:  # killed: the others' failures are only its echo
+        return f"rank {silent[0]} (stage {silent[0]}) ended without a word (killed by a signal?); torchrun exit code {returncode}"
+    if failed:
+        _, r, message = failed[0]
+        return f"rank {r} (stage {r}) failed: {message}"
+    tail = log.read_text().strip().splitlines()[-1:] or [""]
+    return f"torchrun failed with exit code {returncode}: {tail[0]}"

@@ -1,0 +1,463 @@
+"""``umopt run``: execute a schedule file in torch.distributed, one process per stage.
+
+Every rank rebuilds the profile's model with the same seed, keeps its stage's layers and plays
+its op list: ``F(lo, hi)`` runs the forward of samples ``[lo, hi)`` and sends the activations on,
+``B(lo, hi)`` runs their backward and sends the input gradients back. Neighbours may chunk
+differently, so a stage receives activations (and gradients) into one buffer for the whole
+minibatch and reads its own chunks as views of it; every message's shape follows from the
+schedule, so no shapes are exchanged. The loss of a chunk is summed over its samples and divided
+by B, so an iteration's gradients equal those of the whole minibatch in one process.
+
+Point-to-point messages on each link are issued by both ends in one agreed order (the predicted
+send times of the cost model), receives as early as that order allows: compute overlaps
+communication, and NCCL, which runs a pair's messages in issue order, cannot deadlock.
+
+Run locally with ``umopt run`` (it starts torchrun), or on several machines with
+``torchrun --nnodes ... -m umopt.runtime SCHEDULE [options]``: the same code path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .costmodel import CostTables, Message, Span, Timeline, simulate
+from .errors import UmoptError
+from .fileio import write_atomic, write_json
+from .profile import Profile, load_profile
+from .schedule import Schedule, check_against_profile, load_schedule
+from .zoo import ModelParts, build_model
+
+__all__ = ["build_parser", "preflight", "RunConfig", "run_rank", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="umopt run", description="Execute a schedule file, one process per stage.")
+    p.add_argument("schedule")
+    p.add_argument("--profile", default=None, help="profile to use (default: the one the schedule names)")
+    p.add_argument("--steps", type=int, default=10, help="measured iterations")
+    p.add_argument("--warmup", type=int, default=2, help="iterations run first and not measured")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on CUDA profiles, else gloo")
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.01 for sgd, 1e-3 for adamw)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default: the profile's)")
+    p.add_argument("--data", default=None, help="package.module:fn, fn(step, minibatch) -> (inputs, targets)")
+    p.add_argument("--report", default=None, help="write report.json here")
+    p.add_argument("--trace", default=None, help="write a Chrome trace of measured and predicted ops here")
+    p.add_argument("--plot", default=None, help="write a Gantt PNG of measured beside predicted here")
+    p.add_argument("--checkpoint", default=None, help="directory: each stage writes stage{s}.pt after the last step")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint's files")
+    p.add_argument("--save-grads", default=None, help="directory: each stage writes its gradients of the last step")
+    return p
+
+
+@dataclass
+class RunConfig:
+    schedule: Schedule
+    profile: Profile
+    args: argparse.Namespace
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.schedule.stages)
+
+
+def preflight(argv: list[str]) -> RunConfig:
+    """Everything that can be checked before a process starts; one-line errors."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the usage line
+        raise UmoptError("bad arguments to umopt run (see above)") from exc
+    schedule = load_schedule(args.schedule)
+    profile = load_profile(args.profile or schedule.profile.path)
+    try:
+        check_against_profile(schedule, profile)
+    except UmoptError as exc:
+        raise UmoptError(f"{args.schedule}: {exc}") from None
+    parts = build_model(profile.model.name, profile.model.args, seed=int(profile.model.model_extra.get("seed", 0)))
+    layers_needed = profile.stages[-1].layers[1]
+    if layers_needed != len(parts.layers):
+        raise UmoptError(
+            f"profile {profile.path} splits {layers_needed} layers but model {profile.model.name} {profile.model.args} has {len(parts.layers)}"
+        )
+    if args.steps < 1 or args.warmup < 0:
+        raise UmoptError("--steps must be at least 1 and --warmup at least 0")
+    if args.resume and not args.checkpoint:
+        raise UmoptError("--resume needs --checkpoint DIR")
+    if args.resume:
+        missing = [s for s in range(len(schedule.stages)) if not (Path(args.checkpoint) / f"stage{s}.pt").exists()]
+        if missing:
+            raise UmoptError(f"--resume: {args.checkpoint} has no checkpoint for stage {missing[0]}")
+    backend = args.backend or ("nccl" if profile.device.type == "cuda" else "gloo")
+    if backend == "nccl" and torch.cuda.device_count() < len(schedule.stages) and "LOCAL_WORLD_SIZE" not in os.environ:
+        raise UmoptError(f"--backend nccl needs one GPU per stage: {len(schedule.stages)} stages, {torch.cuda.device_count()} GPUs here")
+    args.backend = backend
+    return RunConfig(schedule, profile, args)
+
+
+# --- one rank ----------------------------------------------------------------------------------
+
+
+class _StageModule(torch.nn.Module):
+    def __init__(self, layers, first: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({str(first + i): m for i, m in enumerate(layers)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.layers.values():
+            x = m(x)
+        return x
+
+
+def _link_order(cfg: RunConfig) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
+    """For each link (s, s+1): its messages in the order both ends issue them.
+
+    A message is ("act", lo, hi) from s to s+1 or ("grad", lo, hi) from s+1 to s, ordered by the
+    cost model's send time (then direction and sample), which both ends compute identically.
+    """
+    tables = CostTables.from_profile(cfg.profile, cfg.schedule.recompute)
+    tl = simulate(tables, cfg.schedule.op_lists(), cfg.schedule.minibatch)
+    order: dict[tuple[int, int], list] = {(s, s + 1): [] for s in range(cfg.num_stages - 1)}
+    for m in sorted(tl.messages, key=lambda m: (m.sent, m.direction != "fwd", m.lo)):
+        order[(m.link, m.link + 1)].append(("act" if m.direction == "fwd" else "grad", m.lo, m.hi))
+    return order
+
+
+def _fault(rank: int, step: int) -> None:
+    """Fault injection for the tests: UMOPT_FAULT="rank:step:raise|kill"."""
+    spec = os.environ.get("UMOPT_FAULT")
+    if not spec:
+        return
+    r, st, kind = spec.split(":")
+    if int(r) == rank and int(st) == step:
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected fault at step {step}")
+
+
+def run_rank(cfg: RunConfig) -> None:
+    args = cfg.args
+    rank, world = dist.get_rank(), dist.get_world_size()
+    S, B = cfg.num_stages, cfg.schedule.minibatch
+    if world != S:
+        raise UmoptError(f"the schedule has {S} stages but {world} processes were started")
+    s = rank
+    first_stage, last_stage = s == 0, s == S - 1
+    prof_stage = cfg.profile.stages[s]
+    a, b = prof_stage.layers
+    if args.backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(args.threads or int(cfg.profile.device.model_extra.get("threads", 1)))
+    seed = int(cfg.profile.model.model_extra.get("seed", 0))
+    parts: ModelParts = build_model(cfg.profile.model.name, cfg.profile.model.args, seed=seed)
+    stage = _StageModule(parts.layers[a:b], a).to(device)
+    # shapes entering and leaving this stage, from one sample through the layers before it
+    with torch.no_grad():
+        h = parts.make_batch(1, 0)[0]
+        for layer in parts.layers[:a]:
+            h = layer(h)
+        in_shape, in_dtype = tuple(h.shape[1:]), h.dtype
+        for layer in parts.layers[a:b]:
+            h = layer(h)
+        out_shape, out_dtype = tuple(h.shape[1:]), h.dtype
+    del parts.layers[:a], parts.layers[b - a :]  # free what other stages own
+    lr = args.lr if args.lr is not None else (0.01 if args.optimizer == "sgd" else 1e-3)
+    params = list(stage.parameters())
+    opt = torch.optim.SGD(params, lr=lr, momentum=0.9) if args.optimizer == "sgd" else torch.optim.AdamW(params, lr=lr)
+    start_step = 0
+    if args.resume:
+        state = torch.load(Path(args.checkpoint) / f"stage{s}.pt", map_location=device, weights_only=False)
+        stage.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start_step = state["step"]
+
+    data_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    if args.data:
+        mod, _, fn = args.data.partition(":")
+        data_fn = getattr(__import__(mod, fromlist=[fn]), fn)
+    else:
+        data_fn = lambda step, n: parts.make_batch(n, step)  # noqa: E731
+
+    ops = cfg.schedule.op_lists()[s]
+    recompute = cfg.schedule.recompute
+    order = _link_order(cfg)
+    up = order.get((s - 1, s), [])  # acts I receive, grads I send
+    down = order.get((s, s + 1), [])  # acts I send, grads I receive
+    act_buf = torch.empty((B, *in_shape), dtype=in_dtype, device=device) if not first_stage else None
+    grad_buf = torch.empty((B, *out_shape), dtype=out_dtype, device=device) if not last_stage else None
+    timing = _Timing(device)
+    step_ms: list[float] = []
+    losses: list[float] = []
+    spans_last: list[tuple[str, int, int, float, float]] = []
+
+    total = args.warmup + args.steps
+    for it in range(start_step, start_step + total):
+        _fault(rank, it - start_step)
+        inputs, targets = data_fn(it, B)
+        inputs, targets = inputs.to(device), targets.to(device)
+        links = _Links(s, up, down, act_buf, grad_buf)
+        saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+        loss_sum = torch.zeros((), device=device)
+        dist.barrier()
+        timing.start()
+        spans = []
+        links.advance()
+        for kind, lo, hi in ops:
+            if kind == "F":
+                links.wait_acts(lo, hi)
+                t0 = timing.mark()
+                x = inputs[lo:hi] if first_stage else act_buf[lo:hi].detach().requires_grad_(not recompute)
+                with torch.set_grad_enabled(not recompute):
+                    out = stage(x)
+                    if last_stage:
+                        out = parts.loss(out, targets[lo:hi]) / B
+                        loss_sum += out.detach()
+                if not recompute:
+                    saved[(lo, hi)] = (x if not first_stage else None, out)
+                if not last_stage:
+                    links.send_act(lo, hi, out.detach())
+            else:
+                links.wait_grads(lo, hi)
+                t0 = timing.mark()
+                if recompute:
+                    x = inputs[lo:hi] if first_stage else act_buf[lo:hi].detach().requires_grad_(True)
+                    out = stage(x)
+                    if last_stage:
+                        out = parts.loss(out, targets[lo:hi]) / B
+                else:
+                    x, out = saved.pop((lo, hi))
+                if last_stage:
+                    out.backward()
+                else:
+                    torch.autograd.backward(out, grad_buf[lo:hi])
+                if not first_stage:
+                    links.send_grad(lo, hi, x.grad)
+            spans.append((kind, lo, hi, t0, timing.mark()))
+            links.advance()
+        links.finish()
+        if args.save_grads and it == start_step + total - 1:
+            Path(args.save_grads).mkdir(parents=True, exist_ok=True)
+            grads = {k: p.grad.detach().cpu() for k, p in stage.named_parameters() if p.grad is not None}
+            _save_atomic(grads, Path(args.save_grads) / f"grads_stage{s}.pt")
+        t_opt = timing.mark()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        spans.append(("OPT", 0, 0, t_opt, timing.mark()))
+        elapsed = timing.stop()
+        mine = torch.tensor([elapsed], dtype=torch.float64)
+        worst = mine.to(device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        if last_stage:
+            losses.append(float(loss_sum))
+        if it - start_step >= args.warmup:
+            step_ms.append(float(worst.item()))
+            spans_last = [(k, lo, hi, timing.ms(t0), timing.ms(t1)) for k, lo, hi, t0, t1 in spans]
+
+    if args.checkpoint:
+        Path(args.checkpoint).mkdir(parents=True, exist_ok=True)
+        _save_atomic({"model": stage.state_dict(), "optimizer": opt.state_dict(), "step": start_step + total}, Path(args.checkpoint) / f"stage{s}.pt")
+
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {"spans": spans_last, "losses": losses})
+    if rank == 0:
+        _report(cfg, step_ms, gathered)
+
+
+class _Timing:
+    """Milliseconds since the step started: perf_counter on CPU, CUDA events on GPUs."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events: list = []
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.t0 = torch.cuda.Event(enable_timing=True)
+            self.t0.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def ms(self, mark) -> float:
+        return self.t0.elapsed_time(mark) if self.cuda else (mark - self.t0) * 1e3
+
+    def stop(self) -> float:
+        end = self.mark()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return self.ms(end)
+
+
+class _Links:
+    """The point-to-point messages of one stage for one iteration.
+
+    Both ends of a link issue its messages in the agreed order; a receive is posted as soon as
+    every earlier message of that order has been issued, a send when its data is ready.
+    """
+
+    def __init__(self, s: int, up: list, down: list, act_buf, grad_buf):
+        self.s = s
+        self.up, self.down = up, down
+        self.pos = {"up": 0, "down": 0}
+        self.act_buf, self.grad_buf = act_buf, grad_buf
+        self.recv_act: dict[tuple[int, int], object] = {}
+        self.recv_grad: dict[tuple[int, int], object] = {}
+        self.pending_sends: list = []
+        self.ready_sends: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def _issue(self, side: str) -> None:
+        seq = self.up if side == "up" else self.down
+        peer = self.s - 1 if side == "up" else self.s + 1
+        while self.pos[side] < len(seq):
+            kind, lo, hi = seq[self.pos[side]]
+            tag = self.pos[side]
+            incoming = (kind == "act") == (side == "up")
+            if incoming:
+                buf = self.act_buf if side == "up" else self.grad_buf
+                work = dist.irecv(buf[lo:hi], src=peer, tag=tag)
+                (self.recv_act if side == "up" else self.recv_grad)[(lo, hi)] = work
+            else:
+                data = self.ready_sends.pop((kind, lo, hi), None)
+                if data is None:
+                    return  # not computed yet: later messages of this link wait their turn
+                self.pending_sends.append((dist.isend(data, dst=peer, tag=tag), data))
+            self.pos[side] += 1
+
+    def advance(self) -> None:
+        self._issue("up")
+        self._issue("down")
+
+    def send_act(self, lo: int, hi: int, t: torch.Tensor) -> None:
+        self.ready_sends[("act", lo, hi)] = t.contiguous()
+        self._issue("down")
+
+    def send_grad(self, lo: int, hi: int, t: torch.Tensor) -> None:
+        self.ready_sends[("grad", lo, hi)] = t.contiguous()
+        self._issue("up")
+
+    def _wait(self, works: dict, lo: int, hi: int, side: str) -> None:
+        for (mlo, mhi) in list(works):
+            if mlo < hi and lo < mhi:
+                works.pop((mlo, mhi)).wait()
+
+    def wait_acts(self, lo: int, hi: int) -> None:
+        self.advance()
+        self._wait(self.recv_act, lo, hi, "up")
+
+    def wait_grads(self, lo: int, hi: int) -> None:
+        self.advance()
+        self._wait(self.recv_grad, lo, hi, "down")
+
+    def finish(self) -> None:
+        self.advance()
+        for works in (self.recv_act, self.recv_grad):
+            for w in works.values():
+                w.wait()
+        for work, _data in self.pending_sends:
+            work.wait()
+
+
+def _save_atomic(obj, path: Path) -> None:
+    write_atomic(path, lambda tmp: torch.save(obj, tmp))
+
+
+def _measured_timeline(per_rank: list) -> Timeline:
+    spans = []
+    busy = []
+    for s, rec in enumerate(per_rank):
+        mine = [Span(s, k, lo, hi, t0, t1) for k, lo, hi, t0, t1 in rec["spans"] if k in ("F", "B")]
+        spans.append(mine)
+        busy.append(sum(sp.end - sp.start for sp in mine))
+    end = max((t1 for rec in per_rank for k, lo, hi, t0, t1 in rec["spans"]), default=0.0)
+    finish = [sp[-1].end if sp else 0.0 for sp in spans]
+    return Timeline(iteration_ms=end, busy_ms=busy, peak_memory_bytes=[], spans=spans, finish_ms=finish)
+
+
+def _report(cfg: RunConfig, step_ms: list[float], per_rank: list) -> None:
+    args = cfg.args
+    predicted = cfg.schedule.predicted.iteration_ms
+    measured = statistics.median(step_ms)
+    tl = _measured_timeline(per_rank)
+    tables = CostTables.from_profile(cfg.profile, cfg.schedule.recompute)
+    pred_tl = simulate(tables, cfg.schedule.op_lists(), cfg.schedule.minibatch)
+    report = {
+        "schedule": str(args.schedule),
+        "profile": cfg.profile.path,
+        "backend": args.backend,
+        "stages": cfg.num_stages,
+        "minibatch": cfg.schedule.minibatch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "measured_iteration_ms": measured,
+        "predicted_iteration_ms": predicted,
+        "measured_over_predicted": measured / predicted,
+        "step_ms": step_ms,
+        "busy_ms": {"measured": tl.busy_ms, "predicted": pred_tl.busy_ms},
+        "losses": per_rank[-1]["losses"],
+    }
+    if args.report:
+        write_json(args.report, report)
+    panels = [("predicted", pred_tl), ("measured (last step)", tl)]
+    if args.trace:
+        from .trace import write_trace
+
+        write_trace(panels, args.trace)
+    if args.plot:
+        from .plot import gantt
+
+        gantt(panels, args.plot, title=f"{cfg.profile.model.name}: measured {measured:.1f} ms vs predicted {predicted:.1f} ms")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point of each rank (``python -m umopt.runtime`` under torchrun)."""
+    status_dir = os.environ.get("UMOPT_STATUS_DIR")
+    rank = int(os.environ.get("RANK", "0"))
+
+    def status(state: str, message: str = "") -> None:
+        if status_dir:
+            line = json.dumps({"state": state, "time": time.time(), "message": message})
+            write_atomic(Path(status_dir) / f"rank{rank}", lambda tmp: Path(tmp).write_text(line))
+
+    status("started")
+    try:
+        cfg = preflight(list(sys.argv[1:] if argv is None else argv))
+        backend = cfg.args.backend
+        dist.init_process_group(backend, timeout=timedelta(seconds=int(os.environ.get("UMOPT_TIMEOUT_S", "60"))))
+        try:
+            run_rank(cfg)
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        status("failed", f"{exc.__class__.__name__}: {first}" if first else exc.__class__.__name__)
+        if not isinstance(exc, (UmoptError, KeyboardInterrupt)):
+            traceback.print_exc()
+        sys.exit(1)
+    status("done")
+
+
+if __name__ == "__main__":
+    main()
