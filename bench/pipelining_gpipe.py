@@ -1,0 +1,60 @@
+"""torch.distributed.pipelining's ScheduleGPipe on a zoo model: the reference the runtime is timed against.
+
+Run under torchrun, one process per stage (bench/runtime_vs_predicted.py does this):
+
+    torchrun --standalone --nproc-per-node 2 bench/pipelining_gpipe.py PROFILE M STEPS WARMUP OUT.json
+
+It builds the same model as umopt's runtime (same seed, same split from the profile), splits the
+minibatch into M equal microbatches and times each iteration (barrier, schedule.step, optimizer
+step) like umopt's runtime does; rank 0 writes the step times.
+"""
+
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+from umopt.profile import load_profile
+from umopt.zoo import build_model
+
+
+def main() -> None:
+    profile_path, m, steps, warmup, out, minibatch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prof = load_profile(profile_path)
+    torch.set_num_threads(int(prof.device.model_extra.get("threads", 1)))
+    parts = build_model(prof.model.name, prof.model.args, seed=int(prof.model.model_extra.get("seed", 0)))
+    a, b = prof.stages[rank].layers
+    module = torch.nn.Sequential(*parts.layers[a:b])
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    sched = ScheduleGPipe(stage, n_microbatches=m, loss_fn=lambda out, y: parts.loss(out, y) / minibatch, scale_grads=False)
+    opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
+    times = []
+    for step in range(warmup + steps):
+        x, y = parts.make_batch(minibatch, step)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            sched.step(x)
+        elif rank == world - 1:
+            sched.step(target=y, losses=[])
+        else:
+            sched.step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = torch.tensor([(time.perf_counter() - t0) * 1e3], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if step >= warmup:
+            times.append(float(dt))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"step_ms": times}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
