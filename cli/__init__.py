@@ -159,9 +159,10 @@ def _int_list(value: Optional[str], what: str) -> Optional[list[int]]:
 @click.option("--memory-limit", type=int, default=None, help="Bytes per stage to record as the profile's memory limit.")
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False), default=None, help="Write a torch.profiler trace per stage here.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed the model is built with.")
+@click.option("--concurrent/--sequential", default=None, help="Time all stages at once, one process each, as they run (default on CPU when the cores suffice).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Profile file to write.")
 def profile(model, model_args, stages, split, sizes, max_size, device, dtype, threads, warmup, repeats, optimizer,
-            link_latency_ms, link_gbps, memory_limit, trace_dir, seed, output) -> None:
+            link_latency_ms, link_gbps, memory_limit, trace_dir, seed, concurrent, output) -> None:
     """Measure each stage's forward/backward time per chunk size, its memory and the links."""
     from umopt.profile import save_profile
     from umopt.profiler import ProfileOptions, profile_model
@@ -173,7 +174,7 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
         model=model, model_args=parse_model_args(list(model_args)), stages=stages, split=_int_list(split, "--split"),
         sizes=_int_list(sizes, "--sizes"), max_size=max_size, device=device, dtype=dtype, threads=threads,
         warmup=warmup, repeats=repeats, optimizer=optimizer, link_latency_ms=link_latency_ms, link_gbps=link_gbps,
-        memory_limit_bytes=memory_limit, trace_dir=trace_dir, seed=seed,
+        memory_limit_bytes=memory_limit, trace_dir=trace_dir, seed=seed, concurrent=concurrent,
     )
     with _progress_bar("profile") as bar:
         task = bar.add_task("", total=None)
