@@ -45,7 +45,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--time-limit", type=float, default=20.0)
     args = ap.parse_args()
+    title, rows, summary = run(args.minibatch, args.rounds, args.steps, args.time_limit)
     console = Console(width=150)
+    table = Table(title=title)
+    for col in COLUMNS:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    console.print(summary)
+
+
+COLUMNS = ("schedule", "predicted ms", "measured ms", "measured / predicted", "rounds (ms)")
+
+
+def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print):
+    """(title, rows, summary line) of the side-by-side runs."""
+    args = argparse.Namespace(minibatch=minibatch, rounds=rounds, steps=steps, time_limit=time_limit)
     tmp = Path(tempfile.mkdtemp(prefix="umopt-bench-"))
     prof = profile_model(ProfileOptions(model="gpt", model_args=GPT, stages=2, max_size=32))
     save_profile(prof, tmp / "gpt2.json")
@@ -64,7 +80,7 @@ def main() -> None:
     m_div = len(div.fsizes[0])
     eqd = make_schedule(prof, B, False, div.ops(), div.simulate(problem), {"name": "gpipe_equal_divisor", "status": "feasible", "seconds": 0.0}, {})
     save_schedule(eqd, str(tmp / "equal_div.json"))
-    console.print(f"profile: {[st.layers for st in prof.stages]}, best equal GPipe M={gp.microbatches}, among divisors M={m_div}, solver: {report.schedule.solver.model_extra.get('winner', '')}")
+    say(f"profile: {[st.layers for st in prof.stages]}, best equal GPipe M={gp.microbatches}, among divisors M={m_div}, solver: {report.schedule.solver.model_extra.get('winner', '')}")
 
     results: dict[str, list[float]] = {"equal": [], "equal_div": [], "pipelining": [], "umopt": []}
     common = ["--steps", str(args.steps), "--warmup", "2"]
@@ -87,9 +103,8 @@ def main() -> None:
 
     pred = {"equal": eq.predicted.iteration_ms, "equal_div": eqd.predicted.iteration_ms, "umopt": report.schedule.predicted.iteration_ms, "pipelining": eqd.predicted.iteration_ms}
     meas = {k: statistics.median(v) for k, v in results.items()}
-    table = Table(title=f"GPT (4 layers, d=128, seq 64) on 2 CPU stages x 1 thread, minibatch {B}; medians of {args.rounds} rounds")
-    for col in ("schedule", "predicted ms", "measured ms", "measured / predicted", "rounds (ms)"):
-        table.add_column(col, justify="right")
+    title = f"GPT (4 layers, d=128, seq 64) on 2 CPU stages x 1 thread, minibatch {B}; medians of {args.rounds} rounds"
+    rows = []
     names = {
         "equal": f"umopt runtime, best equal GPipe M={gp.microbatches}",
         "equal_div": f"umopt runtime, equal GPipe M={m_div}",
@@ -97,15 +112,15 @@ def main() -> None:
         "umopt": "umopt runtime, umopt schedule",
     }
     for k in ("equal", "equal_div", "pipelining", "umopt"):
-        table.add_row(names[k], f"{pred[k]:.1f}", f"{meas[k]:.1f}", f"{meas[k] / pred[k]:.3f}", " ".join(f"{x:.1f}" for x in results[k]))
-    console.print(table)
+        rows.append([names[k], f"{pred[k]:.1f}", f"{meas[k]:.1f}", f"{meas[k] / pred[k]:.3f}", " ".join(f"{x:.1f}" for x in results[k])])
     margin_pred = pred["equal"] - pred["umopt"]
     margin_meas = meas["equal"] - meas["umopt"]
-    console.print(
+    summary = (
         f"umopt runtime / ScheduleGPipe (equal GPipe, M={m_div}) = {meas['equal_div'] / meas['pipelining']:.3f} (target <= 1.05); "
         f"unequal beats equal by {margin_meas:.1f} ms measured vs {margin_pred:.1f} ms predicted "
         f"= {100 * margin_meas / margin_pred if margin_pred > 0 else float('nan'):.0f}% of the predicted margin (target >= 70%)"
     )
+    return title, rows, summary
 
 
 if __name__ == "__main__":

@@ -33,33 +33,45 @@ CASES = [
 ]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--time-limit", type=float, default=20.0)
-    ap.add_argument("--quick", action="store_true", help="first two cases only")
-    args = ap.parse_args()
-    table = Table(title=f"iteration ms (speedup over best equal GPipe); solvers get {args.time_limit:g} s")
-    for col in ("profile", "B", "gpipe_equal", "1f1b_equal", "hill climb", "dp", "greedy", "ga", "auto", "auto order", "auto s", "bound", "auto gap"):
-        table.add_column(col, justify="right")
-    for name, B in CASES[:2] if args.quick else CASES:
+COLUMNS = ("profile", "B", "gpipe_equal", "1f1b_equal", "hill climb", "dp", "greedy", "ga", "auto", "auto order", "auto s", "bound", "auto gap")
+
+
+def run(time_limit: float, cases=CASES, say=print) -> list[list[str]]:
+    """One row of cells per case: iteration ms (speedup over the best equal GPipe)."""
+    rows = []
+    for name, B in cases:
         problem = make_problem(load_profile(name), B, recompute=False)
         gp, of, lb = gpipe_equal(problem), onef1b_equal(problem), lower_bound(problem)
 
         def cell(it: float) -> str:
             return f"{it:.1f} ({gp.iteration_ms / it:.3f}x)"
 
-        climbs = [hill_climb(problem, c, time.perf_counter() + args.time_limit)[0] for c in (gp.candidate, of.candidate)]
+        climbs = [hill_climb(problem, c, time.perf_counter() + time_limit)[0] for c in (gp.candidate, of.candidate)]
         climb = min(c.iteration_ms for c in climbs)
         row = [name, str(B), cell(gp.iteration_ms), cell(of.iteration_ms), cell(climb)]
         for solver in ("dp", "greedy", "ga", "auto"):
             t0 = time.perf_counter()
-            res = SOLVERS[solver](problem, time_limit=args.time_limit, seed=0)
+            res = SOLVERS[solver](problem, time_limit=time_limit, seed=0)
             seconds = time.perf_counter() - t0
             it = res.candidate.simulate(problem).iteration_ms
             row.append(cell(it))
         row += [res.candidate.order, f"{seconds:.1f}", f"{lb:.1f}", f"{100 * (it - lb) / lb:.1f}%"]
+        rows.append(row)
+        say(f"done {name} B={B}")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--time-limit", type=float, default=20.0)
+    ap.add_argument("--quick", action="store_true", help="first two cases only")
+    args = ap.parse_args()
+    rows = run(args.time_limit, CASES[:2] if args.quick else CASES)
+    table = Table(title=f"iteration ms (speedup over best equal GPipe); solvers get {args.time_limit:g} s")
+    for col in COLUMNS:
+        table.add_column(col, justify="right")
+    for row in rows:
         table.add_row(*row)
-        Console(width=220).print(f"done {name} B={B}")
     Console(width=220).print(table)
 
 

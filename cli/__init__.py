@@ -164,6 +164,7 @@ def _int_list(value: Optional[str], what: str) -> Optional[list[int]]:
 def profile(model, model_args, stages, split, sizes, max_size, device, dtype, threads, warmup, repeats, optimizer,
             link_latency_ms, link_gbps, memory_limit, trace_dir, seed, concurrent, output) -> None:
     """Measure each stage's forward/backward time per chunk size, its memory and the links."""
+    _require_torch()
     from umopt.profile import save_profile
     from umopt.profiler import ProfileOptions, profile_model
     from umopt.zoo import parse_model_args
@@ -205,6 +206,7 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED)
 def run(argv) -> None:
     """Execute SCHEDULE with one torch.distributed process per stage (umopt run --help)."""
+    _require_torch()
     from umopt.launch import launch
     from umopt.runtime import build_parser
 
@@ -220,6 +222,49 @@ def run(argv) -> None:
     table.add_row("measured (median)", f"{r['measured_iteration_ms']:.2f}", " ".join(f"{x:.1f}" for x in r["busy_ms"]["measured"]))
     out.print(table)
     out.print(f"measured / predicted = {r['measured_over_predicted']:.3f}; losses per step: " + " ".join(f"{x:.4f}" for x in r["losses"]))
+
+
+@cli.command()
+@click.option("--model", default=None, help="vgg16, gpt, mlp or package.module:factory (default: a small GPT).")
+@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Model argument, repeatable.")
+@click.option("--stages", type=int, default=None, help="Pipeline stages (default 2).")
+@click.option("--minibatch", "-B", type=int, default=None, help="Samples per iteration (default 16).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--steps", type=int, default=8, show_default=True, help="Measured iterations per run.")
+@click.option("--time-limit", type=float, default=10.0, show_default=True, help="Seconds of search.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="umopt-tune", show_default=True)
+def tune(model, model_args, stages, minibatch, device, steps, time_limit, out_dir) -> None:
+    """Profile, solve and run in one go; compare with the best equal GPipe and 1F1B schedules."""
+    _require_torch()
+    from umopt.tune import DEFAULT, tune as run_tune
+    from umopt.zoo import parse_model_args
+
+    args = parse_model_args(list(model_args)) if model else (parse_model_args(list(model_args)) or DEFAULT["model_args"])
+    result = run_tune(
+        model or DEFAULT["model"], args, stages or DEFAULT["stages"], minibatch or DEFAULT["minibatch"],
+        device=device, steps=steps, out_dir=out_dir, time_limit=time_limit, say=lambda m: err.print(f"umopt tune: {m}", markup=False),
+    )
+    table = Table(title=f"{model or DEFAULT['model']}, {stages or DEFAULT['stages']} stages, minibatch {minibatch or DEFAULT['minibatch']}: speedups over equal GPipe")
+    table.add_column("schedule", no_wrap=True)
+    for col in ("chunks", "pred ms", "meas ms", "meas x", "pred x"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for row in result.rows:
+        table.add_row(row.name, row.chunks, f"{row.predicted_ms:.2f}", f"{row.measured_ms:.2f}", f"{result.speedup(row):.3f}x", f"{result.speedup(row, False):.3f}x")
+    out.print(table)
+    best = result.rows[-1]
+    out.print(f"umopt's schedule is within {100 * (best.predicted_ms - result.lower_bound_ms) / result.lower_bound_ms:.1f}% of the lower bound ({result.lower_bound_ms:.2f} ms, not proven tight)")
+    out.print(f"wrote {len(result.files)} files to {result.out_dir}/")
+
+
+def _require_torch() -> None:
+    """torch is needed to profile and run; say how to get it rather than fail on an import."""
+    try:
+        import torch
+    except ImportError:
+        raise UmoptError("torch is not installed: pip install torch==2.13.0 (CPU) or the CUDA build for your driver") from None
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    if (major, minor) < (2, 2):
+        raise UmoptError(f"torch {torch.__version__} is too old (umopt needs 2.2 or newer): pip install -U 'torch>=2.2'")
 
 
 @cli.command()

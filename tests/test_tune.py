@@ -1,0 +1,52 @@
+"""`umopt tune` end to end on a tiny model, and README's commands are the ones CI runs."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from umopt.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
+    out = tmp_path / "tune"
+    main(["tune", "--model", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32", "--stages", "2",
+          "--minibatch", "8", "--steps", "1", "--time-limit", "1", "--out", str(out)])
+    stdout = capsys.readouterr().out
+    for name in ("gpipe_equal", "1f1b_equal", "umopt"):
+        assert name in stdout
+        report = json.loads((out / f"report_{name}.json").read_text())
+        assert report["measured_iteration_ms"] > 0 and report["predicted_iteration_ms"] > 0
+        assert (out / f"measured_{name}.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "profile.json").exists() and (out / "umopt.json").exists()
+
+
+def test_tune_refuses_cuda_without_cuda(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", "--device", "cuda", "--out", str(tmp_path / "t")])
+    assert exc.value.code == 2
+    assert "--device cuda asked for, but torch sees no CUDA device" in capsys.readouterr().err
+
+
+def _quickstart_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.+?)\n```", section, flags=re.S)
+
+
+def test_readme_quickstart_is_two_commands_and_ci_runs_the_test_one():
+    commands = _quickstart_commands()
+    assert len(commands) == 2 and all("\n" not in c for c in commands)
+    install_and_run, test = commands
+    assert "umopt tune" in install_and_run
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert test in ci.splitlines()

@@ -1,0 +1,108 @@
+"""``umopt tune``: profile, solve and run in one go, and compare with the best equal schedules.
+
+Profiles the model on this machine, solves for the minibatch, writes the umopt schedule and the
+best equal GPipe and 1F1B schedules, runs all three with the runtime and returns one row per
+schedule: predicted and measured iteration time and the measured speedup over equal GPipe.
+Everything it makes lands in one folder: the profile, the schedules, the run reports and the
+Gantt pictures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from .baselines import Baseline
+from .launch import launch
+from .profile import load_profile, save_profile
+from .profiler import ProfileOptions, profile_model
+from .schedule import make_schedule, save_schedule
+from .solve import make_problem, solve
+
+__all__ = ["DEFAULT", "TuneRow", "TuneResult", "tune"]
+
+# about a minute on a 2-core CPU: a small GPT on 2 stages, 2 local ranks, ~140 ms iterations
+# (much smaller and per-op overheads the profile does not see start to dominate)
+DEFAULT = {
+    "model": "gpt",
+    "model_args": {"layers": 4, "d_model": 128, "heads": 4, "vocab": 2048, "seq_len": 64},
+    "stages": 2,
+    "minibatch": 32,
+}
+
+
+@dataclass
+class TuneRow:
+    name: str
+    chunks: str
+    predicted_ms: float
+    measured_ms: float
+    schedule: str
+    report: str
+    plot: str
+
+
+@dataclass
+class TuneResult:
+    rows: list[TuneRow]
+    lower_bound_ms: float
+    out_dir: str
+    files: list[str] = field(default_factory=list)
+
+    def speedup(self, row: TuneRow, measured: bool = True) -> float:
+        base = self.rows[0]
+        return (base.measured_ms / row.measured_ms) if measured else (base.predicted_ms / row.predicted_ms)
+
+
+def tune(
+    model: str,
+    model_args: dict,
+    stages: int,
+    minibatch: int,
+    *,
+    device: str = "cpu",
+    steps: int = 5,
+    warmup: int = 2,
+    out_dir: str = "umopt-tune",
+    time_limit: float = 10.0,
+    max_size: Optional[int] = None,
+    seed: int = 0,
+    say: Callable[[str], None] = lambda _msg: None,
+) -> TuneResult:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    say(f"profiling {model} on {device}, {stages} stages")
+    prof = profile_model(
+        ProfileOptions(model=model, model_args=model_args, stages=stages, max_size=max_size or min(64, minibatch), device=device, seed=seed),
+        argv=["umopt", "tune"],
+    )
+    save_profile(prof, out / "profile.json")
+    prof = load_profile(out / "profile.json")
+    say(f"solving for minibatch {minibatch} ({time_limit:g} s)")
+    report = solve(prof, minibatch, time_limit=time_limit, seed=seed)
+    save_schedule(report.schedule, str(out / "umopt.json"))
+    problem = make_problem(prof, minibatch, False)
+
+    def equal_schedule(b: Baseline, name: str) -> Optional[str]:
+        if b.candidate is None:
+            return None
+        sched = make_schedule(prof, minibatch, False, b.candidate.ops(), b.candidate.simulate(problem), {"name": name, "status": "feasible", "seconds": 0.0}, {})
+        path = str(out / f"{name}.json")
+        save_schedule(sched, path)
+        return path
+
+    plans = [
+        ("gpipe_equal", equal_schedule(report.gpipe, "gpipe_equal"), f"M={report.gpipe.microbatches}"),
+        ("1f1b_equal", equal_schedule(report.onef1b, "1f1b_equal"), f"M={report.onef1b.microbatches}"),
+        ("umopt", str(out / "umopt.json"), "/".join(str(len([o for o in st.ops if o[0] == "F"])) for st in report.schedule.stages) + f" ({report.result.candidate.order})"),
+    ]
+    rows = []
+    for name, path, chunks in plans:
+        if path is None:
+            continue
+        say(f"running {name}")
+        rep, png = str(out / f"report_{name}.json"), str(out / f"measured_{name}.png")
+        r = launch([path, "--steps", str(steps), "--warmup", str(warmup), "--report", rep, "--plot", png], quiet=True).report
+        rows.append(TuneRow(name, chunks, r["predicted_iteration_ms"], r["measured_iteration_ms"], path, rep, png))
+    return TuneResult(rows, report.schedule.solver.lower_bound_ms or report.lower_bound_ms, str(out), sorted(str(p) for p in out.iterdir()))
