@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from umopt.costmodel import CostTables, simulate
-from umopt.partition import ends_to_sizes, equal_sizes, gpipe_ops, onef1b_schedule, repair_ends, sizes_to_ends
+from umopt.partition import ends_to_sizes, equal_sizes, gpipe_ops, repair_ends, sizes_to_ends
 from umopt.synthetic import synthetic_profile
 from umopt.vectorized import evaluate_1f1b, evaluate_gpipe
 

@@ -42,3 +42,14 @@ def profile_file(tmp_path):
         return str(path)
 
     return write
+
+
+def run_cli(argv, capsys):
+    """Run the umopt command in-process: (exit code, stdout, stderr)."""
+    from umopt.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+        raise SystemExit(0)
+    cap = capsys.readouterr()
+    return exc.value.code, cap.out, cap.err

@@ -10,20 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from umopt.cli import main
 from umopt.costmodel import CostTables, simulate
 from umopt.profile import load_profile
 from umopt.schedule import load_schedule
 
-from conftest import two_stage_profile
-
-
-def run(argv, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-        raise SystemExit(0)
-    cap = capsys.readouterr()
-    return exc.value.code, cap.out, cap.err
+from conftest import run_cli as run, two_stage_profile
 
 
 def test_solve_bundled_profile_by_name_writes_a_consistent_schedule(tmp_path, capsys):

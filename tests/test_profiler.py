@@ -7,21 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from umopt.cli import main
 from umopt.errors import UmoptError
 from umopt.profile import load_profile
 from umopt.profiler import ProfileOptions, _Stage, balanced_split, measure_link, profile_model, stash_bytes
 from umopt.zoo import build_model
 
+from conftest import run_cli as run
+
 FAST_LINK = ["--link-latency-ms", "0.05", "--link-gbps", "10"]
-
-
-def run(argv, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-        raise SystemExit(0)
-    cap = capsys.readouterr()
-    return exc.value.code, cap.out, cap.err
 
 
 def test_small_mlp_profile_is_complete_and_sane(tmp_path, capsys):

@@ -9,7 +9,7 @@ import pytest
 
 from umopt.baselines import gpipe_equal, lower_bound, min_work, onef1b_equal
 from umopt.costmodel import CostTables
-from umopt.problem import Candidate, Problem, pack, score_gpipe
+from umopt.problem import Candidate, Problem
 from umopt.solvers import SOLVERS
 from umopt.solvers.dp import shared_partition
 from umopt.synthetic import synthetic_profile

@@ -54,7 +54,6 @@ class Candidate:
     iteration_ms: float = float("inf")  # as last scored; the simulator has the final word
 
     def ops(self) -> list[list[Op]]:
-        S = len(self.fsizes)
         if self.order == "gpipe":
             return [gpipe_ops(f, b) for f, b in zip(self.fsizes, self.bsizes)]
         return onef1b_schedule(self.fsizes, self.bsizes)

@@ -32,6 +32,8 @@ __all__ = [
     "load_profile",
     "save_profile",
     "pydantic_error_line",
+    "load_model_file",
+    "default_sizes",
 ]
 
 PROFILE_FORMAT = "umopt-profile/1"
@@ -139,6 +141,15 @@ class Profile(_Strict):
         return other
 
 
+def default_sizes(max_size: int) -> list[int]:
+    """Powers of two below ``max_size``, then ``max_size``: the chunk sizes measured by default."""
+    sizes, b = [], 1
+    while b < max_size:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_size]
+
+
 def pydantic_error_line(exc: ValidationError) -> str:
     """First validation error as ``where: what`` on one line."""
     err = exc.errors()[0]
@@ -173,18 +184,23 @@ def resolve_profile_path(name_or_path: str) -> Path:
     )
 
 
-def load_profile(name_or_path: str | Path) -> Profile:
-    """Read and validate a profile file; every problem is a one-line :class:`UmoptError`."""
-    path = resolve_profile_path(str(name_or_path))
+def load_model_file(path: str | Path, model: type[BaseModel], fmt: str, what: str):
+    """Read a JSON file of format ``fmt`` into ``model``; every problem is a one-line :class:`UmoptError`."""
     data = read_json(path)
     if not isinstance(data, dict):
-        raise UmoptError(f"{path}: a profile must be a JSON object")
-    if data.get("format") != PROFILE_FORMAT:
-        raise UmoptError(f"{path}: format is {data.get('format')!r}, expected {PROFILE_FORMAT!r}")
+        raise UmoptError(f"{path}: a {what} must be a JSON object")
+    if data.get("format") != fmt:
+        raise UmoptError(f"{path}: format is {data.get('format')!r}, expected {fmt!r}")
     try:
-        prof = Profile.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         raise UmoptError(f"{path}: {pydantic_error_line(exc)}") from None
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """Read and validate a profile file, by path or bundled name."""
+    path = resolve_profile_path(str(name_or_path))
+    prof = load_model_file(path, Profile, PROFILE_FORMAT, "profile")
     prof._path = str(path)
     prof._sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
     return prof

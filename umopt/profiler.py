@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .errors import UmoptError
-from .profile import PROFILE_FORMAT, Profile
+from .profile import PROFILE_FORMAT, Profile, default_sizes
 from .zoo import ModelParts, build_model
 
 __all__ = [
@@ -41,14 +41,6 @@ __all__ = [
 
 # progress(done, total, what)
 ProgressFn = Callable[[int, int, str], None]
-
-
-def default_sizes(max_size: int) -> list[int]:
-    sizes, b = [], 1
-    while b < max_size:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_size]
 
 
 @dataclass

@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .costmodel import CostTables, Message, Span, Timeline, simulate
+from .costmodel import CostTables, Span, Timeline, simulate
 from .errors import UmoptError
 from .fileio import write_atomic, write_json
 from .profile import Profile, load_profile

@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Optional, Sequence
 
 from annotated_types import Len
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .costmodel import CostTables, Op, Timeline, simulate
 from .errors import UmoptError
-from .fileio import read_json, write_json
-from .profile import Profile, pydantic_error_line
+from .fileio import write_json
+from .profile import Profile, load_model_file
 
 __all__ = [
     "SCHEDULE_FORMAT",
@@ -175,15 +175,7 @@ def make_schedule(
 
 def load_schedule(path: str) -> Schedule:
     """Read a schedule file and check its format (ops are checked against a profile separately)."""
-    data = read_json(path)
-    if not isinstance(data, dict):
-        raise UmoptError(f"{path}: a schedule must be a JSON object")
-    if data.get("format") != SCHEDULE_FORMAT:
-        raise UmoptError(f"{path}: format is {data.get('format')!r}, expected {SCHEDULE_FORMAT!r}")
-    try:
-        return Schedule.model_validate(data)
-    except ValidationError as exc:
-        raise UmoptError(f"{path}: {pydantic_error_line(exc)}") from None
+    return load_model_file(path, Schedule, SCHEDULE_FORMAT, "schedule")
 
 
 def save_schedule(schedule: Schedule, path: str) -> None:

@@ -11,17 +11,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .profile import PROFILE_FORMAT, Profile
+from .profile import PROFILE_FORMAT, Profile, default_sizes
 
-__all__ = ["synthetic_profile", "powers_of_two"]
-
-
-def powers_of_two(max_size: int) -> list[int]:
-    sizes, b = [], 1
-    while b < max_size:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_size]
+__all__ = ["synthetic_profile"]
 
 
 def synthetic_profile(
@@ -43,7 +35,7 @@ def synthetic_profile(
     S = num_stages
     over = np.asarray(overhead_ms if overhead_ms is not None else rng.uniform(0.2, 3.0, S), dtype=float)
     per = np.asarray(per_sample_ms if per_sample_ms is not None else rng.uniform(0.2, 1.5, S), dtype=float)
-    sizes = powers_of_two(max_size)
+    sizes = default_sizes(max_size)
     b = np.asarray(sizes, dtype=float)
     stages = []
     for s in range(S):

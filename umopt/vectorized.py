@@ -199,7 +199,6 @@ def evaluate_1f1b(tables: CostTables, fsizes: np.ndarray) -> PopulationScore:
     parts = [_Partition(np.ascontiguousarray(fsizes[:, s].T, dtype=idx), B, cols) for s in range(S)]
     Q = 2 * K
     KP = K * P
-    neg = -np.inf
     k_col = np.arange(K)[:, None]
     q_col = np.arange(Q)[:, None]
 

@@ -12,7 +12,7 @@ stages' finish times, which lets the climb cross plateaus where the slowest stag
 from __future__ import annotations
 
 import time
-from typing import Iterator, Optional
+from typing import Iterator
 
 import numpy as np
 
