@@ -53,7 +53,7 @@ def _ms(x: Optional[float]) -> str:
 @click.argument("profile_path", metavar="PROFILE")
 @click.option("-B", "--minibatch", type=int, required=True, help="Samples per iteration (per pipeline).")
 @click.option("--recompute", is_flag=True, help="Recompute activations in backward; B chunks become free.")
-@click.option("--solver", type=click.Choice(["auto", "ga", "greedy", "dp", "equal"]), default="auto", show_default=True)
+@click.option("--solver", type=click.Choice(["auto", "ga", "greedy", "dp", "equal", "cpsat"]), default="auto", show_default=True)
 @click.option("--time-limit", type=float, default=20.0, show_default=True, help="Seconds of search.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed (results are reproducible).")
 @click.option("--memory-limit", type=int, default=None, help="Bytes per stage; overrides the profile's limit.")
@@ -126,8 +126,11 @@ def _print_report(report) -> None:
     row(name, "/".join(map(str, chunks)), tl.iteration_ms, tl.bubble_fraction)
     table.add_row("lower bound", "", _ms(lb), "", "", "", "")
     out.print(table)
+    scope = report.schedule.solver.model_extra.get("bound_scope")
     out.print(
-        f"solver {report.schedule.solver.name}: {report.schedule.solver.status}, "
+        f"solver {report.schedule.solver.name}: {report.schedule.solver.status}"
+        + (f" (among {scope} schedules; the bound holds for those)" if scope else "")
+        + ", "
         f"{report.schedule.solver.seconds:.1f} s, {report.result.evaluated} schedules scored"
     )
 

@@ -127,3 +127,44 @@ def test_memory_limit_is_respected_by_baselines_and_ga():
         res = SOLVERS[name](problem, time_limit=1, seed=0)
         tl = res.candidate.simulate(problem)
         assert max(tl.peak_memory_bytes) <= limit, name
+
+
+def _microsecond_profile(S, seed):
+    """Costs in whole microseconds, so that the exact model's integer times are exact."""
+    prof = synthetic_profile(S, max_size=4, seed=seed)
+    return prof.model_copy(
+        update={
+            "stages": [st.model_copy(update={"forward_ms": [round(v, 3) for v in st.forward_ms], "backward_ms": [round(v, 3) for v in st.backward_ms]}) for st in prof.stages],
+            "links": [ln.model_copy(update={"latency_ms": 0.3, "bytes_per_ms": 65536 * 1000.0}) for ln in prof.links],
+        }
+    )
+
+
+def brute_force_gpipe(problem: Problem) -> float:
+    parts = list(compositions(problem.minibatch, problem.max_size))
+    per_stage = list(itertools.product(parts, parts)) if problem.recompute else [(p, p) for p in parts]
+    return min(
+        Candidate([f for f, _ in c], [b for _, b in c], "gpipe").simulate(problem).iteration_ms
+        for c in itertools.product(per_stage, repeat=problem.num_stages)
+    )
+
+
+@pytest.mark.parametrize("S,B,recompute,seed", [(2, 5, False, 1), (3, 5, False, 2), (2, 6, False, 3), (2, 4, True, 4), (3, 3, True, 5)])
+def test_cpsat_proves_the_brute_force_gpipe_optimum(S, B, recompute, seed):
+    problem = Problem(CostTables.from_profile(_microsecond_profile(S, seed), recompute), B)
+    best = brute_force_gpipe(problem)
+    res = SOLVERS["cpsat"](problem, time_limit=10, seed=0)
+    assert res.status == "optimal" and res.candidate.order == "gpipe"
+    assert res.candidate.simulate(problem).iteration_ms == pytest.approx(best, abs=1e-6)
+    assert res.lower_bound_ms <= best + 1e-9
+    assert res.lower_bound_ms == pytest.approx(best, abs=S * 2 * B * 1e-3)  # within the microsecond rounding
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_cpsat_bound_never_exceeds_any_gpipe_schedule_found(seed):
+    prof = synthetic_profile(3, max_size=8, seed=seed, latency_ms=0.2, bytes_per_ms=1e5)
+    problem = Problem(CostTables.from_profile(prof), 12)
+    res = SOLVERS["cpsat"](problem, time_limit=3, seed=0)
+    found = [res.candidate.simulate(problem).iteration_ms, gpipe_equal(problem).iteration_ms]
+    found.append(SOLVERS["ga"](problem, time_limit=1, seed=1, orders=("gpipe",)).candidate.simulate(problem).iteration_ms)
+    assert res.lower_bound_ms <= min(found) + 1e-9

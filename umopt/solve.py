@@ -103,6 +103,7 @@ def solve(
             "time_limit": time_limit,
             "evaluated": result.evaluated,
             **({"winner": result.extra["winner"]} if "winner" in result.extra else {}),
+            **({"bound_scope": result.extra["bound_scope"]} if "bound_scope" in result.extra else {}),
         },
         baselines={"gpipe_equal": _baseline_entry(gp), "1f1b_equal": _baseline_entry(of)},
     )

@@ -2,10 +2,12 @@
 
 One module each: ``equal`` (best equal chunks), ``dp`` (one shared partition by dynamic
 programming), ``greedy`` (stage-by-stage local choice), ``ga`` (the paper's dual-chromosome
-genetic algorithm on the vectorized evaluator), and ``auto`` (all of them within a time budget).
+genetic algorithm on the vectorized evaluator), ``cpsat`` (an exact model of GPipe-order
+schedules, seeded with the GA's best) and ``auto`` (the heuristics within a time budget).
 """
 
 from .auto import solve_auto
+from .cpsat import solve_cpsat
 from .dp import solve_dp
 from .equal import solve_equal
 from .ga import solve_ga
@@ -17,6 +19,7 @@ SOLVERS = {
     "greedy": solve_greedy,
     "dp": solve_dp,
     "equal": solve_equal,
+    "cpsat": solve_cpsat,
 }
 
-__all__ = ["SOLVERS", "solve_auto", "solve_ga", "solve_greedy", "solve_dp", "solve_equal"]
+__all__ = ["SOLVERS", "solve_auto", "solve_ga", "solve_greedy", "solve_dp", "solve_equal", "solve_cpsat"]
