@@ -54,13 +54,14 @@ def _ms(x: Optional[float]) -> str:
 @click.option("-B", "--minibatch", type=int, required=True, help="Samples per iteration (per pipeline).")
 @click.option("--recompute", is_flag=True, help="Recompute activations in backward; B chunks become free.")
 @click.option("--solver", type=click.Choice(["auto", "ga", "greedy", "dp", "equal", "cpsat"]), default="auto", show_default=True)
+@click.option("--order", type=click.Choice(["auto", "gpipe", "1f1b"]), default="auto", show_default=True, help="Op order to search: GPipe, 1F1B, or both.")
 @click.option("--time-limit", type=float, default=20.0, show_default=True, help="Seconds of search.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed (results are reproducible).")
 @click.option("--memory-limit", type=int, default=None, help="Bytes per stage; overrides the profile's limit.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Schedule file to write.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Gantt chart PNG: best equal GPipe above, this schedule below.")
 @click.option("--trace", type=click.Path(dir_okay=False), default=None, help="Chrome-trace JSON of the predicted timelines (Perfetto).")
-def solve(profile_path, minibatch, recompute, solver, time_limit, seed, memory_limit, output, plot, trace) -> None:
+def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, memory_limit, output, plot, trace) -> None:
     """Search unequal per-stage partitions for PROFILE (a path or a bundled profile's name)."""
     from umopt.profile import load_profile
     from umopt.schedule import save_schedule
@@ -77,7 +78,7 @@ def solve(profile_path, minibatch, recompute, solver, time_limit, seed, memory_l
         def progress(frac: float, best: float) -> None:
             bar.update(task, completed=frac, description=f"best {best:.3f} ms")
 
-        report = run_solve(profile, minibatch, recompute=recompute, solver=solver, time_limit=time_limit, seed=seed, progress=progress)
+        report = run_solve(profile, minibatch, recompute=recompute, solver=solver, time_limit=time_limit, seed=seed, progress=progress, order=order)
     save_schedule(report.schedule, output)
     panels = [(f"best equal GPipe (M={report.gpipe.microbatches})", report.gpipe_timeline)] if report.gpipe_timeline else []
     panels.append((f"umopt ({solver})", report.timeline))

@@ -144,3 +144,33 @@ def test_usage_errors_exit_2(capsys):
     code, _, err = run(["solve", "gpt-sim", "-o", "x.json"], capsys)
     assert code == 2 and "--minibatch" in err
     assert not Path("x.json").exists()
+
+
+@pytest.mark.parametrize("order", ["gpipe", "1f1b"])
+def test_order_option_restricts_the_search(order, tmp_path, capsys):
+    from umopt.partition import gpipe_ops, onef1b_schedule, partitions_from_ops
+
+    out = tmp_path / "s.json"
+    code, _, err = run(["solve", "gpt-sim", "-B", "16", "--order", order, "--time-limit", "1", "-o", str(out)], capsys)
+    assert code == 0, err
+    sched = load_schedule(str(out))
+    ops = sched.op_lists()
+    parts = [partitions_from_ops(o) for o in ops]
+    if order == "gpipe":
+        assert ops == [gpipe_ops(f, b) for f, b in parts]
+    else:
+        assert ops == onef1b_schedule([f for f, _ in parts], [b for _, b in parts])
+    assert sched.solver.model_extra["order"] == order
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--order", "1f1b", "--recompute", "--solver", "ga"], "--order 1f1b with --recompute is not searched yet"),
+        (["--order", "1f1b", "--solver", "cpsat"], "cpsat models GPipe order only"),
+    ],
+)
+def test_orders_a_solver_cannot_search_are_refused(args, expected, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    code, _, err = run(["solve", "gpt-sim", "-B", "8", "--time-limit", "1", *args, "-o", str(out)], capsys)
+    assert code == 2 and expected in err and not out.exists()

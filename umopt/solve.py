@@ -65,9 +65,12 @@ def solve(
     time_limit: float = 20.0,
     seed: int = 0,
     progress: Optional[Progress] = None,
+    order: str = "auto",
 ) -> SolveReport:
     if solver not in SOLVERS:
         raise UmoptError(f"unknown solver {solver!r} (choose from {', '.join(SOLVERS)})")
+    if order not in ("auto", "gpipe", "1f1b"):
+        raise UmoptError(f"--order must be auto, gpipe or 1f1b, got {order!r}")
     if time_limit <= 0:
         raise UmoptError(f"--time-limit must be positive, got {time_limit}")
     problem = make_problem(profile, minibatch, recompute)
@@ -80,7 +83,7 @@ def solve(
         )
     lb = lower_bound(problem)
     t0 = time.perf_counter()
-    result = SOLVERS[solver](problem, time_limit=time_limit, seed=seed, progress=progress)
+    result = SOLVERS[solver](problem, time_limit=time_limit, seed=seed, progress=progress, order=order)
     seconds = time.perf_counter() - t0
     cand: Candidate = result.candidate
     ops = cand.ops()
@@ -100,6 +103,7 @@ def solve(
             "lower_bound_ms": result.lower_bound_ms if result.lower_bound_ms is not None else lb,
             "seconds": seconds,
             "seed": seed,
+            "order": order,
             "time_limit": time_limit,
             "evaluated": result.evaluated,
             **({"winner": result.extra["winner"]} if "winner" in result.extra else {}),

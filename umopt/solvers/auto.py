@@ -18,14 +18,16 @@ from .greedy import solve_greedy
 __all__ = ["solve_auto"]
 
 
-def solve_auto(problem: Problem, *, time_limit: float = 20.0, seed: int = 0, progress: Optional[Progress] = None, **_) -> SolverResult:
+def solve_auto(
+    problem: Problem, *, time_limit: float = 20.0, seed: int = 0, progress: Optional[Progress] = None, order: str = "auto", **_
+) -> SolverResult:
     t0 = time.perf_counter()
-    fast = [solve_equal(problem), solve_dp(problem), solve_greedy(problem, time_limit=0.15 * time_limit)]
+    fast = [solve_equal(problem, order=order), solve_dp(problem, order=order), solve_greedy(problem, time_limit=0.05 * time_limit, order=order)]
     for r in fast:
         tl = r.candidate.simulate(problem)
         r.candidate.iteration_ms = tl.iteration_ms if r.candidate.fits(tl, problem) else float("inf")
     left = max(0.1, time_limit - (time.perf_counter() - t0))
-    ga = solve_ga(problem, time_limit=left, seed=seed, progress=progress, seeds=[r.candidate for r in fast])
+    ga = solve_ga(problem, time_limit=left, seed=seed, progress=progress, seeds=[r.candidate for r in fast], order=order)
     ga.candidate.iteration_ms = ga.candidate.simulate(problem).iteration_ms
     results = fast + [ga]
     best = min(results, key=lambda r: r.candidate.iteration_ms)

@@ -168,9 +168,12 @@ def solve_cpsat(
     seed: int = 0,
     progress: Optional[Progress] = None,
     hint: Optional[Candidate] = None,
+    order: str = "gpipe",
     **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
+    if order == "1f1b":
+        raise UmoptError("cpsat models GPipe order only (use --order gpipe or auto, or another solver for 1F1B)")
     warm_scored = 0
     if hint is None:  # warm start: the GA's best GPipe-order schedule, in a share of the time
         share = 0.3 * time_limit

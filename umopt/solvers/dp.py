@@ -62,13 +62,14 @@ def shared_partition(problem: Problem) -> list[int]:
     return sorted(parts, reverse=True)
 
 
-def solve_dp(problem: Problem, *, time_limit: float = 0.0, seed: int = 0, progress: Optional[Progress] = None, **_) -> SolverResult:
+def solve_dp(problem: Problem, *, time_limit: float = 0.0, seed: int = 0, progress: Optional[Progress] = None, order: str = "auto", **_) -> SolverResult:
     t0 = time.perf_counter()
     S = problem.num_stages
     sizes = shared_partition(problem)
     orders = [sizes, sizes[::-1]]
     it, _ = score_gpipe(problem, pack([[o] * S for o in orders]))
     k = int(np.argmin(it))
-    cand = Candidate.uniform(orders[k], S)
-    cand.iteration_ms = float(it[k])
+    # the partition is chosen for GPipe order; asked for 1F1B, the same chunks run in 1F1B order
+    cand = Candidate.uniform(orders[k], S, "1f1b" if order == "1f1b" else "gpipe")
+    cand.iteration_ms = cand.simulate(problem).iteration_ms
     return SolverResult("dp", cand, "feasible", seconds=time.perf_counter() - t0, evaluated=len(orders))

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..baselines import feasible_m, gpipe_equal, onef1b_equal
+from ..errors import UmoptError
 from ..partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
 from ..problem import Candidate, Problem, Progress, SolverResult, score_gpipe
 from ..vectorized import evaluate_1f1b
@@ -150,9 +151,14 @@ def solve_ga(
     max_restarts: Optional[int] = None,
     max_generations: int = 1_000_000,
     orders: Sequence[str] = ("gpipe", "1f1b"),
+    order: str = "auto",
     **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
+    if order in ("gpipe", "1f1b"):
+        orders = (order,)
+        if order == "1f1b" and problem.recompute:
+            raise UmoptError("--order 1f1b with --recompute is not searched yet (use --order gpipe or auto)")
     polish_share = 0.1
     deadline = t0 + (1 - polish_share) * time_limit
     rng = np.random.default_rng(seed)

@@ -33,7 +33,7 @@ def _family(problem: Problem) -> list[list[int]]:
 
 
 def solve_greedy(
-    problem: Problem, *, time_limit: float = 10.0, seed: int = 0, progress: Optional[Progress] = None, max_sweeps: int = 20, **_
+    problem: Problem, *, time_limit: float = 10.0, seed: int = 0, progress: Optional[Progress] = None, max_sweeps: int = 20, order: str = "auto", **_
 ) -> SolverResult:
     t0 = time.perf_counter()
     start = gpipe_equal(problem)
@@ -74,6 +74,7 @@ def solve_greedy(
                 progress(min(1.0, (sweep * S + s + 1) / (max_sweeps * S)), best_it)
         if not changed or time.perf_counter() - t0 > time_limit:
             break
-    cand = Candidate(fs, bs)
-    cand.iteration_ms = best_it
+    # chosen for GPipe order; asked for 1F1B, the same partitions run in 1F1B order
+    cand = Candidate(fs, bs, "1f1b" if order == "1f1b" else "gpipe")
+    cand.iteration_ms = best_it if order != "1f1b" else cand.simulate(problem).iteration_ms
     return SolverResult("greedy", cand, "feasible", seconds=time.perf_counter() - t0, evaluated=evaluated)
