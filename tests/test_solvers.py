@@ -149,22 +149,24 @@ def brute_force_gpipe(problem: Problem) -> float:
     )
 
 
+@pytest.mark.parametrize("solver", ["cpsat", "milp"])
 @pytest.mark.parametrize("S,B,recompute,seed", [(2, 5, False, 1), (3, 5, False, 2), (2, 6, False, 3), (2, 4, True, 4), (3, 3, True, 5)])
-def test_cpsat_proves_the_brute_force_gpipe_optimum(S, B, recompute, seed):
+def test_exact_models_prove_the_brute_force_gpipe_optimum(solver, S, B, recompute, seed):
     problem = Problem(CostTables.from_profile(_microsecond_profile(S, seed), recompute), B)
     best = brute_force_gpipe(problem)
-    res = SOLVERS["cpsat"](problem, time_limit=10, seed=0)
+    res = SOLVERS[solver](problem, time_limit=10, seed=0)
     assert res.status == "optimal" and res.candidate.order == "gpipe"
     assert res.candidate.simulate(problem).iteration_ms == pytest.approx(best, abs=1e-6)
     assert res.lower_bound_ms <= best + 1e-9
     assert res.lower_bound_ms == pytest.approx(best, abs=S * 2 * B * 1e-3)  # within the microsecond rounding
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13])
-def test_cpsat_bound_never_exceeds_any_gpipe_schedule_found(seed):
+@pytest.mark.parametrize("solver", ["cpsat", "milp"])
+@pytest.mark.parametrize("seed", [11, 12])
+def test_exact_bounds_never_exceed_any_gpipe_schedule_found(solver, seed):
     prof = synthetic_profile(3, max_size=8, seed=seed, latency_ms=0.2, bytes_per_ms=1e5)
     problem = Problem(CostTables.from_profile(prof), 12)
-    res = SOLVERS["cpsat"](problem, time_limit=3, seed=0)
+    res = SOLVERS[solver](problem, time_limit=3, seed=0)
     found = [res.candidate.simulate(problem).iteration_ms, gpipe_equal(problem).iteration_ms]
     found.append(SOLVERS["ga"](problem, time_limit=1, seed=1, orders=("gpipe",)).candidate.simulate(problem).iteration_ms)
     assert res.lower_bound_ms <= min(found) + 1e-9

@@ -2,8 +2,8 @@
 
 One module each: ``equal`` (best equal chunks), ``dp`` (one shared partition by dynamic
 programming), ``greedy`` (stage-by-stage local choice), ``ga`` (the paper's dual-chromosome
-genetic algorithm on the vectorized evaluator), ``cpsat`` (an exact model of GPipe-order
-schedules, seeded with the GA's best) and ``auto`` (the heuristics within a time budget).
+genetic algorithm on the vectorized evaluator), ``cpsat`` and ``milp`` (an exact model of
+GPipe-order schedules in OR-Tools CP-SAT and in PuLP, seeded with the GA's best) and ``auto`` (the heuristics within a time budget).
 """
 
 from .auto import solve_auto
@@ -12,6 +12,7 @@ from .dp import solve_dp
 from .equal import solve_equal
 from .ga import solve_ga
 from .greedy import solve_greedy
+from .milp import solve_milp
 
 SOLVERS = {
     "auto": solve_auto,
@@ -20,6 +21,7 @@ SOLVERS = {
     "dp": solve_dp,
     "equal": solve_equal,
     "cpsat": solve_cpsat,
+    "milp": solve_milp,
 }
 
-__all__ = ["SOLVERS", "solve_auto", "solve_ga", "solve_greedy", "solve_dp", "solve_equal", "solve_cpsat"]
+__all__ = ["SOLVERS", "solve_auto", "solve_ga", "solve_greedy", "solve_dp", "solve_equal", "solve_cpsat", "solve_milp"]

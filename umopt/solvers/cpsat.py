@@ -177,7 +177,7 @@ def solve_cpsat(
     warm_scored = 0
     if hint is None:  # warm start: the GA's best GPipe-order schedule, in a share of the time
         share = 0.3 * time_limit
-        warm = solve_ga(problem, time_limit=share, seed=seed, orders=("gpipe",))
+        warm = solve_ga(problem, time_limit=share, seed=seed, orders=("gpipe",), max_restarts=1)
         hint, warm_scored = warm.candidate, warm.evaluated
         time_limit -= share
     base = hint if hint.order == "gpipe" else gpipe_equal(problem).candidate
