@@ -170,3 +170,14 @@ def test_exact_bounds_never_exceed_any_gpipe_schedule_found(solver, seed):
     found = [res.candidate.simulate(problem).iteration_ms, gpipe_equal(problem).iteration_ms]
     found.append(SOLVERS["ga"](problem, time_limit=1, seed=1, orders=("gpipe",)).candidate.simulate(problem).iteration_ms)
     assert res.lower_bound_ms <= min(found) + 1e-9
+
+
+def test_auto_restricted_to_gpipe_reports_the_exact_models_proof():
+    problem = Problem(CostTables.from_profile(_microsecond_profile(2, 1)), 5)
+    res = SOLVERS["auto"](problem, time_limit=6, seed=0, order="gpipe")
+    best = brute_force_gpipe(problem)
+    assert res.status == "optimal" and res.extra["bound_scope"] == "gpipe order"
+    assert res.candidate.simulate(problem).iteration_ms == pytest.approx(best, abs=1e-6)
+    assert res.lower_bound_ms <= best + 1e-9
+    # searching both orders, a GPipe-only proof says nothing about 1F1B schedules
+    assert SOLVERS["auto"](problem, time_limit=2, seed=0).status == "feasible"
