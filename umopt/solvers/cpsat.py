@@ -29,13 +29,14 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
 from ortools.sat.python import cp_model
 
 from ..baselines import gpipe_equal, lower_bound
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
+from .chunks import candidate_chunks, chunk_fits, chunk_set
 from .ga import solve_ga
 
 __all__ = ["solve_cpsat", "build_model"]
@@ -48,17 +49,8 @@ def _us(ms: float) -> int:
 def build_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = None):
     """The CP-SAT model; returns (model, x, y, makespan) with x[s][(lo, hi)] booleans."""
     t = problem.tables
-    S, B, mx = problem.num_stages, problem.minibatch, problem.max_size
-    chunks = [(lo, hi) for lo in range(B) for hi in range(lo + 1, min(B, lo + mx) + 1)]
-    limit = problem.memory_limit
-
-    def fits(s: int, lo: int, hi: int) -> bool:
-        # GPipe peak while this chunk runs: samples [0, hi) held (see vectorized._gpipe_peak)
-        if limit is None:
-            return True
-        if problem.recompute:
-            return t.static_bytes[s] + hi * t.input_bytes[s] + (hi - lo) * t.stash_bytes[s] <= limit
-        return t.static_bytes[s] + B * t.stash_bytes[s] <= limit
+    S, B = problem.num_stages, problem.minibatch
+    chunks = candidate_chunks(problem)
 
     m = cp_model.CpModel()
     H = horizon_us
@@ -82,7 +74,7 @@ def build_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = N
             for i in range(B):  # every sample in exactly one chunk
                 m.add_exactly_one(part[c] for c in chunks if c[0] <= i < c[1])
             for c in chunks:
-                if not fits(s, *c):
+                if not chunk_fits(problem, s, *c):
                     m.add(part[c] == 0)
         ends = [_as_bool(m, sum(x[s][c] for c in chunks if c[1] - 1 == i)) for i in range(B)]  # an F chunk ends at i
         starts = [_as_bool(m, sum(y[s][c] for c in chunks if c[0] == i)) for i in range(B)]  # a B chunk starts at i
@@ -133,21 +125,13 @@ def build_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = N
 
     if hint is not None:
         for s in range(S):
-            fch = _chunk_set(hint.fsizes[s])
-            bch = _chunk_set(hint.bsizes[s])
+            fch = chunk_set(hint.fsizes[s])
+            bch = chunk_set(hint.bsizes[s])
             for c in chunks:
                 m.add_hint(x[s][c], c in fch)
                 if problem.recompute:
                     m.add_hint(y[s][c], c in bch)
     return m, x, y, makespan
-
-
-def _chunk_set(sizes: Sequence[int]) -> set[tuple[int, int]]:
-    out, lo = set(), 0
-    for b in sizes:
-        out.add((lo, lo + b))
-        lo += b
-    return out
 
 
 def _as_bool(m: cp_model.CpModel, expr):

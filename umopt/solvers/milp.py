@@ -21,6 +21,7 @@ import pulp
 from ..baselines import gpipe_equal, lower_bound
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
+from .chunks import candidate_chunks, chunk_fits, chunk_set
 from .ga import solve_ga
 
 __all__ = ["solve_milp", "build_milp"]
@@ -29,17 +30,9 @@ __all__ = ["solve_milp", "build_milp"]
 def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = None):
     """The MILP; returns (problem, x, y, makespan) with x[s][(lo, hi)] binaries."""
     t = problem.tables
-    S, B, mx = problem.num_stages, problem.minibatch, problem.max_size
-    chunks = [(lo, hi) for lo in range(B) for hi in range(lo + 1, min(B, lo + mx) + 1)]
-    limit = problem.memory_limit
+    S, B = problem.num_stages, problem.minibatch
+    chunks = candidate_chunks(problem)
     M = horizon_ms  # no time in a useful schedule exceeds the horizon
-
-    def fits(s: int, lo: int, hi: int) -> bool:
-        if limit is None:
-            return True
-        if problem.recompute:
-            return t.static_bytes[s] + hi * t.input_bytes[s] + (hi - lo) * t.stash_bytes[s] <= limit
-        return t.static_bytes[s] + B * t.stash_bytes[s] <= limit
 
     lp = pulp.LpProblem("umopt_gpipe", pulp.LpMinimize)
 
@@ -62,7 +55,7 @@ def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = 
             for i in range(B):
                 lp += pulp.lpSum(part[c] for c in chunks if c[0] <= i < c[1]) == 1, f"cover_{name}_{s}_{i}"
             for c in chunks:
-                if not fits(s, *c):
+                if not chunk_fits(problem, s, *c):
                     lp += part[c] == 0
         ends = [pulp.lpSum(x[s][c] for c in chunks if c[1] - 1 == i) for i in range(B)]
         starts = [pulp.lpSum(y[s][c] for c in chunks if c[0] == i) for i in range(B)]
@@ -109,10 +102,7 @@ def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = 
     if hint is not None:
         for s in range(S):
             for part, sizes in ((x[s], hint.fsizes[s]), (y[s], hint.bsizes[s])):
-                used, lo = set(), 0
-                for b in sizes:
-                    used.add((lo, lo + b))
-                    lo += b
+                used = chunk_set(sizes)
                 for c in chunks:
                     part[c].setInitialValue(1 if c in used else 0)
     return lp, x, y, makespan
