@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -66,17 +67,28 @@ def launch(argv: list[str], *, timeout_s: Optional[float] = None, quiet: bool = 
 
 
 def _root_cause(status_dir: Path, S: int, returncode: int, log: Path) -> str:
-    """The first rank that failed (by time), or one that died without a word."""
+    """The first rank that failed (by time), or one that died without a word; the torchrun log is
+    kept and named when the ranks' own words do not explain the failure."""
     statuses = {}
     for r in range(S):
         f = status_dir / f"rank{r}"
         statuses[r] = json.loads(f.read_text()) if f.exists() else {"state": "never started", "time": 0.0, "message": ""}
     failed = sorted((st["time"], r, st["message"]) for r, st in statuses.items() if st["state"] == "failed")
     silent = [r for r, st in statuses.items() if st["state"] == "started"]
-    if silent:  # killed: the others' failures are only its echo
-        return f"rank {silent[0]} (stage {silent[0]}) ended without a word (killed by a signal?); torchrun exit code {returncode}"
-    if failed:
+    if failed and not silent:
         _, r, message = failed[0]
         return f"rank {r} (stage {r}) failed: {message}"
-    tail = log.read_text().strip().splitlines()[-1:] or [""]
-    return f"torchrun failed with exit code {returncode}: {tail[0]}"
+    lines = log.read_text().strip().splitlines()
+    kept = Path(tempfile.gettempdir()) / f"umopt-torchrun-{os.getpid()}-{int(time.time())}.log"
+    kept.write_text("\n".join(lines) + "\n")
+    if silent:  # killed: the others' failures are only its echo
+        codes = [ln.strip() for ln in lines if "exitcode" in ln][:2]
+        return (
+            f"rank {silent[0]} (stage {silent[0]}) ended without a word (killed by a signal?); "
+            f"torchrun exit code {returncode}{'; ' + ', '.join(codes) if codes else ''} (log: {kept})"
+        )
+    # torchrun itself failed (rendezvous, spawning): its most telling line
+    errors = [ln.strip() for ln in lines if "Error" in ln or "error" in ln] or lines[-1:] or [""]
+    never = [r for r, st in statuses.items() if st["state"] == "never started"]
+    who = f"rank {never[0]} never started; " if never else ""
+    return f"torchrun failed with exit code {returncode}: {who}{errors[-1][:200]} (log: {kept})"
