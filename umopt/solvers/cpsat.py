@@ -33,11 +33,10 @@ from typing import Optional
 
 from ortools.sat.python import cp_model
 
-from ..baselines import gpipe_equal, lower_bound
+from ..baselines import lower_bound
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
-from .chunks import candidate_chunks, chunk_fits, chunk_set
-from .ga import solve_ga
+from .chunks import candidate_chunks, chunk_fits, chunk_set, warm_start
 
 __all__ = ["solve_cpsat", "build_model"]
 
@@ -156,17 +155,7 @@ def solve_cpsat(
     **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
-    if order == "1f1b":
-        raise UmoptError("cpsat models GPipe order only (use --order gpipe or auto, or another solver for 1F1B)")
-    warm_scored = 0
-    if hint is None:  # warm start: the GA's best GPipe-order schedule, in a share of the time
-        share = 0.3 * time_limit
-        warm = solve_ga(problem, time_limit=share, seed=seed, orders=("gpipe",), max_restarts=1)
-        hint, warm_scored = warm.candidate, warm.evaluated
-        time_limit -= share
-    base = hint if hint.order == "gpipe" else gpipe_equal(problem).candidate
-    if base is None:
-        raise UmoptError("cpsat: no GPipe schedule fits the memory limit (try --recompute)")
+    base, time_limit, warm_scored = warm_start(problem, "cpsat", time_limit, seed, hint, order)
     base_ms = base.simulate(problem).iteration_ms - problem.tables.optimizer_ms
     n_ops = 2 * problem.num_stages * problem.minibatch
     model, x, y, makespan = build_model(problem, _us(base_ms) + n_ops + 1, base)

@@ -18,11 +18,9 @@ from typing import Optional
 
 import pulp
 
-from ..baselines import gpipe_equal, lower_bound
-from ..errors import UmoptError
+from ..baselines import lower_bound
 from ..problem import Candidate, Problem, Progress, SolverResult
-from .chunks import candidate_chunks, chunk_fits, chunk_set
-from .ga import solve_ga
+from .chunks import candidate_chunks, chunk_fits, chunk_set, warm_start
 
 __all__ = ["solve_milp", "build_milp"]
 
@@ -126,17 +124,7 @@ def solve_milp(
     **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
-    if order == "1f1b":
-        raise UmoptError("milp models GPipe order only (use --order gpipe or auto, or another solver for 1F1B)")
-    warm_scored = 0
-    if hint is None:
-        share = 0.3 * time_limit
-        warm = solve_ga(problem, time_limit=share, seed=seed, orders=("gpipe",), max_restarts=1)
-        hint, warm_scored = warm.candidate, warm.evaluated
-        time_limit -= share
-    base = hint if hint.order == "gpipe" else gpipe_equal(problem).candidate
-    if base is None:
-        raise UmoptError("milp: no GPipe schedule fits the memory limit (try --recompute)")
+    base, time_limit, warm_scored = warm_start(problem, "milp", time_limit, seed, hint, order)
     opt = problem.tables.optimizer_ms
     horizon = base.simulate(problem).iteration_ms - opt + 1.0
     lp, x, y, makespan = build_milp(problem, horizon, base)
