@@ -140,8 +140,9 @@ def _as_bool(m: cp_model.CpModel, expr):
     return v
 
 
-def _partition(values: dict, chunks_on) -> list[int]:
-    return [hi - lo for lo, hi in sorted(c for c, v in chunks_on.items() if values(v))]
+def _partition(is_set, chunk_vars: dict) -> list[int]:
+    """Chunk sizes, in sample order, of the chunks whose boolean ``is_set`` says are used."""
+    return [hi - lo for lo, hi in sorted(c for c, v in chunk_vars.items() if is_set(v))]
 
 
 def solve_cpsat(
