@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .costmodel import CostTables, Op, Timeline, simulate
-from .partition import gpipe_ops, onef1b_schedule
+from .partition import gpipe_ops, onef1b_schedule, partitions_from_ops
 from .vectorized import PopulationScore, evaluate_gpipe
 
 __all__ = ["Problem", "Candidate", "SolverResult", "Progress", "pack", "score_gpipe"]
@@ -46,14 +46,28 @@ class Problem:
 
 @dataclass
 class Candidate:
-    """Per-stage forward and backward partitions (chunk sizes in sample order) and an order."""
+    """Per-stage forward and backward partitions (chunk sizes in sample order) and an order.
+
+    ``order`` is "gpipe" or "1f1b" (op lists follow from the partitions by rule) or "free": the op
+    lists were chosen op by op (the exact models' free order) and are kept in ``explicit_ops``.
+    """
 
     fsizes: list[list[int]]
     bsizes: list[list[int]]
-    order: str = "gpipe"  # "gpipe" or "1f1b"
+    order: str = "gpipe"
     iteration_ms: float = float("inf")  # as last scored; the simulator has the final word
+    explicit_ops: Optional[list[list[Op]]] = None
+
+    @classmethod
+    def from_ops(cls, ops: Sequence[Sequence[Op]]) -> "Candidate":
+        """A free-order candidate from per-stage op lists."""
+        parts = [partitions_from_ops(o) for o in ops]
+        return cls([f for f, _ in parts], [b for _, b in parts], "free", explicit_ops=[list(o) for o in ops])
 
     def ops(self) -> list[list[Op]]:
+        if self.order == "free":
+            assert self.explicit_ops is not None
+            return [list(o) for o in self.explicit_ops]
         if self.order == "gpipe":
             return [gpipe_ops(f, b) for f, b in zip(self.fsizes, self.bsizes)]
         return onef1b_schedule(self.fsizes, self.bsizes)

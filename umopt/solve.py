@@ -12,13 +12,14 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from .baselines import Baseline, gpipe_equal, lower_bound, onef1b_equal
+from .baselines import Baseline, gpipe_equal, onef1b_equal
 from .costmodel import CostTables, Timeline
 from .errors import UmoptError
 from .problem import Candidate, Problem, Progress, SolverResult
 from .profile import Profile
 from .schedule import Schedule, make_schedule, validate_ops
 from .solvers import SOLVERS
+from .solvers.bounds import best_bound_ms
 
 __all__ = ["SolveReport", "solve", "make_problem"]
 
@@ -81,7 +82,7 @@ def solve(
             f"minibatch {minibatch} does not fit the memory limit of {limit} bytes with any equal partition"
             + ("" if recompute else "; try --recompute")
         )
-    lb = lower_bound(problem)
+    lb = best_bound_ms(problem)  # the spec's bound, or the stage cuts' when higher
     t0 = time.perf_counter()
     result = SOLVERS[solver](problem, time_limit=time_limit, seed=seed, progress=progress, order=order)
     seconds = time.perf_counter() - t0
@@ -100,7 +101,7 @@ def solve(
         solver={
             "name": solver,
             "status": result.status,
-            "lower_bound_ms": result.lower_bound_ms if result.lower_bound_ms is not None else lb,
+            "lower_bound_ms": max(lb, result.lower_bound_ms or lb),
             "seconds": seconds,
             "seed": seed,
             "order": order,

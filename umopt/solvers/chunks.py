@@ -1,6 +1,5 @@
 """What the exact models (cpsat, milp) share: the chunks they choose from (every ``[lo, hi)`` of at
-most the largest size that keeps its stage under the memory limit wherever it runs in GPipe
-order) and their warm start."""
+most the largest size), the GPipe-order memory check of a chunk, and their warm start."""
 
 from __future__ import annotations
 
@@ -40,19 +39,23 @@ def chunk_set(sizes: Sequence[int]) -> set[tuple[int, int]]:
 def warm_start(
     problem: Problem, name: str, time_limit: float, seed: int, hint: Optional[Candidate], order: str
 ) -> tuple[Candidate, float, int]:
-    """(GPipe-order start, time left, schedules scored): the caller's hint, else the GA's best
-    GPipe-order schedule found in 30% of the time."""
+    """(start, time left, schedules scored): the caller's hint, else the GA's best schedule found in
+    30% of the time. With ``order="gpipe"`` the start is a GPipe-order schedule; with "auto" (the
+    free-order model) any order will do."""
     from .ga import solve_ga  # the GA is itself a solver; imported here to keep this module light
 
     if order == "1f1b":
-        raise UmoptError(f"{name} models GPipe order only (use --order gpipe or auto, or another solver for 1F1B)")
+        raise UmoptError(
+            f"{name} does not model the 1F1B rule; use --order auto (its free order includes 1F1B) or gpipe"
+        )
     scored = 0
     if hint is None:
         share = 0.3 * time_limit
-        warm = solve_ga(problem, time_limit=share, seed=seed, orders=("gpipe",), max_restarts=1)
+        orders = ("gpipe",) if order == "gpipe" else ("gpipe", "1f1b")
+        warm = solve_ga(problem, time_limit=share, seed=seed, orders=orders, max_restarts=1)
         hint, scored = warm.candidate, warm.evaluated
         time_limit -= share
-    base = hint if hint.order == "gpipe" else gpipe_equal(problem).candidate
-    if base is None:
-        raise UmoptError(f"{name}: no GPipe schedule fits the memory limit (try --recompute)")
+    base = hint if order != "gpipe" or hint.order == "gpipe" else gpipe_equal(problem).candidate
+    if base is None or not base.fits(base.simulate(problem), problem):
+        raise UmoptError(f"{name}: no schedule to start from fits the memory limit (try --recompute)")
     return base, time_limit, scored

@@ -33,23 +33,24 @@ from typing import Optional
 
 from ortools.sat.python import cp_model
 
-from ..baselines import lower_bound
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
+from .bounds import Heads, best_bound_ms, heads_and_tails, int_tables, linear_cuts
 from .chunks import candidate_chunks, chunk_fits, chunk_set, warm_start
 
-__all__ = ["solve_cpsat", "build_model"]
+__all__ = ["solve_cpsat", "build_gpipe_model", "build_free_model"]
 
 
 def _us(ms: float) -> int:
     return int(math.floor(ms * 1000 + 1e-9))
 
 
-def build_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = None):
+def build_gpipe_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = None):
     """The CP-SAT model; returns (model, x, y, makespan) with x[s][(lo, hi)] booleans."""
     t = problem.tables
     S, B = problem.num_stages, problem.minibatch
     chunks = candidate_chunks(problem)
+    heads = heads_and_tails(*int_tables(problem), B)
 
     m = cp_model.CpModel()
     H = horizon_us
@@ -95,6 +96,7 @@ def build_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = N
             if s + 1 < S:
                 m.add(bstart[s][c] >= garrive[s + 1][lo]).only_enforce_if(bon)
             m.add(bend[s][lo] >= bstart[s][c] + b_dur).only_enforce_if(bon)
+            _add_heads(m, problem, heads, s, c, on, bon, fstart[s][c], bstart[s][c], f_dur, b_dur, makespan)
             # messages: one at a time per link direction, in the order the ops send them
             if s + 1 < S:
                 link = _us(t.link[s, b])
@@ -118,6 +120,10 @@ def build_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = N
                 if i > 0:
                     m.add(garrive[s][i] >= garrive[s][i - 1]).only_enforce_if(starts[i].Not())
         m.add(makespan >= bend[s][0])
+        fd = {c: _us(t.fwd[s, c[1] - c[0]]) for c in chunks}
+        bd = {c: _us(t.bwd[s, c[1] - c[0]]) for c in chunks}
+        for terms, const in linear_cuts(problem, heads, s, chunks, x[s], y[s], fd, bd, gpipe=True):
+            m.add(makespan >= sum(a * v for a, v in terms) + const)
 
     # --- objective -----------------------------------------------------------------------------
     m.minimize(makespan)
@@ -131,6 +137,158 @@ def build_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = N
                 if problem.recompute:
                     m.add_hint(y[s][c], c in bch)
     return m, x, y, makespan
+
+
+def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = None):
+    """The free-order CP-SAT model; returns (model, x, y, fstart, bstart, makespan).
+
+    Every op is an optional interval on its stage's no-overlap resource, so each stage's op order
+    is the solver's choice (GPipe, 1F1B and every other order are in the search space); memory is a
+    reservoir per stage. F ops keep ascending sample order, as the spec requires, so activation
+    messages chain per sample exactly as in the GPipe model. Gradient messages are intervals on
+    their link's no-overlap resource: the link sends one at a time, but the model does not force
+    them into send order, which can only make it optimistic, so its bound stays valid; the schedule
+    is re-scored by the simulator, which does keep send order.
+    """
+    t = problem.tables
+    S, B = problem.num_stages, problem.minibatch
+    chunks = candidate_chunks(problem)
+    heads = heads_and_tails(*int_tables(problem), B)
+    limit = problem.memory_limit
+
+    m = cp_model.CpModel()
+    H = horizon_us
+
+    # --- variables ---------------------------------------------------------------------------
+    x = [{c: m.new_bool_var(f"x{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
+    y = x if not problem.recompute else [{c: m.new_bool_var(f"y{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
+    fstart = [{c: m.new_int_var(0, H, "") for c in chunks} for s in range(S)]
+    bstart = [{c: m.new_int_var(0, H, "") for c in chunks} for s in range(S)]
+    fdur = [{c: _us(t.fwd[s, c[1] - c[0]]) for c in chunks} for s in range(S)]
+    bdur = [{c: _us(t.bwd[s, c[1] - c[0]]) for c in chunks} for s in range(S)]
+    fint = [{c: m.new_optional_fixed_size_interval_var(fstart[s][c], fdur[s][c], x[s][c], "") for c in chunks} for s in range(S)]
+    bint = [{c: m.new_optional_fixed_size_interval_var(bstart[s][c], bdur[s][c], y[s][c], "") for c in chunks} for s in range(S)]
+    # gradient message of B chunk c on stage s (s > 0), over link s-1
+    gsend = [{c: m.new_int_var(0, H, "") for c in chunks} if s > 0 else {} for s in range(S)]
+    gint = [
+        {c: m.new_optional_fixed_size_interval_var(gsend[s][c], _us(t.link[s - 1, c[1] - c[0]]), y[s][c], "") for c in chunks}
+        if s > 0 else {}
+        for s in range(S)
+    ]
+    fend = [[m.new_int_var(0, H, "") for _ in range(B)] for s in range(S)]  # F chunk ending at i has ended
+    fdone = [[m.new_int_var(0, H, "") for _ in range(B)] for s in range(S)]  # F of sample i has ended
+    fmsg = [[m.new_int_var(0, H, "") for _ in range(B)] for s in range(S)]
+    arrive = [[m.new_int_var(0, H, "") for _ in range(B)] for s in range(S)]  # activation of i at s+1
+    garrive = [[m.new_int_var(0, H, "") for _ in range(B)] for s in range(S)]  # gradient of i at s-1
+    makespan = m.new_int_var(0, H, "makespan")
+
+    # --- constraints ---------------------------------------------------------------------------
+    for s in range(S):
+        for part in (x[s], y[s]) if problem.recompute else (x[s],):
+            for i in range(B):  # every sample in exactly one chunk
+                m.add_exactly_one(part[c] for c in chunks if c[0] <= i < c[1])
+        m.add_no_overlap([*fint[s].values(), *bint[s].values()])
+        ends = [_as_bool(m, sum(x[s][c] for c in chunks if c[1] - 1 == i)) for i in range(B)]
+        for c in chunks:
+            lo, hi = c
+            on, bon = x[s][c], y[s][c]
+            # forward: in sample order, after its inputs
+            if lo > 0:
+                m.add(fstart[s][c] >= fend[s][lo - 1]).only_enforce_if(on)
+            if s > 0:
+                m.add(fstart[s][c] >= arrive[s - 1][hi - 1]).only_enforce_if(on)
+            m.add(fend[s][hi - 1] >= fstart[s][c] + fdur[s][c]).only_enforce_if(on)
+            # backward: after the F of its samples here, after their gradients from above
+            m.add(bstart[s][c] >= fdone[s][hi - 1]).only_enforce_if(bon)
+            if s + 1 < S:
+                for i in range(lo, hi):
+                    m.add(bstart[s][c] >= garrive[s + 1][i]).only_enforce_if(bon)
+            if s > 0:
+                m.add(gsend[s][c] >= bstart[s][c] + bdur[s][c]).only_enforce_if(bon)
+                for i in range(lo, hi):
+                    m.add(garrive[s][i] >= gsend[s][c] + _us(t.link[s - 1, hi - lo])).only_enforce_if(bon)
+            _add_heads(m, problem, heads, s, c, on, bon, fstart[s][c], bstart[s][c], fdur[s][c], bdur[s][c], makespan)
+            # activation messages: one at a time, in F order (= sample order)
+            if s + 1 < S:
+                link = _us(t.link[s, hi - lo])
+                prev = [fmsg[s][lo - 1]] if lo > 0 else []
+                for after in [fend[s][hi - 1], *prev]:
+                    m.add(fmsg[s][hi - 1] >= after + link).only_enforce_if(on)
+        for i in range(B):  # F of sample i ends with the chunk holding it (the next chunk end)
+            m.add(fdone[s][i] >= fend[s][i]).only_enforce_if(ends[i])
+            if i + 1 < B:
+                m.add(fdone[s][i] >= fdone[s][i + 1]).only_enforce_if(ends[i].Not())
+            if s + 1 < S:
+                m.add(arrive[s][i] >= fmsg[s][i]).only_enforce_if(ends[i])
+                if i + 1 < B:
+                    m.add(arrive[s][i] >= arrive[s][i + 1]).only_enforce_if(ends[i].Not())
+        if s > 0:
+            m.add_no_overlap(list(gint[s].values()))
+        if limit is not None:
+            _add_memory(m, problem, s, chunks, x[s], y[s], fstart[s], bstart[s], fdur[s], bdur[s])
+        # redundant cuts: they give the LP relaxation what each chunk size costs (see .bounds)
+        for terms, const in linear_cuts(problem, heads, s, chunks, x[s], y[s], fdur[s], bdur[s], gpipe=False):
+            m.add(makespan >= sum(a * v for a, v in terms) + const)
+
+    # --- objective -----------------------------------------------------------------------------
+    m.minimize(makespan)
+
+    if hint is not None:
+        _hint_free(m, problem, hint, chunks, x, y, fstart, bstart)
+    return m, x, y, fstart, bstart, makespan
+
+
+def _add_memory(m, problem: Problem, s: int, chunks, x, y, fstart, bstart, fdur, bdur) -> None:
+    """The spec's memory model as a reservoir: stash grows when an F starts and shrinks when its
+    B ends (with recompute: inputs are kept, the running chunk's stash only while it runs)."""
+    t = problem.tables
+    room = int(problem.memory_limit - t.static_bytes[s])
+    times, changes, actives = [], [], []
+
+    def event(when, delta, active):
+        if delta:
+            times.append(when)
+            changes.append(int(delta))
+            actives.append(active)
+
+    for c in chunks:
+        b = c[1] - c[0]
+        if not problem.recompute:
+            event(fstart[c], b * t.stash_bytes[s], x[c])
+            event(bstart[c] + bdur[c], -b * t.stash_bytes[s], y[c])
+        else:
+            event(fstart[c], b * (t.input_bytes[s] + t.stash_bytes[s]), x[c])
+            event(fstart[c] + fdur[c], -b * t.stash_bytes[s], x[c])
+            event(bstart[c], b * t.stash_bytes[s], y[c])
+            event(bstart[c] + bdur[c], -b * (t.input_bytes[s] + t.stash_bytes[s]), y[c])
+    m.add_reservoir_constraint_with_active(times, changes, actives, 0, room)
+
+
+def _hint_free(m, problem: Problem, hint: Candidate, chunks, x, y, fstart, bstart) -> None:
+    """The hint's partitions and its op start times as the simulator plays them."""
+    tl = hint.simulate(problem)
+    for s in range(problem.num_stages):
+        fch, bch = chunk_set(hint.fsizes[s]), chunk_set(hint.bsizes[s])
+        starts = {(sp.kind, sp.lo, sp.hi): _us(sp.start) for sp in tl.spans[s]}
+        for c in chunks:
+            m.add_hint(x[s][c], c in fch)
+            if problem.recompute:
+                m.add_hint(y[s][c], c in bch)
+            if c in fch:
+                m.add_hint(fstart[s][c], starts[("F", *c)])
+            if c in bch:
+                m.add_hint(bstart[s][c], starts[("B", *c)])
+
+
+def _add_heads(m, problem: Problem, heads: Heads, s: int, c, on, bon, fstart, bstart, fdur: int, bdur: int, makespan) -> None:
+    """Redundant release, turnaround and tail constraints of one chunk (see :mod:`.bounds`)."""
+    lo, hi = c
+    b = hi - lo
+    if heads.release[s, hi] > 0:
+        m.add(fstart >= int(heads.release[s, hi])).only_enforce_if(on)
+    if not problem.recompute and heads.turn[s, b] > 0:
+        m.add(bstart >= fstart + fdur + int(heads.turn[s, b])).only_enforce_if(on)
+    m.add(makespan >= bstart + bdur + int(heads.tail[s, b])).only_enforce_if(bon)
 
 
 def _as_bool(m: cp_model.CpModel, expr):
@@ -152,16 +310,23 @@ def solve_cpsat(
     seed: int = 0,
     progress: Optional[Progress] = None,
     hint: Optional[Candidate] = None,
-    order: str = "gpipe",
+    order: str = "auto",
     **_,
 ) -> SolverResult:
+    """``order="gpipe"``: the GPipe-order model; "auto": the free-order model (any op order)."""
     t0 = time.perf_counter()
     base, time_limit, warm_scored = warm_start(problem, "cpsat", time_limit, seed, hint, order)
-    base_ms = base.simulate(problem).iteration_ms - problem.tables.optimizer_ms
+    opt = problem.tables.optimizer_ms
+    base.iteration_ms = base.simulate(problem).iteration_ms
+    base_ms = base.iteration_ms - opt
     n_ops = 2 * problem.num_stages * problem.minibatch
-    model, x, y, makespan = build_model(problem, _us(base_ms) + n_ops + 1, base)
-    lb_ms = lower_bound(problem) - problem.tables.optimizer_ms
-    # the spec's bound, in the model's floored microseconds (one microsecond of slack per op)
+    horizon = _us(base_ms) + n_ops + 1
+    if order == "gpipe":
+        model, x, y, makespan = build_gpipe_model(problem, horizon, base)
+    else:
+        model, x, y, fstart, bstart, makespan = build_free_model(problem, horizon, base)
+    lb_ms = best_bound_ms(problem) - opt
+    # the fast bound, in the model's floored microseconds (one microsecond of slack per op)
     model.add(makespan >= max(0, _us(lb_ms) - n_ops))
 
     solver = cp_model.CpSolver()
@@ -169,16 +334,22 @@ def solve_cpsat(
     solver.parameters.num_workers = max(1, os.cpu_count() or 1)
     solver.parameters.random_seed = seed
     status = solver.solve(model)
+    S = problem.num_stages
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        fs = [_partition(solver.boolean_value, x[s]) for s in range(problem.num_stages)]
-        bs = [_partition(solver.boolean_value, y[s]) for s in range(problem.num_stages)]
-        cand = Candidate(fs, bs, "gpipe")
+        if order == "gpipe":
+            fs = [_partition(solver.boolean_value, x[s]) for s in range(S)]
+            bs = [_partition(solver.boolean_value, y[s]) for s in range(S)]
+            cand = Candidate(fs, bs, "gpipe")
+        else:
+            cand = Candidate.from_ops([_ops_by_start(solver, x[s], y[s], fstart[s], bstart[s]) for s in range(S)])
     elif status == cp_model.UNKNOWN:  # no time to complete even the warm start: keep it
-        cand = Candidate([list(p) for p in base.fsizes], [list(p) for p in base.bsizes], "gpipe")
+        cand = base
     else:
-        raise UmoptError(f"cpsat: the model is {solver.status_name(status)} (no GPipe schedule fits)")
+        raise UmoptError(f"cpsat: the model is {solver.status_name(status)} (no schedule fits the memory limit)")
     cand.iteration_ms = cand.simulate(problem).iteration_ms
-    bound = solver.best_objective_bound / 1000 + problem.tables.optimizer_ms
+    if base.iteration_ms < cand.iteration_ms:  # the relaxed link order can re-score worse than the start
+        cand = base
+    bound = solver.best_objective_bound / 1000 + opt
     # floored durations can only make the model optimistic, so its bound stays valid; call the
     # float schedule optimal when it is within that rounding of the bound
     proven = status == cp_model.OPTIMAL and cand.iteration_ms <= bound + n_ops / 1000 + 1e-9
@@ -191,5 +362,12 @@ def solve_cpsat(
         lower_bound_ms=min(bound, cand.iteration_ms),
         seconds=time.perf_counter() - t0,
         evaluated=warm_scored,
-        extra={"bound_scope": "gpipe order", "cp_status": solver.status_name(status)},
+        extra={"bound_scope": "gpipe order" if order == "gpipe" else "any order", "cp_status": solver.status_name(status)},
     )
+
+
+def _ops_by_start(solver: cp_model.CpSolver, x: dict, y: dict, fstart: dict, bstart: dict) -> list:
+    """One stage's op list in the order the solver timed it (F first on a tie: B needs its F)."""
+    timed = [(solver.value(fstart[c]), 0, ("F", *c)) for c in x if solver.boolean_value(x[c])]
+    timed += [(solver.value(bstart[c]), 1, ("B", *c)) for c in y if solver.boolean_value(y[c])]
+    return [op for _, _, op in sorted(timed)]

@@ -1,12 +1,12 @@
-"""The exact GPipe-order model of :mod:`.cpsat` as a mixed-integer program (PuLP; CBC, or HiGHS
-when installed).
+"""The exact models of :mod:`.cpsat` as mixed-integer programs (PuLP; CBC, or HiGHS when
+installed): the GPipe-order one, and a free-order one for small instances.
 
 The same decision variables (a binary per stage and chunk for the forward partition, another for
 the backward one with recompute) and the same per-sample chains, with each "if this chunk is
-used" written as a big-M term. Times stay in float milliseconds, so the written schedule is the
-one the model scored. Scope as for cpsat: "optimal" and the bound hold among GPipe-order
-schedules. CBC through PuLP reports no bound when stopped by the time limit; then the spec's
-lower bound is reported.
+used" written as a big-M term, plus the linear cuts of :mod:`.bounds`. Times stay in float
+milliseconds. Scope as for cpsat: with ``--order gpipe`` "optimal" and the bound hold among
+GPipe-order schedules, with ``auto`` among all. CBC through PuLP reports no bound when stopped by
+the time limit; then the fast bound (:func:`.bounds.best_bound_ms`) is reported.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from typing import Optional
 
 import pulp
 
-from ..baselines import lower_bound
+from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
+from .bounds import best_bound_ms, heads_and_tails, int_tables, linear_cuts
 from .chunks import candidate_chunks, chunk_fits, chunk_set, warm_start
 
-__all__ = ["solve_milp", "build_milp"]
+__all__ = ["solve_milp", "build_milp", "build_free_milp", "order_pairs"]
 
 
 def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = None):
@@ -31,6 +32,8 @@ def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = 
     S, B = problem.num_stages, problem.minibatch
     chunks = candidate_chunks(problem)
     M = horizon_ms  # no time in a useful schedule exceeds the horizon
+    F, G, L = int_tables(problem)
+    heads = heads_and_tails(F, G, L, B)
 
     lp = pulp.LpProblem("umopt_gpipe", pulp.LpMinimize)
 
@@ -93,6 +96,10 @@ def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = 
                 if i > 0:
                     lp += garrive[s][i] >= garrive[s][i - 1] - M * starts[i]
         lp += makespan >= bend[s][0]
+        fd = {c: int(F[s, c[1] - c[0]]) for c in chunks}
+        bd = {c: int(G[s, c[1] - c[0]]) for c in chunks}
+        for terms, const in linear_cuts(problem, heads, s, chunks, x[s], y[s], fd, bd, gpipe=True):
+            lp += makespan >= pulp.lpSum(a / 1000 * v for a, v in terms) + const / 1000
 
     # --- objective -----------------------------------------------------------------------------
     lp += makespan
@@ -104,6 +111,115 @@ def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = 
                 for c in chunks:
                     part[c].setInitialValue(1 if c in used else 0)
     return lp, x, y, makespan
+
+
+MAX_ORDER_PAIRS = 20000
+
+
+def order_pairs(problem: Problem, chunks) -> list[tuple[tuple, tuple]]:
+    """Pairs of ops of one stage whose order the free-order MILP must choose: an F chunk that may
+    come after a B (its samples are later than all the B's), and two disjoint B chunks. Every
+    other pair is ordered by the F chain or by "B after the F of its samples"."""
+    pairs = [(("F", c), ("B", d)) for c in chunks for d in chunks if c[0] >= d[1]]
+    pairs += [(("B", c), ("B", d)) for c in chunks for d in chunks if c < d and (c[1] <= d[0] or d[1] <= c[0])]
+    return pairs
+
+
+def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = None):
+    """The free-order MILP; returns (problem, x, y, fstart, bstart, makespan).
+
+    As :func:`build_milp`, but each stage's op order is chosen: for every pair of ops from
+    :func:`order_pairs` a binary ``z`` says which runs first (big-M, active only when both chunks
+    are used). The same ``z`` orders the two B ops' gradient messages, so the link sends them in
+    op order, exactly as the cost model does. No memory limit (that is the CP-SAT model's job).
+    """
+    t = problem.tables
+    S, B = problem.num_stages, problem.minibatch
+    chunks = candidate_chunks(problem)
+    M = horizon_ms
+    F, G, L = int_tables(problem)
+    heads = heads_and_tails(F, G, L, B)
+    pairs = order_pairs(problem, chunks)
+
+    lp = pulp.LpProblem("umopt_free", pulp.LpMinimize)
+
+    def time_var(name: str) -> pulp.LpVariable:
+        return lp.add_variable(name, lowBound=0, upBound=M)
+
+    # --- variables ---------------------------------------------------------------------------
+    x = [{c: lp.add_variable(f"x_{s}_{c[0]}_{c[1]}", cat="Binary") for c in chunks} for s in range(S)]
+    y = x if not problem.recompute else [{c: lp.add_variable(f"y_{s}_{c[0]}_{c[1]}", cat="Binary") for c in chunks} for s in range(S)]
+    fstart = [{c: time_var(f"fs_{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
+    bstart = [{c: time_var(f"bs_{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
+    gsend = [{c: time_var(f"gs_{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
+    z = [{p: lp.add_variable(f"z_{s}_{k}", cat="Binary") for k, p in enumerate(pairs)} for s in range(S)]
+    fend, fdone, fmsg, arrive, garrive = (
+        [[time_var(f"{n}_{s}_{i}") for i in range(B)] for s in range(S)] for n in ("fe", "fd", "fm", "ar", "ga")
+    )
+    makespan = time_var("makespan")
+
+    # --- constraints ---------------------------------------------------------------------------
+    for s in range(S):
+        for name, part in (("x", x[s]), ("y", y[s])) if problem.recompute else (("x", x[s]),):
+            for i in range(B):
+                lp += pulp.lpSum(part[c] for c in chunks if c[0] <= i < c[1]) == 1, f"cover_{name}_{s}_{i}"
+        ends = [pulp.lpSum(x[s][c] for c in chunks if c[1] - 1 == i) for i in range(B)]
+        dur = {("F", c): float(t.fwd[s, c[1] - c[0]]) for c in chunks} | {("B", c): float(t.bwd[s, c[1] - c[0]]) for c in chunks}
+        start = {("F", c): fstart[s][c] for c in chunks} | {("B", c): bstart[s][c] for c in chunks}
+        used = {("F", c): x[s][c] for c in chunks} | {("B", c): y[s][c] for c in chunks}
+        for c in chunks:
+            lo, hi = c
+            off, boff = M * (1 - x[s][c]), M * (1 - y[s][c])
+            if lo > 0:
+                lp += fstart[s][c] >= fend[s][lo - 1] - off
+            if s > 0:
+                lp += fstart[s][c] >= arrive[s - 1][hi - 1] - off
+            lp += fend[s][hi - 1] >= fstart[s][c] + dur["F", c] - off
+            lp += bstart[s][c] >= fdone[s][hi - 1] - boff
+            if s + 1 < S:
+                for i in range(lo, hi):
+                    lp += bstart[s][c] >= garrive[s + 1][i] - boff
+            lp += makespan >= bstart[s][c] + dur["B", c] - boff
+            if s > 0:
+                lp += gsend[s][c] >= bstart[s][c] + dur["B", c] - boff
+                for i in range(lo, hi):
+                    lp += garrive[s][i] >= gsend[s][c] + float(t.link[s - 1, hi - lo]) - boff
+            if s + 1 < S:
+                link = float(t.link[s, hi - lo])
+                lp += fmsg[s][hi - 1] >= fend[s][hi - 1] + link - off
+                if lo > 0:
+                    lp += fmsg[s][hi - 1] >= fmsg[s][lo - 1] + link - off
+        for i in range(B):
+            lp += fdone[s][i] >= fend[s][i] - M * (1 - ends[i])
+            if i + 1 < B:
+                lp += fdone[s][i] >= fdone[s][i + 1] - M * ends[i]
+            if s + 1 < S:
+                lp += arrive[s][i] >= fmsg[s][i] - M * (1 - ends[i])
+                if i + 1 < B:
+                    lp += arrive[s][i] >= arrive[s][i + 1] - M * ends[i]
+        for (u, v), first in z[s].items():  # first = 1: u before v
+            both = M * (2 - used[u] - used[v])
+            lp += start[v] >= start[u] + dur[u] - M * (1 - first) - both
+            lp += start[u] >= start[v] + dur[v] - M * first - both
+            if s > 0 and u[0] == v[0] == "B":  # their gradient messages, in the same order
+                cu, cv = u[1], v[1]
+                lp += gsend[s][cv] >= gsend[s][cu] + float(t.link[s - 1, cu[1] - cu[0]]) - M * (1 - first) - both
+                lp += gsend[s][cu] >= gsend[s][cv] + float(t.link[s - 1, cv[1] - cv[0]]) - M * first - both
+        fd = {c: int(F[s, c[1] - c[0]]) for c in chunks}
+        bd = {c: int(G[s, c[1] - c[0]]) for c in chunks}
+        for terms, const in linear_cuts(problem, heads, s, chunks, x[s], y[s], fd, bd, gpipe=False):
+            lp += makespan >= pulp.lpSum(a / 1000 * v for a, v in terms) + const / 1000
+
+    # --- objective -----------------------------------------------------------------------------
+    lp += makespan
+
+    if hint is not None:
+        for s in range(S):
+            for part, sizes in ((x[s], hint.fsizes[s]), (y[s], hint.bsizes[s])):
+                chosen = chunk_set(sizes)
+                for c in chunks:
+                    part[c].setInitialValue(1 if c in chosen else 0)
+    return lp, x, y, fstart, bstart, makespan
 
 
 def _solver(time_limit: float, warm: bool):
@@ -120,15 +236,29 @@ def solve_milp(
     seed: int = 0,
     progress: Optional[Progress] = None,
     hint: Optional[Candidate] = None,
-    order: str = "gpipe",
+    order: str = "auto",
     **_,
 ) -> SolverResult:
+    """``order="gpipe"``: the GPipe-order model; "auto": the free-order model (small instances)."""
     t0 = time.perf_counter()
+    if order != "gpipe":
+        pairs = len(order_pairs(problem, candidate_chunks(problem))) * problem.num_stages
+        if pairs > MAX_ORDER_PAIRS:
+            raise UmoptError(
+                f"milp: the free-order model needs {pairs} ordering binaries (at most {MAX_ORDER_PAIRS}); "
+                "use --order gpipe, a smaller --minibatch or --max-size, or --solver cpsat"
+            )
+        if problem.memory_limit is not None:
+            raise UmoptError("milp: the free-order model has no memory limit; use --order gpipe or --solver cpsat")
     base, time_limit, warm_scored = warm_start(problem, "milp", time_limit, seed, hint, order)
     opt = problem.tables.optimizer_ms
-    horizon = base.simulate(problem).iteration_ms - opt + 1.0
-    lp, x, y, makespan = build_milp(problem, horizon, base)
-    lb = lower_bound(problem)
+    base.iteration_ms = base.simulate(problem).iteration_ms
+    horizon = base.iteration_ms - opt + 1.0
+    if order == "gpipe":
+        lp, x, y, makespan = build_milp(problem, horizon, base)
+    else:
+        lp, x, y, fstart, bstart, makespan = build_free_milp(problem, horizon, base)
+    lb = best_bound_ms(problem)
     lp += makespan >= max(0.0, lb - opt - 1e-6)
     try:
         with warnings.catch_warnings():
@@ -138,17 +268,30 @@ def solve_milp(
         solved = lp.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     except pulp.PulpSolverError as exc:  # CBC stopped before writing a solution
         status, solved = f"solver error: {str(exc).splitlines()[0][:80]}", False
-    if solved:
-        S = problem.num_stages
-        fs = [[hi - lo for lo, hi in sorted(c for c, v in x[s].items() if (v.value() or 0) > 0.5)] for s in range(S)]
-        bs = [[hi - lo for lo, hi in sorted(c for c, v in y[s].items() if (v.value() or 0) > 0.5)] for s in range(S)]
+    S = problem.num_stages
+
+    def on(v) -> bool:
+        return (v.value() or 0) > 0.5
+
+    if solved and order == "gpipe":
+        fs = [[hi - lo for lo, hi in sorted(c for c, v in x[s].items() if on(v))] for s in range(S)]
+        bs = [[hi - lo for lo, hi in sorted(c for c, v in y[s].items() if on(v))] for s in range(S)]
         cand = Candidate(fs, bs, "gpipe")
+    elif solved:
+        ops = []
+        for s in range(S):
+            timed = [(fstart[s][c].value(), 0, ("F", *c)) for c, v in x[s].items() if on(v)]
+            timed += [(bstart[s][c].value(), 1, ("B", *c)) for c, v in y[s].items() if on(v)]
+            ops.append([op for _, _, op in sorted(timed)])
+        cand = Candidate.from_ops(ops)
     else:  # nothing better in time: keep the warm start
-        cand = Candidate([list(p) for p in base.fsizes], [list(p) for p in base.bsizes], "gpipe")
+        cand = base
     cand.iteration_ms = cand.simulate(problem).iteration_ms
+    if base.iteration_ms < cand.iteration_ms:
+        cand = base
     proven = solved and lp.sol_status == pulp.LpSolutionOptimal
-    # CBC's objective at a proven optimum is a bound (up to its tolerances); otherwise the spec's
-    bound = (pulp.value(makespan) + opt - 1e-6) if proven else lb
+    # CBC's objective at a proven optimum is a bound (up to its tolerances); otherwise the fast one
+    bound = max(lb, pulp.value(makespan) + opt - 1e-6) if proven else lb
     if progress:
         progress(1.0, cand.iteration_ms)
     return SolverResult(
@@ -158,5 +301,5 @@ def solve_milp(
         lower_bound_ms=min(bound, cand.iteration_ms),
         seconds=time.perf_counter() - t0,
         evaluated=warm_scored,
-        extra={"bound_scope": "gpipe order", "mip_status": status},
+        extra={"bound_scope": "gpipe order" if order == "gpipe" else "any order", "mip_status": status},
     )

@@ -1,0 +1,224 @@
+"""Heads and tails: how early an op can start and how long the pipeline must run after it ends.
+
+The exact models add these as redundant constraints. They hold for every schedule of the cost
+model, in any op order, so they cut nothing feasible; they tell the solver early what the
+pipeline's shape costs (a large chunk cannot start before the stages below have forwarded all its
+samples; a large last backward leaves a long drain), which its relaxation does not see by itself.
+
+All values are integer microseconds computed from the same floored durations the models use, so
+every bound is satisfied by the model's own times. The one argument behind all of them: if ``j``
+samples of a set are done on a stage and ``m`` of the set were available there at time ``c(m)``,
+the chunks holding the last ``j - m + 1`` to become available all started after ``c(m)`` and cover
+at least that many samples, so they took at least the least work for that many samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Heads", "heads_and_tails", "stage_bound", "least_work", "int_tables", "best_bound_ms", "linear_cuts"]
+
+
+@dataclass(frozen=True)
+class Heads:
+    """``release[s][n]``: no F chunk ending at sample ``n - 1`` starts on ``s`` earlier.
+    ``tail[s][b]``: after a ``b``-sample B op ends on ``s``, the iteration runs at least this long.
+    ``turn[s][b]``: after a ``b``-sample F op ends on ``s``, its B cannot start earlier (same chunk)."""
+
+    release: np.ndarray  # (S, B + 1)
+    tail: np.ndarray  # (S, max_size + 1)
+    turn: np.ndarray  # (S, max_size + 1)
+
+
+def int_tables(problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Durations in whole microseconds, rounded down (so every bound on them is a bound in ms)."""
+    t, mx = problem.tables, problem.max_size
+    us = [np.floor(a[:, : mx + 1] * 1000 + 1e-9).astype(np.int64) for a in (t.fwd, t.bwd, t.link)]
+    return us[0], us[1], us[2]
+
+
+def best_bound_ms(problem) -> float:
+    """The better of the spec's lower bound and :func:`stage_bound`, in ms with the optimizer step."""
+    from ..baselines import lower_bound  # the spec's bound
+
+    F, G, L = int_tables(problem)
+    own = stage_bound(F, G, L, problem.minibatch, problem.recompute) / 1000 + problem.tables.optimizer_ms
+    return max(lower_bound(problem), own)
+
+
+def least_work(dur: np.ndarray, n: int) -> np.ndarray:
+    """``out[k]``: least total duration of chunks covering at least ``k`` samples, k = 0..n."""
+    mx = len(dur) - 1
+    exact = np.full(n + mx + 1, np.iinfo(np.int64).max // 4, dtype=np.int64)
+    exact[0] = 0
+    for k in range(1, n + mx + 1):
+        b = np.arange(1, min(k, mx) + 1)
+        exact[k] = np.min(exact[k - b] + dur[b])
+    return np.minimum.accumulate(exact[::-1])[::-1][: n + 1]  # "at least k": best over k' >= k
+
+
+def _pass(avail: np.ndarray, work: np.ndarray) -> np.ndarray:
+    """``done[j] = max over m <= j of avail[m] + work[j - m + 1]`` (index 0 unused)."""
+    n = len(avail) - 1
+    j = np.arange(n + 1)[:, None]
+    m = np.arange(n + 1)[None, :]
+    valid = (m >= 1) & (m <= j)
+    table = np.where(valid, avail[None, :] + work[np.clip(j - m + 1, 0, n)], np.iinfo(np.int64).min // 4)
+    done = table.max(axis=1)
+    done[0] = 0
+    return done
+
+
+def _forward_done(avail: np.ndarray, F: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+    """``done[n]``: earliest end of F over samples 0..n-1 on one stage whose samples become
+    available at ``avail[n]`` (the whole prefix), F chunks in sample order, one at a time; only
+    chunks ``allowed[lo, b]`` (all when None). Then "at least n": the chunk holding sample n-1
+    may end later."""
+    B = len(avail) - 1
+    mx = len(F) - 1
+    big = np.iinfo(np.int64).max // 4
+    done = np.full(B + 1, big, dtype=np.int64)
+    done[0] = 0
+    for hi in range(1, B + 1):
+        b = np.arange(1, min(mx, hi) + 1)
+        lo = hi - b
+        cand = np.maximum(done[lo], avail[hi]) + F[b]
+        if allowed is not None:
+            cand = np.where(allowed[lo, b], cand, big)
+        done[hi] = cand.min()
+    return np.minimum.accumulate(done[::-1])[::-1]
+
+
+def heads_and_tails(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, allowed: np.ndarray | None = None) -> Heads:
+    """From integer duration tables ``F[s, b]``, ``G[s, b]`` (B ops), ``L[s, b]`` (link s).
+
+    ``allowed[s, lo, b]``: chunks a schedule may use (for :func:`stage_bound`'s refinement; a
+    schedule faster than a target uses no chunk whose own cut exceeds it)."""
+    S, mx1 = F.shape
+    mx = mx1 - 1
+    B = minibatch
+    big = np.iinfo(np.int64).max // 4
+    sizes_ok = None if allowed is None else allowed.any(axis=1)  # (S, mx + 1): usable somewhere
+    KF = [least_work(F[s] if sizes_ok is None else np.where(sizes_ok[s], F[s], big), B) for s in range(S)]
+    KG = [least_work(G[s] if sizes_ok is None else np.where(sizes_ok[s], G[s], big), B) for s in range(S)]
+    lmin = [int(L[s, 1:].min()) for s in range(S - 1)]
+
+    # release: samples 0..n-1 have arrived on s
+    release = np.zeros((S, B + 1), dtype=np.int64)
+    for s in range(1, S):
+        done = _forward_done(release[s - 1], F[s - 1], None if allowed is None else allowed[s - 1])
+        release[s, 1:] = np.minimum(done[1:] + lmin[s - 1], big)
+    tail = np.zeros((S, mx + 1), dtype=np.int64)
+    turn = np.zeros((S, mx + 1), dtype=np.int64)
+    for b in range(1, mx + 1):
+        for s in range(1, S):  # gradients of b samples leave s in one message, then go down to 0
+            avail = np.full(b + 1, int(L[s - 1, b]), dtype=np.int64)
+            for r in range(s - 1, -1, -1):
+                done = _pass(avail, KG[r][: b + 1])
+                avail = done + (lmin[r - 1] if r > 0 else 0)
+            tail[s, b] = done[b]
+        for s in range(S - 1):  # b activations leave s in one message, go up, come back as gradients
+            avail = np.full(b + 1, int(L[s, b]), dtype=np.int64)
+            for r in range(s + 1, S):
+                done = _pass(avail, KF[r][: b + 1])
+                avail = done + (lmin[r] if r + 1 < S else 0)
+            # on the last stage a B follows the F of its samples; then down to s + 1
+            avail = _pass(avail, KG[S - 1][: b + 1])
+            for r in range(S - 2, s, -1):
+                avail = _pass(avail + lmin[r], KG[r][: b + 1])
+            turn[s, b] = avail[b] + lmin[s]
+    return Heads(release, tail, turn)
+
+
+def stage_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, recompute: bool) -> int:
+    """A lower bound on the makespan of any schedule (any order), in the tables' units.
+
+    Target ``T`` is reachable only if every stage, alone, has a partition meeting the two cuts of
+    ``cpsat._add_cuts`` (chunk: release, F, turnaround, B and drain in a row; suffix: from a
+    chunk's release, all later F chunks and the B ops that need them, then a drain), checked by a
+    dynamic program over the partition from its last chunk. The least reachable ``T`` is found by
+    bisection (reachability only grows with ``T``). It sees what large chunks cost (they start
+    late and drain long), which the spec's bound does not.
+    """
+    B = minibatch
+    h = heads_and_tails(F, G, L, B)
+    S = F.shape[0]
+    cuts = [_chunk_cut(h, F, G, s, B, recompute) for s in range(S)]
+    KG = [least_work(G[s], B) for s in range(S)]
+    lo_T = 0
+    hi_T = int(max(h.release[s, B] + (F[s, 1] + G[s, 1]) * B + h.turn.max() + h.tail.max() for s in range(S)))
+    while lo_T < hi_T:
+        mid = (lo_T + hi_T) // 2
+        if all(_reachable(mid, h, F, G, s, cuts[s], KG[s], B, recompute) for s in range(S)):
+            hi_T = mid
+        else:
+            lo_T = mid + 1
+    return lo_T
+
+
+def _chunk_cut(h: Heads, F: np.ndarray, G: np.ndarray, s: int, B: int, recompute: bool) -> np.ndarray:
+    """``cut[lo, b]``: release, F, turnaround, B and drain of chunk [lo, lo + b) on stage s."""
+    mx = F.shape[1] - 1
+    big = np.iinfo(np.int64).max // 4
+    cut = np.full((B, mx + 1), big, dtype=np.int64)
+    b = np.arange(1, mx + 1)
+    for lo in range(B):
+        bb = b[lo + b <= B]
+        if recompute:
+            after = G[s, 1:].min() + h.tail[s, 1:].min()
+        else:
+            after = h.turn[s, bb] + G[s, bb] + h.tail[s, bb]
+        cut[lo, bb] = h.release[s, lo + bb] + F[s, bb] + after
+    return cut
+def _reachable(T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, cut: np.ndarray, KG: np.ndarray, B: int, recompute: bool) -> bool:
+    """Has stage s a partition whose chunk and suffix cuts all stay within ``T``?"""
+    big = np.iinfo(np.int64).max // 4
+    mx = F.shape[1] - 1
+    rel = h.release[s]
+    tail_min = int(h.tail[s, 1:].min())
+    cut_ok = cut <= T
+    W = np.full(B + 1, big, dtype=np.int64)  # least work of a partition of [lo, B) meeting T
+    W[B] = 0
+    for lo in range(B - 1, -1, -1):
+        b = np.arange(1, min(mx, B - lo) + 1)
+        hi = lo + b
+        own = F[s, b] if recompute else F[s, b] + G[s, b]
+        rest = own + W[hi]
+        suffix = rel[hi] + rest + tail_min + (KG[B - lo] if recompute else 0)
+        ok = cut_ok[lo, b] & (suffix <= T) & (W[hi] < big)
+        if ok.any():
+            W[lo] = rest[ok].min()
+    return W[0] < big
+
+
+def linear_cuts(problem, heads: Heads, s: int, chunks, x: dict, y: dict, fdur: dict, bdur: dict, gpipe: bool):
+    """Linear cuts ``makespan >= sum(coef * var) + const`` on stage s, in the tables' units.
+
+    Exactly one chunk holds sample i, so a sum over the chunks holding i, each weighted by what
+    that chunk forces, is a valid bound in every schedule; unlike "if this chunk is used, then"
+    implications (big-M terms), it keeps its strength in the LP relaxation, which then sees what
+    each chunk size costs.
+
+    * chunk cut: the chunk holding i starts after its release, then its F, its gradients'
+      turnaround, its B and the drain after it follow one another;
+    * suffix cut: from the start of the chunk holding i, the stage still runs every F chunk from
+      there on and the B ops that need them (in GPipe order all B ops), then a drain.
+    """
+    rel, tail, turn = heads.release[s], heads.tail[s], heads.turn[s]
+    size = {c: c[1] - c[0] for c in chunks}
+    tail_min = int(tail[1:].min())
+    for i in range(problem.minibatch):
+        holding = [c for c in chunks if c[0] <= i < c[1]]
+        later = [c for c in chunks if c[1] > i]
+        if not problem.recompute:
+            yield [(int(rel[c[1]] + fdur[c] + turn[size[c]] + bdur[c] + tail[size[c]]), x[c]) for c in holding], 0
+        else:
+            yield [(int(rel[c[1]] + fdur[c] + bdur[c] + tail[size[c]]), y[c]) for c in holding], 0
+        terms = [(int(rel[c[1]]), x[c]) for c in holding] + [(int(fdur[c]), x[c]) for c in later]
+        if gpipe:
+            terms += [(int(bdur[c]), y[c]) for c in chunks] + [(int(tail[size[c]]), y[c]) for c in chunks if c[0] == 0]
+            yield terms, 0
+        else:
+            yield terms + [(int(bdur[c]), y[c]) for c in later], tail_min
