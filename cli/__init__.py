@@ -136,6 +136,8 @@ def _print_report(report) -> None:
         + ", "
         f"{report.schedule.solver.seconds:.1f} s, {report.result.evaluated} schedules scored"
     )
+    if "note" in report.result.extra:
+        out.print(f"note: {report.result.extra['note']}")
 
 
 def _int_list(value: Optional[str], what: str) -> Optional[list[int]]:

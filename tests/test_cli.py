@@ -167,7 +167,7 @@ def test_order_option_restricts_the_search(order, tmp_path, capsys):
     "args,expected",
     [
         (["--order", "1f1b", "--recompute", "--solver", "ga"], "--order 1f1b with --recompute is not searched yet"),
-        (["--order", "1f1b", "--solver", "cpsat"], "cpsat models GPipe order only"),
+        (["--order", "1f1b", "--solver", "cpsat"], "cpsat does not model the 1F1B rule"),
     ],
 )
 def test_orders_a_solver_cannot_search_are_refused(args, expected, tmp_path, capsys):

@@ -1,8 +1,9 @@
 """The default solver: the fast ones first, then the GA seeded with their best, within the time limit.
 
 On instances small enough for the exact model (a few thousand chunk variables), a quarter of the
-time goes to CP-SAT, warm-started with the best GPipe-order schedule found; when the search is
-restricted to GPipe order (``--order gpipe``) its proof and bound are then the report's. The
+time goes to CP-SAT, warm-started with the best schedule found: the free-order model under
+``--order auto`` (its bound holds for every schedule), the GPipe-order one under ``--order gpipe``;
+its proof and bound are then the report's. The
 result is the best schedule any of them found, scored by the reference simulator, so it is never
 worse than the best equal schedule.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from ..errors import UmoptError
 from ..problem import Problem, Progress, SolverResult
 from .cpsat import solve_cpsat
 from .dp import solve_dp
@@ -26,7 +28,12 @@ def solve_auto(
     problem: Problem, *, time_limit: float = 20.0, seed: int = 0, progress: Optional[Progress] = None, order: str = "auto", **_
 ) -> SolverResult:
     t0 = time.perf_counter()
-    fast = [solve_equal(problem, order=order), solve_dp(problem, order=order), solve_greedy(problem, time_limit=0.05 * time_limit, order=order)]
+    fast = []
+    for solver, kwargs in ((solve_equal, {}), (solve_dp, {}), (solve_greedy, {"time_limit": 0.05 * time_limit})):
+        try:
+            fast.append(solver(problem, order=order, **kwargs))
+        except UmoptError:  # e.g. no GPipe schedule fits the memory limit; the others may
+            pass
     for r in fast:
         tl = r.candidate.simulate(problem)
         r.candidate.iteration_ms = tl.iteration_ms if r.candidate.fits(tl, problem) else float("inf")
@@ -38,14 +45,16 @@ def solve_auto(
     results = fast + [ga]
     status, bound, extra = "feasible", None, {}
     if exact:
-        gpipe_best = min((r for r in results if r.candidate.order == "gpipe"), key=lambda r: r.candidate.iteration_ms)
+        scope = [r for r in results if order == "auto" or r.candidate.order == "gpipe"]
+        start = min(scope, key=lambda r: r.candidate.iteration_ms)
         # its quarter even if the GA's final polish ran over
         cp_time = max(0.25 * left, time_limit - (time.perf_counter() - t0))
-        cp = solve_cpsat(problem, time_limit=cp_time, seed=seed, hint=gpipe_best.candidate)
+        cp = solve_cpsat(problem, time_limit=cp_time, seed=seed, hint=start.candidate, order=order)
         results.append(cp)
-        if order == "gpipe":  # the proof covers exactly the schedules searched
-            status, bound = cp.status, cp.lower_bound_ms
-            extra["bound_scope"] = cp.extra["bound_scope"]
+        # the model searched every schedule auto may return (any order, or GPipe order under
+        # --order gpipe), so its proof and bound are auto's
+        status, bound = cp.status, cp.lower_bound_ms
+        extra["bound_scope"] = cp.extra["bound_scope"]
     best = min(results, key=lambda r: r.candidate.iteration_ms)
     return SolverResult(
         "auto",

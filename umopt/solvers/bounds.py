@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Heads", "heads_and_tails", "stage_bound", "least_work", "int_tables", "best_bound_ms", "linear_cuts"]
+__all__ = ["Heads", "heads_and_tails", "stage_bound", "least_work", "int_tables", "best_bound_ms", "linear_cuts", "chunks_ending_at"]
 
 
 @dataclass(frozen=True)
@@ -193,13 +193,14 @@ def _reachable(T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, cut: np.n
     return W[0] < big
 
 
-def linear_cuts(problem, heads: Heads, s: int, chunks, x: dict, y: dict, fdur: dict, bdur: dict, gpipe: bool):
-    """Linear cuts ``makespan >= sum(coef * var) + const`` on stage s, in the tables' units.
+def linear_cuts(problem, heads: Heads, s: int, chunks, x: dict, y: dict, fdur: dict, bdur: dict, later_f: list, later_b: list, gpipe: bool):
+    """Linear cuts ``makespan >= sum(coef * var) + rest`` on stage s, in the tables' units.
 
     Exactly one chunk holds sample i, so a sum over the chunks holding i, each weighted by what
     that chunk forces, is a valid bound in every schedule; unlike "if this chunk is used, then"
     implications (big-M terms), it keeps its strength in the LP relaxation, which then sees what
-    each chunk size costs.
+    each chunk size costs. ``later_f[i]`` and ``later_b[i]`` are the model's expressions for the F
+    and B work of chunks ending after sample i (see :func:`chunks_ending_at`).
 
     * chunk cut: the chunk holding i starts after its release, then its F, its gradients'
       turnaround, its B and the drain after it follow one another;
@@ -211,14 +212,21 @@ def linear_cuts(problem, heads: Heads, s: int, chunks, x: dict, y: dict, fdur: d
     tail_min = int(tail[1:].min())
     for i in range(problem.minibatch):
         holding = [c for c in chunks if c[0] <= i < c[1]]
-        later = [c for c in chunks if c[1] > i]
         if not problem.recompute:
             yield [(int(rel[c[1]] + fdur[c] + turn[size[c]] + bdur[c] + tail[size[c]]), x[c]) for c in holding], 0
         else:
             yield [(int(rel[c[1]] + fdur[c] + bdur[c] + tail[size[c]]), y[c]) for c in holding], 0
-        terms = [(int(rel[c[1]]), x[c]) for c in holding] + [(int(fdur[c]), x[c]) for c in later]
+        terms = [(int(rel[c[1]]), x[c]) for c in holding]
         if gpipe:
-            terms += [(int(bdur[c]), y[c]) for c in chunks] + [(int(tail[size[c]]), y[c]) for c in chunks if c[0] == 0]
-            yield terms, 0
+            yield terms + [(int(tail[size[c]]), y[c]) for c in chunks if c[0] == 0], later_f[i] + later_b[0]
         else:
-            yield terms + [(int(bdur[c]), y[c]) for c in later], tail_min
+            yield terms, later_f[i] + later_b[i] + tail_min
+
+
+def chunks_ending_at(chunks, minibatch: int) -> list[list]:
+    """``out[i]``: the chunks whose last sample is i, so that the work of chunks ending after i
+    chains as ``later[i] = later[i + 1] + sum over out[i]`` (linear size, not quadratic)."""
+    out = [[] for _ in range(minibatch)]
+    for c in chunks:
+        out[c[1] - 1].append(c)
+    return out

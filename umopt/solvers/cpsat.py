@@ -35,7 +35,7 @@ from ortools.sat.python import cp_model
 
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
-from .bounds import Heads, best_bound_ms, heads_and_tails, int_tables, linear_cuts
+from .bounds import Heads, best_bound_ms, chunks_ending_at, heads_and_tails, int_tables, linear_cuts
 from .chunks import candidate_chunks, chunk_fits, chunk_set, warm_start
 
 __all__ = ["solve_cpsat", "build_gpipe_model", "build_free_model"]
@@ -122,8 +122,9 @@ def build_gpipe_model(problem: Problem, horizon_us: int, hint: Optional[Candidat
         m.add(makespan >= bend[s][0])
         fd = {c: _us(t.fwd[s, c[1] - c[0]]) for c in chunks}
         bd = {c: _us(t.bwd[s, c[1] - c[0]]) for c in chunks}
-        for terms, const in linear_cuts(problem, heads, s, chunks, x[s], y[s], fd, bd, gpipe=True):
-            m.add(makespan >= sum(a * v for a, v in terms) + const)
+        later_f, later_b = _later_work(m, chunks, B, x[s], y[s], fd, bd, H)
+        for terms, rest in linear_cuts(problem, heads, s, chunks, x[s], y[s], fd, bd, later_f, later_b, gpipe=True):
+            m.add(makespan >= sum(a * v for a, v in terms) + rest)
 
     # --- objective -----------------------------------------------------------------------------
     m.minimize(makespan)
@@ -227,8 +228,9 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
         if limit is not None:
             _add_memory(m, problem, s, chunks, x[s], y[s], fstart[s], bstart[s], fdur[s], bdur[s])
         # redundant cuts: they give the LP relaxation what each chunk size costs (see .bounds)
-        for terms, const in linear_cuts(problem, heads, s, chunks, x[s], y[s], fdur[s], bdur[s], gpipe=False):
-            m.add(makespan >= sum(a * v for a, v in terms) + const)
+        later_f, later_b = _later_work(m, chunks, B, x[s], y[s], fdur[s], bdur[s], H)
+        for terms, rest in linear_cuts(problem, heads, s, chunks, x[s], y[s], fdur[s], bdur[s], later_f, later_b, gpipe=False):
+            m.add(makespan >= sum(a * v for a, v in terms) + rest)
 
     # --- objective -----------------------------------------------------------------------------
     m.minimize(makespan)
@@ -280,6 +282,21 @@ def _hint_free(m, problem: Problem, hint: Candidate, chunks, x, y, fstart, bstar
                 m.add_hint(bstart[s][c], starts[("B", *c)])
 
 
+def _later_work(m, chunks, B: int, x: dict, y: dict, fdur: dict, bdur: dict, H: int):
+    """``later_f[i]``, ``later_b[i]``: F and B work of one stage's chunks that end at sample i or
+    later (that is, hold a sample >= i)."""
+    ending = chunks_ending_at(chunks, B)
+    later_f = [m.new_int_var(0, H, "") for _ in range(B + 1)]
+    later_b = [m.new_int_var(0, H, "") for _ in range(B + 1)]
+    m.add(later_f[B] == 0)
+    m.add(later_b[B] == 0)
+    for i in range(B - 1, -1, -1):
+        # work of the chunks ending at sample i or later
+        m.add(later_f[i] == later_f[i + 1] + sum(fdur[c] * x[c] for c in ending[i]))
+        m.add(later_b[i] == later_b[i + 1] + sum(bdur[c] * y[c] for c in ending[i]))
+    return later_f, later_b
+
+
 def _add_heads(m, problem: Problem, heads: Heads, s: int, c, on, bon, fstart, bstart, fdur: int, bdur: int, makespan) -> None:
     """Redundant release, turnaround and tail constraints of one chunk (see :mod:`.bounds`)."""
     lo, hi = c
@@ -316,6 +333,7 @@ def solve_cpsat(
     """``order="gpipe"``: the GPipe-order model; "auto": the free-order model (any op order)."""
     t0 = time.perf_counter()
     base, time_limit, warm_scored = warm_start(problem, "cpsat", time_limit, seed, hint, order)
+    t_model = time.perf_counter()  # building the model counts against the time limit
     opt = problem.tables.optimizer_ms
     base.iteration_ms = base.simulate(problem).iteration_ms
     base_ms = base.iteration_ms - opt
@@ -330,7 +348,7 @@ def solve_cpsat(
     model.add(makespan >= max(0, _us(lb_ms) - n_ops))
 
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.1, time_limit)
+    solver.parameters.max_time_in_seconds = max(0.1, time_limit - (time.perf_counter() - t_model))
     solver.parameters.num_workers = max(1, os.cpu_count() or 1)
     solver.parameters.random_seed = seed
     status = solver.solve(model)

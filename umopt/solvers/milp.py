@@ -16,11 +16,11 @@ import time
 import warnings
 from typing import Optional
 
+import numpy as np
 import pulp
 
-from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
-from .bounds import best_bound_ms, heads_and_tails, int_tables, linear_cuts
+from .bounds import best_bound_ms, chunks_ending_at, heads_and_tails, int_tables, linear_cuts
 from .chunks import candidate_chunks, chunk_fits, chunk_set, warm_start
 
 __all__ = ["solve_milp", "build_milp", "build_free_milp", "order_pairs"]
@@ -98,8 +98,9 @@ def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = 
         lp += makespan >= bend[s][0]
         fd = {c: int(F[s, c[1] - c[0]]) for c in chunks}
         bd = {c: int(G[s, c[1] - c[0]]) for c in chunks}
-        for terms, const in linear_cuts(problem, heads, s, chunks, x[s], y[s], fd, bd, gpipe=True):
-            lp += makespan >= pulp.lpSum(a / 1000 * v for a, v in terms) + const / 1000
+        later_f, later_b = _later_work(lp, s, chunks, B, x[s], y[s], fd, bd)
+        for terms, rest in linear_cuts(problem, heads, s, chunks, x[s], y[s], fd, bd, later_f, later_b, gpipe=True):
+            lp += makespan >= pulp.LpAffineExpression([(v, a / 1000) for a, v in terms]) + rest / 1000
 
     # --- objective -----------------------------------------------------------------------------
     lp += makespan
@@ -123,6 +124,14 @@ def order_pairs(problem: Problem, chunks) -> list[tuple[tuple, tuple]]:
     pairs = [(("F", c), ("B", d)) for c in chunks for d in chunks if c[0] >= d[1]]
     pairs += [(("B", c), ("B", d)) for c in chunks for d in chunks if c < d and (c[1] <= d[0] or d[1] <= c[0])]
     return pairs
+
+
+def count_order_pairs(chunks) -> int:
+    """``len(order_pairs(...))`` without building them: both kinds count the pairs of disjoint
+    chunks (one chunk wholly before the other), once each."""
+    ends = np.array(sorted(hi for _, hi in chunks))
+    before = sum(int(np.searchsorted(ends, lo, side="right")) for lo, _ in chunks)  # d.hi <= c.lo
+    return 2 * before
 
 
 def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = None):
@@ -207,8 +216,9 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
                 lp += gsend[s][cu] >= gsend[s][cv] + float(t.link[s - 1, cv[1] - cv[0]]) - M * first - both
         fd = {c: int(F[s, c[1] - c[0]]) for c in chunks}
         bd = {c: int(G[s, c[1] - c[0]]) for c in chunks}
-        for terms, const in linear_cuts(problem, heads, s, chunks, x[s], y[s], fd, bd, gpipe=False):
-            lp += makespan >= pulp.lpSum(a / 1000 * v for a, v in terms) + const / 1000
+        later_f, later_b = _later_work(lp, s, chunks, B, x[s], y[s], fd, bd)
+        for terms, rest in linear_cuts(problem, heads, s, chunks, x[s], y[s], fd, bd, later_f, later_b, gpipe=False):
+            lp += makespan >= pulp.LpAffineExpression([(v, a / 1000) for a, v in terms]) + rest / 1000
 
     # --- objective -----------------------------------------------------------------------------
     lp += makespan
@@ -220,6 +230,19 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
                 for c in chunks:
                     part[c].setInitialValue(1 if c in chosen else 0)
     return lp, x, y, fstart, bstart, makespan
+
+
+def _later_work(lp, s: int, chunks, B: int, x: dict, y: dict, fdur: dict, bdur: dict):
+    """As ``cpsat._later_work``: F and B work (microseconds) of chunks holding a sample >= i."""
+    ending = chunks_ending_at(chunks, B)
+    later_f = [lp.add_variable(f"lf_{s}_{i}", lowBound=0) for i in range(B + 1)]
+    later_b = [lp.add_variable(f"lb_{s}_{i}", lowBound=0) for i in range(B + 1)]
+    lp += later_f[B] == 0
+    lp += later_b[B] == 0
+    for i in range(B - 1, -1, -1):
+        lp += later_f[i] == later_f[i + 1] + pulp.LpAffineExpression([(x[c], fdur[c]) for c in ending[i]])
+        lp += later_b[i] == later_b[i + 1] + pulp.LpAffineExpression([(y[c], bdur[c]) for c in ending[i]])
+    return later_f, later_b
 
 
 def _solver(time_limit: float, warm: bool):
@@ -239,18 +262,20 @@ def solve_milp(
     order: str = "auto",
     **_,
 ) -> SolverResult:
-    """``order="gpipe"``: the GPipe-order model; "auto": the free-order model (small instances)."""
+    """``order="gpipe"``: the GPipe-order model; "auto": the free-order model where it is small
+    enough and no memory limit is set, else the GPipe-order one (``extra["note"]`` says so)."""
     t0 = time.perf_counter()
+    note = None
     if order != "gpipe":
-        pairs = len(order_pairs(problem, candidate_chunks(problem))) * problem.num_stages
+        pairs = count_order_pairs(candidate_chunks(problem)) * problem.num_stages
         if pairs > MAX_ORDER_PAIRS:
-            raise UmoptError(
-                f"milp: the free-order model needs {pairs} ordering binaries (at most {MAX_ORDER_PAIRS}); "
-                "use --order gpipe, a smaller --minibatch or --max-size, or --solver cpsat"
-            )
-        if problem.memory_limit is not None:
-            raise UmoptError("milp: the free-order model has no memory limit; use --order gpipe or --solver cpsat")
+            note = f"the free-order model needs {pairs} ordering binaries (more than {MAX_ORDER_PAIRS}): solved in GPipe order"
+        elif problem.memory_limit is not None:
+            note = "the free-order model has no memory limit: solved in GPipe order (cpsat orders freely under one)"
+        if note:
+            order = "gpipe"
     base, time_limit, warm_scored = warm_start(problem, "milp", time_limit, seed, hint, order)
+    t_model = time.perf_counter()  # building the model counts against the time limit
     opt = problem.tables.optimizer_ms
     base.iteration_ms = base.simulate(problem).iteration_ms
     horizon = base.iteration_ms - opt + 1.0
@@ -260,14 +285,18 @@ def solve_milp(
         lp, x, y, fstart, bstart, makespan = build_free_milp(problem, horizon, base)
     lb = best_bound_ms(problem)
     lp += makespan >= max(0.0, lb - opt - 1e-6)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # PULP_CBC_CMD: still the bundled CBC
-            lp.solve(_solver(time_limit, warm=True))
-        status = pulp.LpStatus[lp.status]
-        solved = lp.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-    except pulp.PulpSolverError as exc:  # CBC stopped before writing a solution
-        status, solved = f"solver error: {str(exc).splitlines()[0][:80]}", False
+    status, solved = "not run", False
+    for warm in (True, False):  # CBC's MIP start crashes it on some models: then go without
+        left = max(1.0, time_limit - (time.perf_counter() - t_model))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # PULP_CBC_CMD: still the bundled CBC
+                lp.solve(_solver(left, warm=warm))
+            status = pulp.LpStatus[lp.status]
+            solved = lp.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+            break
+        except pulp.PulpSolverError as exc:  # the solver died or stopped before writing a solution
+            status = f"solver error: {str(exc).splitlines()[0][:80]}"
     S = problem.num_stages
 
     def on(v) -> bool:
@@ -301,5 +330,5 @@ def solve_milp(
         lower_bound_ms=min(bound, cand.iteration_ms),
         seconds=time.perf_counter() - t0,
         evaluated=warm_scored,
-        extra={"bound_scope": "gpipe order" if order == "gpipe" else "any order", "mip_status": status},
+        extra={"bound_scope": "gpipe order" if order == "gpipe" else "any order", "mip_status": status, **({"note": note} if note else {})},
     )
