@@ -3,7 +3,9 @@
     python bench/runtime_vs_predicted.py [--minibatch 32] [--rounds 3]
 
 Profiles a small GPT on 2 stages x 1 thread here (so the prediction describes this machine now),
-solves it, then runs side by side, alternating, `--rounds` times each:
+calibrates the profile with one short run of each equal GPipe schedule whose chunks are 2, 4, 8
+and 16 samples (`umopt calibrate`: per stage, kind and size, measured / profiled), solves the
+calibrated profile, then runs side by side, alternating, `--rounds` times each:
   * umopt's runtime with the best equal GPipe schedule,
   * umopt's runtime and torch.distributed.pipelining's ScheduleGPipe with the best M that divides
     the minibatch (ScheduleGPipe chunks inputs and targets differently otherwise) and the same split,
@@ -28,8 +30,10 @@ from rich.console import Console
 from rich.table import Table
 
 from umopt.baselines import gpipe_equal
-from umopt.problem import Candidate
+from umopt.calibrate import calibrate as fit
+from umopt.costmodel import simulate
 from umopt.launch import launch
+from umopt.problem import Candidate
 from umopt.profile import load_profile, save_profile
 from umopt.profiler import ProfileOptions, profile_model
 from umopt.schedule import make_schedule, save_schedule
@@ -44,8 +48,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--time-limit", type=float, default=20.0)
+    ap.add_argument("--no-calibrate", action="store_true", help="solve and predict with the profile as measured")
     args = ap.parse_args()
-    title, rows, summary = run(args.minibatch, args.rounds, args.steps, args.time_limit)
+    title, rows, summary = run(args.minibatch, args.rounds, args.steps, args.time_limit, calibrate=not args.no_calibrate)
     console = Console(width=150)
     table = Table(title=title)
     for col in COLUMNS:
@@ -56,17 +61,40 @@ def main() -> None:
     console.print(summary)
 
 
-COLUMNS = ("schedule", "predicted ms", "measured ms", "measured / predicted", "rounds (ms)")
+COLUMNS = ("schedule", "predicted ms (profile as measured)", "predicted ms", "measured ms", "measured / predicted", "rounds (ms)")
 
 
-def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print):
+def calibration_runs(prof, B: int, tmp: Path, steps: int = 4) -> list[str]:
+    """One short run of each equal GPipe schedule with chunks of 2, 4, 8 and 16 samples; their
+    reports (per-op measured and predicted times) are what `umopt calibrate` fits."""
+    problem = make_problem(prof, B, False)
+    reports = []
+    for b in (2, 4, 8, 16):
+        if b > prof.max_size or b > B:
+            continue
+        cand = Candidate.uniform([b] * (B // b) + ([B % b] if B % b else []), prof.num_stages)
+        sched = make_schedule(prof, B, False, cand.ops(), cand.simulate(problem), {"name": f"calibrate_b{b}", "status": "feasible", "seconds": 0.0}, {})
+        save_schedule(sched, str(tmp / f"cal_b{b}.json"))
+        launch([str(tmp / f"cal_b{b}.json"), "--steps", str(steps), "--warmup", "2", "--report", str(tmp / f"cal_b{b}_report.json")], quiet=True)
+        reports.append(str(tmp / f"cal_b{b}_report.json"))
+    return reports
+
+
+def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print, calibrate: bool = True):
     """(title, rows, summary line) of the side-by-side runs."""
     args = argparse.Namespace(minibatch=minibatch, rounds=rounds, steps=steps, time_limit=time_limit)
     tmp = Path(tempfile.mkdtemp(prefix="umopt-bench-"))
-    prof = profile_model(ProfileOptions(model="gpt", model_args=GPT, stages=2, max_size=32))
-    save_profile(prof, tmp / "gpt2.json")
-    prof = load_profile(tmp / "gpt2.json")
+    measured = profile_model(ProfileOptions(model="gpt", model_args=GPT, stages=2, max_size=32))
+    save_profile(measured, tmp / "gpt2_measured.json")
+    measured = load_profile(tmp / "gpt2_measured.json")
     B = args.minibatch
+    if calibrate:
+        names = calibration_runs(measured, B, tmp)
+        fitted = fit(measured, [json.loads(Path(n).read_text()) for n in names], names)
+        save_profile(fitted, tmp / "gpt2.json")
+    else:
+        save_profile(measured, tmp / "gpt2.json")
+    prof = load_profile(tmp / "gpt2.json")
     report = solve(prof, B, time_limit=args.time_limit, seed=0)
     save_schedule(report.schedule, str(tmp / "umopt.json"))
     problem = make_problem(prof, B, False)
@@ -102,8 +130,12 @@ def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print):
         results["umopt"].append(r["measured_iteration_ms"])
 
     pred = {"equal": eq.predicted.iteration_ms, "equal_div": eqd.predicted.iteration_ms, "umopt": report.schedule.predicted.iteration_ms, "pipelining": eqd.predicted.iteration_ms}
+    raw_tables = make_problem(measured, B, False).tables
+    files = {"equal": eq, "equal_div": eqd, "umopt": report.schedule, "pipelining": eqd}
+    raw = {k: simulate(raw_tables, sched.op_lists(), B).iteration_ms for k, sched in files.items()}
     meas = {k: statistics.median(v) for k, v in results.items()}
-    title = f"GPT (4 layers, d=128, seq 64) on 2 CPU stages x 1 thread, minibatch {B}; medians of {args.rounds} rounds"
+    title = (f"GPT (4 layers, d=128, seq 64) on 2 CPU stages x 1 thread, minibatch {B}; medians of {args.rounds} rounds; "
+             + ("predicted with the calibrated profile" if calibrate else "predicted with the profile as measured"))
     rows = []
     names = {
         "equal": f"umopt runtime, best equal GPipe M={gp.microbatches}",
@@ -112,7 +144,7 @@ def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print):
         "umopt": "umopt runtime, umopt schedule",
     }
     for k in ("equal", "equal_div", "pipelining", "umopt"):
-        rows.append([names[k], f"{pred[k]:.1f}", f"{meas[k]:.1f}", f"{meas[k] / pred[k]:.3f}", " ".join(f"{x:.1f}" for x in results[k])])
+        rows.append([names[k], f"{raw[k]:.1f}", f"{pred[k]:.1f}", f"{meas[k]:.1f}", f"{meas[k] / pred[k]:.3f}", " ".join(f"{x:.1f}" for x in results[k])])
     margin_pred = pred["equal"] - pred["umopt"]
     margin_meas = meas["equal"] - meas["umopt"]
     summary = (

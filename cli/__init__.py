@@ -311,6 +311,30 @@ def show(schedule_path, profile_path, plot, trace) -> None:
         write_trace(panels, trace)
 
 
+@cli.command()
+@click.argument("profile_path", metavar="PROFILE")
+@click.argument("reports", nargs=-1, required=True, metavar="REPORT...")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Calibrated profile to write.")
+def calibrate(profile_path, reports, output) -> None:
+    """Scale PROFILE's op times to what runs measured (their --report files)."""
+    from umopt.calibrate import calibrate as fit
+    from umopt.calibrate import size_ratios
+    from umopt.fileio import read_json
+    from umopt.profile import load_profile, save_profile
+
+    profile = load_profile(profile_path)
+    loaded = [read_json(r) for r in reports]
+    calibrated = fit(profile, loaded, list(reports))
+    table = Table(title="measured / profiled, by chunk size (median over ops)")
+    for col in ("stage", "kind", "ratios"):
+        table.add_column(col)
+    for (s, kind), seen in sorted(size_ratios(loaded, profile.num_stages).items()):
+        table.add_row(str(s), kind, "  ".join(f"{b}: {r:.2f}" for b, r in seen.items()))
+    out.print(table)
+    save_profile(calibrated, output)
+    out.print(f"wrote {output}")
+
+
 def _sizes(sizes: list[int]) -> str:
     text = " ".join(map(str, sizes))
     return text if len(text) <= 40 else text[:37] + "..."

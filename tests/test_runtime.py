@@ -181,6 +181,14 @@ def test_run_command_reports_and_refuses_bad_input(tmp_path, capsys):
     assert r["measured_iteration_ms"] > 0 and r["predicted_iteration_ms"] > 0
     assert r["measured_over_predicted"] == pytest.approx(r["measured_iteration_ms"] / r["predicted_iteration_ms"])
     assert len(r["step_ms"]) == 2 and len(r["busy_ms"]["measured"]) == 2
+    # every op's median time beside its prediction, which `umopt calibrate` fits the profile to
+    from umopt.schedule import load_schedule
+
+    assert [[tuple(op[:3]) for op in st] for st in r["ops"]] == [[tuple(op) for op in st.ops] for st in load_schedule(path).stages]
+    assert all(op[3] > 0 and op[4] > 0 for st in r["ops"] for op in st)
+    capsys.readouterr()
+    main(["calibrate", profile.path, str(report), "-o", str(tmp_path / "cal.json")])
+    assert "calibration" in json.loads((tmp_path / "cal.json").read_text())["meta"]
     names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
     assert "process_name" in names and any(n.startswith("B(") for n in names)
     assert png.read_bytes()[:4] == b"\x89PNG"

@@ -205,6 +205,7 @@ def run_rank(cfg: RunConfig) -> None:
     step_ms: list[float] = []
     losses: list[float] = []
     spans_last: list[tuple[str, int, int, float, float]] = []
+    op_ms: list[list[float]] = [[] for _ in ops]  # each op's duration in every measured step
 
     total = args.warmup + args.steps
     for it in range(start_step, start_step + total):
@@ -268,13 +269,16 @@ def run_rank(cfg: RunConfig) -> None:
         if it - start_step >= args.warmup:
             step_ms.append(float(worst.item()))
             spans_last = [(k, lo, hi, timing.ms(t0), timing.ms(t1)) for k, lo, hi, t0, t1 in spans]
+            for j, (_, _, _, t0, t1) in enumerate(spans[: len(ops)]):
+                op_ms[j].append(timing.ms(t1) - timing.ms(t0))
 
     if args.checkpoint:
         Path(args.checkpoint).mkdir(parents=True, exist_ok=True)
         _save_atomic({"model": stage.state_dict(), "optimizer": opt.state_dict(), "step": start_step + total}, Path(args.checkpoint) / f"stage{s}.pt")
 
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, {"spans": spans_last, "losses": losses})
+    medians = [[k, lo, hi, statistics.median(d)] for (k, lo, hi), d in zip(ops, op_ms)]
+    dist.all_gather_object(gathered, {"spans": spans_last, "losses": losses, "op_ms": medians})
     if rank == 0:
         _report(cfg, step_ms, gathered)
 
@@ -409,6 +413,7 @@ def _report(cfg: RunConfig, step_ms: list[float], per_rank: list) -> None:
         "backend": args.backend,
         "stages": cfg.num_stages,
         "minibatch": cfg.schedule.minibatch,
+        "recompute": cfg.schedule.recompute,
         "steps": args.steps,
         "warmup": args.warmup,
         "measured_iteration_ms": measured,
@@ -416,6 +421,12 @@ def _report(cfg: RunConfig, step_ms: list[float], per_rank: list) -> None:
         "measured_over_predicted": measured / predicted,
         "step_ms": step_ms,
         "busy_ms": {"measured": tl.busy_ms, "predicted": pred_tl.busy_ms},
+        # per stage, every op with its median measured duration and the profile's: what
+        # `umopt calibrate` fits a profile to
+        "ops": [
+            [[k, lo, hi, ms, sp.end - sp.start] for (k, lo, hi, ms), sp in zip(rec["op_ms"], pred)]
+            for rec, pred in zip(per_rank, pred_tl.spans)
+        ],
         "losses": per_rank[-1]["losses"],
     }
     if args.report:

@@ -2,8 +2,9 @@
 
 One module each: ``equal`` (best equal chunks), ``dp`` (one shared partition by dynamic
 programming), ``greedy`` (stage-by-stage local choice), ``ga`` (the paper's dual-chromosome
-genetic algorithm on the vectorized evaluator), ``cpsat`` and ``milp`` (an exact model of
-GPipe-order schedules in OR-Tools CP-SAT and in PuLP, seeded with the GA's best) and ``auto`` (the heuristics within a time budget).
+genetic algorithm on the vectorized evaluator), ``cpsat`` and ``milp`` (exact models in OR-Tools
+CP-SAT and in PuLP, of free-order or GPipe-order schedules, seeded with the GA's best; their
+lower bounds come with :mod:`.bounds`) and ``auto`` (the heuristics within a time budget).
 """
 
 from .auto import solve_auto

@@ -18,7 +18,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Heads", "heads_and_tails", "stage_bound", "least_work", "int_tables", "best_bound_ms", "linear_cuts", "chunks_ending_at"]
+__all__ = [
+    "Heads",
+    "heads_and_tails",
+    "stage_bound",
+    "least_work",
+    "int_tables",
+    "best_bound_ms",
+    "linear_cuts",
+    "chunks_ending_at",
+]
 
 
 @dataclass(frozen=True)
@@ -172,7 +181,11 @@ def _chunk_cut(h: Heads, F: np.ndarray, G: np.ndarray, s: int, B: int, recompute
             after = h.turn[s, bb] + G[s, bb] + h.tail[s, bb]
         cut[lo, bb] = h.release[s, lo + bb] + F[s, bb] + after
     return cut
-def _reachable(T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, cut: np.ndarray, KG: np.ndarray, B: int, recompute: bool) -> bool:
+
+
+def _reachable(
+    T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, cut: np.ndarray, KG: np.ndarray, B: int, recompute: bool
+) -> bool:
     """Has stage s a partition whose chunk and suffix cuts all stay within ``T``?"""
     big = np.iinfo(np.int64).max // 4
     mx = F.shape[1] - 1
@@ -193,7 +206,9 @@ def _reachable(T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, cut: np.n
     return W[0] < big
 
 
-def linear_cuts(problem, heads: Heads, s: int, chunks, x: dict, y: dict, fdur: dict, bdur: dict, later_f: list, later_b: list, gpipe: bool):
+def linear_cuts(
+    problem, heads: Heads, s: int, chunks, x: dict, y: dict, fdur: dict, bdur: dict, later_f: list, later_b: list, gpipe: bool
+):
     """Linear cuts ``makespan >= sum(coef * var) + rest`` on stage s, in the tables' units.
 
     Exactly one chunk holds sample i, so a sum over the chunks holding i, each weighted by what

@@ -10,7 +10,7 @@ from ..baselines import gpipe_equal
 from ..errors import UmoptError
 from ..problem import Candidate, Problem
 
-__all__ = ["candidate_chunks", "chunk_fits", "chunk_set", "warm_start"]
+__all__ = ["MAX_MODEL_TERMS", "candidate_chunks", "chunk_fits", "chunk_set", "model_too_large", "warm_start"]
 
 
 def candidate_chunks(problem: Problem) -> list[tuple[int, int]]:
@@ -36,25 +36,38 @@ def chunk_set(sizes: Sequence[int]) -> set[tuple[int, int]]:
     return out
 
 
+MAX_MODEL_TERMS = 600_000
+
+
+def model_too_large(problem: Problem) -> Optional[str]:
+    """Why the exact models would not even be built in reasonable time, or None.
+
+    Their size grows as stages x minibatch x max size^2 (every sample's cut and every B chunk's
+    readiness sum over the chunks holding a sample); past about half a million terms, building
+    the model in Python takes longer than a typical time limit."""
+    S, B, mx = problem.num_stages, problem.minibatch, problem.max_size
+    terms = S * B * mx * (mx + 1) // 2
+    if terms > MAX_MODEL_TERMS:
+        return f"the exact model would have ~{terms:,} terms (stages x minibatch x max size^2 / 2 > {MAX_MODEL_TERMS:,}); kept the GA's schedule"
+    return None
+
+
 def warm_start(
-    problem: Problem, name: str, time_limit: float, seed: int, hint: Optional[Candidate], order: str
+    problem: Problem, name: str, time_limit: float, seed: int, hint: Optional[Candidate], order: str, share: float = 0.3
 ) -> tuple[Candidate, float, int]:
     """(start, time left, schedules scored): the caller's hint, else the GA's best schedule found in
-    30% of the time. With ``order="gpipe"`` the start is a GPipe-order schedule; with "auto" (the
+    ``share`` of the time. With ``order="gpipe"`` the start is a GPipe-order schedule; with "auto" (the
     free-order model) any order will do."""
     from .ga import solve_ga  # the GA is itself a solver; imported here to keep this module light
 
     if order == "1f1b":
-        raise UmoptError(
-            f"{name} does not model the 1F1B rule; use --order auto (its free order includes 1F1B) or gpipe"
-        )
+        raise UmoptError(f"{name} does not model the 1F1B rule; use --order auto (its free order includes 1F1B) or gpipe")
     scored = 0
     if hint is None:
-        share = 0.3 * time_limit
         orders = ("gpipe",) if order == "gpipe" else ("gpipe", "1f1b")
-        warm = solve_ga(problem, time_limit=share, seed=seed, orders=orders, max_restarts=1)
+        warm = solve_ga(problem, time_limit=share * time_limit, seed=seed, orders=orders, max_restarts=None if share == 1 else 1)
         hint, scored = warm.candidate, warm.evaluated
-        time_limit -= share
+        time_limit -= share * time_limit
     base = hint if order != "gpipe" or hint.order == "gpipe" else gpipe_equal(problem).candidate
     if base is None or not base.fits(base.simulate(problem), problem):
         raise UmoptError(f"{name}: no schedule to start from fits the memory limit (try --recompute)")

@@ -21,7 +21,7 @@ import pulp
 
 from ..problem import Candidate, Problem, Progress, SolverResult
 from .bounds import best_bound_ms, chunks_ending_at, heads_and_tails, int_tables, linear_cuts
-from .chunks import candidate_chunks, chunk_fits, chunk_set, warm_start
+from .chunks import candidate_chunks, model_too_large, chunk_fits, chunk_set, warm_start
 
 __all__ = ["solve_milp", "build_milp", "build_free_milp", "order_pairs"]
 
@@ -42,7 +42,11 @@ def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = 
 
     # --- variables ---------------------------------------------------------------------------
     x = [{c: lp.add_variable(f"x_{s}_{c[0]}_{c[1]}", cat="Binary") for c in chunks} for s in range(S)]
-    y = x if not problem.recompute else [{c: lp.add_variable(f"y_{s}_{c[0]}_{c[1]}", cat="Binary") for c in chunks} for s in range(S)]
+    y = (
+        x
+        if not problem.recompute
+        else [{c: lp.add_variable(f"y_{s}_{c[0]}_{c[1]}", cat="Binary") for c in chunks} for s in range(S)]
+    )
     fstart = [{c: time_var(f"fs_{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
     bstart = [{c: time_var(f"bs_{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
     fend, bend, fmsg, bmsg, arrive, garrive = (
@@ -157,7 +161,11 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
 
     # --- variables ---------------------------------------------------------------------------
     x = [{c: lp.add_variable(f"x_{s}_{c[0]}_{c[1]}", cat="Binary") for c in chunks} for s in range(S)]
-    y = x if not problem.recompute else [{c: lp.add_variable(f"y_{s}_{c[0]}_{c[1]}", cat="Binary") for c in chunks} for s in range(S)]
+    y = (
+        x
+        if not problem.recompute
+        else [{c: lp.add_variable(f"y_{s}_{c[0]}_{c[1]}", cat="Binary") for c in chunks} for s in range(S)]
+    )
     fstart = [{c: time_var(f"fs_{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
     bstart = [{c: time_var(f"bs_{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
     gsend = [{c: time_var(f"gs_{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
@@ -274,7 +282,19 @@ def solve_milp(
             note = "the free-order model has no memory limit: solved in GPipe order (cpsat orders freely under one)"
         if note:
             order = "gpipe"
-    base, time_limit, warm_scored = warm_start(problem, "milp", time_limit, seed, hint, order)
+    too_large = model_too_large(problem)
+    base, time_limit, warm_scored = warm_start(problem, "milp", time_limit, seed, hint, order, share=1.0 if too_large else 0.3)
+    if too_large:
+        base.iteration_ms = base.simulate(problem).iteration_ms
+        return SolverResult(
+            "milp",
+            base,
+            "feasible",
+            lower_bound_ms=min(best_bound_ms(problem), base.iteration_ms),
+            seconds=time.perf_counter() - t0,
+            evaluated=warm_scored,
+            extra={"bound_scope": "any order", "note": too_large},
+        )
     t_model = time.perf_counter()  # building the model counts against the time limit
     opt = problem.tables.optimizer_ms
     base.iteration_ms = base.simulate(problem).iteration_ms
@@ -330,5 +350,9 @@ def solve_milp(
         lower_bound_ms=min(bound, cand.iteration_ms),
         seconds=time.perf_counter() - t0,
         evaluated=warm_scored,
-        extra={"bound_scope": "gpipe order" if order == "gpipe" else "any order", "mip_status": status, **({"note": note} if note else {})},
+        extra={
+            "bound_scope": "gpipe order" if order == "gpipe" else "any order",
+            "mip_status": status,
+            **({"note": note} if note else {}),
+        },
     )
