@@ -5,7 +5,7 @@
 Runs bench/solver_quality.py's comparison on the bundled profiles and bench/runtime_vs_predicted.py's
 side-by-side runs on this CPU, draws the VGG16 Gantt chart, and rewrites the block of README.md
 between the results markers with the tables, the paper's reported gains beside ours, and what
-differs. Takes about 10 minutes on 2 cores.
+differs. Takes about 15 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -26,16 +26,19 @@ from umopt.solve import solve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-RUN_CAVEAT = """On this 2-core machine these numbers move by several percent from run to run (see the rounds
-column), and across runs the unequal schedule's measured win has ranged from under half to all of
-the predicted one: per-op traces show the last stage running 10-45% slower inside a run than in
-its profile. Predictions within a few percent are not yet something to rely on for small margins."""
+RUN_CAVEAT = """Predicted times come from the profile *calibrated* to short runs of equal schedules (`umopt
+calibrate`; the column "profile as measured" shows what the raw profile predicted: on this
+machine ops run up to a third slower inside a pipeline than when profiled). On this 2-core machine
+these numbers move by several percent from run to run (see the rounds column); with a predicted
+margin of about 12%, the measured share of it has ranged from 60% to 67% in the runs of this
+benchmark so far."""
 WHAT_IT_SHOWS = """What the solver table shows, plainly: on the measured VGG16 profile umopt beats the best equal
-GPipe and 1F1B schedules clearly and a plain hill climb by a wide margin; on a CPU GPT the cost is
-close to linear in the chunk size, so equal chunks are already near the best; the 8-stage
-synthetic profile at B=256 is the GA's weak spot (1F1B evaluation is ten times slower than GPipe
-and it finds nothing better than the best equal 1F1B in 20 s). The "gap" is to the spec's lower
-bound, which ignores how stages wait for each other and is far from tight."""
+GPipe and 1F1B schedules clearly and a plain hill climb by a wide margin (at B=32 the winner is
+the free-order CP-SAT model, whose schedules mix orders per stage); on a CPU GPT the cost is close
+to linear in the chunk size, so equal chunks are already near the best; the 8-stage synthetic
+profile at B=256 is the GA's weak spot (1F1B evaluation is ten times slower than GPipe). The
+"gap" is to the best bound umopt proves (the stage cuts of docs/formats.md), so it says how far
+from optimal a schedule is at most, not how far it is."""
 
 
 def md(columns, rows) -> str:
@@ -69,7 +72,7 @@ def main() -> None:
     vs_1f1b = vs_gpipe / speedup(vgg[3])
     g_gpipe = speedup(gsim[8])
     g_1f1b = g_gpipe / speedup(gsim[3])
-    meas = {r[0]: float(r[2]) for r in runs}
+    meas = {r[0]: float(r[3]) for r in runs}
     eq = next(k for k in meas if k.startswith("umopt runtime, best equal"))
     um = meas["umopt runtime, umopt schedule"]
     paper = md(

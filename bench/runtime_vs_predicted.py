@@ -3,8 +3,8 @@
     python bench/runtime_vs_predicted.py [--minibatch 32] [--rounds 3]
 
 Profiles a small GPT on 2 stages x 1 thread here (so the prediction describes this machine now),
-calibrates the profile with one short run of each equal GPipe schedule whose chunks are 2, 4, 8
-and 16 samples (`umopt calibrate`: per stage, kind and size, measured / profiled), solves the
+calibrates the profile with one short run of each equal GPipe and 1F1B schedule whose chunks are
+2, 4, 8 and 16 samples (`umopt calibrate`: per stage, kind and size, measured / profiled), solves the
 calibrated profile, then runs side by side, alternating, `--rounds` times each:
   * umopt's runtime with the best equal GPipe schedule,
   * umopt's runtime and torch.distributed.pipelining's ScheduleGPipe with the best M that divides
@@ -38,6 +38,7 @@ from umopt.profile import load_profile, save_profile
 from umopt.profiler import ProfileOptions, profile_model
 from umopt.schedule import make_schedule, save_schedule
 from umopt.solve import make_problem, solve
+from umopt.tune import calibration_runs
 
 GPT = {"layers": 4, "d_model": 128, "heads": 4, "vocab": 2048, "seq_len": 64}
 
@@ -64,22 +65,6 @@ def main() -> None:
 COLUMNS = ("schedule", "predicted ms (profile as measured)", "predicted ms", "measured ms", "measured / predicted", "rounds (ms)")
 
 
-def calibration_runs(prof, B: int, tmp: Path, steps: int = 4) -> list[str]:
-    """One short run of each equal GPipe schedule with chunks of 2, 4, 8 and 16 samples; their
-    reports (per-op measured and predicted times) are what `umopt calibrate` fits."""
-    problem = make_problem(prof, B, False)
-    reports = []
-    for b in (2, 4, 8, 16):
-        if b > prof.max_size or b > B:
-            continue
-        cand = Candidate.uniform([b] * (B // b) + ([B % b] if B % b else []), prof.num_stages)
-        sched = make_schedule(prof, B, False, cand.ops(), cand.simulate(problem), {"name": f"calibrate_b{b}", "status": "feasible", "seconds": 0.0}, {})
-        save_schedule(sched, str(tmp / f"cal_b{b}.json"))
-        launch([str(tmp / f"cal_b{b}.json"), "--steps", str(steps), "--warmup", "2", "--report", str(tmp / f"cal_b{b}_report.json")], quiet=True)
-        reports.append(str(tmp / f"cal_b{b}_report.json"))
-    return reports
-
-
 def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print, calibrate: bool = True):
     """(title, rows, summary line) of the side-by-side runs."""
     args = argparse.Namespace(minibatch=minibatch, rounds=rounds, steps=steps, time_limit=time_limit)
@@ -89,7 +74,7 @@ def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print, c
     measured = load_profile(tmp / "gpt2_measured.json")
     B = args.minibatch
     if calibrate:
-        names = calibration_runs(measured, B, tmp)
+        names = calibration_runs(measured, B, tmp / "calibration")
         fitted = fit(measured, [json.loads(Path(n).read_text()) for n in names], names)
         save_profile(fitted, tmp / "gpt2.json")
     else:

@@ -16,10 +16,11 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from umopt.baselines import gpipe_equal, lower_bound, onef1b_equal
+from umopt.baselines import gpipe_equal, onef1b_equal
 from umopt.profile import load_profile
 from umopt.solve import make_problem
 from umopt.solvers import SOLVERS
+from umopt.solvers.bounds import best_bound_ms
 from umopt.solvers.local import hill_climb
 
 CASES = [
@@ -41,7 +42,7 @@ def run(time_limit: float, cases=CASES, say=print) -> list[list[str]]:
     rows = []
     for name, B in cases:
         problem = make_problem(load_profile(name), B, recompute=False)
-        gp, of, lb = gpipe_equal(problem), onef1b_equal(problem), lower_bound(problem)
+        gp, of, lb = gpipe_equal(problem), onef1b_equal(problem), best_bound_ms(problem)
 
         def cell(it: float) -> str:
             return f"{it:.1f} ({gp.iteration_ms / it:.3f}x)"

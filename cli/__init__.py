@@ -236,12 +236,13 @@ def run(argv) -> None:
 @click.option("--model", default=None, help="vgg16, gpt, mlp or package.module:factory (default: a small GPT).")
 @click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Model argument, repeatable.")
 @click.option("--stages", type=int, default=None, help="Pipeline stages (default 2).")
-@click.option("--minibatch", "-B", type=int, default=None, help="Samples per iteration (default 16).")
+@click.option("--minibatch", "-B", type=int, default=None, help="Samples per iteration (default 32).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--steps", type=int, default=8, show_default=True, help="Measured iterations per run.")
 @click.option("--time-limit", type=float, default=10.0, show_default=True, help="Seconds of search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="umopt-tune", show_default=True)
-def tune(model, model_args, stages, minibatch, device, steps, time_limit, out_dir) -> None:
+@click.option("--calibrate/--no-calibrate", default=True, show_default=True, help="Fit the profile to short runs of equal schedules before solving.")
+def tune(model, model_args, stages, minibatch, device, steps, time_limit, out_dir, calibrate) -> None:
     """Profile, solve and run in one go; compare with the best equal GPipe and 1F1B schedules."""
     _require_torch()
     from umopt.tune import DEFAULT, tune as run_tune
@@ -250,7 +251,7 @@ def tune(model, model_args, stages, minibatch, device, steps, time_limit, out_di
     args = parse_model_args(list(model_args)) if model else (parse_model_args(list(model_args)) or DEFAULT["model_args"])
     result = run_tune(
         model or DEFAULT["model"], args, stages or DEFAULT["stages"], minibatch or DEFAULT["minibatch"],
-        device=device, steps=steps, out_dir=out_dir, time_limit=time_limit, say=lambda m: err.print(f"umopt tune: {m}", markup=False),
+        device=device, steps=steps, out_dir=out_dir, time_limit=time_limit, calibrate=calibrate, say=lambda m: err.print(f"umopt tune: {m}", markup=False),
     )
     table = Table(title=f"{model or DEFAULT['model']}, {stages or DEFAULT['stages']} stages, minibatch {minibatch or DEFAULT['minibatch']}: speedups over equal GPipe")
     table.add_column("schedule", no_wrap=True)

@@ -24,6 +24,9 @@ def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
         assert report["measured_iteration_ms"] > 0 and report["predicted_iteration_ms"] > 0
         assert (out / f"measured_{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "profile.json").exists() and (out / "umopt.json").exists()
+    # the solved profile is the measured one fitted to the calibration runs
+    calibration = json.loads((out / "profile.json").read_text())["meta"]["calibration"]
+    assert len(calibration["reports"]) == 4 and (out / "profile_measured.json").exists()  # GPipe, 1F1B x sizes 2, 4
 
 
 def test_tune_refuses_cuda_without_cuda(tmp_path, capsys):

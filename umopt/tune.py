@@ -1,6 +1,8 @@
 """``umopt tune``: profile, solve and run in one go, and compare with the best equal schedules.
 
-Profiles the model on this machine, solves for the minibatch, writes the umopt schedule and the
+Profiles the model on this machine, calibrates the profile with short runs of equal schedules
+(:mod:`umopt.calibrate`; a profile times stages one chunk at a time, and inside a running
+pipeline ops run at another speed), solves for the minibatch, writes the umopt schedule and the
 best equal GPipe and 1F1B schedules, runs all three with the runtime and returns one row per
 schedule: predicted and measured iteration time and the measured speedup over equal GPipe.
 Everything it makes lands in one folder: the profile, the schedules, the run reports and the
@@ -14,13 +16,16 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .baselines import Baseline
+from .calibrate import calibrate as fit
+from .fileio import read_json
 from .launch import launch
-from .profile import load_profile, save_profile
+from .problem import Candidate
+from .profile import Profile, load_profile, save_profile
 from .profiler import ProfileOptions, profile_model
 from .schedule import make_schedule, save_schedule
 from .solve import make_problem, solve
 
-__all__ = ["DEFAULT", "TuneRow", "TuneResult", "tune"]
+__all__ = ["DEFAULT", "TuneRow", "TuneResult", "calibration_runs", "tune"]
 
 # about a minute on a 2-core CPU: a small GPT on 2 stages, 2 local ranks, ~140 ms iterations
 # (much smaller and per-op overheads the profile does not see start to dominate)
@@ -55,6 +60,28 @@ class TuneResult:
         return (base.measured_ms / row.measured_ms) if measured else (base.predicted_ms / row.predicted_ms)
 
 
+def calibration_runs(prof: Profile, minibatch: int, out: Path, *, steps: int = 3, warmup: int = 1, sizes=(2, 4, 8, 16)) -> list[str]:
+    """Run each equal GPipe and 1F1B schedule with chunks of ``sizes`` briefly; return the reports.
+
+    Their per-op times are what :func:`umopt.calibrate.calibrate` fits the profile to: both orders,
+    because ops run at another speed when a stage interleaves F and B."""
+    out.mkdir(parents=True, exist_ok=True)
+    problem = make_problem(prof, minibatch, False)
+    reports = []
+    for b in sizes:
+        chunk_sizes = [b] * (minibatch // b) + ([minibatch % b] if minibatch % b else [])
+        if b > prof.max_size or len(chunk_sizes) < 2:
+            continue
+        for order in ("gpipe", "1f1b"):
+            cand = Candidate.uniform(chunk_sizes, prof.num_stages, order)
+            name = f"{order}_b{b}"
+            sched = make_schedule(prof, minibatch, False, cand.ops(), cand.simulate(problem), {"name": name, "status": "feasible", "seconds": 0.0}, {})
+            save_schedule(sched, str(out / f"{name}.json"))
+            launch([str(out / f"{name}.json"), "--steps", str(steps), "--warmup", str(warmup), "--report", str(out / f"{name}_report.json")], quiet=True)
+            reports.append(str(out / f"{name}_report.json"))
+    return reports
+
+
 def tune(
     model: str,
     model_args: dict,
@@ -68,6 +95,7 @@ def tune(
     time_limit: float = 10.0,
     max_size: Optional[int] = None,
     seed: int = 0,
+    calibrate: bool = True,
     say: Callable[[str], None] = lambda _msg: None,
 ) -> TuneResult:
     out = Path(out_dir)
@@ -77,6 +105,12 @@ def tune(
         ProfileOptions(model=model, model_args=model_args, stages=stages, max_size=max_size or min(64, minibatch), device=device, seed=seed),
         argv=["umopt", "tune"],
     )
+    if calibrate:
+        save_profile(prof, out / "profile_measured.json")
+        prof = load_profile(out / "profile_measured.json")
+        say("calibrating: short runs of equal GPipe and 1F1B schedules")
+        names = calibration_runs(prof, minibatch, out / "calibration")
+        prof = fit(prof, [read_json(n) for n in names], names)
     save_profile(prof, out / "profile.json")
     prof = load_profile(out / "profile.json")
     say(f"solving for minibatch {minibatch} ({time_limit:g} s)")
