@@ -29,16 +29,18 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 RUN_CAVEAT = """Predicted times come from the profile *calibrated* to short runs of equal schedules (`umopt
 calibrate`; the column "profile as measured" shows what the raw profile predicted: on this
 machine ops run up to a third slower inside a pipeline than when profiled). On this 2-core machine
-these numbers move by several percent from run to run (see the rounds column); with a predicted
-margin of about 12%, the measured share of it has ranged from 60% to 67% in the runs of this
-benchmark so far."""
+these numbers move by several percent from run to run (see the rounds column), as much as the
+predicted margin itself: over the three runs of this benchmark with calibration, umopt's schedule
+measured 1.08, 1.08 and 0.98 x its prediction, and its measured win was 67%, 60% and 210% of the
+predicted one."""
 WHAT_IT_SHOWS = """What the solver table shows, plainly: on the measured VGG16 profile umopt beats the best equal
-GPipe and 1F1B schedules clearly and a plain hill climb by a wide margin (at B=32 the winner is
-the free-order CP-SAT model, whose schedules mix orders per stage); on a CPU GPT the cost is close
-to linear in the chunk size, so equal chunks are already near the best; the 8-stage synthetic
-profile at B=256 is the GA's weak spot (1F1B evaluation is ten times slower than GPipe). The
-"gap" is to the best bound umopt proves (the stage cuts of docs/formats.md), so it says how far
-from optimal a schedule is at most, not how far it is."""
+GPipe and 1F1B schedules clearly and a plain hill climb by a wide margin; on a CPU GPT the cost is
+close to linear in the chunk size, so equal chunks are already near the best; the 8-stage
+synthetic profile at B=256 is the GA's weak spot (1F1B evaluation is ten times slower than
+GPipe). With 20 s, `auto` keeps the GA's schedule on vgg16-cpu at B=32; with 60 s its free-order
+CP-SAT half finds 352.0 ms (see "How close to optimal" above). The "gap" is to the best bound
+umopt proves (the stage cuts of docs/formats.md), so it says how far from optimal a schedule is
+at most, not how far it is."""
 
 
 def md(columns, rows) -> str:

@@ -3,14 +3,14 @@ most the largest size), the GPipe-order memory check of a chunk, and their warm 
 
 from __future__ import annotations
 
-from typing import Sequence
-from typing import Optional
+import time
+from typing import Optional, Sequence
 
 from ..baselines import gpipe_equal
 from ..errors import UmoptError
-from ..problem import Candidate, Problem
+from ..problem import Candidate, Problem, SolverResult
 
-__all__ = ["MAX_MODEL_TERMS", "candidate_chunks", "chunk_fits", "chunk_set", "model_too_large", "warm_start"]
+__all__ = ["MAX_MODEL_TERMS", "candidate_chunks", "chunk_fits", "chunk_set", "model_too_large", "start_or_skip", "warm_start"]
 
 
 def candidate_chunks(problem: Problem) -> list[tuple[int, int]]:
@@ -58,7 +58,9 @@ def warm_start(
     """(start, time left, schedules scored): the caller's hint, else the GA's best schedule found in
     ``share`` of the time. With ``order="gpipe"`` the start is a GPipe-order schedule; with "auto" (the
     free-order model) any order will do."""
-    from .ga import solve_ga  # the GA is itself a solver; imported here to keep this module light
+    from .ga import (
+        solve_ga,  # the GA is itself a solver; imported here to keep this module light
+    )
 
     if order == "1f1b":
         raise UmoptError(f"{name} does not model the 1F1B rule; use --order auto (its free order includes 1F1B) or gpipe")
@@ -72,3 +74,28 @@ def warm_start(
     if base is None or not base.fits(base.simulate(problem), problem):
         raise UmoptError(f"{name}: no schedule to start from fits the memory limit (try --recompute)")
     return base, time_limit, scored
+
+
+def start_or_skip(
+    problem: Problem, name: str, time_limit: float, seed: int, hint: Optional[Candidate], order: str, t0: float
+) -> tuple[Candidate, float, int, Optional[SolverResult]]:
+    """The exact solvers' common start: (warm start, time left, schedules scored, result), where
+    ``result`` is set when the model is too large to build: then the GA had the whole time and
+    its schedule is the answer, with the fast any-order bound."""
+    from .bounds import best_bound_ms
+
+    too_large = model_too_large(problem)
+    base, left, scored = warm_start(problem, name, time_limit, seed, hint, order, share=1.0 if too_large else 0.3)
+    base.iteration_ms = base.simulate(problem).iteration_ms
+    if not too_large:
+        return base, left, scored, None
+    result = SolverResult(
+        name,
+        base,
+        "feasible",
+        lower_bound_ms=min(best_bound_ms(problem), base.iteration_ms),
+        seconds=time.perf_counter() - t0,
+        evaluated=scored,
+        extra={"bound_scope": "any order", "note": too_large},
+    )
+    return base, left, scored, result

@@ -39,8 +39,15 @@ from ortools.sat.python import cp_model
 
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
-from .bounds import Heads, best_bound_ms, chunks_ending_at, heads_and_tails, int_tables, linear_cuts
-from .chunks import candidate_chunks, model_too_large, chunk_fits, chunk_set, warm_start
+from .bounds import (
+    Heads,
+    best_bound_ms,
+    chunks_ending_at,
+    heads_and_tails,
+    int_tables,
+    linear_cuts,
+)
+from .chunks import candidate_chunks, chunk_fits, chunk_set, start_or_skip
 
 __all__ = ["solve_cpsat", "build_gpipe_model", "build_free_model"]
 
@@ -337,22 +344,11 @@ def solve_cpsat(
 ) -> SolverResult:
     """``order="gpipe"``: the GPipe-order model; "auto": the free-order model (any op order)."""
     t0 = time.perf_counter()
-    too_large = model_too_large(problem)
-    base, time_limit, warm_scored = warm_start(problem, "cpsat", time_limit, seed, hint, order, share=1.0 if too_large else 0.3)
-    if too_large:
-        base.iteration_ms = base.simulate(problem).iteration_ms
-        return SolverResult(
-            "cpsat",
-            base,
-            "feasible",
-            lower_bound_ms=min(best_bound_ms(problem), base.iteration_ms),
-            seconds=time.perf_counter() - t0,
-            evaluated=warm_scored,
-            extra={"bound_scope": "any order", "note": too_large},
-        )
+    base, time_limit, warm_scored, skipped = start_or_skip(problem, "cpsat", time_limit, seed, hint, order, t0)
+    if skipped:
+        return skipped
     t_model = time.perf_counter()  # building the model counts against the time limit
     opt = problem.tables.optimizer_ms
-    base.iteration_ms = base.simulate(problem).iteration_ms
     base_ms = base.iteration_ms - opt
     n_ops = 2 * problem.num_stages * problem.minibatch
     horizon = _us(base_ms) + n_ops + 1

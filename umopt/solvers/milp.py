@@ -21,7 +21,7 @@ import pulp
 
 from ..problem import Candidate, Problem, Progress, SolverResult
 from .bounds import best_bound_ms, chunks_ending_at, heads_and_tails, int_tables, linear_cuts
-from .chunks import candidate_chunks, model_too_large, chunk_fits, chunk_set, warm_start
+from .chunks import candidate_chunks, chunk_fits, chunk_set, start_or_skip
 
 __all__ = ["solve_milp", "build_milp", "build_free_milp", "order_pairs"]
 
@@ -100,21 +100,13 @@ def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = 
                 if i > 0:
                     lp += garrive[s][i] >= garrive[s][i - 1] - M * starts[i]
         lp += makespan >= bend[s][0]
-        fd = {c: int(F[s, c[1] - c[0]]) for c in chunks}
-        bd = {c: int(G[s, c[1] - c[0]]) for c in chunks}
-        later_f, later_b = _later_work(lp, s, chunks, B, x[s], y[s], fd, bd)
-        for terms, rest in linear_cuts(problem, heads, s, chunks, x[s], y[s], fd, bd, later_f, later_b, gpipe=True):
-            lp += makespan >= pulp.LpAffineExpression([(v, a / 1000) for a, v in terms]) + rest / 1000
+        _add_cuts(lp, problem, heads, s, chunks, x[s], y[s], F, G, makespan, gpipe=True)
 
     # --- objective -----------------------------------------------------------------------------
     lp += makespan
 
     if hint is not None:
-        for s in range(S):
-            for part, sizes in ((x[s], hint.fsizes[s]), (y[s], hint.bsizes[s])):
-                used = chunk_set(sizes)
-                for c in chunks:
-                    part[c].setInitialValue(1 if c in used else 0)
+        _hint(problem, hint, chunks, x, y)
     return lp, x, y, makespan
 
 
@@ -222,22 +214,32 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
                 cu, cv = u[1], v[1]
                 lp += gsend[s][cv] >= gsend[s][cu] + float(t.link[s - 1, cu[1] - cu[0]]) - M * (1 - first) - both
                 lp += gsend[s][cu] >= gsend[s][cv] + float(t.link[s - 1, cv[1] - cv[0]]) - M * first - both
-        fd = {c: int(F[s, c[1] - c[0]]) for c in chunks}
-        bd = {c: int(G[s, c[1] - c[0]]) for c in chunks}
-        later_f, later_b = _later_work(lp, s, chunks, B, x[s], y[s], fd, bd)
-        for terms, rest in linear_cuts(problem, heads, s, chunks, x[s], y[s], fd, bd, later_f, later_b, gpipe=False):
-            lp += makespan >= pulp.LpAffineExpression([(v, a / 1000) for a, v in terms]) + rest / 1000
+        _add_cuts(lp, problem, heads, s, chunks, x[s], y[s], F, G, makespan, gpipe=False)
 
     # --- objective -----------------------------------------------------------------------------
     lp += makespan
 
     if hint is not None:
-        for s in range(S):
-            for part, sizes in ((x[s], hint.fsizes[s]), (y[s], hint.bsizes[s])):
-                chosen = chunk_set(sizes)
-                for c in chunks:
-                    part[c].setInitialValue(1 if c in chosen else 0)
+        _hint(problem, hint, chunks, x, y)
     return lp, x, y, fstart, bstart, makespan
+
+
+def _add_cuts(lp, problem: Problem, heads, s: int, chunks, x: dict, y: dict, F, G, makespan, gpipe: bool) -> None:
+    """The linear cuts of :func:`.bounds.linear_cuts` (microseconds, turned into ms)."""
+    fd = {c: int(F[s, c[1] - c[0]]) for c in chunks}
+    bd = {c: int(G[s, c[1] - c[0]]) for c in chunks}
+    later_f, later_b = _later_work(lp, s, chunks, problem.minibatch, x, y, fd, bd)
+    for terms, rest in linear_cuts(problem, heads, s, chunks, x, y, fd, bd, later_f, later_b, gpipe=gpipe):
+        lp += makespan >= pulp.LpAffineExpression([(v, a / 1000) for a, v in terms]) + rest / 1000
+
+
+def _hint(problem: Problem, hint: Candidate, chunks, x, y) -> None:
+    """CBC's MIP start: the hint's partitions."""
+    for s in range(problem.num_stages):
+        for part, sizes in ((x[s], hint.fsizes[s]), (y[s], hint.bsizes[s])):
+            used = chunk_set(sizes)
+            for c in chunks:
+                part[c].setInitialValue(1 if c in used else 0)
 
 
 def _later_work(lp, s: int, chunks, B: int, x: dict, y: dict, fdur: dict, bdur: dict):
@@ -282,22 +284,11 @@ def solve_milp(
             note = "the free-order model has no memory limit: solved in GPipe order (cpsat orders freely under one)"
         if note:
             order = "gpipe"
-    too_large = model_too_large(problem)
-    base, time_limit, warm_scored = warm_start(problem, "milp", time_limit, seed, hint, order, share=1.0 if too_large else 0.3)
-    if too_large:
-        base.iteration_ms = base.simulate(problem).iteration_ms
-        return SolverResult(
-            "milp",
-            base,
-            "feasible",
-            lower_bound_ms=min(best_bound_ms(problem), base.iteration_ms),
-            seconds=time.perf_counter() - t0,
-            evaluated=warm_scored,
-            extra={"bound_scope": "any order", "note": too_large},
-        )
+    base, time_limit, warm_scored, skipped = start_or_skip(problem, "milp", time_limit, seed, hint, order, t0)
+    if skipped:
+        return skipped
     t_model = time.perf_counter()  # building the model counts against the time limit
     opt = problem.tables.optimizer_ms
-    base.iteration_ms = base.simulate(problem).iteration_ms
     horizon = base.iteration_ms - opt + 1.0
     if order == "gpipe":
         lp, x, y, makespan = build_milp(problem, horizon, base)
