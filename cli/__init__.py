@@ -54,7 +54,7 @@ def _ms(x: Optional[float]) -> str:
 @click.option("-B", "--minibatch", type=int, required=True, help="Samples per iteration (per pipeline).")
 @click.option("--recompute", is_flag=True, help="Recompute activations in backward; B chunks become free.")
 @click.option("--solver", type=click.Choice(["auto", "ga", "greedy", "dp", "equal", "cpsat", "milp"]), default="auto", show_default=True)
-@click.option("--order", type=click.Choice(["auto", "gpipe", "1f1b"]), default="auto", show_default=True, help="Op order to search: GPipe, 1F1B, or both.")
+@click.option("--order", type=click.Choice(["auto", "gpipe", "1f1b"]), default="auto", show_default=True, help="Op order: GPipe, 1F1B, or auto (the GA tries both; cpsat/milp order each stage freely).")
 @click.option("--time-limit", type=float, default=20.0, show_default=True, help="Seconds of search.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed (results are reproducible).")
 @click.option("--memory-limit", type=int, default=None, help="Bytes per stage; overrides the profile's limit.")
