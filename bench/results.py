@@ -30,9 +30,10 @@ RUN_CAVEAT = """Predicted times come from the profile *calibrated* to short runs
 calibrate`; the column "profile as measured" shows what the raw profile predicted: on this
 machine ops run up to a third slower inside a pipeline than when profiled). On this 2-core machine
 these numbers move by several percent from run to run (see the rounds column), as much as the
-predicted margin itself: over the three runs of this benchmark with calibration, umopt's schedule
-measured 1.08, 1.08 and 0.98 x its prediction, and its measured win was 67%, 60% and 210% of the
-predicted one."""
+predicted margin itself, and the machine's speed drifts between the calibration runs and the
+measured ones: over the four runs of this benchmark with calibration, umopt's schedule measured
+1.08, 1.08, 0.98 and 1.17 x its prediction, and its measured win was 67%, 60%, 210% and 101% of
+the predicted one."""
 WHAT_IT_SHOWS = """What the solver table shows, plainly: on the measured VGG16 profile umopt beats the best equal
 GPipe and 1F1B schedules clearly and a plain hill climb by a wide margin; on a CPU GPT the cost is
 close to linear in the chunk size, so equal chunks are already near the best; the 8-stage
