@@ -9,7 +9,8 @@ calibrated profile, then runs side by side, alternating, `--rounds` times each:
   * umopt's runtime with the best equal GPipe schedule,
   * umopt's runtime and torch.distributed.pipelining's ScheduleGPipe with the best M that divides
     the minibatch (ScheduleGPipe chunks inputs and targets differently otherwise) and the same split,
-  * umopt's runtime with the solver's (unequal) schedule.
+  * umopt's runtime with the solver's (unequal) schedule;
+every other round in reverse order.
 Targets (issue 5): measured within 10% of predicted for the solver's schedule; equal GPipe in
 umopt's runtime no slower than ScheduleGPipe (ratio <= 1.05); the unequal schedule beats the
 equal one in measured time by at least 70% of the predicted margin.
@@ -97,22 +98,26 @@ def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print, c
 
     results: dict[str, list[float]] = {"equal": [], "equal_div": [], "pipelining": [], "umopt": []}
     common = ["--steps", str(args.steps), "--warmup", "2"]
-    for _ in range(args.rounds):
-        r = launch([str(tmp / "equal.json"), *common, "--report", str(tmp / "r_eq.json")], quiet=True).report
-        results["equal"].append(r["measured_iteration_ms"])
-        r = launch([str(tmp / "equal_div.json"), *common, "--report", str(tmp / "r_eqd.json")], quiet=True).report
-        results["equal_div"].append(r["measured_iteration_ms"])
-        out = tmp / "pipe.json"
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-             str(Path(__file__).with_name("pipelining_gpipe.py")), str(tmp / "gpt2.json"), str(m_div),
-             str(args.steps), "2", str(out), str(B)],
-            check=True, env=env, capture_output=True,
-        )
-        results["pipelining"].append(statistics.median(json.loads(out.read_text())["step_ms"]))
-        r = launch([str(tmp / "umopt.json"), *common, "--report", str(tmp / "r_um.json")], quiet=True).report
-        results["umopt"].append(r["measured_iteration_ms"])
+    def measure(kind: str) -> float:
+        if kind == "pipelining":
+            out = tmp / "pipe.json"
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                 str(Path(__file__).with_name("pipelining_gpipe.py")), str(tmp / "gpt2.json"), str(m_div),
+                 str(args.steps), "2", str(out), str(B)],
+                check=True, env=env, capture_output=True,
+            )
+            return statistics.median(json.loads(out.read_text())["step_ms"])
+        path = {"equal": "equal.json", "equal_div": "equal_div.json", "umopt": "umopt.json"}[kind]
+        return launch([str(tmp / path), *common, "--report", str(tmp / f"r_{kind}.json")], quiet=True).report["measured_iteration_ms"]
+
+    kinds = ["equal", "equal_div", "pipelining", "umopt"]
+    for i in range(args.rounds):
+        # every other round in reverse, so that a machine slowing down or speeding up over the
+        # benchmark does not favour whichever schedule always runs last
+        for kind in kinds if i % 2 == 0 else kinds[::-1]:
+            results[kind].append(measure(kind))
 
     pred = {"equal": eq.predicted.iteration_ms, "equal_div": eqd.predicted.iteration_ms, "umopt": report.schedule.predicted.iteration_ms, "pipelining": eqd.predicted.iteration_ms}
     raw_tables = make_problem(measured, B, False).tables
