@@ -40,7 +40,7 @@ GPipe and 1F1B schedules clearly and a plain hill climb by a wide margin; on a C
 close to linear in the chunk size, so equal chunks are already near the best; the 8-stage
 synthetic profile at B=256 is the GA's weak spot (1F1B evaluation is ten times slower than
 GPipe). With 20 s, `auto` keeps the GA's schedule on vgg16-cpu at B=32; with 60 s its free-order
-CP-SAT half finds 352.0 ms (see "How close to optimal" above). The "gap" is to the best bound
+CP-SAT half finds 341-352 ms (see "How close to optimal" above). The "gap" is to the best bound
 umopt proves (the stage cuts of docs/formats.md), so it says how far from optimal a schedule is
 at most, not how far it is."""
 

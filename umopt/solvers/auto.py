@@ -69,7 +69,7 @@ def solve_auto(
 
 EXACT_MAX_TERMS = 100_000  # S=4, B=32, sizes up to 32: 67,584; builds in a few seconds
 # half the time to the free-order CP-SAT model when it is small enough: on the bundled S=4, B=32
-# profiles it improves on the GA (vgg16-cpu 60 s: 352.0 ms vs 365.1 with a quarter)
+# profiles it improves on the GA (vgg16-cpu B=32, 60 s: 341-352 ms vs 360.5 with a quarter)
 EXACT_SHARE = 0.5
 
 

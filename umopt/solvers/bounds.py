@@ -80,11 +80,10 @@ def _pass(avail: np.ndarray, work: np.ndarray) -> np.ndarray:
     return done
 
 
-def _forward_done(avail: np.ndarray, F: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+def _forward_done(avail: np.ndarray, F: np.ndarray) -> np.ndarray:
     """``done[n]``: earliest end of F over samples 0..n-1 on one stage whose samples become
-    available at ``avail[n]`` (the whole prefix), F chunks in sample order, one at a time; only
-    chunks ``allowed[lo, b]`` (all when None). Then "at least n": the chunk holding sample n-1
-    may end later."""
+    available at ``avail[n]`` (the whole prefix), F chunks in sample order, one at a time. Then
+    "at least n": the chunk holding sample n-1 may end later."""
     B = len(avail) - 1
     mx = len(F) - 1
     big = np.iinfo(np.int64).max // 4
@@ -93,31 +92,24 @@ def _forward_done(avail: np.ndarray, F: np.ndarray, allowed: np.ndarray | None) 
     for hi in range(1, B + 1):
         b = np.arange(1, min(mx, hi) + 1)
         lo = hi - b
-        cand = np.maximum(done[lo], avail[hi]) + F[b]
-        if allowed is not None:
-            cand = np.where(allowed[lo, b], cand, big)
-        done[hi] = cand.min()
+        done[hi] = (np.maximum(done[lo], avail[hi]) + F[b]).min()
     return np.minimum.accumulate(done[::-1])[::-1]
 
 
-def heads_and_tails(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, allowed: np.ndarray | None = None) -> Heads:
-    """From integer duration tables ``F[s, b]``, ``G[s, b]`` (B ops), ``L[s, b]`` (link s).
-
-    ``allowed[s, lo, b]``: chunks a schedule may use (for :func:`stage_bound`'s refinement; a
-    schedule faster than a target uses no chunk whose own cut exceeds it)."""
+def heads_and_tails(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int) -> Heads:
+    """From integer duration tables ``F[s, b]``, ``G[s, b]`` (B ops), ``L[s, b]`` (link s)."""
     S, mx1 = F.shape
     mx = mx1 - 1
     B = minibatch
     big = np.iinfo(np.int64).max // 4
-    sizes_ok = None if allowed is None else allowed.any(axis=1)  # (S, mx + 1): usable somewhere
-    KF = [least_work(F[s] if sizes_ok is None else np.where(sizes_ok[s], F[s], big), B) for s in range(S)]
-    KG = [least_work(G[s] if sizes_ok is None else np.where(sizes_ok[s], G[s], big), B) for s in range(S)]
+    KF = [least_work(F[s], B) for s in range(S)]
+    KG = [least_work(G[s], B) for s in range(S)]
     lmin = [int(L[s, 1:].min()) for s in range(S - 1)]
 
     # release: samples 0..n-1 have arrived on s
     release = np.zeros((S, B + 1), dtype=np.int64)
     for s in range(1, S):
-        done = _forward_done(release[s - 1], F[s - 1], None if allowed is None else allowed[s - 1])
+        done = _forward_done(release[s - 1], F[s - 1])
         release[s, 1:] = np.minimum(done[1:] + lmin[s - 1], big)
     tail = np.zeros((S, mx + 1), dtype=np.int64)
     turn = np.zeros((S, mx + 1), dtype=np.int64)
