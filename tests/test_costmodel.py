@@ -96,6 +96,15 @@ def test_textbook_1f1b_order():
     assert [k for k, _, _ in s0] == list("FFFFBBBB")  # 3 warm-up forwards, then 1F1B with 4 chunks
 
 
+def test_per_stage_warmups_span_gpipe_to_one_in_flight():
+    # stage 0 forwards all it can first (GPipe-like), stage 1 keeps one chunk in flight
+    first, last = onef1b_schedule([[1] * 4] * 2, [[1] * 4] * 2, warmup=[4, 0])
+    assert [k for k, _, _ in first] == list("FFFFBBBB")
+    assert [k for k, _, _ in last] == list("FBFBFBFB")
+    mid = onef1b_schedule([[1] * 5] * 3, [[1] * 5] * 3, warmup=[1, 2, 1])[1]
+    assert [k for k, _, _ in mid] == list("FFFBFBFBBB")
+
+
 def test_unequal_1f1b_waits_for_what_the_stage_below_needs():
     # Stage 1 forwards one chunk of 4 samples, so stage 0 must forward all 4 before any backward.
     ops = onef1b_schedule([[1, 1, 1, 1], [4]], [[1, 1, 1, 1], [4]])

@@ -13,11 +13,12 @@ from umopt.baselines import gpipe_equal, lower_bound, min_work, onef1b_equal
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
 from umopt.partition import chunks
-from umopt.problem import Candidate, Problem
+from umopt.problem import Candidate, Problem, pack
 from umopt.solvers import SOLVERS
 from umopt.solvers.bounds import best_bound_ms
 from umopt.solvers.dp import shared_partition
 from umopt.synthetic import synthetic_profile
+from umopt.vectorized import evaluate_1f1b
 
 
 def compositions(n, mx):
@@ -29,18 +30,27 @@ def compositions(n, mx):
             yield [b] + rest
 
 
-def brute_force(problem: Problem) -> float:
+def brute_force(problem: Problem, warmups: bool = True) -> float:
     """Best schedule over every per-stage (forward, backward) partition pair, in GPipe order and,
-    without recompute, in 1F1B order (the GA's search space), each scored by the simulator."""
+    without recompute, in 1F1B order with every per-stage warm-up (the GA's search space; only
+    PipeDream-flush's with ``warmups=False``). GPipe order is scored by the simulator; the 1F1B
+    family, too large for it, by the vectorized evaluator (itself tested against the simulator)."""
     S, B = problem.num_stages, problem.minibatch
     parts = list(compositions(B, problem.max_size))
     per_stage = list(itertools.product(parts, parts)) if problem.recompute else [(p, p) for p in parts]
-    orders = ["gpipe"] if problem.recompute else ["gpipe", "1f1b"]
     best = np.inf
     for combo in itertools.product(per_stage, repeat=S):
-        for order in orders:
-            cand = Candidate([f for f, _ in combo], [b for _, b in combo], order)
-            best = min(best, cand.simulate(problem).iteration_ms)
+        best = min(best, Candidate([f for f, _ in combo], [b for _, b in combo], "gpipe").simulate(problem).iteration_ms)
+    if problem.recompute:
+        return best
+    rows, wus = [], []
+    for combo in itertools.product(parts, repeat=S):
+        ranges = [range(len(p) + 1) for p in combo] if warmups else [[S - 1 - s] for s in range(S)]
+        for w in itertools.product(*ranges):
+            rows.append(list(combo))
+            wus.append(w)
+    for i in range(0, len(rows), 20_000):
+        best = min(best, float(evaluate_1f1b(problem.tables, pack(rows[i : i + 20_000]), np.array(wus[i : i + 20_000])).iteration_ms.min()))
     return best
 
 
@@ -52,7 +62,7 @@ def test_ga_finds_brute_force_optimum(S, B, recompute, seed):
     prof = synthetic_profile(S, max_size=4, seed=seed, latency_ms=0.3, bytes_per_ms=2e5)
     problem = Problem(CostTables.from_profile(prof, recompute), B)
     best = brute_force(problem)
-    res = SOLVERS["ga"](problem, time_limit=10, seed=0, stall_generations=60, max_restarts=0)
+    res = SOLVERS["ga"](problem, time_limit=10, seed=0, stall_generations=60, max_restarts=2)
     got = res.candidate.simulate(problem).iteration_ms
     assert got == pytest.approx(best, abs=1e-9)
     assert lower_bound(problem) <= best + 1e-9
@@ -213,16 +223,22 @@ def test_exact_models_prove_the_brute_force_optimum_over_every_order(solver, S, 
     assert res.lower_bound_ms == pytest.approx(best, abs=S * 2 * B * 1e-3)
 
 
-def test_free_order_beats_both_fixed_orders_when_they_waste_time():
-    # found by brute force: here the best any-order schedule is 3.6% below the best of
-    # every GPipe- and 1F1B-order one (33.35 vs 32.14 ms)
+def test_free_order_beats_both_textbook_orders_when_they_waste_time():
+    # found by brute force: here the best any-order schedule is 3.6% below the best of every
+    # GPipe- and PipeDream-flush-order one (33.35 vs 32.14 ms); 1F1B with per-stage warm-ups,
+    # the GA's space, reaches it
     prof = synthetic_profile(3, max_size=4, seed=0, latency_ms=0.3, bytes_per_ms=2e5)
     problem = Problem(CostTables.from_profile(prof), 3)
+    best = brute_force_any_order(problem)
     res = SOLVERS["cpsat"](problem, time_limit=20, seed=0, order="auto")
     assert res.status == "optimal"
-    assert res.candidate.iteration_ms == pytest.approx(brute_force_any_order(problem), abs=1e-2)
-    assert res.candidate.iteration_ms < brute_force(problem) - 1.0
+    assert res.candidate.iteration_ms == pytest.approx(best, abs=1e-2)
+    assert res.candidate.iteration_ms < brute_force(problem, warmups=False) - 1.0
     assert res.candidate.order == "free"
+    ga = SOLVERS["ga"](problem, time_limit=10, seed=0, stall_generations=60, max_restarts=2).candidate
+    assert ga.simulate(problem).iteration_ms == pytest.approx(best, abs=1e-9)
+    # and PipeDream-flush's order (--order 1f1b) is what it says
+    assert SOLVERS["ga"](problem, time_limit=10, seed=0, order="1f1b", stall_generations=60, max_restarts=0).candidate.warmup is None
 
 
 @pytest.mark.parametrize("solver", ["cpsat", "milp"])
@@ -259,7 +275,17 @@ def test_fast_bound_never_exceeds_any_schedule(S, B, mx, recompute, seed):
         bs = [_random_partition(rng, B, problem.max_size) for _ in range(S)] if recompute else fs
         for order in ("gpipe",) if recompute else ("gpipe", "1f1b"):
             assert bound <= Candidate(fs, bs, order).simulate(problem).iteration_ms + 1e-9
+        if not recompute:  # 1F1B with random per-stage warm-ups
+            warm = [int(w) for w in rng.integers(0, B + 1, S)]
+            assert bound <= Candidate(fs, bs, "1f1b", warmup=warm).simulate(problem).iteration_ms + 1e-9
     assert bound <= gpipe_equal(problem).iteration_ms + 1e-9
+
+
+@pytest.mark.parametrize("S,B,recompute,seed", [(2, 4, False, 3), (3, 3, False, 2), (2, 3, True, 4), (2, 4, False, 0)])
+def test_fast_bound_never_exceeds_the_optimum_over_every_order(S, B, recompute, seed):
+    prof = synthetic_profile(S, max_size=4, seed=seed, latency_ms=0.3, bytes_per_ms=2e5)
+    problem = Problem(CostTables.from_profile(prof, recompute), B)
+    assert best_bound_ms(problem) <= brute_force_any_order(problem) + 1e-9
 
 
 def _random_partition(rng, B, mx):

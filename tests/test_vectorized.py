@@ -60,10 +60,12 @@ def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth,
     prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=latency, bytes_per_ms=bandwidth)
     tables = CostTables.from_profile(prof, recompute=seed % 3 == 0)
     fs = ends_to_sizes(_random_population(rng, 6, S, B, mx, density))
-    score = evaluate_1f1b(tables, fs)
+    # PipeDream-flush's warm-ups for the first half, random per-stage ones (up to all forwards first) for the rest
+    warm = np.where(np.arange(6)[:, None] < 3, np.arange(S - 1, -1, -1)[None, :], rng.integers(0, B + 1, (6, S)))
+    score = evaluate_1f1b(tables, fs, warm)
     for p in range(6):
         parts = [[int(x) for x in fs[p, s] if x] for s in range(S)]
-        ref = simulate(tables, onef1b_schedule(parts, parts), B)  # raises if the order deadlocked
+        ref = simulate(tables, onef1b_schedule(parts, parts, list(warm[p])), B)  # raises if the order deadlocked
         assert abs(score.iteration_ms[p] - ref.iteration_ms) <= 1e-9
         np.testing.assert_allclose(score.finish_ms[p], ref.finish_ms, atol=1e-9, rtol=0)
         np.testing.assert_allclose(score.busy_ms[p], ref.busy_ms, atol=1e-9, rtol=0)

@@ -9,7 +9,7 @@ per-stage forward and backward partitions into op lists in GPipe or 1F1B order.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -95,11 +95,16 @@ def gpipe_ops(fsizes: Sequence[int], bsizes: Sequence[int]) -> list[Op]:
     return ops
 
 
-def onef1b_schedule(fsizes: Sequence[Sequence[int]], bsizes: Sequence[Sequence[int]]) -> list[list[Op]]:
+def onef1b_schedule(
+    fsizes: Sequence[Sequence[int]], bsizes: Sequence[Sequence[int]], warmup: Optional[Sequence[int]] = None
+) -> list[list[Op]]:
     """Every stage's 1F1B (PipeDream-flush) order, for any per-stage partitions.
 
-    Stage ``s`` runs ``S - s - 1`` warm-up forwards, then one forward and at most one backward in
-    turn (both in sample order), then the remaining backwards. With unequal partitions a stage may
+    Stage ``s`` runs ``warmup[s]`` warm-up forwards (PipeDream-flush: ``S - s - 1``, the default),
+    then one forward and at most one backward in turn (both in sample order), then the remaining
+    backwards. Other warm-ups give the orders between 1F1B (few forwards in flight) and GPipe (all
+    forwards first); a stage that holds the most work often wants fewer in flight than the
+    textbook, and one that feeds it more. With unequal partitions a stage may
     only start a backward once it has forwarded every sample the stages below need before they
     can send that backward's gradients back; otherwise it would wait on a stage that waits on it.
     That requirement is worked out from the last stage up, and a backward whose requirement is
@@ -121,7 +126,7 @@ def onef1b_schedule(fsizes: Sequence[Sequence[int]], bsizes: Sequence[Sequence[i
         ops: list[Op] = []
         forwarded_when: list[int] = []
         i = j = forwarded = 0
-        for _ in range(min(S - s - 1, len(fch))):
+        for _ in range(min(S - s - 1 if warmup is None else warmup[s], len(fch))):
             ops.append(("F", *fch[i]))
             forwarded = fch[i][1]
             i += 1

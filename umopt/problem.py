@@ -50,6 +50,8 @@ class Candidate:
 
     ``order`` is "gpipe" or "1f1b" (op lists follow from the partitions by rule) or "free": the op
     lists were chosen op by op (the exact models' free order) and are kept in ``explicit_ops``.
+    In 1F1B order ``warmup[s]`` is how many forwards stage s runs before its first backward
+    (None: PipeDream-flush's ``S - s - 1``).
     """
 
     fsizes: list[list[int]]
@@ -57,6 +59,7 @@ class Candidate:
     order: str = "gpipe"
     iteration_ms: float = float("inf")  # as last scored; the simulator has the final word
     explicit_ops: Optional[list[list[Op]]] = None
+    warmup: Optional[list[int]] = None
 
     @classmethod
     def from_ops(cls, ops: Sequence[Sequence[Op]]) -> "Candidate":
@@ -70,7 +73,7 @@ class Candidate:
             return [list(o) for o in self.explicit_ops]
         if self.order == "gpipe":
             return [gpipe_ops(f, b) for f, b in zip(self.fsizes, self.bsizes)]
-        return onef1b_schedule(self.fsizes, self.bsizes)
+        return onef1b_schedule(self.fsizes, self.bsizes, self.warmup)
 
     def simulate(self, problem: Problem) -> Timeline:
         return simulate(problem.tables, self.ops(), problem.minibatch)

@@ -175,9 +175,10 @@ def _gpipe_peak(tables: CostTables, s: int, f: np.ndarray, b: np.ndarray) -> np.
     return static + np.maximum(during_f.max(axis=0), during_b.max(axis=0))
 
 
-def evaluate_1f1b(tables: CostTables, fsizes: np.ndarray) -> PopulationScore:
+def evaluate_1f1b(tables: CostTables, fsizes: np.ndarray, warmup: np.ndarray | None = None) -> PopulationScore:
     """Score P schedules in 1F1B order, each stage's B chunks being its F chunks (with recompute
-    too, where the backward partition could differ but here does not).
+    too, where the backward partition could differ but here does not). ``warmup[p, s]``: forwards
+    stage s runs before its first backward (default ``S - s - 1``, PipeDream-flush).
 
     The op order of every stage is :func:`umopt.partition.onef1b_schedule`'s, built here for the
     whole population at once: from the last stage up, the samples each backward needs forwarded
@@ -213,7 +214,7 @@ def evaluate_1f1b(tables: CostTables, fsizes: np.ndarray) -> PopulationScore:
         hi = p.last + 1
         need = hi if s == S - 1 else np.maximum(hi, _gather(forwarded_at_b, parts[s + 1].chunk_of(p.last)))
         own = p.chunk_of(need - 1)  # the first F after which the need is met
-        warm = np.minimum(S - s - 1, n)
+        warm = np.minimum(S - s - 1 if warmup is None else np.asarray(warmup)[:, s], n)
         after = np.maximum.accumulate(np.maximum(warm, own) - k_col, axis=0) + k_col  # B_j runs after F number after_j
         after = np.minimum(after, n - 1)
         forwarded_at_b = np.where(real, _gather(hi, after), B)

@@ -178,24 +178,39 @@ def _chunk_cut(h: Heads, F: np.ndarray, G: np.ndarray, s: int, B: int, recompute
 def _reachable(
     T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, cut: np.ndarray, KG: np.ndarray, B: int, recompute: bool
 ) -> bool:
-    """Has stage s a partition whose chunk and suffix cuts all stay within ``T``?"""
+    """Has stage s a partition whose chunk and suffix cuts all stay within ``T``?
+
+    The suffix cut from a chunk ends with the drain after the last B op among the chunks from
+    there on, at least the least ``tail`` of their sizes, so the dynamic program (from the last
+    chunk down) carries that least tail as its state: ``W[lo, l]`` is the least work of a
+    partition of ``[lo, B)`` meeting every cut whose chunks' least tail is ``levels[l]``. With
+    recompute the B chunks are free, so the suffix ends with the least tail of all sizes.
+    """
     big = np.iinfo(np.int64).max // 4
     mx = F.shape[1] - 1
     rel = h.release[s]
-    tail_min = int(h.tail[s, 1:].min())
+    tails = h.tail[s, 1:]
+    if recompute:
+        level_of = np.zeros(mx + 1, dtype=np.int64)
+        levels = np.array([tails.min(), tails.min()])
+    else:
+        levels = np.unique(tails)
+        level_of = np.concatenate([[0], np.searchsorted(levels, tails)])
+        levels = np.append(levels, 0)  # the last level: no chunk yet (never read by a cut)
+    Lv = len(levels) - 1  # index of "no chunk yet"
     cut_ok = cut <= T
-    W = np.full(B + 1, big, dtype=np.int64)  # least work of a partition of [lo, B) meeting T
-    W[B] = 0
+    W = np.full((B + 1, Lv + 1), big, dtype=np.int64)
+    W[B, Lv] = 0
     for lo in range(B - 1, -1, -1):
         b = np.arange(1, min(mx, B - lo) + 1)
         hi = lo + b
         own = F[s, b] if recompute else F[s, b] + G[s, b]
-        rest = own + W[hi]
-        suffix = rel[hi] + rest + tail_min + (KG[B - lo] if recompute else 0)
-        ok = cut_ok[lo, b] & (suffix <= T) & (W[hi] < big)
-        if ok.any():
-            W[lo] = rest[ok].min()
-    return W[0] < big
+        rest = own[:, None] + W[hi]  # (sizes, state of the rest)
+        state = np.minimum(level_of[b][:, None], np.arange(Lv + 1)[None, :])
+        suffix = rel[hi][:, None] + rest + levels[state] + (KG[B - lo] if recompute else 0)
+        ok = cut_ok[lo, b][:, None] & (suffix <= T) & (W[hi] < big)
+        np.minimum.at(W[lo], state[ok], rest[ok])
+    return bool((W[0] < big).any())
 
 
 def linear_cuts(

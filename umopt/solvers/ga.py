@@ -13,7 +13,11 @@ chromosomes evolve; with recompute both evolve independently. Each generation:
   equal chunks; a repair pass splits any chunk longer than the profile's largest size;
 * the whole population is scored at once: :func:`umopt.vectorized.evaluate_gpipe` for GPipe
   order, :func:`umopt.vectorized.evaluate_1f1b` for 1F1B order. Without recompute an individual
-  also carries its order as a gene, so the search picks the order along with the partitions.
+  also carries its order as a gene, so the search picks the order along with the partitions,
+  and a 1F1B individual carries each stage's warm-up (forwards before its first backward) as a
+  third chromosome: PipeDream-flush fixes it at ``S - s - 1``, but the stage holding the most work
+  often does best with fewer in flight and the stages feeding it with more (all forwards first,
+  GPipe-like), which is how the best schedules of small instances look when solved exactly.
 
 Seeds (the best equal schedules and any the caller brings) start the population, so the result is
 never worse than they are; a best-improvement local search (:mod:`.local`) polishes the best
@@ -38,18 +42,27 @@ from .local import hill_climb
 __all__ = ["solve_ga"]
 
 
-def _to_ends(problem: Problem, cands: Sequence[Candidate]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    B = problem.minibatch
+def _textbook(S: int) -> np.ndarray:
+    """PipeDream-flush's warm-up forwards per stage."""
+    return np.arange(S - 1, -1, -1)
+
+
+def _to_ends(problem: Problem, cands: Sequence[Candidate]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    B, S = problem.minibatch, problem.num_stages
     fe = np.array([[sizes_to_ends(p, B) for p in c.fsizes] for c in cands])
     be = np.array([[sizes_to_ends(p, B) for p in c.bsizes] for c in cands])
-    return fe, be, np.array([c.order == "1f1b" for c in cands])
+    wu = np.array([c.warmup if c.warmup is not None else _textbook(S) for c in cands], dtype=np.int64)
+    return fe, be, np.array([c.order == "1f1b" for c in cands]), wu
 
 
-def _to_candidate(fe: np.ndarray, be: np.ndarray, onef1b: bool) -> Candidate:
-    """One individual's (S, B) end masks as a candidate."""
+def _to_candidate(fe: np.ndarray, be: np.ndarray, onef1b: bool, warmup: np.ndarray) -> Candidate:
+    """One individual's (S, B) end masks (and warm-ups, in 1F1B order) as a candidate."""
     fs = [[int(x) for x in row if x] for row in ends_to_sizes(fe)]
     bs = [[int(x) for x in row if x] for row in ends_to_sizes(be)]
-    return Candidate(fs, bs, "1f1b" if onef1b else "gpipe")
+    if not onef1b:
+        return Candidate(fs, bs, "gpipe")
+    wu = [int(w) for w in warmup]
+    return Candidate(fs, bs, "1f1b", warmup=None if wu == list(_textbook(len(fs))) else wu)
 
 
 class _Scorer:
@@ -59,7 +72,7 @@ class _Scorer:
         self.problem = problem
         self.count = 0
 
-    def __call__(self, fe: np.ndarray, be: np.ndarray, onef1b: np.ndarray) -> np.ndarray:
+    def __call__(self, fe: np.ndarray, be: np.ndarray, onef1b: np.ndarray, warmup: np.ndarray) -> np.ndarray:
         self.count += fe.shape[0]
         fit = np.empty(fe.shape[0])
         g = ~onef1b
@@ -67,7 +80,7 @@ class _Scorer:
             it, sc = score_gpipe(self.problem, ends_to_sizes(fe[g]), ends_to_sizes(be[g]) if self.problem.recompute else None)
             fit[g] = it + 1e-7 * sc.finish_ms.mean(axis=1)
         if onef1b.any():
-            sc = evaluate_1f1b(self.problem.tables, ends_to_sizes(fe[onef1b]))
+            sc = evaluate_1f1b(self.problem.tables, ends_to_sizes(fe[onef1b]), warmup[onef1b])
             it = sc.iteration_ms
             if self.problem.memory_limit is not None:
                 it = np.where(sc.peak_memory_bytes.max(axis=1) <= self.problem.memory_limit, it, np.inf)
@@ -75,10 +88,13 @@ class _Scorer:
         return fit
 
 
-def _polish(problem: Problem, fe: np.ndarray, be: np.ndarray, onef1b: bool, deadline: float) -> tuple[np.ndarray, np.ndarray, int]:
-    cand, n = hill_climb(problem, _to_candidate(fe, be, onef1b), deadline)
+def _polish(
+    problem: Problem, fe: np.ndarray, be: np.ndarray, onef1b: bool, warmup: np.ndarray, deadline: float, free_warmup: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    cand, n = hill_climb(problem, _to_candidate(fe, be, onef1b, warmup), deadline, free_warmup=free_warmup)
     B = problem.minibatch
-    return np.array([sizes_to_ends(p, B) for p in cand.fsizes]), np.array([sizes_to_ends(p, B) for p in cand.bsizes]), n
+    wu = np.array(cand.warmup) if cand.warmup is not None else _textbook(problem.num_stages)
+    return np.array([sizes_to_ends(p, B) for p in cand.fsizes]), np.array([sizes_to_ends(p, B) for p in cand.bsizes]), wu, n
 
 
 def _equal_rows(rng: np.random.Generator, n: int, problem: Problem) -> np.ndarray:
@@ -128,6 +144,45 @@ def _mutate(rng: np.random.Generator, pop: np.ndarray, problem: Problem, rate: f
     pop[who, st] = rows
 
 
+def _initial_warmups(rng: np.random.Generator, n: int, S: int, minibatch: int) -> np.ndarray:
+    """(n, S) warm-ups: a third PipeDream-flush's, a third "feed the last stage" (every other
+    stage forwards all it can first, the last runs one forward, one backward), a third random."""
+    wu = np.tile(_textbook(S), (n, 1))
+    pick = rng.integers(0, 3, n)
+    wu[pick == 1, :-1] = minibatch
+    wu[pick == 1, -1] = 0
+    wu[pick == 2] = rng.integers(0, 2 * S, (int((pick == 2).sum()), S))
+    return wu
+
+
+def _mutate_warmup(rng: np.random.Generator, wu: np.ndarray, fe: np.ndarray, rate: float) -> None:
+    """Mutate (P, S) warm-ups in place: one more or one fewer forward in flight on a stage, now and
+    then all forwards first (GPipe-like) or back to PipeDream-flush's. ``fe``: the (P, S, B) chunk
+    ends, so a warm-up never counts past the stage's chunks (where more would change nothing)."""
+    P, S = wu.shape
+    B = fe.shape[2]
+    n = rng.poisson(rate * P)
+    if n == 0:
+        return
+    who, st = rng.integers(0, P, n), rng.integers(0, S, n)
+    chunks = fe[who, st].sum(axis=1)
+    kind = rng.choice(4, size=n, p=[0.4, 0.4, 0.1, 0.1])
+    new = np.minimum(wu[who, st], chunks) + np.where(kind == 0, 1, np.where(kind == 1, -1, 0))
+    new = np.where(kind == 3, S - 1 - st, new)
+    # "all forwards first" is kept as the minibatch, so it stays so when the partition changes
+    wu[who, st] = np.where((kind == 2) | (new >= chunks), B, np.maximum(new, 0))
+
+
+def _elite(fit: np.ndarray, onef1b: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` fittest, of which the best quarter of each order present, so that neither order
+    dies out once the other leads: which one wins often shows only after both have evolved."""
+    order = np.argsort(fit, kind="stable")
+    q = max(1, k // 4)
+    keep = list(order[onef1b[order]][:q]) + list(order[~onef1b[order]][:q])
+    keep += [i for i in order[: 2 * k] if i not in keep]
+    return np.array(keep[:k])
+
+
 def _crossover(rng: np.random.Generator, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Per stage, one-point crossover in sample space: samples before the cut from one parent."""
     P, S, B = a.shape
@@ -167,6 +222,7 @@ def solve_ga(
     # 1F1B individuals need the vectorized 1F1B evaluator, which knows no recompute
     use_1f1b = "1f1b" in orders and not rec
     use_gpipe = "gpipe" in orders or not use_1f1b
+    free_warmup = use_1f1b and order == "auto"  # --order 1f1b means PipeDream-flush's warm-ups
     scorer = _Scorer(problem)
 
     start = [c for c in seeds if (c.order == "1f1b" and use_1f1b) or (c.order == "gpipe" and use_gpipe)]
@@ -181,19 +237,22 @@ def solve_ga(
     fe = np.empty((P, S, B), dtype=bool)
     be = np.empty((P, S, B), dtype=bool)
     ob = np.zeros(P, dtype=bool)
+    wu = np.tile(_textbook(S), (P, 1))
     n_seed = min(len(start), P // 2)
     if n_seed:
-        fe[:n_seed], be[:n_seed], ob[:n_seed] = _to_ends(problem, start[:n_seed])
+        fe[:n_seed], be[:n_seed], ob[:n_seed], wu[:n_seed] = _to_ends(problem, start[:n_seed])
     rest = P - n_seed
     fe[n_seed:] = _equal_rows(rng, rest * S, problem).reshape(rest, S, B)
     be[n_seed:] = fe[n_seed:] if not rec else _equal_rows(rng, rest * S, problem).reshape(rest, S, B)
     ob[n_seed:] = use_1f1b & ((not use_gpipe) | (rng.random(rest) < 0.5))
     _mutate(rng, fe[n_seed:], problem, 1.0)
+    if free_warmup:
+        wu[n_seed:] = _initial_warmups(rng, rest, S, B)
     if rec:
         _mutate(rng, be[n_seed:], problem, 1.0)
     else:
         be = fe
-    fit = scorer(fe, be, ob)
+    fit = scorer(fe, be, ob, wu)
 
     best_fit, stall, gen, polished, restarts = float(fit.min()), 0, 0, 0, 0
     last_report = 0.0
@@ -204,7 +263,7 @@ def solve_ga(
                 break
             restarts += 1
             stall = 0
-            keep = np.argsort(fit, kind="stable")[:elite]
+            keep = _elite(fit, ob, elite)
             fresh = P - elite
             new_f = np.concatenate([fe[keep][rng.integers(0, elite, fresh // 2)], _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B)])
             _mutate(rng, new_f, problem, 4.0)
@@ -213,17 +272,27 @@ def solve_ga(
                 _mutate(rng, new_b, problem, 4.0)
             else:
                 new_b = new_f
-            new_o = np.concatenate([ob[keep][rng.integers(0, elite, fresh // 2)], use_1f1b & ((not use_gpipe) | (rng.random(fresh - fresh // 2) < 0.5))])
+            pick = rng.integers(0, elite, fresh // 2)
+            new_o = np.concatenate([ob[keep][pick], use_1f1b & ((not use_gpipe) | (rng.random(fresh - fresh // 2) < 0.5))])
+            new_w = np.concatenate([wu[keep][pick], np.tile(_textbook(S), (fresh - fresh // 2, 1))])
+            if free_warmup:
+                _mutate_warmup(rng, new_w, new_f, 2.0)
             fe = np.concatenate([fe[keep], new_f])
             be = np.concatenate([be[keep], new_b]) if rec else fe
             ob = np.concatenate([ob[keep], new_o])
-            fit = np.concatenate([fit[keep], scorer(new_f, new_b, new_o)])
+            wu = np.concatenate([wu[keep], new_w])
+            fit = np.concatenate([fit[keep], scorer(new_f, new_b, new_o, new_w)])
         gen += 1
-        elite_idx = np.argsort(fit, kind="stable")[:elite]
+        elite_idx = _elite(fit, ob, elite)
         nchild = P - elite
-        # tournament selection of 2 parents per child
+        # tournament selection of 2 parents per child; with both orders, half the children come
+        # from tournaments among each order's individuals, so the trailing order keeps evolving
         cand = rng.integers(0, P, (2, nchild, 3))
-        parents = np.take_along_axis(cand, np.argmin(fit[cand], axis=2)[..., None], axis=2)[..., 0]
+        rank = fit[cand]
+        if use_1f1b and use_gpipe:
+            want = (np.arange(nchild) % 2).astype(bool)  # the order each child's tournaments favour
+            rank = np.where(ob[cand] == want[None, :, None], rank, rank + 1e9)
+        parents = np.take_along_axis(cand, np.argmin(rank, axis=2)[..., None], axis=2)[..., 0]
         child_f = _crossover(rng, fe[parents[0]], fe[parents[1]])
         _mutate(rng, child_f, problem, mutation_rate)
         repair_ends(child_f, mx)
@@ -239,21 +308,28 @@ def solve_ga(
         child_o = ob[parents[0]].copy()
         if use_1f1b and use_gpipe:
             child_o ^= rng.random(nchild) < 0.03
-        child_fit = scorer(child_f, child_b, child_o)
+        child_w = np.where(rng.random((nchild, S)) < 0.5, wu[parents[0]], wu[parents[1]])
+        if free_warmup:
+            _mutate_warmup(rng, child_w, child_f, 0.3)
+        child_fit = scorer(child_f, child_b, child_o, child_w)
         fe = np.concatenate([fe[elite_idx], child_f])
         be = np.concatenate([be[elite_idx], child_b]) if rec else fe
         ob = np.concatenate([ob[elite_idx], child_o])
+        wu = np.concatenate([wu[elite_idx], child_w])
         fit = np.concatenate([fit[elite_idx], child_fit])
 
         # memetic step: every so often polish the best individual by local search
         if gen % 50 == 0:
             k = int(np.argmin(fit))
-            pf, pb, n = _polish(problem, fe[k], be[k], bool(ob[k]), min(deadline, time.perf_counter() + 0.05 * time_limit))
+            pf, pb, pw, n = _polish(
+                problem, fe[k], be[k], bool(ob[k]), wu[k], min(deadline, time.perf_counter() + 0.05 * time_limit), free_warmup
+            )
             polished += n
             fe[k] = pf
             if rec:
                 be[k] = pb
-            fit[k] = scorer(fe[k : k + 1], be[k : k + 1], ob[k : k + 1])[0]
+            wu[k] = pw
+            fit[k] = scorer(fe[k : k + 1], be[k : k + 1], ob[k : k + 1], wu[k : k + 1])[0]
 
         now_best = float(fit.min())
         if now_best < best_fit - 1e-9:
@@ -264,8 +340,18 @@ def solve_ga(
             last_report = time.perf_counter()
             progress(min(1.0, (last_report - t0) / time_limit), best_fit)
 
-    k = int(np.argmin(fit))
-    cand, n = hill_climb(problem, _to_candidate(fe[k], be[k], bool(ob[k])), max(deadline, time.perf_counter()) + polish_share * time_limit)
+    # polish the best of each order: the climb cannot change the order, and the runner-up order's
+    # best is often one climb away from beating the leader
+    end = max(deadline, time.perf_counter()) + polish_share * time_limit
+    leaders = [int(np.flatnonzero(ob == o)[np.argmin(fit[ob == o])]) for o in (False, True) if (ob == o).any()]
+    leaders.sort(key=lambda i: fit[i])
+    cand, n = None, 0
+    for j, k in enumerate(leaders):
+        share = (end - time.perf_counter()) / (len(leaders) - j)
+        c, m = hill_climb(problem, _to_candidate(fe[k], be[k], bool(ob[k]), wu[k]), time.perf_counter() + share, free_warmup=free_warmup)
+        n += m
+        if cand is None or c.iteration_ms < cand.iteration_ms - 1e-9:
+            cand = c
     if progress:
         progress(1.0, cand.iteration_ms)
     return SolverResult(

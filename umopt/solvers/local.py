@@ -2,7 +2,8 @@
 
 A move changes one stage's forward partition (and, with recompute, its backward partition on its
 own): shift the boundary between two neighbouring chunks by one sample, merge two chunks, or split
-one in half. All moves of a step are scored together (GPipe: one vectorized call; 1F1B: the
+one in half; in 1F1B order, with ``free_warmup``, it may also run one forward more or fewer before
+a stage's first backward. All moves of a step are scored together (GPipe: one vectorized call; 1F1B: the
 reference simulator) and the best one is taken, until none helps or time runs out.
 
 The iteration time is a max over stages, so many moves tie; ties are broken by the sum of the
@@ -38,17 +39,28 @@ def moves(part: list[int], max_size: int) -> Iterator[list[int]]:
             yield part[:j] + [a // 2, a - a // 2] + part[j + 1 :]
 
 
-def _neighbours(problem: Problem, cand: Candidate) -> list[Candidate]:
+def _neighbours(problem: Problem, cand: Candidate, free_warmup: bool = False) -> list[Candidate]:
     out = []
-    mx = problem.max_size
-    for s in range(problem.num_stages):
+    mx, S = problem.max_size, problem.num_stages
+    wu = cand.warmup
+    for s in range(S):
         for new in moves(cand.fsizes[s], mx):
             f = cand.fsizes[:s] + [new] + cand.fsizes[s + 1 :]
             b = cand.bsizes if problem.recompute else f
-            out.append(Candidate(f, b, cand.order))
+            out.append(Candidate(f, b, cand.order, warmup=wu))
         if problem.recompute:
             for new in moves(cand.bsizes[s], mx):
-                out.append(Candidate(cand.fsizes, cand.bsizes[:s] + [new] + cand.bsizes[s + 1 :], cand.order))
+                out.append(Candidate(cand.fsizes, cand.bsizes[:s] + [new] + cand.bsizes[s + 1 :], cand.order, warmup=wu))
+    if free_warmup and cand.order == "1f1b":
+        now = list(wu) if wu is not None else list(range(S - 1, -1, -1))
+        for s in range(S):
+            n = len(cand.fsizes[s])
+            # a warm-up of n or more means "all forwards first", kept as the minibatch so that it
+            # survives later splits of the partition
+            for w in (min(now[s], n) - 1, min(now[s], n) + 1):
+                if 0 <= w <= n and w != min(now[s], n):
+                    w = problem.minibatch if w == n else w
+                    out.append(Candidate(cand.fsizes, cand.bsizes, "1f1b", warmup=now[:s] + [w] + now[s + 1 :]))
     return out
 
 
@@ -62,7 +74,9 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
             it = np.where(sc.peak_memory_bytes.max(axis=1) <= limit, it, np.inf)
         return it, sc.finish_ms.sum(axis=1)
     if cands and all(c.order == "1f1b" and c.fsizes == c.bsizes for c in cands):
-        sc = evaluate_1f1b(problem.tables, pack([c.fsizes for c in cands]))
+        S = problem.num_stages
+        wu = np.array([c.warmup if c.warmup is not None else list(range(S - 1, -1, -1)) for c in cands])
+        sc = evaluate_1f1b(problem.tables, pack([c.fsizes for c in cands]), wu)
         it = sc.iteration_ms
         if limit is not None:
             it = np.where(sc.peak_memory_bytes.max(axis=1) <= limit, it, np.inf)
@@ -79,14 +93,16 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
     return it, tie
 
 
-def hill_climb(problem: Problem, cand: Candidate, deadline: float, max_steps: int = 10_000) -> tuple[Candidate, int]:
+def hill_climb(
+    problem: Problem, cand: Candidate, deadline: float, max_steps: int = 10_000, free_warmup: bool = False
+) -> tuple[Candidate, int]:
     """Climb from ``cand``; returns the best candidate found and how many schedules were scored."""
     (it,), (tie,) = score_batch(problem, [cand])
     scored = 1
     for _ in range(max_steps):
         if time.perf_counter() > deadline:
             break
-        nbrs = _neighbours(problem, cand)
+        nbrs = _neighbours(problem, cand, free_warmup)
         if not nbrs:
             break
         its, ties = score_batch(problem, nbrs)
