@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     quality = solver_quality.run(args.time_limit)
-    title, runs, summary = runtime_vs_predicted.run(32, args.rounds, 8, args.time_limit)
+    title, runs, summary = runtime_vs_predicted.run(32, args.rounds, 30, args.time_limit)
 
     report = solve(load_profile("vgg16-cpu"), 64, time_limit=args.time_limit, seed=0)
     gantt(

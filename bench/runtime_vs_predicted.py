@@ -1,6 +1,6 @@
 """umopt's runtime against its own prediction and against torch.distributed.pipelining, on CPU.
 
-    python bench/runtime_vs_predicted.py [--minibatch 32] [--rounds 3]
+    python bench/runtime_vs_predicted.py [--minibatch 32] [--rounds 3] [--steps 30] [--calibration-steps 10]
 
 Profiles a small GPT on 2 stages x 1 thread here (so the prediction describes this machine now),
 calibrates the profile with one short run of each equal GPipe and 1F1B schedule whose chunks are
@@ -48,11 +48,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minibatch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
+    # the machine's speed wanders by +-10% from step to step: medians of many steps, and of
+    # several rounds run alternately, are what make the side-by-side comparison meaningful
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--calibration-steps", type=int, default=10)
     ap.add_argument("--time-limit", type=float, default=20.0)
     ap.add_argument("--no-calibrate", action="store_true", help="solve and predict with the profile as measured")
     args = ap.parse_args()
-    title, rows, summary = run(args.minibatch, args.rounds, args.steps, args.time_limit, calibrate=not args.no_calibrate)
+    title, rows, summary = run(
+        args.minibatch, args.rounds, args.steps, args.time_limit, calibrate=not args.no_calibrate, calibration_steps=args.calibration_steps
+    )
     console = Console(width=150)
     table = Table(title=title)
     for col in COLUMNS:
@@ -66,7 +71,7 @@ def main() -> None:
 COLUMNS = ("schedule", "predicted ms (profile as measured)", "predicted ms", "measured ms", "measured / predicted", "rounds (ms)")
 
 
-def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print, calibrate: bool = True):
+def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print, calibrate: bool = True, calibration_steps: int = 10):
     """(title, rows, summary line) of the side-by-side runs."""
     args = argparse.Namespace(minibatch=minibatch, rounds=rounds, steps=steps, time_limit=time_limit)
     tmp = Path(tempfile.mkdtemp(prefix="umopt-bench-"))
@@ -75,7 +80,7 @@ def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print, c
     measured = load_profile(tmp / "gpt2_measured.json")
     B = args.minibatch
     if calibrate:
-        names = calibration_runs(measured, B, tmp / "calibration")
+        names = calibration_runs(measured, B, tmp / "calibration", steps=calibration_steps)
         fitted = fit(measured, [json.loads(Path(n).read_text()) for n in names], names)
         save_profile(fitted, tmp / "gpt2.json")
     else:
