@@ -109,6 +109,8 @@ def solve(
             "evaluated": result.evaluated,
             **({"winner": result.extra["winner"]} if "winner" in result.extra else {}),
             **({"bound_scope": result.extra["bound_scope"]} if "bound_scope" in result.extra else {}),
+            "schedule_order": cand.order,
+            **({"warmup": cand.warmup} if cand.order == "1f1b" and cand.warmup is not None else {}),
         },
         baselines={"gpipe_equal": _baseline_entry(gp), "1f1b_equal": _baseline_entry(of)},
     )
