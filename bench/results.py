@@ -27,14 +27,14 @@ from umopt.solve import solve  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 RUN_CAVEAT = """Predicted times come from the profile *calibrated* to short runs of equal schedules (`umopt
-calibrate`; the column "profile as measured" shows what the raw profile predicted: on this
-machine ops run up to a third slower inside a pipeline than when profiled). On this 2-core machine
-these numbers move by several percent from run to run (see the rounds column), as much as the
-predicted margin itself, and the machine's speed drifts between the calibration runs and the
-measured ones: over the five runs of this benchmark with calibration, umopt's schedule measured
-1.08, 1.08, 0.98, 1.17 and 1.23 x its prediction, and its measured win was 67%, 60%, 210%, 101%
-and 8% of the predicted one. In the last, the schedule was 1F1B-ordered with 10- and 12-sample
-chunks, sizes the calibration runs never used, and its interleaved ops ran 1.2-1.3 x calibrated."""
+calibrate`; the column "profile as measured" shows what the raw profile predicted). This 2-core
+machine's speed wanders by +-10% from step to step and drifts between runs (one run's steps
+ranged from 151 to 231 ms for the same schedule), as much as the predicted margin itself, so the
+benchmark takes medians of 30 steps per run and of 5 rounds run alternately. With these settings
+(this session; before, 8 steps per run gave 0.98-1.23 and 8-210%), three runs of
+`python bench/runtime_vs_predicted.py --rounds 5` gave: umopt's schedule at 1.035, 1.161 and
+1.062 x its prediction; the measured win 102%, 37% and 149% of the predicted one; umopt's
+runtime / ScheduleGPipe 0.891, 0.940 and 0.837. The targets hold in two of the three."""
 WHAT_IT_SHOWS = """What the solver table shows, plainly: on the measured VGG16 profile umopt beats the best equal
 GPipe and 1F1B schedules clearly and a plain hill climb by a wide margin; on a CPU GPT the cost is
 close to linear in the chunk size, so equal chunks are already near the best; the 8-stage

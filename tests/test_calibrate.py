@@ -46,6 +46,20 @@ def test_each_size_is_scaled_by_its_measured_ratio():
         assert [sp.end - sp.start for sp in tl.spans[s]] == pytest.approx([op[3] for op in rep["ops"][s]])
 
 
+def test_what_the_op_times_miss_becomes_a_step_overhead():
+    prof = two_stage_profile()
+    rep = _report(prof, OPS, [{"F": 1.2, "B": 0.9}] * 2)
+    cal0 = calibrate(prof, [rep], ["r.json"])  # op times scaled; its overhead undone below
+    op_only = cal0.model_copy(update={"stages": [a.model_copy(update={"optimizer_ms": b.optimizer_ms}) for a, b in zip(cal0.stages, prof.stages)]})
+    op_scaled = simulate(CostTables.from_profile(op_only), OPS, 2).iteration_ms
+    others = [dict(rep, measured_iteration_ms=op_scaled - 1.0 + extra) for extra in (3.0, 4.0, 9.0)]
+    cal = calibrate(prof, others, ["a.json", "b.json", "c.json"])
+    assert cal.meta["calibration"]["step_overhead_ms"] == pytest.approx(3.0)  # the median of 2, 3 and 8
+    assert [st.optimizer_ms for st in cal.stages] == pytest.approx([st.optimizer_ms + 3.0 for st in prof.stages])
+    # so the run in the middle is predicted exactly
+    assert simulate(CostTables.from_profile(cal), OPS, 2).iteration_ms == pytest.approx(others[1]["measured_iteration_ms"])
+
+
 def test_ratios_between_seen_sizes_are_interpolated_in_log_size():
     prof = two_stage_profile(sizes=[1, 2, 4], stages=[
         {**st, "forward_ms": [1.0, 2.0, 4.0], "backward_ms": [1.0, 2.0, 4.0]} for st in two_stage_profile().model_dump()["stages"]

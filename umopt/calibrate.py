@@ -10,6 +10,12 @@ and per chunk size:
 * the ratio of a size seen in the runs is the median of measured / predicted over its ops;
 * between seen sizes it is interpolated in log size; beyond them it is the nearest one's.
 
+An iteration also holds work no op time covers (the optimizer step inside a running pipeline,
+building the step's batch, waiting on the last messages): what each report measured beyond what
+the op-calibrated profile predicts for its own op lists is that step overhead; its median over
+the reports is added to every stage's ``optimizer_ms`` (the cost model's per-iteration term), so it
+shifts every schedule's prediction alike and changes no comparison between them.
+
 The simulator then predicts with the calibrated profile as with any other (it stays the single
 source of predicted times); the profile says what it was fitted to in ``meta.calibration``.
 Runs with ``--recompute`` time B as forward plus backward, so their B ops are not used.
@@ -24,7 +30,7 @@ import numpy as np
 from .errors import UmoptError
 from .profile import Profile
 
-__all__ = ["calibrate", "size_ratios"]
+__all__ = ["calibrate", "size_ratios", "step_overhead_ms"]
 
 
 def _check_report(rep, name: str, profile: Profile, tables) -> None:
@@ -90,9 +96,27 @@ def calibrate(profile: Profile, reports: list[dict], names: list[str]) -> Profil
             scale = np.interp(log_sizes, xs, np.asarray(list(seen.values())))
             update[key] = [float(v * r) for v, r in zip(getattr(st, key), scale)]
         stages.append(st.model_copy(update=update))
+    scaled = profile.model_copy(update={"stages": stages})
+    overhead = step_overhead_ms(scaled, reports)
+    stages = [st.model_copy(update={"optimizer_ms": max(0.0, st.optimizer_ms + overhead)}) for st in stages]
     meta = dict(getattr(profile, "meta", None) or {})
     meta["calibration"] = {
         "reports": names,
         "ratios": {f"stage{s}.{kind}": {str(b): round(r, 4) for b, r in seen.items()} for (s, kind), seen in ratios.items()},
+        "step_overhead_ms": round(overhead, 4),
     }
     return profile.model_copy(update={"stages": stages, "meta": meta})
+
+
+def step_overhead_ms(profile: Profile, reports: list[dict]) -> float:
+    """Median over the reports of measured iteration - the iteration ``profile`` predicts for the
+    report's own op lists (in the order they ran)."""
+    from .costmodel import CostTables, simulate
+
+    residuals = []
+    for rep in reports:
+        ops = [[(kind, int(lo), int(hi)) for kind, lo, hi, *_ in stage] for stage in rep["ops"]]
+        minibatch = int(rep.get("minibatch") or max(hi for stage in ops for _, _, hi in stage))
+        tl = simulate(CostTables.from_profile(profile, bool(rep.get("recompute"))), ops, minibatch, record=False)
+        residuals.append(float(rep["measured_iteration_ms"]) - tl.iteration_ms)
+    return float(np.median(residuals)) if residuals else 0.0
