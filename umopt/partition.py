@@ -23,6 +23,7 @@ __all__ = [
     "repair_ends",
     "gpipe_ops",
     "onef1b_schedule",
+    "pipedream_warmup",
     "partitions_from_ops",
 ]
 
@@ -95,6 +96,11 @@ def gpipe_ops(fsizes: Sequence[int], bsizes: Sequence[int]) -> list[Op]:
     return ops
 
 
+def pipedream_warmup(num_stages: int) -> list[int]:
+    """PipeDream-flush's warm-up forwards per stage: ``S - s - 1``."""
+    return list(range(num_stages - 1, -1, -1))
+
+
 def onef1b_schedule(
     fsizes: Sequence[Sequence[int]], bsizes: Sequence[Sequence[int]], warmup: Optional[Sequence[int]] = None
 ) -> list[list[Op]]:
@@ -126,7 +132,8 @@ def onef1b_schedule(
         ops: list[Op] = []
         forwarded_when: list[int] = []
         i = j = forwarded = 0
-        for _ in range(min(S - s - 1 if warmup is None else warmup[s], len(fch))):
+        warm = pipedream_warmup(S) if warmup is None else warmup
+        for _ in range(min(warm[s], len(fch))):
             ops.append(("F", *fch[i]))
             forwarded = fch[i][1]
             i += 1

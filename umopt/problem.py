@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .costmodel import CostTables, Op, Timeline, simulate
-from .partition import gpipe_ops, onef1b_schedule, partitions_from_ops
+from .partition import gpipe_ops, onef1b_schedule, partitions_from_ops, pipedream_warmup
 from .vectorized import PopulationScore, evaluate_gpipe
 
 __all__ = ["Problem", "Candidate", "SolverResult", "Progress", "pack", "score_gpipe"]
@@ -66,6 +66,11 @@ class Candidate:
         """A free-order candidate from per-stage op lists."""
         parts = [partitions_from_ops(o) for o in ops]
         return cls([f for f, _ in parts], [b for _, b in parts], "free", explicit_ops=[list(o) for o in ops])
+
+    @property
+    def warmups(self) -> list[int]:
+        """Each stage's 1F1B warm-up forwards (PipeDream-flush's unless set)."""
+        return list(self.warmup) if self.warmup is not None else pipedream_warmup(len(self.fsizes))
 
     def ops(self) -> list[list[Op]]:
         if self.order == "free":

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..baselines import feasible_m, gpipe_equal, onef1b_equal
 from ..errors import UmoptError
-from ..partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
+from ..partition import ends_to_sizes, equal_sizes, pipedream_warmup, repair_ends, sizes_to_ends
 from ..problem import Candidate, Problem, Progress, SolverResult, score_gpipe
 from ..vectorized import evaluate_1f1b
 from .local import hill_climb
@@ -43,15 +43,14 @@ __all__ = ["solve_ga"]
 
 
 def _textbook(S: int) -> np.ndarray:
-    """PipeDream-flush's warm-up forwards per stage."""
-    return np.arange(S - 1, -1, -1)
+    return np.array(pipedream_warmup(S))
 
 
 def _to_ends(problem: Problem, cands: Sequence[Candidate]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    B, S = problem.minibatch, problem.num_stages
+    B = problem.minibatch
     fe = np.array([[sizes_to_ends(p, B) for p in c.fsizes] for c in cands])
     be = np.array([[sizes_to_ends(p, B) for p in c.bsizes] for c in cands])
-    wu = np.array([c.warmup if c.warmup is not None else _textbook(S) for c in cands], dtype=np.int64)
+    wu = np.array([c.warmups for c in cands], dtype=np.int64)
     return fe, be, np.array([c.order == "1f1b" for c in cands]), wu
 
 
@@ -93,7 +92,7 @@ def _polish(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     cand, n = hill_climb(problem, _to_candidate(fe, be, onef1b, warmup), deadline, free_warmup=free_warmup)
     B = problem.minibatch
-    wu = np.array(cand.warmup) if cand.warmup is not None else _textbook(problem.num_stages)
+    wu = np.array(cand.warmups)
     return np.array([sizes_to_ends(p, B) for p in cand.fsizes]), np.array([sizes_to_ends(p, B) for p in cand.bsizes]), wu, n
 
 

@@ -52,7 +52,7 @@ def _neighbours(problem: Problem, cand: Candidate, free_warmup: bool = False) ->
             for new in moves(cand.bsizes[s], mx):
                 out.append(Candidate(cand.fsizes, cand.bsizes[:s] + [new] + cand.bsizes[s + 1 :], cand.order, warmup=wu))
     if free_warmup and cand.order == "1f1b":
-        now = list(wu) if wu is not None else list(range(S - 1, -1, -1))
+        now = cand.warmups
         for s in range(S):
             n = len(cand.fsizes[s])
             # a warm-up of n or more means "all forwards first", kept as the minibatch so that it
@@ -74,8 +74,7 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
             it = np.where(sc.peak_memory_bytes.max(axis=1) <= limit, it, np.inf)
         return it, sc.finish_ms.sum(axis=1)
     if cands and all(c.order == "1f1b" and c.fsizes == c.bsizes for c in cands):
-        S = problem.num_stages
-        wu = np.array([c.warmup if c.warmup is not None else list(range(S - 1, -1, -1)) for c in cands])
+        wu = np.array([c.warmups for c in cands])
         sc = evaluate_1f1b(problem.tables, pack([c.fsizes for c in cands]), wu)
         it = sc.iteration_ms
         if limit is not None:
