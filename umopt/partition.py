@@ -117,6 +117,7 @@ def onef1b_schedule(
     not met yet waits for more forwards. With equal partitions this is the textbook 1F1B.
     """
     S = len(fsizes)
+    warm = pipedream_warmup(S) if warmup is None else warmup
     out: list[list[Op]] = [[] for _ in range(S)]
     needed_below: list[int] = []  # per B chunk of stage s+1: samples it had forwarded when running it
     below_b: list[tuple[int, int]] = []
@@ -132,7 +133,6 @@ def onef1b_schedule(
         ops: list[Op] = []
         forwarded_when: list[int] = []
         i = j = forwarded = 0
-        warm = pipedream_warmup(S) if warmup is None else warmup
         for _ in range(min(warm[s], len(fch))):
             ops.append(("F", *fch[i]))
             forwarded = fch[i][1]
