@@ -44,7 +44,9 @@ def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: st
         ax.set_title(f"{label}: {tl.iteration_ms:.2f} ms per iteration, bubble {100 * tl.bubble_fraction:.1f}%", fontsize=9, loc="left")
         ax.set_xlim(0, horizon * 1.01)
     axes[-1, 0].set_xlabel("time (ms)")
-    axes[0, 0].legend(handles=[Patch(color=COLOURS["F"], label="forward"), Patch(color=COLOURS["B"], label="backward"), Patch(color="#BBBBBB", label="optimizer")], loc="upper right", fontsize=7)
+    # above the first panel, right of its title: inside the axes it hid the first stage's ops
+    handles = [Patch(color=COLOURS["F"], label="forward"), Patch(color=COLOURS["B"], label="backward"), Patch(color="#BBBBBB", label="optimizer")]
+    axes[0, 0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=7, frameon=False, borderaxespad=0.2)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
