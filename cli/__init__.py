@@ -107,8 +107,9 @@ def _print_report(report) -> None:
     def row(name: str, m, it: Optional[float], bubble: Optional[float], order: str) -> None:
         sg = None if it is None or report.gpipe.iteration_ms is None else report.gpipe.iteration_ms / it
         so = None if it is None or report.onef1b.iteration_ms is None else report.onef1b.iteration_ms / it
-        # a GPipe-order bound says nothing about other orders: measure those against the any-order one
-        bound = lb if scope != "gpipe order" or order == "gpipe" else report.lower_bound_ms
+        # a bound among GPipe- or 1F1B-order schedules says nothing about other orders: measure
+        # those against the any-order one
+        bound = lb if scope in (None, "any order") or scope == f"{order} order" else report.lower_bound_ms
         gap = None if it is None or not bound else (it - bound) / bound
         table.add_row(
             name,
@@ -136,6 +137,12 @@ def _print_report(report) -> None:
         + ", "
         f"{report.schedule.solver.seconds:.1f} s, {report.result.evaluated} schedules scored"
     )
+    lb_1f1b = report.schedule.solver.model_extra.get("lower_bound_1f1b_ms")
+    if lb_1f1b is not None and scope != "1f1b order":
+        out.print(
+            f"among 1F1B-order schedules (B ops in sample order, any warm-ups) the best possible is at least "
+            f"{lb_1f1b:.2f} ms: this one is within {100 * (tl.iteration_ms - lb_1f1b) / lb_1f1b:.1f}% of it"
+        )
     if "note" in report.result.extra:
         out.print(f"note: {report.result.extra['note']}")
 

@@ -160,6 +160,15 @@ def test_order_option_restricts_the_search(order, tmp_path, capsys):
         assert ops == [gpipe_ops(f, b) for f, b in parts]
     else:
         assert ops == onef1b_schedule([f for f, _ in parts], [b for _, b in parts])
+        # the bound is the 1F1B family's, tighter than the any-order one and below the schedule
+        from umopt.profile import load_profile
+        from umopt.solve import make_problem
+        from umopt.solvers.bounds import best_bound_ms
+
+        extra = sched.solver.model_extra
+        assert extra["bound_scope"] == "1f1b order"
+        any_order = best_bound_ms(make_problem(load_profile("gpt-sim"), 16, recompute=False))
+        assert any_order < sched.solver.lower_bound_ms == extra["lower_bound_1f1b_ms"] <= sched.predicted.iteration_ms
     assert sched.solver.model_extra["order"] == order
 
 

@@ -22,6 +22,10 @@ __all__ = [
     "Heads",
     "heads_and_tails",
     "stage_bound",
+    "sample_order_bound",
+    "sample_order_bound_ms",
+    "backwards_in_sample_order",
+    "drains",
     "least_work",
     "int_tables",
     "best_bound_ms",
@@ -48,13 +52,22 @@ def int_tables(problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return us[0], us[1], us[2]
 
 
-def best_bound_ms(problem) -> float:
-    """The better of the spec's lower bound and :func:`stage_bound`, in ms with the optimizer step."""
+def best_bound_ms(problem, scope: str = "any order") -> float:
+    """The best bound in ms (with the optimizer step) on every schedule of ``scope``.
+
+    "any order": the better of the spec's lower bound and :func:`stage_bound`. "1f1b order"
+    (every stage runs its B ops in sample order, however they interleave with its F ops: 1F1B
+    with any warm-ups, PipeDream-flush): also :func:`sample_order_bound`, which only holds there.
+    """
     from ..baselines import lower_bound  # the spec's bound
 
     F, G, L = int_tables(problem)
-    own = stage_bound(F, G, L, problem.minibatch, problem.recompute) / 1000 + problem.tables.optimizer_ms
-    return max(lower_bound(problem), own)
+    own = stage_bound(F, G, L, problem.minibatch, problem.recompute)
+    if scope == "1f1b order" and not problem.recompute:
+        own = max(own, sample_order_bound(F, G, L, problem.minibatch))
+    elif scope not in ("any order", "1f1b order"):
+        raise ValueError(f"unknown bound scope {scope!r}")
+    return max(lower_bound(problem), own / 1000 + problem.tables.optimizer_ms)
 
 
 def least_work(dur: np.ndarray, n: int) -> np.ndarray:
@@ -252,3 +265,151 @@ def chunks_ending_at(chunks, minibatch: int) -> list[list]:
     for c in chunks:
         out[c[1] - 1].append(c)
     return out
+
+
+# --- schedules whose stages run their B ops in sample order ------------------------------------
+#
+# When every stage runs its B ops in sample order (1F1B, whatever its warm-ups), the samples after
+# a chunk are backwarded after it, everywhere, so the drain after a chunk's B is known to include
+# them, and each lower stage's B ops form one in-order chain that a single-stage recursion solves
+# exactly. Both cuts of :func:`stage_bound` lose these: in a free order any chunk may be the last
+# backwarded one. Without recompute only (B chunks are then the F chunks).
+
+
+def sample_order_bound_ms(problem) -> float:
+    """:func:`sample_order_bound` in ms with the optimizer step (needs recompute off)."""
+    F, G, L = int_tables(problem)
+    return sample_order_bound(F, G, L, problem.minibatch) / 1000 + problem.tables.optimizer_ms
+
+
+def backwards_in_sample_order(ops) -> bool:
+    """Does every stage's op list run its B ops in sample order (the 1F1B family)?"""
+    return all([lo for kind, lo, _ in st if kind == "B"] == sorted(lo for kind, lo, _ in st if kind == "B") for st in ops)
+
+
+def drains(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int) -> np.ndarray:
+    """``D[s, b, m]``: after a ``b``-sample B op ends on stage s, with ``m`` later samples still to
+    backward there, the iteration runs at least this long (B ops in sample order everywhere).
+
+    The chunk's gradients reach s - 1 in one message; the later samples' follow at the pace of the
+    least B work on s. Each lower stage then backwards the samples in order, in chunks that wait
+    for all their samples (the exact earliest ends for one stage, :func:`_in_order_done`); the
+    last stage's end is the drain. Every stage is assumed free of other work, so this is a bound.
+    """
+    S, mx1 = F.shape
+    mx, B = mx1 - 1, minibatch
+    KG = [least_work(G[s], B) for s in range(S)]
+    mono = [np.minimum.accumulate(G[s][::-1])[::-1] for s in range(S)]  # a chunk of >= c samples
+    lmin = [int(L[s, 1:].min()) for s in range(S - 1)]
+    D = np.zeros((S, mx + 1, B + 1), dtype=np.int64)
+    b = np.arange(1, mx + 1)
+    for s in range(S):
+        if s == 0:  # nothing below: the later samples' own B work
+            D[0, 1:, :] = KG[0][None, :]
+            continue
+        first = L[s - 1, b][:, None]  # (sizes, 1): the chunk's message
+        n = np.arange(B + 1)[None, :]
+        later = KG[s][np.clip(n - b[:, None], 0, B)] + lmin[s - 1]
+        avail = np.where(n <= b[:, None], first, np.maximum(first, later))  # first n of the samples
+        avail[:, 0] = 0
+        for r in range(s - 1, -1, -1):
+            done = _in_order_done(avail, mono[r])
+            avail = done + (lmin[r - 1] if r > 0 else 0)
+        # D[s, b, m] = all b + m samples done on stage 0
+        idx = np.clip(b[:, None] + np.arange(B + 1)[None, :], 0, B)
+        D[s, 1:, :] = np.where(b[:, None] + np.arange(B + 1)[None, :] <= B, np.take_along_axis(done, idx, axis=1), 0)
+    return D
+
+
+def _in_order_done(avail: np.ndarray, dur: np.ndarray) -> np.ndarray:
+    """``done[., n]``: earliest end of one stage's in-order chunks over the first n samples of a
+    set whose first n have arrived at ``avail[., n]`` (rows: independent sets); a chunk waits
+    for all its samples, ``dur[c]`` is a chunk of c samples. Non-decreasing in n."""
+    R, N1 = avail.shape
+    mx = len(dur) - 1
+    done = np.zeros((R, N1), dtype=np.int64)
+    for n in range(1, N1):
+        c = np.arange(1, min(mx, n) + 1)
+        done[:, n] = (np.maximum(done[:, n - c], avail[:, n : n + 1]) + dur[c][None, :]).min(axis=1)
+    return done
+
+
+def sample_order_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, pareto_max: int = 64) -> int:
+    """A lower bound on the makespan of every schedule whose stages run B ops in sample order.
+
+    For each stage and target ``T``, a dynamic program over its partition (chunks in sample
+    order) checks three bounds on ``e_k``, the end of chunk k's B op, each followed by
+    ``drains[s, b_k, B - hi_k]``: the chunk cut of :func:`stage_bound` (release, F, turnaround,
+    B); ``A_k = max(A_{k-1}, release[hi_k]) + F + B`` (from the start of any earlier chunk's F,
+    the F and B ops of it and every chunk up to k ran before ``e_k``); and ``E_k = E_{k-1} +
+    B(b_k)`` (B ops in order). ``A`` and ``E`` pull apart, so up to ``pareto_max`` samples the
+    program keeps every undominated pair; beyond, one program per chain (weaker, much faster).
+    """
+    B = minibatch
+    h = heads_and_tails(F, G, L, B)
+    D = drains(F, G, L, B)
+    best = 0
+    programs = (False, True) if B <= pareto_max else (False,)
+    for s in range(F.shape[0] - 1, -1, -1):  # the last stages bind most often: then the rest are quick
+        if best and all(_in_order_ok(best, h, F, G, D, s, B, pareto) for pareto in programs):
+            continue  # this stage's bound is no higher
+        # every partition meets every bound at this T (each A_k, E_k is at most it minus a drain)
+        top = int(h.release[s, B] + (F[s, 1:] + G[s, 1:]).max() * B + h.turn[s].max() + D[s].max()) + 1
+        lo_T = best
+        for pareto in programs:
+            hi_T = top  # the pairs' program starts from the single chains' bound, which is lower
+            while lo_T < hi_T:
+                mid = (lo_T + hi_T) // 2
+                if _in_order_ok(mid, h, F, G, D, s, B, pareto):
+                    hi_T = mid
+                else:
+                    lo_T = mid + 1
+        best = max(best, lo_T)
+    return best
+
+
+def _in_order_ok(T: int, h: Heads, F: np.ndarray, G: np.ndarray, D: np.ndarray, s: int, B: int, pareto: bool) -> bool:
+    """Has stage s a partition meeting the three bounds of :func:`sample_order_bound` within T?"""
+    big = np.iinfo(np.int64).max // 4
+    mx = F.shape[1] - 1
+    rel = h.release[s]
+    W = F[s] + G[s]
+    if not pareto:  # A and E each minimised on its own: two necessary conditions
+        A = np.full(B + 1, big, dtype=np.int64)
+        E = np.full(B + 1, big, dtype=np.int64)
+        A[0] = E[0] = -big
+        for lo in range(B):
+            b = np.arange(1, min(mx, B - lo) + 1)
+            hi = lo + b
+            d = D[s, b, B - hi]
+            cut = rel[hi] + F[s, b] + h.turn[s, b] + G[s, b]
+            ok = cut + d <= T
+            a2 = np.maximum(A[lo], rel[hi]) + W[b]
+            e2 = np.maximum(E[lo] + G[s, b], cut)
+            oka = ok & (a2 + d <= T) & (A[lo] < big)
+            oke = ok & (e2 + d <= T) & (E[lo] < big)
+            np.minimum.at(A, hi[oka], a2[oka])
+            np.minimum.at(E, hi[oke], e2[oke])
+        return bool(A[B] < big and E[B] < big)
+    fronts: list[list[tuple[int, int]]] = [[] for _ in range(B + 1)]
+    fronts[0] = [(-big, -big)]
+    for lo in range(B):
+        for b in range(1, min(mx, B - lo) + 1):
+            hi = lo + b
+            d = int(D[s, b, B - hi])
+            cut = int(rel[hi] + F[s, b] + h.turn[s, b] + G[s, b])
+            if cut + d > T:
+                continue
+            for a, e in fronts[lo]:
+                a2 = max(a, int(rel[hi])) + int(W[b])
+                e2 = max(e + int(G[s, b]), a2, cut)
+                if e2 + d <= T:
+                    _keep_undominated(fronts[hi], a2, e2)
+    return bool(fronts[B])
+
+
+def _keep_undominated(front: list[tuple[int, int]], a: int, e: int) -> None:
+    if any(a0 <= a and e0 <= e for a0, e0 in front):
+        return
+    front[:] = [(a0, e0) for a0, e0 in front if not (a <= a0 and e <= e0)]
+    front.append((a, e))
