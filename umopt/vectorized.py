@@ -175,10 +175,12 @@ def _gpipe_peak(tables: CostTables, s: int, f: np.ndarray, b: np.ndarray) -> np.
     return static + np.maximum(during_f.max(axis=0), during_b.max(axis=0))
 
 
-def evaluate_1f1b(tables: CostTables, fsizes: np.ndarray, warmup: np.ndarray | None = None) -> PopulationScore:
-    """Score P schedules in 1F1B order, each stage's B chunks being its F chunks (with recompute
-    too, where the backward partition could differ but here does not). ``warmup[p, s]``: forwards
-    stage s runs before its first backward (default ``S - s - 1``, PipeDream-flush).
+def evaluate_1f1b(
+    tables: CostTables, fsizes: np.ndarray, warmup: np.ndarray | None = None, bsizes: np.ndarray | None = None
+) -> PopulationScore:
+    """Score P schedules in 1F1B order. ``warmup[p, s]``: forwards stage s runs before its first
+    backward (default ``S - s - 1``, PipeDream-flush). ``bsizes``: the backward partitions (same
+    layout as ``fsizes``), which may differ only with recompute; ``None``: the forward ones.
 
     The op order of every stage is :func:`umopt.partition.onef1b_schedule`'s, built here for the
     whole population at once: from the last stage up, the samples each backward needs forwarded
@@ -192,12 +194,16 @@ def evaluate_1f1b(tables: CostTables, fsizes: np.ndarray, warmup: np.ndarray | N
     individual whose pointers stop short of the end deadlocked and gets an infinite time.
     """
     fsizes = np.asarray(fsizes)
+    bsizes = fsizes if bsizes is None else np.asarray(bsizes)
+    K = max(fsizes.shape[2], bsizes.shape[2])
+    fsizes, bsizes = (np.pad(a, ((0, 0), (0, 0), (0, K - a.shape[2]))) for a in (fsizes, bsizes))
     P, S, _ = fsizes.shape
     B = int(fsizes[0, 0].sum())
-    K = fsizes.shape[2]
     idx = np.int32 if (2 * S + 4) * K * P < 2**31 else np.int64
     cols = np.arange(P, dtype=idx)
     parts = [_Partition(np.ascontiguousarray(fsizes[:, s].T, dtype=idx), B, cols) for s in range(S)]
+    same = bsizes is fsizes or np.array_equal(bsizes, fsizes)
+    bparts = parts if same else [_Partition(np.ascontiguousarray(bsizes[:, s].T, dtype=idx), B, cols) for s in range(S)]
     Q = 2 * K
     KP = K * P
     k_col = np.arange(K)[:, None]
@@ -208,20 +214,21 @@ def evaluate_1f1b(tables: CostTables, fsizes: np.ndarray, warmup: np.ndarray | N
     peak = np.zeros((S, P))
     forwarded_at_b = None  # samples the stage below had forwarded when it ran each B chunk
     for s in range(S - 1, -1, -1):
-        p = parts[s]
-        n = np.count_nonzero(p.sizes, axis=0)
-        real = k_col < n
-        hi = p.last + 1
-        need = hi if s == S - 1 else np.maximum(hi, _gather(forwarded_at_b, parts[s + 1].chunk_of(p.last)))
+        p, bp = parts[s], bparts[s]
+        n = np.count_nonzero(p.sizes, axis=0)  # F chunks
+        nb = np.count_nonzero(bp.sizes, axis=0)  # B chunks
+        real, breal = k_col < n, k_col < nb
+        hi, bhi = p.last + 1, bp.last + 1
+        need = bhi if s == S - 1 else np.maximum(bhi, _gather(forwarded_at_b, bparts[s + 1].chunk_of(bp.last)))
         own = p.chunk_of(need - 1)  # the first F after which the need is met
         warm = np.minimum(S - s - 1 if warmup is None else np.asarray(warmup)[:, s], n)
         after = np.maximum.accumulate(np.maximum(warm, own) - k_col, axis=0) + k_col  # B_j runs after F number after_j
         after = np.minimum(after, n - 1)
-        forwarded_at_b = np.where(real, _gather(hi, after), B)
-        b_pos = np.where(real, after + 1 + k_col, Q - 1)
+        forwarded_at_b = np.where(breal, _gather(hi, after), B)
+        b_pos = np.where(breal, after + 1 + k_col, Q - 1)
         taken = np.zeros((Q, P), dtype=bool)
-        taken.ravel()[(b_pos * P + cols)[real]] = True
-        free = ~taken & (q_col < 2 * n)
+        taken.ravel()[(b_pos * P + cols)[breal]] = True
+        free = ~taken & (q_col < n + nb)
         f_index = np.cumsum(free, axis=0) - 1  # which F each free slot holds
         f_pos = np.full((K, P), Q - 1, dtype=idx)
         fq, fp = np.nonzero(free)
@@ -230,14 +237,14 @@ def evaluate_1f1b(tables: CostTables, fsizes: np.ndarray, warmup: np.ndarray | N
         kind = np.full((Q, P), 2, dtype=np.int8)
         chunk = np.zeros((Q, P), dtype=idx)
         kind.ravel()[(f_pos * P + cols)[real]] = 0
-        kind.ravel()[(b_pos * P + cols)[real]] = 1
+        kind.ravel()[(b_pos * P + cols)[breal]] = 1
         chunk.ravel()[(f_pos * P + cols)[real]] = np.broadcast_to(k_col, (K, P))[real]
-        chunk.ravel()[(b_pos * P + cols)[real]] = np.broadcast_to(k_col, (K, P))[real]
+        chunk.ravel()[(b_pos * P + cols)[breal]] = np.broadcast_to(k_col, (K, P))[breal]
         slot_kind[s], slot_chunk[s] = kind, chunk
         # peak memory: samples forwarded and not yet backwarded, after each op
         delta = np.zeros((Q, P), dtype=np.int64)
         delta.ravel()[(f_pos * P + cols)[real]] = p.sizes[real]
-        delta.ravel()[(b_pos * P + cols)[real]] = -p.sizes[real]
+        delta.ravel()[(b_pos * P + cols)[breal]] = -bp.sizes[breal]
         held = np.cumsum(delta, axis=0) - np.minimum(delta, 0)  # a B's samples are held while it runs
         if tables.recompute:  # inputs are held; activations only for the chunk that runs
             running = np.abs(delta)
@@ -258,30 +265,31 @@ def evaluate_1f1b(tables: CostTables, fsizes: np.ndarray, warmup: np.ndarray | N
     scratch = P + 2 * S * KP + KP  # where stage 0's gradients "go"
     plans = []
     for s in range(S):
-        p = parts[s]
+        p, bp = parts[s], bparts[s]
         kind, chunk = slot_kind[s], slot_chunk[s]
-        sizes = p.sizes.ravel()[chunk * P + cols]
+        fsz = p.sizes.ravel()[chunk * P + cols]
+        bsz = bp.sizes.ravel()[chunk * P + cols]
         is_f = kind == 0
         if s == 0:
             f_src = zero + cols + 0 * chunk
         else:
             f_src = f_base + (s - 1) * KP + _gather(parts[s - 1].chunk_of(p.last), chunk) * P + cols
-        if s == S - 1:
-            b_src = l_base + chunk * P + cols
-        else:
-            b_src = b_base + (s + 1) * KP + _gather(parts[s + 1].chunk_of(p.last), chunk) * P + cols
+        if s == S - 1:  # a B waits for the F that forwarded its last sample here
+            b_src = l_base + _gather(p.chunk_of(bp.last), chunk) * P + cols
+        else:  # ... or for the gradient message holding its last sample (B ops run in sample order)
+            b_src = b_base + (s + 1) * KP + _gather(bparts[s + 1].chunk_of(bp.last), chunk) * P + cols
         f_dst = (l_base if s == S - 1 else f_base + s * KP) + chunk * P + cols
         b_dst = np.full_like(chunk, scratch) + cols if s == 0 else b_base + s * KP + chunk * P + cols
-        f_msg = tables.link[s][sizes] if s + 1 < S else np.zeros((Q, P))
-        b_msg = tables.link[s - 1][sizes] if s > 0 else np.zeros((Q, P))
+        f_msg = tables.link[s][fsz] if s + 1 < S else np.zeros((Q, P))
+        b_msg = tables.link[s - 1][bsz] if s > 0 else np.zeros((Q, P))
         plans.append(
             (
                 np.where(is_f, f_src, b_src).ravel(),
-                np.where(is_f, tables.fwd[s][sizes], tables.bwd[s][sizes]).ravel(),
+                np.where(is_f, tables.fwd[s][fsz], tables.bwd[s][bsz]).ravel(),
                 is_f.ravel(),
                 np.where(is_f, f_dst, b_dst).ravel(),
                 np.where(is_f, f_msg, b_msg).ravel(),
-                2 * np.count_nonzero(p.sizes, axis=0),
+                np.count_nonzero(p.sizes, axis=0) + np.count_nonzero(bp.sizes, axis=0),
                 s == S - 1,
             )
         )
@@ -313,6 +321,6 @@ def evaluate_1f1b(tables: CostTables, fsizes: np.ndarray, warmup: np.ndarray | N
             break
     settled = (ptr == np.array([pl[5] for pl in plans])).all(axis=0)
     finish = clock
-    busy = np.array([(tables.fwd[s][p.sizes] + tables.bwd[s][p.sizes]).sum(axis=0) for s, p in enumerate(parts)])
+    busy = np.array([tables.fwd[s][parts[s].sizes].sum(axis=0) + tables.bwd[s][bparts[s].sizes].sum(axis=0) for s in range(S)])
     it = np.where(settled, finish.max(axis=0) + tables.optimizer_ms, np.inf)
     return PopulationScore(iteration_ms=it, finish_ms=finish.T, busy_ms=busy.T, peak_memory_bytes=peak.T)

@@ -2,8 +2,8 @@
 
 An individual carries, for every stage, a forward chromosome and a backward chromosome: each a row
 of B booleans, true where a chunk ends (so every row is a partition of the minibatch). Without
-recompute a stage's backward chunks must be its forward chunks, run in reverse, so only the forward
-chromosomes evolve; with recompute both evolve independently. Each generation:
+recompute a stage's backward chunks must be its forward chunks, so only the forward chromosomes
+evolve; with recompute both evolve independently, in either order. Each generation:
 
 * the elite survive unchanged;
 * parents are picked by tournament; a child takes each stage's chromosome from one parent up to a
@@ -12,9 +12,8 @@ chromosomes evolve; with recompute both evolve independently. Each generation:
 * mutations shift, add or remove a chunk end, copy a neighbouring stage, or reset a stage to
   equal chunks; a repair pass splits any chunk longer than the profile's largest size;
 * the whole population is scored at once: :func:`umopt.vectorized.evaluate_gpipe` for GPipe
-  order, :func:`umopt.vectorized.evaluate_1f1b` for 1F1B order. Without recompute an individual
-  also carries its order as a gene, so the search picks the order along with the partitions,
-  and a 1F1B individual carries each stage's warm-up (forwards before its first backward) as a
+  order, :func:`umopt.vectorized.evaluate_1f1b` for 1F1B order. An individual also carries its
+  order as a gene, so the search picks the order along with the partitions, and a 1F1B individual carries each stage's warm-up (forwards before its first backward) as a
   third chromosome: PipeDream-flush fixes it at ``S - s - 1``, but the stage holding the most work
   often does best with fewer in flight and the stages feeding it with more (all forwards first,
   GPipe-like), which is how the best schedules of small instances look when solved exactly.
@@ -33,7 +32,6 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..baselines import feasible_m, gpipe_equal, onef1b_equal
-from ..errors import UmoptError
 from ..partition import ends_to_sizes, equal_sizes, pipedream_warmup, repair_ends, sizes_to_ends
 from ..problem import Candidate, Problem, Progress, SolverResult, score_gpipe
 from ..vectorized import evaluate_1f1b
@@ -79,7 +77,8 @@ class _Scorer:
             it, sc = score_gpipe(self.problem, ends_to_sizes(fe[g]), ends_to_sizes(be[g]) if self.problem.recompute else None)
             fit[g] = it + 1e-7 * sc.finish_ms.mean(axis=1)
         if onef1b.any():
-            sc = evaluate_1f1b(self.problem.tables, ends_to_sizes(fe[onef1b]), warmup[onef1b])
+            bs = ends_to_sizes(be[onef1b]) if self.problem.recompute else None
+            sc = evaluate_1f1b(self.problem.tables, ends_to_sizes(fe[onef1b]), warmup[onef1b], bs)
             it = sc.iteration_ms
             if self.problem.memory_limit is not None:
                 it = np.where(sc.peak_memory_bytes.max(axis=1) <= self.problem.memory_limit, it, np.inf)
@@ -211,16 +210,13 @@ def solve_ga(
     t0 = time.perf_counter()
     if order in ("gpipe", "1f1b"):
         orders = (order,)
-        if order == "1f1b" and problem.recompute:
-            raise UmoptError("--order 1f1b with --recompute is not searched yet (use --order gpipe or auto)")
     polish_share = 0.1
     deadline = t0 + (1 - polish_share) * time_limit
     rng = np.random.default_rng(seed)
     P, S, B, mx = population, problem.num_stages, problem.minibatch, problem.max_size
     rec = problem.recompute
-    # 1F1B individuals need the vectorized 1F1B evaluator, which knows no recompute
-    use_1f1b = "1f1b" in orders and not rec
-    use_gpipe = "gpipe" in orders or not use_1f1b
+    use_1f1b = "1f1b" in orders
+    use_gpipe = "gpipe" in orders
     free_warmup = use_1f1b and order == "auto"  # --order 1f1b means PipeDream-flush's warm-ups
     scorer = _Scorer(problem)
 

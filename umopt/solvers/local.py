@@ -3,8 +3,8 @@
 A move changes one stage's forward partition (and, with recompute, its backward partition on its
 own): shift the boundary between two neighbouring chunks by one sample, merge two chunks, or split
 one in half; in 1F1B order, with ``free_warmup``, it may also run one forward more or fewer before
-a stage's first backward. All moves of a step are scored together (GPipe: one vectorized call; 1F1B: the
-reference simulator) and the best one is taken, until none helps or time runs out.
+a stage's first backward. All moves of a step are scored together (one vectorized call per order; the free
+order: the reference simulator) and the best one is taken, until none helps or time runs out.
 
 The iteration time is a max over stages, so many moves tie; ties are broken by the sum of the
 stages' finish times, which lets the climb cross plateaus where the slowest stage does not move yet.
@@ -73,9 +73,9 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
         if limit is not None:
             it = np.where(sc.peak_memory_bytes.max(axis=1) <= limit, it, np.inf)
         return it, sc.finish_ms.sum(axis=1)
-    if cands and all(c.order == "1f1b" and c.fsizes == c.bsizes for c in cands):
+    if cands and all(c.order == "1f1b" for c in cands):
         wu = np.array([c.warmups for c in cands])
-        sc = evaluate_1f1b(problem.tables, pack([c.fsizes for c in cands]), wu)
+        sc = evaluate_1f1b(problem.tables, pack([c.fsizes for c in cands]), wu, pack([c.bsizes for c in cands]))
         it = sc.iteration_ms
         if limit is not None:
             it = np.where(sc.peak_memory_bytes.max(axis=1) <= limit, it, np.inf)
