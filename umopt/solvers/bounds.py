@@ -15,6 +15,7 @@ at least that many samples, so they took at least the least work for that many s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -93,20 +94,27 @@ def _pass(avail: np.ndarray, work: np.ndarray) -> np.ndarray:
     return done
 
 
-def _forward_done(avail: np.ndarray, F: np.ndarray) -> np.ndarray:
-    """``done[n]``: earliest end of F over samples 0..n-1 on one stage whose samples become
-    available at ``avail[n]`` (the whole prefix), F chunks in sample order, one at a time. Then
-    "at least n": the chunk holding sample n-1 may end later."""
+def _forward_arrivals(avail: np.ndarray, F: np.ndarray, L: np.ndarray) -> np.ndarray:
+    """``arr[n]``: earliest arrival at the next stage of samples 0..n-1 forwarded by one stage
+    whose samples become available at ``avail[n]`` (the whole prefix): F chunks in sample order,
+    one at a time, each sent in one message of its size, messages one at a time in that order.
+    Then "at least n": the chunk holding sample n-1 may end later.
+
+    ``done`` (the F chain) and ``arr`` (the link) are minimised each on its own, so both are
+    lower bounds for every partition, and the last chunk's message is charged at its own size."""
     B = len(avail) - 1
     mx = len(F) - 1
     big = np.iinfo(np.int64).max // 4
     done = np.full(B + 1, big, dtype=np.int64)
-    done[0] = 0
+    arr = np.full(B + 1, big, dtype=np.int64)
+    done[0] = arr[0] = 0
     for hi in range(1, B + 1):
         b = np.arange(1, min(mx, hi) + 1)
         lo = hi - b
-        done[hi] = (np.maximum(done[lo], avail[hi]) + F[b]).min()
-    return np.minimum.accumulate(done[::-1])[::-1]
+        end = np.maximum(done[lo], avail[hi]) + F[b]
+        done[hi] = end.min()
+        arr[hi] = (np.maximum(end, arr[lo]) + L[b]).min()
+    return np.minimum.accumulate(arr[::-1])[::-1]
 
 
 def heads_and_tails(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int) -> Heads:
@@ -122,8 +130,7 @@ def heads_and_tails(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int)
     # release: samples 0..n-1 have arrived on s
     release = np.zeros((S, B + 1), dtype=np.int64)
     for s in range(1, S):
-        done = _forward_done(release[s - 1], F[s - 1])
-        release[s, 1:] = np.minimum(done[1:] + lmin[s - 1], big)
+        release[s, 1:] = np.minimum(_forward_arrivals(release[s - 1], F[s - 1], L[s - 1])[1:], big)
     tail = np.zeros((S, mx + 1), dtype=np.int64)
     turn = np.zeros((S, mx + 1), dtype=np.int64)
     for b in range(1, mx + 1):
@@ -312,26 +319,36 @@ def drains(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int) -> np.nd
         later = KG[s][np.clip(n - b[:, None], 0, B)] + lmin[s - 1]
         avail = np.where(n <= b[:, None], first, np.maximum(first, later))  # first n of the samples
         avail[:, 0] = 0
-        for r in range(s - 1, -1, -1):
-            done = _in_order_done(avail, mono[r])
-            avail = done + (lmin[r - 1] if r > 0 else 0)
+        for r in range(s - 1, 0, -1):
+            avail = _in_order_done(avail, mono[r], np.minimum.accumulate(L[r - 1][::-1])[::-1])
+            avail[:, 0] = 0
+        done = _in_order_done(avail, mono[0])
         # D[s, b, m] = all b + m samples done on stage 0
         idx = np.clip(b[:, None] + np.arange(B + 1)[None, :], 0, B)
         D[s, 1:, :] = np.where(b[:, None] + np.arange(B + 1)[None, :] <= B, np.take_along_axis(done, idx, axis=1), 0)
     return D
 
 
-def _in_order_done(avail: np.ndarray, dur: np.ndarray) -> np.ndarray:
+def _in_order_done(avail: np.ndarray, dur: np.ndarray, link: Optional[np.ndarray] = None) -> np.ndarray:
     """``done[., n]``: earliest end of one stage's in-order chunks over the first n samples of a
     set whose first n have arrived at ``avail[., n]`` (rows: independent sets); a chunk waits
-    for all its samples, ``dur[c]`` is a chunk of c samples. Non-decreasing in n."""
+    for all its samples, ``dur[c]`` is a chunk of c samples. With ``link`` (``link[c]``: a
+    message of c samples), the earliest arrival of the first n at the next stage instead, each
+    chunk sent in one message, messages one at a time in order (each of ``done`` and the
+    arrivals minimised on its own, so both stay bounds for every partition)."""
     R, N1 = avail.shape
     mx = len(dur) - 1
     done = np.zeros((R, N1), dtype=np.int64)
+    arr = np.zeros((R, N1), dtype=np.int64)
     for n in range(1, N1):
         c = np.arange(1, min(mx, n) + 1)
-        done[:, n] = (np.maximum(done[:, n - c], avail[:, n : n + 1]) + dur[c][None, :]).min(axis=1)
-    return done
+        end = np.maximum(done[:, n - c], avail[:, n : n + 1]) + dur[c][None, :]
+        done[:, n] = end.min(axis=1)
+        if link is not None:
+            arr[:, n] = (np.maximum(end, arr[:, n - c]) + link[c][None, :]).min(axis=1)
+    if link is None:
+        return done
+    return np.minimum.accumulate(arr[:, ::-1], axis=1)[:, ::-1]  # the chunk holding sample n-1 may end later
 
 
 def sample_order_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, pareto_max: int = 64) -> int:
