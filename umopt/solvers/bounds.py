@@ -27,6 +27,7 @@ __all__ = [
     "sample_order_bound_ms",
     "backwards_in_sample_order",
     "drains",
+    "gradient_releases",
     "least_work",
     "int_tables",
     "best_bound_ms",
@@ -365,19 +366,29 @@ def sample_order_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: i
     B = minibatch
     h = heads_and_tails(F, G, L, B)
     D = drains(F, G, L, B)
+    # the chunk cut: its B starts after its own turnaround and after the gradients of every
+    # sample up to its last have come down
+    grel = gradient_releases(F, G, L, h, B)
+    mx = F.shape[1] - 1
+    b = np.arange(1, mx + 1)
+    cut = np.full((F.shape[0], B + 1, mx + 1), np.iinfo(np.int64).max // 4, dtype=np.int64)
+    for lo in range(B):
+        bb = b[lo + b <= B]
+        hi = lo + bb
+        cut[:, lo, bb] = np.maximum(h.release[:, hi] + F[:, bb] + h.turn[:, bb], grel[:, hi]) + G[:, bb]
     best = 0
     programs = (False, True) if B <= pareto_max else (False,)
     for s in range(F.shape[0] - 1, -1, -1):  # the last stages bind most often: then the rest are quick
-        if best and all(_in_order_ok(best, h, F, G, D, s, B, pareto) for pareto in programs):
+        if best and all(_in_order_ok(best, h, F, G, D, cut[s], s, B, pareto) for pareto in programs):
             continue  # this stage's bound is no higher
         # every partition meets every bound at this T (each A_k, E_k is at most it minus a drain)
-        top = int(h.release[s, B] + (F[s, 1:] + G[s, 1:]).max() * B + h.turn[s].max() + D[s].max()) + 1
+        top = int(h.release[s, B] + grel[s, B] + (F[s, 1:] + G[s, 1:]).max() * B + h.turn[s].max() + D[s].max()) + 1
         lo_T = best
         for pareto in programs:
             hi_T = top  # the pairs' program starts from the single chains' bound, which is lower
             while lo_T < hi_T:
                 mid = (lo_T + hi_T) // 2
-                if _in_order_ok(mid, h, F, G, D, s, B, pareto):
+                if _in_order_ok(mid, h, F, G, D, cut[s], s, B, pareto):
                     hi_T = mid
                 else:
                     lo_T = mid + 1
@@ -385,8 +396,40 @@ def sample_order_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: i
     return best
 
 
-def _in_order_ok(T: int, h: Heads, F: np.ndarray, G: np.ndarray, D: np.ndarray, s: int, B: int, pareto: bool) -> bool:
-    """Has stage s a partition meeting the three bounds of :func:`sample_order_bound` within T?"""
+def gradient_releases(F: np.ndarray, G: np.ndarray, L: np.ndarray, h: Heads, minibatch: int) -> np.ndarray:
+    """``grel[s, n]``: with B ops in sample order everywhere, the gradients of samples 0..n-1
+    reach stage s no earlier than this (0 on the last stage).
+
+    Stage s + 1 sends them after backwarding every sample up to n - 1, which it does only after
+    forwarding them and backwarding all earlier ones: the least end of that prefix is the least
+    over its partitions of the chains of :func:`sample_order_bound` (``A`` and ``E``, each
+    minimised on its own, with the chunk cut), from the top stage down.
+    """
+    S, mx1 = F.shape
+    mx, B = mx1 - 1, minibatch
+    big = np.iinfo(np.int64).max // 4
+    grel = np.zeros((S, B + 1), dtype=np.int64)
+    for r in range(S - 1, 0, -1):
+        rel, W = h.release[r], F[r] + G[r]
+        A = np.full(B + 1, big, dtype=np.int64)
+        E = np.full(B + 1, big, dtype=np.int64)
+        A[0] = E[0] = 0
+        for hi in range(1, B + 1):
+            b = np.arange(1, min(mx, hi) + 1)
+            lo = hi - b
+            A[hi] = (np.maximum(A[lo], rel[hi]) + W[b]).min()
+            own = np.maximum(rel[hi] + F[r, b] + h.turn[r, b], grel[r, hi])
+            E[hi] = (np.maximum(E[lo], own) + G[r, b]).min()
+        done = np.minimum.accumulate(np.maximum(A, E)[::-1])[::-1]  # the chunk holding n - 1 may end later
+        grel[r - 1, 1:] = done[1:] + int(L[r - 1, 1:].min())
+    return grel
+
+
+def _in_order_ok(
+    T: int, h: Heads, F: np.ndarray, G: np.ndarray, D: np.ndarray, cut: np.ndarray, s: int, B: int, pareto: bool
+) -> bool:
+    """Has stage s a partition meeting the three bounds of :func:`sample_order_bound` within T?
+    ``cut[lo, b]``: the chunk cut's end of the B op of chunk [lo, lo + b)."""
     big = np.iinfo(np.int64).max // 4
     mx = F.shape[1] - 1
     rel = h.release[s]
@@ -399,10 +442,10 @@ def _in_order_ok(T: int, h: Heads, F: np.ndarray, G: np.ndarray, D: np.ndarray, 
             b = np.arange(1, min(mx, B - lo) + 1)
             hi = lo + b
             d = D[s, b, B - hi]
-            cut = rel[hi] + F[s, b] + h.turn[s, b] + G[s, b]
-            ok = cut + d <= T
+            c = cut[lo, b]
+            ok = c + d <= T
             a2 = np.maximum(A[lo], rel[hi]) + W[b]
-            e2 = np.maximum(E[lo] + G[s, b], cut)
+            e2 = np.maximum(E[lo] + G[s, b], c)
             oka = ok & (a2 + d <= T) & (A[lo] < big)
             oke = ok & (e2 + d <= T) & (E[lo] < big)
             np.minimum.at(A, hi[oka], a2[oka])
@@ -414,12 +457,12 @@ def _in_order_ok(T: int, h: Heads, F: np.ndarray, G: np.ndarray, D: np.ndarray, 
         for b in range(1, min(mx, B - lo) + 1):
             hi = lo + b
             d = int(D[s, b, B - hi])
-            cut = int(rel[hi] + F[s, b] + h.turn[s, b] + G[s, b])
-            if cut + d > T:
+            c = int(cut[lo, b])
+            if c + d > T:
                 continue
             for a, e in fronts[lo]:
                 a2 = max(a, int(rel[hi])) + int(W[b])
-                e2 = max(e + int(G[s, b]), a2, cut)
+                e2 = max(e + int(G[s, b]), a2, c)
                 if e2 + d <= T:
                     _keep_undominated(fronts[hi], a2, e2)
     return bool(fronts[B])
