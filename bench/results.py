@@ -43,10 +43,13 @@ schedules on every profile, most where stages differ most (VGG16: 13-24% over eq
 plain hill climb over partitions gains little. Almost all the winners are 1F1B-ordered with
 per-stage warm-ups: the stage holding the most work alternates forward and backward from the
 start while the stages before it forward everything first, an order neither GPipe nor
-PipeDream-flush has. `auto` and `ga` end on the same schedule where the exact model is not
-built; at S=4 the CP-SAT half no longer improves on the GA within 20 s. The "gap" is to the best
-bound umopt proves (the stage cuts of docs/formats.md), so it says how far from optimal a
-schedule is at most, not how far it is."""
+PipeDream-flush has. Where the exact model is not built `auto` runs the GA as `ga` does, but
+with a little less time, and at 20 s the GA's timing decides between neighbouring schedules
+(up to 2% apart at S=8, B=256, either way round from run to run); at S=4 the CP-SAT half no
+longer improves on the GA within 20 s. The "gap" is to the best bound umopt proves for every
+schedule (the stage cuts of docs/formats.md), "gap in 1F1B" to the one it proves within the 1F1B
+family (B ops in sample order) for auto's schedules of that family, so each says how far from
+optimal a schedule is at most, not how far it is."""
 
 
 def md(columns, rows) -> str:

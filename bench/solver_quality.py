@@ -20,7 +20,7 @@ from umopt.baselines import gpipe_equal, onef1b_equal
 from umopt.profile import load_profile
 from umopt.solve import make_problem
 from umopt.solvers import SOLVERS
-from umopt.solvers.bounds import best_bound_ms
+from umopt.solvers.bounds import backwards_in_sample_order, best_bound_ms
 from umopt.solvers.local import hill_climb
 
 CASES = [
@@ -34,7 +34,7 @@ CASES = [
 ]
 
 
-COLUMNS = ("profile", "B", "gpipe_equal", "1f1b_equal", "hill climb", "dp", "greedy", "ga", "auto", "auto order", "auto s", "bound", "auto gap")
+COLUMNS = ("profile", "B", "gpipe_equal", "1f1b_equal", "hill climb", "dp", "greedy", "ga", "auto", "auto order", "auto s", "bound", "auto gap", "1F1B bound", "gap in 1F1B")
 
 
 def run(time_limit: float, cases=CASES, say=print) -> list[list[str]]:
@@ -57,6 +57,10 @@ def run(time_limit: float, cases=CASES, say=print) -> list[list[str]]:
             it = res.candidate.simulate(problem).iteration_ms
             row.append(cell(it))
         row += [res.candidate.order, f"{seconds:.1f}", f"{lb:.1f}", f"{100 * (it - lb) / lb:.1f}%"]
+        # the bound within the 1F1B family holds for auto's schedule when it is of that family
+        lb1 = best_bound_ms(problem, "1f1b order")
+        in_order = backwards_in_sample_order(res.candidate.ops())
+        row += [f"{lb1:.1f}", f"{100 * (it - lb1) / lb1:.1f}%" if in_order else "-"]
         rows.append(row)
         say(f"done {name} B={B}")
     return rows
