@@ -94,12 +94,13 @@ def solve(
         raise UmoptError(f"solver {result.name} found no schedule within the memory limit")
     # a schedule of the 1F1B family (B ops in sample order) is also measured against the best of
     # that family, whose bound is tighter; under --order 1f1b that family is the whole question
+    bound = max(lb, result.lower_bound_ms or lb)
     lb_1f1b = None
     if not recompute and (order == "1f1b" or backwards_in_sample_order(ops)):
-        lb_1f1b = max(lb, result.lower_bound_ms or lb, sample_order_bound_ms(problem))
+        lb_1f1b = max(bound, sample_order_bound_ms(problem))
     scope = {"bound_scope": result.extra["bound_scope"]} if "bound_scope" in result.extra else {}
     if order == "1f1b" and lb_1f1b is not None:
-        scope = {"bound_scope": "1f1b order"}
+        bound, scope = lb_1f1b, {"bound_scope": "1f1b order"}
     schedule = make_schedule(
         profile,
         minibatch,
@@ -109,7 +110,7 @@ def solve(
         solver={
             "name": solver,
             "status": result.status,
-            "lower_bound_ms": lb_1f1b if order == "1f1b" and lb_1f1b is not None else max(lb, result.lower_bound_ms or lb),
+            "lower_bound_ms": bound,
             **({"lower_bound_1f1b_ms": lb_1f1b} if lb_1f1b is not None else {}),
             "seconds": seconds,
             "seed": seed,

@@ -13,8 +13,9 @@ evolve; with recompute both evolve independently, in either order. Each generati
   equal chunks; a repair pass splits any chunk longer than the profile's largest size;
 * the whole population is scored at once: :func:`umopt.vectorized.evaluate_gpipe` for GPipe
   order, :func:`umopt.vectorized.evaluate_1f1b` for 1F1B order. An individual also carries its
-  order as a gene, so the search picks the order along with the partitions, and a 1F1B individual carries each stage's warm-up (forwards before its first backward) as a
-  third chromosome: PipeDream-flush fixes it at ``S - s - 1``, but the stage holding the most work
+  order as a gene, so the search picks the order along with the partitions, and a 1F1B
+  individual carries each stage's warm-up (forwards before its first backward) as a third
+  chromosome: PipeDream-flush fixes it at ``S - s - 1``, but the stage holding the most work
   often does best with fewer in flight and the stages feeding it with more (all forwards first,
   GPipe-like), which is how the best schedules of small instances look when solved exactly.
 
