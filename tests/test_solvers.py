@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -14,9 +15,11 @@ from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
 from umopt.partition import chunks
 from umopt.problem import Candidate, Problem, pack
+from umopt.profile import load_profile
 from umopt.solvers import SOLVERS
 from umopt.solvers.bounds import best_bound_ms
 from umopt.solvers.dp import shared_partition
+from umopt.solvers.local import aligned_moves, hill_climb, iterated_climb
 from umopt.synthetic import synthetic_profile
 from umopt.vectorized import evaluate_1f1b
 
@@ -63,7 +66,7 @@ def test_ga_finds_brute_force_optimum(S, B, recompute, seed):
     prof = synthetic_profile(S, max_size=4, seed=seed, latency_ms=0.3, bytes_per_ms=2e5)
     problem = Problem(CostTables.from_profile(prof, recompute), B)
     best = brute_force(problem)
-    res = SOLVERS["ga"](problem, time_limit=10, seed=0, stall_generations=60, max_restarts=2)
+    res = SOLVERS["ga"](problem, time_limit=10, seed=0, stall_generations=60, max_restarts=2, polish_kicks=50)
     got = res.candidate.simulate(problem).iteration_ms
     assert got == pytest.approx(best, abs=1e-9)
     assert lower_bound(problem) <= best + 1e-9
@@ -95,8 +98,8 @@ def test_auto_beats_equal_on_heterogeneous_stages():
 def test_ga_is_reproducible_with_a_seed():
     prof = synthetic_profile(3, max_size=16, seed=7)
     problem = Problem(CostTables.from_profile(prof), 24)
-    a = SOLVERS["ga"](problem, time_limit=30, seed=5, max_generations=40)
-    b = SOLVERS["ga"](problem, time_limit=30, seed=5, max_generations=40)
+    a = SOLVERS["ga"](problem, time_limit=30, seed=5, max_generations=40, polish_kicks=20)
+    b = SOLVERS["ga"](problem, time_limit=30, seed=5, max_generations=40, polish_kicks=20)
     assert a.candidate.fsizes == b.candidate.fsizes
 
 
@@ -236,10 +239,10 @@ def test_free_order_beats_both_textbook_orders_when_they_waste_time():
     assert res.candidate.iteration_ms == pytest.approx(best, abs=1e-2)
     assert res.candidate.iteration_ms < brute_force(problem, warmups=False) - 1.0
     assert res.candidate.order == "free"
-    ga = SOLVERS["ga"](problem, time_limit=10, seed=0, stall_generations=60, max_restarts=2).candidate
+    ga = SOLVERS["ga"](problem, time_limit=10, seed=0, stall_generations=60, max_restarts=2, polish_kicks=50).candidate
     assert ga.simulate(problem).iteration_ms == pytest.approx(best, abs=1e-9)
     # and PipeDream-flush's order (--order 1f1b) is what it says
-    assert SOLVERS["ga"](problem, time_limit=10, seed=0, order="1f1b", stall_generations=60, max_restarts=0).candidate.warmup is None
+    assert SOLVERS["ga"](problem, time_limit=10, seed=0, order="1f1b", stall_generations=60, max_restarts=0, polish_kicks=50).candidate.warmup is None
 
 
 @pytest.mark.parametrize("solver", ["cpsat", "milp"])
@@ -373,3 +376,28 @@ def test_1f1b_bound_is_tighter_where_drains_queue():
     problem = make_problem(load_profile("gpt-sim"), 8, recompute=False)
     assert best_bound_ms(problem) < 42.6
     assert 45.7 < best_bound_ms(problem, "1f1b order") <= 47.19
+
+
+def test_aligned_moves_move_a_shared_chunk_end_on_every_stage_holding_it():
+    parts = [[2, 3, 3], [2, 6], [5, 3]]  # chunk ends {2, 5}, {2}, {5}
+    got = list(aligned_moves(parts, max_size=6))
+    # end 2 (stages 0 and 1) up by one; end 5 (stages 0 and 2) down and up by one. End 2 down
+    # would give stage 1 a chunk of 7, and removing either end a chunk of 8: over the largest size
+    assert got == [[[3, 2, 3], [3, 5], [5, 3]], [[2, 2, 4], [2, 6], [4, 4]], [[2, 4, 2], [2, 6], [6, 2]]]
+    assert list(aligned_moves(parts, max_size=8))[-1] == [[2, 6], [2, 6], [8]]  # end 5 removed
+    assert list(aligned_moves([[4, 4], [8]], max_size=8)) == []  # no end is shared
+
+
+def test_iterated_climb_escapes_a_local_optimum_of_single_moves():
+    # gpt-sim, S=4, B=8: CP-SAT proves 47.194 ms optimal (README); this schedule is 48.000 and no
+    # single move (nor aligned move, nor warm-up change) improves it, yet the optimum is several
+    # stages' moves away
+    problem = Problem(CostTables.from_profile(load_profile("gpt-sim")), 8)
+    parts = [[1, 2, 1, 2, 1, 1]] * 3 + [[1, 3, 2, 1, 1]]
+    start = Candidate(parts, parts, "1f1b", warmup=[8, 8, 8, 0])
+    far = time.perf_counter() + 600
+    climbed, _ = hill_climb(problem, start, far, free_warmup=True)
+    assert climbed.iteration_ms == pytest.approx(48.0, abs=1e-3)
+    best, _ = iterated_climb(problem, start, far, seed=0, free_warmup=True, max_kicks=25)
+    assert best.iteration_ms == pytest.approx(47.194, abs=1e-3)
+    assert best.simulate(problem).iteration_ms == pytest.approx(best.iteration_ms, abs=1e-9)

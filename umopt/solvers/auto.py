@@ -1,11 +1,11 @@
 """The default solver: the best equal and DP schedules first, then the GA, within the time limit.
 
-On instances small enough for the exact model (S=4, B=32 with sizes up to 32 is), half the
-time goes to CP-SAT, warm-started with the best schedule found: the free-order model under
-``--order auto`` (its bound holds for every schedule), the GPipe-order one under ``--order gpipe``;
-its proof and bound are then the report's. The
-result is the best schedule any of them found, scored by the reference simulator, so it is never
-worse than the best equal schedule.
+On instances small enough for the exact model to prove (about S=4, B=8), half the time goes to
+CP-SAT, warm-started with the best schedule found: the free-order model under ``--order auto``
+(its bound holds for every schedule), the GPipe-order one under ``--order gpipe``; its proof and
+bound are then the report's. On larger ones the GA has all the time. The result is the best
+schedule any of them found, scored by the reference simulator, so it is never worse than the
+best equal schedule.
 """
 
 from __future__ import annotations
@@ -73,11 +73,13 @@ def solve_auto(
     )
 
 
-EXACT_MAX_TERMS = 100_000  # S=4, B=32, sizes up to 32: 67,584; builds in a few seconds
-# half the time to the free-order CP-SAT model when it is small enough: it proves small instances
-# and its bound is the report's. Before the GA searched per-stage 1F1B warm-ups, it also found
-# better schedules (vgg16-cpu B=32, 60 s: 341-352 ms vs 360.5 with a quarter); now the GA's are as
-# good, and auto with this share ends within 1.5% of the GA alone either way (README table)
+# Where the free-order CP-SAT model gets half the time: where it proves optimality within a
+# minute on 2 cores (S=4: gpt-sim B=8 in 18 s, vgg16-cpu B=8 in 23 s; model size 1,152). From
+# gpt-sim B=10 (2,200) on it proves nothing in 60 s and its bound stays at the fast one, while the
+# GA with its iterated local search finds better schedules than it does (B=10: 52.58 ms against
+# CP-SAT's 52.69; at S=4, B=32 CP-SAT has not improved on its warm start since the GA searched
+# warm-ups), so there its half of the time was lost.
+EXACT_MAX_TERMS = 3_000
 EXACT_SHARE = 0.5
 
 

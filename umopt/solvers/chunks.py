@@ -67,7 +67,7 @@ def warm_start(
     scored = 0
     if hint is None:
         orders = ("gpipe",) if order == "gpipe" else ("gpipe", "1f1b")
-        warm = solve_ga(problem, time_limit=share * time_limit, seed=seed, orders=orders, max_restarts=None if share == 1 else 1)
+        warm = solve_ga(problem, time_limit=share * time_limit, seed=seed, orders=orders)
         hint, scored = warm.candidate, warm.evaluated
         time_limit -= share * time_limit
     base = hint if order != "gpipe" or hint.order == "gpipe" else gpipe_equal(problem).candidate
