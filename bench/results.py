@@ -39,17 +39,18 @@ step overhead fitted by `umopt calibrate` (since then), the run above (`python b
 --rounds 5`) and one more of `bench/runtime_vs_predicted.py` met all three: 1.001 and 0.948 x
 predicted, 1.010 and 0.964 x ScheduleGPipe, 75% and 90% of the predicted margin."""
 WHAT_IT_SHOWS = """What the solver table shows, plainly: umopt's schedules beat the best equal GPipe and 1F1B
-schedules on every profile, most where stages differ most (VGG16: 13-24% over equal GPipe); a
-plain hill climb over partitions gains little. Almost all the winners are 1F1B-ordered with
-per-stage warm-ups: the stage holding the most work alternates forward and backward from the
-start while the stages before it forward everything first, an order neither GPipe nor
-PipeDream-flush has. Where the exact model is not built `auto` runs the GA as `ga` does, but
-with a little less time, and at 20 s the GA's timing decides between neighbouring schedules
-(up to 2% apart at S=8, B=256, either way round from run to run); at S=4 the CP-SAT half no
-longer improves on the GA within 20 s. The "gap" is to the best bound umopt proves for every
-schedule (the stage cuts of docs/formats.md), "gap in 1F1B" to the one it proves within the 1F1B
-family (B ops in sample order) for auto's schedules of that family, so each says how far from
-optimal a schedule is at most, not how far it is."""
+schedules on every profile, most where stages differ most (VGG16: 13-26% over equal GPipe); a
+hill climb from the best equal schedules gains much less than the GA with its iterated local
+search. Almost all the winners are 1F1B-ordered with per-stage warm-ups: the stage holding the
+most work alternates forward and backward from the start while the stages before it forward
+everything first, an order neither GPipe nor PipeDream-flush has. On all these instances `auto`
+runs the GA as `ga` does (the exact model only gets time where it proves optimality, about S=4,
+B=8), started from the dp schedule too where that beats the equal ones, with a little less time;
+at 20 s a run's random path decides between neighbouring schedules (up to 2% apart, either way
+round from run to run). The "gap" is to the best bound umopt proves for every schedule (the
+stage cuts of docs/formats.md), "gap in 1F1B" to the one it proves within the 1F1B family (B ops
+in sample order) for auto's schedules of that family, so each says how far from optimal a
+schedule is at most, not how far it is."""
 
 
 def md(columns, rows) -> str:
