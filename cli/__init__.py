@@ -56,7 +56,7 @@ def _ms(x: Optional[float]) -> str:
 @click.option("--solver", type=click.Choice(["auto", "ga", "greedy", "dp", "equal", "cpsat", "milp"]), default="auto", show_default=True)
 @click.option("--order", type=click.Choice(["auto", "gpipe", "1f1b"]), default="auto", show_default=True, help="Op order: GPipe, 1F1B, or auto (the GA tries both; cpsat/milp order each stage freely).")
 @click.option("--time-limit", type=float, default=20.0, show_default=True, help="Seconds of search.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed (results are reproducible).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed (the search is timed: the same seed gives the same result for the same amount of work, not always on a busier machine).")
 @click.option("--memory-limit", type=int, default=None, help="Bytes per stage; overrides the profile's limit.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Schedule file to write.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Gantt chart PNG: best equal GPipe above, this schedule below.")
