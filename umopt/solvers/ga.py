@@ -264,8 +264,8 @@ def solve_ga(
         if stall >= stall_generations:
             # converged: after max_restarts restarts (None: no limit) the iterated local search
             # gets the rest of the time, which on S=4, B=32 finds better schedules than more
-            # generations do (bench/solver_quality.py); a restart keeps the elite and refills the
-            # rest with fresh and heavily mutated individuals
+            # generations do (module docstring); a restart keeps the elite and refills the rest
+            # with fresh and heavily mutated individuals
             if max_restarts is not None and restarts >= max_restarts:
                 break
             restarts += 1
