@@ -75,6 +75,12 @@ def aligned_moves(parts: list[list[int]], max_size: int) -> Iterator[list[list[i
                 yield out
 
 
+def _warmup(w: int, chunks: int, minibatch: int) -> int:
+    """A stage's warm-up as stored: ``chunks`` or more means "all forwards first", kept as the
+    minibatch so that it survives later splits of the partition."""
+    return minibatch if w >= chunks else max(w, 0)
+
+
 def _neighbours(problem: Problem, cand: Candidate, free_warmup: bool = False) -> list[Candidate]:
     out = []
     mx, S = problem.max_size, problem.num_stages
@@ -93,11 +99,9 @@ def _neighbours(problem: Problem, cand: Candidate, free_warmup: bool = False) ->
         now = cand.warmups
         for s in range(S):
             n = len(cand.fsizes[s])
-            # a warm-up of n or more means "all forwards first", kept as the minibatch so that it
-            # survives later splits of the partition
             for w in (min(now[s], n) - 1, min(now[s], n) + 1):
                 if 0 <= w <= n and w != min(now[s], n):
-                    w = problem.minibatch if w == n else w
+                    w = _warmup(w, n, problem.minibatch)
                     out.append(Candidate(cand.fsizes, cand.bsizes, "1f1b", warmup=now[:s] + [w] + now[s + 1 :]))
     return out
 
@@ -164,7 +168,7 @@ def _kick(rng: np.random.Generator, problem: Problem, cand: Candidate, n_moves: 
         if free_warmup and cand.order == "1f1b" and rng.random() < 0.2:
             n = len(f[s])
             w = min(wu[s], n) + int(rng.choice([-1, 1]))
-            wu[s] = B if w >= n else max(w, 0)  # n or more: "all forwards first", as in _neighbours
+            wu[s] = _warmup(w, n, B)
             continue
         part = b if problem.recompute and rng.random() < 0.5 else f
         options = list(moves(part[s], mx))
