@@ -74,11 +74,11 @@ def solve_auto(
 
 
 # Where the free-order CP-SAT model gets half the time: where it proves optimality within a
-# minute on 2 cores (S=4: gpt-sim B=8 in 18 s, vgg16-cpu B=8 in 23 s; model size 1,152). From
-# gpt-sim B=10 (2,200) on it proves nothing in 60 s and its bound stays at the fast one, while the
-# GA with its iterated local search finds better schedules than it does (B=10: 52.58 ms against
-# CP-SAT's 52.69; at S=4, B=32 CP-SAT has not improved on its warm start since the GA searched
-# warm-ups), so there its half of the time was lost.
+# minute on 2 cores (S=4: gpt-sim B=8 in 18 s, vgg16-cpu B=8 in 23 s; model size 1,152; with the
+# tighter bounds `auto --time-limit 40` proves gpt-sim B=10 (2,200) in 33 s, not vgg16-cpu B=10).
+# From gpt-sim B=12 (3,744) on it proves nothing in 60 s and its bound stays at the fast one, while
+# the GA with its iterated local search finds schedules as good or better (at S=4, B=32 CP-SAT has
+# not improved on its warm start since the GA searched warm-ups), so there its half was lost.
 EXACT_MAX_TERMS = 3_000
 EXACT_SHARE = 0.5
 
