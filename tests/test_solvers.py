@@ -430,7 +430,7 @@ def test_large_chunk_cut_lifts_the_bound_below_the_proven_optimum(monkeypatch):
     problem = _synthetic_problem(2, 8, 4, 190, 0.05, 1e5)
     bound = best_bound_ms(problem)
     # the free-order model alone, without the fast bound as a constraint: its optimum is the truth
-    model, *_, makespan = build_free_model(problem, 10**6)
+    model, *_ = build_free_model(problem, 10**6)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = 60
     assert solver.solve(model) == cp_model.OPTIMAL
