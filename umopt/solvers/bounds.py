@@ -202,14 +202,8 @@ def stage_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, rec
     S = F.shape[0]
     cuts = [_chunk_cut(h, F, G, s, B, recompute) for s in range(S)]
     KG = [least_work(G[s], B) for s in range(S)]
-    lo_T = 0
-    hi_T = int(max(h.release[s, B] + (F[s, 1] + G[s, 1]) * B + h.turn.max() + h.tail.max() for s in range(S)))
-    while lo_T < hi_T:
-        mid = (lo_T + hi_T) // 2
-        if all(_reachable(mid, h, F, G, s, cuts[s], KG[s], B, recompute) for s in range(S)):
-            hi_T = mid
-        else:
-            lo_T = mid + 1
+    top = int(max(h.release[s, B] + (F[s, 1] + G[s, 1]) * B + h.turn.max() + h.tail.max() for s in range(S)))
+    lo_T = _least(lambda T: all(_reachable(T, h, F, G, s, cuts[s], KG[s], B, recompute) for s in range(S)), 0, top)
     if recompute or B * (F.shape[1] - 1) > LARGE_CHUNKS_MAX_CELLS:
         return lo_T
     for s in range(S - 1, -1, -1):  # the last stages bind most often
@@ -221,13 +215,7 @@ def stage_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, rec
             step = max(1, lo_T // 256)
             while not ok(lo_T + step):
                 lo_T, step = lo_T + step + 1, 2 * step
-            hi_T = lo_T + step
-            while lo_T < hi_T:
-                mid = (lo_T + hi_T) // 2
-                if ok(mid):
-                    hi_T = mid
-                else:
-                    lo_T = mid + 1
+            lo_T = _least(ok, lo_T, lo_T + step)
     return lo_T
 
 
@@ -254,9 +242,7 @@ def _large_chunks_ok(T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, cut
     mx = F.shape[1] - 1
     rel = h.release[s]
     tails = h.tail[s, 1:]
-    levels = np.unique(tails)
-    level_of = np.concatenate([[0], np.searchsorted(levels, tails)])
-    levels = np.append(levels, 0)  # the last level: no chunk yet
+    levels, level_of = _tail_levels(tails)
     large_tail = int(h.tail[s, c:].min())
     fronts: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(B + 1)]
     fronts[B][len(levels) - 1] = [(0, 0)]
@@ -275,6 +261,25 @@ def _large_chunks_ok(T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, cut
                         continue
                     _keep_undominated(here.setdefault(state, []), work, large_work)
     return bool(fronts[0])
+
+
+def _tail_levels(tails: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct drains of a stage's chunk sizes, ascending, then 0 for "no chunk yet" (never
+    read by a cut); and each size's index among them (``level_of[b]``, b = 1..max size)."""
+    levels = np.unique(tails)
+    return np.append(levels, 0), np.concatenate([[0], np.searchsorted(levels, tails)])
+
+
+def _least(ok, lo: int, hi: int) -> int:
+    """The least ``T`` in ``[lo, hi]`` with ``ok(T)``, for an ``ok`` that only grows with ``T``
+    and holds at ``hi``."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _chunk_cut(h: Heads, F: np.ndarray, G: np.ndarray, s: int, B: int, recompute: bool) -> np.ndarray:
@@ -312,9 +317,7 @@ def _reachable(
         level_of = np.zeros(mx + 1, dtype=np.int64)
         levels = np.array([tails.min(), tails.min()])
     else:
-        levels = np.unique(tails)
-        level_of = np.concatenate([[0], np.searchsorted(levels, tails)])
-        levels = np.append(levels, 0)  # the last level: no chunk yet (never read by a cut)
+        levels, level_of = _tail_levels(tails)
     Lv = len(levels) - 1  # index of "no chunk yet"
     cut_ok = cut <= T
     W = np.full((B + 1, Lv + 1), big, dtype=np.int64)
@@ -481,14 +484,8 @@ def sample_order_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: i
         # every partition meets every bound at this T (each A_k, E_k is at most it minus a drain)
         top = int(h.release[s, B] + grel[s, B] + (F[s, 1:] + G[s, 1:]).max() * B + h.turn[s].max() + D[s].max()) + 1
         lo_T = best
-        for pareto in programs:
-            hi_T = top  # the pairs' program starts from the single chains' bound, which is lower
-            while lo_T < hi_T:
-                mid = (lo_T + hi_T) // 2
-                if _in_order_ok(mid, h, F, G, D, cut[s], s, B, pareto):
-                    hi_T = mid
-                else:
-                    lo_T = mid + 1
+        for pareto in programs:  # the pairs' program starts from the single chains' bound, which is lower
+            lo_T = _least(lambda T: _in_order_ok(T, h, F, G, D, cut[s], s, B, pareto), lo_T, top)
         best = max(best, lo_T)
     return best
 
