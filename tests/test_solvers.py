@@ -20,6 +20,7 @@ from umopt.solvers import SOLVERS
 from umopt.solvers.bounds import best_bound_ms
 from umopt.solvers.dp import shared_partition
 from umopt.solvers.local import aligned_moves, hill_climb, iterated_climb
+from umopt.solvers.pairs import pair_bound_ms
 from umopt.synthetic import synthetic_profile
 from umopt.vectorized import evaluate_1f1b
 
@@ -290,6 +291,51 @@ def test_fast_bound_never_exceeds_the_optimum_over_every_order(S, B, recompute, 
     prof = synthetic_profile(S, max_size=4, seed=seed, latency_ms=0.3, bytes_per_ms=2e5)
     problem = Problem(CostTables.from_profile(prof, recompute), B)
     assert best_bound_ms(problem) <= brute_force_any_order(problem) + 1e-9
+
+
+@pytest.mark.parametrize("S,B,seed", [(2, 4, 2), (2, 4, 14), (3, 3, 1), (3, 3, 6)])
+def test_pair_bound_lifts_the_stage_cuts_and_never_exceeds_the_optimum(S, B, seed):
+    # brute force over every partition and order. At S=2 the pair is the whole pipeline (only the
+    # gradient link's queue is relaxed), so there the bound meets the optimum
+    prof = synthetic_profile(S, max_size=4, seed=seed, latency_ms=0.3, bytes_per_ms=2e5)
+    problem = Problem(CostTables.from_profile(prof), B)
+    fast, pair, best = best_bound_ms(problem), pair_bound_ms(problem, 10), brute_force_any_order(problem)
+    assert fast + 0.5 < pair <= best + 1e-9
+    if S == 2:
+        assert pair == pytest.approx(best, abs=2 * S * B * 1e-3)  # floored microseconds
+
+
+@settings(max_examples=12, deadline=None)
+@given(S=st.integers(2, 4), B=st.integers(2, 8), mx=st.sampled_from([2, 4, 8]), seed=st.integers(0, 10_000))
+def test_pair_bound_never_exceeds_any_schedule(S, B, mx, seed):
+    problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5)), B)
+    bound = pair_bound_ms(problem, 2)
+    assert bound >= best_bound_ms(problem)
+    rng = np.random.default_rng(seed)
+    for _ in range(10):  # random partitions in both orders, with random 1F1B warm-ups too
+        fs = [_random_partition(rng, B, problem.max_size) for _ in range(S)]
+        warm = [int(w) for w in rng.integers(0, B + 1, S)]
+        for cand in (Candidate(fs, fs, "gpipe"), Candidate(fs, fs, "1f1b"), Candidate(fs, fs, "1f1b", warmup=warm)):
+            assert bound <= cand.simulate(problem).iteration_ms + 1e-9
+    assert bound <= min(r.iteration_ms for r in (gpipe_equal(problem), onef1b_equal(problem)) if r.candidate is not None) + 1e-9
+
+
+def test_pair_bound_sees_what_the_last_stage_partition_costs_the_stage_above():
+    # vgg16-cpu, S=4, B=8: the last stage wants large chunks, and the stage above then waits for
+    # their gradients. Under the proven optimum (this schedule, found by `umopt solve vgg16-cpu -B 8
+    # --solver cpsat --time-limit 60`) and far above the stage cuts (139.00 ms)
+    problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 8)
+    optimum = Candidate.from_ops([
+        [("F", 0, 1), ("F", 1, 2), ("F", 2, 4), ("F", 4, 5), ("F", 5, 6), ("F", 6, 7), ("F", 7, 8),
+         ("B", 4, 5), ("B", 5, 6), ("B", 2, 4), ("B", 0, 1), ("B", 1, 2), ("B", 6, 7), ("B", 7, 8)],
+        [("F", 0, 1), ("F", 1, 2), ("F", 2, 4), ("F", 4, 6), ("F", 6, 7), ("F", 7, 8),
+         ("B", 4, 6), ("B", 2, 4), ("B", 0, 1), ("B", 1, 2), ("B", 6, 7), ("B", 7, 8)],
+        [("F", 0, 2), ("F", 2, 6), ("F", 6, 7), ("F", 7, 8), ("B", 2, 6), ("B", 0, 2), ("B", 6, 7), ("B", 7, 8)],
+        [("F", 0, 6), ("B", 0, 6), ("F", 6, 8), ("B", 6, 8)],
+    ]).simulate(problem).iteration_ms
+    assert optimum == pytest.approx(158.00, abs=0.01)
+    fast, pair = best_bound_ms(problem), pair_bound_ms(problem, 20)
+    assert fast < 139.1 and 154.5 < pair <= optimum
 
 
 def _random_partition(rng, B, mx):

@@ -1,0 +1,201 @@
+"""The pair bound: two adjacent stages solved exactly by CP-SAT, every other stage as heads and tails.
+
+The stage cuts of :mod:`.bounds` bound each stage alone, and so let every stage pick the
+partition that suits itself. But one stage's partition serves its neighbour too: the last stage
+of vgg16-cpu wants one large chunk (its forward costs as much for 8 samples as for 1), and then
+the stage above gets no gradient until that chunk's forward and backward are done, and must run
+its whole backward work after that. Here stages ``s`` and ``s + 1`` are one CP-SAT model, with
+their partitions, op orders, the activations and gradients between them, and every other stage
+only through the heads and tails of :mod:`.bounds` (when samples can first reach a stage, how long
+an F's samples take to come back as gradients, how long the iteration runs after a B op).
+
+Every constraint holds in every schedule of the cost model, in any op order, so the model's least
+makespan is a lower bound on the iteration, and so is CP-SAT's proven bound on it wherever the time
+limit stops the search. The links are relaxed (activation messages arrive in chunk order, each
+at least its own transfer after the previous; gradient messages only take their transfer time).
+Without recompute only: with it, a stage's B chunks are free and the stage cuts already charge them
+by least work.
+
+vgg16-cpu, S=4, B=8: the stage cuts give 139.0 ms, this bound 154.6, the optimum is 158.0.
+It is exact search, so it only runs where CP-SAT settles it in seconds (``PAIR_MAX_CELLS``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from .bounds import Heads, heads_and_tails, int_tables, stage_bound
+
+__all__ = ["PAIR_MAX_CELLS", "build_pair_model", "pair_bound", "pair_bound_ms", "pair_bound_runs"]
+
+# B x max size. S=4, B=8 (64): under a second per pair; B=12 (144): up to 20 s for the binding
+# pair on vgg16-cpu; B=16 (256): CP-SAT moves neither bound nor proof in 20 s, nor at B=32.
+PAIR_MAX_CELLS = 144
+
+
+def build_pair_model(F: np.ndarray, G: np.ndarray, L: np.ndarray, h: Heads, minibatch: int, s: int, lower: int, horizon: int):
+    """The CP-SAT model of stages ``s`` and ``s + 1``; returns (model, makespan).
+
+    Integer tables as in :func:`.bounds.int_tables` (floored microseconds); ``lower`` and
+    ``horizon`` bound the makespan (a known bound, a known schedule's makespan)."""
+    B, mx = minibatch, F.shape[1] - 1
+    chunks = [(lo, lo + b) for lo in range(B) for b in range(1, mx + 1) if lo + b <= B]
+    m = cp_model.CpModel()
+    H = horizon
+
+    # --- variables ---------------------------------------------------------------------------
+    makespan = m.new_int_var(lower, H, "makespan")
+    # per stage: x (chunk used), F and B start/end of each chunk
+    x = [{c: m.new_bool_var(f"x{r}_{c[0]}_{c[1]}") for c in chunks} for r in (s, s + 1)]
+    fs = [{c: m.new_int_var(int(h.release[r, c[1]]), H, "") for c in chunks} for r in (s, s + 1)]
+    fe = [{c: m.new_int_var(0, H, "") for c in chunks} for r in (s, s + 1)]
+    bs = [{c: m.new_int_var(0, H, "") for c in chunks} for r in (s, s + 1)]
+    be = [{c: m.new_int_var(0, H, "") for c in chunks} for r in (s, s + 1)]
+    fdone = [[m.new_int_var(0, H, "") for _ in range(B)] for _ in (s, s + 1)]  # end of the F holding sample i
+    arrive = [m.new_int_var(0, H, "") for _ in range(B)]  # activations of sample i on s + 1
+    grad = [m.new_int_var(0, H, "") for _ in range(B)]  # gradients of sample i back on s
+
+    # --- constraints: each stage -------------------------------------------------------------
+    for k, r in enumerate((s, s + 1)):
+        for i in range(B):  # a partition: every sample in one chunk
+            m.add_exactly_one(x[k][c] for c in chunks if c[0] <= i < c[1])
+        intervals = []
+        for c in chunks:
+            lo, hi = c
+            b, on = hi - lo, x[k][c]
+            intervals.append(m.new_optional_interval_var(fs[k][c], int(F[r, b]), fe[k][c], on, ""))
+            intervals.append(m.new_optional_interval_var(bs[k][c], int(G[r, b]), be[k][c], on, ""))
+            m.add(fdone[k][hi - 1] == fe[k][c]).only_enforce_if(on)
+            if lo > 0:  # forwards in sample order
+                m.add(fs[k][c] >= fdone[k][lo - 1]).only_enforce_if(on)
+            # the chunk's samples go down the stages below (or back from those below s + 1)
+            m.add(bs[k][c] >= fe[k][c] + int(h.turn[r, b])).only_enforce_if(on)
+            m.add(makespan >= be[k][c] + int(h.tail[r, b])).only_enforce_if(on)
+        m.add_no_overlap(intervals)
+
+    # --- constraints: the link between them ----------------------------------------------------
+    for i in range(1, B):  # activation messages arrive in chunk order
+        m.add(arrive[i] >= arrive[i - 1])
+    for lo, hi in chunks:
+        up, down, link = x[0][lo, hi], x[1][lo, hi], int(L[s, hi - lo])
+        m.add(arrive[lo] >= fe[0][lo, hi] + link).only_enforce_if(up)
+        if lo > 0:  # one message at a time
+            m.add(arrive[lo] >= arrive[lo - 1] + link).only_enforce_if(up)
+        m.add(fs[1][lo, hi] >= arrive[hi - 1]).only_enforce_if(down)
+        for i in range(lo, hi):
+            m.add(grad[i] >= be[1][lo, hi] + link).only_enforce_if(down)
+            m.add(bs[0][lo, hi] >= grad[i]).only_enforce_if(up)
+
+    # --- objective -----------------------------------------------------------------------------
+    m.minimize(makespan)
+    return m, makespan
+
+
+def pair_bound(
+    F: np.ndarray,
+    G: np.ndarray,
+    L: np.ndarray,
+    minibatch: int,
+    time_limit: float,
+    upper: Optional[int] = None,
+    seed: int = 0,
+) -> int:
+    """The best of the stage cuts and every pair's bound, in the tables' units.
+
+    Rounds over the pairs not yet settled, from the bottom up (the last stages bind most often),
+    each with an equal share of the time left, until the time is up or every pair is settled.
+    ``upper``: a known schedule's makespan in the same units, which narrows the models."""
+    B, S = minibatch, F.shape[0]
+    h = heads_and_tails(F, G, L, B)
+    best = stage_bound(F, G, L, B, recompute=False)
+    if S < 2 or B * (F.shape[1] - 1) > PAIR_MAX_CELLS:
+        return best
+    # any schedule of the pair: the stages one after the other, at one sample per chunk
+    safe = int(h.release.max() + (F[:, 1] + G[:, 1]).max() * 2 * B + L[:, 1].sum() * B + h.turn.max() + h.tail.max())
+    horizon = min(safe, upper + 2 * S * B) if upper is not None else safe  # floored op durations
+    deadline = time.perf_counter() + time_limit
+    # per pair: no schedule of its model below lo; one within hi (None: not searched yet)
+    state = {s: (best, None) for s in range(S - 2, -1, -1)}
+    while time.perf_counter() < deadline:
+        open_ = [s for s, (lo, hi) in state.items() if hi is None or max(lo, best) < hi]
+        if not open_:
+            break
+        for k, s in enumerate(open_):
+            share = (deadline - time.perf_counter()) / (len(open_) - k)
+            lo, hi = _narrow(F, G, L, h, B, s, max(best, state[s][0]), state[s][1], horizon, share, seed)
+            state[s], best = (lo, hi), max(best, lo)
+    return best
+
+
+def _narrow(F, G, L, h: Heads, B: int, s: int, lo: int, hi: Optional[int], horizon: int, budget: float, seed: int):
+    """Narrow ``[lo, hi]``, where the least makespan of pair ``s``'s model lies, within ``budget``
+    seconds; ``hi`` None on the first call. Returns the new (lo, hi).
+
+    Minimising proves small instances (S=4, B=8) in under a second. Where it does not, its bound
+    stays where it started, so then it asks "is there a schedule within T?" for T in growing steps
+    above what is proven: far below the optimum CP-SAT answers "none" in a fraction of a second
+    (vgg16-cpu, B=12: 157.7 -> 168.2 ms in 2 s). A step that has a schedule halves the interval;
+    one that it cannot settle in a third of the time left is retried a quarter as far; what time is
+    left after that minimises again, between what is proven and what was found."""
+    deadline = time.perf_counter() + budget
+
+    def solve(T: int, seconds: float, objective: bool):
+        if seconds <= 0:
+            return None, cp_model.UNKNOWN
+        model, _ = build_pair_model(F, G, L, h, B, s, lo, T)
+        if not objective:
+            model.clear_objective()
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = seconds
+        solver.parameters.num_workers = max(1, os.cpu_count() or 1)
+        solver.parameters.random_seed = seed
+        return solver, solver.solve(model)
+
+    def minimise(T: int, seconds: float):
+        nonlocal lo, hi
+        solver, status = solve(T, seconds, True)
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            hi = min(hi, int(solver.objective_value))
+        if solver is not None and status != cp_model.INFEASIBLE:
+            lo = max(lo, int(solver.best_objective_bound))
+
+    if hi is None:
+        hi = horizon
+        minimise(horizon, budget / 4)
+    step = max(1, lo // 100)
+    while lo < hi and step >= max(1, lo // 5000) and time.perf_counter() < deadline:
+        T = min(hi - 1, lo + step)
+        _, status = solve(T, (deadline - time.perf_counter()) / 3, False)
+        if status == cp_model.INFEASIBLE:
+            lo, step = T + 1, 2 * step
+        elif status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            hi, step = T, (T - lo) // 2
+        else:  # near the optimum either answer is slow to prove: step back towards lo
+            step //= 4
+    if lo < hi:
+        minimise(hi, deadline - time.perf_counter())
+    return lo, hi
+
+
+def pair_bound_runs(problem) -> bool:
+    """Does :func:`pair_bound_ms` search here (more than one stage, no recompute, small enough)?"""
+    return problem.num_stages > 1 and not problem.recompute and problem.minibatch * problem.max_size <= PAIR_MAX_CELLS
+
+
+def pair_bound_ms(problem, time_limit: float, upper_ms: Optional[float] = None, seed: int = 0) -> float:
+    """:func:`pair_bound` in ms with the optimizer step, never below :func:`.bounds.best_bound_ms`;
+    that bound alone with recompute or past ``PAIR_MAX_CELLS``."""
+    from .bounds import best_bound_ms
+
+    fast = best_bound_ms(problem)
+    if not pair_bound_runs(problem):
+        return fast
+    opt = problem.tables.optimizer_ms
+    upper = None if upper_ms is None else int(np.floor((upper_ms - opt) * 1000 + 1e-9))
+    own = pair_bound(*int_tables(problem), problem.minibatch, time_limit, upper, seed)
+    return max(fast, own / 1000 + opt)
