@@ -21,7 +21,7 @@ from .cpsat import solve_cpsat
 from .dp import solve_dp
 from .equal import solve_equal
 from .ga import solve_ga
-from .pairs import pair_bound_ms, pair_bound_runs
+from .pairs import PAIR_SHARE, pair_bound_ms, pair_bound_runs
 
 __all__ = ["solve_auto"]
 
@@ -94,7 +94,6 @@ def solve_auto(
 # not improved on its warm start since the GA searched warm-ups), so there its half was lost.
 EXACT_MAX_TERMS = 3_000
 EXACT_SHARE = 0.5
-PAIR_SHARE = 0.25
 
 
 def exact_model_terms(problem: Problem) -> int:

@@ -49,8 +49,8 @@ from .bounds import (
     int_tables,
     linear_cuts,
 )
-from .pairs import pair_bound_ms
 from .chunks import candidate_chunks, chunk_fits, chunk_set, start_or_skip
+from .pairs import PAIR_SHARE, pair_bound_ms
 
 __all__ = ["solve_cpsat", "build_gpipe_model", "build_free_model"]
 
@@ -321,10 +321,6 @@ def _add_heads(m, problem: Problem, heads: Heads, s: int, c, on, bon, fstart, bs
     if not problem.recompute and heads.turn[s, b] > 0:
         m.add(bstart >= fstart + fdur + int(heads.turn[s, b])).only_enforce_if(on)
     m.add(makespan >= bstart + bdur + int(heads.tail[s, b])).only_enforce_if(bon)
-
-
-# of the exact model's time, for the pair bound where it runs (B x max size <= pairs.PAIR_MAX_CELLS)
-PAIR_SHARE = 0.25
 
 
 def _as_bool(m: cp_model.CpModel, expr):

@@ -31,11 +31,14 @@ from ortools.sat.python import cp_model
 
 from .bounds import Heads, heads_and_tails, int_tables, stage_bound
 
-__all__ = ["PAIR_MAX_CELLS", "build_pair_model", "pair_bound", "pair_bound_ms", "pair_bound_runs"]
+__all__ = ["PAIR_MAX_CELLS", "PAIR_SHARE", "build_pair_model", "pair_bound", "pair_bound_ms", "pair_bound_runs"]
 
 # B x max size. S=4, B=8 (64): under a second per pair; B=12 (144): up to 20 s for the binding
 # pair on vgg16-cpu; B=16 (256): CP-SAT moves neither bound nor proof in 20 s, nor at B=32.
 PAIR_MAX_CELLS = 144
+# of a solver's time limit, where it runs (cpsat and milp start from it; auto reports it): enough
+# to settle S=4, B=8 many times over and most of what B=12 gives in a minute
+PAIR_SHARE = 0.25
 
 
 def build_pair_model(F: np.ndarray, G: np.ndarray, L: np.ndarray, h: Heads, minibatch: int, s: int, lower: int, horizon: int):
