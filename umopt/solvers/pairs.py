@@ -118,8 +118,10 @@ def pair_bound(
     best = stage_bound(F, G, L, B, recompute=False)
     if S < 2 or B * (F.shape[1] - 1) > PAIR_MAX_CELLS:
         return best
-    # any schedule of the pair: the stages one after the other, at one sample per chunk
-    safe = int(h.release.max() + (F[:, 1] + G[:, 1]).max() * 2 * B + L[:, 1].sum() * B + h.turn.max() + h.tail.max())
+    # a schedule of every pair: one sample per chunk, all F ops of both stages, then all B ops,
+    # one op and one message at a time (a horizon too low would only make the bound higher: the
+    # model's "no schedule within it" is proven, so it holds)
+    safe = int(h.release.max() + 2 * B * ((F[:, 1] + G[:, 1]).max() + L[:, 1].max()) + 2 * h.turn.max() + h.tail.max())
     horizon = min(safe, upper + 2 * S * B) if upper is not None else safe  # floored op durations
     deadline = time.perf_counter() + time_limit
     # per pair: no schedule of its model below lo; one within hi (None: not searched yet)
