@@ -377,6 +377,27 @@ def test_auto_reports_the_exact_models_proof_for_the_orders_it_searched():
     assert free.lower_bound_ms <= free.candidate.simulate(problem).iteration_ms <= best + 1e-9
 
 
+def test_auto_reports_the_pair_bound_where_the_exact_model_does_not_run(monkeypatch):
+    # S=4, B=12: too large for CP-SAT to prove anything (auto skips it), small enough for the pair
+    # bound, which gets its share of the time and becomes the report's bound
+    import umopt.solvers.auto as auto
+
+    problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 12)
+    calls = []
+
+    def pair(problem, seconds, upper_ms, seed, report):
+        calls.append((seconds, upper_ms))
+        report(170.0)
+        return 170.0
+
+    monkeypatch.setattr(auto, "pair_bound_ms", pair)
+    res = SOLVERS["auto"](problem, time_limit=2, seed=0)
+    assert "cpsat" not in res.extra["tried"]
+    [(seconds, upper_ms)] = calls
+    assert seconds >= 0.25 * 1.5 and upper_ms == pytest.approx(res.candidate.iteration_ms)
+    assert res.lower_bound_ms == 170.0 and res.extra["bound_scope"] == "any order" and res.status == "feasible"
+
+
 def _b_in_sample_order(ops) -> bool:
     los = [lo for kind, lo, _ in ops if kind == "B"]
     return los == sorted(los)

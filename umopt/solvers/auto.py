@@ -70,10 +70,16 @@ def solve_auto(
     best = min(results, key=lambda r: r.candidate.iteration_ms)
     if pair:
         pair_time = max(PAIR_SHARE * left, time_limit - (time.perf_counter() - t0))
-        bound = min(pair_bound_ms(problem, pair_time, best.candidate.iteration_ms, seed), best.candidate.iteration_ms)
+        found = best.candidate.iteration_ms
+
+        def tick(_bound_ms: float) -> None:  # the bar keeps moving while CP-SAT works on the pairs
+            if progress:
+                progress(min(1.0, (time.perf_counter() - t0) / time_limit), found)
+
+        bound = min(pair_bound_ms(problem, pair_time, found, seed, tick), found)
         extra["bound_scope"] = "any order"
         # the bound is on floored microseconds: within one per op of it is optimal
-        if best.candidate.iteration_ms <= bound + 2 * problem.num_stages * problem.minibatch / 1000:
+        if found <= bound + 2 * problem.num_stages * problem.minibatch / 1000:
             status = "optimal"
     return SolverResult(
         "auto",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -107,12 +107,14 @@ def pair_bound(
     time_limit: float,
     upper: Optional[int] = None,
     seed: int = 0,
+    report: Optional[Callable[[int], None]] = None,
 ) -> int:
     """The best of the stage cuts and every pair's bound, in the tables' units.
 
     Rounds over the pairs not yet settled, from the bottom up (the last stages bind most often),
     each with an equal share of the time left, until the time is up or every pair is settled.
-    ``upper``: a known schedule's makespan in the same units, which narrows the models."""
+    ``upper``: a known schedule's makespan in the same units, which narrows the models;
+    ``report(bound)`` is called after each CP-SAT call (for a progress bar)."""
     B, S = minibatch, F.shape[0]
     h = heads_and_tails(F, G, L, B)
     best = stage_bound(F, G, L, B, recompute=False)
@@ -132,12 +134,15 @@ def pair_bound(
             break
         for k, s in enumerate(open_):
             share = (deadline - time.perf_counter()) / (len(open_) - k)
-            lo, hi = _narrow(F, G, L, h, B, s, max(best, state[s][0]), state[s][1], horizon, share, seed)
+            tick = (lambda lo: report(max(best, lo))) if report else None  # noqa: E731
+            lo, hi = _narrow(F, G, L, h, B, s, max(best, state[s][0]), state[s][1], horizon, share, seed, tick)
             state[s], best = (lo, hi), max(best, lo)
     return best
 
 
-def _narrow(F, G, L, h: Heads, B: int, s: int, lo: int, hi: Optional[int], horizon: int, budget: float, seed: int):
+def _narrow(
+    F, G, L, h: Heads, B: int, s: int, lo: int, hi: Optional[int], horizon: int, budget: float, seed: int, tick: Optional[Callable[[int], None]]
+):
     """Narrow ``[lo, hi]``, where the least makespan of pair ``s``'s model lies, within ``budget``
     seconds; ``hi`` None on the first call. Returns the new (lo, hi).
 
@@ -159,7 +164,10 @@ def _narrow(F, G, L, h: Heads, B: int, s: int, lo: int, hi: Optional[int], horiz
         solver.parameters.max_time_in_seconds = seconds
         solver.parameters.num_workers = max(1, os.cpu_count() or 1)
         solver.parameters.random_seed = seed
-        return solver, solver.solve(model)
+        status = solver.solve(model)
+        if tick:
+            tick(lo)
+        return solver, status
 
     def minimise(T: int, seconds: float):
         nonlocal lo, hi
@@ -192,9 +200,11 @@ def pair_bound_runs(problem) -> bool:
     return problem.num_stages > 1 and not problem.recompute and problem.minibatch * problem.max_size <= PAIR_MAX_CELLS
 
 
-def pair_bound_ms(problem, time_limit: float, upper_ms: Optional[float] = None, seed: int = 0) -> float:
+def pair_bound_ms(
+    problem, time_limit: float, upper_ms: Optional[float] = None, seed: int = 0, report: Optional[Callable[[float], None]] = None
+) -> float:
     """:func:`pair_bound` in ms with the optimizer step, never below :func:`.bounds.best_bound_ms`;
-    that bound alone with recompute or past ``PAIR_MAX_CELLS``."""
+    that bound alone with recompute or past ``PAIR_MAX_CELLS``. ``report(bound_ms)`` as there."""
     from .bounds import best_bound_ms
 
     fast = best_bound_ms(problem)
@@ -202,5 +212,6 @@ def pair_bound_ms(problem, time_limit: float, upper_ms: Optional[float] = None, 
         return fast
     opt = problem.tables.optimizer_ms
     upper = None if upper_ms is None else int(np.floor((upper_ms - opt) * 1000 + 1e-9))
-    own = pair_bound(*int_tables(problem), problem.minibatch, time_limit, upper, seed)
+    tick = None if report is None else lambda us: report(max(fast, us / 1000 + opt))  # noqa: E731
+    own = pair_bound(*int_tables(problem), problem.minibatch, time_limit, upper, seed, tick)
     return max(fast, own / 1000 + opt)
