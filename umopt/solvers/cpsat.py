@@ -43,14 +43,13 @@ from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
 from .bounds import (
     Heads,
-    best_bound_ms,
     chunks_ending_at,
     heads_and_tails,
     int_tables,
     linear_cuts,
 )
 from .chunks import candidate_chunks, chunk_fits, chunk_set, start_or_skip
-from .pairs import PAIR_SHARE, pair_bound_ms
+from .pairs import start_bound_ms
 
 __all__ = ["solve_cpsat", "build_gpipe_model", "build_free_model"]
 
@@ -360,9 +359,8 @@ def solve_cpsat(
     else:
         model, x, y, fstart, bstart, makespan = build_free_model(problem, horizon, base)
     # on small instances two adjacent stages at a time, solved exactly, lift the bound (pairs.py)
-    share = PAIR_SHARE * max(0.0, time_limit - (time.perf_counter() - t_model)) if order != "gpipe" else 0.0
-    lb_ms = (pair_bound_ms(problem, share, base.iteration_ms, seed) if share > 0 else best_bound_ms(problem)) - opt
-    # the fast bound, in the model's floored microseconds (one microsecond of slack per op)
+    lb_ms = start_bound_ms(problem, order, time_limit - (time.perf_counter() - t_model), base.iteration_ms, seed) - opt
+    # the bound, in the model's floored microseconds (one microsecond of slack per op)
     model.add(makespan >= max(0, _us(lb_ms) - n_ops))
 
     solver = cp_model.CpSolver()

@@ -21,9 +21,9 @@ import numpy as np
 import pulp
 
 from ..problem import Candidate, Problem, Progress, SolverResult
-from .bounds import best_bound_ms, chunks_ending_at, heads_and_tails, int_tables, linear_cuts
+from .bounds import chunks_ending_at, heads_and_tails, int_tables, linear_cuts
 from .chunks import candidate_chunks, chunk_fits, chunk_set, start_or_skip
-from .pairs import PAIR_SHARE, pair_bound_ms
+from .pairs import start_bound_ms
 
 __all__ = ["solve_milp", "build_milp", "build_free_milp", "order_pairs"]
 
@@ -296,9 +296,7 @@ def solve_milp(
         lp, x, y, makespan = build_milp(problem, horizon, base)
     else:
         lp, x, y, fstart, bstart, makespan = build_free_milp(problem, horizon, base)
-    # the free-order model starts from the pair bound where it runs, as cpsat does (pairs.py)
-    share = PAIR_SHARE * max(0.0, time_limit - (time.perf_counter() - t_model)) if order != "gpipe" else 0.0
-    lb = pair_bound_ms(problem, share, base.iteration_ms, seed) if share > 0 else best_bound_ms(problem)
+    lb = start_bound_ms(problem, order, time_limit - (time.perf_counter() - t_model), base.iteration_ms, seed)
     lp += makespan >= max(0.0, lb - opt - 1e-6)
     status, solved = "not run", False
     for warm in (True, False):  # CBC's MIP start crashes it on some models: then go without

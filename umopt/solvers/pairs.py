@@ -31,7 +31,7 @@ from ortools.sat.python import cp_model
 
 from .bounds import Heads, heads_and_tails, int_tables, stage_bound
 
-__all__ = ["PAIR_MAX_CELLS", "PAIR_SHARE", "build_pair_model", "pair_bound", "pair_bound_ms", "pair_bound_runs"]
+__all__ = ["PAIR_MAX_CELLS", "PAIR_SHARE", "build_pair_model", "pair_bound", "pair_bound_ms", "pair_bound_runs", "start_bound_ms"]
 
 # B x max size. S=4, B=8 (64): under a second per pair; B=12 (144): up to 20 s for the binding
 # pair on vgg16-cpu; B=16 (256): CP-SAT moves neither bound nor proof in 20 s, nor at B=32.
@@ -215,3 +215,13 @@ def pair_bound_ms(
     tick = None if report is None else lambda us: report(max(fast, us / 1000 + opt))  # noqa: E731
     own = pair_bound(*int_tables(problem), problem.minibatch, time_limit, upper, seed, tick)
     return max(fast, own / 1000 + opt)
+
+
+def start_bound_ms(problem, order: str, seconds: float, upper_ms: float, seed: int = 0) -> float:
+    """The bound an exact model starts from: for the free-order one (``order`` "auto") the pair
+    bound in ``PAIR_SHARE`` of its ``seconds`` where that runs; otherwise the fast bound."""
+    from .bounds import best_bound_ms
+
+    if order == "gpipe":
+        return best_bound_ms(problem)
+    return pair_bound_ms(problem, PAIR_SHARE * max(0.0, seconds), upper_ms, seed)
