@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import numpy as np
 from ortools.sat.python import cp_model
 
-from .bounds import Heads, heads_and_tails, int_tables, stage_bound
+from .bounds import Heads, best_bound_ms, heads_and_tails, int_tables, stage_bound
 
 __all__ = ["PAIR_MAX_CELLS", "PAIR_SHARE", "build_pair_model", "pair_bound", "pair_bound_ms", "pair_bound_runs", "start_bound_ms"]
 
@@ -205,8 +205,6 @@ def pair_bound_ms(
 ) -> float:
     """:func:`pair_bound` in ms with the optimizer step, never below :func:`.bounds.best_bound_ms`;
     that bound alone with recompute or past ``PAIR_MAX_CELLS``. ``report(bound_ms)`` as there."""
-    from .bounds import best_bound_ms
-
     fast = best_bound_ms(problem)
     if not pair_bound_runs(problem):
         return fast
@@ -220,8 +218,6 @@ def pair_bound_ms(
 def start_bound_ms(problem, order: str, seconds: float, upper_ms: float, seed: int = 0) -> float:
     """The bound an exact model starts from: for the free-order one (``order`` "auto") the pair
     bound in ``PAIR_SHARE`` of its ``seconds`` where that runs; otherwise the fast bound."""
-    from .bounds import best_bound_ms
-
     if order == "gpipe":
         return best_bound_ms(problem)
     return pair_bound_ms(problem, PAIR_SHARE * max(0.0, seconds), upper_ms, seed)
