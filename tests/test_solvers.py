@@ -17,6 +17,7 @@ from umopt.partition import chunks
 from umopt.problem import Candidate, Problem, pack
 from umopt.profile import load_profile
 from umopt.solvers import SOLVERS
+from umopt.solvers import bounds
 from umopt.solvers.bounds import best_bound_ms
 from umopt.solvers.dp import shared_partition
 from umopt.solvers.local import aligned_moves, hill_climb, iterated_climb
@@ -318,6 +319,29 @@ def test_pair_bound_never_exceeds_any_schedule(S, B, mx, seed):
         for cand in (Candidate(fs, fs, "gpipe"), Candidate(fs, fs, "1f1b"), Candidate(fs, fs, "1f1b", warmup=warm)):
             assert bound <= cand.simulate(problem).iteration_ms + 1e-9
     assert bound <= min(r.iteration_ms for r in (gpipe_equal(problem), onef1b_equal(problem)) if r.candidate is not None) + 1e-9
+
+
+@settings(max_examples=15, deadline=None)
+@given(S=st.integers(2, 4), B=st.integers(2, 9), mx=st.sampled_from([2, 4, 8]), slack=st.floats(0.95, 1.3), seed=st.integers(0, 10_000))
+def test_usable_chunks_are_those_of_the_partitions_meeting_the_stage_cuts(S, B, mx, slack, seed):
+    # brute force: a partition meets the cuts when _reachable passes with only its chunks allowed
+    problem = _synthetic_problem(S, B, mx, seed, 0.2, 1e5)
+    F, G, L = bounds.int_tables(problem)
+    h = bounds.heads_and_tails(F, G, L, B)
+    T = int(slack * bounds.stage_bound(F, G, L, B, False))
+    big = np.iinfo(np.int64).max // 4
+    for s in range(S):
+        cut, KG = bounds._chunk_cut(h, F, G, s, B, False), bounds.least_work(G[s], B)
+        want = np.zeros((B, F.shape[1]), dtype=bool)
+        for sizes in compositions(B, problem.max_size):
+            ends = np.cumsum(sizes)
+            only = np.full_like(cut, big)
+            for hi, b in zip(ends, sizes):
+                only[hi - b, b] = cut[hi - b, b]
+            if bounds._reachable(T, h, F, G, s, only, KG, B, False):
+                for hi, b in zip(ends, sizes):
+                    want[hi - b, b] = True
+        assert (bounds.usable_chunks(T, h, F, G, s, B) == want).all()
 
 
 def test_pair_bound_sees_what_the_last_stage_partition_costs_the_stage_above():

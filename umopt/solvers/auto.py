@@ -3,9 +3,9 @@
 On instances small enough for the exact model to prove (about S=4, B=8), half the time goes to
 CP-SAT, warm-started with the best schedule found: the free-order model under ``--order auto``
 (its bound holds for every schedule), the GPipe-order one under ``--order gpipe``; its proof and
-bound are then the report's. A little larger (up to S=4, B=12), where CP-SAT proves nothing but
-two stages at a time are still solved exactly, a quarter goes to that bound (:mod:`.pairs`) for
-the report. On larger ones the GA has all the time. The result is the best
+bound are then the report's. A little larger (up to S=4, B=16), where CP-SAT proves nothing but
+two stages at a time solved exactly still lift the bound, a quarter goes to that bound
+(:mod:`.pairs`) for the report. On larger ones the GA has all the time. The result is the best
 schedule any of them found, scored by the reference simulator, so it is never worse than the
 best equal schedule.
 """
@@ -47,7 +47,7 @@ def solve_auto(
     best_equal = fast[0].candidate.iteration_ms if fast and fast[0].name == "equal" else float("inf")
     seeds = [r.candidate for r in fast if r.candidate.iteration_ms < best_equal - 1e-9]
     exact = order != "1f1b" and exact_model_terms(problem) <= EXACT_MAX_TERMS
-    # where CP-SAT cannot prove the optimum but the pair bound runs (S=4, B=12), it gets a share
+    # where CP-SAT cannot prove the optimum but the pair bound runs (S=4, B=12 and 16), it gets a share
     # for the report's bound (the exact model runs it itself)
     pair = not exact and order == "auto" and pair_bound_runs(problem)
     left = max(0.1, time_limit - (time.perf_counter() - t0))

@@ -34,6 +34,7 @@ __all__ = [
     "best_bound_ms",
     "linear_cuts",
     "chunks_ending_at",
+    "usable_chunks",
 ]
 
 
@@ -332,6 +333,58 @@ def _reachable(
         ok = cut_ok[lo, b][:, None] & (suffix <= T) & (W[hi] < big)
         np.minimum.at(W[lo], state[ok], rest[ok])
     return bool((W[0] < big).any())
+
+
+def usable_chunks(T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, B: int) -> np.ndarray:
+    """``use[lo, b]``: does chunk ``[lo, lo + b)`` belong to some partition of stage s that meets
+    :func:`_reachable`'s cuts within ``T``? (Without recompute.) In a schedule within ``T`` every
+    stage's partition does, so no other chunk can be in one; the pair model leaves them out.
+
+    :func:`_reachable`'s program from the last chunk down gives, per sample and least tail of the
+    suffix from there, the least work of a suffix meeting its cuts; the same program from the first
+    chunk up gives, per sample and least tail of the suffix, the most suffix work the best prefix
+    allows (each earlier chunk's suffix cut runs over the whole suffix). A chunk is usable when a
+    suffix starting with it meets both. vgg16-cpu, B=32, stage 2: 108 of 528 chunks at 2% above
+    the stage cuts, 377 at 10%.
+    """
+    big = np.iinfo(np.int64).max // 4
+    mx = F.shape[1] - 1
+    rel = h.release[s]
+    levels, level_of = _tail_levels(h.tail[s, 1:])
+    Lv = len(levels) - 1
+    cut_ok = _chunk_cut(h, F, G, s, B, False) <= T
+    own = F[s] + G[s]
+    every = np.arange(Lv + 1)
+    # from the last chunk down: W[lo, l], least work of a suffix [lo, B) meeting its cuts
+    W = np.full((B + 1, Lv + 1), big, dtype=np.int64)
+    W[B, Lv] = 0
+    for lo in range(B - 1, -1, -1):
+        b = np.arange(1, min(mx, B - lo) + 1)
+        hi = lo + b
+        rest = own[b][:, None] + W[hi]
+        state = np.minimum(level_of[b][:, None], every[None, :])
+        ok = cut_ok[lo, b][:, None] & (rel[hi][:, None] + rest + levels[state] <= T) & (W[hi] < big)
+        np.minimum.at(W[lo], state[ok], rest[ok])
+    # from the first chunk up: A[lo, l], the most work a suffix [lo, B) whose least tail is
+    # levels[l] may have, under the cuts of the best prefix [0, lo)
+    A = np.full((B + 1, Lv + 1), -big, dtype=np.int64)
+    A[0] = big
+    for hi in range(1, B + 1):
+        for b in range(1, min(mx, hi) + 1):
+            lo = hi - b
+            if cut_ok[lo, b]:
+                state = np.minimum(level_of[b], every)
+                allow = np.minimum(T - rel[hi] - own[b] - levels[state], A[lo, state] - own[b])
+                A[hi] = np.maximum(A[hi], allow)
+    use = np.zeros((B, mx + 1), dtype=bool)
+    for lo in range(B):
+        for b in range(1, min(mx, B - lo) + 1):
+            hi = lo + b
+            if cut_ok[lo, b]:
+                state = np.minimum(level_of[b], every)
+                work = own[b] + W[hi]
+                use[lo, b] = bool(((W[hi] < big) & (rel[hi] + work + levels[state] <= T) & (work <= A[lo, state])).any())
+    return use
 
 
 def linear_cuts(

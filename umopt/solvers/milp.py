@@ -7,7 +7,7 @@ used" written as a big-M term, plus the linear cuts of :mod:`.bounds`. Times sta
 milliseconds. Scope as for cpsat: with ``--order gpipe`` "optimal" and the bound hold among
 GPipe-order schedules, with ``auto`` among all. CBC through PuLP reports no bound when stopped by
 the time limit; then the fast bound (:func:`.bounds.best_bound_ms`) is reported, or for the
-free-order model up to S=4, B=12 the pair bound of :mod:`.pairs`, which it also starts from.
+free-order model up to S=4, B=16 the pair bound of :mod:`.pairs`, which it also starts from.
 """
 
 from __future__ import annotations

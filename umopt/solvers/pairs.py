@@ -16,8 +16,11 @@ at least its own transfer after the previous; gradient messages only take their 
 Without recompute only: with it, a stage's B chunks are free and the stage cuts already charge them
 by least work.
 
+Only chunks that some partition meeting the stage cuts within the model's horizon holds are
+variables (:func:`.bounds.usable_chunks`): near the stage cuts that is a fifth of the bottleneck's.
+
 vgg16-cpu, S=4, B=8: the stage cuts give 139.0 ms, this bound 154.6, the optimum is 158.0.
-It is exact search, so it only runs where CP-SAT settles it in seconds (``PAIR_MAX_CELLS``).
+It is exact search, so it only runs where CP-SAT gets somewhere in seconds (``PAIR_MAX_CELLS``).
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ from typing import Callable, Optional
 import numpy as np
 from ortools.sat.python import cp_model
 
-from .bounds import Heads, best_bound_ms, heads_and_tails, int_tables, stage_bound
+from .bounds import Heads, best_bound_ms, heads_and_tails, int_tables, stage_bound, usable_chunks
 
 __all__ = ["PAIR_MAX_CELLS", "PAIR_SHARE", "build_pair_model", "pair_bound", "pair_bound_ms", "pair_bound_runs", "start_bound_ms"]
 
-# B x max size. S=4, B=8 (64): under a second per pair; B=12 (144): up to 20 s for the binding
-# pair on vgg16-cpu; B=16 (256): CP-SAT moves neither bound nor proof in 20 s, nor at B=32.
-PAIR_MAX_CELLS = 144
+# B x max size. S=4, B=8 (64): under a second per pair; B=12 (144): 20-30 s for the binding
+# pair on vgg16-cpu; B=16 (256): not settled in a minute, but 15 s lift vgg16-cpu's bound 3%
+# (185.9 -> 191.7 ms), gpt-sim's and gpt-cpu's 1.4-1.7%; B=32 (1024): 15 s lift nothing, a
+# minute 2% (vgg16-cpu 281.3 -> 286.8), which is worth less than the GA's time it would take.
+PAIR_MAX_CELLS = 256
 # of a solver's time limit, where it runs (cpsat and milp start from it; auto reports it): enough
 # to settle S=4, B=8 many times over and most of what B=12 gives in a minute
 PAIR_SHARE = 0.25
@@ -46,29 +51,31 @@ def build_pair_model(F: np.ndarray, G: np.ndarray, L: np.ndarray, h: Heads, mini
 
     Integer tables as in :func:`.bounds.int_tables` (floored microseconds); ``lower`` and
     ``horizon`` bound the makespan (a known bound, a known schedule's makespan)."""
-    B, mx = minibatch, F.shape[1] - 1
-    chunks = [(lo, lo + b) for lo in range(B) for b in range(1, mx + 1) if lo + b <= B]
+    B = minibatch
     m = cp_model.CpModel()
     H = horizon
+    # each stage's partition meets the stage cuts within the horizon, so only the chunks of such
+    # partitions can be used (near the stage cuts that leaves a fifth of the bottleneck's chunks)
+    chunks = [[(int(lo), int(lo + b)) for lo, b in zip(*np.nonzero(usable_chunks(H, h, F, G, r, B)))] for r in (s, s + 1)]
 
     # --- variables ---------------------------------------------------------------------------
     makespan = m.new_int_var(lower, H, "makespan")
     # per stage: x (chunk used), F and B start/end of each chunk
-    x = [{c: m.new_bool_var(f"x{r}_{c[0]}_{c[1]}") for c in chunks} for r in (s, s + 1)]
-    fs = [{c: m.new_int_var(int(h.release[r, c[1]]), H, "") for c in chunks} for r in (s, s + 1)]
-    fe = [{c: m.new_int_var(0, H, "") for c in chunks} for r in (s, s + 1)]
-    bs = [{c: m.new_int_var(0, H, "") for c in chunks} for r in (s, s + 1)]
-    be = [{c: m.new_int_var(0, H, "") for c in chunks} for r in (s, s + 1)]
+    x = [{c: m.new_bool_var(f"x{r}_{c[0]}_{c[1]}") for c in chunks[k]} for k, r in enumerate((s, s + 1))]
+    fs = [{c: m.new_int_var(int(h.release[r, c[1]]), H, "") for c in chunks[k]} for k, r in enumerate((s, s + 1))]
+    fe = [{c: m.new_int_var(0, H, "") for c in chunks[k]} for k in (0, 1)]
+    bs = [{c: m.new_int_var(0, H, "") for c in chunks[k]} for k in (0, 1)]
+    be = [{c: m.new_int_var(0, H, "") for c in chunks[k]} for k in (0, 1)]
     fdone = [[m.new_int_var(0, H, "") for _ in range(B)] for _ in (s, s + 1)]  # end of the F holding sample i
     arrive = [m.new_int_var(0, H, "") for _ in range(B)]  # activations of sample i on s + 1
     grad = [m.new_int_var(0, H, "") for _ in range(B)]  # gradients of sample i back on s
 
     # --- constraints: each stage -------------------------------------------------------------
     for k, r in enumerate((s, s + 1)):
-        for i in range(B):  # a partition: every sample in one chunk
-            m.add_exactly_one(x[k][c] for c in chunks if c[0] <= i < c[1])
+        for i in range(B):  # a partition: every sample in one chunk (none usable: no schedule)
+            m.add_exactly_one(x[k][c] for c in chunks[k] if c[0] <= i < c[1])
         intervals = []
-        for c in chunks:
+        for c in chunks[k]:
             lo, hi = c
             b, on = hi - lo, x[k][c]
             intervals.append(m.new_optional_interval_var(fs[k][c], int(F[r, b]), fe[k][c], on, ""))
@@ -84,15 +91,18 @@ def build_pair_model(F: np.ndarray, G: np.ndarray, L: np.ndarray, h: Heads, mini
     # --- constraints: the link between them ----------------------------------------------------
     for i in range(1, B):  # activation messages arrive in chunk order
         m.add(arrive[i] >= arrive[i - 1])
-    for lo, hi in chunks:
-        up, down, link = x[0][lo, hi], x[1][lo, hi], int(L[s, hi - lo])
+    for lo, hi in chunks[0]:  # sent by s
+        up, link = x[0][lo, hi], int(L[s, hi - lo])
         m.add(arrive[lo] >= fe[0][lo, hi] + link).only_enforce_if(up)
         if lo > 0:  # one message at a time
             m.add(arrive[lo] >= arrive[lo - 1] + link).only_enforce_if(up)
+        for i in range(lo, hi):
+            m.add(bs[0][lo, hi] >= grad[i]).only_enforce_if(up)
+    for lo, hi in chunks[1]:  # received by s + 1
+        down, link = x[1][lo, hi], int(L[s, hi - lo])
         m.add(fs[1][lo, hi] >= arrive[hi - 1]).only_enforce_if(down)
         for i in range(lo, hi):
             m.add(grad[i] >= be[1][lo, hi] + link).only_enforce_if(down)
-            m.add(bs[0][lo, hi] >= grad[i]).only_enforce_if(up)
 
     # --- objective -----------------------------------------------------------------------------
     m.minimize(makespan)
@@ -108,17 +118,19 @@ def pair_bound(
     upper: Optional[int] = None,
     seed: int = 0,
     report: Optional[Callable[[int], None]] = None,
+    max_cells: Optional[int] = PAIR_MAX_CELLS,
 ) -> int:
     """The best of the stage cuts and every pair's bound, in the tables' units.
 
     Rounds over the pairs not yet settled, from the bottom up (the last stages bind most often),
     each with an equal share of the time left, until the time is up or every pair is settled.
     ``upper``: a known schedule's makespan in the same units, which narrows the models;
-    ``report(bound)`` is called after each CP-SAT call (for a progress bar)."""
+    ``report(bound)`` is called after each CP-SAT call (for a progress bar); past ``max_cells``
+    (B x max size; None: no limit) the stage cuts alone."""
     B, S = minibatch, F.shape[0]
     h = heads_and_tails(F, G, L, B)
     best = stage_bound(F, G, L, B, recompute=False)
-    if S < 2 or B * (F.shape[1] - 1) > PAIR_MAX_CELLS:
+    if S < 2 or (max_cells is not None and B * (F.shape[1] - 1) > max_cells):
         return best
     # a schedule of every pair: one sample per chunk, all F ops of both stages, then all B ops,
     # one op and one message at a time (a horizon too low would only make the bound higher: the
@@ -126,25 +138,38 @@ def pair_bound(
     safe = int(h.release.max() + 2 * B * ((F[:, 1] + G[:, 1]).max() + L[:, 1].max()) + 2 * h.turn.max() + h.tail.max())
     horizon = min(safe, upper + 2 * S * B) if upper is not None else safe  # floored op durations
     deadline = time.perf_counter() + time_limit
-    # per pair: no schedule of its model below lo; one within hi (None: not searched yet)
-    state = {s: (best, None) for s in range(S - 2, -1, -1)}
+    # per pair: no schedule of its model below lo; one within hi; the next probe's step (None:
+    # not searched yet)
+    state = {s: (best, None, None) for s in range(S - 2, -1, -1)}
     while time.perf_counter() < deadline:
-        open_ = [s for s, (lo, hi) in state.items() if hi is None or max(lo, best) < hi]
+        open_ = [s for s, (lo, hi, _) in state.items() if hi is None or max(lo, best) < hi]
         if not open_:
             break
         for k, s in enumerate(open_):
             share = (deadline - time.perf_counter()) / (len(open_) - k)
             tick = (lambda lo: report(max(best, lo))) if report else None  # noqa: E731
-            lo, hi = _narrow(F, G, L, h, B, s, max(best, state[s][0]), state[s][1], horizon, share, seed, tick)
-            state[s], best = (lo, hi), max(best, lo)
+            lo, hi, step = _narrow(F, G, L, h, B, s, max(best, state[s][0]), *state[s][1:], horizon, share, seed, tick)
+            state[s], best = (lo, hi, step), max(best, lo)
     return best
 
 
 def _narrow(
-    F, G, L, h: Heads, B: int, s: int, lo: int, hi: Optional[int], horizon: int, budget: float, seed: int, tick: Optional[Callable[[int], None]]
+    F,
+    G,
+    L,
+    h: Heads,
+    B: int,
+    s: int,
+    lo: int,
+    hi: Optional[int],
+    step: Optional[int],
+    horizon: int,
+    budget: float,
+    seed: int,
+    tick: Optional[Callable[[int], None]],
 ):
     """Narrow ``[lo, hi]``, where the least makespan of pair ``s``'s model lies, within ``budget``
-    seconds; ``hi`` None on the first call. Returns the new (lo, hi).
+    seconds; ``hi`` and ``step`` None on the first call. Returns the new (lo, hi, step).
 
     Minimising proves small instances (S=4, B=8) in under a second. Where it does not, its bound
     stays where it started, so then it asks "is there a schedule within T?" for T in growing steps
@@ -174,13 +199,17 @@ def _narrow(
         solver, status = solve(T, seconds, True)
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             hi = min(hi, int(solver.objective_value))
-        if solver is not None and status != cp_model.INFEASIBLE:
+        if status == cp_model.INFEASIBLE:
+            lo = max(lo, T + 1)
+        elif solver is not None:
             lo = max(lo, int(solver.best_objective_bound))
 
     if hi is None:
         hi = horizon
         minimise(horizon, budget / 4)
-    step = max(1, lo // 100)
+    # a new round with more time probes again, from where the last one stopped (but not in
+    # steps so small that the final minimisation would be the better use of the time)
+    step = max(1, lo // 100) if step is None else max(step, lo // 1000)
     while lo < hi and step >= max(1, lo // 5000) and time.perf_counter() < deadline:
         T = min(hi - 1, lo + step)
         _, status = solve(T, (deadline - time.perf_counter()) / 3, False)
@@ -192,26 +221,32 @@ def _narrow(
             step //= 4
     if lo < hi:
         minimise(hi, deadline - time.perf_counter())
-    return lo, hi
+    return lo, hi, step
 
 
-def pair_bound_runs(problem) -> bool:
+def pair_bound_runs(problem, max_cells: Optional[int] = PAIR_MAX_CELLS) -> bool:
     """Does :func:`pair_bound_ms` search here (more than one stage, no recompute, small enough)?"""
-    return problem.num_stages > 1 and not problem.recompute and problem.minibatch * problem.max_size <= PAIR_MAX_CELLS
+    small = max_cells is None or problem.minibatch * problem.max_size <= max_cells
+    return problem.num_stages > 1 and not problem.recompute and small
 
 
 def pair_bound_ms(
-    problem, time_limit: float, upper_ms: Optional[float] = None, seed: int = 0, report: Optional[Callable[[float], None]] = None
+    problem,
+    time_limit: float,
+    upper_ms: Optional[float] = None,
+    seed: int = 0,
+    report: Optional[Callable[[float], None]] = None,
+    max_cells: Optional[int] = PAIR_MAX_CELLS,
 ) -> float:
     """:func:`pair_bound` in ms with the optimizer step, never below :func:`.bounds.best_bound_ms`;
-    that bound alone with recompute or past ``PAIR_MAX_CELLS``. ``report(bound_ms)`` as there."""
+    that bound alone with recompute or past ``max_cells``. ``report(bound_ms)`` as there."""
     fast = best_bound_ms(problem)
-    if not pair_bound_runs(problem):
+    if not pair_bound_runs(problem, max_cells):
         return fast
     opt = problem.tables.optimizer_ms
     upper = None if upper_ms is None else int(np.floor((upper_ms - opt) * 1000 + 1e-9))
     tick = None if report is None else lambda us: report(max(fast, us / 1000 + opt))  # noqa: E731
-    own = pair_bound(*int_tables(problem), problem.minibatch, time_limit, upper, seed, tick)
+    own = pair_bound(*int_tables(problem), problem.minibatch, time_limit, upper, seed, tick, max_cells)
     return max(fast, own / 1000 + opt)
 
 
