@@ -302,13 +302,22 @@ def _chunk_cut(h: Heads, F: np.ndarray, G: np.ndarray, s: int, B: int, recompute
 def _reachable(
     T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, cut: np.ndarray, KG: np.ndarray, B: int, recompute: bool
 ) -> bool:
-    """Has stage s a partition whose chunk and suffix cuts all stay within ``T``?
+    """Has stage s a partition whose chunk and suffix cuts all stay within ``T``?"""
+    W, _, _ = _suffix_work(T, h, F, G, s, cut, KG, B, recompute)
+    return bool((W[0] < np.iinfo(np.int64).max // 4).any())
+
+
+def _suffix_work(
+    T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, cut: np.ndarray, KG: Optional[np.ndarray], B: int, recompute: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``W[lo, l]``: the least work of a partition of ``[lo, B)`` on stage s whose chunk and suffix
+    cuts all stay within ``T`` and whose chunks' least tail is ``levels[l]``; with ``levels`` and
+    ``level_of`` (as :func:`_tail_levels`). Unreachable: the int64 maximum // 4.
 
     The suffix cut from a chunk ends with the drain after the last B op among the chunks from
     there on, at least the least ``tail`` of their sizes, so the dynamic program (from the last
-    chunk down) carries that least tail as its state: ``W[lo, l]`` is the least work of a
-    partition of ``[lo, B)`` meeting every cut whose chunks' least tail is ``levels[l]``. With
-    recompute the B chunks are free, so the suffix ends with the least tail of all sizes.
+    chunk down) carries that least tail as its state. With recompute the B chunks are free, so
+    the suffix ends with the least tail of all sizes and the least B work ``KG`` of the samples.
     """
     big = np.iinfo(np.int64).max // 4
     mx = F.shape[1] - 1
@@ -332,7 +341,7 @@ def _reachable(
         suffix = rel[hi][:, None] + rest + levels[state] + (KG[B - lo] if recompute else 0)
         ok = cut_ok[lo, b][:, None] & (suffix <= T) & (W[hi] < big)
         np.minimum.at(W[lo], state[ok], rest[ok])
-    return bool((W[0] < big).any())
+    return W, levels, level_of
 
 
 def usable_chunks(T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, B: int) -> np.ndarray:
@@ -340,8 +349,8 @@ def usable_chunks(T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, B: int
     :func:`_reachable`'s cuts within ``T``? (Without recompute.) In a schedule within ``T`` every
     stage's partition does, so no other chunk can be in one; the pair model leaves them out.
 
-    :func:`_reachable`'s program from the last chunk down gives, per sample and least tail of the
-    suffix from there, the least work of a suffix meeting its cuts; the same program from the first
+    :func:`_suffix_work` (the program from the last chunk down) gives, per sample and least tail
+    of the suffix from there, the least work of a suffix meeting its cuts; the same program from the first
     chunk up gives, per sample and least tail of the suffix, the most suffix work the best prefix
     allows (each earlier chunk's suffix cut runs over the whole suffix). A chunk is usable when a
     suffix starting with it meets both. vgg16-cpu, B=32, stage 2: 108 of 528 chunks at 2% above
@@ -350,24 +359,14 @@ def usable_chunks(T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, B: int
     big = np.iinfo(np.int64).max // 4
     mx = F.shape[1] - 1
     rel = h.release[s]
-    levels, level_of = _tail_levels(h.tail[s, 1:])
-    Lv = len(levels) - 1
-    cut_ok = _chunk_cut(h, F, G, s, B, False) <= T
+    cut = _chunk_cut(h, F, G, s, B, False)
+    cut_ok = cut <= T
+    W, levels, level_of = _suffix_work(T, h, F, G, s, cut, None, B, False)
     own = F[s] + G[s]
-    every = np.arange(Lv + 1)
-    # from the last chunk down: W[lo, l], least work of a suffix [lo, B) meeting its cuts
-    W = np.full((B + 1, Lv + 1), big, dtype=np.int64)
-    W[B, Lv] = 0
-    for lo in range(B - 1, -1, -1):
-        b = np.arange(1, min(mx, B - lo) + 1)
-        hi = lo + b
-        rest = own[b][:, None] + W[hi]
-        state = np.minimum(level_of[b][:, None], every[None, :])
-        ok = cut_ok[lo, b][:, None] & (rel[hi][:, None] + rest + levels[state] <= T) & (W[hi] < big)
-        np.minimum.at(W[lo], state[ok], rest[ok])
+    every = np.arange(len(levels))
     # from the first chunk up: A[lo, l], the most work a suffix [lo, B) whose least tail is
     # levels[l] may have, under the cuts of the best prefix [0, lo)
-    A = np.full((B + 1, Lv + 1), -big, dtype=np.int64)
+    A = np.full((B + 1, len(levels)), -big, dtype=np.int64)
     A[0] = big
     for hi in range(1, B + 1):
         for b in range(1, min(mx, hi) + 1):
