@@ -6,6 +6,7 @@ one line on stderr and exits with code 2, without a traceback and without writin
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Optional
 
@@ -76,7 +77,7 @@ def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, m
         task = bar.add_task("", total=1.0)
 
         def progress(frac: float, best: float) -> None:
-            bar.update(task, completed=frac, description=f"best {best:.3f} ms")
+            bar.update(task, completed=frac, description=f"best {best:.3f} ms" if math.isfinite(best) else "searching")
 
         report = run_solve(profile, minibatch, recompute=recompute, solver=solver, time_limit=time_limit, seed=seed, progress=progress, order=order)
     save_schedule(report.schedule, output)

@@ -14,7 +14,7 @@ from umopt.baselines import gpipe_equal, lower_bound, min_work, onef1b_equal
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
 from umopt.partition import chunks
-from umopt.problem import Candidate, Problem, pack
+from umopt.problem import Candidate, Problem, pack, ticking
 from umopt.profile import load_profile
 from umopt.solvers import SOLVERS
 from umopt.solvers import bounds
@@ -342,6 +342,27 @@ def test_usable_chunks_are_those_of_the_partitions_meeting_the_stage_cuts(S, B, 
                 for hi, b in zip(ends, sizes):
                     want[hi - b, b] = True
         assert (bounds.usable_chunks(T, h, F, G, s, B) == want).all()
+
+
+def test_ticking_moves_the_bar_while_a_solver_cannot_report():
+    calls = []
+    start = time.perf_counter()
+    with ticking(lambda frac, best: calls.append((frac, best)), start, 1.0, lambda: 42.0, every=0.02):
+        time.sleep(0.2)
+    n = len(calls)
+    time.sleep(0.05)
+    assert len(calls) == n >= 3  # and it stops with the block
+    fracs = [f for f, _ in calls]
+    assert fracs == sorted(fracs) and 0 < fracs[0] and fracs[-1] < 0.5 and {b for _, b in calls} == {42.0}
+
+
+@pytest.mark.parametrize("solver", ["cpsat", "milp"])
+def test_exact_solvers_move_the_bar_and_end_it_at_the_schedule_found(solver):
+    problem = Problem(CostTables.from_profile(synthetic_profile(3, max_size=4, seed=1)), 12)
+    calls = []
+    res = SOLVERS[solver](problem, time_limit=3, seed=0, progress=lambda frac, best: calls.append((frac, best)))
+    assert len(calls) >= 3 and calls[-1] == (1.0, res.candidate.iteration_ms)
+    assert all(0 <= f <= 1 for f, _ in calls)
 
 
 def test_pair_bound_sees_what_the_last_stage_partition_costs_the_stage_above():

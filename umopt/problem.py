@@ -7,8 +7,11 @@ candidates; the final numbers always come from :func:`umopt.costmodel.simulate` 
 
 from __future__ import annotations
 
+import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -16,10 +19,36 @@ from .costmodel import CostTables, Op, Timeline, simulate
 from .partition import gpipe_ops, onef1b_schedule, partitions_from_ops, pipedream_warmup
 from .vectorized import PopulationScore, evaluate_gpipe
 
-__all__ = ["Problem", "Candidate", "SolverResult", "Progress", "pack", "score_gpipe"]
+__all__ = ["Problem", "Candidate", "SolverResult", "Progress", "ticking", "pack", "score_gpipe"]
 
 # progress(fraction_done, best_iteration_ms_so_far); solvers call it now and then, the CLI draws it.
+# best is inf until a solver has a schedule.
 Progress = Callable[[float, float], None]
+
+
+@contextmanager
+def ticking(progress: Optional[Progress], start: float, seconds: float, best: Callable[[], float], every: float = 0.5) -> Iterator[None]:
+    """Move ``progress`` with the clock while the block runs: every ``every`` seconds, the share
+    of ``seconds`` gone since ``start`` (a ``time.perf_counter()``) and ``best()``.
+
+    For solvers that cannot report from inside (CP-SAT and CBC search for the whole time limit
+    in one call; CP-SAT lets other threads run meanwhile, CBC is another process)."""
+    if progress is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(every):
+            progress(min(1.0, (time.perf_counter() - start) / max(seconds, 1e-9)), best())
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,11 @@ def solve_auto(
         start = min(scope, key=lambda r: r.candidate.iteration_ms)
         # its share even if the GA's final polish ran over
         cp_time = max(EXACT_SHARE * left, time_limit - (time.perf_counter() - t0))
-        cp = solve_cpsat(problem, time_limit=cp_time, seed=seed, hint=start.candidate, order=order)
+
+        def share(_frac: float, best: float) -> None:  # the bar goes on from where the GA left it
+            progress(min(1.0, (time.perf_counter() - t0) / time_limit), min(best, start.candidate.iteration_ms))
+
+        cp = solve_cpsat(problem, time_limit=cp_time, seed=seed, hint=start.candidate, order=order, progress=share if progress else None)
         results.append(cp)
         # the model searched every schedule auto may return (any order, or GPipe order under
         # --order gpipe), so its proof and bound are auto's

@@ -40,7 +40,7 @@ from typing import Optional
 from ortools.sat.python import cp_model
 
 from ..errors import UmoptError
-from ..problem import Candidate, Problem, Progress, SolverResult
+from ..problem import Candidate, Problem, Progress, SolverResult, ticking
 from .bounds import (
     Heads,
     chunks_ending_at,
@@ -345,10 +345,20 @@ def solve_cpsat(
     **_,
 ) -> SolverResult:
     """``order="gpipe"``: the GPipe-order model; "auto": the free-order model (any op order)."""
+    found = [float("inf")]  # the best schedule so far, for the progress bar
+    with ticking(progress, time.perf_counter(), time_limit, lambda: found[0]):
+        result = _solve_cpsat(problem, time_limit, seed, hint, order, found)
+    if progress:
+        progress(1.0, result.candidate.iteration_ms)
+    return result
+
+
+def _solve_cpsat(problem: Problem, time_limit: float, seed: int, hint: Optional[Candidate], order: str, found: list) -> SolverResult:
     t0 = time.perf_counter()
     base, time_limit, warm_scored, skipped = start_or_skip(problem, "cpsat", time_limit, seed, hint, order, t0)
     if skipped:
         return skipped
+    found[0] = base.iteration_ms
     t_model = time.perf_counter()  # building the model counts against the time limit
     opt = problem.tables.optimizer_ms
     base_ms = base.iteration_ms - opt
@@ -387,8 +397,6 @@ def solve_cpsat(
     # floored durations can only make the model optimistic, so its bound stays valid; call the
     # float schedule optimal when it is within that rounding of the bound
     proven = status == cp_model.OPTIMAL and cand.iteration_ms <= bound + n_ops / 1000 + 1e-9
-    if progress:
-        progress(1.0, cand.iteration_ms)
     return SolverResult(
         "cpsat",
         cand,

@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 import pulp
 
-from ..problem import Candidate, Problem, Progress, SolverResult
+from ..problem import Candidate, Problem, Progress, SolverResult, ticking
 from .bounds import chunks_ending_at, heads_and_tails, int_tables, linear_cuts
 from .chunks import candidate_chunks, chunk_fits, chunk_set, start_or_skip
 from .pairs import start_bound_ms
@@ -276,6 +276,15 @@ def solve_milp(
 ) -> SolverResult:
     """``order="gpipe"``: the GPipe-order model; "auto": the free-order model where it is small
     enough and no memory limit is set, else the GPipe-order one (``extra["note"]`` says so)."""
+    found = [float("inf")]  # the best schedule so far, for the progress bar
+    with ticking(progress, time.perf_counter(), time_limit, lambda: found[0]):
+        result = _solve_milp(problem, time_limit, seed, hint, order, found)
+    if progress:
+        progress(1.0, result.candidate.iteration_ms)
+    return result
+
+
+def _solve_milp(problem: Problem, time_limit: float, seed: int, hint: Optional[Candidate], order: str, found: list) -> SolverResult:
     t0 = time.perf_counter()
     note = None
     if order != "gpipe":
@@ -289,6 +298,7 @@ def solve_milp(
     base, time_limit, warm_scored, skipped = start_or_skip(problem, "milp", time_limit, seed, hint, order, t0)
     if skipped:
         return skipped
+    found[0] = base.iteration_ms
     t_model = time.perf_counter()  # building the model counts against the time limit
     opt = problem.tables.optimizer_ms
     horizon = base.iteration_ms - opt + 1.0
@@ -334,8 +344,6 @@ def solve_milp(
     proven = solved and lp.sol_status == pulp.LpSolutionOptimal
     # CBC's objective at a proven optimum is a bound (up to its tolerances); otherwise the fast one
     bound = max(lb, pulp.value(makespan) + opt - 1e-6) if proven else lb
-    if progress:
-        progress(1.0, cand.iteration_ms)
     return SolverResult(
         "milp",
         cand,
