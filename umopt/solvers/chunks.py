@@ -1,16 +1,28 @@
 """What the exact models (cpsat, milp) share: the chunks they choose from (every ``[lo, hi)`` of at
-most the largest size), the GPipe-order memory check of a chunk, and their warm start."""
+most the largest size), the GPipe-order memory check of a chunk, their warm start, and their
+progress bar."""
 
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..baselines import gpipe_equal
 from ..errors import UmoptError
-from ..problem import Candidate, Problem, SolverResult
+from ..problem import Candidate, Problem, Progress, SolverResult, ticking
 
-__all__ = ["MAX_MODEL_TERMS", "candidate_chunks", "chunk_fits", "chunk_set", "model_too_large", "start_or_skip", "warm_start"]
+__all__ = ["MAX_MODEL_TERMS", "candidate_chunks", "chunk_fits", "chunk_set", "model_too_large", "start_or_skip", "warm_start", "with_clock"]
+
+
+def with_clock(progress: Optional[Progress], time_limit: float, solve: Callable[[list], SolverResult]) -> SolverResult:
+    """``solve(found)``, with the bar moving by the clock meanwhile (the solver keeps ``found[0]``,
+    the best iteration ms so far, up to date) and ending at the schedule it returns."""
+    found = [float("inf")]
+    with ticking(progress, time.perf_counter(), time_limit, lambda: found[0]):
+        result = solve(found)
+    if progress:
+        progress(1.0, result.candidate.iteration_ms)
+    return result
 
 
 def candidate_chunks(problem: Problem) -> list[tuple[int, int]]:

@@ -40,7 +40,7 @@ from typing import Optional
 from ortools.sat.python import cp_model
 
 from ..errors import UmoptError
-from ..problem import Candidate, Problem, Progress, SolverResult, ticking
+from ..problem import Candidate, Problem, Progress, SolverResult
 from .bounds import (
     Heads,
     chunks_ending_at,
@@ -48,7 +48,7 @@ from .bounds import (
     int_tables,
     linear_cuts,
 )
-from .chunks import candidate_chunks, chunk_fits, chunk_set, start_or_skip
+from .chunks import candidate_chunks, chunk_fits, chunk_set, start_or_skip, with_clock
 from .pairs import start_bound_ms
 
 __all__ = ["solve_cpsat", "build_gpipe_model", "build_free_model"]
@@ -345,12 +345,7 @@ def solve_cpsat(
     **_,
 ) -> SolverResult:
     """``order="gpipe"``: the GPipe-order model; "auto": the free-order model (any op order)."""
-    found = [float("inf")]  # the best schedule so far, for the progress bar
-    with ticking(progress, time.perf_counter(), time_limit, lambda: found[0]):
-        result = _solve_cpsat(problem, time_limit, seed, hint, order, found)
-    if progress:
-        progress(1.0, result.candidate.iteration_ms)
-    return result
+    return with_clock(progress, time_limit, lambda found: _solve_cpsat(problem, time_limit, seed, hint, order, found))
 
 
 def _solve_cpsat(problem: Problem, time_limit: float, seed: int, hint: Optional[Candidate], order: str, found: list) -> SolverResult:

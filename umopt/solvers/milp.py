@@ -20,9 +20,9 @@ from typing import Optional
 import numpy as np
 import pulp
 
-from ..problem import Candidate, Problem, Progress, SolverResult, ticking
+from ..problem import Candidate, Problem, Progress, SolverResult
 from .bounds import chunks_ending_at, heads_and_tails, int_tables, linear_cuts
-from .chunks import candidate_chunks, chunk_fits, chunk_set, start_or_skip
+from .chunks import candidate_chunks, chunk_fits, chunk_set, start_or_skip, with_clock
 from .pairs import start_bound_ms
 
 __all__ = ["solve_milp", "build_milp", "build_free_milp", "order_pairs"]
@@ -276,12 +276,7 @@ def solve_milp(
 ) -> SolverResult:
     """``order="gpipe"``: the GPipe-order model; "auto": the free-order model where it is small
     enough and no memory limit is set, else the GPipe-order one (``extra["note"]`` says so)."""
-    found = [float("inf")]  # the best schedule so far, for the progress bar
-    with ticking(progress, time.perf_counter(), time_limit, lambda: found[0]):
-        result = _solve_milp(problem, time_limit, seed, hint, order, found)
-    if progress:
-        progress(1.0, result.candidate.iteration_ms)
-    return result
+    return with_clock(progress, time_limit, lambda found: _solve_milp(problem, time_limit, seed, hint, order, found))
 
 
 def _solve_milp(problem: Problem, time_limit: float, seed: int, hint: Optional[Candidate], order: str, found: list) -> SolverResult:
