@@ -97,7 +97,7 @@ def solve(
     bound = max(lb, result.lower_bound_ms or lb)
     lb_1f1b = None
     if not recompute and (order == "1f1b" or backwards_in_sample_order(ops)):
-        lb_1f1b = max(bound, sample_order_bound_ms(problem))
+        lb_1f1b = max(bound, sample_order_bound_ms(problem), result.extra.get("lower_bound_1f1b_ms", 0.0))
     scope = {"bound_scope": result.extra["bound_scope"]} if "bound_scope" in result.extra else {}
     if order == "1f1b" and lb_1f1b is not None:
         bound, scope = lb_1f1b, {"bound_scope": "1f1b order"}

@@ -5,7 +5,10 @@ CP-SAT, warm-started with the best schedule found: the free-order model under ``
 (its bound holds for every schedule), the GPipe-order one under ``--order gpipe``; its proof and
 bound are then the report's. A little larger (up to S=4, B=16), where CP-SAT proves nothing but
 two stages at a time solved exactly still lift the bound, a quarter goes to that bound
-(:mod:`.pairs`) for the report. On larger ones the GA has all the time. The result is the best
+(:mod:`.pairs`) for the report; and up to S=4, B=32, where the schedule found runs its B ops in
+sample order (the 1F1B family, which the GA searches), to the same bound within that family
+(``lower_bound_1f1b_ms``; under ``--order 1f1b`` the bound). On larger ones the GA has all the
+time. The result is the best
 schedule any of them found, scored by the reference simulator, so it is never worse than the
 best equal schedule.
 """
@@ -21,7 +24,8 @@ from .cpsat import solve_cpsat
 from .dp import solve_dp
 from .equal import solve_equal
 from .ga import solve_ga
-from .pairs import PAIR_SHARE, pair_bound_ms, pair_bound_runs
+from .bounds import backwards_in_sample_order
+from .pairs import IN_ORDER_MAX_CELLS, PAIR_SHARE, pair_bound_ms, pair_bound_runs
 
 __all__ = ["solve_auto"]
 
@@ -50,8 +54,11 @@ def solve_auto(
     # where CP-SAT cannot prove the optimum but the pair bound runs (S=4, B=12 and 16), it gets a share
     # for the report's bound (the exact model runs it itself)
     pair = not exact and order == "auto" and pair_bound_runs(problem)
+    # and the pairs of the 1F1B family, for the bound on the schedules of that family (up to
+    # S=4, B=32), where the schedule found is one of them
+    in_order = not exact and order != "gpipe" and pair_bound_runs(problem, IN_ORDER_MAX_CELLS)
     left = max(0.1, time_limit - (time.perf_counter() - t0))
-    ga_time = left * (1 - (EXACT_SHARE if exact else PAIR_SHARE if pair else 0))
+    ga_time = left * (1 - (EXACT_SHARE if exact else PAIR_SHARE if pair or in_order else 0))
     ga = solve_ga(problem, time_limit=ga_time, seed=seed, progress=progress, seeds=seeds, order=order)
     ga.candidate.iteration_ms = ga.candidate.simulate(problem).iteration_ms
     results = fast + [ga]
@@ -72,14 +79,22 @@ def solve_auto(
         status, bound = cp.status, cp.lower_bound_ms
         extra["bound_scope"] = cp.extra["bound_scope"]
     best = min(results, key=lambda r: r.candidate.iteration_ms)
+    found = best.candidate.iteration_ms
+    in_order = in_order and (order == "1f1b" or backwards_in_sample_order(best.candidate.ops()))
+
+    def tick(_bound_ms: float) -> None:  # the bar keeps moving while CP-SAT works on the pairs
+        if progress:
+            progress(min(1.0, (time.perf_counter() - t0) / time_limit), found)
+
+    if in_order:  # first: it often settles in a second or two, and leaves the rest to the other
+        pair_time = max(PAIR_SHARE * left, time_limit - (time.perf_counter() - t0)) / (2 if pair else 1)
+        in_order_bound = min(pair_bound_ms(problem, pair_time, found, seed, tick, IN_ORDER_MAX_CELLS, "1f1b order"), found)
+        extra["lower_bound_1f1b_ms"] = in_order_bound
+        if order == "1f1b":  # that family is all auto searched
+            bound, extra["bound_scope"] = in_order_bound, "1f1b order"
+            status = "optimal" if found <= in_order_bound + 2 * problem.num_stages * problem.minibatch / 1000 else status
     if pair:
-        pair_time = max(PAIR_SHARE * left, time_limit - (time.perf_counter() - t0))
-        found = best.candidate.iteration_ms
-
-        def tick(_bound_ms: float) -> None:  # the bar keeps moving while CP-SAT works on the pairs
-            if progress:
-                progress(min(1.0, (time.perf_counter() - t0) / time_limit), found)
-
+        pair_time = max(PAIR_SHARE * left / (2 if in_order else 1), time_limit - (time.perf_counter() - t0))
         bound = min(pair_bound_ms(problem, pair_time, found, seed, tick), found)
         extra["bound_scope"] = "any order"
         # the bound is on floored microseconds: within one per op of it is optimal

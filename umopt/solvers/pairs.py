@@ -32,9 +32,21 @@ from typing import Callable, Optional
 import numpy as np
 from ortools.sat.python import cp_model
 
-from .bounds import Heads, best_bound_ms, heads_and_tails, int_tables, stage_bound, usable_chunks
+from .bounds import (
+    Heads,
+    InOrderHeads,
+    best_bound_ms,
+    heads_and_tails,
+    in_order_heads,
+    in_order_usable_chunks,
+    int_tables,
+    own_bound,
+    sample_order_bound,
+    stage_bound,
+    usable_chunks,
+)
 
-__all__ = ["PAIR_MAX_CELLS", "PAIR_SHARE", "build_pair_model", "pair_bound", "pair_bound_ms", "pair_bound_runs", "start_bound_ms"]
+__all__ = ["IN_ORDER_MAX_CELLS", "PAIR_MAX_CELLS", "PAIR_SHARE", "build_pair_model", "pair_bound", "pair_bound_ms", "pair_bound_runs", "start_bound_ms"]
 
 # B x max size. S=4, B=8 (64): under a second per pair; B=12 (144): 20-30 s for the binding
 # pair on vgg16-cpu; B=16 (256): not settled in a minute, but 15 s lift vgg16-cpu's bound 3%
@@ -44,19 +56,39 @@ PAIR_MAX_CELLS = 256
 # of a solver's time limit, where it runs (cpsat and milp start from it; auto reports it): enough
 # to settle S=4, B=8 many times over and most of what B=12 gives in a minute
 PAIR_SHARE = 0.25
+# The same for the pairs of the 1F1B family (:func:`build_pair_model` with ``io``), whose B ops in
+# sample order CP-SAT settles far sooner: B=16 in 2 s, and at B=32 15 s lift gpt-sim's bound from
+# 100.8 to 102.1 ms, vgg16-cpu's from 301.2 to 304.5.
+IN_ORDER_MAX_CELLS = 1024
 
 
-def build_pair_model(F: np.ndarray, G: np.ndarray, L: np.ndarray, h: Heads, minibatch: int, s: int, lower: int, horizon: int):
+def build_pair_model(
+    F: np.ndarray,
+    G: np.ndarray,
+    L: np.ndarray,
+    h: Heads,
+    minibatch: int,
+    s: int,
+    lower: int,
+    horizon: int,
+    io: Optional[InOrderHeads] = None,
+):
     """The CP-SAT model of stages ``s`` and ``s + 1``; returns (model, makespan).
 
     Integer tables as in :func:`.bounds.int_tables` (floored microseconds); ``lower`` and
-    ``horizon`` bound the makespan (a known bound, a known schedule's makespan)."""
-    B = minibatch
+    ``horizon`` bound the makespan (a known bound, a known schedule's makespan). With ``io``
+    (:func:`.bounds.in_order_heads`), the model of the 1F1B family instead: both stages run
+    their B ops in sample order, and a last stage runs each chunk's B right after its F."""
+    B, S = minibatch, F.shape[0]
     m = cp_model.CpModel()
     H = horizon
     # each stage's partition meets the stage cuts within the horizon, so only the chunks of such
     # partitions can be used (near the stage cuts that leaves a fifth of the bottleneck's chunks)
-    chunks = [[(int(lo), int(lo + b)) for lo, b in zip(*np.nonzero(usable_chunks(H, h, F, G, r, B)))] for r in (s, s + 1)]
+    if io is None:
+        usable = [usable_chunks(H, h, F, G, r, B) for r in (s, s + 1)]
+    else:
+        usable = [in_order_usable_chunks(H, h, io, F, G, r, B) for r in (s, s + 1)]
+    chunks = [[(int(lo), int(lo + b)) for lo, b in zip(*np.nonzero(u))] for u in usable]
 
     # --- variables ---------------------------------------------------------------------------
     makespan = m.new_int_var(lower, H, "makespan")
@@ -67,6 +99,7 @@ def build_pair_model(F: np.ndarray, G: np.ndarray, L: np.ndarray, h: Heads, mini
     bs = [{c: m.new_int_var(0, H, "") for c in chunks[k]} for k in (0, 1)]
     be = [{c: m.new_int_var(0, H, "") for c in chunks[k]} for k in (0, 1)]
     fdone = [[m.new_int_var(0, H, "") for _ in range(B)] for _ in (s, s + 1)]  # end of the F holding sample i
+    bdone = [[m.new_int_var(0, H, "") for _ in range(B)] for _ in (s, s + 1)]  # of the B (in sample order)
     arrive = [m.new_int_var(0, H, "") for _ in range(B)]  # activations of sample i on s + 1
     grad = [m.new_int_var(0, H, "") for _ in range(B)]  # gradients of sample i back on s
 
@@ -74,34 +107,57 @@ def build_pair_model(F: np.ndarray, G: np.ndarray, L: np.ndarray, h: Heads, mini
     for k, r in enumerate((s, s + 1)):
         for i in range(B):  # a partition: every sample in one chunk (none usable: no schedule)
             m.add_exactly_one(x[k][c] for c in chunks[k] if c[0] <= i < c[1])
+        # on the last stage, with B ops in sample order, F(k) B(k) F(k+1) B(k+1)... ends every B
+        # no later than any other order (its F ops only feed its own B ops), so only that one
+        chain = io is not None and r == S - 1
         intervals = []
         for c in chunks[k]:
             lo, hi = c
             b, on = hi - lo, x[k][c]
-            intervals.append(m.new_optional_interval_var(fs[k][c], int(F[r, b]), fe[k][c], on, ""))
-            intervals.append(m.new_optional_interval_var(bs[k][c], int(G[r, b]), be[k][c], on, ""))
+            if io is None:
+                intervals.append(m.new_optional_interval_var(fs[k][c], int(F[r, b]), fe[k][c], on, ""))
+                intervals.append(m.new_optional_interval_var(bs[k][c], int(G[r, b]), be[k][c], on, ""))
+            else:  # (CP-SAT proves the in-order model about twice as fast this way)
+                m.add(fe[k][c] == fs[k][c] + int(F[r, b])).only_enforce_if(on)
+                m.add(be[k][c] == bs[k][c] + int(G[r, b])).only_enforce_if(on)
+                if not chain:
+                    intervals.append(m.new_optional_fixed_size_interval_var(fs[k][c], int(F[r, b]), on, ""))
+                    intervals.append(m.new_optional_fixed_size_interval_var(bs[k][c], int(G[r, b]), on, ""))
             m.add(fdone[k][hi - 1] == fe[k][c]).only_enforce_if(on)
             if lo > 0:  # forwards in sample order
                 m.add(fs[k][c] >= fdone[k][lo - 1]).only_enforce_if(on)
             # the chunk's samples go down the stages below (or back from those below s + 1)
             m.add(bs[k][c] >= fe[k][c] + int(h.turn[r, b])).only_enforce_if(on)
-            m.add(makespan >= be[k][c] + int(h.tail[r, b])).only_enforce_if(on)
-        m.add_no_overlap(intervals)
+            after = int(h.tail[r, b]) if io is None else max(int(h.tail[r, b]), int(io.drain[r, b, B - hi]))
+            m.add(makespan >= be[k][c] + after).only_enforce_if(on)
+            if io is not None:
+                m.add(bdone[k][hi - 1] == be[k][c]).only_enforce_if(on)
+                if lo > 0:  # backwards in sample order (and, on a chain, the next F after them)
+                    m.add(bs[k][c] >= bdone[k][lo - 1]).only_enforce_if(on)
+                    if chain:
+                        m.add(fs[k][c] >= bdone[k][lo - 1]).only_enforce_if(on)
+                if chain:
+                    m.add(bs[k][c] == fe[k][c]).only_enforce_if(on)
+                m.add(bs[k][c] >= int(io.grad_release[r, hi])).only_enforce_if(on)
+        if intervals:
+            m.add_no_overlap(intervals)
 
     # --- constraints: the link between them ----------------------------------------------------
     for i in range(1, B):  # activation messages arrive in chunk order
         m.add(arrive[i] >= arrive[i - 1])
+        if io is not None:  # and gradient messages, B ops being in sample order
+            m.add(grad[i] >= grad[i - 1])
     for lo, hi in chunks[0]:  # sent by s
         up, link = x[0][lo, hi], int(L[s, hi - lo])
         m.add(arrive[lo] >= fe[0][lo, hi] + link).only_enforce_if(up)
         if lo > 0:  # one message at a time
             m.add(arrive[lo] >= arrive[lo - 1] + link).only_enforce_if(up)
-        for i in range(lo, hi):
+        for i in range(hi - 1 if io is not None else lo, hi):  # in sample order grad[i] rises with i
             m.add(bs[0][lo, hi] >= grad[i]).only_enforce_if(up)
     for lo, hi in chunks[1]:  # received by s + 1
         down, link = x[1][lo, hi], int(L[s, hi - lo])
         m.add(fs[1][lo, hi] >= arrive[hi - 1]).only_enforce_if(down)
-        for i in range(lo, hi):
+        for i in range(lo, lo + 1 if io is not None else hi):
             m.add(grad[i] >= be[1][lo, hi] + link).only_enforce_if(down)
 
     # --- objective -----------------------------------------------------------------------------
@@ -119,17 +175,28 @@ def pair_bound(
     seed: int = 0,
     report: Optional[Callable[[int], None]] = None,
     max_cells: Optional[int] = PAIR_MAX_CELLS,
+    in_order: bool = False,
+    known: Optional[int] = None,
 ) -> int:
-    """The best of the stage cuts and every pair's bound, in the tables' units.
+    """The best of the stage cuts and every pair's bound, in the tables' units; with
+    ``in_order``, of :func:`.bounds.sample_order_bound` and every pair's in the 1F1B family
+    (a bound on the schedules whose stages all run their B ops in sample order).
 
-    Rounds over the pairs not yet settled, from the bottom up (the last stages bind most often),
-    each with an equal share of the time left, until the time is up or every pair is settled.
+    Rounds over the pairs not yet settled, until the time is up or every pair is settled: the
+    pair likeliest to bind (its stages have the fewest usable chunks near the bound) gets 3/4 of
+    each round, the others equal shares of the rest.
     ``upper``: a known schedule's makespan in the same units, which narrows the models;
     ``report(bound)`` is called after each CP-SAT call (for a progress bar); past ``max_cells``
-    (B x max size; None: no limit) the stage cuts alone."""
+    (B x max size; None: no limit) the stage cuts alone. ``known``: those bounds, where the
+    caller has them (they take a second or two at S=4, B=32)."""
     B, S = minibatch, F.shape[0]
     h = heads_and_tails(F, G, L, B)
-    best = stage_bound(F, G, L, B, recompute=False)
+    if known is None:
+        known = stage_bound(F, G, L, B, recompute=False)
+        if in_order:
+            known = max(known, sample_order_bound(F, G, L, B))
+    best = known
+    io = in_order_heads(F, G, L, h, B) if in_order else None
     if S < 2 or (max_cells is not None and B * (F.shape[1] - 1) > max_cells):
         return best
     # a schedule of every pair: one sample per chunk, all F ops of both stages, then all B ops,
@@ -138,17 +205,22 @@ def pair_bound(
     safe = int(h.release.max() + 2 * B * ((F[:, 1] + G[:, 1]).max() + L[:, 1].max()) + 2 * h.turn.max() + h.tail.max())
     horizon = min(safe, upper + 2 * S * B) if upper is not None else safe  # floored op durations
     deadline = time.perf_counter() + time_limit
+    # the pair most likely to bind first: the one whose tighter stage has the fewest usable
+    # chunks 1% above the bound (then the other stage's); it gets 3/4 of every round's time
+    near = best + best // 100
+    usable = [int((usable_chunks(near, h, F, G, r, B) if io is None else in_order_usable_chunks(near, h, io, F, G, r, B)).sum()) for r in range(S)]
     # per pair: no schedule of its model below lo; one within hi; the next probe's step (None:
     # not searched yet)
-    state = {s: (best, None, None) for s in range(S - 2, -1, -1)}
+    state = {s: (best, None, None) for s in sorted(range(S - 1), key=lambda s: sorted(usable[s : s + 2]))}
     while time.perf_counter() < deadline:
         open_ = [s for s, (lo, hi, _) in state.items() if hi is None or max(lo, best) < hi]
         if not open_:
             break
         for k, s in enumerate(open_):
-            share = (deadline - time.perf_counter()) / (len(open_) - k)
+            left = deadline - time.perf_counter()
+            share = 3 * left / 4 if k == 0 and len(open_) > 1 else left / (len(open_) - k)
             tick = (lambda lo: report(max(best, lo))) if report else None  # noqa: E731
-            lo, hi, step = _narrow(F, G, L, h, B, s, max(best, state[s][0]), *state[s][1:], horizon, share, seed, tick)
+            lo, hi, step = _narrow(F, G, L, h, io, B, s, max(best, state[s][0]), *state[s][1:], horizon, share, seed, tick)
             state[s], best = (lo, hi, step), max(best, lo)
     return best
 
@@ -158,6 +230,7 @@ def _narrow(
     G,
     L,
     h: Heads,
+    io: Optional[InOrderHeads],
     B: int,
     s: int,
     lo: int,
@@ -182,7 +255,7 @@ def _narrow(
     def solve(T: int, seconds: float, objective: bool):
         if seconds <= 0:
             return None, cp_model.UNKNOWN
-        model, _ = build_pair_model(F, G, L, h, B, s, lo, T)
+        model, _ = build_pair_model(F, G, L, h, B, s, lo, T, io)
         if not objective:
             model.clear_objective()
         solver = cp_model.CpSolver()
@@ -206,7 +279,8 @@ def _narrow(
 
     if hi is None:
         hi = horizon
-        minimise(horizon, budget / 4)
+        if B * (F.shape[1] - 1) <= PAIR_MAX_CELLS:  # beyond, it proves nothing in its time
+            minimise(horizon, budget / 4)
     # a new round with more time probes again, from where the last one stopped (but not in
     # steps so small that the final minimisation would be the better use of the time)
     step = max(1, lo // 100) if step is None else max(step, lo // 1000)
@@ -237,16 +311,23 @@ def pair_bound_ms(
     seed: int = 0,
     report: Optional[Callable[[float], None]] = None,
     max_cells: Optional[int] = PAIR_MAX_CELLS,
+    scope: str = "any order",
 ) -> float:
-    """:func:`pair_bound` in ms with the optimizer step, never below :func:`.bounds.best_bound_ms`;
-    that bound alone with recompute or past ``max_cells``. ``report(bound_ms)`` as there."""
-    fast = best_bound_ms(problem)
+    """:func:`pair_bound` in ms with the optimizer step, never below :func:`.bounds.best_bound_ms`
+    of the same ``scope`` ("any order", or "1f1b order": the in-order pairs); that bound alone
+    with recompute or past ``max_cells``. ``report(bound_ms)`` as there."""
+    t0 = time.perf_counter()
     if not pair_bound_runs(problem, max_cells):
-        return fast
+        return best_bound_ms(problem, scope)
+    from ..baselines import lower_bound  # the spec's bound (imported here as in bounds.py)
+
     opt = problem.tables.optimizer_ms
+    known = own_bound(problem, scope)
+    fast = max(lower_bound(problem), known / 1000 + opt)  # best_bound_ms, without computing it again
     upper = None if upper_ms is None else int(np.floor((upper_ms - opt) * 1000 + 1e-9))
     tick = None if report is None else lambda us: report(max(fast, us / 1000 + opt))  # noqa: E731
-    own = pair_bound(*int_tables(problem), problem.minibatch, time_limit, upper, seed, tick, max_cells)
+    left = time_limit - (time.perf_counter() - t0)
+    own = pair_bound(*int_tables(problem), problem.minibatch, left, upper, seed, tick, max_cells, scope == "1f1b order", known)
     return max(fast, own / 1000 + opt)
 
 
