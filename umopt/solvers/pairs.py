@@ -114,15 +114,13 @@ def build_pair_model(
         for c in chunks[k]:
             lo, hi = c
             b, on = hi - lo, x[k][c]
-            if io is None:
-                intervals.append(m.new_optional_interval_var(fs[k][c], int(F[r, b]), fe[k][c], on, ""))
-                intervals.append(m.new_optional_interval_var(bs[k][c], int(G[r, b]), be[k][c], on, ""))
-            else:  # (CP-SAT proves the in-order model about twice as fast this way)
-                m.add(fe[k][c] == fs[k][c] + int(F[r, b])).only_enforce_if(on)
-                m.add(be[k][c] == bs[k][c] + int(G[r, b])).only_enforce_if(on)
-                if not chain:
-                    intervals.append(m.new_optional_fixed_size_interval_var(fs[k][c], int(F[r, b]), on, ""))
-                    intervals.append(m.new_optional_fixed_size_interval_var(bs[k][c], int(G[r, b]), on, ""))
+            # fixed-size intervals and the ends apart: CP-SAT proves "no schedule within T" up to
+            # twice as fast as with interval variables that hold the ends (vgg16-cpu, B=12-32)
+            m.add(fe[k][c] == fs[k][c] + int(F[r, b])).only_enforce_if(on)
+            m.add(be[k][c] == bs[k][c] + int(G[r, b])).only_enforce_if(on)
+            if not chain:
+                intervals.append(m.new_optional_fixed_size_interval_var(fs[k][c], int(F[r, b]), on, ""))
+                intervals.append(m.new_optional_fixed_size_interval_var(bs[k][c], int(G[r, b]), on, ""))
             m.add(fdone[k][hi - 1] == fe[k][c]).only_enforce_if(on)
             if lo > 0:  # forwards in sample order
                 m.add(fs[k][c] >= fdone[k][lo - 1]).only_enforce_if(on)
