@@ -94,7 +94,7 @@ def build_pair_model(
     makespan = m.new_int_var(lower, H, "makespan")
     # per stage: x (chunk used), F and B start/end of each chunk
     x = [{c: m.new_bool_var(f"x{r}_{c[0]}_{c[1]}") for c in chunks[k]} for k, r in enumerate((s, s + 1))]
-    fs = [{c: m.new_int_var(int(h.release[r, c[1]]), H, "") for c in chunks[k]} for k, r in enumerate((s, s + 1))]
+    fs = [{c: m.new_int_var(int(h.release[r, c[1]]), H, f"fs{r}_{c[0]}_{c[1]}") for c in chunks[k]} for k, r in enumerate((s, s + 1))]
     fe = [{c: m.new_int_var(0, H, "") for c in chunks[k]} for k in (0, 1)]
     bs = [{c: m.new_int_var(0, H, "") for c in chunks[k]} for k in (0, 1)]
     be = [{c: m.new_int_var(0, H, "") for c in chunks[k]} for k in (0, 1)]
