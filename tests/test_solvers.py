@@ -430,27 +430,29 @@ def test_auto_reports_the_pair_bound_where_the_exact_model_does_not_run(monkeypa
     problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 12)
     calls = []
 
-    def pair(problem, seconds, upper_ms, seed, report, max_cells=None, scope="any order"):
+    def pair(problem, seconds, upper_ms, seed, report, max_cells=None, scope="any order", workers=None):
         calls.append((seconds, upper_ms, scope))
-        report(170.0)
+        if report:
+            report(170.0)
         return 170.0 if scope == "any order" else 175.0
 
     monkeypatch.setattr(auto, "pair_bound_ms", pair)
     res = SOLVERS["auto"](problem, time_limit=2, seed=0)
     assert "cpsat" not in res.extra["tried"]
-    # the GA's schedules run their B ops in sample order: first the bound of that family, then
-    # the one on every schedule, sharing a quarter of the time
-    [(s1, up1, scope1), (s2, up2, scope2)] = calls
+    # the bound within the 1F1B family runs beside the GA, for as long (from the best fast
+    # schedule); the GA's schedules are of that family, so it is reported. Then the bound on
+    # every schedule gets a quarter of the time, from the schedule found
+    [(s1, up1, scope1), (s2, up2, scope2)] = sorted(calls, key=lambda c: c[2])
     assert (scope1, scope2) == ("1f1b order", "any order")
-    assert s1 >= 0.25 * 1.5 / 2 and s2 >= 0.25 * 1.5 / 2
-    assert up1 == up2 == pytest.approx(res.candidate.iteration_ms)
+    assert s1 >= 0.75 * 1.5 and s2 >= 0.25 * 1.5
+    assert up1 >= up2 == pytest.approx(res.candidate.iteration_ms)
     assert res.lower_bound_ms == 170.0 and res.extra["bound_scope"] == "any order" and res.status == "feasible"
     assert res.extra["lower_bound_1f1b_ms"] == 175.0
-    # under --order 1f1b only the family's, which is then the bound
+    # under --order 1f1b only the family's, beside the GA for all its time, and then the bound
     calls.clear()
     res = SOLVERS["auto"](problem, time_limit=2, seed=0, order="1f1b")
     [(seconds, _, scope)] = calls
-    assert scope == "1f1b order" and seconds >= 0.25 * 1.5
+    assert scope == "1f1b order" and seconds >= 1.5
     assert res.lower_bound_ms == 175.0 and res.extra["bound_scope"] == "1f1b order"
 
 

@@ -21,6 +21,12 @@ variables (:func:`.bounds.usable_chunks`): near the stage cuts that is a fifth o
 
 vgg16-cpu, S=4, B=8: the stage cuts give 139.0 ms, this bound 154.6, the optimum is 158.0.
 It is exact search, so it only runs where CP-SAT gets somewhere in seconds (``PAIR_MAX_CELLS``).
+
+The same model within the 1F1B family (both stages run their B ops in sample order; a last
+stage then runs each chunk's B right after its F, a chain) bounds the schedules of that family,
+the GA's. CP-SAT settles it far sooner: vgg16-cpu, B=16 in 2 s (210.0 ms against a schedule of
+211.5), and at B=32 15 s lift gpt-sim's bound within that family from 100.8 to 102.1 ms
+(``IN_ORDER_MAX_CELLS``).
 """
 
 from __future__ import annotations
@@ -57,8 +63,8 @@ PAIR_MAX_CELLS = 256
 # to settle S=4, B=8 many times over and most of what B=12 gives in a minute
 PAIR_SHARE = 0.25
 # The same for the pairs of the 1F1B family (:func:`build_pair_model` with ``io``), whose B ops in
-# sample order CP-SAT settles far sooner: B=16 in 2 s, and at B=32 15 s lift gpt-sim's bound from
-# 100.8 to 102.1 ms, vgg16-cpu's from 301.2 to 304.5.
+# sample order CP-SAT settles far sooner: B=16 in 2 s, and at B=32 15 s on 2 cores lift gpt-sim's
+# bound from 100.8 to 102.1 ms, vgg16-cpu's from 301.2 to 304.5 (45 s on one: 102.9, 305.2).
 IN_ORDER_MAX_CELLS = 1024
 
 
@@ -175,6 +181,7 @@ def pair_bound(
     max_cells: Optional[int] = PAIR_MAX_CELLS,
     in_order: bool = False,
     known: Optional[int] = None,
+    workers: Optional[int] = None,
 ) -> int:
     """The best of the stage cuts and every pair's bound, in the tables' units; with
     ``in_order``, of :func:`.bounds.sample_order_bound` and every pair's in the 1F1B family
@@ -186,7 +193,8 @@ def pair_bound(
     ``upper``: a known schedule's makespan in the same units, which narrows the models;
     ``report(bound)`` is called after each CP-SAT call (for a progress bar); past ``max_cells``
     (B x max size; None: no limit) the stage cuts alone. ``known``: those bounds, where the
-    caller has them (they take a second or two at S=4, B=32)."""
+    caller has them (they take a second or two at S=4, B=32). ``workers``: CP-SAT's (None: one
+    per core)."""
     B, S = minibatch, F.shape[0]
     h = heads_and_tails(F, G, L, B)
     if known is None:
@@ -218,7 +226,7 @@ def pair_bound(
             left = deadline - time.perf_counter()
             share = 3 * left / 4 if k == 0 and len(open_) > 1 else left / (len(open_) - k)
             tick = (lambda lo: report(max(best, lo))) if report else None  # noqa: E731
-            lo, hi, step = _narrow(F, G, L, h, io, B, s, max(best, state[s][0]), *state[s][1:], horizon, share, seed, tick)
+            lo, hi, step = _narrow(F, G, L, h, io, B, s, max(best, state[s][0]), *state[s][1:], horizon, share, seed, tick, workers)
             state[s], best = (lo, hi, step), max(best, lo)
     return best
 
@@ -238,6 +246,7 @@ def _narrow(
     budget: float,
     seed: int,
     tick: Optional[Callable[[int], None]],
+    workers: Optional[int] = None,
 ):
     """Narrow ``[lo, hi]``, where the least makespan of pair ``s``'s model lies, within ``budget``
     seconds; ``hi`` and ``step`` None on the first call. Returns the new (lo, hi, step).
@@ -258,7 +267,7 @@ def _narrow(
             model.clear_objective()
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = seconds
-        solver.parameters.num_workers = max(1, os.cpu_count() or 1)
+        solver.parameters.num_workers = workers or max(1, os.cpu_count() or 1)
         solver.parameters.random_seed = seed
         status = solver.solve(model)
         if tick:
@@ -310,6 +319,7 @@ def pair_bound_ms(
     report: Optional[Callable[[float], None]] = None,
     max_cells: Optional[int] = PAIR_MAX_CELLS,
     scope: str = "any order",
+    workers: Optional[int] = None,
 ) -> float:
     """:func:`pair_bound` in ms with the optimizer step, never below :func:`.bounds.best_bound_ms`
     of the same ``scope`` ("any order", or "1f1b order": the in-order pairs); that bound alone
@@ -325,7 +335,7 @@ def pair_bound_ms(
     upper = None if upper_ms is None else int(np.floor((upper_ms - opt) * 1000 + 1e-9))
     tick = None if report is None else lambda us: report(max(fast, us / 1000 + opt))  # noqa: E731
     left = time_limit - (time.perf_counter() - t0)
-    own = pair_bound(*int_tables(problem), problem.minibatch, left, upper, seed, tick, max_cells, scope == "1f1b order", known)
+    own = pair_bound(*int_tables(problem), problem.minibatch, left, upper, seed, tick, max_cells, scope == "1f1b order", known, workers)
     return max(fast, own / 1000 + opt)
 
 
