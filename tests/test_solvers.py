@@ -329,19 +329,30 @@ def test_usable_chunks_are_those_of_the_partitions_meeting_the_stage_cuts(S, B, 
     F, G, L = bounds.int_tables(problem)
     h = bounds.heads_and_tails(F, G, L, B)
     T = int(slack * bounds.stage_bound(F, G, L, B, False))
-    big = np.iinfo(np.int64).max // 4
     for s in range(S):
         cut, KG = bounds._chunk_cut(h, F, G, s, B, False), bounds.least_work(G[s], B)
-        want = np.zeros((B, F.shape[1]), dtype=bool)
-        for sizes in compositions(B, problem.max_size):
-            ends = np.cumsum(sizes)
-            only = np.full_like(cut, big)
-            for hi, b in zip(ends, sizes):
-                only[hi - b, b] = cut[hi - b, b]
-            if bounds._reachable(T, h, F, G, s, only, KG, B, False):
-                for hi, b in zip(ends, sizes):
-                    want[hi - b, b] = True
+        want = _chunks_of_partitions(B, problem.max_size, lambda chunks: bounds._reachable(T, h, F, G, s, _only(cut, chunks), KG, B, False))
         assert (bounds.usable_chunks(T, h, F, G, s, B) == want).all()
+
+
+def _chunks_of_partitions(B: int, mx: int, passes) -> np.ndarray:
+    """``want[lo, b]``: is chunk [lo, lo + b) in some partition of B samples (chunks of at most
+    ``mx``) for whose chunks, as (lo, b) pairs, ``passes`` holds?"""
+    want = np.zeros((B, mx + 1), dtype=bool)
+    for sizes in compositions(B, mx):
+        chunks = [(int(hi - b), b) for hi, b in zip(np.cumsum(sizes), sizes)]
+        if passes(chunks):
+            for lo, b in chunks:
+                want[lo, b] = True
+    return want
+
+
+def _only(cut: np.ndarray, chunks) -> np.ndarray:
+    """``cut`` with every chunk but ``chunks`` out of reach."""
+    out = np.full_like(cut, np.iinfo(np.int64).max // 4)
+    for lo, b in chunks:
+        out[lo, b] = cut[lo, b]
+    return out
 
 
 def test_ticking_moves_the_bar_while_a_solver_cannot_report():
@@ -529,19 +540,15 @@ def test_in_order_usable_chunks_are_those_of_the_partitions_meeting_both_program
     h = bounds.heads_and_tails(F, G, L, B)
     io = bounds.in_order_heads(F, G, L, h, B)
     T = int(slack * bounds.sample_order_bound(F, G, L, B))
-    big = np.iinfo(np.int64).max // 4
     for s in range(S):
         cut, KG = bounds._chunk_cut(h, F, G, s, B, False), bounds.least_work(G[s], B)
-        want = np.zeros((B, F.shape[1]), dtype=bool)
-        for sizes in compositions(B, problem.max_size):
-            ends = np.cumsum(sizes)
-            only, only_io = np.full_like(cut, big), np.full_like(io.cut[s], big)
-            for hi, b in zip(ends, sizes):
-                only[hi - b, b], only_io[hi - b, b] = cut[hi - b, b], io.cut[s][hi - b, b]
-            if bounds._reachable(T, h, F, G, s, only, KG, B, False) and bounds._in_order_ok(T, h, F, G, io.drain, only_io, s, B, True):
-                for hi, b in zip(ends, sizes):
-                    want[hi - b, b] = True
-        assert (bounds.in_order_usable_chunks(T, h, io, F, G, s, B) == want).all()
+
+        def passes(chunks):
+            return bounds._reachable(T, h, F, G, s, _only(cut, chunks), KG, B, False) and bounds._in_order_ok(
+                T, h, F, G, io.drain, _only(io.cut[s], chunks), s, B, True
+            )
+
+        assert (bounds.in_order_usable_chunks(T, h, io, F, G, s, B) == _chunks_of_partitions(B, problem.max_size, passes)).all()
 
 
 @settings(max_examples=25, deadline=None)
