@@ -66,7 +66,8 @@ def solve_auto(
     # in 15 s on two after the GA; and the GA keeps its whole time
     side: dict = {}
     if in_order:
-        upper = min((r.candidate.iteration_ms for r in fast), default=None)
+        # a horizon for its models: the best fast schedule within the memory limit, if any
+        upper = min((r.candidate.iteration_ms for r in fast if r.candidate.iteration_ms < float("inf")), default=None)
         workers = max(1, (os.cpu_count() or 1) - 1)
 
         def bound_beside() -> None:

@@ -105,7 +105,7 @@ def build_pair_model(
     bs = [{c: m.new_int_var(0, H, "") for c in chunks[k]} for k in (0, 1)]
     be = [{c: m.new_int_var(0, H, "") for c in chunks[k]} for k in (0, 1)]
     fdone = [[m.new_int_var(0, H, "") for _ in range(B)] for _ in (s, s + 1)]  # end of the F holding sample i
-    bdone = [[m.new_int_var(0, H, "") for _ in range(B)] for _ in (s, s + 1)]  # of the B (in sample order)
+    bdone = [[m.new_int_var(0, H, "") for _ in range(B)] for _ in (s, s + 1)] if io is not None else []  # of the B (in order)
     arrive = [m.new_int_var(0, H, "") for _ in range(B)]  # activations of sample i on s + 1
     grad = [m.new_int_var(0, H, "") for _ in range(B)]  # gradients of sample i back on s
 
