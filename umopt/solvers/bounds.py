@@ -586,15 +586,7 @@ def in_order_usable_chunks(T: int, h: Heads, io: InOrderHeads, F: np.ndarray, G:
     def fits(lo: int, b: int) -> bool:
         return int(cut[lo, b]) + int(D[b, B - lo - b]) <= T
 
-    ahead: list[list[tuple[int, int]]] = [[] for _ in range(B + 1)]
-    ahead[0] = [(-_BIG // 4, -_BIG // 4)]
-    for lo in range(B):
-        for b in range(1, min(mx, B - lo) + 1):
-            if fits(lo, b):
-                for a, e in ahead[lo]:
-                    a2, e2 = step(lo, b, a, e)
-                    if e2 + int(D[b, B - lo - b]) <= T:
-                        _keep_undominated(ahead[lo + b], a2, e2)
+    ahead = _in_order_fronts(T, h, F, G, io.drain, cut, s, B)
     # maximal points, kept negated so that _keep_undominated keeps them
     behind: list[list[tuple[int, int]]] = [[] for _ in range(B + 1)]
     behind[B] = [(-_BIG // 4, -_BIG // 4)]
@@ -672,6 +664,15 @@ def _in_order_ok(
             np.minimum.at(A, hi[oka], a2[oka])
             np.minimum.at(E, hi[oke], e2[oke])
         return bool(A[B] < big and E[B] < big)
+    return bool(_in_order_fronts(T, h, F, G, D, cut, s, B)[B])
+
+
+def _in_order_fronts(T: int, h: Heads, F: np.ndarray, G: np.ndarray, D: np.ndarray, cut: np.ndarray, s: int, B: int) -> list:
+    """``fronts[n]``: every undominated ``(A, E)`` of :func:`_in_order_ok`'s program over the
+    partitions of samples ``0..n-1`` meeting its bounds within T (empty: none)."""
+    big = np.iinfo(np.int64).max // 4
+    mx = F.shape[1] - 1
+    rel, W = h.release[s], F[s] + G[s]
     fronts: list[list[tuple[int, int]]] = [[] for _ in range(B + 1)]
     fronts[0] = [(-big, -big)]
     for lo in range(B):
@@ -686,7 +687,7 @@ def _in_order_ok(
                 e2 = max(e + int(G[s, b]), a2, c)
                 if e2 + d <= T:
                     _keep_undominated(fronts[hi], a2, e2)
-    return bool(fronts[B])
+    return fronts
 
 
 def _keep_undominated(front: list[tuple[int, int]], a: int, e: int) -> None:
