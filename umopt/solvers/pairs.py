@@ -41,6 +41,7 @@ from ortools.sat.python import cp_model
 from .bounds import (
     Heads,
     InOrderHeads,
+    UntiedHeads,
     best_bound_ms,
     heads_and_tails,
     in_order_heads,
@@ -49,10 +50,12 @@ from .bounds import (
     own_bound,
     sample_order_bound,
     stage_bound,
+    untied_heads,
+    untied_usable_chunks,
     usable_chunks,
 )
 
-__all__ = ["IN_ORDER_MAX_CELLS", "PAIR_MAX_CELLS", "PAIR_SHARE", "build_pair_model", "pair_bound", "pair_bound_ms", "pair_bound_runs", "start_bound_ms"]
+__all__ = ["IN_ORDER_MAX_CELLS", "PAIR_MAX_CELLS", "PAIR_SHARE", "build_pair_model", "build_untied_pair_model", "pair_bound", "pair_bound_ms", "pair_bound_runs", "start_bound_ms"]
 
 # B x max size. S=4, B=8 (64): under a second per pair; B=12 (144): 20-30 s for the binding
 # pair on vgg16-cpu; B=16 (256): not settled in a minute, but 15 s lift vgg16-cpu's bound 3%
@@ -169,6 +172,104 @@ def build_pair_model(
     return m, makespan
 
 
+def build_untied_pair_model(
+    F: np.ndarray,
+    G: np.ndarray,
+    L: np.ndarray,
+    h: Heads,
+    minibatch: int,
+    s: int,
+    lower: int,
+    horizon: int,
+    ut: UntiedHeads,
+):
+    """The pair model of *untied* schedules (:mod:`.bounds`, "Any order, in sample order"): each
+    stage has an F partition and a B partition, both run in sample order, with the same chunk
+    sizes; a B chunk waits for the F of its samples and their gradients. Every schedule, in any
+    order, turns into one of these no later, so the model's least makespan bounds them all.
+    Returns (model, makespan)."""
+    B, S = minibatch, F.shape[0]
+    mx = F.shape[1] - 1
+    m = cp_model.CpModel()
+    H = horizon
+    # the F partition is the schedule's own, so the stage cuts hold for it; both partitions are
+    # a run of the one-stage program of .bounds.untied_bound within the horizon
+    fchunks, bchunks = [], []
+    for r in (s, s + 1):
+        f_use, b_use = untied_usable_chunks(H, h, ut, F, G, r, B)
+        f_use = f_use & usable_chunks(H, h, F, G, r, B)
+        b_use &= f_use.any(axis=0)[None, :]  # the sizes are the F chunks'
+        fchunks.append([(int(lo), int(lo + b)) for lo, b in zip(*np.nonzero(f_use))])
+        bchunks.append([(int(lo), int(lo + b)) for lo, b in zip(*np.nonzero(b_use))])
+
+    # --- variables ---------------------------------------------------------------------------
+    makespan = m.new_int_var(lower, H, "makespan")
+    xf = [{c: m.new_bool_var(f"xf{r}_{c[0]}_{c[1]}") for c in fchunks[k]} for k, r in enumerate((s, s + 1))]
+    xb = [{c: m.new_bool_var(f"xb{r}_{c[0]}_{c[1]}") for c in bchunks[k]} for k, r in enumerate((s, s + 1))]
+    fs = [{c: m.new_int_var(int(h.release[r, c[1]]), H, f"fs{r}_{c[0]}_{c[1]}") for c in fchunks[k]} for k, r in enumerate((s, s + 1))]
+    bs = [{c: m.new_int_var(0, H, "") for c in bchunks[k]} for k in (0, 1)]
+    fdone = [[m.new_int_var(0, H, "") for _ in range(B)] for _ in (0, 1)]  # F of sample i ended
+    bdone = [[m.new_int_var(0, H, "") for _ in range(B)] for _ in (0, 1)]  # B of sample i ended
+    back = [m.new_int_var(0, H, "") for _ in range(B)]  # gradient of sample i back on s + 1 (from below)
+    arrive = [m.new_int_var(0, H, "") for _ in range(B)]  # activations of sample i on s + 1
+    grad = [m.new_int_var(0, H, "") for _ in range(B)]  # gradients of sample i back on s
+
+    # --- constraints: each stage -------------------------------------------------------------
+    for k, r in enumerate((s, s + 1)):
+        for i in range(B):
+            m.add_exactly_one(xf[k][c] for c in fchunks[k] if c[0] <= i < c[1])
+            m.add_exactly_one(xb[k][c] for c in bchunks[k] if c[0] <= i < c[1])
+            if i:  # both kinds in sample order
+                m.add(fdone[k][i] >= fdone[k][i - 1])
+                m.add(bdone[k][i] >= bdone[k][i - 1])
+                if k == 1:
+                    m.add(back[i] >= back[i - 1])
+        for b in range(1, mx + 1):  # the B sizes are a permutation of the F sizes
+            m.add(sum(v for c, v in xf[k].items() if c[1] - c[0] == b) == sum(v for c, v in xb[k].items() if c[1] - c[0] == b))
+        intervals = []
+        for (lo, hi), on in xf[k].items():
+            b = hi - lo
+            intervals.append(m.new_optional_fixed_size_interval_var(fs[k][lo, hi], int(F[r, b]), on, ""))
+            m.add(fdone[k][lo] >= fs[k][lo, hi] + int(F[r, b])).only_enforce_if(on)
+            if lo > 0:
+                m.add(fs[k][lo, hi] >= fdone[k][lo - 1]).only_enforce_if(on)
+            if k == 1 and r < S - 1:  # its samples go down and come back, the last one last
+                m.add(back[hi - 1] >= fs[k][lo, hi] + int(F[r, b]) + int(ut.turn_last[r, b])).only_enforce_if(on)
+        for (lo, hi), on in xb[k].items():
+            b = hi - lo
+            start, end = bs[k][lo, hi], bs[k][lo, hi] + int(G[r, b])
+            intervals.append(m.new_optional_fixed_size_interval_var(start, int(G[r, b]), on, ""))
+            m.add(bdone[k][hi - 1] >= end).only_enforce_if(on)
+            if lo > 0:
+                m.add(start >= bdone[k][lo - 1]).only_enforce_if(on)
+            m.add(start >= fdone[k][hi - 1]).only_enforce_if(on)
+            m.add(start >= int(ut.grad_release[r, hi])).only_enforce_if(on)
+            if k == 1 and r < S - 1:
+                m.add(start >= back[hi - 1]).only_enforce_if(on)
+            m.add(makespan >= end + max(int(h.tail[r, b]), int(ut.drain[r, b, B - hi]))).only_enforce_if(on)
+        m.add_no_overlap(intervals)
+
+    # --- constraints: the link between them ----------------------------------------------------
+    for i in range(1, B):  # messages arrive in sample order both ways
+        m.add(arrive[i] >= arrive[i - 1])
+        m.add(grad[i] >= grad[i - 1])
+    for (lo, hi), on in xf[0].items():
+        link = int(L[s, hi - lo])
+        m.add(arrive[lo] >= fs[0][lo, hi] + int(F[s, hi - lo]) + link).only_enforce_if(on)
+        if lo > 0:  # one message at a time
+            m.add(arrive[lo] >= arrive[lo - 1] + link).only_enforce_if(on)
+    for (lo, hi), on in xf[1].items():
+        m.add(fs[1][lo, hi] >= arrive[hi - 1]).only_enforce_if(on)
+    for (lo, hi), on in xb[1].items():
+        m.add(grad[lo] >= bs[1][lo, hi] + int(G[s + 1, hi - lo]) + int(L[s, hi - lo])).only_enforce_if(on)
+    for (lo, hi), on in xb[0].items():
+        m.add(bs[0][lo, hi] >= grad[hi - 1]).only_enforce_if(on)
+
+    # --- objective -----------------------------------------------------------------------------
+    m.minimize(makespan)
+    return m, makespan
+
+
 def pair_bound(
     F: np.ndarray,
     G: np.ndarray,
@@ -212,22 +313,33 @@ def pair_bound(
     horizon = min(safe, upper + 2 * S * B) if upper is not None else safe  # floored op durations
     deadline = time.perf_counter() + time_limit
     # the pair most likely to bind first: the one whose tighter stage has the fewest usable
-    # chunks 1% above the bound (then the other stage's); it gets 3/4 of every round's time
+    # chunks 1% above the bound (then the other stage's); it gets 3/4 of every round's time.
+    # In any order each pair has two models, the untied one (bounds.py) and the one in any op
+    # order; neither bound contains the other (20 s each: vgg16-cpu, B=8 157.4 against 154.6 ms;
+    # gpt-sim, B=12 54.8 against 56.4), so both run and the better one counts.
     near = best + best // 100
-    usable = [int((usable_chunks(near, h, F, G, r, B) if io is None else in_order_usable_chunks(near, h, io, F, G, r, B)).sum()) for r in range(S)]
-    # per pair: no schedule of its model below lo; one within hi; the next probe's step (None:
+    models = [io] if in_order else [untied_heads(F, G, L, h, B), None]
+    if in_order:
+        usable = [int(in_order_usable_chunks(near, h, io, F, G, r, B).sum()) for r in range(S)]
+    else:  # the untied model's (its F and B chunks)
+        usable = [sum(int(u.sum()) for u in untied_usable_chunks(near, h, models[0], F, G, r, B)) for r in range(S)]
+    order = sorted(range(S - 1), key=lambda s: sorted(usable[s : s + 2]))
+    # per (pair, model): no schedule of it below lo; one within hi; the next probe's step (None:
     # not searched yet)
-    state = {s: (best, None, None) for s in sorted(range(S - 1), key=lambda s: sorted(usable[s : s + 2]))}
+    state = {(s, k): (best, None, None) for s in order for k in range(len(models))}
     while time.perf_counter() < deadline:
-        open_ = [s for s, (lo, hi, _) in state.items() if hi is None or max(lo, best) < hi]
+        open_ = [key for key, (lo, hi, _) in state.items() if hi is None or max(lo, best) < hi]
         if not open_:
             break
-        for k, s in enumerate(open_):
+        lead = [key for key in open_ if key[0] == open_[0][0]]
+        rest = len(open_) - len(lead)
+        weight = {key: (3 / (4 * len(lead)) if key in lead else 1 / (4 * rest)) if rest else 1.0 for key in open_}
+        for i, (s, k) in enumerate(open_):
             left = deadline - time.perf_counter()
-            share = 3 * left / 4 if k == 0 and len(open_) > 1 else left / (len(open_) - k)
+            share = left * weight[s, k] / sum(weight[key] for key in open_[i:])
             tick = (lambda lo: report(max(best, lo))) if report else None  # noqa: E731
-            lo, hi, step = _narrow(F, G, L, h, io, B, s, max(best, state[s][0]), *state[s][1:], horizon, share, seed, tick, workers)
-            state[s], best = (lo, hi, step), max(best, lo)
+            lo, hi, step = _narrow(F, G, L, h, models[k], B, s, max(best, state[s, k][0]), *state[s, k][1:], horizon, share, seed, tick, workers)
+            state[s, k], best = (lo, hi, step), max(best, lo)
     return best
 
 
@@ -236,7 +348,7 @@ def _narrow(
     G,
     L,
     h: Heads,
-    io: Optional[InOrderHeads],
+    extra: "InOrderHeads | UntiedHeads | None",
     B: int,
     s: int,
     lo: int,
@@ -262,7 +374,10 @@ def _narrow(
     def solve(T: int, seconds: float, objective: bool):
         if seconds <= 0:
             return None, cp_model.UNKNOWN
-        model, _ = build_pair_model(F, G, L, h, B, s, lo, T, io)
+        if isinstance(extra, UntiedHeads):
+            model, _ = build_untied_pair_model(F, G, L, h, B, s, lo, T, extra)
+        else:
+            model, _ = build_pair_model(F, G, L, h, B, s, lo, T, extra)
         if not objective:
             model.clear_objective()
         solver = cp_model.CpSolver()
