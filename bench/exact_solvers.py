@@ -3,6 +3,7 @@
     python bench/exact_solvers.py [--time-limit 60] [--quick | --s4]
     python bench/exact_solvers.py --small      # S=4, B=6 / 8 (CP-SAT proves the optimum) and 12
     python bench/exact_solvers.py --pairs      # S=4, B=16 / 32: the pair bounds given 15 s and 60 s
+    python bench/exact_solvers.py --bounds     # the fast bounds alone: stage cuts, untied, 1F1B (a minute)
 
 Issue 3's table: for the bundled profiles at S=4, B=32 (gpt-sim, gpt-cpu, vgg16-cpu) and S=8,
 B=128 / 256 (transformer8-sim), every solver gets the same time limit. "bound" is the best lower
@@ -193,6 +194,35 @@ def run_pairs(ga_time: float, pair_times=(15.0, 60.0), cases=PAIR_CASES, say=pri
     return tab
 
 
+BOUND_CASES = [("gpt-sim", 8), ("vgg16-cpu", 8), *CASES]
+
+
+def run_bounds(cases=BOUND_CASES, say=print) -> Table:
+    """The fast bounds side by side, each with its seconds: the stage cuts (any order), the
+    untied bound (any order: every schedule turns into an untied one in sample order, docs/formats.md)
+    and the 1F1B-family bound."""
+    from umopt.solvers import bounds
+
+    tab = Table(title="fast lower bounds, ms (seconds): the first two hold for every schedule, the last within the 1F1B family")
+    for col in ("profile", "S", "B", "stage cuts", "untied", "1F1B family"):
+        tab.add_column(col, justify="right")
+    for name, B in cases:
+        problem = make_problem(load_profile(name), B, recompute=False)
+        F, G, L = bounds.int_tables(problem)
+        opt = problem.tables.optimizer_ms
+        t0 = time.perf_counter()
+        cuts = bounds.stage_bound(F, G, L, B, False)
+        t1 = time.perf_counter()
+        untied = bounds.untied_bound(F, G, L, B, cuts)
+        t2 = time.perf_counter()
+        in_order = bounds.sample_order_bound(F, G, L, B)
+        t3 = time.perf_counter()
+        cells = [f"{v / 1000 + opt:.2f} ({dt:.1f} s)" for v, dt in ((cuts, t1 - t0), (untied, t2 - t1), (in_order, t3 - t2))]
+        say(f"{name} B={B}: " + ", ".join(cells))
+        tab.add_row(name, str(problem.num_stages), str(B), *cells)
+    return tab
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--time-limit", type=float, default=60.0)
@@ -200,8 +230,12 @@ def main() -> None:
     ap.add_argument("--s4", action="store_true", help="the S=4 cases only (about 21 minutes)")
     ap.add_argument("--small", action="store_true", help="only S=4, B=6, 8 and 12: the proven optimum (or best found) against the bounds")
     ap.add_argument("--pairs", action="store_true", help="only S=4, B=16 and 32: the pair bound given 15 s and 60 s")
+    ap.add_argument("--bounds", action="store_true", help="the fast bounds alone (stage cuts, untied, 1F1B family), about a minute")
     args = ap.parse_args()
     console = Console(width=260)
+    if args.bounds:
+        console.print(run_bounds())
+        return
     if args.pairs:
         console.print(run_pairs(ga_time=args.time_limit))
         return

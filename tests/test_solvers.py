@@ -442,30 +442,32 @@ def test_auto_reports_the_exact_models_proof_for_the_orders_it_searched():
 
 def test_auto_reports_the_pair_bound_where_the_exact_model_does_not_run(monkeypatch):
     # S=4, B=12: too large for CP-SAT to prove anything (auto skips it), small enough for the pair
-    # bound, which gets its share of the time and becomes the report's bound
+    # bounds, which run beside the GA and become the report's bounds
     import umopt.solvers.auto as auto
 
     problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 12)
     calls = []
+    any_order = [170.0]
 
     def pair(problem, seconds, upper_ms, seed, report, max_cells=None, scope="any order", workers=None):
         calls.append((seconds, upper_ms, scope))
-        if report:
-            report(170.0)
-        return 170.0 if scope == "any order" else 175.0
+        return any_order[0] if scope == "any order" else 175.0
 
     monkeypatch.setattr(auto, "pair_bound_ms", pair)
     res = SOLVERS["auto"](problem, time_limit=2, seed=0)
     assert "cpsat" not in res.extra["tried"]
-    # the bound within the 1F1B family runs beside the GA, for as long (from the best fast
-    # schedule); the GA's schedules are of that family, so it is reported. Then the bound on
-    # every schedule gets a quarter of the time, from the schedule found
-    [(s1, up1, scope1), (s2, up2, scope2)] = sorted(calls, key=lambda c: c[2])
-    assert (scope1, scope2) == ("1f1b order", "any order")
-    assert s1 >= 0.75 * 1.5 and s2 >= 0.25 * 1.5
-    assert up1 >= up2 == pytest.approx(res.candidate.iteration_ms)
+    # first the untied pairs (every schedule), then the 1F1B family's, for the GA's time between
+    # them, from the best fast schedule; the GA's schedules are of that family, so both are reported
+    [(s1, up1, scope1), (s2, up2, scope2)] = calls
+    assert (scope1, scope2) == ("any order", "1f1b order")
+    assert s1 == pytest.approx(2 * s2) and s1 + s2 >= 1.5
+    assert up1 == up2 >= res.candidate.iteration_ms
     assert res.lower_bound_ms == 170.0 and res.extra["bound_scope"] == "any order" and res.status == "feasible"
     assert res.extra["lower_bound_1f1b_ms"] == 175.0
+    # a bound that meets the schedule found proves it optimal (never reported above it)
+    any_order[0] = 1e9
+    res = SOLVERS["auto"](problem, time_limit=2, seed=0)
+    assert res.status == "optimal" and res.lower_bound_ms == res.candidate.iteration_ms
     # under --order 1f1b only the family's, beside the GA for all its time, and then the bound
     calls.clear()
     res = SOLVERS["auto"](problem, time_limit=2, seed=0, order="1f1b")

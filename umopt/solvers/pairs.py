@@ -318,7 +318,8 @@ def pair_bound(
     # order; neither bound contains the other (20 s each: vgg16-cpu, B=8 157.4 against 154.6 ms;
     # gpt-sim, B=12 54.8 against 56.4), so both run and the better one counts.
     near = best + best // 100
-    models = [io] if in_order else [untied_heads(F, G, L, h, B), None]
+    # (past PAIR_MAX_CELLS the free-order model proves nothing in a minute: the untied one alone)
+    models = [io] if in_order else [untied_heads(F, G, L, h, B)] + ([None] if B * (F.shape[1] - 1) <= PAIR_MAX_CELLS else [])
     if in_order:
         usable = [int(in_order_usable_chunks(near, h, io, F, G, r, B).sum()) for r in range(S)]
     else:  # the untied model's (its F and B chunks)
