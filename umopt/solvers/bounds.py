@@ -15,6 +15,7 @@ at least that many samples, so they took at least the least work for that many s
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -78,15 +79,23 @@ def best_bound_ms(problem, scope: str = "any order") -> float:
 
 
 def own_bound(problem, scope: str = "any order") -> int:
-    """:func:`best_bound_ms`'s own part, in the units of :func:`int_tables` (no optimizer step)."""
-    F, G, L = int_tables(problem)
-    own = stage_bound(F, G, L, problem.minibatch, problem.recompute)
-    if not problem.recompute:
-        own = untied_bound(F, G, L, problem.minibatch, own)
-    if scope == "1f1b order" and not problem.recompute:
-        own = max(own, sample_order_bound(F, G, L, problem.minibatch))
-    elif scope not in ("any order", "1f1b order"):
+    """:func:`best_bound_ms`'s own part, in the units of :func:`int_tables` (no optimizer step).
+    Remembered per tables (S=8, B=256 takes about 10 s, and a solve asks more than once)."""
+    if scope not in ("any order", "1f1b order"):
         raise ValueError(f"unknown bound scope {scope!r}")
+    F, G, L = int_tables(problem)
+    return _own_bound(F.tobytes(), G.tobytes(), L.tobytes(), F.shape, problem.minibatch, problem.recompute, scope)
+
+
+@functools.lru_cache(maxsize=16)
+def _own_bound(Fb: bytes, Gb: bytes, Lb: bytes, shape: tuple, minibatch: int, recompute: bool, scope: str) -> int:
+    F, G = (np.frombuffer(x, dtype=np.int64).reshape(shape) for x in (Fb, Gb))
+    L = np.frombuffer(Lb, dtype=np.int64).reshape(shape[0] - 1, shape[1]) if shape[0] > 1 else np.zeros((0, shape[1]), dtype=np.int64)
+    own = stage_bound(F, G, L, minibatch, recompute)
+    if not recompute:
+        own = untied_bound(F, G, L, minibatch, own)
+    if scope == "1f1b order" and not recompute:
+        own = max(own, sample_order_bound(F, G, L, minibatch))
     return own
 
 
@@ -808,7 +817,7 @@ def untied_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, kn
 
     The last stage's backward is where the free-order stage cuts are weakest: there any chunk
     may be backwarded last, here the later samples follow the earlier ones (gpt-sim, S=4, B=32:
-    94.4 -> 100.5 ms; vgg16-cpu: 281.3 -> 299.0, its stage 2). ``known``: a bound already
+    94.4 -> 100.5 ms; vgg16-cpu: 281.3 -> 301.2; S=8, B=256: 313.7 -> 358.9, in 7 s). ``known``: a bound already
     proven (the stage cuts), where the search starts; the result is never below it."""
     B, S = minibatch, F.shape[0]
     h = heads_and_tails(F, G, L, B)
@@ -834,7 +843,10 @@ def _untied_limits(h: Heads, ut: UntiedHeads, F: np.ndarray, G: np.ndarray, s: i
     for j in range(1, B + 1):
         bb = b[b <= j]
         after_b[bb, j] = np.maximum(h.tail[s, bb], ut.drain[s, bb, B - j])
-    least_b = int((G[s, 1:] + np.maximum(h.tail[s, 1:], ut.drain[s, 1:, 0])).min())
+    # whichever B op holds that sample, with however many samples after it
+    m = np.arange(B + 1)[None, :]
+    drain = np.where(b[:, None] + m <= B, ut.drain[s, 1:, :], _BIG // 4).min(axis=1)
+    least_b = int((G[s, 1:] + np.maximum(h.tail[s, 1:], drain)).min())
     after_f = np.zeros(mx + 1, dtype=np.int64)
     after_f[1:] = (ut.turn_last[s, 1:] if s < S - 1 else 0) + least_b
     return h.release[s], ut.grad_ready[s], after_f, after_b

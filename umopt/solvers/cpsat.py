@@ -7,7 +7,7 @@ ops in any order: each op is an optional interval on the stage's no-overlap reso
 (``--order gpipe``) fixes GPipe order; its proof and bound hold among GPipe-order schedules.
 Both prove small instances optimal in seconds (tests compare them with brute force over every
 partition and order). On realistic sizes (S=4, B=32) they do not close the gap: their bound
-rises to the stage-cut bound of :mod:`.bounds` and stays there. Up to S=4, B=16 the free-order
+rises to the fast bound of :mod:`.bounds` it is given and stays there. Up to S=4, B=16 the free-order
 model first spends a quarter of its time on the pair bound of :mod:`.pairs` (two stages at a
 time, solved exactly), which it then starts from.
 
