@@ -168,16 +168,8 @@ def heads_and_tails(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int)
                 done = _pass(avail, KG[r][: b + 1])
                 avail = done + (lmin[r - 1] if r > 0 else 0)
             tail[s, b] = done[b]
-        for s in range(S - 1):  # b activations leave s in one message, go up, come back as gradients
-            avail = np.full(b + 1, int(L[s, b]), dtype=np.int64)
-            for r in range(s + 1, S):
-                done = _pass(avail, KF[r][: b + 1])
-                avail = done + (lmin[r] if r + 1 < S else 0)
-            # on the last stage a B follows the F of its samples; then down to s + 1
-            avail = _pass(avail, KG[S - 1][: b + 1])
-            for r in range(S - 2, s, -1):
-                avail = _pass(avail + lmin[r], KG[r][: b + 1])
-            turn[s, b] = avail[b] + lmin[s]
+        for s in range(S - 1):
+            turn[s, b] = _round_trip(L, KF, KG, lmin, s, b)[b]
     # The same walks with each stage's chunks in arrival order (see _chain): a stage's one
     # partition both delays its first samples (large chunks) and costs work (small ones), and
     # messages carry their chunk's size. Neither walk contains the other, so both count.
@@ -190,6 +182,21 @@ def heads_and_tails(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int)
         # the last stage holds each chunk for its F and its B, so it counts as one op of both
         turn[s, 1:] = np.maximum(turn[s, 1:], _chain(L[s], [*up, (F[S - 1] + G[S - 1], L[S - 2]), *down]))
     return Heads(release, tail, turn)
+
+
+def _round_trip(L: np.ndarray, KF: list, KG: list, lmin: list, s: int, b: int) -> np.ndarray:
+    """``back[n]``: the first n of ``b`` activations that leave s in one message are back on s as
+    gradients no earlier (they go up, every stage above forwards and then backwards them, each
+    at the least work for that many samples, messages at one sample's size)."""
+    S = len(KF)
+    avail = np.full(b + 1, int(L[s, b]), dtype=np.int64)
+    for r in range(s + 1, S):
+        avail = _pass(avail, KF[r][: b + 1]) + (lmin[r] if r + 1 < S else 0)
+    # on the last stage a B follows the F of its samples; then down to s + 1
+    avail = _pass(avail, KG[S - 1][: b + 1])
+    for r in range(S - 2, s, -1):
+        avail = _pass(avail + lmin[r], KG[r][: b + 1])
+    return avail + lmin[s]
 
 
 def _chain(first: np.ndarray, steps: list) -> np.ndarray:
@@ -768,13 +775,8 @@ def untied_heads(F: np.ndarray, G: np.ndarray, L: np.ndarray, h: Heads, minibatc
     first = np.zeros((S, mx + 1), dtype=np.int64)  # the first sample of the message back
     for b in range(1, mx + 1):
         for s in range(S - 1):
-            avail = np.full(b + 1, int(L[s, b]), dtype=np.int64)
-            for r in range(s + 1, S):
-                avail = _pass(avail, KF[r][: b + 1]) + (lmin[r] if r + 1 < S else 0)
-            avail = _pass(avail, KG[S - 1][: b + 1])
-            for r in range(S - 2, s, -1):
-                avail = _pass(avail + lmin[r], KG[r][: b + 1])
-            last[s, b], first[s, b] = avail[b] + lmin[s], avail[1] + lmin[s]
+            back = _round_trip(L, KF, KG, lmin, s, b)
+            last[s, b], first[s, b] = back[b], back[1]
     for s in range(S - 1):
         up = [(F[r], L[r]) for r in range(s + 1, S - 1)]
         down = [(G[r], L[r - 1]) for r in range(S - 2, s, -1)]
