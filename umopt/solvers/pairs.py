@@ -27,6 +27,12 @@ stage then runs each chunk's B right after its F, a chain) bounds the schedules 
 the GA's. CP-SAT settles it far sooner: vgg16-cpu, B=16 in 2 s (210.0 ms against a schedule of
 211.5), and at B=32 15 s lift gpt-sim's bound within that family from 100.8 to 102.1 ms
 (``IN_ORDER_MAX_CELLS``).
+
+And for every schedule the untied model (:func:`build_untied_pair_model`; :mod:`.bounds`, "Any
+order, in sample order"): every schedule turns into one with its B ops in sample order and B
+ranges untied from F ranges, no later, so a bound on those bounds all. It runs beside the
+free-order model up to ``PAIR_MAX_CELLS`` (vgg16-cpu, B=8: 157.4 ms against 154.6; B=12: 183.56,
+the optimum is 183.59) and alone up to ``IN_ORDER_MAX_CELLS``.
 """
 
 from __future__ import annotations
