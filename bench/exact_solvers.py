@@ -39,6 +39,7 @@ CASES = [("gpt-sim", 32), ("gpt-cpu", 32), ("vgg16-cpu", 32), ("transformer8-sim
 # (label, solver, order)
 RUNS = [
     ("dp", "dp", "auto"),
+    ("ramp", "ramp", "auto"),
     ("greedy", "greedy", "auto"),
     ("ga", "ga", "auto"),
     ("cpsat", "cpsat", "auto"),

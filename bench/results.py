@@ -83,10 +83,11 @@ def main() -> None:
 
     vgg = next(r for r in quality if r[0] == "vgg16-cpu" and r[1] == "64")
     gsim = next(r for r in quality if r[0] == "gpt-sim")
-    vs_gpipe = speedup(vgg[8])
-    vs_1f1b = vs_gpipe / speedup(vgg[3])
-    g_gpipe = speedup(gsim[8])
-    g_1f1b = g_gpipe / speedup(gsim[3])
+    auto, of = solver_quality.COLUMNS.index("auto"), solver_quality.COLUMNS.index("1f1b_equal")
+    vs_gpipe = speedup(vgg[auto])
+    vs_1f1b = vs_gpipe / speedup(vgg[of])
+    g_gpipe = speedup(gsim[auto])
+    g_1f1b = g_gpipe / speedup(gsim[of])
     meas = {r[0]: float(r[3]) for r in runs}
     eq = next(k for k in meas if k.startswith("umopt runtime, best equal"))
     um = meas["umopt runtime, umopt schedule"]

@@ -34,7 +34,7 @@ CASES = [
 ]
 
 
-COLUMNS = ("profile", "B", "gpipe_equal", "1f1b_equal", "hill climb", "dp", "greedy", "ga", "auto", "auto order", "auto s", "bound", "auto gap", "1F1B bound", "gap in 1F1B")
+COLUMNS = ("profile", "B", "gpipe_equal", "1f1b_equal", "hill climb", "dp", "ramp", "greedy", "ga", "auto", "auto order", "auto s", "bound", "auto gap", "1F1B bound", "gap in 1F1B")
 
 
 def run(time_limit: float, cases=CASES, say=print) -> list[list[str]]:
@@ -50,7 +50,7 @@ def run(time_limit: float, cases=CASES, say=print) -> list[list[str]]:
         climbs = [hill_climb(problem, c, time.perf_counter() + time_limit)[0] for c in (gp.candidate, of.candidate)]
         climb = min(c.iteration_ms for c in climbs)
         row = [name, str(B), cell(gp.iteration_ms), cell(of.iteration_ms), cell(climb)]
-        for solver in ("dp", "greedy", "ga", "auto"):
+        for solver in ("dp", "ramp", "greedy", "ga", "auto"):
             t0 = time.perf_counter()
             res = SOLVERS[solver](problem, time_limit=time_limit, seed=0)
             seconds = time.perf_counter() - t0

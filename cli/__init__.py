@@ -54,7 +54,7 @@ def _ms(x: Optional[float]) -> str:
 @click.argument("profile_path", metavar="PROFILE")
 @click.option("-B", "--minibatch", type=int, required=True, help="Samples per iteration (per pipeline).")
 @click.option("--recompute", is_flag=True, help="Recompute activations in backward; B chunks become free.")
-@click.option("--solver", type=click.Choice(["auto", "ga", "greedy", "dp", "equal", "cpsat", "milp"]), default="auto", show_default=True)
+@click.option("--solver", type=click.Choice(["auto", "ga", "greedy", "dp", "ramp", "equal", "cpsat", "milp"]), default="auto", show_default=True)
 @click.option("--order", type=click.Choice(["auto", "gpipe", "1f1b"]), default="auto", show_default=True, help="Op order: GPipe, 1F1B, or auto (the GA tries both; cpsat/milp order each stage freely).")
 @click.option("--time-limit", type=float, default=20.0, show_default=True, help="Seconds of search.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed (the search is timed: the same seed gives the same result for the same amount of work, not always on a busier machine).")

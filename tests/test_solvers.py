@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from umopt.baselines import gpipe_equal, lower_bound, min_work, onef1b_equal
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
-from umopt.partition import chunks
+from umopt.partition import chunks, equal_sizes
 from umopt.problem import Candidate, Problem, pack, ticking
 from umopt.profile import load_profile
 from umopt.solvers import SOLVERS
@@ -22,6 +22,7 @@ from umopt.solvers.bounds import best_bound_ms
 from umopt.solvers.dp import shared_partition
 from umopt.solvers.local import aligned_moves, hill_climb, iterated_climb
 from umopt.solvers.pairs import pair_bound_ms
+from umopt.solvers.ramp import ramped_partitions
 from umopt.synthetic import synthetic_profile
 from umopt.vectorized import evaluate_1f1b
 
@@ -86,7 +87,7 @@ def test_every_solver_gives_a_valid_schedule_never_below_the_bound(S, B, recompu
         res = solve(problem, time_limit=1.5, seed=1)
         it = res.candidate.simulate(problem).iteration_ms
         assert it >= lb - 1e-9, name
-        if name in ("auto", "ga", "equal"):
+        if name in ("auto", "ga", "equal", "ramp"):
             assert it <= gp + 1e-9, name  # seeded with / containing the best equal GPipe schedule
 
 
@@ -115,6 +116,31 @@ def test_equal_baselines_pick_the_best_m():
             assert Candidate.uniform(sizes, 3).simulate(problem).iteration_ms >= gp.iteration_ms - 1e-9
     of = onef1b_equal(problem)
     assert of.microbatches >= 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 64))
+def test_ramped_partitions_cover_the_minibatch_within_the_largest_size(B, mx):
+    parts = ramped_partitions(B, mx)
+    assert all(sum(p) == B and 1 <= min(p) and max(p) <= mx for p in parts)
+    assert len({tuple(p) for p in parts}) == len(parts)
+    # the equal partitions are in the family, so ramp is never worse than the best equal schedule
+    assert {tuple(equal_sizes(B, n)) for n in range(-(-B // mx), B + 1)} <= {tuple(p) for p in parts}
+    if B >= 16 and mx >= 8:  # and ramps: 1, 2, 4 up and down around chunks of 8
+        assert [1, 2, 4] + [8] * ((B - 14) // 8) + ([(B - 14) % 8] if (B - 14) % 8 else []) + [4, 2, 1] in parts
+
+
+def test_ramp_beats_equal_chunks_on_a_deep_pipeline():
+    # eight stages with a fixed cost per op: equal chunks pay for the fill and the drain with
+    # chunks as large as the middle ones, a ramp with chunks of 1 to 4 samples
+    prof = synthetic_profile(8, max_size=64, overhead_ms=[0.5] * 8, per_sample_ms=[0.3] * 8)
+    problem = Problem(CostTables.from_profile(prof), 128)
+    ramp = SOLVERS["ramp"](problem)
+    equal = SOLVERS["equal"](problem).candidate.simulate(problem).iteration_ms
+    assert ramp.candidate.simulate(problem).iteration_ms < 0.97 * equal
+    sizes = ramp.candidate.fsizes[0]
+    assert all(p == sizes for p in ramp.candidate.fsizes)
+    assert sizes[0] < max(sizes) and sizes[-1] < max(sizes)
 
 
 def test_min_work_knapsack():
@@ -146,7 +172,7 @@ def test_memory_limit_is_respected_by_baselines_and_ga():
     unlimited = SOLVERS["auto"](free, time_limit=1, seed=0).candidate.simulate(free)
     assert max(unlimited.peak_memory_bytes) > limit  # the limit binds
     problem = Problem(CostTables.from_profile(prof.with_memory_limit(limit), True), 16)
-    for name in ("auto", "ga", "greedy", "dp", "equal"):
+    for name in ("auto", "ga", "greedy", "dp", "ramp", "equal"):
         res = SOLVERS[name](problem, time_limit=1, seed=0)
         tl = res.candidate.simulate(problem)
         assert max(tl.peak_memory_bytes) <= limit, name

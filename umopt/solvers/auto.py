@@ -1,4 +1,11 @@
-"""The default solver: the best equal and DP schedules first, then the GA, within the time limit.
+"""The default solver: the best equal, DP and ramp schedules first, then the GA, within the time limit.
+
+The ramp (one shared partition, small chunks first and last) is where the GA starts on deep
+pipelines: at S=8 it cannot line up such chunk ends on every stage by itself within a minute
+(transformer8-sim, B=256: 436 ms alone, 416 started from the ramp's 434; B=128: 262 against
+254; B=64, 30 s: 171 against 166). At S=4 the start made no difference beyond the random path
+(gpt-sim, B=32, 60 s: 104.02 either way; vgg16-cpu, seeds 0 / 1 / 2: 321.1 / 320.1 / 320.1
+from the ramp against 319.5 / 320.1 / 320.6 without).
 
 On instances small enough for the exact model to prove (about S=4, B=8), half the time goes to
 CP-SAT, warm-started with the best schedule found: the free-order model under ``--order auto``
@@ -25,6 +32,7 @@ from .cpsat import solve_cpsat
 from .dp import solve_dp
 from .equal import solve_equal
 from .ga import solve_ga
+from .ramp import solve_ramp
 from .bounds import backwards_in_sample_order
 from .pairs import IN_ORDER_MAX_CELLS, pair_bound_ms, pair_bound_runs
 
@@ -38,7 +46,7 @@ def solve_auto(
     fast = []
     # the paper's greedy baseline is left out: it is never near the GA's schedules and costs
     # seconds on large instances (S=8, B=256)
-    for solver in (solve_equal, solve_dp):
+    for solver in (solve_equal, solve_dp, solve_ramp):
         try:
             fast.append(solver(problem, order=order))
         except UmoptError:  # e.g. no GPipe schedule fits the memory limit; the others may
