@@ -41,19 +41,22 @@ step overhead fitted by `umopt calibrate` (since then), the run above (`python b
 margin; the run above (the same command, this session) met them too, at 0.915 x predicted (every
 schedule ran 8-12% faster than predicted that time), 1.022 x ScheduleGPipe and 87%."""
 WHAT_IT_SHOWS = """What the solver table shows, plainly: umopt's schedules beat the best equal GPipe and 1F1B
-schedules on every profile, most where stages differ most (VGG16: 11-26% over equal GPipe); a
-hill climb from the best equal schedules gains 2-11%, the GA with its iterated local search
-3.5-26%. Almost all the winners are 1F1B-ordered with per-stage warm-ups: the stage holding the
-most work alternates forward and backward from the start while the stages before it forward
-everything first, an order neither GPipe nor PipeDream-flush has. On all these instances `auto`
-runs the GA as `ga` does (the exact model only gets time where it proves optimality, about S=4,
-B=8), started from the dp schedule too where that beats the equal ones, with a little less time;
-at 20 s a run's random path decides between neighbouring schedules (up to 2% apart, either way
-round from run to run; here gpt-sim, B=64: ga 169.5 / auto 169.8 ms; vgg16-cpu, B=128: 1026.1 /
-1034.6). The "gap" is to the best bound umopt proves for every schedule (the
-stage cuts of docs/formats.md), "gap in 1F1B" to the one it proves within the 1F1B family (B ops
-in sample order) for auto's schedules of that family, so each says how far from optimal a
-schedule is at most, not how far it is."""
+schedules on every profile, most where stages differ most (VGG16: 13-26% over equal GPipe); a
+hill climb from the best equal schedules gains 2-11%, one shared ramped partition (`ramp`, small
+chunks first and last) 5-12%, the GA with its iterated local search 5-26%. Almost all the
+winners are 1F1B-ordered with per-stage warm-ups: the stage holding the most work alternates
+forward and backward from the start while the stages before it forward everything first, an
+order neither GPipe nor PipeDream-flush has. `auto` runs the GA as `ga` does (the exact model
+only gets time where it proves optimality, about S=4, B=8), started from the dp and ramp
+schedules too where they beat the equal ones. On the deep pipeline (transformer8-sim, S=8) that
+start is worth 3.4% (B=128: 256.4 against 265.4 ms) and 4.7% (B=256: 420.3 against 440.9): the
+GA does not find the ramp by itself in 20 s, and the ramp alone beats it there. At S=4 a run's
+random path decides between neighbouring schedules (up to 2% apart, either way round from run to
+run; here gpt-sim, B=64: ga 169.5 / auto 170.6 ms; vgg16-cpu, B=128: 1020.5 / 1016.0). The
+"gap" is to the best bound umopt proves for every schedule (stage cuts and the untied bound of
+docs/formats.md; `auto`'s pair bounds run beside it only up to B=32), "gap in 1F1B" to the one it
+proves within the 1F1B family (B ops in sample order) for auto's schedules of that family, so
+each says how far from optimal a schedule is at most, not how far it is."""
 
 
 def md(columns, rows) -> str:
