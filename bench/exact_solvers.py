@@ -200,12 +200,13 @@ BOUND_CASES = [("gpt-sim", 8), ("vgg16-cpu", 8), *CASES]
 
 def run_bounds(cases=BOUND_CASES, say=print) -> Table:
     """The fast bounds side by side, each with its seconds: the stage cuts (any order), the
-    untied bound (any order: every schedule turns into an untied one in sample order, docs/formats.md)
-    and the 1F1B-family bound."""
+    untied bound (any order: every schedule turns into an untied one in sample order, docs/formats.md),
+    the matched bound on top of it (any order, where B <= 32: seconds, not fast; auto runs it
+    beside the GA) and the 1F1B-family bound."""
     from umopt.solvers import bounds
 
-    tab = Table(title="fast lower bounds, ms (seconds): the first two hold for every schedule, the last within the 1F1B family")
-    for col in ("profile", "S", "B", "stage cuts", "untied", "1F1B family"):
+    tab = Table(title="lower bounds, ms (seconds): the first three hold for every schedule, the last within the 1F1B family")
+    for col in ("profile", "S", "B", "stage cuts", "untied", "matched", "1F1B family"):
         tab.add_column(col, justify="right")
     for name, B in cases:
         problem = make_problem(load_profile(name), B, recompute=False)
@@ -218,7 +219,11 @@ def run_bounds(cases=BOUND_CASES, say=print) -> Table:
         t2 = time.perf_counter()
         in_order = bounds.sample_order_bound(F, G, L, B)
         t3 = time.perf_counter()
-        cells = [f"{v / 1000 + opt:.2f} ({dt:.1f} s)" for v, dt in ((cuts, t1 - t0), (untied, t2 - t1), (in_order, t3 - t2))]
+        matched = bounds.matched_bound(F, G, L, B, untied) if B <= 32 else None
+        t4 = time.perf_counter()
+        cells = [f"{v / 1000 + opt:.2f} ({dt:.1f} s)" for v, dt in ((cuts, t1 - t0), (untied, t2 - t1), (matched, t4 - t3), (in_order, t3 - t2)) if v is not None]
+        if matched is None:
+            cells.insert(2, "-")
         say(f"{name} B={B}: " + ", ".join(cells))
         tab.add_row(name, str(problem.num_stages), str(B), *cells)
     return tab

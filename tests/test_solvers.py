@@ -21,6 +21,7 @@ from umopt.solvers import bounds
 from umopt.solvers.bounds import best_bound_ms
 from umopt.solvers.dp import shared_partition
 from umopt.solvers.local import aligned_moves, hill_climb, iterated_climb
+from umopt.solvers import pairs
 from umopt.solvers.pairs import pair_bound_ms
 from umopt.solvers.ramp import ramped_partitions
 from umopt.synthetic import synthetic_profile
@@ -756,3 +757,39 @@ def test_untied_usable_chunks_hold_every_chunk_of_a_schedule_within_the_target(S
         for s, st_ops in enumerate(cand.ops()):
             f_use, b_use = bounds.untied_usable_chunks(T, h, ut, F, G, s, B)
             assert all((f_use if kind == "F" else b_use)[lo, hi - lo] for kind, lo, hi in st_ops)
+
+
+@pytest.mark.parametrize("S,B,seed,latency_ms,bytes_per_ms", [(2, 4, 22, 0.3, 2e5), (2, 4, 16, 0.05, 1e5), (3, 3, 7, 0.05, 1e5)])
+def test_matched_bound_lifts_the_untied_bound_and_never_exceeds_the_optimum(S, B, seed, latency_ms, bytes_per_ms):
+    # brute force over every partition and order (2, 4, 22: 22.67 -> 23.31 ms, the optimum 23.32)
+    problem = _synthetic_problem(S, B, 4, seed, latency_ms, bytes_per_ms)
+    F, G, L = bounds.int_tables(problem)
+    known = bounds.own_bound(problem)
+    matched = bounds.matched_bound(F, G, L, B, known) / 1000 + problem.tables.optimizer_ms
+    assert known / 1000 + problem.tables.optimizer_ms + 0.3 < matched <= brute_force_any_order(problem) + 1e-9
+
+
+@settings(max_examples=25, deadline=None)
+@given(S=st.integers(2, 4), B=st.integers(2, 12), mx=st.sampled_from([2, 4, 8]), seed=st.integers(0, 10_000))
+def test_matched_bound_never_exceeds_a_schedule_in_any_order(S, B, mx, seed):
+    problem = _synthetic_problem(S, B, mx, seed, 0.2, 1e5)
+    F, G, L = bounds.int_tables(problem)
+    # from 0, so that every stage's program is searched, not only those that could lift the rest
+    matched = bounds.matched_bound(F, G, L, B) / 1000 + problem.tables.optimizer_ms
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        ops = [_random_any_order_stage(rng, B, problem.max_size) for _ in range(S)]
+        try:
+            it = simulate(problem.tables, ops, B, record=False).iteration_ms
+        except UmoptError:  # the stages' random orders wait on each other
+            continue
+        assert matched <= it + 1e-9
+
+
+def test_matched_bound_runs_in_a_process_of_its_own_and_gives_up_on_time():
+    problem = _synthetic_problem(3, 12, 8, 5, 0.2, 1e5)  # 96 cells: past MATCHED_IN_PROCESS_CELLS
+    F, G, L = bounds.int_tables(problem)
+    known = bounds.own_bound(problem)
+    assert 12 * 8 > pairs.MATCHED_IN_PROCESS_CELLS
+    assert pairs._matched_within(F, G, L, 12, known, 60.0) == bounds.matched_bound(F, G, L, 12, known)
+    assert pairs._matched_within(F, G, L, 12, known, 0.0) == known

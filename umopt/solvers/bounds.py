@@ -44,6 +44,7 @@ __all__ = [
     "untied_heads",
     "untied_bound",
     "untied_usable_chunks",
+    "matched_bound",
 ]
 
 
@@ -919,3 +920,92 @@ def untied_usable_chunks(T: int, h: Heads, ut: UntiedHeads, F: np.ndarray, G: np
             end = np.maximum(t[i, j], ready[j + bb]) + G[s, bb]
             b_use[j, bb] = bool(((t[i, j] < big) & (end <= np.minimum(late[i, j + bb], T - after_b[bb, j + bb]))).any())
     return f_use[:B], b_use[:B]
+
+
+# Matched: what the untied schedules forget. The exchange above keeps every B op's size and time
+# slot, and before the exchange each B op had its own chunk's F op, of the same size, ended before
+# it. So in every schedule, turned untied, each B op of b samples can be matched to a different
+# earlier F op of b samples. A program over (i forwarded, j backwarded, the sizes of the F ops not
+# matched yet) keeps that; and it knows the B work still owed for those open F ops exactly (each
+# gets one B op of its size), which with the least F and B work of the samples not yet forwarded
+# is a floor on what the stage must still run. The untied program lets a stage forward in small
+# chunks (short heads) and backward in large ones (cheap work); here the small F chunks owe small,
+# dear B ops. gpt-cpu, S=4, B=32, its last stage: 139.15 -> 141.62 ms. The open sizes make the
+# states many (up to ~200,000 per diagonal at B=32, seconds per target in Python), so it runs
+# beside the search (auto), under a cap on states.
+
+MATCHED_MAX_STATES = 4_000_000
+# only stages whose untied bound is within 1/MATCHED_REACH of the best are searched (the lift on
+# gpt-cpu's last stage is 1.8%)
+MATCHED_REACH = 25
+
+
+def matched_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, known: int = 0, max_states: int = MATCHED_MAX_STATES) -> int:
+    """A lower bound on every schedule (any order, no recompute), never below ``known`` (see
+    above): for each stage, the least ``T`` whose matched program reaches the end, to a
+    two-thousandth. A program past ``max_states`` states counts as reaching it (no lift)."""
+    B, S = minibatch, F.shape[0]
+    h = heads_and_tails(F, G, L, B)
+    ut = untied_heads(F, G, L, h, B)
+    best = known
+    for s in range(S - 1, -1, -1):
+        ends = _untied_limits(h, ut, F, G, s, B)
+        if _two_chains(best - best // MATCHED_REACH, F[s], G[s], *ends, B) is not None:
+            continue  # its untied bound is too far below to be lifted above ``best`` (seconds saved)
+        owed = least_work(F[s] + G[s], B)
+
+        def ok(T: int) -> bool:
+            return _matched(T, F[s], G[s], *ends, owed, B, max_states) is not False
+
+        if ok(best):
+            continue  # this stage's bound is no higher
+        # up in growing steps from what is proven (the lifts are a few percent, and a program far
+        # above its optimum has many more states), then halve the last step
+        lo, step = best + 1, max(1, best // 200)
+        while not ok(lo + step):
+            lo, step = lo + step + 1, 2 * step
+        best = max(best, _least(ok, lo, lo + step, best // 2000))
+    return best
+
+
+def _matched(T: int, Fs, Gs, rel, ready, after_f, after_b, owed, B: int, max_states: int) -> Optional[bool]:
+    """Does one stage's matched program reach (B, B) with every op meeting ``T``? None: gave up.
+    States by anti-diagonal; per (i, j) the least end of each multiset of open sizes (a sorted
+    tuple), with the B work it owes."""
+    mx = len(Fs) - 1
+    rel, ready, after_f, owed = (np.asarray(a).tolist() for a in (rel, ready, after_f, owed))
+    Fs, Gs, after_b = Fs.tolist(), Gs.tolist(), after_b.tolist()
+    layers: dict = {(0, 0): {(): (0, 0)}}
+    seen = 0
+    for d in range(2 * B):
+        for i in range((d + 1) // 2, min(d, B) + 1):
+            cur = layers.pop((i, d - i), None)
+            if not cur:
+                continue
+            j = d - i
+            seen += len(cur)
+            if seen > max_states:
+                return None
+            for opened, (e, w) in cur.items():
+                for b in range(1, min(mx, B - i) + 1):  # an F op [i, i + b)
+                    end = max(e, rel[i + b]) + Fs[b]
+                    if end + after_f[b] > T or end + w + Gs[b] + owed[B - i - b] > T:
+                        continue
+                    k = bisect.bisect(opened, b)
+                    key = (*opened[:k], b, *opened[k:])
+                    nxt = layers.setdefault((i + b, j), {})
+                    if key not in nxt or nxt[key][0] > end:
+                        nxt[key] = (end, w + Gs[b])
+                last = 0
+                for k, b in enumerate(opened):  # a B op of an open size b: [j, j + b)
+                    if b == last:
+                        continue
+                    last = b
+                    end = max(e, ready[j + b]) + Gs[b]
+                    if end + after_b[b][j + b] > T or end + w - Gs[b] + owed[B - i] > T:
+                        continue
+                    key = opened[:k] + opened[k + 1 :]
+                    nxt = layers.setdefault((i, j + b), {})
+                    if key not in nxt or nxt[key][0] > end:
+                        nxt[key] = (end, w - Gs[b])
+    return (B, B) in layers
