@@ -822,18 +822,23 @@ def untied_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, kn
     may be backwarded last, here the later samples follow the earlier ones (gpt-sim, S=4, B=32:
     94.4 -> 100.5 ms; vgg16-cpu: 281.3 -> 301.2; S=8, B=256: 313.7 -> 358.9, in 7 s). ``known``: a bound already
     proven (the stage cuts), where the search starts; the result is never below it."""
-    B, S = minibatch, F.shape[0]
-    h = heads_and_tails(F, G, L, B)
-    ut = untied_heads(F, G, L, h, B)
+    B = minibatch
     best = known
-    for s in range(S - 1, -1, -1):
-        ends = _untied_limits(h, ut, F, G, s, B)
+    for s, h, ut, ends in _untied_stages(F, G, L, B):
         if best and _two_chains(best, F[s], G[s], *ends, B) is not None:
             continue  # this stage's bound is no higher
         top = int(h.release[s, B] + ut.grad_ready[s, B] + (F[s, 1:] + G[s, 1:]).max() * B + ends[2].max(initial=0) + ends[3][ends[3] < _BIG // 4].max(initial=0)) + 1
         # to a ten-thousandth: each step is a program over (B + 1)^2 / 2 states
         best = max(best, _least(lambda T: _two_chains(T, F[s], G[s], *ends, B) is not None, best, top, best // 10_000))
     return best
+
+
+def _untied_stages(F: np.ndarray, G: np.ndarray, L: np.ndarray, B: int):
+    """``(s, heads, untied heads, stage s's inputs to the programs)``, last stage first."""
+    h = heads_and_tails(F, G, L, B)
+    ut = untied_heads(F, G, L, h, B)
+    for s in range(F.shape[0] - 1, -1, -1):
+        yield s, h, ut, _untied_limits(h, ut, F, G, s, B)
 
 
 def _untied_limits(h: Heads, ut: UntiedHeads, F: np.ndarray, G: np.ndarray, s: int, B: int):
@@ -944,12 +949,9 @@ def matched_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, k
     """A lower bound on every schedule (any order, no recompute), never below ``known`` (see
     above): for each stage, the least ``T`` whose matched program reaches the end, to a
     two-thousandth. A program past ``max_states`` states counts as reaching it (no lift)."""
-    B, S = minibatch, F.shape[0]
-    h = heads_and_tails(F, G, L, B)
-    ut = untied_heads(F, G, L, h, B)
+    B = minibatch
     best = known
-    for s in range(S - 1, -1, -1):
-        ends = _untied_limits(h, ut, F, G, s, B)
+    for s, _, _, ends in _untied_stages(F, G, L, B):
         if _two_chains(best - best // MATCHED_REACH, F[s], G[s], *ends, B) is not None:
             continue  # its untied bound is too far below to be lifted above ``best`` (seconds saved)
         owed = least_work(F[s] + G[s], B)
