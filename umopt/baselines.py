@@ -14,8 +14,7 @@ from typing import Optional
 import numpy as np
 
 from .partition import equal_sizes
-from .problem import Candidate, Problem, pack, score_gpipe
-from .vectorized import evaluate_1f1b
+from .problem import Candidate, Problem, pack, score_1f1b, score_gpipe
 
 __all__ = ["Baseline", "feasible_m", "gpipe_equal", "onef1b_equal", "lower_bound", "min_work"]
 
@@ -52,10 +51,7 @@ def onef1b_equal(problem: Problem) -> Baseline:
     ms = list(feasible_m(problem, lowest=S))
     if not ms:
         return Baseline("1f1b_equal", None, None, None)
-    sc = evaluate_1f1b(problem.tables, pack([[equal_sizes(B, m)] * S for m in ms]))
-    it = sc.iteration_ms
-    if problem.memory_limit is not None:
-        it = np.where(sc.peak_memory_bytes.max(axis=1) <= problem.memory_limit, it, np.inf)
+    it, _ = score_1f1b(problem, pack([[equal_sizes(B, m)] * S for m in ms]))
     k = int(np.argmin(it))  # ties go to the smaller M
     if not np.isfinite(it[k]):
         return Baseline("1f1b_equal", None, None, None)

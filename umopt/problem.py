@@ -17,7 +17,7 @@ import numpy as np
 
 from .costmodel import CostTables, Op, Timeline, simulate
 from .partition import gpipe_ops, onef1b_schedule, partitions_from_ops, pipedream_warmup
-from .vectorized import PopulationScore, evaluate_gpipe
+from .vectorized import PopulationScore, evaluate_1f1b, evaluate_gpipe
 
 __all__ = ["Problem", "Candidate", "SolverResult", "Progress", "ticking", "pack", "score_gpipe"]
 
@@ -146,6 +146,18 @@ def pack(partitions: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
 def score_gpipe(problem: Problem, fsizes: np.ndarray, bsizes: Optional[np.ndarray] = None) -> tuple[np.ndarray, PopulationScore]:
     """Iteration ms of each GPipe-order individual, ``inf`` where it breaks the memory limit."""
     sc = evaluate_gpipe(problem.tables, fsizes, bsizes)
+    it = sc.iteration_ms
+    if problem.memory_limit is not None:
+        it = np.where(sc.peak_memory_bytes.max(axis=1) <= problem.memory_limit, it, np.inf)
+    return it, sc
+
+
+def score_1f1b(
+    problem: Problem, fsizes: np.ndarray, warmup: Optional[np.ndarray] = None, bsizes: Optional[np.ndarray] = None
+) -> tuple[np.ndarray, PopulationScore]:
+    """Iteration ms of each 1F1B-order individual (warm-ups as :func:`umopt.vectorized.evaluate_1f1b`'s),
+    ``inf`` where it breaks the memory limit."""
+    sc = evaluate_1f1b(problem.tables, fsizes, warmup, bsizes)
     it = sc.iteration_ms
     if problem.memory_limit is not None:
         it = np.where(sc.peak_memory_bytes.max(axis=1) <= problem.memory_limit, it, np.inf)

@@ -41,8 +41,7 @@ import numpy as np
 
 from ..baselines import feasible_m, gpipe_equal, onef1b_equal
 from ..partition import ends_to_sizes, equal_sizes, pipedream_warmup, repair_ends, sizes_to_ends
-from ..problem import Candidate, Problem, Progress, SolverResult, score_gpipe
-from ..vectorized import evaluate_1f1b
+from ..problem import Candidate, Problem, Progress, SolverResult, score_1f1b, score_gpipe
 from .local import hill_climb, iterated_climb
 
 __all__ = ["solve_ga"]
@@ -86,10 +85,7 @@ class _Scorer:
             fit[g] = it + 1e-7 * sc.finish_ms.mean(axis=1)
         if onef1b.any():
             bs = ends_to_sizes(be[onef1b]) if self.problem.recompute else None
-            sc = evaluate_1f1b(self.problem.tables, ends_to_sizes(fe[onef1b]), warmup[onef1b], bs)
-            it = sc.iteration_ms
-            if self.problem.memory_limit is not None:
-                it = np.where(sc.peak_memory_bytes.max(axis=1) <= self.problem.memory_limit, it, np.inf)
+            it, sc = score_1f1b(self.problem, ends_to_sizes(fe[onef1b]), warmup[onef1b], bs)
             fit[onef1b] = it + 1e-7 * sc.finish_ms.mean(axis=1)
         return fit
 

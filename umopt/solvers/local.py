@@ -27,8 +27,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from ..costmodel import simulate, stage_peak_memory
-from ..problem import Candidate, Problem, pack
-from ..vectorized import evaluate_1f1b, evaluate_gpipe
+from ..problem import Candidate, Problem, pack, score_1f1b, score_gpipe
 
 __all__ = ["moves", "aligned_moves", "score_batch", "hill_climb", "iterated_climb"]
 
@@ -110,17 +109,11 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
     """(iteration ms, sum of stage finish times) per candidate; ``inf`` over the memory limit."""
     limit = problem.memory_limit
     if cands and all(c.order == "gpipe" for c in cands):
-        sc = evaluate_gpipe(problem.tables, pack([c.fsizes for c in cands]), pack([c.bsizes for c in cands]))
-        it = sc.iteration_ms
-        if limit is not None:
-            it = np.where(sc.peak_memory_bytes.max(axis=1) <= limit, it, np.inf)
+        it, sc = score_gpipe(problem, pack([c.fsizes for c in cands]), pack([c.bsizes for c in cands]))
         return it, sc.finish_ms.sum(axis=1)
     if cands and all(c.order == "1f1b" for c in cands):
         wu = np.array([c.warmups for c in cands])
-        sc = evaluate_1f1b(problem.tables, pack([c.fsizes for c in cands]), wu, pack([c.bsizes for c in cands]))
-        it = sc.iteration_ms
-        if limit is not None:
-            it = np.where(sc.peak_memory_bytes.max(axis=1) <= limit, it, np.inf)
+        it, sc = score_1f1b(problem, pack([c.fsizes for c in cands]), wu, pack([c.bsizes for c in cands]))
         return it, sc.finish_ms.sum(axis=1)
     it = np.empty(len(cands))
     tie = np.empty(len(cands))

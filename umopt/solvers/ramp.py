@@ -26,8 +26,7 @@ import numpy as np
 
 from ..errors import UmoptError
 from ..partition import equal_sizes
-from ..problem import Candidate, Problem, Progress, SolverResult, pack, score_gpipe
-from ..vectorized import evaluate_1f1b
+from ..problem import Candidate, Problem, Progress, SolverResult, pack, score_1f1b, score_gpipe
 
 __all__ = ["ramped_partitions", "solve_ramp"]
 
@@ -72,10 +71,7 @@ def solve_ramp(
         k = int(np.argmin(it))
         scored.append((float(it[k]), Candidate.uniform(parts[k], S, "gpipe")))
     if order in ("auto", "1f1b"):
-        sc = evaluate_1f1b(problem.tables, packed)
-        it = sc.iteration_ms
-        if problem.memory_limit is not None:
-            it = np.where(sc.peak_memory_bytes.max(axis=1) <= problem.memory_limit, it, np.inf)
+        it, _ = score_1f1b(problem, packed)
         k = int(np.argmin(it))
         scored.append((float(it[k]), Candidate.uniform(parts[k], S, "1f1b")))
     ms, cand = min(scored, key=lambda x: x[0])
