@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import numpy as np
@@ -476,7 +477,7 @@ def test_auto_reports_the_pair_bound_where_the_exact_model_does_not_run(monkeypa
     calls = []
     any_order = [170.0]
 
-    def pair(problem, seconds, upper_ms, seed, report, max_cells=None, scope="any order", workers=None):
+    def pair(problem, seconds, upper_ms, seed, report, max_cells=None, scope="any order", workers=None, stop=None):
         calls.append((seconds, upper_ms, scope))
         return any_order[0] if scope == "any order" else 175.0
 
@@ -501,6 +502,46 @@ def test_auto_reports_the_pair_bound_where_the_exact_model_does_not_run(monkeypa
     [(seconds, _, scope)] = calls
     assert scope == "1f1b order" and seconds >= 1.5
     assert res.lower_bound_ms == 175.0 and res.extra["bound_scope"] == "1f1b order"
+
+
+def test_auto_stops_once_the_bound_meets_its_schedule(monkeypatch):
+    # the pairs beside the GA report their bound as it rises; once the GA's best meets it, the
+    # schedule is proven optimal and both stop, long before the time limit
+    import umopt.solvers.auto as auto
+
+    problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 12)
+    calls, stopped = [], []
+
+    def pair(problem, seconds, upper_ms, seed, report, max_cells=None, scope="any order", workers=None, stop=None):
+        calls.append(scope)
+        report(upper_ms)  # a bound the best fast schedule meets (a stand-in for a proof)
+        stopped.append(stop.wait(seconds))
+        return upper_ms
+
+    monkeypatch.setattr(auto, "pair_bound_ms", pair)
+    t0 = time.perf_counter()
+    res = SOLVERS["auto"](problem, time_limit=30, seed=0)
+    assert time.perf_counter() - t0 < 10  # a third of the limit: it stopped, and the pairs with it
+    assert stopped == [True] and calls == ["any order"]  # the 1F1B family's pairs were not needed
+    found = res.candidate.simulate(problem).iteration_ms
+    assert res.status == "optimal" and res.lower_bound_ms == pytest.approx(found)
+    assert res.extra["lower_bound_1f1b_ms"] == pytest.approx(found)
+
+
+def test_ga_and_pair_bound_stop_when_asked():
+    problem = Problem(CostTables.from_profile(load_profile("gpt-sim")), 32)
+    t0 = time.perf_counter()
+    res = SOLVERS["ga"](problem, time_limit=30, seed=0, stop=lambda best_ms: True)
+    assert time.perf_counter() - t0 < 10
+    assert res.candidate.simulate(problem).iteration_ms <= onef1b_equal(problem).candidate.iteration_ms + 1e-9
+    # the pairs (and the matched program's process before them) end within moments of the stop,
+    # with what they proved
+    stop = threading.Event()
+    threading.Timer(2.0, stop.set).start()
+    t0 = time.perf_counter()
+    bound = pair_bound_ms(problem, 60, max_cells=1024, workers=1, stop=stop)
+    assert time.perf_counter() - t0 < 10
+    assert bound >= best_bound_ms(problem) - 1e-9
 
 
 def _b_in_sample_order(ops) -> bool:
@@ -764,9 +805,11 @@ def test_matched_bound_lifts_the_untied_bound_and_never_exceeds_the_optimum(S, B
     # brute force over every partition and order (2, 4, 22: 22.67 -> 23.31 ms, the optimum 23.32)
     problem = _synthetic_problem(S, B, 4, seed, latency_ms, bytes_per_ms)
     F, G, L = bounds.int_tables(problem)
-    known = bounds.own_bound(problem)
+    known = bounds.untied_bound(F, G, L, B, bounds.stage_bound(F, G, L, B, False))
     matched = bounds.matched_bound(F, G, L, B, known) / 1000 + problem.tables.optimizer_ms
     assert known / 1000 + problem.tables.optimizer_ms + 0.3 < matched <= brute_force_any_order(problem) + 1e-9
+    # so small an instance has it in the fast bound every solver reports
+    assert best_bound_ms(problem) == pytest.approx(matched)
 
 
 @settings(max_examples=25, deadline=None)
@@ -787,9 +830,9 @@ def test_matched_bound_never_exceeds_a_schedule_in_any_order(S, B, mx, seed):
 
 
 def test_matched_bound_runs_in_a_process_of_its_own_and_gives_up_on_time():
-    problem = _synthetic_problem(3, 12, 8, 5, 0.2, 1e5)  # 96 cells: past MATCHED_IN_PROCESS_CELLS
+    problem = _synthetic_problem(3, 12, 8, 5, 0.2, 1e5)  # 96 cells: past MATCHED_FAST_CELLS
     F, G, L = bounds.int_tables(problem)
     known = bounds.own_bound(problem)
-    assert 12 * 8 > pairs.MATCHED_IN_PROCESS_CELLS
+    assert 12 * 8 > bounds.MATCHED_FAST_CELLS
     assert pairs._matched_within(F, G, L, 12, known, 60.0) == bounds.matched_bound(F, G, L, 12, known)
     assert pairs._matched_within(F, G, L, 12, known, 0.0) == known

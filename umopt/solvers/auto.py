@@ -16,7 +16,8 @@ bounds of :mod:`.pairs` run beside it on the other cores: the matched bound and 
 every schedule and is the report's (status "optimal" where the schedule meets it), then the pairs
 of the 1F1B family (B ops in sample order, the GA's schedules), reported where the schedule found
 is of that family (``lower_bound_1f1b_ms``; under ``--order 1f1b`` only they run, and they are the
-bound). The result is the best schedule any of them found, scored by the reference simulator, so
+bound). When the bound meets the GA's best schedule, both stop there: it is optimal
+(vgg16-cpu, B=12). The result is the best schedule any of them found, scored by the reference simulator, so
 it is never worse than the best equal schedule.
 """
 
@@ -70,6 +71,20 @@ def solve_auto(
     left = max(0.1, time_limit - (time.perf_counter() - t0))
     ga_time = left * (1 - (EXACT_SHARE if exact else 0))
     side: dict = {}
+    # the bound on the schedules the GA searches, as the pairs beside it prove it: once the GA's
+    # best meets it, the schedule is optimal and both stop. The bounds are on floored
+    # microseconds: within one per op of one is optimal.
+    proven = threading.Event()
+    close = 2 * problem.num_stages * problem.minibatch / 1000
+
+    def stop(best_ms: float) -> bool:
+        if "now" in side and best_ms <= side["now"] + close:
+            proven.set()
+        return proven.is_set()
+
+    def now(bound_ms: float) -> None:
+        side["now"] = max(side.get("now", 0.0), bound_ms)
+
     if beside_runs:
         # a horizon for its models: the best fast schedule within the memory limit, if any
         upper = min((r.candidate.iteration_ms for r in fast if r.candidate.iteration_ms < float("inf")), default=None)
@@ -77,18 +92,25 @@ def solve_auto(
         any_time = ANY_ORDER_SHARE * ga_time if order == "auto" else 0.0
 
         def bound_beside() -> None:
+            # the GA searches every order under --order auto (the untied pairs bound it), only the
+            # 1F1B family under --order 1f1b (the in-order pairs do)
             try:
                 if any_time:
-                    side["any"] = pair_bound_ms(problem, any_time, upper, seed, None, IN_ORDER_MAX_CELLS, "any order", workers)
-                side["1f1b"] = pair_bound_ms(problem, ga_time - any_time, upper, seed, None, IN_ORDER_MAX_CELLS, "1f1b order", workers)
+                    side["any"] = pair_bound_ms(problem, any_time, upper, seed, now, IN_ORDER_MAX_CELLS, "any order", workers, proven)
+                if proven.is_set():  # optimal among every schedule, so among that family's too
+                    side["1f1b"] = side["any"]
+                    return
+                report = now if order == "1f1b" else None
+                side["1f1b"] = pair_bound_ms(problem, ga_time - any_time, upper, seed, report, IN_ORDER_MAX_CELLS, "1f1b order", workers, proven)
             except BaseException as e:  # raised again in the caller's thread
                 side["error"] = e
 
         beside = threading.Thread(target=bound_beside, daemon=True)
         beside.start()
-    ga = solve_ga(problem, time_limit=ga_time, seed=seed, progress=progress, seeds=seeds, order=order)
+    ga = solve_ga(problem, time_limit=ga_time, seed=seed, progress=progress, seeds=seeds, order=order, stop=stop if beside_runs else None)
     ga.candidate.iteration_ms = ga.candidate.simulate(problem).iteration_ms
     if beside_runs:
+        stop(ga.candidate.iteration_ms)  # a bound proven after the GA's last look stops the pairs too
         beside.join()
         if "error" in side:
             raise side["error"]
@@ -111,8 +133,6 @@ def solve_auto(
         extra["bound_scope"] = cp.extra["bound_scope"]
     best = min(results, key=lambda r: r.candidate.iteration_ms)
     found = best.candidate.iteration_ms
-    # the bound is on floored microseconds: within one per op of it is optimal
-    close = 2 * problem.num_stages * problem.minibatch / 1000
     if "1f1b" in side and (order == "1f1b" or backwards_in_sample_order(best.candidate.ops())):
         in_order_bound = min(side["1f1b"], found)
         extra["lower_bound_1f1b_ms"] = in_order_bound

@@ -45,6 +45,7 @@ __all__ = [
     "untied_bound",
     "untied_usable_chunks",
     "matched_bound",
+    "MATCHED_FAST_CELLS",
 ]
 
 
@@ -70,7 +71,8 @@ def best_bound_ms(problem, scope: str = "any order") -> float:
     """The best bound in ms (with the optimizer step) on every schedule of ``scope``.
 
     "any order": the best of the spec's lower bound, :func:`stage_bound` and (without recompute)
-    :func:`untied_bound`. "1f1b order"
+    :func:`untied_bound`, on small instances (B x max size up to ``MATCHED_FAST_CELLS``)
+    :func:`matched_bound` on top. "1f1b order"
     (every stage runs its B ops in sample order, however they interleave with its F ops: 1F1B
     with any warm-ups, PipeDream-flush): also :func:`sample_order_bound`, which only holds there.
     """
@@ -95,6 +97,8 @@ def _own_bound(Fb: bytes, Gb: bytes, Lb: bytes, shape: tuple, minibatch: int, re
     own = stage_bound(F, G, L, minibatch, recompute)
     if not recompute:
         own = untied_bound(F, G, L, minibatch, own)
+        if minibatch * (shape[1] - 1) <= MATCHED_FAST_CELLS:
+            own = matched_bound(F, G, L, minibatch, own)
     if scope == "1f1b order" and not recompute:
         own = max(own, sample_order_bound(F, G, L, minibatch))
     return own
@@ -936,10 +940,13 @@ def untied_usable_chunks(T: int, h: Heads, ut: UntiedHeads, F: np.ndarray, G: np
 # is a floor on what the stage must still run. The untied program lets a stage forward in small
 # chunks (short heads) and backward in large ones (cheap work); here the small F chunks owe small,
 # dear B ops. gpt-cpu, S=4, B=32, its last stage: 139.15 -> 141.62 ms. The open sizes make the
-# states many (up to ~200,000 per diagonal at B=32, seconds per target in Python), so it runs
-# beside the search (auto), under a cap on states.
+# states many (up to ~200,000 per diagonal at B=32, seconds per target in Python), so there it
+# runs beside the search (auto), under a cap on states; small instances have it in the fast bound.
 
 MATCHED_MAX_STATES = 4_000_000
+# up to this B x max size the matched program takes hundredths of a second (S=4, B=8: 0.02 s) and
+# joins the fast bound (gpt-cpu, B=8: 49.08 -> 50.08 ms, the optimum is 50.55); beyond, seconds
+MATCHED_FAST_CELLS = 64
 # only stages whose untied bound is within 1/MATCHED_REACH of the best are searched (the lift on
 # gpt-cpu's last stage is 1.8%)
 MATCHED_REACH = 25

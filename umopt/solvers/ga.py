@@ -35,7 +35,7 @@ stages' finish times.
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -211,8 +211,11 @@ def solve_ga(
     order: str = "auto",
     polish_share: float = 0.1,
     polish_kicks: Optional[int] = None,
+    stop: Optional[Callable[[float], bool]] = None,
     **_,
 ) -> SolverResult:
+    """The GA within ``time_limit`` seconds. ``stop(best ms)``, asked every generation and every
+    kick of the polish, ends the search early when True (``auto``: a bound proved it optimal)."""
     t0 = time.perf_counter()
     if order in ("gpipe", "1f1b"):
         orders = (order,)
@@ -342,6 +345,8 @@ def solve_ga(
         if progress and time.perf_counter() - last_report > 0.1:
             last_report = time.perf_counter()
             progress(min(1.0, (last_report - t0) / time_limit), best_fit)
+        if stop is not None and stop(best_fit):
+            break
 
     # polish the best of each order by iterated local search: the climb cannot change the order,
     # and the runner-up order's best is often a few moves away from beating the leader
@@ -361,7 +366,7 @@ def solve_ga(
         share = (end - time.perf_counter()) * (1.0 if j == len(leaders) - 1 else 0.75)
         start = _to_candidate(fe[k], be[k], bool(ob[k]), wu[k])
         c, m = iterated_climb(
-            problem, start, time.perf_counter() + share, seed=seed + j, free_warmup=free_warmup, max_kicks=polish_kicks, report=report
+            problem, start, time.perf_counter() + share, seed=seed + j, free_warmup=free_warmup, max_kicks=polish_kicks, report=report, stop=stop
         )
         n += m
         if cand is None or c.iteration_ms < cand.iteration_ms - 1e-9:

@@ -43,6 +43,7 @@ import io
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Callable, Optional
 
@@ -50,6 +51,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from .bounds import (
+    MATCHED_FAST_CELLS,
     Heads,
     InOrderHeads,
     UntiedHeads,
@@ -295,6 +297,7 @@ def pair_bound(
     in_order: bool = False,
     known: Optional[int] = None,
     workers: Optional[int] = None,
+    stop: Optional[threading.Event] = None,
 ) -> int:
     """The best of the stage cuts and every pair's bound, in the tables' units; with
     ``in_order``, of :func:`.bounds.sample_order_bound` and every pair's in the 1F1B family
@@ -307,7 +310,8 @@ def pair_bound(
     ``report(bound)`` is called after each CP-SAT call (for a progress bar); past ``max_cells``
     (B x max size; None: no limit) the stage cuts alone. ``known``: those bounds, where the
     caller has them (they take a second or two at S=4, B=32). ``workers``: CP-SAT's (None: one
-    per core)."""
+    per core). ``stop``: once set, the search ends within a tenth of a second with what it has
+    proven (``auto``: the schedule found already meets the bound)."""
     B, S = minibatch, F.shape[0]
     h = heads_and_tails(F, G, L, B)
     if known is None:
@@ -340,7 +344,7 @@ def pair_bound(
     # per (pair, model): no schedule of it below lo; one within hi; the next probe's step (None:
     # not searched yet)
     state = {(s, k): (best, None, None) for s in order for k in range(len(models))}
-    while time.perf_counter() < deadline:
+    while time.perf_counter() < deadline and not (stop and stop.is_set()):
         open_ = [key for key, (lo, hi, _) in state.items() if hi is None or max(lo, best) < hi]
         if not open_:
             break
@@ -351,7 +355,7 @@ def pair_bound(
             left = deadline - time.perf_counter()
             share = left * weight[s, k] / sum(weight[key] for key in open_[i:])
             tick = (lambda lo: report(max(best, lo))) if report else None  # noqa: E731
-            lo, hi, step = _narrow(F, G, L, h, models[k], B, s, max(best, state[s, k][0]), *state[s, k][1:], horizon, share, seed, tick, workers)
+            lo, hi, step = _narrow(F, G, L, h, models[k], B, s, max(best, state[s, k][0]), *state[s, k][1:], horizon, share, seed, tick, workers, stop)
             state[s, k], best = (lo, hi, step), max(best, lo)
     return best
 
@@ -372,6 +376,7 @@ def _narrow(
     seed: int,
     tick: Optional[Callable[[int], None]],
     workers: Optional[int] = None,
+    stop: Optional[threading.Event] = None,
 ):
     """Narrow ``[lo, hi]``, where the least makespan of pair ``s``'s model lies, within ``budget``
     seconds; ``hi`` and ``step`` None on the first call. Returns the new (lo, hi, step).
@@ -385,7 +390,7 @@ def _narrow(
     deadline = time.perf_counter() + budget
 
     def solve(T: int, seconds: float, objective: bool):
-        if seconds <= 0:
+        if seconds <= 0 or (stop and stop.is_set()):
             return None, cp_model.UNKNOWN
         if isinstance(extra, UntiedHeads):
             model, _ = build_untied_pair_model(F, G, L, h, B, s, lo, T, extra)
@@ -397,7 +402,7 @@ def _narrow(
         solver.parameters.max_time_in_seconds = seconds
         solver.parameters.num_workers = workers or max(1, os.cpu_count() or 1)
         solver.parameters.random_seed = seed
-        status = solver.solve(model)
+        status = _solve_unless(solver, model, stop)
         if tick:
             tick(lo)
         return solver, status
@@ -419,18 +424,44 @@ def _narrow(
     # a new round with more time probes again, from where the last one stopped (but not in
     # steps so small that the final minimisation would be the better use of the time)
     step = max(1, lo // 100) if step is None else max(step, lo // 1000)
-    while lo < hi and step >= max(1, lo // 5000) and time.perf_counter() < deadline:
+    while lo < hi and step >= max(1, lo // 5000) and time.perf_counter() < deadline and not (stop and stop.is_set()):
         T = min(hi - 1, lo + step)
         _, status = solve(T, (deadline - time.perf_counter()) / 3, False)
         if status == cp_model.INFEASIBLE:
             lo, step = T + 1, 2 * step
         elif status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            hi, step = T, (T - lo) // 2
+            # within so tight a horizon the model is small, and minimising often proves its
+            # optimum at once (vgg16-cpu, B=12, the binding pair: in 0.8 s, where bisecting
+            # with the same time had it 0.3 ms short)
+            hi = T
+            minimise(T, (deadline - time.perf_counter()) / 2)
+            step = (hi - lo) // 2
         else:  # near the optimum either answer is slow to prove: step back towards lo
             step //= 4
     if lo < hi:
         minimise(hi, deadline - time.perf_counter())
     return lo, hi, step
+
+
+def _solve_unless(solver: cp_model.CpSolver, model: cp_model.CpModel, stop: Optional[threading.Event]):
+    """``solver.solve(model)``, stopped early (status UNKNOWN, or what it has) once ``stop`` is set."""
+    if stop is None:
+        return solver.solve(model)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.05):
+            if stop.is_set():
+                solver.stop_search()
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        return solver.solve(model)
+    finally:
+        done.set()
+        watcher.join()
 
 
 def pair_bound_runs(problem, max_cells: Optional[int] = PAIR_MAX_CELLS) -> bool:
@@ -448,10 +479,12 @@ def pair_bound_ms(
     max_cells: Optional[int] = PAIR_MAX_CELLS,
     scope: str = "any order",
     workers: Optional[int] = None,
+    stop: Optional[threading.Event] = None,
 ) -> float:
     """:func:`pair_bound` in ms with the optimizer step, never below :func:`.bounds.best_bound_ms`
     of the same ``scope`` ("any order", or "1f1b order": the in-order pairs); that bound alone
-    with recompute or past ``max_cells``. ``report(bound_ms)`` as there."""
+    with recompute or past ``max_cells``. ``report(bound_ms)`` and ``stop`` as there (``report``
+    also once the matched program is done)."""
     t0 = time.perf_counter()
     if not pair_bound_runs(problem, max_cells):
         return best_bound_ms(problem, scope)
@@ -464,30 +497,40 @@ def pair_bound_ms(
     tick = None if report is None else lambda us: report(max(fast, us / 1000 + opt))  # noqa: E731
     tables = int_tables(problem)
     if scope == "any order":  # the matched program first (bounds.py), in at most half the time
-        known = max(known, _matched_within(*tables, problem.minibatch, known, time_limit / 2))
+        known = max(known, _matched_within(*tables, problem.minibatch, known, time_limit / 2, stop))
         fast = max(fast, known / 1000 + opt)
+        if report:
+            report(fast)
     left = time_limit - (time.perf_counter() - t0)
-    own = pair_bound(*tables, problem.minibatch, left, upper, seed, tick, max_cells, scope == "1f1b order", known, workers)
+    own = pair_bound(*tables, problem.minibatch, left, upper, seed, tick, max_cells, scope == "1f1b order", known, workers, stop)
     return max(fast, own / 1000 + opt)
 
 
-def _matched_within(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, known: int, seconds: float) -> int:
-    """:func:`.bounds.matched_bound`, or ``known`` where it takes longer than ``seconds``. Small
-    instances here; larger ones in a Python process of their own, which is killed at the time
-    limit and does not hold this one's GIL (the program is pure Python, and in ``auto`` it runs
-    beside the GA). A plain subprocess, not multiprocessing: spawning would import the caller's
-    main module again."""
-    if minibatch * (F.shape[1] - 1) <= MATCHED_IN_PROCESS_CELLS:
+def _matched_within(
+    F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, known: int, seconds: float, stop: Optional[threading.Event] = None
+) -> int:
+    """:func:`.bounds.matched_bound`, or ``known`` where it takes longer than ``seconds`` (or
+    ``stop`` is set first). Small instances here; larger ones in a Python process of their own,
+    which is killed at the time limit and does not hold this one's GIL (the program is pure
+    Python, and in ``auto`` it runs beside the GA). A plain subprocess, not multiprocessing:
+    spawning would import the caller's main module again."""
+    if minibatch * (F.shape[1] - 1) <= MATCHED_FAST_CELLS:
         return matched_bound(F, G, L, minibatch, known)
     buf = io.BytesIO()
     np.savez(buf, F=F, G=G, L=L, B=minibatch, known=known)
     proc = subprocess.Popen([sys.executable, "-c", _MATCHED_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
-        out, _ = proc.communicate(buf.getvalue(), timeout=max(0.0, seconds))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return known
+    deadline = time.perf_counter() + seconds
+    data: Optional[bytes] = buf.getvalue()
+    while True:  # in short waits, to see ``stop``; a retried communicate loses no output
+        try:
+            out, _ = proc.communicate(data, timeout=max(0.0, min(0.1, deadline - time.perf_counter())))
+            break
+        except subprocess.TimeoutExpired:
+            data = None
+            if time.perf_counter() >= deadline or (stop and stop.is_set()):
+                proc.kill()
+                proc.communicate()
+                return known
     return max(known, int(out)) if proc.returncode == 0 and out.strip() else known
 
 
@@ -497,9 +540,6 @@ _MATCHED_CHILD = (
     "print(matched_bound(d['F'], d['G'], d['L'], int(d['B']), int(d['known'])))"
 )
 
-
-# below this (B x max size) the matched program takes well under a second: no process for it
-MATCHED_IN_PROCESS_CELLS = 64
 
 
 def start_bound_ms(problem, order: str, seconds: float, upper_ms: float, seed: int = 0) -> float:
