@@ -97,11 +97,14 @@ def solve_auto(
             try:
                 if any_time:
                     side["any"] = pair_bound_ms(problem, any_time, upper, seed, now, IN_ORDER_MAX_CELLS, "any order", workers, proven)
+                    now(side["any"])  # where it settled early, the GA may still meet it
                 if proven.is_set():  # optimal among every schedule, so among that family's too
                     side["1f1b"] = side["any"]
                     return
                 report = now if order == "1f1b" else None
                 side["1f1b"] = pair_bound_ms(problem, ga_time - any_time, upper, seed, report, IN_ORDER_MAX_CELLS, "1f1b order", workers, proven)
+                if report:
+                    report(side["1f1b"])
             except BaseException as e:  # raised again in the caller's thread
                 side["error"] = e
 

@@ -357,6 +357,8 @@ def pair_bound(
             tick = (lambda lo: report(max(best, lo))) if report else None  # noqa: E731
             lo, hi, step = _narrow(F, G, L, h, models[k], B, s, max(best, state[s, k][0]), *state[s, k][1:], horizon, share, seed, tick, workers, stop)
             state[s, k], best = (lo, hi, step), max(best, lo)
+            if report:  # (the ticks inside report the bound before each probe, this the one after)
+                report(best)
     return best
 
 
