@@ -174,8 +174,8 @@ def run_pairs(ga_time: float, pair_times=(15.0, 60.0), cases=PAIR_CASES, say=pri
         title=f"S=4, B=16 and 32: the pair bounds (seconds given) against the fast bounds and the GA's schedule ({ga_time:g} s, seed 0); "
         "gaps are the schedule's to each bound; '1F1B': bounds within the 1F1B family"
     )
-    cols = ["profile", "B", "ga", "fast", "gap", *(f"pair ({t:g} s)" for t in pair_times), *("gap" for _ in pair_times)]
-    cols += ["1F1B fast", "gap", *(f"1F1B pair ({t:g} s)" for t in pair_times), *("gap" for _ in pair_times)]
+    cols = ["profile", "B", "ga", "fast", "gap", *(c for t in pair_times for c in (f"pair ({t:g} s)", "gap"))]
+    cols += ["1F1B fast", "gap", *(c for t in pair_times for c in (f"1F1B pair ({t:g} s)", "gap"))]
     for col in cols:
         tab.add_column(col, justify="right")
     for name, B in cases:
@@ -189,8 +189,8 @@ def run_pairs(ga_time: float, pair_times=(15.0, 60.0), cases=PAIR_CASES, say=pri
         gap = lambda v: f"{100 * (ga / v - 1):.1f}%"  # noqa: E731
         # a GPipe-order schedule is not of the 1F1B family: no gap to its bounds
         gap_io = gap if backwards_in_sample_order(res.candidate.ops()) else (lambda v: "n/a")  # noqa: E731
-        row = [name, str(B), f"{ga:.2f}", f"{fast:.2f}", gap(fast), *(f"{v:.2f}" for v in pairs), *(gap(v) for v in pairs)]
-        row += [f"{fast_io:.2f}", gap_io(fast_io), *(f"{v:.2f}" for v in pairs_io), *(gap_io(v) for v in pairs_io)]
+        row = [name, str(B), f"{ga:.2f}", f"{fast:.2f}", gap(fast), *(c for v in pairs for c in (f"{v:.2f}", gap(v)))]
+        row += [f"{fast_io:.2f}", gap_io(fast_io), *(c for v in pairs_io for c in (f"{v:.2f}", gap_io(v)))]
         tab.add_row(*row)
     return tab
 

@@ -419,9 +419,10 @@ def _narrow(
         elif solver is not None:
             lo = max(lo, int(solver.best_objective_bound))
 
+    small = B * (F.shape[1] - 1) <= PAIR_MAX_CELLS  # beyond, minimising proves nothing in its time
     if hi is None:
         hi = horizon
-        if B * (F.shape[1] - 1) <= PAIR_MAX_CELLS:  # beyond, it proves nothing in its time
+        if small:
             minimise(horizon, budget / 4)
     # a new round with more time probes again, from where the last one stopped (but not in
     # steps so small that the final minimisation would be the better use of the time)
@@ -432,11 +433,11 @@ def _narrow(
         if status == cp_model.INFEASIBLE:
             lo, step = T + 1, 2 * step
         elif status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            # within so tight a horizon the model is small, and minimising often proves its
-            # optimum at once (vgg16-cpu, B=12, the binding pair: in 0.8 s, where bisecting
-            # with the same time had it 0.3 ms short)
             hi = T
-            minimise(T, (deadline - time.perf_counter()) / 2)
+            if small:  # within so tight a horizon minimising often proves the optimum at once
+                # (vgg16-cpu, B=12, the binding pair: in 0.8 s, where bisecting with the same time
+                # had it 0.3 ms short); at B=32 it proves nothing and bisecting gets further
+                minimise(T, (deadline - time.perf_counter()) / 2)
             step = (hi - lo) // 2
         else:  # near the optimum either answer is slow to prove: step back towards lo
             step //= 4
