@@ -78,6 +78,7 @@ def solve_auto(
     close = 2 * problem.num_stages * problem.minibatch / 1000
 
     def stop(best_ms: float) -> bool:
+        side["found"] = min(side.get("found", best_ms), best_ms)
         if "now" in side and best_ms <= side["now"] + close:
             proven.set()
         return proven.is_set()
@@ -87,7 +88,11 @@ def solve_auto(
 
     if beside_runs:
         # a horizon for its models: the best fast schedule within the memory limit, if any
-        upper = min((r.candidate.iteration_ms for r in fast if r.candidate.iteration_ms < float("inf")), default=None)
+        first = min((r.candidate.iteration_ms for r in fast if r.candidate.iteration_ms < float("inf")), default=None)
+
+        def upper() -> Optional[float]:  # and then the GA's best as it improves: a tighter horizon
+            return min(first, side["found"]) if first is not None and "found" in side else side.get("found", first)
+
         workers = max(1, (os.cpu_count() or 1) - 1)
         any_time = ANY_ORDER_SHARE * ga_time if order == "auto" else 0.0
 

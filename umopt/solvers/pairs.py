@@ -290,7 +290,7 @@ def pair_bound(
     L: np.ndarray,
     minibatch: int,
     time_limit: float,
-    upper: Optional[int] = None,
+    upper: "int | Callable[[], Optional[int]] | None" = None,
     seed: int = 0,
     report: Optional[Callable[[int], None]] = None,
     max_cells: Optional[int] = PAIR_MAX_CELLS,
@@ -306,7 +306,9 @@ def pair_bound(
     Rounds over the pairs not yet settled, until the time is up or every pair is settled: the
     pair likeliest to bind (its stages have the fewest usable chunks near the bound) gets 3/4 of
     each round, the others equal shares of the rest.
-    ``upper``: a known schedule's makespan in the same units, which narrows the models;
+    ``upper``: a known schedule's makespan in the same units, which narrows the models; or a
+    function giving the best one known so far (None: none yet), asked every round (``auto``:
+    the GA's, as it improves);
     ``report(bound)`` is called after each CP-SAT call (for a progress bar); past ``max_cells``
     (B x max size; None: no limit) the stage cuts alone. ``known``: those bounds, where the
     caller has them (they take a second or two at S=4, B=32). ``workers``: CP-SAT's (None: one
@@ -326,7 +328,13 @@ def pair_bound(
     # one op and one message at a time (a horizon too low would only make the bound higher: the
     # model's "no schedule within it" is proven, so it holds)
     safe = int(h.release.max() + 2 * B * ((F[:, 1] + G[:, 1]).max() + L[:, 1].max()) + 2 * h.turn.max() + h.tail.max())
-    horizon = min(safe, upper + 2 * S * B) if upper is not None else safe  # floored op durations
+    upper_now = upper if callable(upper) else (lambda: upper)  # noqa: E731
+
+    def tightened(horizon: int) -> int:
+        u = upper_now()
+        return min(horizon, u + 2 * S * B) if u is not None else horizon  # floored op durations
+
+    horizon = tightened(safe)
     deadline = time.perf_counter() + time_limit
     # the pair most likely to bind first: the one whose tighter stage has the fewest usable
     # chunks 1% above the bound (then the other stage's); it gets 3/4 of every round's time.
@@ -345,6 +353,9 @@ def pair_bound(
     # not searched yet)
     state = {(s, k): (best, None, None) for s in order for k in range(len(models))}
     while time.perf_counter() < deadline and not (stop and stop.is_set()):
+        # a better schedule found meanwhile is a schedule of every pair's model
+        horizon = tightened(horizon)
+        state = {key: (lo, hi if hi is None else min(hi, horizon), step) for key, (lo, hi, step) in state.items()}
         open_ = [key for key, (lo, hi, _) in state.items() if hi is None or max(lo, best) < hi]
         if not open_:
             break
@@ -476,7 +487,7 @@ def pair_bound_runs(problem, max_cells: Optional[int] = PAIR_MAX_CELLS) -> bool:
 def pair_bound_ms(
     problem,
     time_limit: float,
-    upper_ms: Optional[float] = None,
+    upper_ms: "float | Callable[[], Optional[float]] | None" = None,
     seed: int = 0,
     report: Optional[Callable[[float], None]] = None,
     max_cells: Optional[int] = PAIR_MAX_CELLS,
@@ -496,7 +507,10 @@ def pair_bound_ms(
     opt = problem.tables.optimizer_ms
     known = own_bound(problem, scope)
     fast = max(lower_bound(problem), known / 1000 + opt)  # best_bound_ms, without computing it again
-    upper = None if upper_ms is None else int(np.floor((upper_ms - opt) * 1000 + 1e-9))
+    def in_units(ms: Optional[float]) -> Optional[int]:
+        return None if ms is None else int(np.floor((ms - opt) * 1000 + 1e-9))
+
+    upper = (lambda: in_units(upper_ms())) if callable(upper_ms) else in_units(upper_ms)  # noqa: E731
     tick = None if report is None else lambda us: report(max(fast, us / 1000 + opt))  # noqa: E731
     tables = int_tables(problem)
     if scope == "any order":  # the matched program first (bounds.py), in at most half the time
