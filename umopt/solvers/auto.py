@@ -91,7 +91,7 @@ def solve_auto(
         first = min((r.candidate.iteration_ms for r in fast if r.candidate.iteration_ms < float("inf")), default=None)
 
         def upper() -> Optional[float]:  # and then the GA's best as it improves: a tighter horizon
-            return min(first, side["found"]) if first is not None and "found" in side else side.get("found", first)
+            return min((v for v in (first, side.get("found")) if v is not None and v < float("inf")), default=None)
 
         workers = max(1, (os.cpu_count() or 1) - 1)
         any_time = ANY_ORDER_SHARE * ga_time if order == "auto" else 0.0

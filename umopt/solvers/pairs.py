@@ -309,7 +309,8 @@ def pair_bound(
     ``upper``: a known schedule's makespan in the same units, which narrows the models; or a
     function giving the best one known so far (None: none yet), asked every round (``auto``:
     the GA's, as it improves);
-    ``report(bound)`` is called after each CP-SAT call (for a progress bar); past ``max_cells``
+    ``report(bound)`` is called after each CP-SAT call and each pair's turn (for a progress bar,
+    and for ``auto`` to stop once its schedule meets the bound); past ``max_cells``
     (B x max size; None: no limit) the stage cuts alone. ``known``: those bounds, where the
     caller has them (they take a second or two at S=4, B=32). ``workers``: CP-SAT's (None: one
     per core). ``stop``: once set, the search ends within a tenth of a second with what it has
