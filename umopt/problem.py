@@ -19,7 +19,7 @@ from .costmodel import CostTables, Op, Timeline, simulate
 from .partition import gpipe_ops, onef1b_schedule, partitions_from_ops, pipedream_warmup
 from .vectorized import PopulationScore, evaluate_1f1b, evaluate_gpipe
 
-__all__ = ["Problem", "Candidate", "SolverResult", "Progress", "ticking", "pack", "score_gpipe"]
+__all__ = ["Problem", "Candidate", "SolverResult", "Progress", "ticking", "pack", "score_gpipe", "score_1f1b"]
 
 # progress(fraction_done, best_iteration_ms_so_far); solvers call it now and then, the CLI draws it.
 # best is inf until a solver has a schedule.
@@ -145,11 +145,7 @@ def pack(partitions: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
 
 def score_gpipe(problem: Problem, fsizes: np.ndarray, bsizes: Optional[np.ndarray] = None) -> tuple[np.ndarray, PopulationScore]:
     """Iteration ms of each GPipe-order individual, ``inf`` where it breaks the memory limit."""
-    sc = evaluate_gpipe(problem.tables, fsizes, bsizes)
-    it = sc.iteration_ms
-    if problem.memory_limit is not None:
-        it = np.where(sc.peak_memory_bytes.max(axis=1) <= problem.memory_limit, it, np.inf)
-    return it, sc
+    return _within_memory(problem, evaluate_gpipe(problem.tables, fsizes, bsizes))
 
 
 def score_1f1b(
@@ -157,7 +153,10 @@ def score_1f1b(
 ) -> tuple[np.ndarray, PopulationScore]:
     """Iteration ms of each 1F1B-order individual (warm-ups as :func:`umopt.vectorized.evaluate_1f1b`'s),
     ``inf`` where it breaks the memory limit."""
-    sc = evaluate_1f1b(problem.tables, fsizes, warmup, bsizes)
+    return _within_memory(problem, evaluate_1f1b(problem.tables, fsizes, warmup, bsizes))
+
+
+def _within_memory(problem: Problem, sc: PopulationScore) -> tuple[np.ndarray, PopulationScore]:
     it = sc.iteration_ms
     if problem.memory_limit is not None:
         it = np.where(sc.peak_memory_bytes.max(axis=1) <= problem.memory_limit, it, np.inf)
