@@ -22,7 +22,7 @@ from umopt.solvers import bounds
 from umopt.solvers.bounds import best_bound_ms
 from umopt.solvers.dp import shared_partition
 from umopt.solvers.local import aligned_moves, hill_climb, iterated_climb
-from umopt.solvers import pairs
+from umopt.solvers import pair_program, pairs
 from umopt.solvers.pairs import pair_bound_ms
 from umopt.solvers.ramp import ramped_partitions
 from umopt.synthetic import synthetic_profile
@@ -582,7 +582,8 @@ def _brute_force_in_order(problem: Problem) -> float:
 @pytest.mark.parametrize("S,B,seed", [(2, 4, 3), (2, 5, 1), (3, 3, 2), (3, 4, 2)])
 def test_in_order_pair_bound_lifts_the_1f1b_bound_and_never_exceeds_the_in_order_optimum(S, B, seed):
     # at S=2 the pair is the whole pipeline (only the gradient link's queue is relaxed); at S=3
-    # these two lift the bound 0.6 and 0.8 ms, to within 0.01 ms of the optimum
+    # these two lift the bound (0.6 and 0.8 ms above the sample-order bound; 0.18 and 0.77 above
+    # the fast one, which has the pair program) to within 0.01 ms of the optimum
     problem = _synthetic_problem(S, B, 4, seed, 0.3, 2e5)
     best = _brute_force_in_order(problem)
     fast = best_bound_ms(problem, "1f1b order")
@@ -591,7 +592,7 @@ def test_in_order_pair_bound_lifts_the_1f1b_bound_and_never_exceeds_the_in_order
     if S == 2:
         assert pair == pytest.approx(best, abs=2 * S * B * 1e-3)  # floored microseconds
     else:
-        assert pair > fast + 0.5
+        assert pair > fast + 0.1 and pair == pytest.approx(best, abs=0.01)
 
 
 @settings(max_examples=12, deadline=None)
@@ -830,10 +831,62 @@ def test_matched_bound_never_exceeds_a_schedule_in_any_order(S, B, mx, seed):
         assert matched <= it + 1e-9
 
 
+@pytest.mark.parametrize("S,B,seed,latency_ms,bytes_per_ms", [(2, 4, 17, 0.05, 1e5), (3, 3, 12, 0.3, 2e5), (3, 3, 20, 0.05, 1e5)])
+def test_pair_program_lifts_the_untied_bound_and_never_exceeds_the_optimum(S, B, seed, latency_ms, bytes_per_ms):
+    # brute force over every partition and order (3, 3, 12: 29.91 -> 31.13 ms, the optimum 31.15)
+    problem = _synthetic_problem(S, B, 4, seed, latency_ms, bytes_per_ms)
+    F, G, L = bounds.int_tables(problem)
+    opt = problem.tables.optimizer_ms
+    known = bounds.untied_bound(F, G, L, B, bounds.stage_bound(F, G, L, B, False))
+    program = pair_program.pair_program_bound(F, G, L, B, known) / 1000 + opt
+    assert known / 1000 + opt + 0.5 < program <= brute_force_any_order(problem) + 1e-9
+    assert best_bound_ms(problem) >= program - 1e-9  # so small an instance has it in the fast bound
+
+
+@settings(max_examples=20, deadline=None)
+@given(S=st.integers(2, 4), B=st.integers(2, 10), mx=st.sampled_from([2, 4, 8]), seed=st.integers(0, 10_000))
+def test_pair_program_never_exceeds_a_schedule_in_any_order(S, B, mx, seed):
+    problem = _synthetic_problem(S, B, mx, seed, 0.2, 1e5)
+    F, G, L = bounds.int_tables(problem)
+    # from 0, so that every pair's program is searched, not only those that could lift the rest
+    program = pair_program.pair_program_bound(F, G, L, B, 0) / 1000 + problem.tables.optimizer_ms
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        ops = [_random_any_order_stage(rng, B, problem.max_size) for _ in range(S)]
+        try:
+            it = simulate(problem.tables, ops, B, record=False).iteration_ms
+        except UmoptError:  # the stages' random orders wait on each other
+            continue
+        assert program <= it + 1e-9
+
+
+def test_pair_program_dive_and_program_agree(monkeypatch):
+    # the dive only finds paths the program has; with it off the program answers alone
+    problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 8)
+    F, G, L = bounds.int_tables(problem)
+    h = bounds.heads_and_tails(F, G, L, 8)
+    ut = bounds.untied_heads(F, G, L, h, 8)
+    answers = []
+    for dive in (pair_program.DIVE_STATES, 0):
+        monkeypatch.setattr(pair_program, "DIVE_STATES", dive)
+        answers.append([pair_program.pair_program_feasible(T, F, G, L, h, ut, 8, s) for s in (1, 2) for T in range(140_000, 156_000, 1_000)])
+    assert answers[0] == answers[1] and True in answers[0] and False in answers[0]
+
+
+def test_pair_program_lifts_vgg16_where_the_pair_models_are_slow():
+    # vgg16-cpu, S=4, B=16: the untied bound 199.99 ms; CP-SAT's untied pair model 206.2 in a
+    # minute; the best schedule known 211.5. The program: 207.3 in about a second
+    problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 16)
+    F, G, L = bounds.int_tables(problem)
+    known = bounds.own_bound(problem)
+    program = pair_program.pair_program_bound(F, G, L, 16, known, seconds=60) / 1000 + problem.tables.optimizer_ms
+    assert 207.0 < program < 211.5
+
+
 def test_matched_bound_runs_in_a_process_of_its_own_and_gives_up_on_time():
     problem = _synthetic_problem(3, 12, 8, 5, 0.2, 1e5)  # 96 cells: past MATCHED_FAST_CELLS
     F, G, L = bounds.int_tables(problem)
     known = bounds.own_bound(problem)
     assert 12 * 8 > bounds.MATCHED_FAST_CELLS
-    assert pairs._matched_within(F, G, L, 12, known, 60.0) == bounds.matched_bound(F, G, L, 12, known)
-    assert pairs._matched_within(F, G, L, 12, known, 0.0) == known
+    assert pairs._programs_within(F, G, L, 12, known, 60.0) >= bounds.matched_bound(F, G, L, 12, known)
+    assert pairs._programs_within(F, G, L, 12, known, 0.0) == known

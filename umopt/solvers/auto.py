@@ -108,6 +108,8 @@ def solve_auto(
                     return
                 report = now if order == "1f1b" else None
                 side["1f1b"] = pair_bound_ms(problem, ga_time - any_time, upper, seed, report, IN_ORDER_MAX_CELLS, "1f1b order", workers, proven)
+                # a bound on every schedule bounds that family's too
+                side["1f1b"] = max(side["1f1b"], side.get("any", 0.0))
                 if report:
                     report(side["1f1b"])
             except BaseException as e:  # raised again in the caller's thread

@@ -44,6 +44,7 @@ __all__ = [
     "untied_heads",
     "untied_bound",
     "untied_usable_chunks",
+    "untied_latest",
     "matched_bound",
     "MATCHED_FAST_CELLS",
 ]
@@ -72,7 +73,7 @@ def best_bound_ms(problem, scope: str = "any order") -> float:
 
     "any order": the best of the spec's lower bound, :func:`stage_bound` and (without recompute)
     :func:`untied_bound`, on small instances (B x max size up to ``MATCHED_FAST_CELLS``)
-    :func:`matched_bound` on top. "1f1b order"
+    :func:`matched_bound` and :func:`.pair_program.pair_program_bound` on top. "1f1b order"
     (every stage runs its B ops in sample order, however they interleave with its F ops: 1F1B
     with any warm-ups, PipeDream-flush): also :func:`sample_order_bound`, which only holds there.
     """
@@ -98,7 +99,10 @@ def _own_bound(Fb: bytes, Gb: bytes, Lb: bytes, shape: tuple, minibatch: int, re
     if not recompute:
         own = untied_bound(F, G, L, minibatch, own)
         if minibatch * (shape[1] - 1) <= MATCHED_FAST_CELLS:
+            from .pair_program import pair_program_bound  # (it builds on this module)
+
             own = matched_bound(F, G, L, minibatch, own)
+            own = pair_program_bound(F, G, L, minibatch, own)
     if scope == "1f1b order" and not recompute:
         own = max(own, sample_order_bound(F, G, L, minibatch))
     return own
@@ -890,19 +894,13 @@ def _two_chains(T: int, Fs: np.ndarray, Gs: np.ndarray, rel: np.ndarray, ready: 
     return t if t[B, B] < big else None
 
 
-def untied_usable_chunks(T: int, h: Heads, ut: UntiedHeads, F: np.ndarray, G: np.ndarray, s: int, B: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(f_use, b_use)``, each ``[lo, b]``: the F and the B chunks of stage s that some run of
-    :func:`_two_chains`'s program meeting ``T`` holds (a state reached in time from the start
-    from which the end is still reached in time, through that chunk). All False where none meets it."""
+def untied_latest(T: int, h: Heads, ut: UntiedHeads, F: np.ndarray, G: np.ndarray, s: int, B: int) -> np.ndarray:
+    """``late[i, j]``: the latest end of stage s's state (i forwarded, j backwarded) in
+    :func:`_two_chains`'s program from which (B, B) is still reached meeting ``T``; a large
+    negative number where none is."""
     mx = F.shape[1] - 1
     big = _BIG // 4
     rel, ready, after_f, after_b = _untied_limits(h, ut, F, G, s, B)
-    f_use = np.zeros((B + 1, mx + 1), dtype=bool)
-    b_use = np.zeros((B + 1, mx + 1), dtype=bool)
-    t = _two_chains(T, F[s], G[s], rel, ready, after_f, after_b, B)
-    if t is None:
-        return f_use[:B], b_use[:B]
-    # late[i, j]: the latest end of state (i, j) from which (B, B) is still reached in time
     late = np.full((B + 1, B + 1), -big, dtype=np.int64)
     late[B, B] = big
     b = np.arange(1, mx + 1)[None, :]
@@ -918,6 +916,22 @@ def untied_usable_chunks(T: int, h: Heads, ut: UntiedHeads, F: np.ndarray, G: np
         ok = k & (ready[np.clip(j + b, 0, B)] + G[s, b] <= nxt)
         cand = np.maximum(cand, np.where(ok, nxt - G[s, b], -big).max(axis=1))
         late[i[:, 0], j[:, 0]] = cand
+    return late
+
+
+def untied_usable_chunks(T: int, h: Heads, ut: UntiedHeads, F: np.ndarray, G: np.ndarray, s: int, B: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(f_use, b_use)``, each ``[lo, b]``: the F and the B chunks of stage s that some run of
+    :func:`_two_chains`'s program meeting ``T`` holds (a state reached in time from the start
+    from which the end is still reached in time, through that chunk). All False where none meets it."""
+    mx = F.shape[1] - 1
+    big = _BIG // 4
+    rel, ready, after_f, after_b = _untied_limits(h, ut, F, G, s, B)
+    f_use = np.zeros((B + 1, mx + 1), dtype=bool)
+    b_use = np.zeros((B + 1, mx + 1), dtype=bool)
+    t = _two_chains(T, F[s], G[s], rel, ready, after_f, after_b, B)
+    if t is None:
+        return f_use[:B], b_use[:B]
+    late = untied_latest(T, h, ut, F, G, s, B)
     for i in range(B):
         for bb in range(1, min(mx, B - i) + 1):  # F [i, i + bb) from some (i, j), j <= i
             js = np.arange(i + 1)
@@ -945,7 +959,8 @@ def untied_usable_chunks(T: int, h: Heads, ut: UntiedHeads, F: np.ndarray, G: np
 
 MATCHED_MAX_STATES = 4_000_000
 # up to this B x max size the matched program takes hundredths of a second (S=4, B=8: 0.02 s) and
-# joins the fast bound (gpt-cpu, B=8: 49.08 -> 50.08 ms, the optimum is 50.55); beyond, seconds
+# joins the fast bound (gpt-cpu, B=8: 49.08 -> 50.08 ms, the optimum is 50.55); beyond, seconds.
+# So does the pair program (:mod:`.pair_program`; S=4, B=8: 0.2-0.5 s; vgg16-cpu 147.10 -> 153.50)
 MATCHED_FAST_CELLS = 64
 # only stages whose untied bound is within 1/MATCHED_REACH of the best are searched (the lift on
 # gpt-cpu's last stage is 1.8%)

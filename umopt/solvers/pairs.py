@@ -34,7 +34,9 @@ ranges untied from F ranges, no later, so a bound on those bounds all. It runs b
 free-order model up to ``PAIR_MAX_CELLS`` (vgg16-cpu, B=8: 157.4 ms against 154.6; B=12: 183.56,
 the optimum is 183.59) and alone up to ``IN_ORDER_MAX_CELLS``. Before the pairs, in at most half
 the time, :func:`.bounds.matched_bound` (the untied program with each B op matched to an earlier F
-op of its size; gpt-cpu, B=32: 139.8 -> 141.6 ms), from which they start.
+op of its size; gpt-cpu, B=32: 139.8 -> 141.6 ms) and :mod:`.pair_program` (the untied pair model
+as a program in time order, with one more relaxation; vgg16-cpu, B=32: 301.8 -> 305.1 ms in about
+ten seconds), from which they start.
 """
 
 from __future__ import annotations
@@ -60,7 +62,6 @@ from .bounds import (
     in_order_heads,
     in_order_usable_chunks,
     int_tables,
-    matched_bound,
     own_bound,
     sample_order_bound,
     stage_bound,
@@ -514,8 +515,8 @@ def pair_bound_ms(
     upper = (lambda: in_units(upper_ms())) if callable(upper_ms) else in_units(upper_ms)  # noqa: E731
     tick = None if report is None else lambda us: report(max(fast, us / 1000 + opt))  # noqa: E731
     tables = int_tables(problem)
-    if scope == "any order":  # the matched program first (bounds.py), in at most half the time
-        known = max(known, _matched_within(*tables, problem.minibatch, known, time_limit / 2, stop))
+    if scope == "any order":  # the matched and pair programs first, in at most half the time
+        known = max(known, _programs_within(*tables, problem.minibatch, known, time_limit / 2, stop))
         fast = max(fast, known / 1000 + opt)
         if report:
             report(fast)
@@ -524,19 +525,20 @@ def pair_bound_ms(
     return max(fast, own / 1000 + opt)
 
 
-def _matched_within(
+def _programs_within(
     F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, known: int, seconds: float, stop: Optional[threading.Event] = None
 ) -> int:
-    """:func:`.bounds.matched_bound`, or ``known`` where it takes longer than ``seconds`` (or
-    ``stop`` is set first). Small instances here; larger ones in a Python process of their own,
-    which is killed at the time limit and does not hold this one's GIL (the program is pure
-    Python, and in ``auto`` it runs beside the GA). A plain subprocess, not multiprocessing:
-    spawning would import the caller's main module again."""
+    """:func:`.bounds.matched_bound`, then :func:`.pair_program.pair_program_bound` from it: the
+    best they prove within ``seconds`` (or until ``stop`` is set), never below ``known``. Small
+    instances have both in the fast bound already; larger ones run them in a Python process of
+    their own, which prints each bound it proves and is killed at the time limit, so it does not
+    hold this one's GIL (both programs are pure Python, and in ``auto`` they run beside the GA).
+    A plain subprocess, not multiprocessing: spawning would import the caller's main module again."""
     if minibatch * (F.shape[1] - 1) <= MATCHED_FAST_CELLS:
-        return matched_bound(F, G, L, minibatch, known)
+        return known
     buf = io.BytesIO()
-    np.savez(buf, F=F, G=G, L=L, B=minibatch, known=known)
-    proc = subprocess.Popen([sys.executable, "-c", _MATCHED_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    np.savez(buf, F=F, G=G, L=L, B=minibatch, known=known, seconds=seconds)
+    proc = subprocess.Popen([sys.executable, "-c", _PROGRAMS_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     deadline = time.perf_counter() + seconds
     data: Optional[bytes] = buf.getvalue()
     while True:  # in short waits, to see ``stop``; a retried communicate loses no output
@@ -547,17 +549,20 @@ def _matched_within(
             data = None
             if time.perf_counter() >= deadline or (stop and stop.is_set()):
                 proc.kill()
-                proc.communicate()
-                return known
-    return max(known, int(out)) if proc.returncode == 0 and out.strip() else known
+                out, _ = proc.communicate()  # what it printed before: each line a bound proven
+                break
+    return max([known] + [int(line) for line in out.split()])
 
 
-_MATCHED_CHILD = (
-    "import io, sys, numpy as np; from umopt.solvers.bounds import matched_bound; "
-    "d = np.load(io.BytesIO(sys.stdin.buffer.read())); "
-    "print(matched_bound(d['F'], d['G'], d['L'], int(d['B']), int(d['known'])))"
+_PROGRAMS_CHILD = (
+    "import io, sys, time, numpy as np; from umopt.solvers.bounds import matched_bound; "
+    "from umopt.solvers.pair_program import pair_program_bound; "
+    "d = np.load(io.BytesIO(sys.stdin.buffer.read())); t0 = time.perf_counter(); "
+    "F, G, L, B = d['F'], d['G'], d['L'], int(d['B']); "
+    "known = matched_bound(F, G, L, B, int(d['known'])); print(known, flush=True); "
+    "left = float(d['seconds']) - (time.perf_counter() - t0); "
+    "pair_program_bound(F, G, L, B, known, left, lambda b: print(b, flush=True))"
 )
-
 
 
 def start_bound_ms(problem, order: str, seconds: float, upper_ms: float, seed: int = 0) -> float:
