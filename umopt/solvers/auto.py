@@ -11,7 +11,7 @@ On instances small enough for the exact model to prove (about S=4, B=8), half th
 CP-SAT, warm-started with the best schedule found: the free-order model under ``--order auto``
 (its bound holds for every schedule), the GPipe-order one under ``--order gpipe``; its proof and
 bound are then the report's. On larger ones the GA has all the time, and up to S=4, B=32 the pair
-bounds of :mod:`.pairs` run beside it on the other cores: the matched bound and the untied pairs
+bounds of :mod:`.pairs` run beside it on the other cores: the matched bound, the pair program and the untied pairs
 (:func:`.pairs.pair_bound_ms`), whose bound holds for
 every schedule and is the report's (status "optimal" where the schedule meets it), then the pairs
 of the 1F1B family (B ops in sample order, the GA's schedules), reported where the schedule found
