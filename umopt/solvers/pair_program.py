@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .bounds import Heads, UntiedHeads, heads_and_tails, untied_heads, untied_latest, untied_usable_chunks, usable_chunks, _untied_limits
+from .bounds import Heads, UntiedHeads, _least, _untied_limits, heads_and_tails, untied_heads, untied_latest, untied_usable_chunks, usable_chunks
 
 __all__ = ["pair_program_feasible", "pair_program_bound"]
 
@@ -165,26 +165,23 @@ def pair_program_bound(
     h = heads_and_tails(F, G, L, B)
     ut = untied_heads(F, G, L, h, B)
     best = known
+    def ok(s: int, T: int) -> bool:
+        if pair_program_feasible(T, F, G, L, h, ut, B, s, deadline):
+            return True
+        if report:  # every T below fails too; the searches below only ever ask higher
+            report(T + 1)
+        return False
+
     try:
         for s in range(S - 2, -1, -1):  # the last stages bind most often
-            ok = lambda T: pair_program_feasible(T, F, G, L, h, ut, B, s, deadline)  # noqa: E731
-            if ok(best):
+            if ok(s, best):
                 continue
             best += 1
-            step, tol = max(1, best // 500), max(1, best // 2000)
-            while not ok(best + step):
+            step = max(1, best // 500)
+            while not ok(s, best + step):
                 best, step = best + step + 1, 2 * step
-                if report:
-                    report(best)
-            hi = best + step  # reached: the pair's least T is in [best, hi]
-            while hi - best > tol:
-                mid = (best + hi) // 2
-                if ok(mid):
-                    hi = mid
-                else:
-                    best = mid + 1
-                    if report:
-                        report(best)
+            # reached: the pair's least T is in [best, best + step]
+            best = _least(lambda T: ok(s, T), best, best + step, max(1, best // 2000))
     except _OutOfTime:
         pass
     return best
