@@ -19,9 +19,9 @@ Every schedule, its ops taken in start order, passes through labels no later tha
 no later in every field than another on the same state stand for it (the program is monotone).
 States past the one-stage programs' latest ends (:func:`.bounds.untied_latest`) are dropped.
 
-vgg16-cpu, S=4, B=32, stages 2 and 3: 305.0 -> 305.5 ms, about 3 s a target, against CP-SAT's
-302.6 in a minute; B=16: 207.3 in 5 s (CP-SAT's untied pair model: 206.2 in a minute, and
-its exact value lies in 209.0 .. 210.5, the GA's best is 211.5). What it leaves out is that a B
+vgg16-cpu, S=4, B=32, stages 2 and 3: 301.18 -> 305.14 ms in about 10 s (1-2 s a target), against
+CP-SAT's 302.6 in a minute; B=16: 207.3 in 1-2 s (CP-SAT's untied pair model: 206.2 in a minute,
+and its exact value lies in 209.0 .. 210.5, the GA's best is 211.5). What it leaves out is that a B
 op runs an F op's samples (untied, B ranges are any): the stage forwards small chunks to start
 early and backwards large ones to work little, which no schedule does (the matched program of
 :mod:`.bounds` puts that back for one stage).
