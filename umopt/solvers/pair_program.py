@@ -165,6 +165,7 @@ def pair_program_bound(
     h = heads_and_tails(F, G, L, B)
     ut = untied_heads(F, G, L, h, B)
     best = known
+
     def ok(s: int, T: int) -> bool:
         if pair_program_feasible(T, F, G, L, h, ut, B, s, deadline):
             return True
