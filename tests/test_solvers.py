@@ -809,9 +809,10 @@ def test_matched_bound_lifts_the_untied_bound_and_never_exceeds_the_optimum(S, B
     F, G, L = bounds.int_tables(problem)
     known = bounds.untied_bound(F, G, L, B, bounds.stage_bound(F, G, L, B, False))
     matched = bounds.matched_bound(F, G, L, B, known) / 1000 + problem.tables.optimizer_ms
-    assert known / 1000 + problem.tables.optimizer_ms + 0.3 < matched <= brute_force_any_order(problem) + 1e-9
-    # so small an instance has it in the fast bound every solver reports
-    assert best_bound_ms(problem) == pytest.approx(matched)
+    optimum = brute_force_any_order(problem)
+    assert known / 1000 + problem.tables.optimizer_ms + 0.3 < matched <= optimum + 1e-9
+    # so small an instance has it in the fast bound every solver reports (with the pair program)
+    assert matched - 1e-9 <= best_bound_ms(problem) <= optimum + 1e-9
 
 
 @settings(max_examples=25, deadline=None)
@@ -837,9 +838,13 @@ def _assert_below_random_any_order_schedules(problem: Problem, bound_ms: float, 
         assert bound_ms <= it + 1e-9
 
 
-@pytest.mark.parametrize("S,B,seed,latency_ms,bytes_per_ms", [(2, 4, 17, 0.05, 1e5), (3, 3, 12, 0.3, 2e5), (3, 3, 20, 0.05, 1e5)])
+@pytest.mark.parametrize(
+    "S,B,seed,latency_ms,bytes_per_ms", [(2, 4, 17, 0.05, 1e5), (3, 3, 12, 0.3, 2e5), (3, 3, 20, 0.05, 1e5), (3, 3, 24, 0.5, 5e4)]
+)
 def test_pair_program_lifts_the_untied_bound_and_never_exceeds_the_optimum(S, B, seed, latency_ms, bytes_per_ms):
-    # brute force over every partition and order (3, 3, 12: 29.91 -> 31.13 ms, the optimum 31.15)
+    # brute force over every partition and order (3, 3, 12: 29.91 -> 31.13 ms, the optimum 31.15;
+    # slow links, 3, 3, 24: 42.69 -> 43.77, the optimum 44.68, where the program without its
+    # message queues got 42.95)
     problem = _synthetic_problem(S, B, 4, seed, latency_ms, bytes_per_ms)
     F, G, L = bounds.int_tables(problem)
     opt = problem.tables.optimizer_ms
@@ -870,6 +875,14 @@ def test_pair_program_dive_and_program_agree(monkeypatch):
         monkeypatch.setattr(pair_program, "DIVE_STATES", dive)
         answers.append([pair_program.pair_program_feasible(T, F, G, L, h, ut, 8, s) for s in (1, 2) for T in range(140_000, 156_000, 1_000)])
     assert answers[0] == answers[1] and True in answers[0] and False in answers[0]
+
+
+def test_pair_program_waits_for_every_message_on_its_way():
+    # gpt-sim's messages take a third to half an F op's time; a program that only waited for the
+    # other stage's last op (an older op's samples free) gave 45.79 ms at S=4, B=8; the optimum,
+    # proven by CP-SAT (README, --small), is 47.19
+    problem = Problem(CostTables.from_profile(load_profile("gpt-sim")), 8)
+    assert 46.2 < best_bound_ms(problem) <= 47.19
 
 
 def test_pair_program_lifts_vgg16_where_the_pair_models_are_slow():

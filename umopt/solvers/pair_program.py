@@ -9,21 +9,26 @@ one more relaxation that keeps its states few.
 Take the ops of both stages in the order they start. A state is how far each of the four chains
 has got: ``a`` samples forwarded and ``b`` backwarded on the upper stage ``U = s``, ``f`` and ``g``
 on the lower one ``W = s + 1``. A label on it is when each stage is free again (never before the
-last op's start: later ops start no earlier) and what the last op of each stage still owes the
-other: if U's last op is an F of ``n`` samples, those samples reach W only at its end plus their
-message; if W's last op is a B of ``n`` samples, their gradients reach U only then. An op that
-needs samples of an older op waits for nothing: that op ended before the other stage's last op
-started, so before this one starts, up to a message's time, which is dropped (the relaxation).
-Every schedule, its ops taken in start order, passes through labels no later than its own times
-(by induction over the ops), so the least ``T`` whose program reaches the end bounds it; labels
-no later in every field than another on the same state stand for it (the program is monotone).
-States past the one-stage programs' latest ends (:func:`.bounds.untied_latest`) are dropped.
+last op's start: later ops start no earlier) and two queues of messages still on their way: when
+each of U's F ops not yet run on by W has its activations on W, and when each of W's B ops has its
+gradients on U. A link sends its messages one at a time in the order their ops end (the cost
+model's rule; for gradients it holds after the exchange of :mod:`.bounds` too: the messages keep
+their sizes and times), so an arrival is the later of the op's end and the previous arrival, plus
+its own transfer. An arrival no later than the receiving stage is free waits for nothing and
+leaves the queue (the one relaxation: the next message's transfer may then start earlier than the
+link is free). Every schedule, its ops taken in start order, passes through labels no later than
+its own times (by induction over the ops), so the least ``T`` whose program reaches the end
+bounds it; a label no later in every field than another on the same state (each queued sample in
+no later) stands for it, the program being monotone. States past the one-stage programs' latest
+ends (:func:`.bounds.untied_latest`) are dropped.
 
-vgg16-cpu, S=4, B=32, stages 2 and 3: 301.18 -> 305.14 ms in about 10 s (1-2 s a target), against
-CP-SAT's 302.6 in a minute; B=16: 207.3 in 1-2 s (CP-SAT's untied pair model: 206.2 in a minute,
-and its exact value lies in 209.0 .. 210.5, the GA's best is 211.5). What it leaves out is that a B
-op runs an F op's samples (untied, B ranges are any): the stage forwards small chunks to start
-early and backwards large ones to work little, which no schedule does (the matched program of
+vgg16-cpu, S=4, B=32, stages 2 and 3: 301.18 -> 305.29 ms in about 5 s, against CP-SAT's 302.6
+in a minute; B=16: 207.5 in 5 s (CP-SAT's untied pair model: 206.2 in a minute, and its exact
+value lies in 209.0 .. 210.5, the GA's best is 211.5). gpt-sim, B=32: 100.47 -> 101.07 in 5 s,
+101.37 in a minute (its messages take a third to a half of an F op's time; before the queues the
+program waited only for the last op's message and got 100.57). What it leaves out is that a B op
+runs an F op's samples (untied, B ranges are any): the stage forwards small chunks to start early
+and backwards large ones to work little, which no schedule does (the matched program of
 :mod:`.bounds` puts that back for one stage).
 """
 
@@ -39,8 +44,8 @@ from .bounds import Heads, UntiedHeads, _least, _untied_limits, heads_and_tails,
 __all__ = ["pair_program_feasible", "pair_program_bound"]
 
 
-# states the dive visits before the program takes over (a tenth of a second or so)
-DIVE_STATES = 5_000
+# labels the dive runs on from before the program takes over (a second or so)
+DIVE_STATES = 20_000
 
 
 class _OutOfTime(Exception):
@@ -72,69 +77,78 @@ def pair_program_feasible(
     dur_b = [G[r].tolist() for r in (U, W)]
     link = L[U].tolist()
 
-    def moves(key: tuple[int, int, int, int], label: tuple[int, int, int, int]):
+    def moves(key: tuple[int, int, int, int], label: Label):
         """The labels one op on from ``label`` on state ``key``, as (key, label)."""
         a, b, f, g = key
-        tU, tW, na, ng = label
+        tU, tW, qa, qg = label
         if tU > latest[0][a][b] or tW > latest[1][f][g]:
             return
-        for c in sizes[0][0][a] if a < B else ():  # F on U
+        for c in sizes[0][0][a] if a < B else ():  # F on U: its activations join W's queue
             start = max(tU, rel[0][a + c])
             end = start + dur_f[0][c]
             if end + after_f[0][c] <= T:
-                yield (a + c, b, f, g), (end, max(tW, start), c, ng)
+                arrive = max(end, qa[-1][1] if qa else 0) + link[c]  # the link sends in order
+                nW = max(tW, start)
+                yield (a + c, b, f, g), (end, nW, _trim(qa + ((a, arrive),), nW, f), _trim(qg, end, b))
         for c in sizes[0][1][b] if b < g else ():  # B on U, after W's B of its samples
             if b + c > g:
                 break
-            start = max(tU, ready[0][b + c], tW + link[ng] if b + c > g - ng else 0)
+            start = max(tU, ready[0][b + c], _arrival(qg, b + c - 1))
             end = start + dur_b[0][c]
             if end + after_b[0][c][b + c] <= T:
-                yield (a, b + c, f, g), (end, max(tW, start), 0, ng)
+                nW = max(tW, start)
+                yield (a, b + c, f, g), (end, nW, _trim(qa, nW, f), _trim(qg, end, b + c))
         for c in sizes[1][0][f] if f < a else ():  # F on W, after U's F of its samples
             if f + c > a:
                 break
-            start = max(tW, rel[1][f + c], tU + link[na] if f + c > a - na else 0)
+            start = max(tW, rel[1][f + c], _arrival(qa, f + c - 1))
             end = start + dur_f[1][c]
             if end + after_f[1][c] <= T:
-                yield (a, b, f + c, g), (max(tU, start), end, na, 0)
-        for c in sizes[1][1][g] if g < f else ():  # B on W
+                nU = max(tU, start)
+                yield (a, b, f + c, g), (nU, end, _trim(qa, end, f + c), _trim(qg, nU, b))
+        for c in sizes[1][1][g] if g < f else ():  # B on W: its gradients join U's queue
             if g + c > f:
                 break
             start = max(tW, ready[1][g + c])
             end = start + dur_b[1][c]
             if end + after_b[1][c][g + c] <= T:
-                yield (a, b, f, g + c), (max(tU, start), end, na, c)
+                arrive = max(end, qg[-1][1] if qg else 0) + link[c]
+                nU = max(tU, start)
+                yield (a, b, f, g + c), (nU, end, _trim(qa, end, f), _trim(qg + ((g, arrive),), nU, b))
 
-    # --- a dive first: where T is loose, a path to the end is quickly found ------------------
-    seen: set = set()
-    stack = [((0, 0, 0, 0), (0, 0, 0, 0))]
-    while stack and len(seen) < DIVE_STATES:
+    # --- a dive first: depth first, the op that leaves both stages free earliest first ---------
+    # Where T is loose a path to the end is found at once; a label no better than one already
+    # dived from (same state) is passed over, so an exhausted dive has its answer too
+    start_key, start_label = (0, 0, 0, 0), (0, 0, (), ())
+    dived: dict[tuple[int, int, int, int], list[Label]] = {}
+    stack = [(start_key, start_label)]
+    count = 0
+    while stack and count < DIVE_STATES:
         key, label = stack.pop()
         if key == (B, B, B, B):
             return True
-        if (key, label) in seen:
+        if any(_no_later(m, label) for m in dived.get(key, ())):
             continue
-        seen.add((key, label))
-        # the op that leaves both stages free earliest is tried first (it is pushed last)
+        dived.setdefault(key, []).append(label)
+        count += 1
         stack.extend(sorted(moves(key, label), key=lambda m: -max(m[1][0], m[1][1])))
+    if not stack:
+        return False
 
     # --- the program, states by total progress a + b + f + g ---------------------------------
-    # a label: (U free, W free, samples of U's last op in flight to W, of W's last op to U)
-    fronts: dict[tuple[int, int, int, int], list[tuple[int, int, int, int]]] = {(0, 0, 0, 0): [(0, 0, 0, 0)]}
+    fronts: dict[tuple[int, int, int, int], list[Label]] = {start_key: [start_label]}
     by_progress: list[list[tuple[int, int, int, int]]] = [[] for _ in range(4 * B + 1)]
-    by_progress[0].append((0, 0, 0, 0))
+    by_progress[0].append(start_key)
 
-    def add(key: tuple[int, int, int, int], label: tuple[int, int, int, int]) -> None:
+    def add(key: tuple[int, int, int, int], label: Label) -> None:
         front = fronts.get(key)
         if front is None:
             fronts[key] = [label]
             by_progress[sum(key)].append(key)
             return
-        t1, t2, n1, n2 = label
-        for m in front:
-            if m[0] <= t1 and m[1] <= t2 and m[2] <= n1 and m[3] <= n2:
-                return
-        front[:] = [m for m in front if not (t1 <= m[0] and t2 <= m[1] and n1 <= m[2] and n2 <= m[3])]
+        if any(_no_later(m, label) for m in front):
+            return
+        front[:] = [m for m in front if not _no_later(label, m)]
         front.append(label)
 
     for progress in range(4 * B):
@@ -145,6 +159,45 @@ def pair_program_feasible(
                 for nxt in moves(key, label):
                     add(*nxt)
     return (B, B, B, B) in fronts
+
+
+# A queue: ((first sample, arrival), ...), first samples and arrivals both increasing: from its
+# first sample on, a message's samples (and every later one's) are in no earlier than its arrival.
+Queue = tuple[tuple[int, int], ...]
+# A label: (U free, W free, activations on their way to W, gradients on their way to U)
+Label = tuple[int, int, Queue, Queue]
+
+
+def _arrival(q: Queue, sample: int) -> int:
+    """When ``sample`` (and every queued one before it) is in: 0 where nothing queued holds it."""
+    when = 0
+    for first, arrive in q:
+        if first > sample:
+            break
+        when = arrive
+    return when
+
+
+def _trim(q: Queue, free: int, used: int) -> Queue:
+    """``q`` without what no later op waits for: arrivals no later than ``free`` (the receiving
+    stage is busy until then anyway) and samples before ``used`` (the receiver has run them)."""
+    k = 0
+    while k < len(q) and q[k][1] <= free:
+        k += 1
+    while k + 1 < len(q) and q[k + 1][0] <= used:
+        k += 1
+    q = q[k:]
+    return ((used, q[0][1]),) + q[1:] if q and q[0][0] < used else q
+
+
+def _no_later(x: Label, y: Label) -> bool:
+    """Is ``x`` no later than ``y`` in every field (each queued sample arriving no later)?"""
+    return (
+        x[0] <= y[0]
+        and x[1] <= y[1]
+        and all(arrive <= _arrival(y[2], first) for first, arrive in x[2])
+        and all(arrive <= _arrival(y[3], first) for first, arrive in x[3])
+    )
 
 
 def pair_program_bound(
@@ -159,19 +212,33 @@ def pair_program_bound(
     """The best of ``known`` (a bound already proven, in the tables' units) and every pair's
     program, to a two-thousandth. Each pair first asks whether its program meets the bound so
     far (then it cannot lift it); one that does not steps up in doubling steps, then bisects.
-    ``report(bound)`` after every lift; past ``seconds`` the bound proven so far."""
+    ``report(bound)`` after every lift; past ``seconds`` the bound proven so far. With
+    ``seconds``, one question gets at most a quarter of them and, unanswered, counts as met (so
+    it proves nothing): near its least ``T`` a pair's program can take minutes where another
+    pair's answers in seconds, and each pair's bound holds alone."""
     B, S = minibatch, F.shape[0]
     deadline = None if seconds is None else time.perf_counter() + seconds
     h = heads_and_tails(F, G, L, B)
     ut = untied_heads(F, G, L, h, B)
-    best = known
+    best = proven = known
 
     def ok(s: int, T: int) -> bool:
-        if pair_program_feasible(T, F, G, L, h, ut, B, s, deadline):
-            return True
-        if report:  # every T below fails too; the searches below only ever ask higher
-            report(T + 1)
-        return False
+        nonlocal proven
+        if deadline is None:
+            met = pair_program_feasible(T, F, G, L, h, ut, B, s)
+        else:
+            cap = min(deadline, time.perf_counter() + seconds / 4)
+            try:
+                met = pair_program_feasible(T, F, G, L, h, ut, B, s, cap)
+            except _OutOfTime:
+                if time.perf_counter() >= deadline:
+                    raise
+                met = True
+        if not met:  # every T below fails too; the searches below only ever ask higher
+            proven = max(proven, T + 1)
+            if report:
+                report(T + 1)
+        return met
 
     try:
         for s in range(S - 2, -1, -1):  # the last stages bind most often
@@ -185,4 +252,4 @@ def pair_program_bound(
             best = _least(lambda T: ok(s, T), best, best + step, max(1, best // 2000))
     except _OutOfTime:
         pass
-    return best
+    return max(best, proven)
