@@ -212,10 +212,7 @@ def pair_program_bound(
     """The best of ``known`` (a bound already proven, in the tables' units) and every pair's
     program, to a two-thousandth. Each pair first asks whether its program meets the bound so
     far (then it cannot lift it); one that does not steps up in doubling steps, then bisects.
-    ``report(bound)`` after every lift; past ``seconds`` the bound proven so far. With
-    ``seconds``, one question gets at most a quarter of them and, unanswered, counts as met (so
-    it proves nothing): near its least ``T`` a pair's program can take minutes where another
-    pair's answers in seconds, and each pair's bound holds alone."""
+    ``report(bound)`` after every lift; past ``seconds`` the bound proven so far."""
     B, S = minibatch, F.shape[0]
     deadline = None if seconds is None else time.perf_counter() + seconds
     h = heads_and_tails(F, G, L, B)
@@ -224,16 +221,7 @@ def pair_program_bound(
 
     def ok(s: int, T: int) -> bool:
         nonlocal proven
-        if deadline is None:
-            met = pair_program_feasible(T, F, G, L, h, ut, B, s)
-        else:
-            cap = min(deadline, time.perf_counter() + seconds / 4)
-            try:
-                met = pair_program_feasible(T, F, G, L, h, ut, B, s, cap)
-            except _OutOfTime:
-                if time.perf_counter() >= deadline:
-                    raise
-                met = True
+        met = pair_program_feasible(T, F, G, L, h, ut, B, s, deadline)
         if not met:  # every T below fails too; the searches below only ever ask higher
             proven = max(proven, T + 1)
             if report:
