@@ -32,8 +32,8 @@ And for every schedule the untied model (:func:`build_untied_pair_model`; :mod:`
 order, in sample order"): every schedule turns into one with its B ops in sample order and B
 ranges untied from F ranges, no later, so a bound on those bounds all. It runs beside the
 free-order model up to ``PAIR_MAX_CELLS`` (vgg16-cpu, B=8: 157.4 ms against 154.6; B=12: 183.56,
-the optimum is 183.59) and alone up to ``IN_ORDER_MAX_CELLS``. Before the pairs, in at most half
-the time, :func:`.bounds.matched_bound` (the untied program with each B op matched to an earlier F
+the optimum is 183.59) and alone up to ``IN_ORDER_MAX_CELLS``. Before the pairs, in at most two thirds
+of the time, :func:`.bounds.matched_bound` (the untied program with each B op matched to an earlier F
 op of its size; gpt-cpu, B=32: 139.8 -> 141.6 ms) and :mod:`.pair_program` (the untied pair model
 as a program in time order, with one more relaxation; vgg16-cpu, B=32: 301.8 -> 305.1 ms in about
 ten seconds), from which they start.
@@ -515,8 +515,8 @@ def pair_bound_ms(
     upper = (lambda: in_units(upper_ms())) if callable(upper_ms) else in_units(upper_ms)  # noqa: E731
     tick = None if report is None else lambda us: report(max(fast, us / 1000 + opt))  # noqa: E731
     tables = int_tables(problem)
-    if scope == "any order":  # the matched and pair programs first, in at most half the time
-        known = max(known, _programs_within(*tables, problem.minibatch, known, time_limit / 2, stop))
+    if scope == "any order":  # the matched and pair programs first, in at most two thirds of the time
+        known = max(known, _programs_within(*tables, problem.minibatch, known, 2 * time_limit / 3, stop))
         fast = max(fast, known / 1000 + opt)
         if report:
             report(fast)
