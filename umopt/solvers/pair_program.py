@@ -24,8 +24,8 @@ ends (:func:`.bounds.untied_latest`) are dropped.
 
 vgg16-cpu, S=4, B=32, stages 2 and 3: 301.18 -> 305.29 ms in about 5 s, against CP-SAT's 302.6
 in a minute; B=16: 207.5 in 5 s (CP-SAT's untied pair model: 206.2 in a minute, and its exact
-value lies in 209.0 .. 210.5, the GA's best is 211.5). gpt-sim, B=32: 100.47 -> 101.07 in 5 s,
-101.37 in a minute (its messages take a third to a half of an F op's time; before the queues the
+value lies in 209.0 .. 210.5, the GA's best is 211.5). gpt-sim, B=32: 100.47 -> 101.07 in 5-8 s,
+up to 101.37 in a minute (its messages take a third to a half of an F op's time; before the queues the
 program waited only for the last op's message and got 100.57). What it leaves out is that a B op
 runs an F op's samples (untied, B ranges are any): the stage forwards small chunks to start early
 and backwards large ones to work little, which no schedule does (the matched program of
