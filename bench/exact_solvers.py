@@ -207,7 +207,7 @@ def run_bounds(cases=BOUND_CASES, seconds: float = 60.0, say=print) -> Table:
     from umopt.solvers import bounds
     from umopt.solvers.pair_program import pair_program_bound
 
-    tab = Table(title="lower bounds, ms (seconds): the first four hold for every schedule, the last within the 1F1B family")
+    tab = Table(title="lower bounds, ms (seconds): all but the last hold for every schedule, the last within the 1F1B family")
     for col in ("profile", "S", "B", "stage cuts", "untied", "matched", "pair program", "tied pair program", "1F1B family"):
         tab.add_column(col, justify="right")
     for name, B in cases:
