@@ -205,7 +205,7 @@ def run_bounds(cases=BOUND_CASES, seconds: float = 60.0, say=print) -> Table:
     order, where B <= 32: seconds, not fast; auto runs them beside the GA; each program within
     ``seconds``, what it proved by then) and the 1F1B-family bound."""
     from umopt.solvers import bounds
-    from umopt.solvers.pair_program import pair_program_bound
+    from umopt.solvers.pair_program import PASSES, UNTIED, pair_program_bound
 
     tab = Table(title="lower bounds, ms (seconds): all but the last hold for every schedule, the last within the 1F1B family")
     for col in ("profile", "S", "B", "stage cuts", "untied", "matched", "pair program", "tied pair program", "1F1B family"):
@@ -226,10 +226,10 @@ def run_bounds(cases=BOUND_CASES, seconds: float = 60.0, say=print) -> Table:
         # from the untied bound, not the matched one, so that its own lift shows
         # its seconds: until its last lift (it goes on asking above that until done or out of time)
         lifted = [t4]
-        program = pair_program_bound(F, G, L, B, untied, seconds, lambda _: lifted.append(time.perf_counter()), tie=False) if B <= 32 else None
+        program = pair_program_bound(F, G, L, B, untied, seconds, lambda _: lifted.append(time.perf_counter()), passes=[UNTIED]) if B <= 32 else None
         t5 = time.perf_counter()
         tied_lifts = [t5]
-        tied = pair_program_bound(F, G, L, B, program, seconds, lambda _: tied_lifts.append(time.perf_counter())) if B <= 32 else None
+        tied = pair_program_bound(F, G, L, B, program, seconds, lambda _: tied_lifts.append(time.perf_counter()), passes=PASSES[1:]) if B <= 32 else None
         pairs = ((cuts, t1 - t0), (untied, t2 - t1), (matched, t4 - t3), (program, lifted[-1] - t4), (tied, tied_lifts[-1] - t5), (in_order, t3 - t2))
         cells = [f"{v / 1000 + opt:.2f} ({dt:.1f} s)" if v is not None else "-" for v, dt in pairs]
         say(f"{name} B={B}: " + ", ".join(cells))

@@ -41,14 +41,33 @@ a question costs 3-50 times an untied one, so the untied pass runs first.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+try:  # the label search compiled (setup.py); where it did not build, the same search in Python
+    from . import _pair_program as _compiled
+except ImportError:  # pragma: no cover - depends on the install
+    _compiled = None
+
 from .bounds import Heads, UntiedHeads, _least, _untied_limits, heads_and_tails, least_work, untied_heads, untied_latest, untied_usable_chunks, usable_chunks
 
-__all__ = ["pair_program_feasible", "pair_program_bound"]
+__all__ = ["pair_program_feasible", "pair_program_bound", "Tie", "UNTIED", "PASSES", "COMPILED"]
 
+
+# what a stage's B ops are tied to, per stage of a pair (upper, lower): see pair_program_feasible
+Tie = tuple[str, str]
+_NONE, _SIZES, _COUNT = 0, 1, 2
+_MODES = {"none": _NONE, "sizes": _SIZES, "count": _COUNT}
+UNTIED: Tie = ("none", "none")
+# pair_program_bound's passes, each from where the one before got: untied (cheap); the lower
+# stage's B ops as many as its F ops (gpt-sim, S=4, B=32: 101.47 -> 102.08 ms in seconds, where
+# sizes on both stages take minutes a question); both stages' B ops of their F ops' sizes (what
+# lifts S=4, B=8-16: gpt-sim B=8 46.36 -> 47.17, the optimum 47.19)
+PASSES: tuple[Tie, ...] = (UNTIED, ("none", "count"), ("sizes", "sizes"))
+
+# whether the label search runs compiled (about 100x faster than in Python)
+COMPILED = _compiled is not None
 
 # labels the dive runs on from before the program takes over (a second or so)
 DIVE_STATES = 20_000
@@ -68,12 +87,16 @@ def pair_program_feasible(
     minibatch: int,
     s: int,
     deadline: Optional[float] = None,
-    tied: bool = False,
+    tie: Tie = UNTIED,
+    compiled: bool = True,
 ) -> bool:
     """Does the program of stages ``s`` and ``s + 1`` reach the end with every op meeting ``T``
-    (integer tables of :func:`.bounds.int_tables`)? ``tied``: each stage's B ops take the sizes
-    of its F ops (a state then also holds the sizes forwarded and not yet backwarded). Raises
-    ``_OutOfTime`` past ``deadline``."""
+    (integer tables of :func:`.bounds.int_tables`)? ``tie``, per stage (upper, lower): "none",
+    "sizes" (its B ops take the sizes of its F ops: a state also holds the sizes forwarded and
+    not yet backwarded) or "count" (as many B ops as F ops, none before its F: a state holds how
+    many are owed). ``compiled``: the search in :mod:`._pair_program` where it was built (the
+    same answers, about 15-20x sooner). Raises ``_OutOfTime`` past ``deadline``."""
+    modes = tuple(_MODES[t] for t in tie)
     B, mx = minibatch, min(F.shape[1] - 1, minibatch)
     U, W = s, s + 1
     # --- the chunks each stage may use, and each stage's own limits ---------------------------
@@ -93,14 +116,32 @@ def pair_program_feasible(
     dur_f = [F[r].tolist() for r in (U, W)]
     dur_b = [G[r].tolist() for r in (U, W)]
     link = L[U].tolist()
-    # tied, a stage still has to run the B ops of the sizes it forwarded and the F and B ops of
-    # the samples it has not (their least work in one partition), then comes the least tail
-    # after a last B op: a state that cannot fit that before T is dropped
+    # tied, a stage still has to run the B ops it owes (sizes: theirs; count: the least work of
+    # that many ops over the samples forwarded and not backwarded) and the F and B ops of the
+    # samples it has not forwarded (their least work in one partition), then comes the least
+    # tail after a last B op: a state that cannot fit that before T is dropped
     todo = [least_work(F[r] + G[r], B).tolist() for r in (U, W)]
+    owed = [_least_ops_work(G[r], B, mx).tolist() for r in (U, W)]  # [samples][ops]
     last_tail = [min(after_b[k][c][B] for c in range(1, mx + 1)) for k in (0, 1)]
 
-    def fits(k: int, free: int, pending: tuple[int, ...], forwarded: int) -> bool:
-        return free + sum(dur_b[k][c] for c in pending) + todo[k][B - forwarded] + last_tail[k] <= T
+    if compiled and _compiled is not None and B <= 255:
+        use = np.zeros((2, 2, B, mx + 1), dtype=np.int64)
+        for k in (0, 1):
+            for kind in (0, 1):
+                for lo in range(B):
+                    use[k, kind, lo, sizes[k][kind][lo]] = 1
+        left = -1.0 if deadline is None else max(0.0, deadline - time.perf_counter())
+        arrays = (rel, ready, after_f, after_b, latest, dur_f, dur_b, link, todo, owed, last_tail)
+        met = _compiled.feasible(T, B, mx, modes[0], modes[1], use, *(np.array(x, dtype=np.int64) for x in arrays), DIVE_STATES, left)
+        if met < 0:
+            raise _OutOfTime
+        return bool(met)
+
+    def fits(k: int, free: int, pending: tuple[int, ...], forwarded: int, open_: int) -> bool:
+        if modes[k] == _NONE:
+            return True
+        owes = owed[k][open_][pending[0] if pending else 0] if modes[k] == _COUNT else sum(dur_b[k][c] for c in pending)
+        return free + owes + todo[k][B - forwarded] + last_tail[k] <= T
 
     def moves(key: Key, label: Label):
         """The labels one op on from ``label`` on state ``key``, as (key, label)."""
@@ -114,20 +155,20 @@ def pair_program_feasible(
             if end + after_f[0][c] <= T:
                 arrive = max(end, qa[-1][1] if qa else 0) + link[c]  # the link sends in order
                 nW = max(tW, start)
-                nU = _push(pU, c, tied)
-                if not tied or fits(0, end, nU, a + c):
+                nU = _push(pU, c, modes[0])
+                if fits(0, end, nU, a + c, a + c - b):
                     yield (a + c, b, f, g, nU, pW), (end, nW, _trim(qa + ((a, arrive),), nW, f), _trim(qg, end, b))
         for c in sizes[0][1][b] if b < g else ():  # B on U, after W's B of its samples
             if b + c > g:
                 break
-            if tied and c not in pU:
+            if not _has(pU, c, modes[0]):
                 continue
             start = max(tU, ready[0][b + c], _arrival(qg, b + c - 1))
             end = start + dur_b[0][c]
             if end + after_b[0][c][b + c] <= T:
                 nW = max(tW, start)
-                nU = _pop(pU, c, tied)
-                if not tied or fits(0, end, nU, a):
+                nU = _pop(pU, c, modes[0])
+                if fits(0, end, nU, a, a - b - c):
                     yield (a, b + c, f, g, nU, pW), (end, nW, _trim(qa, nW, f), _trim(qg, end, b + c))
         for c in sizes[1][0][f] if f < a else ():  # F on W, after U's F of its samples
             if f + c > a:
@@ -136,21 +177,21 @@ def pair_program_feasible(
             end = start + dur_f[1][c]
             if end + after_f[1][c] <= T:
                 nU = max(tU, start)
-                nW = _push(pW, c, tied)
-                if not tied or fits(1, end, nW, f + c):
+                nW = _push(pW, c, modes[1])
+                if fits(1, end, nW, f + c, f + c - g):
                     yield (a, b, f + c, g, pU, nW), (nU, end, _trim(qa, end, f + c), _trim(qg, nU, b))
         for c in sizes[1][1][g] if g < f else ():  # B on W: its gradients join U's queue
             if g + c > f:
                 break
-            if tied and c not in pW:
+            if not _has(pW, c, modes[1]):
                 continue
             start = max(tW, ready[1][g + c])
             end = start + dur_b[1][c]
             if end + after_b[1][c][g + c] <= T:
                 arrive = max(end, qg[-1][1] if qg else 0) + link[c]
                 nU = max(tU, start)
-                nW = _pop(pW, c, tied)
-                if not tied or fits(1, end, nW, f):
+                nW = _pop(pW, c, modes[1])
+                if fits(1, end, nW, f, f - g - c):
                     yield (a, b, f, g + c, pU, nW), (nU, end, _trim(qa, end, f), _trim(qg + ((g, arrive),), nU, b))
 
     # --- a dive first: depth first, the op that leaves both stages free earliest first ---------
@@ -158,7 +199,7 @@ def pair_program_feasible(
     # dived from (same state) is passed over, so an exhausted dive has its answer too
     start_key: Key = (0, 0, 0, 0, (), ())
     start_label: Label = (0, 0, (), ())
-    end_key: Key = (B, B, B, B, (), ())  # with ``tied``, every size forwarded also backwarded
+    end_key: Key = (B, B, B, B, (), ())  # tied, every F op's B op has run
     dived: dict[Key, list[Label]] = {}
     stack = [(start_key, start_label)]
     count = 0
@@ -206,19 +247,41 @@ Queue = tuple[tuple[int, int], ...]
 # A label: (U free, W free, activations on their way to W, gradients on their way to U)
 Label = tuple[int, int, Queue, Queue]
 # A state: (a, b, f, g, the sizes of U's F ops not yet matched by a B op, the same for W),
-# the sizes sorted (empty unless the program is tied)
+# what each stage owes (empty unless the program is tied there: _push)
 Key = tuple[int, int, int, int, tuple[int, ...], tuple[int, ...]]
 
 
-def _push(sizes: tuple[int, ...], c: int, tied: bool) -> tuple[int, ...]:
-    return tuple(sorted(sizes + (c,))) if tied else sizes
+# what a state holds of a stage's owed B ops: sizes, the sorted sizes (()) for none; count, (n,)
+def _push(owed: tuple[int, ...], c: int, mode: int) -> tuple[int, ...]:
+    if mode == _NONE:
+        return owed
+    return tuple(sorted(owed + (c,))) if mode == _SIZES else (owed[0] + 1 if owed else 1,)
 
 
-def _pop(sizes: tuple[int, ...], c: int, tied: bool) -> tuple[int, ...]:
-    if not tied:
-        return sizes
-    k = sizes.index(c)
-    return sizes[:k] + sizes[k + 1 :]
+def _has(owed: tuple[int, ...], c: int, mode: int) -> bool:
+    return mode == _NONE or (c in owed if mode == _SIZES else bool(owed))
+
+
+def _pop(owed: tuple[int, ...], c: int, mode: int) -> tuple[int, ...]:
+    if mode == _NONE:
+        return owed
+    if mode == _COUNT:
+        return (owed[0] - 1,) if owed[0] > 1 else ()
+    k = owed.index(c)
+    return owed[:k] + owed[k + 1 :]
+
+
+def _least_ops_work(Gs: np.ndarray, B: int, mx: int) -> np.ndarray:
+    """``w[n, m]``: the least B work of ``m`` ops of at most ``mx`` samples holding ``n`` samples
+    in all (a large number where none do)."""
+    big = np.iinfo(np.int64).max // 4
+    w = np.full((B + 1, B + 1), big, dtype=np.int64)
+    w[0, 0] = 0
+    for m in range(1, B + 1):
+        for n in range(m, min(B, m * mx) + 1):
+            c = np.arange(1, min(mx, n - m + 1) + 1)
+            w[n, m] = (w[n - c, m - 1] + Gs[c]).min()
+    return np.minimum(w, big)
 
 
 def _arrival(q: Queue, sample: int) -> int:
@@ -261,24 +324,24 @@ def pair_program_bound(
     known: int,
     seconds: Optional[float] = None,
     report: Optional[Callable[[int], None]] = None,
-    tie: bool = True,
+    passes: Sequence[Tie] = PASSES,
 ) -> int:
     """The best of ``known`` (a bound already proven, in the tables' units) and every pair's
-    program, to a two-thousandth: first untied, then (``tie``) tied (a tied question costs 3-50
-    times an untied one, so the untied pass gets as far as it can first).
-    Each pair first asks whether its program meets the bound so far (then it cannot lift it);
-    one that does not steps up in doubling steps, then bisects. ``report(bound)`` after every
-    lift; past ``seconds`` the bound proven so far. Without recompute only (the tie is a
-    stage's one partition)."""
+    program, to a two-thousandth: pair by pair (the last first: it binds most often), each of
+    ``passes`` from where the one before got (cheap relaxations first: a tied question can
+    cost 3-50 times an untied one). A pass first asks whether the program meets the bound so
+    far (then it cannot lift it); one that does not steps up in doubling steps, then bisects.
+    ``report(bound)`` after every lift; past ``seconds`` the bound proven so far. Without
+    recompute only (a tie is a stage's one partition)."""
     B, S = minibatch, F.shape[0]
     deadline = None if seconds is None else time.perf_counter() + seconds
     h = heads_and_tails(F, G, L, B)
     ut = untied_heads(F, G, L, h, B)
     best = proven = known
 
-    def ok(s: int, T: int, tied: bool) -> bool:
+    def ok(s: int, T: int, tie: Tie) -> bool:
         nonlocal proven
-        met = pair_program_feasible(T, F, G, L, h, ut, B, s, deadline, tied)
+        met = pair_program_feasible(T, F, G, L, h, ut, B, s, deadline, tie)
         if not met:  # every T below fails too; the searches below only ever ask higher
             proven = max(proven, T + 1)
             if report:
@@ -286,16 +349,16 @@ def pair_program_bound(
         return met
 
     try:
-        for tied in (False, True) if tie else (False,):
-            for s in range(S - 2, -1, -1):  # the last stages bind most often
-                if ok(s, best, tied):
+        for s in range(S - 2, -1, -1):
+            for tie in passes:
+                if ok(s, best, tie):
                     continue
                 best += 1
                 step = max(1, best // 500)
-                while not ok(s, best + step, tied):
+                while not ok(s, best + step, tie):
                     best, step = best + step + 1, 2 * step
                 # reached: the pair's least T is in [best, best + step]
-                best = _least(lambda T: ok(s, T, tied), best, best + step, max(1, best // 2000))
+                best = _least(lambda T: ok(s, T, tie), best, best + step, max(1, best // 2000))
     except _OutOfTime:
         pass
     return max(best, proven)
