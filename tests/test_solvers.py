@@ -953,6 +953,24 @@ def test_compiled_and_python_pair_programs_agree(name, B):
                 assert True in python and False in python
 
 
+def test_pair_program_gives_a_question_up_past_its_label_cap(monkeypatch):
+    # a sized tie at B=32 holds millions of labels; past the cap a question has no answer and
+    # the bound keeps what it proved before
+    if not pair_program.COMPILED:
+        pytest.skip("not compiled")
+    problem = Problem(CostTables.from_profile(load_profile("gpt-sim")), 8)
+    F, G, L = bounds.int_tables(problem)
+    h = bounds.heads_and_tails(F, G, L, 8)
+    ut = bounds.untied_heads(F, G, L, h, 8)
+    known = bounds.untied_bound(F, G, L, 8, bounds.stage_bound(F, G, L, 8, False))
+    full = pair_program.pair_program_bound(F, G, L, 8, known)
+    monkeypatch.setattr(pair_program, "DIVE_STATES", 0)
+    monkeypatch.setattr(pair_program, "MAX_LABELS", 20)
+    with pytest.raises(pair_program._TooLarge):
+        pair_program.pair_program_feasible(full + full // 20, F, G, L, h, ut, 8, 2, tie=("sizes", "sizes"))
+    assert known <= pair_program.pair_program_bound(F, G, L, 8, known) < full
+
+
 def test_counted_tie_proves_gpt_sim_at_b32_within_two_percent():
     # gpt-sim, S=4, B=32: the GA's best schedule is 104.02 ms, the untied program proves 101.47;
     # the last pair with as many B ops as F ops on its lower stage says no at 104.02 / 1.02

@@ -197,8 +197,8 @@ struct Program {
 
 using Clock = std::chrono::steady_clock;
 
-// 1: the end is reached, 0: it is not, -1: out of time
-int run(const Program& P, int dive_states, double seconds) {
+// 1: the end is reached, 0: it is not, -1: out of time, -2: more than max_labels labels held
+int run(const Program& P, int dive_states, double seconds, long max_labels) {
     const bool timed = seconds >= 0;
     const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timed ? seconds : 0));
     const State start{0, 0, 0, 0, "", ""};
@@ -233,10 +233,13 @@ int run(const Program& P, int dive_states, double seconds) {
     // the program, states by total progress a + b + f + g; a level is complete before it is run
     std::vector<std::unordered_map<Key, std::vector<Label>>> level(4 * P.B + 1);
     level[0][start.key()].push_back(Label{0, 0, {}, {}});
+    long held = 1;  // labels in memory: a sized tie at B=32 makes millions a level
     auto add = [&](State&& s, Label&& l) {
         auto& front = level[s.progress()][s.key()];
         if (std::any_of(front.begin(), front.end(), [&](const Label& m) { return no_later(m, l); })) return;
-        front.erase(std::remove_if(front.begin(), front.end(), [&](const Label& m) { return no_later(l, m); }), front.end());
+        auto kept = std::remove_if(front.begin(), front.end(), [&](const Label& m) { return no_later(l, m); });
+        held -= static_cast<long>(front.end() - kept) - 1;
+        front.erase(kept, front.end());
         front.push_back(std::move(l));
     };
     long expanded = 0;
@@ -245,8 +248,10 @@ int run(const Program& P, int dive_states, double seconds) {
             const State s = State::of(k);
             for (const Label& l : front) {
                 if (timed && (++expanded & 1023) == 0 && Clock::now() > deadline) return -1;
+                if (held > max_labels) return -2;
                 P.moves(s, l, add);
             }
+            held -= static_cast<long>(front.size());
         }
         std::unordered_map<Key, std::vector<Label>>().swap(level[p]);  // free it
     }
@@ -269,7 +274,7 @@ using Arr = py::array_t<i64, py::array::c_style | py::array::forcecast>;
 // The other arrays are per stage (first axis 2) as pair_program.py computes them. ``seconds`` < 0:
 // no limit.
 int feasible(i64 T, int B, int mx, int tie_u, int tie_w, Arr use, Arr rel, Arr ready, Arr after_f, Arr after_b, Arr latest, Arr dur_f, Arr dur_b,
-             Arr link, Arr todo, Arr owed, Arr last_tail, int dive_states, double seconds) {
+             Arr link, Arr todo, Arr owed, Arr last_tail, int dive_states, double seconds, long max_labels) {
     if (B > 255 || mx > 255) throw std::invalid_argument("the compiled pair program takes B <= 255");
     Program P;
     P.T = T;
@@ -302,7 +307,7 @@ int feasible(i64 T, int B, int mx, int tie_u, int tie_w, Arr use, Arr rel, Arr r
     }
     P.link = flat<i64>(link);
     py::gil_scoped_release nogil;
-    return run(P, dive_states, seconds);
+    return run(P, dive_states, seconds, max_labels);
 }
 
 PYBIND11_MODULE(_pair_program, m) {

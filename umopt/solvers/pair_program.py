@@ -78,8 +78,17 @@ COMPILED = _compiled is not None
 DIVE_STATES = 20_000
 
 
+# the compiled search gives a question up past this many labels held (about 200 bytes each):
+# with sizes on both stages at B=32 a level alone has millions
+MAX_LABELS = 5_000_000
+
+
 class _OutOfTime(Exception):
     pass
+
+
+class _TooLarge(Exception):
+    """The compiled search held more than ``MAX_LABELS`` labels: no answer."""
 
 
 def pair_program_feasible(
@@ -100,7 +109,8 @@ def pair_program_feasible(
     "sizes" (its B ops take the sizes of its F ops: a state also holds the sizes forwarded and
     not yet backwarded) or "count" (as many B ops as F ops, none before its F: a state holds how
     many are owed). ``compiled``: the search in :mod:`._pair_program` where it was built (the
-    same answers, about 15-20x sooner). Raises ``_OutOfTime`` past ``deadline``."""
+    same answers, about 15-20x sooner; it raises ``_TooLarge`` past ``MAX_LABELS`` labels).
+    Raises ``_OutOfTime`` past ``deadline``."""
     modes = tuple(_MODES[t] for t in tie)
     B, mx = minibatch, min(F.shape[1] - 1, minibatch)
     U, W = s, s + 1
@@ -137,9 +147,11 @@ def pair_program_feasible(
                     use[k, kind, lo, sizes[k][kind][lo]] = 1
         left = -1.0 if deadline is None else max(0.0, deadline - time.perf_counter())
         arrays = (rel, ready, after_f, after_b, latest, dur_f, dur_b, link, todo, owed, last_tail)
-        met = _compiled.feasible(T, B, mx, modes[0], modes[1], use, *(np.array(x, dtype=np.int64) for x in arrays), DIVE_STATES, left)
-        if met < 0:
+        met = _compiled.feasible(T, B, mx, modes[0], modes[1], use, *(np.array(x, dtype=np.int64) for x in arrays), DIVE_STATES, left, MAX_LABELS)
+        if met == -1:
             raise _OutOfTime
+        if met == -2:
+            raise _TooLarge
         return bool(met)
 
     def fits(k: int, free: int, pending: tuple[int, ...], forwarded: int, open_: int) -> bool:
@@ -356,14 +368,17 @@ def pair_program_bound(
     try:
         for s in range(S - 2, -1, -1):
             for tie in passes:
-                if ok(s, best, tie):
-                    continue
-                best += 1
-                step = max(1, best // 500)
-                while not ok(s, best + step, tie):
-                    best, step = best + step + 1, 2 * step
-                # reached: the pair's least T is in [best, best + step]
-                best = _least(lambda T: ok(s, T, tie), best, best + step, max(1, best // 2000))
+                try:
+                    if ok(s, best, tie):
+                        continue
+                    best += 1
+                    step = max(1, best // 500)
+                    while not ok(s, best + step, tie):
+                        best, step = best + step + 1, 2 * step
+                    # reached: the pair's least T is in [best, best + step]
+                    best = _least(lambda T: ok(s, T, tie), best, best + step, max(1, best // 2000))
+                except _TooLarge:  # this pass has no answer here; what it proved stands
+                    best = max(best, proven)
     except _OutOfTime:
         pass
     return max(best, proven)
