@@ -3,7 +3,7 @@
 // Python prepares everything that depends on T (usable chunks, releases, latest ends, ...) and
 // hands it over as int64 arrays; this file only runs the dive and the program over states, the
 // part that takes minutes in Python at B = 32. It mirrors pair_program.py move for move: the
-// docstrings there are the description, and tests/test_pair_program.py checks both agree.
+// docstrings there are the description, and tests/test_solvers.py checks that both agree.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
