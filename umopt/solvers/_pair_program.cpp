@@ -30,7 +30,7 @@ struct Label {
     Queue qg;    // gradients on their way to U
 };
 
-// a state: a, b, f, g, then U's pending sizes (sorted), a 0 byte, W's pending sizes (sorted)
+// a state: a, b, f, g, then what U owes, a 0 byte, what W owes (Program::push: sorted sizes or a count)
 using Key = std::string;
 
 i64 arrival(const Queue& q, int sample) {
@@ -62,7 +62,7 @@ bool no_later(const Label& x, const Label& y) {
 
 struct State {
     int a, b, f, g;
-    std::string pU, pW;  // sorted pending sizes, one byte each
+    std::string pU, pW;  // what each stage owes, one byte a size (or the count)
 
     Key key() const {
         Key k;
@@ -258,12 +258,8 @@ int run(const Program& P, int dive_states, double seconds, long max_labels) {
     return level[4 * P.B].count(end_key) ? 1 : 0;
 }
 
-template <class T>
-std::vector<T> flat(const py::array_t<i64, py::array::c_style | py::array::forcecast>& x) {
-    std::vector<T> out(static_cast<size_t>(x.size()));
-    const i64* data = x.data();
-    for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<T>(data[i]);
-    return out;
+std::vector<i64> flat(const py::array_t<i64, py::array::c_style | py::array::forcecast>& x) {
+    return std::vector<i64>(x.data(), x.data() + x.size());
 }
 
 }  // namespace
@@ -289,7 +285,7 @@ int feasible(i64 T, int B, int mx, int tie_u, int tie_w, Arr use, Arr rel, Arr r
                 for (int c = 1; c <= mx; ++c)
                     if (lo + c <= B && u(k, kind, lo, c)) P.sizes[k][kind][lo].push_back(c);
     auto rows = [](const Arr& x, int k) {
-        auto v = flat<i64>(x);
+        auto v = flat(x);
         size_t n = v.size() / 2;
         return std::vector<i64>(v.begin() + static_cast<std::ptrdiff_t>(k * n), v.begin() + static_cast<std::ptrdiff_t>((k + 1) * n));
     };
@@ -302,10 +298,10 @@ int feasible(i64 T, int B, int mx, int tie_u, int tie_w, Arr use, Arr rel, Arr r
         P.dur_f[k] = rows(dur_f, k);
         P.dur_b[k] = rows(dur_b, k);
         P.todo[k] = rows(todo, k);
-        P.last_tail[k] = flat<i64>(last_tail)[k];
+        P.last_tail[k] = flat(last_tail)[k];
         P.kwork[k] = rows(owed, k);
     }
-    P.link = flat<i64>(link);
+    P.link = flat(link);
     py::gil_scoped_release nogil;
     return run(P, dive_states, seconds, max_labels);
 }
