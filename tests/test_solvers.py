@@ -953,6 +953,63 @@ def test_compiled_and_python_pair_programs_agree(name, B):
                 assert True in python and False in python
 
 
+@pytest.mark.parametrize("name,B", [("gpt-sim", 6), ("vgg16-cpu", 6)])
+def test_pair_program_witness_is_a_path_of_the_relaxation(name, B):
+    # where the program says yes, the path it found keeps every rule the docstring states: ops
+    # in sample order and one at a time on each stage, activations and gradients after their
+    # op's end plus the transfer, B ops after the F of their samples, the tie, everything by T
+    if not pair_program.COMPILED:
+        pytest.skip("not compiled")
+    problem = Problem(CostTables.from_profile(load_profile(name)), B)
+    F, G, L = bounds.int_tables(problem)
+    h = bounds.heads_and_tails(F, G, L, B)
+    ut = bounds.untied_heads(F, G, L, h, B)
+    S = F.shape[0]
+    for tie in [pair_program.UNTIED, ("none", "count"), ("sizes", "sizes")]:
+        for s in range(S - 1):
+            least = pair_program.pair_program_bound(F, G, L, B, 0, passes=[tie]) if s == S - 2 else None
+            T = (least or bounds.own_bound(problem)) + 2000
+            path = pair_program.pair_program_feasible(T, F, G, L, h, ut, B, s, tie=tie, witness=True)
+            assert path, (tie, s)
+            _assert_relaxed_path(path, F[s : s + 2], G[s : s + 2], L[s], B, T, tie)
+            if least is not None:  # the bound (to a two-thousandth) has a path just above, none below
+                assert pair_program.pair_program_feasible(least + least // 2000 + 1, F, G, L, h, ut, B, s, tie=tie, witness=True)
+                assert pair_program.pair_program_feasible(least - 1, F, G, L, h, ut, B, s, tie=tie, witness=True) is None
+
+
+def _assert_relaxed_path(path, F, G, link, B, T, tie) -> None:
+    free, done = [0, 0], {(k, kind): 0 for k in (0, 1) for kind in "FB"}
+    ends = {(k, kind): {} for k in (0, 1) for kind in "FB"}  # sample -> (end of its op, op size)
+    owed = [[], []]  # sizes forwarded and not yet backwarded
+    starts = [m[4] for m in path]
+    assert starts == sorted(starts)
+    for kind, k, lo, c, start in path:
+        assert lo == done[(k, kind)] and 1 <= c and lo + c <= B  # sample order, no gaps
+        assert start >= free[k]
+        end = start + (F if kind == "F" else G)[k][c]
+        assert end <= T
+        if kind == "F" and k == 1:  # the activations of its last sample are in
+            up_end, up_size = ends[(0, "F")][lo + c - 1]
+            assert start >= up_end + link[up_size]
+        if kind == "B":
+            assert ends[(k, "F")].get(lo + c - 1, (end, 0))[0] <= start  # after the F of its samples
+            if k == 0:  # the gradients of its last sample are in
+                down_end, down_size = ends[(1, "B")][lo + c - 1]
+                assert start >= down_end + link[down_size]
+            if tie[k] == "sizes":
+                assert c in owed[k]
+                owed[k].remove(c)
+            if tie[k] == "count":
+                assert owed[k]
+                owed[k].pop()
+        elif tie[k] != "none":
+            owed[k].append(c)
+        for i in range(lo, lo + c):
+            ends[(k, kind)][i] = (end, c)
+        free[k], done[(k, kind)] = end, lo + c
+    assert all(n == B for n in done.values()) and owed == [[], []]
+
+
 def test_pair_program_gives_a_question_up_past_its_label_cap(monkeypatch):
     # a sized tie at B=32 holds millions of labels; past the cap a question has no answer and
     # the bound keeps what it proved before

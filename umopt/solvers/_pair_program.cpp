@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -24,10 +25,21 @@ namespace {
 // a queue of messages: (first sample, arrival), both increasing
 using Queue = std::vector<std::pair<int, i64>>;
 
+// one op of a path, linked to the op before it (shared: labels that branch from one share its past)
+struct Step {
+    char kind;  // 'F' or 'B'
+    int stage;  // 0: U, 1: W
+    int lo, c;  // samples [lo, lo + c)
+    i64 start;
+    std::shared_ptr<const Step> prev;
+};
+using Path = std::shared_ptr<const Step>;
+
 struct Label {
     i64 tU, tW;  // when each stage is free again
     Queue qa;    // activations on their way to W
     Queue qg;    // gradients on their way to U
+    Path path;   // the ops that led here, only where a witness was asked for (Program::witness)
 };
 
 // a state: a, b, f, g, then what U owes, a 0 byte, what W owes (Program::push: sorted sizes or a count)
@@ -101,6 +113,11 @@ struct Program {
     std::vector<i64> latest[2];   // [i * (B + 1) + j]
     std::vector<i64> link;
     i64 last_tail[2];
+    bool witness = false;  // keep each label's path (an allocation a move)
+
+    Path step(const Label& l, char kind, int k, int lo, int c, i64 start) const {
+        return witness ? std::make_shared<const Step>(Step{kind, k, lo, c, start, l.path}) : Path();
+    }
 
     // the pending F ops: their sizes, sorted (tie 1), or how many there are (tie 2, "" for none)
     std::string push(int k, const std::string& p, int c) const {
@@ -148,7 +165,7 @@ struct Program {
                 if (!fits(0, end, nU, a + c, a + c - b)) continue;
                 Queue qa = l.qa;
                 qa.emplace_back(a, arrive);
-                emit(State{a + c, b, f, g, nU, s.pW}, Label{end, nW, trim(qa, nW, f), trim(l.qg, end, b)});
+                emit(State{a + c, b, f, g, nU, s.pW}, Label{end, nW, trim(qa, nW, f), trim(l.qg, end, b), step(l, 'F', 0, a, c, start)});
             }
         }
         if (b < g) {  // B on U, after W's B of its samples
@@ -161,7 +178,7 @@ struct Program {
                 i64 nW = std::max(l.tW, start);
                 std::string nU = pop(0, s.pU, c);
                 if (!fits(0, end, nU, a, a - b - c)) continue;
-                emit(State{a, b + c, f, g, nU, s.pW}, Label{end, nW, trim(l.qa, nW, f), trim(l.qg, end, b + c)});
+                emit(State{a, b + c, f, g, nU, s.pW}, Label{end, nW, trim(l.qa, nW, f), trim(l.qg, end, b + c), step(l, 'B', 0, b, c, start)});
             }
         }
         if (f < a) {  // F on W, after U's F of its samples
@@ -173,7 +190,7 @@ struct Program {
                 i64 nU = std::max(l.tU, start);
                 std::string nW = push(1, s.pW, c);
                 if (!fits(1, end, nW, f + c, f + c - g)) continue;
-                emit(State{a, b, f + c, g, s.pU, nW}, Label{nU, end, trim(l.qa, end, f + c), trim(l.qg, nU, b)});
+                emit(State{a, b, f + c, g, s.pU, nW}, Label{nU, end, trim(l.qa, end, f + c), trim(l.qg, nU, b), step(l, 'F', 1, f, c, start)});
             }
         }
         if (g < f) {  // B on W: its gradients join U's queue
@@ -189,7 +206,7 @@ struct Program {
                 if (!fits(1, end, nW, f, f - g - c)) continue;
                 Queue qg = l.qg;
                 qg.emplace_back(g, arrive);
-                emit(State{a, b, f, g + c, s.pU, nW}, Label{nU, end, trim(l.qa, end, f), trim(qg, nU, b)});
+                emit(State{a, b, f, g + c, s.pU, nW}, Label{nU, end, trim(l.qa, end, f), trim(qg, nU, b), step(l, 'B', 1, g, c, start)});
             }
         }
     }
@@ -197,8 +214,9 @@ struct Program {
 
 using Clock = std::chrono::steady_clock;
 
-// 1: the end is reached, 0: it is not, -1: out of time, -2: more than max_labels labels held
-int run(const Program& P, int dive_states, double seconds, long max_labels) {
+// 1: the end is reached, 0: it is not, -1: out of time, -2: more than max_labels labels held.
+// Where the end is reached and P.witness is set, ``path`` is how (the last op first).
+int run(const Program& P, int dive_states, double seconds, long max_labels, Path& path) {
     const bool timed = seconds >= 0;
     const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timed ? seconds : 0));
     const State start{0, 0, 0, 0, "", ""};
@@ -213,7 +231,10 @@ int run(const Program& P, int dive_states, double seconds, long max_labels) {
         auto [s, l] = std::move(stack.back());
         stack.pop_back();
         Key k = s.key();
-        if (k == end_key) return 1;
+        if (k == end_key) {
+            path = l.path;
+            return 1;
+        }
         auto& seen = dived[k];
         if (std::any_of(seen.begin(), seen.end(), [&](const Label& m) { return no_later(m, l); })) continue;
         ++count;
@@ -255,7 +276,10 @@ int run(const Program& P, int dive_states, double seconds, long max_labels) {
         }
         std::unordered_map<Key, std::vector<Label>>().swap(level[p]);  // free it
     }
-    return level[4 * P.B].count(end_key) ? 1 : 0;
+    auto done = level[4 * P.B].find(end_key);
+    if (done == level[4 * P.B].end()) return 0;
+    path = done->second.front().path;
+    return 1;
 }
 
 std::vector<i64> flat(const py::array_t<i64, py::array::c_style | py::array::forcecast>& x) {
@@ -269,8 +293,10 @@ using Arr = py::array_t<i64, py::array::c_style | py::array::forcecast>;
 // ``use``: (2, 2, B, mx + 1) 0/1, which chunk sizes each stage may use for F and B from each lo.
 // The other arrays are per stage (first axis 2) as pair_program.py computes them. ``seconds`` < 0:
 // no limit.
-int feasible(i64 T, int B, int mx, int tie_u, int tie_w, Arr use, Arr rel, Arr ready, Arr after_f, Arr after_b, Arr latest, Arr dur_f, Arr dur_b,
-             Arr link, Arr todo, Arr owed, Arr last_tail, int dive_states, double seconds, long max_labels) {
+// With ``witness``, returns (answer, ops): the ops of one path to the end in start order, each
+// (kind, stage 0/1, lo, size, start), empty unless the answer is 1; without it, the answer alone.
+py::object feasible(i64 T, int B, int mx, int tie_u, int tie_w, Arr use, Arr rel, Arr ready, Arr after_f, Arr after_b, Arr latest, Arr dur_f, Arr dur_b,
+                    Arr link, Arr todo, Arr owed, Arr last_tail, int dive_states, double seconds, long max_labels, bool witness) {
     if (B > 255 || mx > 255) throw std::invalid_argument("the compiled pair program takes B <= 255");
     Program P;
     P.T = T;
@@ -302,11 +328,29 @@ int feasible(i64 T, int B, int mx, int tie_u, int tie_w, Arr use, Arr rel, Arr r
         P.kwork[k] = rows(owed, k);
     }
     P.link = flat(link);
-    py::gil_scoped_release nogil;
-    return run(P, dive_states, seconds, max_labels);
+    P.witness = witness;
+    Path path;
+    int met;
+    {
+        py::gil_scoped_release nogil;
+        met = run(P, dive_states, seconds, max_labels, path);
+    }
+    if (!witness) return py::int_(met);
+    std::vector<const Step*> back;  // the last op first
+    for (const Step* st = path.get(); st; st = st->prev.get()) back.push_back(st);
+    py::list ops;
+    for (auto st = back.rbegin(); st != back.rend(); ++st)
+        ops.append(py::make_tuple(std::string(1, (*st)->kind), (*st)->stage, (*st)->lo, (*st)->c, (*st)->start));
+    return py::make_tuple(met, ops);
 }
 
 PYBIND11_MODULE(_pair_program, m) {
     m.doc() = "The pair program's label search, compiled (see umopt/solvers/pair_program.py).";
-    m.def("feasible", &feasible);
+    // what pair_program.py expects of it (the arguments of feasible): an in-place build that
+    // failed leaves an older module behind, which it must not call
+    m.attr("VERSION") = 2;
+    m.def("feasible", &feasible, py::arg("T"), py::arg("B"), py::arg("mx"), py::arg("tie_u"), py::arg("tie_w"), py::arg("use"), py::arg("rel"),
+          py::arg("ready"), py::arg("after_f"), py::arg("after_b"), py::arg("latest"), py::arg("dur_f"), py::arg("dur_b"), py::arg("link"),
+          py::arg("todo"), py::arg("owed"), py::arg("last_tail"), py::arg("dive_states"), py::arg("seconds"), py::arg("max_labels"),
+          py::arg("witness") = false);
 }

@@ -46,13 +46,20 @@ moves in C++, 15-20x sooner); this module computes what it needs and runs it in 
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+# what this module calls the compiled search with (its VERSION)
+_COMPILED_VERSION = 2
 try:  # the label search compiled (setup.py); where it did not build, the same search in Python
     from . import _pair_program as _compiled
 except ImportError:  # pragma: no cover - depends on the install
+    _compiled = None
+if _compiled is not None and getattr(_compiled, "VERSION", None) != _COMPILED_VERSION:  # pragma: no cover
+    # an editable install whose rebuild failed keeps the module it built before
+    warnings.warn("umopt: the compiled pair program is out of date (pip install -e . rebuilds it); running it in Python", stacklevel=1)
     _compiled = None
 
 from .bounds import Heads, UntiedHeads, _least, _untied_limits, heads_and_tails, least_work, untied_heads, untied_latest, untied_usable_chunks, usable_chunks
@@ -103,14 +110,20 @@ def pair_program_feasible(
     deadline: Optional[float] = None,
     tie: Tie = UNTIED,
     compiled: bool = True,
-) -> bool:
+    witness: bool = False,
+):
     """Does the program of stages ``s`` and ``s + 1`` reach the end with every op meeting ``T``
     (integer tables of :func:`.bounds.int_tables`)? ``tie``, per stage (upper, lower): "none",
     "sizes" (its B ops take the sizes of its F ops: a state also holds the sizes forwarded and
     not yet backwarded) or "count" (as many B ops as F ops, none before its F: a state holds how
     many are owed). ``compiled``: the search in :mod:`._pair_program` where it was built (the
     same answers, about 15-20x sooner; it raises ``_TooLarge`` past ``MAX_LABELS`` labels).
-    Raises ``_OutOfTime`` past ``deadline``."""
+    Raises ``_OutOfTime`` past ``deadline``.
+
+    ``witness`` (compiled only): instead of yes or no, the ops of one path to the end, in the
+    order they start, each ``(kind, 0 for s or 1 for s + 1, lo, size, start)``, or None. Each
+    stage's F and B ops come in sample order (B ops as the exchange of :mod:`.bounds` puts
+    them): it shows what the relaxation lets a schedule do that no schedule can."""
     modes = tuple(_MODES[t] for t in tie)
     B, mx = minibatch, min(F.shape[1] - 1, minibatch)
     U, W = s, s + 1
@@ -147,12 +160,18 @@ def pair_program_feasible(
                     use[k, kind, lo, sizes[k][kind][lo]] = 1
         left = -1.0 if deadline is None else max(0.0, deadline - time.perf_counter())
         arrays = (rel, ready, after_f, after_b, latest, dur_f, dur_b, link, todo, owed, last_tail)
-        met = _compiled.feasible(T, B, mx, modes[0], modes[1], use, *(np.array(x, dtype=np.int64) for x in arrays), DIVE_STATES, left, MAX_LABELS)
+        met = _compiled.feasible(T, B, mx, modes[0], modes[1], use, *(np.array(x, dtype=np.int64) for x in arrays), DIVE_STATES, left, MAX_LABELS, witness)
+        if witness:
+            met, path = met
         if met == -1:
             raise _OutOfTime
         if met == -2:
             raise _TooLarge
+        if witness:
+            return path if met else None
         return bool(met)
+    if witness:
+        raise NotImplementedError("a witness needs the compiled search")
 
     def fits(k: int, free: int, pending: tuple[int, ...], forwarded: int, open_: int) -> bool:
         if modes[k] == _NONE:
