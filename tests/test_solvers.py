@@ -868,12 +868,17 @@ def test_pair_program_never_exceeds_a_schedule_in_any_order(S, B, mx, seed):
     _assert_below_random_any_order_schedules(problem, program, seed)
 
 
+def _pair_inputs(name: str, B: int):
+    """A bundled profile's problem and what the pair program takes: integer tables, heads, untied heads."""
+    problem = Problem(CostTables.from_profile(load_profile(name)), B)
+    F, G, L = bounds.int_tables(problem)
+    h = bounds.heads_and_tails(F, G, L, B)
+    return problem, F, G, L, h, bounds.untied_heads(F, G, L, h, B)
+
+
 def test_pair_program_dive_and_program_agree(monkeypatch):
     # the dive only finds paths the program has; with it off the program answers alone
-    problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 8)
-    F, G, L = bounds.int_tables(problem)
-    h = bounds.heads_and_tails(F, G, L, 8)
-    ut = bounds.untied_heads(F, G, L, h, 8)
+    problem, F, G, L, h, ut = _pair_inputs("vgg16-cpu", 8)
     answers = []
     for dive in (pair_program.DIVE_STATES, 0):
         monkeypatch.setattr(pair_program, "DIVE_STATES", dive)
@@ -939,10 +944,7 @@ def test_the_pair_program_is_compiled():
 def test_compiled_and_python_pair_programs_agree(name, B):
     if not pair_program.COMPILED:
         pytest.skip("not compiled")
-    problem = Problem(CostTables.from_profile(load_profile(name)), B)
-    F, G, L = bounds.int_tables(problem)
-    h = bounds.heads_and_tails(F, G, L, B)
-    ut = bounds.untied_heads(F, G, L, h, B)
+    problem, F, G, L, h, ut = _pair_inputs(name, B)
     known = bounds.untied_bound(F, G, L, B, bounds.stage_bound(F, G, L, B, False))
     for tie in [pair_program.UNTIED, ("none", "count"), ("count", "sizes"), ("sizes", "sizes")]:
         for s in (0, F.shape[0] - 2):
@@ -960,10 +962,7 @@ def test_pair_program_witness_is_a_path_of_the_relaxation(name, B):
     # op's end plus the transfer, B ops after the F of their samples, the tie, everything by T
     if not pair_program.COMPILED:
         pytest.skip("not compiled")
-    problem = Problem(CostTables.from_profile(load_profile(name)), B)
-    F, G, L = bounds.int_tables(problem)
-    h = bounds.heads_and_tails(F, G, L, B)
-    ut = bounds.untied_heads(F, G, L, h, B)
+    problem, F, G, L, h, ut = _pair_inputs(name, B)
     S = F.shape[0]
     for tie in [pair_program.UNTIED, ("none", "count"), ("sizes", "sizes")]:
         for s in range(S - 1):
@@ -1015,10 +1014,7 @@ def test_pair_program_gives_a_question_up_past_its_label_cap(monkeypatch):
     # the bound keeps what it proved before
     if not pair_program.COMPILED:
         pytest.skip("not compiled")
-    problem = Problem(CostTables.from_profile(load_profile("gpt-sim")), 8)
-    F, G, L = bounds.int_tables(problem)
-    h = bounds.heads_and_tails(F, G, L, 8)
-    ut = bounds.untied_heads(F, G, L, h, 8)
+    problem, F, G, L, h, ut = _pair_inputs("gpt-sim", 8)
     known = bounds.untied_bound(F, G, L, 8, bounds.stage_bound(F, G, L, 8, False))
     full = pair_program.pair_program_bound(F, G, L, 8, known)
     monkeypatch.setattr(pair_program, "DIVE_STATES", 0)
@@ -1032,10 +1028,7 @@ def test_counted_tie_proves_gpt_sim_at_b32_within_two_percent():
     # gpt-sim, S=4, B=32: the GA's best schedule is 104.02 ms, the untied program proves 101.47;
     # the last pair with as many B ops as F ops on its lower stage says no at 104.02 / 1.02
     # (compiled: about a second), and yes half a millisecond higher
-    problem = Problem(CostTables.from_profile(load_profile("gpt-sim")), 32)
-    F, G, L = bounds.int_tables(problem)
-    h = bounds.heads_and_tails(F, G, L, 32)
-    ut = bounds.untied_heads(F, G, L, h, 32)
+    problem, F, G, L, h, ut = _pair_inputs("gpt-sim", 32)
     in_units = lambda ms: int((ms - problem.tables.optimizer_ms) * 1000)  # noqa: E731
     tie = ("none", "count")
     assert pair_program.pair_program_feasible(in_units(101.5), F, G, L, h, ut, 32, 2)  # untied: yes
