@@ -111,7 +111,7 @@ def pair_program_feasible(
     tie: Tie = UNTIED,
     compiled: bool = True,
     witness: bool = False,
-):
+) -> bool | list[tuple] | None:
     """Does the program of stages ``s`` and ``s + 1`` reach the end with every op meeting ``T``
     (integer tables of :func:`.bounds.int_tables`)? ``tie``, per stage (upper, lower): "none",
     "sizes" (its B ops take the sizes of its F ops: a state also holds the sizes forwarded and
