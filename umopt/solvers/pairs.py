@@ -32,11 +32,11 @@ And for every schedule the untied model (:func:`build_untied_pair_model`; :mod:`
 order, in sample order"): every schedule turns into one with its B ops in sample order and B
 ranges untied from F ranges, no later, so a bound on those bounds all. It runs beside the
 free-order model up to ``PAIR_MAX_CELLS`` (vgg16-cpu, B=8: 157.4 ms against 154.6; B=12: 183.56,
-the optimum is 183.59) and alone up to ``IN_ORDER_MAX_CELLS``. Before the pairs, in at most two thirds
-of the time, :func:`.bounds.matched_bound` (the untied program with each B op matched to an earlier F
-op of its size; gpt-cpu, B=32: 139.8 -> 141.6 ms) and :mod:`.pair_program` (the untied pair model
-as a program in time order, with one more relaxation; vgg16-cpu, B=32: 301.8 -> 305.1 ms in about
-ten seconds), from which they start.
+the optimum is 183.59) and alone up to ``IN_ORDER_MAX_CELLS``. Before the pairs, in most of the
+time (``PROGRAMS_SHARE``), :mod:`.pair_program` (the untied pair model as a program in time order,
+with one more relaxation, then tied; vgg16-cpu, B=32: 301.2 -> 305.3 ms in seconds, gpt-sim
+100.5 -> 102.8 in 40 s) and :func:`.bounds.matched_bound` (the untied program with each B op
+matched to an earlier F op of its size; gpt-cpu, B=32: 139.8 -> 141.6 ms), from which they start.
 """
 
 from __future__ import annotations
@@ -80,6 +80,14 @@ PAIR_MAX_CELLS = 256
 # of a solver's time limit, where it runs (cpsat and milp start from it; auto reports it): enough
 # to settle S=4, B=8 many times over and most of what B=12 gives in a minute
 PAIR_SHARE = 0.25
+# of the any-order pair bound's time, the matched and pair programs' (:func:`_programs_within`;
+# CP-SAT's untied pair models get the rest, and what the programs leave where they settle early),
+# and of that the pair program's (the matched bound gets what is left). The pair program first,
+# with most of it: in 20 s it ends above the matched bound on every bundled profile at B=12-32
+# (S=4 and 8), and at S=4, B=32 it needs 20-25 s (gpt-cpu: 142.4 ms, where the matched bound
+# alone takes 21 s for 141.6)
+PROGRAMS_SHARE = 0.9
+PROGRAM_SHARE = 0.85
 # The same for the pairs of the 1F1B family (:func:`build_pair_model` with ``io``), whose B ops in
 # sample order CP-SAT settles far sooner: B=16 in 2 s, and at B=32 15 s on 2 cores lift gpt-sim's
 # bound from 100.8 to 102.1 ms, vgg16-cpu's from 301.2 to 304.5 (45 s on one: 102.9, 305.2).
@@ -515,8 +523,8 @@ def pair_bound_ms(
     upper = (lambda: in_units(upper_ms())) if callable(upper_ms) else in_units(upper_ms)  # noqa: E731
     tick = None if report is None else lambda us: report(max(fast, us / 1000 + opt))  # noqa: E731
     tables = int_tables(problem)
-    if scope == "any order":  # the matched and pair programs first, in at most two thirds of the time
-        known = max(known, _programs_within(*tables, problem.minibatch, known, 2 * time_limit / 3, stop))
+    if scope == "any order":  # the pair and matched programs first, in most of the time
+        known = max(known, _programs_within(*tables, problem.minibatch, known, PROGRAMS_SHARE * time_limit, stop))
         fast = max(fast, known / 1000 + opt)
         if report:
             report(fast)
@@ -528,13 +536,12 @@ def pair_bound_ms(
 def _programs_within(
     F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, known: int, seconds: float, stop: Optional[threading.Event] = None
 ) -> int:
-    """:func:`.bounds.matched_bound`, then :func:`.pair_program.pair_program_bound` (from ``known``,
-    not from the matched bound: where its doubling steps land decides how far it gets, and from
-    there it got further on vgg16-cpu, B=32), the best they prove within ``seconds`` (or until
-    ``stop`` is set), never below ``known``. Small
+    """:func:`.pair_program.pair_program_bound` from ``known`` in ``PROGRAM_SHARE`` of ``seconds``,
+    then :func:`.bounds.matched_bound`, the best they prove within ``seconds`` (or until ``stop``
+    is set), never below ``known``. Small
     instances have both in the fast bound already; larger ones run them in a Python process of
     their own, which prints each bound it proves and is killed at the time limit, so it does not
-    hold this one's GIL (both programs are pure Python, and in ``auto`` they run beside the GA).
+    hold this one's GIL (the matched program is pure Python, and in ``auto`` they run beside the GA).
     A plain subprocess, not multiprocessing: spawning would import the caller's main module again."""
     if minibatch * (F.shape[1] - 1) <= MATCHED_FAST_CELLS:
         return known
@@ -558,12 +565,11 @@ def _programs_within(
 
 _PROGRAMS_CHILD = (
     "import io, sys, time, numpy as np; from umopt.solvers.bounds import matched_bound; "
-    "from umopt.solvers.pair_program import pair_program_bound; "
+    "from umopt.solvers.pair_program import pair_program_bound; from umopt.solvers.pairs import PROGRAM_SHARE; "
     "d = np.load(io.BytesIO(sys.stdin.buffer.read())); t0 = time.perf_counter(); "
     "F, G, L, B = d['F'], d['G'], d['L'], int(d['B']); "
-    "print(matched_bound(F, G, L, B, int(d['known'])), flush=True); "
-    "left = float(d['seconds']) - (time.perf_counter() - t0); "
-    "pair_program_bound(F, G, L, B, int(d['known']), left, lambda b: print(b, flush=True))"
+    "pair_program_bound(F, G, L, B, int(d['known']), PROGRAM_SHARE * float(d['seconds']), lambda b: print(b, flush=True)); "
+    "print(matched_bound(F, G, L, B, int(d['known'])), flush=True)"
 )
 
 
