@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 from typing import Optional
 
 import click
@@ -230,6 +231,9 @@ def run(argv) -> None:
         out.print(build_parser().format_help(), markup=False, highlight=False)
         return
     result = launch(list(argv))
+    if len(result.reports) > 1:
+        _print_turns(result.reports)
+        return
     r = result.report
     table = Table(title=f"{r['schedule']}: {r['stages']} stages, minibatch {r['minibatch']}, {r['backend']}, {r['steps']} steps")
     for col in ("", "iteration ms", "stage busy ms"):
@@ -240,17 +244,33 @@ def run(argv) -> None:
     out.print(f"measured / predicted = {r['measured_over_predicted']:.3f}; losses per step: " + " ".join(f"{x:.4f}" for x in r["losses"]))
 
 
+def _print_turns(reports: list[dict]) -> None:
+    """Schedules that took turns on the same processes, side by side; speedups over the first."""
+    first = reports[0]
+    table = Table(title=f"{first['stages']} stages, {first['backend']}, {first['rounds']} rounds of turns, {first['steps']} measured steps each: speedups over {Path(first['schedule']).name}")
+    table.add_column("schedule", no_wrap=True)
+    for col in ("pred ms", "meas ms", "meas / pred", "meas x", "pred x"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in reports:
+        table.add_row(
+            Path(r["schedule"]).name, f"{r['predicted_iteration_ms']:.2f}", f"{r['measured_iteration_ms']:.2f}", f"{r['measured_over_predicted']:.3f}",
+            f"{first['measured_iteration_ms'] / r['measured_iteration_ms']:.3f}x", f"{first['predicted_iteration_ms'] / r['predicted_iteration_ms']:.3f}x",
+        )
+    out.print(table)
+
+
 @cli.command()
 @click.option("--model", default=None, help="vgg16, gpt, mlp or package.module:factory (default: a small GPT).")
 @click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Model argument, repeatable.")
 @click.option("--stages", type=int, default=None, help="Pipeline stages (default 2).")
 @click.option("--minibatch", "-B", type=int, default=None, help="Samples per iteration (default 32).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--steps", type=int, default=8, show_default=True, help="Measured iterations per run.")
+@click.option("--steps", type=int, default=8, show_default=True, help="Measured iterations per schedule.")
+@click.option("--rounds", type=int, default=4, show_default=True, help="Turns the schedules take on the same processes (the steps are spread over them).")
 @click.option("--time-limit", type=float, default=10.0, show_default=True, help="Seconds of search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="umopt-tune", show_default=True)
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True, help="Fit the profile to short runs of equal schedules before solving.")
-def tune(model, model_args, stages, minibatch, device, steps, time_limit, out_dir, calibrate) -> None:
+def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit, out_dir, calibrate) -> None:
     """Profile, solve and run in one go; compare with the best equal GPipe and 1F1B schedules."""
     _require_torch()
     from umopt.tune import DEFAULT, tune as run_tune
@@ -259,7 +279,7 @@ def tune(model, model_args, stages, minibatch, device, steps, time_limit, out_di
     args = parse_model_args(list(model_args)) if model else (parse_model_args(list(model_args)) or DEFAULT["model_args"])
     result = run_tune(
         model or DEFAULT["model"], args, stages or DEFAULT["stages"], minibatch or DEFAULT["minibatch"],
-        device=device, steps=steps, out_dir=out_dir, time_limit=time_limit, calibrate=calibrate, say=lambda m: err.print(f"umopt tune: {m}", markup=False),
+        device=device, steps=steps, rounds=rounds, out_dir=out_dir, time_limit=time_limit, calibrate=calibrate, say=lambda m: err.print(f"umopt tune: {m}", markup=False),
     )
     table = Table(title=f"{model or DEFAULT['model']}, {stages or DEFAULT['stages']} stages, minibatch {minibatch or DEFAULT['minibatch']}: speedups over equal GPipe")
     table.add_column("schedule", no_wrap=True)

@@ -119,6 +119,39 @@ def test_three_steps_and_resume_match_single_process_training(tmp_path):
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
 
 
+def test_schedules_take_turns_and_train_one_model(tmp_path, capsys):
+    """Two schedules on the same processes, in turns: each gets its report, and the model they
+    train together is the one a single process trains with the same batches."""
+    from umopt.cli import main
+
+    profile = mlp_profile(tmp_path, 2)
+    a, _ = write_schedule(tmp_path, profile, "gpipe", False, 1, name="a.json")
+    b, _ = write_schedule(tmp_path, profile, "1f1b", False, 2, name="b.json")
+    ck = tmp_path / "ck"
+    main(["run", a, b, "--steps", "1", "--warmup", "1", "--rounds", "2", "--lr", "0.05", "--checkpoint", str(ck), "--report", str(tmp_path / "r_{name}.json")])
+    stdout = capsys.readouterr().out
+    assert "speedups over" in stdout and "a.json" in stdout and "b.json" in stdout
+    import json
+
+    for name in ("a", "b"):
+        r = json.loads((tmp_path / f"r_{name}.json").read_text())
+        assert r["schedule"].endswith(f"{name}.json") and r["rounds"] == 2 and r["schedules_in_turn"] == 2
+        assert len(r["step_ms"]) == 2 and len(r["losses"]) == 3  # a warm-up and a step in each of two rounds
+    # a: steps 0, 1; b: 2, 3; a: 4; b: 5 -- six SGD steps on batches 0..5
+    want = reference(steps=6, lr=0.05)
+    got = {}
+    for s in range(2):
+        state = torch.load(ck / f"stage{s}.pt", weights_only=False)
+        assert state["step"] == 6
+        got.update(state["model"])
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    with pytest.raises(UmoptError, match=r"--report with 2 schedules needs \{name\}"):
+        launch([a, b, "--report", str(tmp_path / "r.json")])
+    with pytest.raises(UmoptError, match="two schedules named a.json"):
+        launch([a, a])
+
+
 def _no_runtime_left():
     out = subprocess.run(["pgrep", "-f", "umopt.runtime"], capture_output=True, text=True).stdout.split()
     return [p for p in out if int(p) != os.getpid()]

@@ -32,8 +32,12 @@ class RunFailed(UmoptError):
 
 @dataclass
 class RunResult:
-    report: dict
-    report_path: str
+    reports: list[dict]  # one per schedule, in the order given
+    report_paths: list[str]  # where they were written ("" where --report was not given)
+
+    @property
+    def report(self) -> dict:
+        return self.reports[0]
 
 
 def launch(argv: list[str], *, timeout_s: Optional[float] = None, quiet: bool = False) -> RunResult:
@@ -41,10 +45,11 @@ def launch(argv: list[str], *, timeout_s: Optional[float] = None, quiet: bool = 
     S = cfg.num_stages
     with tempfile.TemporaryDirectory(prefix="umopt-run-") as tmp:
         argv = list(argv)
-        report_path = cfg.args.report
-        if not report_path:
-            report_path = str(Path(tmp) / "report.json")
-            argv += ["--report", report_path]
+        template = cfg.args.report
+        if not template:
+            template = str(Path(tmp) / ("report_{name}.json" if len(cfg.schedules) > 1 else "report.json"))
+            argv += ["--report", template]
+        paths = [cfg.output(template, k) for k in range(len(cfg.schedules))]
         env = dict(os.environ)
         env["UMOPT_STATUS_DIR"] = tmp
         threads = cfg.args.threads or int(cfg.profile.device.model_extra.get("threads", 1))
@@ -62,8 +67,8 @@ def launch(argv: list[str], *, timeout_s: Optional[float] = None, quiet: bool = 
                 raise RunFailed(f"the run did not finish within {timeout_s:.0f} s") from None
         if proc.returncode != 0:
             raise RunFailed(_root_cause(Path(tmp), S, proc.returncode, log))
-        report = json.loads(Path(report_path).read_text())
-        return RunResult(report, cfg.args.report or "")
+        reports = [json.loads(Path(p).read_text()) for p in paths]
+        return RunResult(reports, paths if cfg.args.report else [""] * len(paths))
 
 
 def _root_cause(status_dir: Path, S: int, returncode: int, log: Path) -> str:

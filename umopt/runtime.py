@@ -1,4 +1,4 @@
-"""``umopt run``: execute a schedule file in torch.distributed, one process per stage.
+"""``umopt run``: execute schedule files in torch.distributed, one process per stage.
 
 Every rank rebuilds the profile's model with the same seed, keeps its stage's layers and plays
 its op list: ``F(lo, hi)`` runs the forward of samples ``[lo, hi)`` and sends the activations on,
@@ -11,6 +11,10 @@ by B, so an iteration's gradients equal those of the whole minibatch in one proc
 Point-to-point messages on each link are issued by both ends in one agreed order (the predicted
 send times of the cost model), receives as early as that order allows: compute overlaps
 communication, and NCCL, which runs a pair's messages in issue order, cannot deadlock.
+
+Several schedules (of one profile) take turns on the same processes, ``--rounds`` times: one
+model, trained by each in turn, and one machine state, so that drift meets them all alike; each
+gets its own report.
 
 Run locally with ``umopt run`` (it starts torchrun), or on several machines with
 ``torchrun --nnodes ... -m umopt.runtime SCHEDULE [options]``: the same code path.
@@ -26,7 +30,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional
@@ -45,19 +49,25 @@ __all__ = ["build_parser", "preflight", "RunConfig", "run_rank", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="umopt run", description="Execute a schedule file, one process per stage.")
-    p.add_argument("schedule")
+    p = argparse.ArgumentParser(
+        prog="umopt run",
+        description="Execute schedule files, one process per stage. Several schedules (of one profile) take turns on the same "
+        "processes, --rounds times, so that what drifts on the machine meets them all alike.",
+    )
+    p.add_argument("schedule", nargs="+")
     p.add_argument("--profile", default=None, help="profile to use (default: the one the schedule names)")
-    p.add_argument("--steps", type=int, default=10, help="measured iterations")
-    p.add_argument("--warmup", type=int, default=2, help="iterations run first and not measured")
+    p.add_argument("--steps", type=int, default=10, help="measured iterations (of each schedule, each round)")
+    p.add_argument("--warmup", type=int, default=2, help="iterations run first and not measured (of each schedule, in the first round)")
+    p.add_argument("--rounds", type=int, default=1, help="turns each schedule takes; its median is over all of them")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on CUDA profiles, else gloo")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.01 for sgd, 1e-3 for adamw)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default: the profile's)")
     p.add_argument("--data", default=None, help="package.module:fn, fn(step, minibatch) -> (inputs, targets)")
-    p.add_argument("--report", default=None, help="write report.json here")
-    p.add_argument("--trace", default=None, help="write a Chrome trace of measured and predicted ops here")
-    p.add_argument("--plot", default=None, help="write a Gantt PNG of measured beside predicted here")
+    each = "; with several schedules a path with {name} in it, the schedule file's name without .json"
+    p.add_argument("--report", default=None, help="write report.json here" + each)
+    p.add_argument("--trace", default=None, help="write a Chrome trace of measured and predicted ops here" + each)
+    p.add_argument("--plot", default=None, help="write a Gantt PNG of measured beside predicted here" + each)
     p.add_argument("--checkpoint", default=None, help="directory: each stage writes stage{s}.pt after the last step")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint's files")
     p.add_argument("--save-grads", default=None, help="directory: each stage writes its gradients of the last step")
@@ -66,13 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 @dataclass
 class RunConfig:
-    schedule: Schedule
+    schedules: list[Schedule]  # in the order given; they take turns in it
     profile: Profile
     args: argparse.Namespace
 
     @property
     def num_stages(self) -> int:
-        return len(self.schedule.stages)
+        return len(self.schedules[0].stages)
+
+    def output(self, template: Optional[str], k: int) -> Optional[str]:
+        """Where schedule ``k`` writes what ``template`` (--report, --trace, --plot) names."""
+        return None if template is None else template.replace("{name}", Path(self.args.schedule[k]).stem)
 
 
 def preflight(argv: list[str]) -> RunConfig:
@@ -81,31 +95,40 @@ def preflight(argv: list[str]) -> RunConfig:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse already printed the usage line
         raise UmoptError("bad arguments to umopt run (see above)") from exc
-    schedule = load_schedule(args.schedule)
-    profile = load_profile(args.profile or schedule.profile.path)
-    try:
-        check_against_profile(schedule, profile)
-    except UmoptError as exc:
-        raise UmoptError(f"{args.schedule}: {exc}") from None
+    schedules = [load_schedule(path) for path in args.schedule]
+    profile = load_profile(args.profile or schedules[0].profile.path)
+    for path, schedule in zip(args.schedule, schedules):
+        try:
+            check_against_profile(schedule, profile)
+        except UmoptError as exc:
+            raise UmoptError(f"{path}: {exc}") from None
     parts = build_model(profile.model.name, profile.model.args, seed=int(profile.model.model_extra.get("seed", 0)))
     layers_needed = profile.stages[-1].layers[1]
     if layers_needed != len(parts.layers):
         raise UmoptError(
             f"profile {profile.path} splits {layers_needed} layers but model {profile.model.name} {profile.model.args} has {len(parts.layers)}"
         )
-    if args.steps < 1 or args.warmup < 0:
-        raise UmoptError("--steps must be at least 1 and --warmup at least 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        raise UmoptError("--steps and --rounds must be at least 1 and --warmup at least 0")
+    if len(schedules) > 1:
+        stems = [Path(p).stem for p in args.schedule]
+        if len(set(stems)) < len(stems):
+            raise UmoptError(f"two schedules named {next(n for n in stems if stems.count(n) > 1)}.json: their reports would overwrite each other")
+        for opt in ("report", "trace", "plot"):
+            if getattr(args, opt) is not None and "{name}" not in getattr(args, opt):
+                raise UmoptError(f"--{opt} with {len(schedules)} schedules needs {{name}} in its path (one file each)")
     if args.resume and not args.checkpoint:
         raise UmoptError("--resume needs --checkpoint DIR")
+    S = len(schedules[0].stages)
     if args.resume:
-        missing = [s for s in range(len(schedule.stages)) if not (Path(args.checkpoint) / f"stage{s}.pt").exists()]
+        missing = [s for s in range(S) if not (Path(args.checkpoint) / f"stage{s}.pt").exists()]
         if missing:
             raise UmoptError(f"--resume: {args.checkpoint} has no checkpoint for stage {missing[0]}")
     backend = args.backend or ("nccl" if profile.device.type == "cuda" else "gloo")
-    if backend == "nccl" and torch.cuda.device_count() < len(schedule.stages) and "LOCAL_WORLD_SIZE" not in os.environ:
-        raise UmoptError(f"--backend nccl needs one GPU per stage: {len(schedule.stages)} stages, {torch.cuda.device_count()} GPUs here")
+    if backend == "nccl" and torch.cuda.device_count() < S and "LOCAL_WORLD_SIZE" not in os.environ:
+        raise UmoptError(f"--backend nccl needs one GPU per stage: {S} stages, {torch.cuda.device_count()} GPUs here")
     args.backend = backend
-    return RunConfig(schedule, profile, args)
+    return RunConfig(schedules, profile, args)
 
 
 # --- one rank ----------------------------------------------------------------------------------
@@ -122,15 +145,15 @@ class _StageModule(torch.nn.Module):
         return x
 
 
-def _link_order(cfg: RunConfig) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
+def _link_order(profile: Profile, schedule: Schedule) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
     """For each link (s, s+1): its messages in the order both ends issue them.
 
     A message is ("act", lo, hi) from s to s+1 or ("grad", lo, hi) from s+1 to s, ordered by the
     cost model's send time (then direction and sample), which both ends compute identically.
     """
-    tables = CostTables.from_profile(cfg.profile, cfg.schedule.recompute)
-    tl = simulate(tables, cfg.schedule.op_lists(), cfg.schedule.minibatch)
-    order: dict[tuple[int, int], list] = {(s, s + 1): [] for s in range(cfg.num_stages - 1)}
+    tables = CostTables.from_profile(profile, schedule.recompute)
+    tl = simulate(tables, schedule.op_lists(), schedule.minibatch)
+    order: dict[tuple[int, int], list] = {(s, s + 1): [] for s in range(len(schedule.stages) - 1)}
     for m in sorted(tl.messages, key=lambda m: (m.sent, m.direction != "fwd", m.lo)):
         order[(m.link, m.link + 1)].append(("act" if m.direction == "fwd" else "grad", m.lo, m.hi))
     return order
@@ -148,10 +171,27 @@ def _fault(rank: int, step: int) -> None:
         raise RuntimeError(f"injected fault at step {step}")
 
 
+@dataclass
+class _Play:
+    """One schedule as this rank plays it, and what it measured."""
+
+    path: str
+    schedule: Schedule
+    ops: list  # this stage's op list
+    up: list  # link messages with the stage before: acts received, grads sent
+    down: list  # ... with the stage after: acts sent, grads received
+    act_buf: Optional[torch.Tensor]
+    grad_buf: Optional[torch.Tensor]
+    step_ms: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    spans_last: list = field(default_factory=list)
+    op_ms: list[list[float]] = field(default_factory=list)  # each op's duration in every measured step
+
+
 def run_rank(cfg: RunConfig) -> None:
     args = cfg.args
     rank, world = dist.get_rank(), dist.get_world_size()
-    S, B = cfg.num_stages, cfg.schedule.minibatch
+    S = cfg.num_stages
     if world != S:
         raise UmoptError(f"the schedule has {S} stages but {world} processes were started")
     s = rank
@@ -194,93 +234,108 @@ def run_rank(cfg: RunConfig) -> None:
     else:
         data_fn = lambda step, n: parts.make_batch(n, step)  # noqa: E731
 
-    ops = cfg.schedule.op_lists()[s]
-    recompute = cfg.schedule.recompute
-    order = _link_order(cfg)
-    up = order.get((s - 1, s), [])  # acts I receive, grads I send
-    down = order.get((s, s + 1), [])  # acts I send, grads I receive
-    act_buf = torch.empty((B, *in_shape), dtype=in_dtype, device=device) if not first_stage else None
-    grad_buf = torch.empty((B, *out_shape), dtype=out_dtype, device=device) if not last_stage else None
+    plays = []
+    for path, sched in zip(args.schedule, cfg.schedules):
+        B = sched.minibatch
+        order = _link_order(cfg.profile, sched)
+        ops = sched.op_lists()[s]
+        plays.append(
+            _Play(
+                path, sched, ops, order.get((s - 1, s), []), order.get((s, s + 1), []),
+                torch.empty((B, *in_shape), dtype=in_dtype, device=device) if not first_stage else None,
+                torch.empty((B, *out_shape), dtype=out_dtype, device=device) if not last_stage else None,
+                op_ms=[[] for _ in ops],
+            )
+        )
     timing = _Timing(device)
-    step_ms: list[float] = []
-    losses: list[float] = []
-    spans_last: list[tuple[str, int, int, float, float]] = []
-    op_ms: list[list[float]] = [[] for _ in ops]  # each op's duration in every measured step
-
-    total = args.warmup + args.steps
-    for it in range(start_step, start_step + total):
-        _fault(rank, it - start_step)
-        inputs, targets = data_fn(it, B)
-        inputs, targets = inputs.to(device), targets.to(device)
-        links = _Links(s, up, down, act_buf, grad_buf)
-        saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
-        loss_sum = torch.zeros((), device=device)
-        dist.barrier()
-        timing.start()
-        spans = []
-        links.advance()
-        for kind, lo, hi in ops:
-            if kind == "F":
-                links.wait_acts(lo, hi)
-                t0 = timing.mark()
-                x = inputs[lo:hi] if first_stage else act_buf[lo:hi].detach().requires_grad_(not recompute)
-                with torch.set_grad_enabled(not recompute):
-                    out = stage(x)
-                    if last_stage:
-                        out = parts.loss(out, targets[lo:hi]) / B
-                        loss_sum += out.detach()
-                if not recompute:
-                    saved[(lo, hi)] = (x if not first_stage else None, out)
-                if not last_stage:
-                    links.send_act(lo, hi, out.detach())
-            else:
-                links.wait_grads(lo, hi)
-                t0 = timing.mark()
-                if recompute:
-                    x = inputs[lo:hi] if first_stage else act_buf[lo:hi].detach().requires_grad_(True)
-                    out = stage(x)
-                    if last_stage:
-                        out = parts.loss(out, targets[lo:hi]) / B
-                else:
-                    x, out = saved.pop((lo, hi))
+    it = start_step
+    last = start_step + len(plays) * (args.warmup + args.rounds * args.steps) - 1
+    # the schedules take turns, so that whatever drifts on the machine meets each alike
+    for turn in range(args.rounds):
+        for play in plays:
+            for j in range((args.warmup if turn == 0 else 0) + args.steps):
+                _fault(rank, it - start_step)
+                B = play.schedule.minibatch
+                inputs, targets = data_fn(it, B)
+                dist.barrier()
+                timing.start()
+                spans, loss_sum = _iteration(play, stage, parts.loss, inputs.to(device), targets.to(device), timing, first_stage, last_stage)
+                if args.save_grads and it == last:
+                    Path(args.save_grads).mkdir(parents=True, exist_ok=True)
+                    grads = {k: p.grad.detach().cpu() for k, p in stage.named_parameters() if p.grad is not None}
+                    _save_atomic(grads, Path(args.save_grads) / f"grads_stage{s}.pt")
+                t_opt = timing.mark()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                spans.append(("OPT", 0, 0, t_opt, timing.mark()))
+                elapsed = timing.stop()
+                worst = torch.tensor([elapsed], dtype=torch.float64).to(device)
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 if last_stage:
-                    out.backward()
-                else:
-                    torch.autograd.backward(out, grad_buf[lo:hi])
-                if not first_stage:
-                    links.send_grad(lo, hi, x.grad)
-            spans.append((kind, lo, hi, t0, timing.mark()))
-            links.advance()
-        links.finish()
-        if args.save_grads and it == start_step + total - 1:
-            Path(args.save_grads).mkdir(parents=True, exist_ok=True)
-            grads = {k: p.grad.detach().cpu() for k, p in stage.named_parameters() if p.grad is not None}
-            _save_atomic(grads, Path(args.save_grads) / f"grads_stage{s}.pt")
-        t_opt = timing.mark()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        spans.append(("OPT", 0, 0, t_opt, timing.mark()))
-        elapsed = timing.stop()
-        mine = torch.tensor([elapsed], dtype=torch.float64)
-        worst = mine.to(device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        if last_stage:
-            losses.append(float(loss_sum))
-        if it - start_step >= args.warmup:
-            step_ms.append(float(worst.item()))
-            spans_last = [(k, lo, hi, timing.ms(t0), timing.ms(t1)) for k, lo, hi, t0, t1 in spans]
-            for j, (_, _, _, t0, t1) in enumerate(spans[: len(ops)]):
-                op_ms[j].append(timing.ms(t1) - timing.ms(t0))
+                    play.losses.append(float(loss_sum))
+                if turn > 0 or j >= args.warmup:
+                    play.step_ms.append(float(worst.item()))
+                    play.spans_last = [(k, lo, hi, timing.ms(t0), timing.ms(t1)) for k, lo, hi, t0, t1 in spans]
+                    for d, (_, _, _, t0, t1) in zip(play.op_ms, spans[: len(play.ops)]):
+                        d.append(timing.ms(t1) - timing.ms(t0))
+                it += 1
 
     if args.checkpoint:
         Path(args.checkpoint).mkdir(parents=True, exist_ok=True)
-        _save_atomic({"model": stage.state_dict(), "optimizer": opt.state_dict(), "step": start_step + total}, Path(args.checkpoint) / f"stage{s}.pt")
+        _save_atomic({"model": stage.state_dict(), "optimizer": opt.state_dict(), "step": it}, Path(args.checkpoint) / f"stage{s}.pt")
 
-    gathered: list = [None] * world
-    medians = [[k, lo, hi, statistics.median(d)] for (k, lo, hi), d in zip(ops, op_ms)]
-    dist.all_gather_object(gathered, {"spans": spans_last, "losses": losses, "op_ms": medians})
-    if rank == 0:
-        _report(cfg, step_ms, gathered)
+    for k, play in enumerate(plays):
+        gathered: list = [None] * world
+        medians = [[kind, lo, hi, statistics.median(d)] for (kind, lo, hi), d in zip(play.ops, play.op_ms)]
+        dist.all_gather_object(gathered, {"spans": play.spans_last, "losses": play.losses, "op_ms": medians})
+        if rank == 0:
+            _report(cfg, k, play.step_ms, gathered)
+
+
+def _iteration(play: _Play, stage: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor, timing: "_Timing", first_stage: bool, last_stage: bool):
+    """One iteration's forward and backward ops of ``play`` on this stage (gradients accumulate,
+    the optimizer is the caller's): its spans ``(kind, lo, hi, start mark, end mark)`` and the
+    summed loss (the last stage's)."""
+    B, recompute = play.schedule.minibatch, play.schedule.recompute
+    links = _Links(dist.get_rank(), play.up, play.down, play.act_buf, play.grad_buf)
+    saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+    loss_sum = torch.zeros((), device=inputs.device)
+    spans = []
+    links.advance()
+    for kind, lo, hi in play.ops:
+        if kind == "F":
+            links.wait_acts(lo, hi)
+            t0 = timing.mark()
+            x = inputs[lo:hi] if first_stage else play.act_buf[lo:hi].detach().requires_grad_(not recompute)
+            with torch.set_grad_enabled(not recompute):
+                out = stage(x)
+                if last_stage:
+                    out = loss_fn(out, targets[lo:hi]) / B
+                    loss_sum += out.detach()
+            if not recompute:
+                saved[(lo, hi)] = (x if not first_stage else None, out)
+            if not last_stage:
+                links.send_act(lo, hi, out.detach())
+        else:
+            links.wait_grads(lo, hi)
+            t0 = timing.mark()
+            if recompute:
+                x = inputs[lo:hi] if first_stage else play.act_buf[lo:hi].detach().requires_grad_(True)
+                out = stage(x)
+                if last_stage:
+                    out = loss_fn(out, targets[lo:hi]) / B
+            else:
+                x, out = saved.pop((lo, hi))
+            if last_stage:
+                out.backward()
+            else:
+                torch.autograd.backward(out, play.grad_buf[lo:hi])
+            if not first_stage:
+                links.send_grad(lo, hi, x.grad)
+        spans.append((kind, lo, hi, t0, timing.mark()))
+        links.advance()
+    links.finish()
+    return spans, loss_sum
 
 
 class _Timing:
@@ -400,22 +455,24 @@ def _measured_timeline(per_rank: list) -> Timeline:
     return Timeline(iteration_ms=end, busy_ms=busy, peak_memory_bytes=[], spans=spans, finish_ms=finish)
 
 
-def _report(cfg: RunConfig, step_ms: list[float], per_rank: list) -> None:
-    args = cfg.args
-    predicted = cfg.schedule.predicted.iteration_ms
+def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list) -> None:
+    args, schedule = cfg.args, cfg.schedules[k]
+    predicted = schedule.predicted.iteration_ms
     measured = statistics.median(step_ms)
     tl = _measured_timeline(per_rank)
-    tables = CostTables.from_profile(cfg.profile, cfg.schedule.recompute)
-    pred_tl = simulate(tables, cfg.schedule.op_lists(), cfg.schedule.minibatch)
+    tables = CostTables.from_profile(cfg.profile, schedule.recompute)
+    pred_tl = simulate(tables, schedule.op_lists(), schedule.minibatch)
     report = {
-        "schedule": str(args.schedule),
+        "schedule": str(args.schedule[k]),
         "profile": cfg.profile.path,
         "backend": args.backend,
         "stages": cfg.num_stages,
-        "minibatch": cfg.schedule.minibatch,
-        "recompute": cfg.schedule.recompute,
-        "steps": args.steps,
+        "minibatch": schedule.minibatch,
+        "recompute": schedule.recompute,
+        "steps": len(step_ms),  # measured, over all rounds
         "warmup": args.warmup,
+        "rounds": args.rounds,
+        "schedules_in_turn": len(cfg.schedules),  # the schedules that took turns with it on the same processes
         "measured_iteration_ms": measured,
         "predicted_iteration_ms": predicted,
         "measured_over_predicted": measured / predicted,
@@ -424,22 +481,23 @@ def _report(cfg: RunConfig, step_ms: list[float], per_rank: list) -> None:
         # per stage, every op with its median measured duration and the profile's: what
         # `umopt calibrate` fits a profile to
         "ops": [
-            [[k, lo, hi, ms, sp.end - sp.start] for (k, lo, hi, ms), sp in zip(rec["op_ms"], pred)]
+            [[kind, lo, hi, ms, sp.end - sp.start] for (kind, lo, hi, ms), sp in zip(rec["op_ms"], pred)]
             for rec, pred in zip(per_rank, pred_tl.spans)
         ],
         "losses": per_rank[-1]["losses"],
     }
-    if args.report:
-        write_json(args.report, report)
+    report_path, trace_path, plot_path = (cfg.output(t, k) for t in (args.report, args.trace, args.plot))
+    if report_path:
+        write_json(report_path, report)
     panels = [("predicted", pred_tl), ("measured (last step)", tl)]
-    if args.trace:
+    if trace_path:
         from .trace import write_trace
 
-        write_trace(panels, args.trace)
-    if args.plot:
+        write_trace(panels, trace_path)
+    if plot_path:
         from .plot import gantt
 
-        gantt(panels, args.plot, title=f"{cfg.profile.model.name}: measured {measured:.1f} ms vs predicted {predicted:.1f} ms")
+        gantt(panels, plot_path, title=f"{cfg.profile.model.name}: measured {measured:.1f} ms vs predicted {predicted:.1f} ms")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

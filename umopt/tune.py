@@ -3,8 +3,9 @@
 Profiles the model on this machine, calibrates the profile with short runs of equal schedules
 (:mod:`umopt.calibrate`; a profile times stages one chunk at a time, and inside a running
 pipeline ops run at another speed), solves for the minibatch, writes the umopt schedule and the
-best equal GPipe and 1F1B schedules, runs all three with the runtime and returns one row per
-schedule: predicted and measured iteration time and the measured speedup over equal GPipe.
+best equal GPipe and 1F1B schedules, runs all three with the runtime (on the same processes,
+taking turns, so that a machine's drift meets all three alike) and returns one row per schedule:
+predicted and measured iteration time and the measured speedup over equal GPipe.
 Everything it makes lands in one folder: the profile, the schedules, the run reports and the
 Gantt pictures.
 """
@@ -67,7 +68,7 @@ def calibration_runs(prof: Profile, minibatch: int, out: Path, *, steps: int = 3
     because ops run at another speed when a stage interleaves F and B."""
     out.mkdir(parents=True, exist_ok=True)
     problem = make_problem(prof, minibatch, False)
-    reports = []
+    names = []
     for b in sizes:
         chunk_sizes = [b] * (minibatch // b) + ([minibatch % b] if minibatch % b else [])
         if b > prof.max_size or len(chunk_sizes) < 2:
@@ -77,9 +78,12 @@ def calibration_runs(prof: Profile, minibatch: int, out: Path, *, steps: int = 3
             name = f"{order}_b{b}"
             sched = make_schedule(prof, minibatch, False, cand.ops(), cand.simulate(problem), {"name": name, "status": "feasible", "seconds": 0.0}, {})
             save_schedule(sched, str(out / f"{name}.json"))
-            launch([str(out / f"{name}.json"), "--steps", str(steps), "--warmup", str(warmup), "--report", str(out / f"{name}_report.json")], quiet=True)
-            reports.append(str(out / f"{name}_report.json"))
-    return reports
+            names.append(name)
+    if not names:
+        return []
+    # one launch for all of them: a start costs seconds, more than their steps
+    launch([*(str(out / f"{n}.json") for n in names), "--steps", str(steps), "--warmup", str(warmup), "--report", str(out / "{name}_report.json")], quiet=True)
+    return [str(out / f"{n}_report.json") for n in names]
 
 
 def tune(
@@ -91,6 +95,7 @@ def tune(
     device: str = "cpu",
     steps: int = 5,
     warmup: int = 2,
+    rounds: int = 4,
     out_dir: str = "umopt-tune",
     time_limit: float = 10.0,
     max_size: Optional[int] = None,
@@ -131,12 +136,19 @@ def tune(
         ("1f1b_equal", equal_schedule(report.onef1b, "1f1b_equal"), f"M={report.onef1b.microbatches}"),
         ("umopt", str(out / "umopt.json"), "/".join(str(len([o for o in st.ops if o[0] == "F"])) for st in report.schedule.stages) + f" ({report.result.candidate.order})"),
     ]
-    rows = []
-    for name, path, chunks in plans:
-        if path is None:
-            continue
-        say(f"running {name}")
-        rep, png = str(out / f"report_{name}.json"), str(out / f"measured_{name}.png")
-        r = launch([path, "--steps", str(steps), "--warmup", str(warmup), "--report", rep, "--plot", png], quiet=True).report
-        rows.append(TuneRow(name, chunks, r["predicted_iteration_ms"], r["measured_iteration_ms"], path, rep, png))
+    plans = [p for p in plans if p[1] is not None]
+    rounds = max(1, min(rounds, steps))
+    say(f"running {', '.join(name for name, _, _ in plans)} in turns, {rounds} rounds")
+    # on the same processes, taking turns: a machine that drifts (other load, clocks) would
+    # otherwise favour whichever schedule ran in its good minute
+    per_round = -(-steps // rounds)
+    result = launch(
+        [*(path for _, path, _ in plans), "--steps", str(per_round), "--warmup", str(warmup), "--rounds", str(rounds),
+         "--report", str(out / "report_{name}.json"), "--plot", str(out / "measured_{name}.png")],
+        quiet=True,
+    )
+    rows = [
+        TuneRow(name, chunks, r["predicted_iteration_ms"], r["measured_iteration_ms"], path, str(out / f"report_{Path(path).stem}.json"), str(out / f"measured_{Path(path).stem}.png"))
+        for (name, path, chunks), r in zip(plans, result.reports)
+    ]
     return TuneResult(rows, report.schedule.solver.lower_bound_ms or report.lower_bound_ms, str(out), sorted(str(p) for p in out.iterdir()))
