@@ -235,18 +235,17 @@ def run_rank(cfg: RunConfig) -> None:
         data_fn = lambda step, n: parts.make_batch(n, step)  # noqa: E731
 
     plays = []
+    buffers: dict[int, tuple] = {}  # by minibatch: schedules in turn share them (a GPU's memory)
     for path, sched in zip(args.schedule, cfg.schedules):
         B = sched.minibatch
-        order = _link_order(cfg.profile, sched)
-        ops = sched.op_lists()[s]
-        plays.append(
-            _Play(
-                path, sched, ops, order.get((s - 1, s), []), order.get((s, s + 1), []),
+        if B not in buffers:
+            buffers[B] = (
                 torch.empty((B, *in_shape), dtype=in_dtype, device=device) if not first_stage else None,
                 torch.empty((B, *out_shape), dtype=out_dtype, device=device) if not last_stage else None,
-                op_ms=[[] for _ in ops],
             )
-        )
+        order = _link_order(cfg.profile, sched)
+        ops = sched.op_lists()[s]
+        plays.append(_Play(path, sched, ops, order.get((s - 1, s), []), order.get((s, s + 1), []), *buffers[B], op_ms=[[] for _ in ops]))
     timing = _Timing(device)
     it = start_step
     last = start_step + len(plays) * (args.warmup + args.rounds * args.steps) - 1
