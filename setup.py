@@ -1,7 +1,9 @@
-"""The one compiled part: the pair program's label search (umopt/solvers/_pair_program.cpp).
+"""The compiled parts: the pair program's label search (umopt/solvers/_pair_program.cpp) and the
+slot-playing loop of the GA's 1F1B scoring (umopt/_play.cpp).
 
-Optional: where it does not build (no C++ compiler), umopt installs without it and runs the same
-program in Python, slower (umopt.solvers.pair_program.COMPILED says which runs).
+Optional: where they do not build (no C++ compiler), umopt installs without them and runs the
+same code in Python, slower (umopt.solvers.pair_program.COMPILED and umopt.vectorized.COMPILED
+say which runs).
 """
 
 from pybind11.setup_helpers import Pybind11Extension
@@ -9,6 +11,7 @@ from setuptools import setup
 
 setup(
     ext_modules=[
-        Pybind11Extension("umopt.solvers._pair_program", ["umopt/solvers/_pair_program.cpp"], cxx_std=17, extra_compile_args=["-O2"], optional=True)
+        Pybind11Extension("umopt.solvers._pair_program", ["umopt/solvers/_pair_program.cpp"], cxx_std=17, extra_compile_args=["-O2"], optional=True),
+        Pybind11Extension("umopt._play", ["umopt/_play.cpp"], cxx_std=17, extra_compile_args=["-O2"], optional=True),
     ]
 )

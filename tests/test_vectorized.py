@@ -66,6 +66,7 @@ def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth,
     # PipeDream-flush's warm-ups for the first half, random per-stage ones (up to all forwards first) for the rest
     warm = np.where(np.arange(6)[:, None] < 3, np.arange(S - 1, -1, -1)[None, :], rng.integers(0, B + 1, (6, S)))
     score = evaluate_1f1b(tables, fs, warm, bs if own_backward else None)
+    _assert_same_in_python(score, tables, fs, warm, bs if own_backward else None)
     for p in range(6):
         fparts = [[int(x) for x in fs[p, s] if x] for s in range(S)]
         bparts = [[int(x) for x in bs[p, s] if x] for s in range(S)]
@@ -74,6 +75,38 @@ def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth,
         np.testing.assert_allclose(score.finish_ms[p], ref.finish_ms, atol=1e-9, rtol=0)
         np.testing.assert_allclose(score.busy_ms[p], ref.busy_ms, atol=1e-9, rtol=0)
         assert list(score.peak_memory_bytes[p].astype(np.int64)) == ref.peak_memory_bytes
+
+
+def _assert_same_in_python(score, *args):
+    """The compiled slot loop (where built) and the Python one give the same scores, infinite
+    ones (deadlocks) included."""
+    import umopt.vectorized as vec
+
+    if vec._compiled is None:
+        return
+    saved, vec._compiled = vec._compiled, None
+    try:
+        py = evaluate_1f1b(*args)
+    finally:
+        vec._compiled = saved
+    np.testing.assert_array_equal(score.iteration_ms, py.iteration_ms)
+    np.testing.assert_array_equal(score.finish_ms, py.finish_ms)
+
+
+def test_compiled_1f1b_loop_is_built_and_agrees():
+    """The install built it (CI has a compiler), and on a deep pipeline's population with random
+    warm-ups it scores exactly as the Python loop."""
+    import umopt.vectorized as vec
+
+    assert vec.COMPILED
+    rng = np.random.default_rng(5)
+    S, B, mx = 8, 48, 12
+    tables = CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=5), recompute=False)
+    fs = ends_to_sizes(_random_population(rng, 64, S, B, mx, 0.3))
+    warm = rng.integers(0, B + 1, (64, S))
+    score = evaluate_1f1b(tables, fs, warm)
+    assert np.isfinite(score.iteration_ms).all()
+    _assert_same_in_python(score, tables, fs, warm)
 
 
 @settings(max_examples=50, deadline=None)

@@ -25,7 +25,17 @@ import numpy as np
 
 from .costmodel import CostTables
 
-__all__ = ["PopulationScore", "evaluate_gpipe", "evaluate_1f1b"]
+try:  # the slot-playing loop of evaluate_1f1b compiled (setup.py); where it did not build, in Python
+    from . import _play as _compiled
+except ImportError:  # pragma: no cover - depends on the install
+    _compiled = None
+if _compiled is not None and getattr(_compiled, "VERSION", None) != 1:  # pragma: no cover
+    _compiled = None  # an editable install whose rebuild failed keeps the module it built before
+
+__all__ = ["COMPILED", "PopulationScore", "evaluate_gpipe", "evaluate_1f1b"]
+
+# whether evaluate_1f1b plays its slots compiled (the GA's 1F1B scoring, several times sooner)
+COMPILED = _compiled is not None
 
 
 @dataclass
@@ -293,6 +303,24 @@ def evaluate_1f1b(
                 s == S - 1,
             )
         )
+    nslots = np.array([pl[5] for pl in plans])
+    if _compiled is not None:
+        stacked = [np.ascontiguousarray(np.stack([pl[i] for pl in plans]), dtype=t) for i, t in ((0, np.int64), (1, np.float64), (2, np.uint8), (3, np.int64), (4, np.float64))]
+        clock, ptr = _compiled.play(*stacked, np.ascontiguousarray(nslots, dtype=np.int64), known, P, Q, S - 1)
+    else:
+        clock, ptr = _play(plans, known, P, Q, S)
+    settled = (ptr == nslots).all(axis=0)
+    finish = clock
+    busy = np.array([tables.fwd[s][parts[s].sizes].sum(axis=0) + tables.bwd[s][bparts[s].sizes].sum(axis=0) for s in range(S)])
+    it = np.where(settled, finish.max(axis=0) + tables.optimizer_ms, np.inf)
+    return PopulationScore(iteration_ms=it, finish_ms=finish.T, busy_ms=busy.T, peak_memory_bytes=peak.T)
+
+
+def _play(plans: list, known: np.ndarray, P: int, Q: int, S: int) -> tuple[np.ndarray, np.ndarray]:
+    """The slots played in Python, a round over the stages at a time (each step one vector
+    operation over the population): each stage's end times and how many slots it ran."""
+    cols = np.arange(P)
+    inf = np.inf
     ptr = np.zeros((S, P), dtype=np.int64)
     clock = np.zeros((S, P))
     f_free = np.zeros((S, P))
@@ -319,8 +347,4 @@ def evaluate_1f1b(
             ptr[s] += go
         if not moved:
             break
-    settled = (ptr == np.array([pl[5] for pl in plans])).all(axis=0)
-    finish = clock
-    busy = np.array([tables.fwd[s][parts[s].sizes].sum(axis=0) + tables.bwd[s][bparts[s].sizes].sum(axis=0) for s in range(S)])
-    it = np.where(settled, finish.max(axis=0) + tables.optimizer_ms, np.inf)
-    return PopulationScore(iteration_ms=it, finish_ms=finish.T, busy_ms=busy.T, peak_memory_bytes=peak.T)
+    return clock, ptr
