@@ -200,8 +200,10 @@ def evaluate_1f1b(
     dependencies run both ways and no sweep over the stages in one direction settles them. The
     slots are played instead the way the reference simulator plays ops: every stage keeps a
     pointer and runs its next slot once the message it waits for has arrived, rounds over the
-    stages alternating in direction, each step one vector operation over the population. An
-    individual whose pointers stop short of the end deadlocked and gets an infinite time.
+    stages alternating in direction, each step one vector operation over the population; where
+    the install built it, the same loop compiled (:mod:`umopt._play`, an individual at a time:
+    the whole call 2.7x sooner at S=8, B=256, 3.7x at S=4, B=32). An individual whose pointers
+    stop short of the end deadlocked and gets an infinite time.
     """
     fsizes = np.asarray(fsizes)
     bsizes = fsizes if bsizes is None else np.asarray(bsizes)
