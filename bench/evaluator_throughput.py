@@ -18,6 +18,7 @@ from rich.table import Table
 from umopt.costmodel import CostTables, simulate
 from umopt.partition import ends_to_sizes, equal_sizes, gpipe_ops, repair_ends, sizes_to_ends
 from umopt.synthetic import synthetic_profile
+from umopt import vectorized
 from umopt.vectorized import evaluate_1f1b, evaluate_gpipe
 
 
@@ -43,21 +44,28 @@ def best_of(fn, n=3):
 def main() -> None:
     rng = np.random.default_rng(0)
     table = Table(title="schedules scored per second (best of 3)")
-    for col in ("S", "B", "P", "chunks/stage (max)", "GPipe vectorized", "GPipe incl. mask->sizes", "1F1B vectorized", "reference simulator"):
+    for col in ("S", "B", "P", "chunks/stage (max)", "GPipe vectorized", "GPipe incl. mask->sizes", "1F1B vectorized", "1F1B, Python loop", "reference simulator"):
         table.add_column(col, justify="right")
-    for S, B, P, m_range in [(4, 32, 1024, (4, 17)), (4, 64, 2048, (4, 33)), (8, 128, 2048, (8, 33)), (8, 256, 2048, (8, 33)), (8, 256, 4096, (8, 33))]:
+    # P = 128: the GA's population, what it scores each generation
+    for S, B, P, m_range in [(4, 32, 128, (4, 17)), (4, 32, 1024, (4, 17)), (4, 64, 2048, (4, 33)), (8, 128, 2048, (8, 33)), (8, 256, 128, (8, 33)), (8, 256, 2048, (8, 33)), (8, 256, 4096, (8, 33))]:
         tables = CostTables.from_profile(synthetic_profile(S, max_size=64, seed=1))
         ends = population(rng, P, S, B, 64, m_range)
         sizes = ends_to_sizes(ends)
         t_g = best_of(lambda: evaluate_gpipe(tables, sizes))
         t_gc = best_of(lambda: evaluate_gpipe(tables, ends_to_sizes(ends)))
         t_1 = best_of(lambda: evaluate_1f1b(tables, sizes))
+        # the same with its slot loop in Python (what runs where the C++ part did not build)
+        compiled, vectorized._compiled = vectorized._compiled, None
+        try:
+            t_1py = best_of(lambda: evaluate_1f1b(tables, sizes))
+        finally:
+            vectorized._compiled = compiled
         n_ref = 20
         parts = [[[int(x) for x in sizes[p, s] if x] for s in range(S)] for p in range(n_ref)]
         t_ref = best_of(lambda: [simulate(tables, [gpipe_ops(f, f) for f in pp], B, record=False) for pp in parts], 1)
         table.add_row(
             str(S), str(B), str(P), str(sizes.shape[2]),
-            f"{P / t_g:,.0f}", f"{P / t_gc:,.0f}", f"{P / t_1:,.0f}", f"{n_ref / t_ref:,.0f}",
+            f"{P / t_g:,.0f}", f"{P / t_gc:,.0f}", f"{P / t_1:,.0f}", f"{P / t_1py:,.0f}", f"{n_ref / t_ref:,.0f}",
         )
     Console(width=150).print(table)
 
