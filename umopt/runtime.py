@@ -175,7 +175,6 @@ def _fault(rank: int, step: int) -> None:
 class _Play:
     """One schedule as this rank plays it, and what it measured."""
 
-    path: str
     schedule: Schedule
     ops: list  # this stage's op list
     up: list  # link messages with the stage before: acts received, grads sent
@@ -236,7 +235,7 @@ def run_rank(cfg: RunConfig) -> None:
 
     plays = []
     buffers: dict[int, tuple] = {}  # by minibatch: schedules in turn share them (a GPU's memory)
-    for path, sched in zip(args.schedule, cfg.schedules):
+    for sched in cfg.schedules:
         B = sched.minibatch
         if B not in buffers:
             buffers[B] = (
@@ -245,7 +244,7 @@ def run_rank(cfg: RunConfig) -> None:
             )
         order = _link_order(cfg.profile, sched)
         ops = sched.op_lists()[s]
-        plays.append(_Play(path, sched, ops, order.get((s - 1, s), []), order.get((s, s + 1), []), *buffers[B], op_ms=[[] for _ in ops]))
+        plays.append(_Play(sched, ops, order.get((s - 1, s), []), order.get((s, s + 1), []), *buffers[B], op_ms=[[] for _ in ops]))
     timing = _Timing(device)
     it = start_step
     last = start_step + len(plays) * (args.warmup + args.rounds * args.steps) - 1
