@@ -148,7 +148,7 @@ def tune(
         quiet=True,
     )
     rows = [
-        TuneRow(name, chunks, r["predicted_iteration_ms"], r["measured_iteration_ms"], path, str(out / f"report_{Path(path).stem}.json"), str(out / f"measured_{Path(path).stem}.png"))
-        for (name, path, chunks), r in zip(plans, result.reports)
+        TuneRow(name, chunks, r["predicted_iteration_ms"], r["measured_iteration_ms"], path, rep, str(out / f"measured_{Path(path).stem}.png"))
+        for (name, path, chunks), r, rep in zip(plans, result.reports, result.report_paths)
     ]
     return TuneResult(rows, report.schedule.solver.lower_bound_ms or report.lower_bound_ms, str(out), sorted(str(p) for p in out.iterdir()))
