@@ -955,6 +955,47 @@ def test_compiled_and_python_pair_programs_agree(name, B):
                 assert True in python and False in python
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    S=st.integers(2, 5),
+    B=st.integers(1, 20),
+    mx=st.sampled_from([2, 3, 4, 8]),
+    recompute=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_compiled_and_numpy_stage_programs_agree(S, B, mx, recompute, seed):
+    # the fast bound's one-stage programs (setup.py builds them; CI has a compiler) give the
+    # numpy versions' tables at targets from hopeless to loose, on every stage
+    assert bounds.COMPILED, "umopt/solvers/_stage_programs.cpp did not build: pip install -e . with a C++ compiler"
+    problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5), recompute), B)
+    F, G, L = bounds.int_tables(problem)
+    h = bounds.heads_and_tails(F, G, L, B)
+    known = bounds.stage_bound(F, G, L, B, recompute)
+    targets = [known // 2, known - 1, known, known + known // 20, 2 * known]
+    for s in range(S):
+        cut = bounds._chunk_cut(h, F, G, s, B, recompute)
+        KG = bounds.least_work(G[s], B)
+        for T in targets:
+            c = bounds._suffix_work(T, h, F, G, s, cut, KG, B, recompute)
+            p = bounds._suffix_work(T, h, F, G, s, cut, KG, B, recompute, compiled=False)
+            for x, y in zip(c, p):
+                np.testing.assert_array_equal(x, y)
+    if recompute:
+        return  # the untied programs are for tied schedules' bounds only
+    ut = bounds.untied_heads(F, G, L, h, B)
+    reached = []
+    for s in range(S):
+        ends = bounds._untied_limits(h, ut, F, G, s, B)
+        for T in targets + [np.iinfo(np.int64).max // 4]:
+            c = bounds._two_chains(T, F[s], G[s], *ends, B)
+            p = bounds._two_chains(T, F[s], G[s], *ends, B, compiled=False)
+            assert (c is None) == (p is None), (s, T)
+            if c is not None:
+                np.testing.assert_array_equal(c, p)
+            reached.append(c is not None)
+    assert any(reached)
+
+
 @pytest.mark.parametrize("name,B", [("gpt-sim", 6), ("vgg16-cpu", 6)])
 def test_pair_program_witness_is_a_path_of_the_relaxation(name, B):
     # where the program says yes, the path it found keeps every rule the docstring states: ops
