@@ -1,5 +1,5 @@
 """The compiled parts: the pair program's label search (umopt/solvers/_pair_program.cpp), the
-slot-playing loop of the GA's 1F1B scoring (umopt/_play.cpp) and the fast bound's one-stage
+population evaluators the GA scores with (umopt/_evaluate.cpp) and the fast bound's one-stage
 programs (umopt/solvers/_stage_programs.cpp).
 
 Optional: where they do not build (no C++ compiler), umopt installs without them and runs the
@@ -13,7 +13,7 @@ from setuptools import setup
 setup(
     ext_modules=[
         Pybind11Extension("umopt.solvers._pair_program", ["umopt/solvers/_pair_program.cpp"], cxx_std=17, extra_compile_args=["-O2"], optional=True),
-        Pybind11Extension("umopt._play", ["umopt/_play.cpp"], cxx_std=17, extra_compile_args=["-O2"], optional=True),
+        Pybind11Extension("umopt._evaluate", ["umopt/_evaluate.cpp"], cxx_std=17, extra_compile_args=["-O2"], optional=True),
         Pybind11Extension("umopt.solvers._stage_programs", ["umopt/solvers/_stage_programs.cpp"], cxx_std=17, extra_compile_args=["-O2"], optional=True),
     ]
 )

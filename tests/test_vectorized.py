@@ -1,4 +1,5 @@
-"""The vectorized population evaluator equals the reference simulator, schedule by schedule."""
+"""The population evaluators equal the reference simulator, schedule by schedule, and the
+compiled ones equal the numpy ones to the bit."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def test_vectorized_equals_reference(S, B, mx, recompute, density, latency, band
     be = _random_population(rng, P, S, B, mx, rng.random()) if recompute else fe
     fs, bs = ends_to_sizes(fe), ends_to_sizes(be)
     score = evaluate_gpipe(tables, fs, bs)
+    _assert_same_in_numpy(score, evaluate_gpipe, tables, fs, bs)
     for p in range(P):
         ops = [gpipe_ops([x for x in fs[p, s] if x], [x for x in bs[p, s] if x]) for s in range(S)]
         ref = simulate(tables, ops, B)
@@ -66,7 +68,7 @@ def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth,
     # PipeDream-flush's warm-ups for the first half, random per-stage ones (up to all forwards first) for the rest
     warm = np.where(np.arange(6)[:, None] < 3, np.arange(S - 1, -1, -1)[None, :], rng.integers(0, B + 1, (6, S)))
     score = evaluate_1f1b(tables, fs, warm, bs if own_backward else None)
-    _assert_same_in_python(score, tables, fs, warm, bs if own_backward else None)
+    _assert_same_in_numpy(score, evaluate_1f1b, tables, fs, warm, bs if own_backward else None)
     for p in range(6):
         fparts = [[int(x) for x in fs[p, s] if x] for s in range(S)]
         bparts = [[int(x) for x in bs[p, s] if x] for s in range(S)]
@@ -77,25 +79,27 @@ def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth,
         assert list(score.peak_memory_bytes[p].astype(np.int64)) == ref.peak_memory_bytes
 
 
-def _assert_same_in_python(score, *args):
-    """The compiled slot loop (where built) and the Python one give the same scores, infinite
-    ones (deadlocks) included."""
+def _assert_same_in_numpy(score, evaluate, *args):
+    """The compiled evaluator (where built) and the numpy one give the same scores, infinite
+    ones (deadlocks) included, and the same work and memory."""
     import umopt.vectorized as vec
 
     if vec._compiled is None:
         return
     saved, vec._compiled = vec._compiled, None
     try:
-        py = evaluate_1f1b(*args)
+        py = evaluate(*args)
     finally:
         vec._compiled = saved
     np.testing.assert_array_equal(score.iteration_ms, py.iteration_ms)
     np.testing.assert_array_equal(score.finish_ms, py.finish_ms)
+    np.testing.assert_array_equal(score.busy_ms, py.busy_ms)
+    np.testing.assert_array_equal(score.peak_memory_bytes, py.peak_memory_bytes)
 
 
-def test_compiled_1f1b_loop_is_built_and_agrees():
-    """The install built it (CI has a compiler), and on a deep pipeline's population with random
-    warm-ups it scores exactly as the Python loop."""
+def test_compiled_evaluators_are_built_and_agree():
+    """The install built them (CI has a compiler), and on a deep pipeline's population (with
+    random warm-ups in 1F1B order) they score exactly as numpy does."""
     import umopt.vectorized as vec
 
     assert vec.COMPILED
@@ -106,7 +110,10 @@ def test_compiled_1f1b_loop_is_built_and_agrees():
     warm = rng.integers(0, B + 1, (64, S))
     score = evaluate_1f1b(tables, fs, warm)
     assert np.isfinite(score.iteration_ms).all()
-    _assert_same_in_python(score, tables, fs, warm)
+    _assert_same_in_numpy(score, evaluate_1f1b, tables, fs, warm)
+    gp = evaluate_gpipe(tables, fs)
+    assert np.isfinite(gp.iteration_ms).all()
+    _assert_same_in_numpy(gp, evaluate_gpipe, tables, fs)
 
 
 @settings(max_examples=50, deadline=None)

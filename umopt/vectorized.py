@@ -8,7 +8,10 @@ order, every recurrence of the cost model is a max-plus scan:
 
 and a link that carries one message at a time is the same scan over message durations. So each
 stage costs a handful of ``cumsum`` / ``maximum.accumulate`` passes over a (population x chunks)
-array, and which upstream message holds a chunk's last sample is one ``searchsorted``.
+array, and which upstream message holds a chunk's last sample is one ``searchsorted``. Where the
+install built ``umopt/_evaluate.cpp``, both evaluators run compiled instead, an individual at a
+time with the same floating-point steps (``COMPILED``); the numpy code stays as the fallback
+and as what the compiled scores are tested against.
 
 An individual is, per stage, a forward partition and a backward partition (zero-padded chunk
 sizes in sample order, see :mod:`umopt.partition`). F ops run in sample order, B ops in reverse.
@@ -25,10 +28,10 @@ import numpy as np
 
 from .costmodel import CostTables
 
-# what this module calls the compiled loop with (its VERSION)
+# what this module calls the compiled evaluators with (their VERSION)
 _COMPILED_VERSION = 1
-try:  # the slot-playing loop of evaluate_1f1b compiled (setup.py); where it did not build, in Python
-    from . import _play as _compiled
+try:  # both evaluators compiled (setup.py); where they did not build, numpy (and a Python loop for 1F1B)
+    from . import _evaluate as _compiled
 except ImportError:  # pragma: no cover - depends on the install
     _compiled = None
 if _compiled is not None and getattr(_compiled, "VERSION", None) != _COMPILED_VERSION:  # pragma: no cover
@@ -36,7 +39,7 @@ if _compiled is not None and getattr(_compiled, "VERSION", None) != _COMPILED_VE
 
 __all__ = ["COMPILED", "PopulationScore", "evaluate_gpipe", "evaluate_1f1b"]
 
-# whether evaluate_1f1b plays its slots compiled (the GA's 1F1B scoring, several times sooner)
+# whether the evaluators run compiled (the GA's scoring, several times sooner)
 COMPILED = _compiled is not None
 
 
@@ -109,10 +112,22 @@ def evaluate_gpipe(tables: CostTables, fsizes: np.ndarray, bsizes: np.ndarray | 
 
     ``fsizes``: int array (P, S, K) of forward chunk sizes per stage, zero-padded at the end.
     ``bsizes``: the same for backward chunks (sample order); ``None`` means the forward partition.
+    Compiled where the install built it (:mod:`umopt._evaluate`: the same scans an individual at
+    a time, the same scores to the bit; at the GA's population of 128 4-6x as many schedules a
+    second as numpy, whose work per call is large against its work per row).
     """
     fsizes = np.asarray(fsizes)
     P, S, _ = fsizes.shape
     B = int(fsizes[0, 0].sum())
+    if _compiled is not None:
+        bsizes = fsizes if bsizes is None else np.asarray(bsizes)
+        K = max(fsizes.shape[2], bsizes.shape[2])
+        fsizes, bsizes = (np.pad(a, ((0, 0), (0, 0), (0, K - a.shape[2]))) for a in (fsizes, bsizes))
+        t = tables
+        it, finish, busy, peak = _compiled.evaluate_gpipe(
+            fsizes, bsizes, t.fwd, t.bwd, t.link, t.static_bytes, t.stash_bytes, t.input_bytes, t.optimizer_ms, t.recompute, B
+        )
+        return PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
     idx = np.int32 if B * P < 2**31 else np.int64
     cols = np.arange(P, dtype=idx)
     # Chunk-major layout (S, K, P): every scan step is then one contiguous row of the population.
@@ -202,11 +217,14 @@ def evaluate_1f1b(
     dependencies run both ways and no sweep over the stages in one direction settles them. The
     slots are played instead the way the reference simulator plays ops: every stage keeps a
     pointer and runs its next slot once the message it waits for has arrived, rounds over the
-    stages alternating in direction, each step one vector operation over the population; where
-    the install built it, the same loop compiled (:mod:`umopt._play`, an individual at a time:
-    at the GA's population of 128 the whole call 2.5x sooner at S=8, B=256 and 1.8x at S=4,
-    B=32, ``python bench/evaluator_throughput.py``). An individual whose pointers
-    stop short of the end deadlocked and gets an infinite time.
+    stages alternating in direction, each step one vector operation over the population. An
+    individual whose pointers stop short of the end deadlocked and gets an infinite time.
+
+    Where the install built it, all of this runs compiled (:mod:`umopt._evaluate`, the same
+    rules an individual at a time, the same scores to the bit): at the GA's population of 128,
+    20x as many schedules a second at S=8, B=256 and 25x at S=4, B=32 (``python
+    bench/evaluator_throughput.py``). Only the play loop compiled, the numpy construction of the
+    (slots x population) arrays had been 97% of the call.
     """
     fsizes = np.asarray(fsizes)
     bsizes = fsizes if bsizes is None else np.asarray(bsizes)
@@ -214,6 +232,13 @@ def evaluate_1f1b(
     fsizes, bsizes = (np.pad(a, ((0, 0), (0, 0), (0, K - a.shape[2]))) for a in (fsizes, bsizes))
     P, S, _ = fsizes.shape
     B = int(fsizes[0, 0].sum())
+    if _compiled is not None:
+        wu = np.broadcast_to(S - 1 - np.arange(S), (P, S)) if warmup is None else np.asarray(warmup)
+        t = tables
+        it, finish, busy, peak = _compiled.evaluate_1f1b(
+            fsizes, bsizes, wu, t.fwd, t.bwd, t.link, t.static_bytes, t.stash_bytes, t.input_bytes, t.optimizer_ms, t.recompute, B
+        )
+        return PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
     idx = np.int32 if (2 * S + 4) * K * P < 2**31 else np.int64
     cols = np.arange(P, dtype=idx)
     parts = [_Partition(np.ascontiguousarray(fsizes[:, s].T, dtype=idx), B, cols) for s in range(S)]
@@ -309,11 +334,7 @@ def evaluate_1f1b(
             )
         )
     nslots = np.array([pl[5] for pl in plans])
-    if _compiled is not None:
-        stacked = [np.ascontiguousarray(np.stack([pl[i] for pl in plans]), dtype=t) for i, t in ((0, np.int64), (1, np.float64), (2, np.uint8), (3, np.int64), (4, np.float64))]
-        clock, ptr = _compiled.play(*stacked, np.ascontiguousarray(nslots, dtype=np.int64), known, P, Q, S - 1)
-    else:
-        clock, ptr = _play(plans, known, P, Q, S)
+    clock, ptr = _play(plans, known, P, Q, S)
     settled = (ptr == nslots).all(axis=0)
     finish = clock
     busy = np.array([tables.fwd[s][parts[s].sizes].sum(axis=0) + tables.bwd[s][bparts[s].sizes].sum(axis=0) for s in range(S)])
