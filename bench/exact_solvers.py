@@ -1,6 +1,6 @@
 """How close each solver gets to optimal: iteration ms, gap to the best proven bound, seconds.
 
-    python bench/exact_solvers.py [--time-limit 60] [--quick | --s4]
+    python bench/exact_solvers.py [--time-limit 60] [--quick | --s4 | --s8]
     python bench/exact_solvers.py --small      # S=4, B=6 / 8 (CP-SAT proves the optimum) and 12
     python bench/exact_solvers.py --pairs      # S=4, B=16 / 32: the pair bounds given 15 s and 60 s
     python bench/exact_solvers.py --bounds --time-limit 30  # the fast bounds alone: stage cuts, untied, matched, pair program untied and tied (each within --time-limit), 1F1B (about 12 minutes)
@@ -242,6 +242,7 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--quick", action="store_true", help="the first case only")
     ap.add_argument("--s4", action="store_true", help="the S=4 cases only (about 21 minutes)")
+    ap.add_argument("--s8", action="store_true", help="the S=8 cases only")
     ap.add_argument("--small", action="store_true", help="only S=4, B=6, 8 and 12: the proven optimum (or best found) against the bounds")
     ap.add_argument("--pairs", action="store_true", help="only S=4, B=16 and 32: the pair bound given 15 s and 60 s")
     ap.add_argument("--bounds", action="store_true", help="the fast bounds alone (stage cuts, untied, matched, pair program untied and tied, each within --time-limit, 1F1B family), 10-15 minutes at 30 s")
@@ -256,7 +257,8 @@ def main() -> None:
     if args.small:
         console.print(run_small(ga_time=20.0, exact_time=2 * args.time_limit))
         return
-    rows = run(args.time_limit, CASES[:1] if args.quick else [c for c in CASES if c[0] != "transformer8-sim"] if args.s4 else CASES)
+    cases = CASES[:1] if args.quick else [c for c in CASES if (c[0] == "transformer8-sim") == args.s8] if args.s4 or args.s8 else CASES
+    rows = run(args.time_limit, cases)
     console.print(table(rows, args.time_limit))
     for row in rows:
         for r in row["results"]:

@@ -670,6 +670,47 @@ def test_aligned_moves_move_a_shared_chunk_end_on_every_stage_holding_it():
     assert list(aligned_moves([[4, 4], [8]], max_size=8)) == []  # no end is shared
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    S=st.integers(1, 4),
+    B=st.integers(1, 20),
+    mx=st.sampled_from([2, 3, 4, 8]),
+    recompute=st.booleans(),
+    order=st.sampled_from(["gpipe", "1f1b"]),
+    seed=st.integers(0, 10_000),
+)
+def test_climb_neighbours_are_every_schedule_one_move_away(S, B, mx, recompute, order, seed):
+    # the climb builds its neighbours as arrays; they are exactly the schedules that moves(),
+    # aligned_moves() and a warm-up step make from the centre, as lists
+    from umopt.solvers.local import _neighbours, _warmup, moves
+
+    rng = np.random.default_rng(seed)
+    problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=seed), recompute), B)
+    mx = problem.max_size
+    f = [_random_partition(rng, B, mx) for _ in range(S)]
+    if S > 1 and seed % 2:
+        f[1] = list(f[0])  # ends shared by two stages
+    b = [_random_partition(rng, B, mx) for _ in range(S)] if recompute else f
+    warm = [int(w) for w in rng.integers(0, B + 1, S)] if order == "1f1b" and seed % 3 else None
+    cand = Candidate(f, b, order, warmup=warm)
+    key = lambda f, b, w: (tuple(map(tuple, f)), tuple(map(tuple, b)), tuple(w) if order == "1f1b" else ())  # noqa: E731
+    want = {key(g, b if recompute else g, cand.warmups) for g in aligned_moves(f, mx)}
+    for s in range(S):
+        want |= {key(f[:s] + [new] + f[s + 1 :], b if recompute else f[:s] + [new] + f[s + 1 :], cand.warmups) for new in moves(f[s], mx)}
+        if recompute:
+            want |= {key(f, b[:s] + [new] + b[s + 1 :], cand.warmups) for new in moves(b[s], mx)}
+        if order == "1f1b":
+            now, n = cand.warmups, len(f[s])
+            for w in (min(now[s], n) - 1, min(now[s], n) + 1):
+                if 0 <= w <= n and w != min(now[s], n):
+                    want.add(key(f, b, now[:s] + [_warmup(w, n, B)] + now[s + 1 :]))
+    want.discard(key(f, b, cand.warmups))  # an aligned move may change nothing
+    fs, bs, wu = _neighbours(problem, cand, free_warmup=True)
+    rows = lambda a: [[int(x) for x in r if x] for r in a]  # noqa: E731
+    got = [key(rows(fs[k]), rows(bs[k]) if recompute else rows(fs[k]), [int(x) for x in wu[k]]) for k in range(len(fs))]
+    assert set(got) == want
+
+
 def test_iterated_climb_escapes_a_local_optimum_of_single_moves():
     # gpt-sim, S=4, B=8: CP-SAT proves 47.194 ms optimal (README); this schedule is 48.000 and no
     # single move (nor aligned move, nor warm-up change) improves it, yet the optimum is several

@@ -5,9 +5,9 @@ A move changes one stage's forward partition (and, with recompute, its backward 
 own): shift the boundary between two neighbouring chunks by one sample, merge two chunks, or split
 one in half; in 1F1B order, with ``free_warmup``, it may also run one forward more or fewer before
 a stage's first backward; an aligned move shifts (or removes) a chunk end shared by several
-stages on all of them at once. All moves of a step are scored together (one vectorized call per
-order; the free order: the reference simulator) and the best one is taken, until none helps or
-time runs out.
+stages on all of them at once. All moves of a step are built together as chunk-end masks (as
+the GA's population is) and scored in one call of the population evaluator, and the best one is
+taken, until none helps or time runs out.
 
 The iteration time is a max over stages, so many moves tie; ties are broken by the sum of the
 stages' finish times, which lets the climb cross plateaus where the slowest stage does not move yet.
@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from ..costmodel import simulate, stage_peak_memory
+from ..partition import ends_to_sizes, sizes_to_ends
 from ..problem import Candidate, Problem, pack, score_1f1b, score_gpipe
 
 __all__ = ["moves", "aligned_moves", "score_batch", "hill_climb", "iterated_climb"]
@@ -80,40 +81,94 @@ def _warmup(w: int, chunks: int, minibatch: int) -> int:
     return minibatch if w >= chunks else max(w, 0)
 
 
-def _neighbours(problem: Problem, cand: Candidate, free_warmup: bool = False) -> list[Candidate]:
-    out = []
-    mx, S = problem.max_size, problem.num_stages
-    wu = cand.warmup
-    for f in aligned_moves(cand.fsizes, mx):
-        out.append(Candidate(f, cand.bsizes if problem.recompute else f, cand.order, warmup=wu))
-    for s in range(S):
-        for new in moves(cand.fsizes[s], mx):
-            f = cand.fsizes[:s] + [new] + cand.fsizes[s + 1 :]
-            b = cand.bsizes if problem.recompute else f
-            out.append(Candidate(f, b, cand.order, warmup=wu))
-        if problem.recompute:
-            for new in moves(cand.bsizes[s], mx):
-                out.append(Candidate(cand.fsizes, cand.bsizes[:s] + [new] + cand.bsizes[s + 1 :], cand.order, warmup=wu))
+def _neighbours(problem: Problem, cand: Candidate, free_warmup: bool = False) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
+    """Every schedule one move from ``cand`` (GPipe or 1F1B order), as arrays: ``(fsizes (N, S,
+    K), bsizes or None without recompute, warm-ups (N, S))``: :func:`moves` on each stage's
+    partition (and with recompute its backward one), :func:`aligned_moves` on the forward ones,
+    and in 1F1B order with ``free_warmup`` a warm-up one up or down. Built on chunk-end masks
+    the way the GA's population is: at S=8, B=256, building hundreds of neighbours as lists of
+    lists and packing them had taken most of a climb's time (a step 16 ms, the scoring 4)."""
+    S, B, mx = problem.num_stages, problem.minibatch, problem.max_size
+    fmask = np.array([sizes_to_ends(p, B) for p in cand.fsizes])
+    bmask = np.array([sizes_to_ends(p, B) for p in cand.bsizes]) if problem.recompute else None
+    warm = np.array(cand.warmups)
+    # each move: (side, stages touched, end cleared or -1, end set or -1, stage whose warm-up changes or -1, its new value)
+    side, stage_rows, clear, put = [], [], [], []
+    moved_w, new_w = [], []
+
+    def add(sd: int, stages, c: int, p: int, ws: int = -1, wv: int = 0) -> None:
+        side.append(sd)
+        stage_rows.append(stages)
+        clear.append(c)
+        put.append(p)
+        moved_w.append(ws)
+        new_w.append(wv)
+
+    # aligned: an end (sample index) shared by two or more stages' forward partitions
+    inner = fmask[:, :-1]
+    for e in np.flatnonzero(inner.sum(axis=0) >= 2):
+        group = np.flatnonzero(inner[:, e])
+        for to in (e - 1, e + 1, -1):
+            if to != -1 and not 0 <= to < B - 1:
+                continue
+            add(0, group, int(e), int(to))
+    for sd, mask in ((0, fmask), (1, bmask)) if problem.recompute else ((0, fmask),):
+        for s in range(S):
+            ends = np.flatnonzero(mask[s])  # the last is B - 1
+            starts = np.concatenate([[0], ends[:-1] + 1])
+            for j, e in enumerate(ends[:-1]):
+                if e > starts[j]:  # shift down: the chunk before keeps a sample at least
+                    add(sd, [s], int(e), int(e) - 1)
+                if ends[j + 1] > e + 1:  # shift up: the chunk after keeps one
+                    add(sd, [s], int(e), int(e) + 1)
+                add(sd, [s], int(e), -1)  # merge
+            for a, z in zip(starts, ends):
+                if z > a:  # split in half: the first half has (size // 2) samples
+                    add(sd, [s], -1, int(a + (z - a + 1) // 2 - 1))
     if free_warmup and cand.order == "1f1b":
-        now = cand.warmups
         for s in range(S):
             n = len(cand.fsizes[s])
-            for w in (min(now[s], n) - 1, min(now[s], n) + 1):
-                if 0 <= w <= n and w != min(now[s], n):
-                    w = _warmup(w, n, problem.minibatch)
-                    out.append(Candidate(cand.fsizes, cand.bsizes, "1f1b", warmup=now[:s] + [w] + now[s + 1 :]))
-    return out
+            for w in (min(warm[s], n) - 1, min(warm[s], n) + 1):
+                if 0 <= w <= n and w != min(warm[s], n):
+                    add(0, [], -1, -1, s, _warmup(w, n, B))
+    N = len(side)
+    if N == 0:
+        return np.zeros((0, S, 1), dtype=np.int64), None, np.zeros((0, S), dtype=np.int64)
+    masks = [np.repeat(fmask[None], N, axis=0)] + ([np.repeat(bmask[None], N, axis=0)] if problem.recompute else [])
+    rows = np.repeat(np.arange(N), [len(g) for g in stage_rows])
+    st = np.concatenate([np.asarray(g, dtype=np.int64) for g in stage_rows]) if len(rows) else np.zeros(0, dtype=np.int64)
+    sd, cl, pt = (np.asarray(x)[rows] for x in (side, clear, put))
+    for k, m in enumerate(masks):
+        on = sd == k
+        c = on & (cl >= 0)
+        m[rows[c], st[c], cl[c]] = False
+        p = on & (pt >= 0)
+        m[rows[p], st[p], pt[p]] = True
+    wu = np.repeat(warm[None], N, axis=0)
+    ws = np.asarray(moved_w)
+    w_rows = np.flatnonzero(ws >= 0)
+    wu[w_rows, ws[w_rows]] = np.asarray(new_w)[w_rows]
+    fs = ends_to_sizes(masks[0])
+    bs = ends_to_sizes(masks[1]) if problem.recompute else None
+    # a move that made a chunk longer than the largest size, or changed nothing, is no move
+    ok = fs.max(axis=(1, 2)) <= mx
+    if bs is not None:
+        ok &= bs.max(axis=(1, 2)) <= mx
+    ok &= (masks[0] != fmask).any(axis=(1, 2)) | (ws >= 0) | ((masks[1] != bmask).any(axis=(1, 2)) if bs is not None else False)
+    return fs[ok], (bs[ok] if bs is not None else None), wu[ok]
 
 
 def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, np.ndarray]:
     """(iteration ms, sum of stage finish times) per candidate; ``inf`` over the memory limit."""
     limit = problem.memory_limit
+    # without recompute the backward partitions are the forward ones: packed once
+    bsizes = (lambda: pack([c.bsizes for c in cands])) if problem.recompute else (lambda: None)
     if cands and all(c.order == "gpipe" for c in cands):
-        it, sc = score_gpipe(problem, pack([c.fsizes for c in cands]), pack([c.bsizes for c in cands]))
+        it, sc = score_gpipe(problem, pack([c.fsizes for c in cands]), bsizes())
         return it, sc.finish_ms.sum(axis=1)
     if cands and all(c.order == "1f1b" for c in cands):
         wu = np.array([c.warmups for c in cands])
-        it, sc = score_1f1b(problem, pack([c.fsizes for c in cands]), wu, pack([c.bsizes for c in cands]))
+        it, sc = score_1f1b(problem, pack([c.fsizes for c in cands]), wu, bsizes())
         return it, sc.finish_ms.sum(axis=1)
     it = np.empty(len(cands))
     tie = np.empty(len(cands))
@@ -130,21 +185,32 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
 def hill_climb(
     problem: Problem, cand: Candidate, deadline: float, max_steps: int = 10_000, free_warmup: bool = False
 ) -> tuple[Candidate, int]:
-    """Climb from ``cand``; returns the best candidate found and how many schedules were scored."""
+    """Climb from ``cand`` (GPipe or 1F1B order); returns the best candidate found and how many
+    schedules were scored."""
+    if cand.order not in ("gpipe", "1f1b"):
+        raise ValueError(f"the climb moves partitions of GPipe or 1F1B order, not {cand.order!r}")
     (it,), (tie,) = score_batch(problem, [cand])
     scored = 1
     for _ in range(max_steps):
         if time.perf_counter() > deadline:
             break
-        nbrs = _neighbours(problem, cand, free_warmup)
-        if not nbrs:
+        fs, bs, wu = _neighbours(problem, cand, free_warmup)
+        if not len(fs):
             break
-        its, ties = score_batch(problem, nbrs)
-        scored += len(nbrs)
+        if cand.order == "gpipe":
+            its, sc = score_gpipe(problem, fs, bs)
+        else:
+            its, sc = score_1f1b(problem, fs, wu, bs)
+        ties = sc.finish_ms.sum(axis=1)
+        scored += len(fs)
         k = int(np.lexsort((ties, its))[0])
         if not (its[k] < it - 1e-9 or (its[k] <= it + 1e-12 and ties[k] < tie - 1e-9)):
             break
-        cand, it, tie = nbrs[k], float(its[k]), float(ties[k])
+        f = [[int(x) for x in row if x] for row in fs[k]]
+        b = [[int(x) for x in row if x] for row in bs[k]] if bs is not None else f
+        w = [int(x) for x in wu[k]]
+        warmup = None if cand.order == "gpipe" else cand.warmup if w == cand.warmups else w
+        cand, it, tie = Candidate(f, b, cand.order, warmup=warmup), float(its[k]), float(ties[k])
     cand.iteration_ms = it
     return cand, scored
 
