@@ -253,7 +253,9 @@ def iterated_climb(
     Returns the best candidate and how many schedules were scored; ``report(best ms)``, when
     given, is called after every kick (for a progress bar); ``stop(best ms)`` True ends it early
     (a bound proved the best optimal). On S=4, B=32 a kick and its climb
-    take 30-70 ms, and in one run of a minute on gpt-sim the best improved as late as the 650th kick."""
+    take about 5 ms (30-70 before the evaluators were compiled and the neighbours built as
+    arrays); from the equal 1F1B schedule, 10 s of kicks alone reach 104.02 ms on gpt-sim (the
+    GA's best in a minute) and 320.06 on vgg16-cpu (319.36)."""
     rng = np.random.default_rng(seed)
     best, scored = hill_climb(problem, cand, deadline, free_warmup=free_warmup)
     cur, kicks = best, 0
