@@ -23,6 +23,31 @@
 
 namespace py = pybind11;
 
+using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using F64 = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+// a problem's cost tables (umopt.costmodel.CostTables), as both evaluators read them
+struct Costs {
+    F64 fwd, bwd, link;  // (S, max size + 1); link (S - 1, max size + 1)
+    const double *F, *G, *L;
+    int64_t W, B;  // max size + 1; the minibatch
+    std::vector<double> stat, stash, inb;  // per stage: static bytes, stash and input bytes per sample
+    double optimizer_ms;
+    bool recompute;
+    Costs(F64 fwd_, F64 bwd_, F64 link_, F64 static_bytes, F64 stash_bytes, F64 input_bytes, double optimizer_ms_, bool recompute_, int64_t B_)
+        : fwd(fwd_), bwd(bwd_), link(link_), F(fwd.data()), G(bwd.data()), L(link.data()), W(fwd.shape(1)), B(B_),
+          stat(static_bytes.data(), static_bytes.data() + static_bytes.size()),
+          stash(stash_bytes.data(), stash_bytes.data() + stash_bytes.size()),
+          inb(input_bytes.data(), input_bytes.data() + input_bytes.size()), optimizer_ms(optimizer_ms_), recompute(recompute_) {}
+};
+
+// what both return: iteration ms (P,), finish, busy ms and peak bytes (P, S)
+struct Scores {
+    py::array_t<double> it, finish, busy, peak;
+    Scores(int64_t P, int64_t S) : it(P), finish({P, S}), busy({P, S}), peak({P, S}) {}
+    py::tuple tuple() const { return py::make_tuple(it, finish, busy, peak); }
+};
+
 // one stage's partition of one individual
 struct Part {
     std::vector<int64_t> size, last;  // per chunk: samples, last sample
@@ -44,33 +69,18 @@ static void fill_part(Part& p, const int64_t* sizes, int64_t K, int64_t B) {
         for (; i <= (size_t)p.last[k] && i < (size_t)B; ++i) p.of[i] = (int32_t)k;
 }
 
-static py::tuple evaluate_1f1b(
-    py::array_t<int64_t, py::array::c_style | py::array::forcecast> fsizes,  // (P, S, K)
-    py::array_t<int64_t, py::array::c_style | py::array::forcecast> bsizes,  // (P, S, K)
-    py::array_t<int64_t, py::array::c_style | py::array::forcecast> warmup,  // (P, S)
-    py::array_t<double, py::array::c_style | py::array::forcecast> fwd,      // (S, max size + 1)
-    py::array_t<double, py::array::c_style | py::array::forcecast> bwd,
-    py::array_t<double, py::array::c_style | py::array::forcecast> link,     // (S - 1 or more, max size + 1)
-    py::array_t<double, py::array::c_style | py::array::forcecast> static_bytes,  // (S,)
-    py::array_t<double, py::array::c_style | py::array::forcecast> stash_bytes,
-    py::array_t<double, py::array::c_style | py::array::forcecast> input_bytes,
-    double optimizer_ms, bool recompute, int64_t B) {
-    const int64_t P = fsizes.shape(0), S = fsizes.shape(1), K = fsizes.shape(2);
-    const int64_t W = fwd.shape(1);
+static py::tuple evaluate_1f1b(I64 fsizes, I64 bsizes, I64 warmup, const Costs& c) {
+    const int64_t P = fsizes.shape(0), S = fsizes.shape(1), K = fsizes.shape(2), W = c.W, B = c.B;
     auto fs = fsizes.unchecked<3>();
     auto bs = bsizes.unchecked<3>();
     auto wu = warmup.unchecked<2>();
-    const double* F = fwd.data();
-    const double* G = bwd.data();
-    const double* L = link.data();
-    auto stat = static_bytes.unchecked<1>();
-    auto stash = stash_bytes.unchecked<1>();
-    auto inb = input_bytes.unchecked<1>();
-    py::array_t<double> it_arr(P), finish_arr({P, S}), busy_arr({P, S}), peak_arr({P, S});
-    auto it = it_arr.mutable_unchecked<1>();
-    auto finish = finish_arr.mutable_unchecked<2>();
-    auto busy = busy_arr.mutable_unchecked<2>();
-    auto peak = peak_arr.mutable_unchecked<2>();
+    const double *F = c.F, *G = c.G, *L = c.L;
+    const bool recompute = c.recompute;
+    Scores out(P, S);
+    auto it = out.it.mutable_unchecked<1>();
+    auto finish = out.finish.mutable_unchecked<2>();
+    auto busy = out.busy.mutable_unchecked<2>();
+    auto peak = out.peak.mutable_unchecked<2>();
     const double inf = std::numeric_limits<double>::infinity();
     {
         py::gil_scoped_release release;
@@ -118,11 +128,11 @@ static py::tuple evaluate_1f1b(
                     const int64_t h = held + std::max<int64_t>(d, 0);  // a B's samples are held while it runs
                     held += d;
                     if (recompute)  // inputs are held; activations only for the chunk that runs
-                        mem_most = std::max(mem_most, (double)h * inb(s) + (double)std::abs(d) * stash(s));
+                        mem_most = std::max(mem_most, (double)h * c.inb[s] + (double)std::abs(d) * c.stash[s]);
                     else
                         most = std::max(most, h);
                 }
-                peak(p, s) = stat(s) + (recompute ? mem_most : (double)most * stash(s));
+                peak(p, s) = c.stat[s] + (recompute ? mem_most : (double)most * c.stash[s]);
                 double fwork = 0.0, bwork = 0.0;  // summed as numpy does: each kind, then both
                 for (int64_t k = 0; k < n; ++k) fwork += F[s * W + f.size[k]];
                 for (int64_t k = 0; k < nb; ++k) bwork += G[s * W + b.size[k]];
@@ -176,40 +186,26 @@ static py::tuple evaluate_1f1b(
                 last_end = std::max(last_end, clock[s]);
                 settled = settled && ptr[s] == (int64_t)kind[s].size();
             }
-            it(p) = settled ? last_end + optimizer_ms : inf;
+            it(p) = settled ? last_end + c.optimizer_ms : inf;
         }
     }
-    return py::make_tuple(it_arr, finish_arr, busy_arr, peak_arr);
+    return out.tuple();
 }
 
 // evaluate_gpipe for one individual at a time: F ops in sample order, each after the message
 // holding its last sample; then B ops in reverse sample order after the stage's last F, each
 // after the gradient message holding its first sample; messages one at a time per direction.
-static py::tuple evaluate_gpipe(
-    py::array_t<int64_t, py::array::c_style | py::array::forcecast> fsizes,  // (P, S, K)
-    py::array_t<int64_t, py::array::c_style | py::array::forcecast> bsizes,  // (P, S, K)
-    py::array_t<double, py::array::c_style | py::array::forcecast> fwd,      // (S, max size + 1)
-    py::array_t<double, py::array::c_style | py::array::forcecast> bwd,
-    py::array_t<double, py::array::c_style | py::array::forcecast> link,
-    py::array_t<double, py::array::c_style | py::array::forcecast> static_bytes,  // (S,)
-    py::array_t<double, py::array::c_style | py::array::forcecast> stash_bytes,
-    py::array_t<double, py::array::c_style | py::array::forcecast> input_bytes,
-    double optimizer_ms, bool recompute, int64_t B) {
-    const int64_t P = fsizes.shape(0), S = fsizes.shape(1), K = fsizes.shape(2);
-    const int64_t W = fwd.shape(1);
+static py::tuple evaluate_gpipe(I64 fsizes, I64 bsizes, const Costs& c) {
+    const int64_t P = fsizes.shape(0), S = fsizes.shape(1), K = fsizes.shape(2), W = c.W, B = c.B;
     auto fs = fsizes.unchecked<3>();
     auto bs = bsizes.unchecked<3>();
-    const double* F = fwd.data();
-    const double* G = bwd.data();
-    const double* L = link.data();
-    auto stat = static_bytes.unchecked<1>();
-    auto stash = stash_bytes.unchecked<1>();
-    auto inb = input_bytes.unchecked<1>();
-    py::array_t<double> it_arr(P), finish_arr({P, S}), busy_arr({P, S}), peak_arr({P, S});
-    auto it = it_arr.mutable_unchecked<1>();
-    auto finish = finish_arr.mutable_unchecked<2>();
-    auto busy = busy_arr.mutable_unchecked<2>();
-    auto peak = peak_arr.mutable_unchecked<2>();
+    const double *F = c.F, *G = c.G, *L = c.L;
+    const bool recompute = c.recompute;
+    Scores out(P, S);
+    auto it = out.it.mutable_unchecked<1>();
+    auto finish = out.finish.mutable_unchecked<2>();
+    auto busy = out.busy.mutable_unchecked<2>();
+    auto peak = out.peak.mutable_unchecked<2>();
     {
         py::gil_scoped_release release;
         std::vector<Part> fp(S), bp(S);
@@ -261,25 +257,26 @@ static py::tuple evaluate_gpipe(
                 // peak memory: everything is forwarded before the first B
                 const Part& f = fp[s];
                 if (!recompute) {
-                    peak(p, s) = stat(s) + (double)B * stash(s);
+                    peak(p, s) = c.stat[s] + (double)B * c.stash[s];
                 } else {  // inputs are held; activations only for the chunk that runs
                     double most = 0.0;
                     for (size_t k = 0; k < f.size.size(); ++k)
-                        most = std::max(most, (double)(f.last[k] + 1) * inb(s) + (double)f.size[k] * stash(s));
+                        most = std::max(most, (double)(f.last[k] + 1) * c.inb[s] + (double)f.size[k] * c.stash[s]);
                     for (size_t k = 0; k < b.size.size(); ++k)
-                        most = std::max(most, (double)(b.last[k] + 1) * inb(s) + (double)b.size[k] * stash(s));
-                    peak(p, s) = stat(s) + most;
+                        most = std::max(most, (double)(b.last[k] + 1) * c.inb[s] + (double)b.size[k] * c.stash[s]);
+                    peak(p, s) = c.stat[s] + most;
                 }
             }
-            it(p) = last_end + optimizer_ms;
+            it(p) = last_end + c.optimizer_ms;
         }
     }
-    return py::make_tuple(it_arr, finish_arr, busy_arr, peak_arr);
+    return out.tuple();
 }
 
 PYBIND11_MODULE(_evaluate, m) {
     m.doc() = "umopt's population scoring compiled (see umopt/vectorized.py)";
     m.attr("VERSION") = 1;
+    py::class_<Costs>(m, "Costs").def(py::init<F64, F64, F64, F64, F64, F64, double, bool, int64_t>());
     m.def("evaluate_gpipe", &evaluate_gpipe);
     m.def("evaluate_1f1b", &evaluate_1f1b);
 }
