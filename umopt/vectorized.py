@@ -120,10 +120,7 @@ def evaluate_gpipe(tables: CostTables, fsizes: np.ndarray, bsizes: np.ndarray | 
     P, S, _ = fsizes.shape
     B = int(fsizes[0, 0].sum())
     if _compiled is not None:
-        bsizes = fsizes if bsizes is None else np.asarray(bsizes)
-        K = max(fsizes.shape[2], bsizes.shape[2])
-        fsizes, bsizes = (np.pad(a, ((0, 0), (0, 0), (0, K - a.shape[2]))) for a in (fsizes, bsizes))
-        it, finish, busy, peak = _compiled.evaluate_gpipe(fsizes, bsizes, _compiled_costs(tables, B))
+        it, finish, busy, peak = _compiled.evaluate_gpipe(*_one_width(fsizes, bsizes), _compiled_costs(tables, B))
         return PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
     idx = np.int32 if B * P < 2**31 else np.int64
     cols = np.arange(P, dtype=idx)
@@ -180,6 +177,14 @@ def evaluate_gpipe(tables: CostTables, fsizes: np.ndarray, bsizes: np.ndarray | 
     )
 
 
+def _one_width(fsizes: np.ndarray, bsizes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward partitions (the forward ones where ``bsizes`` is None) padded to one
+    number of chunks."""
+    bsizes = fsizes if bsizes is None else np.asarray(bsizes)
+    K = max(fsizes.shape[2], bsizes.shape[2])
+    return tuple(np.pad(a, ((0, 0), (0, 0), (0, K - a.shape[2]))) for a in (fsizes, bsizes))
+
+
 def _compiled_costs(tables: CostTables, minibatch: int):
     """The tables as the compiled evaluators take them (a few microseconds: views of the
     arrays and three short copies)."""
@@ -230,10 +235,8 @@ def evaluate_1f1b(
     bench/evaluator_throughput.py``). Only the play loop compiled, the numpy construction of the
     (slots x population) arrays had been 97% of the call.
     """
-    fsizes = np.asarray(fsizes)
-    bsizes = fsizes if bsizes is None else np.asarray(bsizes)
-    K = max(fsizes.shape[2], bsizes.shape[2])
-    fsizes, bsizes = (np.pad(a, ((0, 0), (0, 0), (0, K - a.shape[2]))) for a in (fsizes, bsizes))
+    fsizes, bsizes = _one_width(np.asarray(fsizes), bsizes)
+    K = fsizes.shape[2]
     P, S, _ = fsizes.shape
     B = int(fsizes[0, 0].sum())
     if _compiled is not None:
