@@ -1135,3 +1135,28 @@ def test_matched_bound_runs_in_a_process_of_its_own_and_gives_up_on_time():
     assert 12 * 8 > bounds.MATCHED_FAST_CELLS
     assert pairs._programs_within(F, G, L, 12, known, 60.0) >= bounds.matched_bound(F, G, L, 12, known)
     assert pairs._programs_within(F, G, L, 12, known, 0.0) == known
+
+
+def test_solve_counts_the_bounds_before_the_solver_within_the_time_limit(monkeypatch):
+    # the baselines and bounds computed before the solver (seconds at S=8, B=256) come out of
+    # --time-limit, down to a quarter of it for the solver
+    import umopt.solve as solve_mod
+
+    seen = []
+
+    def slow_bound(problem, scope="any order"):
+        time.sleep(0.6)
+        return best_bound_ms(problem, scope)
+
+    def recording(problem, time_limit, **kw):
+        seen.append(time_limit)
+        return SOLVERS["equal"](problem, time_limit=time_limit, **kw)
+
+    monkeypatch.setattr(solve_mod, "best_bound_ms", slow_bound)
+    monkeypatch.setitem(solve_mod.SOLVERS, "recording", recording)
+    prof = synthetic_profile(3, max_size=8, seed=2)
+    report = solve_mod.solve(prof, 12, solver="recording", time_limit=4.0)
+    assert 1.0 <= seen[0] <= 4.0 - 1.2  # both bounds (any order, 1F1B family) were counted
+    assert report.schedule.solver.name == "recording"
+    solve_mod.solve(prof, 12, solver="recording", time_limit=1.0)
+    assert seen[1] == pytest.approx(0.25)  # the bounds took more than the limit: the solver's share

@@ -108,6 +108,9 @@ def own_bound(problem, scope: str = "any order") -> int:
 def _own_bound(Fb: bytes, Gb: bytes, Lb: bytes, shape: tuple, minibatch: int, recompute: bool, scope: str) -> int:
     F, G = (np.frombuffer(x, dtype=np.int64).reshape(shape) for x in (Fb, Gb))
     L = np.frombuffer(Lb, dtype=np.int64).reshape(shape[0] - 1, shape[1]) if shape[0] > 1 else np.zeros((0, shape[1]), dtype=np.int64)
+    if scope == "1f1b order":  # every schedule's bound holds for that family too: computed once
+        own = _own_bound(Fb, Gb, Lb, shape, minibatch, recompute, "any order")
+        return own if recompute else max(own, sample_order_bound(F, G, L, minibatch))
     own = stage_bound(F, G, L, minibatch, recompute)
     if not recompute:
         own = untied_bound(F, G, L, minibatch, own)
@@ -116,8 +119,6 @@ def _own_bound(Fb: bytes, Gb: bytes, Lb: bytes, shape: tuple, minibatch: int, re
 
             own = matched_bound(F, G, L, minibatch, own)
             own = pair_program_bound(F, G, L, minibatch, own)
-    if scope == "1f1b order" and not recompute:
-        own = max(own, sample_order_bound(F, G, L, minibatch))
     return own
 
 
