@@ -90,7 +90,7 @@ def solve(
     lb = best_bound_ms(problem)  # the spec's bound, or the stage cuts' when higher
     # and the 1F1B family's, which most schedules are of (the any-order part is remembered):
     # both before the solver, so that the time limit holds for the whole solve (S=8, B=256:
-    # about 4 s of the bounds, which used to come on top of it)
+    # 3.6 + 2.0 s of the bounds, which used to come on top of it)
     lb_family = None if recompute else best_bound_ms(problem, "1f1b order")
     t0 = time.perf_counter()
     left = max(MIN_SOLVER_SHARE * time_limit, time_limit - (t0 - started))
