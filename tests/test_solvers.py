@@ -1160,3 +1160,30 @@ def test_solve_counts_the_bounds_before_the_solver_within_the_time_limit(monkeyp
     assert report.schedule.solver.name == "recording"
     solve_mod.solve(prof, 12, solver="recording", time_limit=1.0)
     assert seen[1] == pytest.approx(0.25)  # the bounds took more than the limit: the solver's share
+
+
+def test_fast_bounds_run_beside_the_solver_where_they_take_seconds(monkeypatch):
+    # past BOUNDS_BESIDE_CELLS a child process computes them while the solver keeps its whole
+    # time limit; the report is the same as with the bounds computed here
+    import umopt.solve as solve_mod
+
+    seen = []
+
+    def recording(problem, time_limit, **kw):
+        seen.append(time_limit)
+        return SOLVERS["equal"](problem, time_limit=time_limit, **kw)
+
+    monkeypatch.setitem(solve_mod.SOLVERS, "recording", recording)
+    prof = synthetic_profile(3, max_size=8, seed=2)
+    here = solve_mod.solve(prof, 12, solver="recording", time_limit=4.0, order="1f1b").schedule.solver.model_dump()
+    monkeypatch.setattr(solve_mod, "BOUNDS_BESIDE_CELLS", 0)
+    monkeypatch.setattr(solve_mod.os, "cpu_count", lambda: 2)
+
+    def not_here(*_):
+        raise AssertionError("the bounds ran in this process")
+
+    monkeypatch.setattr(solve_mod, "_fast_bounds", not_here)
+    beside = solve_mod.solve(prof, 12, solver="recording", time_limit=4.0, order="1f1b").schedule.solver.model_dump()
+    assert seen[1] >= 3.5  # only the baselines came before the solver
+    for key in ("lower_bound_ms", "lower_bound_1f1b_ms"):
+        assert beside[key] == here[key] is not None

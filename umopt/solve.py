@@ -8,6 +8,11 @@ written here; the CLI writes the files once everything has succeeded.
 
 from __future__ import annotations
 
+import base64
+import os
+import pickle
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -49,6 +54,44 @@ class SolveReport:
 
 # what the solver gets at least where the bounds before it took most of --time-limit
 MIN_SOLVER_SHARE = 0.25
+# From this many cells (B x largest chunk) on, the fast bounds run in a process of their own
+# beside the solver: there they take seconds (transformer8-sim, both scopes: B=128 2.9 s, B=256
+# 5.6 s; S=4, B=32 0.9 s) and no pair bounds run on the other cores, so the solver keeps its time
+BOUNDS_BESIDE_CELLS = 4096
+
+
+class _BoundsBeside:
+    """:func:`best_bound_ms` for every schedule and (``family``) for the 1F1B family, computed in
+    a child process while the solver runs. A plain subprocess, as in :mod:`.solvers.pairs`:
+    spawning would import the caller's main module again."""
+
+    def __init__(self, problem: Problem, family: bool):
+        self.problem, self.family = problem, family
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _BOUNDS_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(base64.b64encode(pickle.dumps((problem, family))).decode())
+        self.proc.stdin.close()
+
+    def result(self) -> tuple[float, Optional[float]]:
+        assert self.proc.stdout is not None
+        out = self.proc.stdout.read().split()
+        self.proc.wait()
+        if self.proc.returncode != 0 or len(out) != 2:  # then here, as where it is small
+            return _fast_bounds(self.problem, self.family)
+        return float(out[0]), (float(out[1]) if self.family else None)
+
+
+_BOUNDS_CHILD = (
+    "import base64, pickle, sys; from umopt.solvers.bounds import best_bound_ms; "
+    "p, family = pickle.loads(base64.b64decode(sys.stdin.read())); "
+    "print(best_bound_ms(p)); print(best_bound_ms(p, '1f1b order') if family else 0.0)"
+)
+
+
+def _fast_bounds(problem: Problem, family: bool) -> tuple[float, Optional[float]]:
+    return best_bound_ms(problem), (best_bound_ms(problem, "1f1b order") if family else None)
 
 
 def make_problem(profile: Profile, minibatch: int, recompute: bool) -> Problem:
@@ -87,15 +130,20 @@ def solve(
             f"minibatch {minibatch} does not fit the memory limit of {limit} bytes with any equal partition"
             + ("" if recompute else "; try --recompute")
         )
-    lb = best_bound_ms(problem)  # the spec's bound, or the stage cuts' when higher
-    # and the 1F1B family's, which most schedules are of (the any-order part is remembered):
-    # both before the solver, so that the time limit holds for the whole solve (S=8, B=256:
-    # 3.6 + 2.0 s of the bounds, which used to come on top of it)
-    lb_family = None if recompute else best_bound_ms(problem, "1f1b order")
+    # the fast bound (the spec's, or the stage cuts' and untied bound's when higher), and the 1F1B
+    # family's, which most schedules are of: beside the solver where they take seconds, else
+    # before it; either way within the time limit (they used to come on top of it)
+    beside = None
+    if problem.minibatch * problem.max_size >= BOUNDS_BESIDE_CELLS and (os.cpu_count() or 1) >= 2:
+        beside = _BoundsBeside(problem, not recompute)
+    else:
+        lb, lb_family = _fast_bounds(problem, not recompute)
     t0 = time.perf_counter()
     left = max(MIN_SOLVER_SHARE * time_limit, time_limit - (t0 - started))
     result = SOLVERS[solver](problem, time_limit=left, seed=seed, progress=progress, order=order)
     seconds = time.perf_counter() - t0
+    if beside is not None:
+        lb, lb_family = beside.result()
     cand: Candidate = result.candidate
     ops = cand.ops()
     validate_ops(ops, minibatch, problem.max_size, recompute)
