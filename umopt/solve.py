@@ -140,7 +140,12 @@ def solve(
         lb, lb_family = _fast_bounds(problem, not recompute)
     t0 = time.perf_counter()
     left = max(MIN_SOLVER_SHARE * time_limit, time_limit - (t0 - started))
-    result = SOLVERS[solver](problem, time_limit=left, seed=seed, progress=progress, order=order)
+    try:
+        result = SOLVERS[solver](problem, time_limit=left, seed=seed, progress=progress, order=order)
+    except BaseException:  # (a solver's error, an interrupt) no bound is wanted any more
+        if beside is not None:
+            beside.proc.kill()
+        raise
     seconds = time.perf_counter() - t0
     if beside is not None:
         lb, lb_family = beside.result()
