@@ -53,3 +53,22 @@ def run_cli(argv, capsys):
         raise SystemExit(0)
     cap = capsys.readouterr()
     return exc.value.code, cap.out, cap.err
+
+
+def zoo_sim_profile(path, model: str, args: dict, cuts: list[int], *, dtype: str = "float32", max_size: int = 8, seed: int = 0):
+    """A profile of a zoo model cut at ``cuts``, with synthetic costs (device "sim"), written to
+    ``path`` and loaded back: what the runtime needs to run the model, without measuring it."""
+    from umopt.profile import load_profile, save_profile
+    from umopt.synthetic import synthetic_profile
+
+    S = len(cuts) - 1
+    prof = synthetic_profile(S, max_size=max_size, seed=seed, bytes_per_sample=256)
+    prof = prof.model_copy(
+        update={
+            "model": prof.model.model_copy(update={"name": model, "args": dict(args)}),
+            "device": prof.device.model_copy(update={"dtype": dtype}),
+            "stages": [st.model_copy(update={"layers": [cuts[s], cuts[s + 1]]}) for s, st in enumerate(prof.stages)],
+        }
+    )
+    save_profile(prof, path)
+    return load_profile(path)

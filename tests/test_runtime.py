@@ -157,11 +157,20 @@ def _no_runtime_left():
     return [p for p in out if int(p) != os.getpid()]
 
 
-@pytest.mark.parametrize("kind,expected", [("raise", "rank 1 (stage 1) failed: RuntimeError: injected fault at step 1"), ("kill", "rank 1 (stage 1) ended without a word")])
-def test_a_failing_rank_ends_the_run(tmp_path, monkeypatch, kind, expected):
+@pytest.mark.parametrize(
+    "fault,expected",
+    [
+        ("1:1:raise", "rank 1 (stage 1) failed: RuntimeError: injected fault at step 1"),
+        ("1:1:kill", "rank 1 (stage 1) ended without a word"),
+        # rank 0 waits forever (as on a GPU, where waiting ranks never raise) and torchrun stops
+        # it with SIGTERM: that rank is not the one to blame
+        ("0:1:hang,1:1:raise", "rank 1 (stage 1) failed: RuntimeError: injected fault at step 1"),
+    ],
+)
+def test_a_failing_rank_ends_the_run(tmp_path, monkeypatch, fault, expected):
     profile = mlp_profile(tmp_path, 2)
     path, _ = write_schedule(tmp_path, profile, "gpipe", False, 5)
-    monkeypatch.setenv("UMOPT_FAULT", f"1:1:{kind}")
+    monkeypatch.setenv("UMOPT_FAULT", fault)
     t0 = time.perf_counter()
     with pytest.raises(RunFailed) as exc:
         launch([path, "--steps", "5", "--warmup", "0"], quiet=True)

@@ -27,3 +27,15 @@ def uneven(width: int = 32, heavy: int = 512):
 
 def broken():
     return "not a model"
+
+
+def mlp_data(step: int, n: int):
+    """A ``--data`` hook for the zoo's mlp of tests/test_runtime.py that notes which rank asked."""
+    import os
+    from pathlib import Path
+
+    log = Path(os.environ["UMOPT_DATA_LOG"])
+    log.mkdir(exist_ok=True)
+    (log / f"rank{os.environ['RANK']}").touch()
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)

@@ -72,12 +72,20 @@ def launch(argv: list[str], *, timeout_s: Optional[float] = None, quiet: bool = 
 
 
 def _root_cause(status_dir: Path, S: int, returncode: int, log: Path) -> str:
-    """The first rank that failed (by time), or one that died without a word; the torchrun log is
-    kept and named when the ranks' own words do not explain the failure."""
+    """The rank that failed first, with its message.
+
+    Each rank's status file says how it ended: "failed" (it raised; the first by time is the
+    cause, later ones are its echo), "terminated" (torchrun or the user stopped it with a signal:
+    never the cause), or still "started" (it died without a word: killed, crashed in C++). The
+    torchrun log is kept and named when the ranks' own words do not explain the failure.
+    """
     statuses = {}
     for r in range(S):
         f = status_dir / f"rank{r}"
-        statuses[r] = json.loads(f.read_text()) if f.exists() else {"state": "never started", "time": 0.0, "message": ""}
+        try:
+            statuses[r] = json.loads(f.read_text()) if f.exists() else {"state": "never started", "time": 0.0, "message": ""}
+        except ValueError:  # written as the rank died
+            statuses[r] = {"state": "started", "time": 0.0, "message": ""}
     failed = sorted((st["time"], r, st["message"]) for r, st in statuses.items() if st["state"] == "failed")
     silent = [r for r, st in statuses.items() if st["state"] == "started"]
     if failed and not silent:
@@ -92,6 +100,10 @@ def _root_cause(status_dir: Path, S: int, returncode: int, log: Path) -> str:
             f"rank {silent[0]} (stage {silent[0]}) ended without a word (killed by a signal?); "
             f"torchrun exit code {returncode}{'; ' + ', '.join(codes) if codes else ''} (log: {kept})"
         )
+    stopped = sorted((st["time"], r, st["message"]) for r, st in statuses.items() if st["state"] == "terminated")
+    if stopped:
+        _, r, why = stopped[0]
+        return f"the run was stopped from outside: rank {r} (stage {r}) first ({why}); torchrun exit code {returncode} (log: {kept})"
     # torchrun itself failed (rendezvous, spawning): its most telling line
     errors = [ln.strip() for ln in lines if "Error" in ln or "error" in ln] or lines[-1:] or [""]
     never = [r for r, st in statuses.items() if st["state"] == "never started"]

@@ -25,9 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import statistics
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -43,9 +45,10 @@ from .errors import UmoptError
 from .fileio import write_atomic, write_json
 from .profile import Profile, load_profile
 from .schedule import Schedule, check_against_profile, load_schedule
+from .devices import TensorSpec, autocast, boundary_tensors, rank_device, to_device
 from .zoo import ModelParts, build_model
 
-__all__ = ["build_parser", "preflight", "RunConfig", "run_rank", "main"]
+__all__ = ["build_parser", "preflight", "RunConfig", "StageSetup", "build_stage", "init_distributed", "run_rank", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,14 +163,15 @@ def _link_order(profile: Profile, schedule: Schedule) -> dict[tuple[int, int], l
 
 
 def _fault(rank: int, step: int) -> None:
-    """Fault injection for the tests: UMOPT_FAULT="rank:step:raise|kill"."""
-    spec = os.environ.get("UMOPT_FAULT")
-    if not spec:
-        return
-    r, st, kind = spec.split(":")
-    if int(r) == rank and int(st) == step:
+    """Fault injection for the tests: UMOPT_FAULT="rank:step:raise|kill|hang[,...]"."""
+    for spec in filter(None, os.environ.get("UMOPT_FAULT", "").split(",")):
+        r, st, kind = spec.split(":")
+        if int(r) != rank or int(st) != step:
+            continue
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "hang":  # as a rank blocked on the GPU or in a collective: it never raises
+            threading.Event().wait()
         raise RuntimeError(f"injected fault at step {step}")
 
 
@@ -187,7 +191,37 @@ class _Play:
     op_ms: list[list[float]] = field(default_factory=list)  # each op's duration in every measured step
 
 
-def run_rank(cfg: RunConfig) -> None:
+@dataclass
+class StageSetup:
+    """One stage's module on its device, and what crosses its edges."""
+
+    module: torch.nn.Module
+    make_batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    input: TensorSpec  # what it receives from the stage before (stage 0: the model's input)
+    output: TensorSpec  # what it sends to the stage after (the last stage: the model's output)
+    device: torch.device
+    dtype: str  # the profile's autocast dtype
+
+
+def build_stage(profile: Profile, s: int, device: torch.device) -> StageSetup:
+    """Stage ``s`` of the profile's model, built with the profile's seed, on ``device``.
+
+    The shapes and dtypes at its edges come from one sample run on ``device`` under the profile's
+    autocast, through the layers before it too (each freed after its step): what crosses a link
+    under autocast is what the stage before really sends, not what a float32 pass on the CPU gives.
+    """
+    seed = int(profile.model.model_extra.get("seed", 0))
+    parts: ModelParts = build_model(profile.model.name, profile.model.args, seed=seed)
+    a, b = profile.stages[s].layers
+    module = _StageModule(parts.layers[a:b], a).to(device)
+    edges = boundary_tensors(parts.layers[:b], parts.make_batch(1, 0)[0], device, profile.device.dtype, release_before=a)
+    setup = StageSetup(module, parts.make_batch, parts.loss, TensorSpec.of(edges[a]), TensorSpec.of(edges[b]), device, profile.device.dtype)
+    parts.layers.clear()  # the module holds this stage's layers; the others are not this rank's
+    return setup
+
+
+def run_rank(cfg: RunConfig, device: torch.device) -> None:
     args = cfg.args
     rank, world = dist.get_rank(), dist.get_world_size()
     S = cfg.num_stages
@@ -195,43 +229,27 @@ def run_rank(cfg: RunConfig) -> None:
         raise UmoptError(f"the schedule has {S} stages but {world} processes were started")
     s = rank
     first_stage, last_stage = s == 0, s == S - 1
-    prof_stage = cfg.profile.stages[s]
-    a, b = prof_stage.layers
-    if args.backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    if device.type == "cpu":
         torch.set_num_threads(args.threads or int(cfg.profile.device.model_extra.get("threads", 1)))
-    seed = int(cfg.profile.model.model_extra.get("seed", 0))
-    parts: ModelParts = build_model(cfg.profile.model.name, cfg.profile.model.args, seed=seed)
-    stage = _StageModule(parts.layers[a:b], a).to(device)
-    # shapes entering and leaving this stage, from one sample through the layers before it
-    with torch.no_grad():
-        h = parts.make_batch(1, 0)[0]
-        for layer in parts.layers[:a]:
-            h = layer(h)
-        in_shape, in_dtype = tuple(h.shape[1:]), h.dtype
-        for layer in parts.layers[a:b]:
-            h = layer(h)
-        out_shape, out_dtype = tuple(h.shape[1:]), h.dtype
-    del parts.layers[:a], parts.layers[b - a :]  # free what other stages own
+    setup = build_stage(cfg.profile, s, device)
+    stage = setup.module
     lr = args.lr if args.lr is not None else (0.01 if args.optimizer == "sgd" else 1e-3)
     params = list(stage.parameters())
     opt = torch.optim.SGD(params, lr=lr, momentum=0.9) if args.optimizer == "sgd" else torch.optim.AdamW(params, lr=lr)
     start_step = 0
     if args.resume:
-        state = torch.load(Path(args.checkpoint) / f"stage{s}.pt", map_location=device, weights_only=False)
+        # weights_only: a checkpoint is data, and unpickling anything else can run code
+        state = torch.load(Path(args.checkpoint) / f"stage{s}.pt", map_location=device, weights_only=True)
         stage.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        start_step = state["step"]
+        start_step = int(state["step"])
 
     data_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
     if args.data:
         mod, _, fn = args.data.partition(":")
         data_fn = getattr(__import__(mod, fromlist=[fn]), fn)
     else:
-        data_fn = lambda step, n: parts.make_batch(n, step)  # noqa: E731
+        data_fn = lambda step, n: setup.make_batch(n, step)  # noqa: E731
 
     plays = []
     buffers: dict[int, tuple] = {}  # by minibatch: schedules in turn share them (a GPU's memory)
@@ -239,8 +257,8 @@ def run_rank(cfg: RunConfig) -> None:
         B = sched.minibatch
         if B not in buffers:
             buffers[B] = (
-                torch.empty((B, *in_shape), dtype=in_dtype, device=device) if not first_stage else None,
-                torch.empty((B, *out_shape), dtype=out_dtype, device=device) if not last_stage else None,
+                setup.input.empty(B, device) if not first_stage else None,
+                setup.output.empty(B, device) if not last_stage else None,
             )
         order = _link_order(cfg.profile, sched)
         ops = sched.op_lists()[s]
@@ -254,10 +272,14 @@ def run_rank(cfg: RunConfig) -> None:
             for j in range((args.warmup if turn == 0 else 0) + args.steps):
                 _fault(rank, it - start_step)
                 B = play.schedule.minibatch
-                inputs, targets = data_fn(it, B)
-                dist.barrier()
+                inputs = targets = None
+                if first_stage or last_stage:  # the stages between never touch the data
+                    x, y = data_fn(it, B)
+                    inputs = to_device(x, device) if first_stage else None
+                    targets = to_device(y, device) if last_stage else None
+                _barrier(device)
                 timing.start()
-                spans, loss_sum = _iteration(play, stage, parts.loss, inputs.to(device), targets.to(device), timing, first_stage, last_stage)
+                spans, loss_sum = _iteration(play, setup, inputs, targets, timing, first_stage, last_stage)
                 if args.save_grads and it == last:
                     Path(args.save_grads).mkdir(parents=True, exist_ok=True)
                     grads = {k: p.grad.detach().cpu() for k, p in stage.named_parameters() if p.grad is not None}
@@ -290,26 +312,38 @@ def run_rank(cfg: RunConfig) -> None:
             _report(cfg, k, play.step_ms, gathered)
 
 
-def _iteration(play: _Play, stage: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor, timing: "_Timing", first_stage: bool, last_stage: bool):
+def _forward(setup: StageSetup, x: torch.Tensor, targets: Optional[torch.Tensor], B: int) -> torch.Tensor:
+    """The stage's forward of one chunk under the profile's autocast; on the last stage, the
+    chunk's loss divided by the minibatch (so that chunk gradients add up to the minibatch's)."""
+    with autocast(setup.device, setup.dtype):
+        out = setup.module(x)
+        return out if targets is None else setup.loss(out, targets) / B
+
+
+def _iteration(play: _Play, setup: StageSetup, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor], timing: "_Timing", first_stage: bool, last_stage: bool):
     """One iteration's forward and backward ops of ``play`` on this stage (gradients accumulate,
     the optimizer is the caller's): its spans ``(kind, lo, hi, start mark, end mark)`` and the
     summed loss (the last stage's)."""
     B, recompute = play.schedule.minibatch, play.schedule.recompute
     links = _Links(dist.get_rank(), play.up, play.down, play.act_buf, play.grad_buf)
     saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
-    loss_sum = torch.zeros((), device=inputs.device)
+    loss_sum = torch.zeros((), device=setup.device)
     spans = []
+
+    def chunk_input(lo: int, hi: int, grad: bool) -> torch.Tensor:
+        return inputs[lo:hi] if first_stage else play.act_buf[lo:hi].detach().requires_grad_(grad)
+
     links.advance()
     for kind, lo, hi in play.ops:
+        y = targets[lo:hi] if last_stage else None
         if kind == "F":
             links.wait_acts(lo, hi)
             t0 = timing.mark()
-            x = inputs[lo:hi] if first_stage else play.act_buf[lo:hi].detach().requires_grad_(not recompute)
+            x = chunk_input(lo, hi, not recompute)
             with torch.set_grad_enabled(not recompute):
-                out = stage(x)
-                if last_stage:
-                    out = loss_fn(out, targets[lo:hi]) / B
-                    loss_sum += out.detach()
+                out = _forward(setup, x, y, B)
+            if last_stage:
+                loss_sum += out.detach()
             if not recompute:
                 saved[(lo, hi)] = (x if not first_stage else None, out)
             if not last_stage:
@@ -318,10 +352,8 @@ def _iteration(play: _Play, stage: torch.nn.Module, loss_fn, inputs: torch.Tenso
             links.wait_grads(lo, hi)
             t0 = timing.mark()
             if recompute:
-                x = inputs[lo:hi] if first_stage else play.act_buf[lo:hi].detach().requires_grad_(True)
-                out = stage(x)
-                if last_stage:
-                    out = loss_fn(out, targets[lo:hi]) / B
+                x = chunk_input(lo, hi, True)
+                out = _forward(setup, x, y, B)
             else:
                 x, out = saved.pop((lo, hi))
             if last_stage:
@@ -498,6 +530,58 @@ def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list) -> Non
         gantt(panels, plot_path, title=f"{cfg.profile.model.name}: measured {measured:.1f} ms vs predicted {predicted:.1f} ms")
 
 
+def init_distributed(backend: str, timeout_s: float) -> torch.device:
+    """Join the process group and return this rank's device.
+
+    Under NCCL the device is set from LOCAL_RANK *before* the group exists and handed to it
+    (``device_id``), so that NCCL binds each rank to its own GPU at once instead of guessing
+    (and barriers do not hang on a device nobody uses).
+    """
+    device = rank_device(backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device)
+    else:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def _barrier(device: torch.device) -> None:
+    dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
+
+
+def _exit_on_termination(status: Callable[[str, str], None]) -> None:
+    """End this rank at once, with a status line, on SIGTERM or SIGINT or when its parent (the
+    torchrun agent) is gone.
+
+    torchrun stops the other ranks with SIGTERM when one fails; a rank waiting inside NCCL or
+    gloo never returns to Python, so a Python signal handler would not run until the wait times
+    out. The signal's number reaches a pipe (``signal.set_wakeup_fd``) whatever the main thread
+    is doing, and a thread watching that pipe writes the status and leaves; the status then tells
+    the launcher that this rank was stopped, not that it failed.
+    """
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)  # the watcher acts; without a handler SIGTERM kills silently
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            ready, _, _ = select.select([r], [], [], 0.5)
+            got = os.read(r, 64) if ready else b""
+            for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+                if int(sig) in got:
+                    status("terminated", signal.Signals(sig).name)
+                    os._exit(code)
+            if os.getppid() != parent:
+                status("terminated", "its launcher (torchrun) is gone")
+                os._exit(143)
+
+    threading.Thread(target=watch, name="umopt-termination", daemon=True).start()
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point of each rank (``python -m umopt.runtime`` under torchrun)."""
     status_dir = os.environ.get("UMOPT_STATUS_DIR")
@@ -509,12 +593,12 @@ def main(argv: Optional[list[str]] = None) -> None:
             write_atomic(Path(status_dir) / f"rank{rank}", lambda tmp: Path(tmp).write_text(line))
 
     status("started")
+    _exit_on_termination(status)
     try:
         cfg = preflight(list(sys.argv[1:] if argv is None else argv))
-        backend = cfg.args.backend
-        dist.init_process_group(backend, timeout=timedelta(seconds=int(os.environ.get("UMOPT_TIMEOUT_S", "60"))))
+        device = init_distributed(cfg.args.backend, int(os.environ.get("UMOPT_TIMEOUT_S", "60")))
         try:
-            run_rank(cfg)
+            run_rank(cfg, device)
         finally:
             dist.destroy_process_group()
     except BaseException as exc:
