@@ -270,7 +270,10 @@ def _print_turns(reports: list[dict]) -> None:
 @click.option("--time-limit", type=float, default=10.0, show_default=True, help="Seconds of search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="umopt-tune", show_default=True)
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True, help="Fit the profile to short runs of equal schedules before solving.")
-def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit, out_dir, calibrate) -> None:
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True, help="Autocast dtype, as in umopt profile.")
+@click.option("--link-latency-ms", type=float, default=None, help="Give the links instead of measuring them, as in umopt profile.")
+@click.option("--link-gbps", type=float, default=None, help="Link bandwidth in Gbit/s, with --link-latency-ms.")
+def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit, out_dir, calibrate, dtype, link_latency_ms, link_gbps) -> None:
     """Profile, solve and run in one go; compare with the best equal GPipe and 1F1B schedules."""
     _require_torch()
     from umopt.tune import DEFAULT, tune as run_tune
@@ -279,7 +282,8 @@ def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit
     args = parse_model_args(list(model_args)) if model else (parse_model_args(list(model_args)) or DEFAULT["model_args"])
     result = run_tune(
         model or DEFAULT["model"], args, stages or DEFAULT["stages"], minibatch or DEFAULT["minibatch"],
-        device=device, steps=steps, rounds=rounds, out_dir=out_dir, time_limit=time_limit, calibrate=calibrate, say=lambda m: err.print(f"umopt tune: {m}", markup=False),
+        device=device, steps=steps, rounds=rounds, out_dir=out_dir, time_limit=time_limit, calibrate=calibrate,
+        dtype=dtype, link_latency_ms=link_latency_ms, link_gbps=link_gbps, say=lambda m: err.print(f"umopt tune: {m}", markup=False),
     )
     table = Table(title=f"{model or DEFAULT['model']}, {stages or DEFAULT['stages']} stages, minibatch {minibatch or DEFAULT['minibatch']}: speedups over equal GPipe")
     table.add_column("schedule", no_wrap=True)

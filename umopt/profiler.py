@@ -13,14 +13,14 @@ Stages are contiguous layer ranges: given as cut points, or balanced by measured
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, ContextManager, Optional, Sequence
 
 import numpy as np
 import torch
@@ -28,13 +28,17 @@ from torch import nn
 
 from .errors import UmoptError
 from .profile import PROFILE_FORMAT, Profile, default_sizes
+from .devices import TensorSpec, autocast, boundary_tensors, default_memory_limit
 from .zoo import ModelParts, build_model
 
 __all__ = [
     "ProfileOptions",
+    "check_profile_options",
     "balanced_split",
     "stash_bytes",
     "measure_link",
+    "pingpong_sizes",
+    "link_plan",
     "profile_model",
     "default_sizes",
 ]
@@ -140,16 +144,11 @@ class _Timer:
         return (time.perf_counter() - t0) * 1e3, out
 
 
-def _boundaries(parts: ModelParts, device: torch.device) -> list[torch.Tensor]:
-    """The tensor entering each layer (and the model's output) for a batch of one sample."""
-    x, _ = parts.make_batch(1, 0)
-    h = x.to(device)
-    out = [h]
-    with torch.no_grad():
-        for layer in parts.layers:
-            h = layer(h)
-            out.append(h)
-    return out
+def _boundaries(parts: ModelParts, device: torch.device, dtype: str) -> list[torch.Tensor]:
+    """The tensor entering each layer (and the model's output) for a batch of one sample, as the
+    layers on ``device`` produce it under the autocast of ``dtype``: their dtypes are what the
+    links carry."""
+    return boundary_tensors(parts.layers, parts.make_batch(1, 0)[0], device, dtype)
 
 
 def _input(parts: ModelParts, boundary: torch.Tensor, first: bool, b: int, device: torch.device, seed: int):
@@ -164,13 +163,13 @@ def _input(parts: ModelParts, boundary: torch.Tensor, first: bool, b: int, devic
     return act, y.to(device)
 
 
-def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, autocast, progress, label):
+def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cast, progress, label):
     timer = _Timer(device)
     fwd_ms, bwd_ms = [], []
     # first calls allocate and pick kernels; keep that out of every size's numbers
     for b in (sizes[-1], sizes[0]):
         x, y = _input(parts, boundary, first, b, device, 0)
-        with autocast():
+        with cast():
             out = stage(x, y if last else None)
         out.backward(torch.ones_like(out) if last else torch.randn_like(out))
         stage.zero_grad(set_to_none=True)
@@ -178,7 +177,7 @@ def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, aut
         f_runs, b_runs = [], []
         for rep in range(opts.warmup + opts.repeats):
             x, y = _input(parts, boundary, first, b, device, rep)
-            with autocast():
+            with cast():
                 tf, out = timer(lambda: stage(x, y if last else None))
             grad = torch.ones_like(out) if last else torch.randn_like(out)
             tb, _ = timer(lambda: out.backward(grad))
@@ -224,42 +223,63 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pingpong_worker(rank: int, port: int, backend: str, sizes: list[int], reps: int, out_path: str) -> None:
+def _pingpong_worker(rank: int, port: int, backend: str, sizes: list[int], reps: int, devices: tuple[int, int], out_path: str) -> None:
+    import json
+
     import torch.distributed as dist
 
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
+    cuda = backend == "nccl"
+    device = torch.device("cuda", devices[rank]) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     results = []
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
         times = []
         for i in range(reps + 2):
-            if backend == "nccl":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            if cuda:  # the GPU's own clock: a host timer adds launch and synchronisation time
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            else:
+                t0 = time.perf_counter()
             if rank == 0:
                 dist.send(buf, 1)
                 dist.recv(buf, 1)
             else:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
-            if backend == "nccl":
-                torch.cuda.synchronize()
+            if cuda:
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                ms = (time.perf_counter() - t0) * 1e3
             if i >= 2:
-                times.append((time.perf_counter() - t0) * 1e3 / 2)  # one way
+                times.append(ms / 2)  # one way
         results.append((buf.numel() * 4, statistics.median(times)))
     if rank == 0:
-        import json
-
         with open(out_path, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
 
 
-def measure_link(backend: str = "gloo", max_bytes: int = 1 << 24, reps: int = 20) -> tuple[float, float]:
-    """Ping-pong between two processes; fit one-way time = latency + bytes / bandwidth.
+def pingpong_sizes(backend: str, max_bytes: int) -> list[int]:
+    """Message sizes of the ping-pong, 1 KiB up to at least what the stages send in one chunk.
+
+    The largest must dwarf the latency, or the bandwidth reads low: 16 MiB suffices between
+    processes on a CPU, NVLink (hundreds of GB/s) needs 256 MiB.
+    """
+    floor = 28 if backend == "nccl" else 24
+    top = max(int(np.ceil(np.log2(max(max_bytes, 1)))), floor)
+    return [1 << k for k in range(10, top + 1, 2)] + ([1 << top] if (top - 10) % 2 else [])
+
+
+def measure_link(backend: str = "gloo", max_bytes: int = 1 << 24, reps: int = 20, devices: tuple[int, int] = (0, 1)) -> tuple[float, float]:
+    """Ping-pong between two processes (under NCCL on GPUs ``devices``); fit one-way time =
+    latency + bytes / bandwidth.
 
     Returns ``(latency_ms, bytes_per_ms)``.
     """
@@ -268,27 +288,41 @@ def measure_link(backend: str = "gloo", max_bytes: int = 1 << 24, reps: int = 20
 
     import torch.multiprocessing as mp
 
-    top = max(int(np.ceil(np.log2(max(max_bytes, 1 << 24)))), 24)
-    sizes = [1 << k for k in range(10, top + 1, 2)]
+    sizes = pingpong_sizes(backend, max_bytes)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "link.json")
-        mp.start_processes(_pingpong_worker, args=(_free_port(), backend, sizes, reps, out), nprocs=2, start_method="spawn")
+        mp.start_processes(_pingpong_worker, args=(_free_port(), backend, sizes, reps, devices, out), nprocs=2, start_method="spawn")
         with open(out) as f:
             results = json.load(f)
     x = np.array([r[0] for r in results], dtype=float)
     t = np.array([r[1] for r in results], dtype=float)
     # A least-squares line is thrown off by one slow size (a scheduler hiccup on a busy machine);
     # the latency is the smallest message's time, the bandwidth comes from the largest message,
-    # which is big enough (16 MiB at least) for the transfer to dwarf the latency.
+    # which is big enough for the transfer to dwarf the latency.
     latency = float(t[0])
     bpm = float((x[-1] - x[0]) / max(t[-1] - t[0], 1e-6))
     return latency, bpm
 
 
+def link_plan(num_stages: int, device_type: str, gpus: int) -> list[tuple[int, int]]:
+    """Which pair of devices each link (s, s+1) is measured between.
+
+    On GPUs every link is measured between the GPUs its stages run on (a stage per GPU, as in the
+    run); with fewer GPUs than stages, between GPUs 0 and 1 for all. On a CPU every link is the
+    same loopback, measured once.
+    """
+    links = num_stages - 1
+    if device_type == "cuda" and gpus >= num_stages:
+        return [(s, s + 1) for s in range(links)]
+    return [(0, 1)] * links
+
+
 # --- the whole profile ---------------------------------------------------------------------------
 
 
-def _check(opts: ProfileOptions) -> tuple[list[int], torch.device]:
+def check_profile_options(opts: ProfileOptions) -> tuple[list[int], torch.device]:
+    """The chunk sizes and the device of ``opts``; everything that would fail after the timing is
+    refused before it, with one line."""
     sizes = opts.sizes or default_sizes(opts.max_size)
     if sizes[0] != 1:
         raise UmoptError(f"--sizes must start at 1, got {sizes[0]}")
@@ -306,35 +340,47 @@ def _check(opts: ProfileOptions) -> tuple[list[int], torch.device]:
         raise UmoptError("give both --link-latency-ms and --link-gbps, or neither (then the link is measured)")
     if opts.stages is None and opts.split is None:
         raise UmoptError("give --stages S or --split 0,...,L")
+    # what can only fail after the timing is checked before it
+    S = opts.stages if opts.split is None else len(opts.split) - 1
+    if opts.device == "cuda":
+        gpus = torch.cuda.device_count()
+        if S > 1 and opts.link_latency_ms is None and gpus < 2:
+            raise UmoptError(
+                f"one GPU: the links between {S} stages cannot be measured; give --link-latency-ms and --link-gbps "
+                "(NVLink: about 0.01 and 400; PCIe 4: about 0.02 and 200)"
+            )
+        if opts.concurrent and gpus < S:
+            raise UmoptError(f"--concurrent on CUDA times each stage on its own GPU: {S} stages, {gpus} GPUs here (use --sequential)")
     return sizes, torch.device(opts.device)
 
 
-def _autocast_for(opts: ProfileOptions, device: torch.device):
-    dtype = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[opts.dtype]
-    return (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else nullcontext
+def _autocast_for(opts: ProfileOptions, device: torch.device) -> Callable[[], ContextManager]:
+    return lambda: autocast(device, opts.dtype)
 
 
 def _timing_worker(s: int, opts: ProfileOptions, cuts: list[int], sizes: list[int], queue, stop) -> None:
     """Time one stage in its own process while the other stages are timed in theirs."""
     try:
         torch.set_num_threads(opts.threads)
-        device = torch.device(opts.device)
+        device = torch.device("cuda", s) if opts.device == "cuda" else torch.device("cpu")  # a GPU per stage
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         parts = build_model(opts.model, opts.model_args, seed=opts.seed)
         for m in parts.layers:
             m.to(device)
-        bounds = _boundaries(parts, device)
-        autocast = _autocast_for(opts, device)
+        bounds = _boundaries(parts, device, opts.dtype)
+        cast = _autocast_for(opts, device)
         a, b = cuts[s], cuts[s + 1]
         first, last = s == 0, s == len(cuts) - 2
         stage = _Stage(parts.layers[a:b], parts.loss if last else None).to(device)
         tick = lambda n, _t, what: queue.put(("tick", s, what))  # noqa: E731
-        fwd, bwd = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, autocast, tick, f"stage {s}")
+        fwd, bwd = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}")
         opt_ms = _optimizer_step_ms(stage, opts, device)
         queue.put(("done", s, fwd, bwd, opt_ms))
         # keep this core as busy as in a real run until every stage is timed
         x, y = _input(parts, bounds[a], first, sizes[len(sizes) // 2], device, 0)
         while not stop.is_set():
-            with autocast():
+            with cast():
                 out = stage(x, y if last else None)
             out.backward(torch.ones_like(out) if last else torch.randn_like(out))
             stage.zero_grad(set_to_none=True)
@@ -382,7 +428,7 @@ def _time_concurrently(opts: ProfileOptions, cuts: list[int], sizes: list[int], 
     return results
 
 
-def _layer_ms(parts, bounds, device, opts, autocast, size) -> list[float]:
+def _layer_ms(parts, bounds, device, opts, cast, size) -> list[float]:
     """Forward plus backward time of each layer on its own, at one chunk size (for balancing)."""
     timer = _Timer(device)
     out = []
@@ -392,7 +438,7 @@ def _layer_ms(parts, bounds, device, opts, autocast, size) -> list[float]:
         for rep in range(opts.warmup + opts.repeats):
             x, y = _input(parts, bounds[i], i == 0, size, device, rep)
             last = i == len(parts.layers) - 1
-            with autocast():
+            with cast():
                 tf, o = timer(lambda: st(x, y if last else None))
             tb, _ = timer(lambda: o.backward(torch.ones_like(o) if last else torch.randn_like(o)))
             if rep >= opts.warmup:
@@ -403,7 +449,19 @@ def _layer_ms(parts, bounds, device, opts, autocast, size) -> list[float]:
 
 
 def profile_model(opts: ProfileOptions, progress: Optional[ProgressFn] = None, argv: Optional[list[str]] = None) -> Profile:
-    sizes, device = _check(opts)
+    """Measure the model of ``opts`` and return its profile (not yet written anywhere)."""
+    try:
+        return _profile_model(opts, progress, argv)
+    finally:
+        if opts.device == "cuda" and torch.cuda.is_available():
+            # a run started next from this process (umopt tune) puts stage 0 on this GPU: leave
+            # it nothing the model's tensors had cached
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: Optional[list[str]]) -> Profile:
+    sizes, device = check_profile_options(opts)
     parts = build_model(opts.model, opts.model_args, seed=opts.seed)
     L = len(parts.layers)
     prev_threads = torch.get_num_threads()
@@ -412,10 +470,9 @@ def profile_model(opts: ProfileOptions, progress: Optional[ProgressFn] = None, a
     try:
         for m in parts.layers:
             m.to(device)
-        dtype = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[opts.dtype]
-        autocast = _autocast_for(opts, device)
+        cast = _autocast_for(opts, device)
         try:
-            bounds = _boundaries(parts, device)
+            bounds = _boundaries(parts, device, opts.dtype)
         except Exception as exc:  # a user model that does not run is the user's input problem
             raise UmoptError(f"model {opts.model}: a forward pass of one sample failed ({exc.__class__.__name__}: {exc})") from None
 
@@ -431,8 +488,8 @@ def profile_model(opts: ProfileOptions, progress: Optional[ProgressFn] = None, a
                 raise UmoptError(f"--stages {opts.stages}: the model {opts.model} has {L} layers")
             # balance on the sum of two chunk sizes: a split that only fits one size would be
             # noise-prone where layers are close, and stages run many sizes
-            small, large = _layer_ms(parts, bounds, device, opts, autocast, min(8, sizes[-1])), _layer_ms(
-                parts, bounds, device, opts, autocast, sizes[-1]
+            small, large = _layer_ms(parts, bounds, device, opts, cast, min(8, sizes[-1])), _layer_ms(
+                parts, bounds, device, opts, cast, sizes[-1]
             )
             layer_ms = [a + b for a, b in zip(small, large)]
             cuts = balanced_split(layer_ms, opts.stages)
@@ -456,19 +513,17 @@ def profile_model(opts: ProfileOptions, progress: Optional[ProgressFn] = None, a
             if s in timed:
                 fwd, bwd, opt_ms = timed[s]
             else:
-                fwd, bwd = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, autocast, tick, f"stage {s}")
+                fwd, bwd = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}")
                 opt_ms = _optimizer_step_ms(stage, opts, device)
             lo, hi = (2, 6)
             x2, y2 = _input(parts, bounds[a], first, lo, device, 0)
             x6, y6 = _input(parts, bounds[a], first, hi, device, 0)
-            with autocast():
+            with cast():
                 stash = (stash_bytes(stage, x6, y6 if last else None) - stash_bytes(stage, x2, y2 if last else None)) // (hi - lo)
             nparam = sum(p.numel() * p.element_size() for p in stage.parameters())
             _, nstate = _optimizer(opts.optimizer, [torch.zeros(1, requires_grad=True)])
-            in_bytes = bounds[a][0].numel() * bounds[a].element_size()
-            out_bytes = 0 if last else bounds[b][0].numel() * bounds[b].element_size()
-            if dtype is not None and not last and bounds[b].is_floating_point():
-                out_bytes = bounds[b][0].numel() * torch.tensor([], dtype=dtype).element_size()
+            in_bytes = TensorSpec.of(bounds[a]).bytes_per_sample
+            out_bytes = 0 if last else TensorSpec.of(bounds[b]).bytes_per_sample
             entry = {
                 "layers": [a, b],
                 "forward_ms": fwd,
@@ -480,39 +535,48 @@ def profile_model(opts: ProfileOptions, progress: Optional[ProgressFn] = None, a
                 "optimizer_ms": opt_ms,
             }
             if device.type == "cuda":
-                entry["cuda_peak_bytes_per_sample"] = _cuda_check(stage, parts, bounds[a], first, last, device, autocast)
+                entry["cuda_peak_bytes_per_sample"] = _cuda_check(stage, parts, bounds[a], first, last, device, cast)
             if opts.trace_dir:
-                _trace_stage(stage, parts, bounds[a], first, last, sizes[-1], device, autocast, os.path.join(opts.trace_dir, f"stage{s}.json"))
+                _trace_stage(stage, parts, bounds[a], first, last, sizes[-1], device, cast, os.path.join(opts.trace_dir, f"stage{s}.json"))
             stages.append(entry)
         # stage 0's input is the model input; every later stage receives what the one before sent
         for s in range(1, S):
             stages[s]["input_bytes_per_sample"] = stages[s - 1]["output_bytes_per_sample"]
 
         if opts.link_latency_ms is not None:
-            latency, bpm = opts.link_latency_ms, opts.link_gbps * 1e9 / 8 / 1e3
-            link_source = "given"
+            given = {"latency_ms": opts.link_latency_ms, "bytes_per_ms": opts.link_gbps * 1e9 / 8 / 1e3, "source": "given"}
+            links = [dict(given) for _ in range(S - 1)]
         elif S == 1:
-            latency, bpm, link_source = 0.0, 1.0, "none"
+            links = []
         else:
-            if device.type == "cuda" and torch.cuda.device_count() < 2:
-                raise UmoptError("one GPU: the link cannot be measured; give --link-latency-ms and --link-gbps")
-            if progress:
-                progress(done, total, "link ping-pong")
-            biggest = max(st["output_bytes_per_sample"] for st in stages) * sizes[-1]
-            latency, bpm = measure_link("nccl" if device.type == "cuda" else "gloo", max_bytes=max(biggest, 1 << 16))
-            link_source = "measured"
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            plan = link_plan(S, device.type, torch.cuda.device_count() if device.type == "cuda" else 0)
+            measured: dict[tuple[int, int], tuple[float, float]] = {}
+            for pair in plan:
+                if pair not in measured:
+                    if progress:
+                        progress(done, total, f"link ping-pong {pair[0]}-{pair[1]}" if backend == "nccl" else "link ping-pong")
+                    biggest = max(st["output_bytes_per_sample"] for st in stages) * sizes[-1]
+                    measured[pair] = measure_link(backend, max_bytes=max(biggest, 1 << 16), devices=pair)
+            links = [
+                {"latency_ms": measured[pair][0], "bytes_per_ms": measured[pair][1], "source": "measured", **({"devices": list(pair)} if backend == "nccl" else {})}
+                for pair in plan
+            ]
+        memory_limit, memory_limit_source = opts.memory_limit_bytes, None
+        if memory_limit is None and device.type == "cuda":
+            memory_limit, memory_limit_source = default_memory_limit(device)
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     finally:
         torch.set_num_threads(prev_threads)
 
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     data = {
         "format": PROFILE_FORMAT,
         "model": {"name": opts.model, "args": opts.model_args, "seed": opts.seed},
         "device": {"type": device.type, "name": device_name, "dtype": opts.dtype, "threads": opts.threads},
         "sizes": sizes,
         "stages": stages,
-        "links": [{"latency_ms": latency, "bytes_per_ms": bpm, "source": link_source} for _ in range(S - 1)],
-        "memory_limit_bytes": opts.memory_limit_bytes,
+        "links": links,
+        "memory_limit_bytes": memory_limit,
         "split": cuts,
         "layer_ms": layer_ms,
         "meta": {
@@ -523,6 +587,7 @@ def profile_model(opts: ProfileOptions, progress: Optional[ProgressFn] = None, a
             "warmup": opts.warmup,
             "repeats": opts.repeats,
             "stages_timed_concurrently": bool(timed),
+            **({"memory_limit": memory_limit_source} if memory_limit_source else {}),
         },
     }
     return Profile.model_validate(data)
@@ -541,7 +606,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cuda_check(stage, parts, boundary, first, last, device, autocast) -> int:
+def _cuda_check(stage, parts, boundary, first, last, device, cast) -> int:
     """Per-sample growth of max_memory_allocated over one forward, a cross-check of the hooks."""
     peaks = []
     for b in (2, 6):
@@ -549,7 +614,7 @@ def _cuda_check(stage, parts, boundary, first, last, device, autocast) -> int:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        with autocast():
+        with cast():
             out = stage(x, y if last else None)
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated(device) - base)
@@ -557,14 +622,14 @@ def _cuda_check(stage, parts, boundary, first, last, device, autocast) -> int:
     return int((peaks[1] - peaks[0]) // 4)
 
 
-def _trace_stage(stage, parts, boundary, first, last, size, device, autocast, path) -> None:
+def _trace_stage(stage, parts, boundary, first, last, size, device, cast, path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     x, y = _input(parts, boundary, first, size, device, 0)
     with profile(activities=acts) as prof:
-        with autocast():
+        with cast():
             out = stage(x, y if last else None)
         out.backward(torch.ones_like(out) if last else torch.randn_like(out))
     prof.export_chrome_trace(path)

@@ -18,11 +18,12 @@ from typing import Callable, Optional
 
 from .baselines import Baseline
 from .calibrate import calibrate as fit
+from .errors import UmoptError
 from .fileio import read_json
 from .launch import launch
 from .problem import Candidate
 from .profile import Profile, load_profile, save_profile
-from .profiler import ProfileOptions, profile_model
+from .profiler import ProfileOptions, check_profile_options, profile_model
 from .schedule import make_schedule, save_schedule
 from .solve import make_problem, solve
 
@@ -59,6 +60,29 @@ class TuneResult:
     def speedup(self, row: TuneRow, measured: bool = True) -> float:
         base = self.rows[0]
         return (base.measured_ms / row.measured_ms) if measured else (base.predicted_ms / row.predicted_ms)
+
+
+def _check_runnable(opts: ProfileOptions) -> None:
+    """What would fail only after minutes of timing, checked before any."""
+    check_profile_options(opts)
+    if opts.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < (opts.stages or 1):
+            raise UmoptError(f"umopt tune runs each stage on its own GPU: {opts.stages} stages, {gpus} GPU(s) here (use --stages {gpus})")
+
+
+def _profile(opts: ProfileOptions) -> Profile:
+    """The profile; on CUDA measured in a child process, so that the CUDA context and whatever the
+    allocator keeps leave with it and the run's stage 0 finds its GPU as empty as the others."""
+    if opts.device != "cuda":
+        return profile_model(opts, argv=["umopt", "tune"])
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(profile_model, opts, None, ["umopt", "tune"]).result()
 
 
 def calibration_runs(prof: Profile, minibatch: int, out: Path, *, steps: int = 3, warmup: int = 1, sizes=(2, 4, 8, 16)) -> list[str]:
@@ -101,15 +125,20 @@ def tune(
     max_size: Optional[int] = None,
     seed: int = 0,
     calibrate: bool = True,
+    dtype: str = "float32",
+    link_latency_ms: Optional[float] = None,
+    link_gbps: Optional[float] = None,
     say: Callable[[str], None] = lambda _msg: None,
 ) -> TuneResult:
+    opts = ProfileOptions(
+        model=model, model_args=model_args, stages=stages, max_size=max_size or min(64, minibatch), device=device, dtype=dtype,
+        seed=seed, link_latency_ms=link_latency_ms, link_gbps=link_gbps,
+    )
+    _check_runnable(opts)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     say(f"profiling {model} on {device}, {stages} stages")
-    prof = profile_model(
-        ProfileOptions(model=model, model_args=model_args, stages=stages, max_size=max_size or min(64, minibatch), device=device, seed=seed),
-        argv=["umopt", "tune"],
-    )
+    prof = _profile(opts)
     if calibrate:
         save_profile(prof, out / "profile_measured.json")
         prof = load_profile(out / "profile_measured.json")

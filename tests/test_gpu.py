@@ -1,0 +1,53 @@
+"""The CUDA paths on a real GPU (skipped where there is none; bench/gpu_smoke.sh covers more).
+
+On a GPU, gradients are not bit-equal to one process's: kernels are chosen by chunk size, convolutions
+may use TF32, reductions atomics. The runtime's gradients match one process's to rtol 1e-3 there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from umopt.launch import launch
+from umopt.profiler import ProfileOptions, profile_model
+from umopt.zoo import build_model
+
+from conftest import zoo_sim_profile
+from test_runtime import B, MLP, write_schedule
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+GPU_RTOL = 1e-3
+
+
+def _reference(device: torch.device) -> dict:
+    parts = build_model("mlp", MLP, seed=0)
+    model = torch.nn.Sequential(*parts.layers).to(device)
+    x, y = parts.make_batch(B, 0)
+    (parts.loss(model(x.to(device)), y.to(device)) / B).backward()
+    return {"layers." + n: p.grad.cpu() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("S", [1, 2])
+def test_nccl_run_gradients_match_one_process(tmp_path, S):
+    if torch.cuda.device_count() < S:
+        pytest.skip(f"needs {S} GPUs")
+    prof = zoo_sim_profile(tmp_path / "p.json", "mlp", MLP, [0, 6] if S == 1 else [0, 3, 6])
+    path, _ = write_schedule(tmp_path, prof, "1f1b", False, 3)
+    launch([path, "--backend", "nccl", "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True)
+    got = {}
+    for s in range(S):
+        got.update(torch.load(tmp_path / "g" / f"grads_stage{s}.pt"))
+    want = _reference(torch.device("cuda", 0))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=GPU_RTOL, atol=1e-6)
+
+
+def test_bfloat16_gpt_profile_counts_the_float32_residual_stream():
+    prof = profile_model(
+        ProfileOptions(model="gpt", model_args={"layers": 2, "d_model": 64, "heads": 2, "vocab": 128, "seq_len": 16},
+                       split=[0, 2, 4], sizes=[1, 2], device="cuda", dtype="bfloat16", link_latency_ms=0.01, link_gbps=400)
+    )
+    assert prof.stages[0].output_bytes_per_sample == 16 * 64 * 4
+    assert prof.memory_limit_bytes is not None and "no --memory-limit given" in prof.model_extra["meta"]["memory_limit"]
