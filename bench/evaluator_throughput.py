@@ -19,7 +19,7 @@ from umopt.costmodel import CostTables, simulate
 from umopt.partition import ends_to_sizes, equal_sizes, gpipe_ops, repair_ends, sizes_to_ends
 from umopt.synthetic import synthetic_profile
 from umopt import vectorized
-from umopt.vectorized import evaluate_1f1b, evaluate_gpipe
+from umopt.population_sim import evaluate_1f1b, evaluate_gpipe
 
 
 def population(rng, P, S, B, mx, m_range):

@@ -3,12 +3,12 @@
     python bench/exact_solvers.py [--time-limit 60] [--quick | --s4 | --s8]
     python bench/exact_solvers.py --small      # S=4, B=6 / 8 (CP-SAT proves the optimum) and 12
     python bench/exact_solvers.py --pairs      # S=4, B=16 / 32: the pair bounds given 15 s and 60 s
-    python bench/exact_solvers.py --bounds --time-limit 30  # the fast bounds alone: stage cuts, untied, matched, pair program untied and tied (each within --time-limit), 1F1B (about 12 minutes)
+    python bench/exact_solvers.py --bounds --time-limit 30  # the fast bounds alone: stage cuts, untied, pair program untied and tied (each within --time-limit), 1F1B (about 12 minutes)
 
 Issue 3's table: for the bundled profiles at S=4, B=32 (gpt-sim, gpt-cpu, vgg16-cpu) and S=8,
 B=128 / 256 (transformer8-sim), every solver gets the same time limit. "bound" is the best lower
 bound anyone proved for *every* schedule (any op order): the fast stage-cut bound
-(``umopt.solvers.bounds``) or the free-order CP-SAT/MILP model's, whichever is higher; the spec's
+(``umopt.bounds``) or the free-order CP-SAT/MILP model's, whichever is higher; the spec's
 simple bound is shown beside it. "gap" = iteration / bound - 1, so it is how far from optimal a
 schedule is *at most*. ``cpsat[gpipe]`` and ``milp`` solve the GPipe-order models; their own
 bounds hold only in GPipe order, so they are listed but never used as the table's bound.
@@ -28,12 +28,12 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from umopt.baselines import gpipe_equal, lower_bound, onef1b_equal
-from umopt.profile import load_profile
+from umopt.baselines import gpipe_equal, onef1b_equal
+from umopt.bounds import Scope, fast_bound_ms, pair_bound_ms, spec_bound
+from umopt.formats.profile import load_profile
 from umopt.solve import make_problem
 from umopt.solvers import SOLVERS
-from umopt.solvers.bounds import backwards_in_sample_order, best_bound_ms
-from umopt.solvers.pairs import pair_bound_ms
+from umopt.partition import backwards_in_sample_order
 
 CASES = [("gpt-sim", 32), ("gpt-cpu", 32), ("vgg16-cpu", 32), ("transformer8-sim", 128), ("transformer8-sim", 256)]
 # (label, solver, order)
@@ -54,9 +54,9 @@ def run(time_limit: float, cases=CASES, say=print) -> list[dict]:
     for name, B in cases:
         problem = make_problem(load_profile(name), B, recompute=False)
         t0 = time.perf_counter()
-        fast = best_bound_ms(problem)
+        fast = fast_bound_ms(problem)
         fast_s = time.perf_counter() - t0
-        in_order = best_bound_ms(problem, "1f1b order")
+        in_order = fast_bound_ms(problem, Scope.IN_ORDER)
         gp = gpipe_equal(problem).iteration_ms
         results = []
         for label, solver, order in RUNS:
@@ -87,7 +87,7 @@ def run(time_limit: float, cases=CASES, say=print) -> list[dict]:
                 "B": B,
                 "S": problem.num_stages,
                 "gpipe_equal": gp,
-                "spec_bound": lower_bound(problem),
+                "spec_bound": spec_bound(problem),
                 "fast_bound": fast,
                 "fast_seconds": fast_s,
                 "bound": bound,
@@ -140,7 +140,7 @@ def run_small(ga_time: float, exact_time: float, pair_time: float = 20.0, cases=
         cp_s = time.perf_counter() - t0
         ga = SOLVERS["ga"](problem, time_limit=ga_time, seed=0, order="auto").candidate.simulate(problem).iteration_ms
         best = min(cp.candidate.simulate(problem).iteration_ms, ga)
-        fast, in_order = best_bound_ms(problem), best_bound_ms(problem, "1f1b order")
+        fast, in_order = fast_bound_ms(problem), fast_bound_ms(problem, Scope.IN_ORDER)
         pair = pair_bound_ms(problem, pair_time, best)
         equal = min(r.iteration_ms for r in (gpipe_equal(problem), onef1b_equal(problem)) if r.candidate is not None)
         proven = cp.status == "optimal"
@@ -182,7 +182,7 @@ def run_pairs(ga_time: float, pair_times=(15.0, 60.0), cases=PAIR_CASES, say=pri
         problem = make_problem(load_profile(name), B, recompute=False)
         res = SOLVERS["ga"](problem, time_limit=ga_time, seed=0, order="auto")
         ga = res.candidate.simulate(problem).iteration_ms
-        fast, fast_io = best_bound_ms(problem), best_bound_ms(problem, "1f1b order")
+        fast, fast_io = fast_bound_ms(problem), fast_bound_ms(problem, Scope.IN_ORDER)
         pairs = [pair_bound_ms(problem, t, ga, max_cells=None) for t in pair_times]
         pairs_io = [pair_bound_ms(problem, t, ga, max_cells=None, scope="1f1b order") for t in pair_times]
         say(f"{name} B={B}: ga {ga:.2f}, bounds {fast:.2f} / " + " / ".join(f"{v:.2f}" for v in pairs + [fast_io] + pairs_io))
@@ -201,36 +201,36 @@ BOUND_CASES = [("gpt-sim", 8), ("vgg16-cpu", 8), ("gpt-sim", 12), ("gpt-cpu", 12
 def run_bounds(cases=BOUND_CASES, seconds: float = 60.0, say=print) -> Table:
     """The fast bounds side by side, each with its seconds: the stage cuts (any order), the
     untied bound (any order: every schedule turns into an untied one in sample order, docs/formats.md),
-    the matched bound and the pair program on top of it, untied, then tied from there (any
+    the pair program on top of it, untied, then tied from there (any
     order, where B <= 32: seconds, not fast; auto runs them beside the GA; each program within
     ``seconds``, what it proved by then) and the 1F1B-family bound."""
-    from umopt.solvers import bounds
-    from umopt.solvers.pair_program import PASSES, UNTIED, pair_program_bound
+    from umopt.bounds.heads import int_tables
+    from umopt.bounds.in_order import sample_order_bound
+    from umopt.bounds.pair_program import PASSES, UNTIED, pair_program_bound
+    from umopt.bounds.stage_cuts import stage_bound
+    from umopt.bounds.untied import untied_bound
 
     tab = Table(title="lower bounds, ms (seconds): all but the last hold for every schedule, the last within the 1F1B family")
-    for col in ("profile", "S", "B", "stage cuts", "untied", "matched", "pair program", "tied pair program", "1F1B family"):
+    for col in ("profile", "S", "B", "stage cuts", "untied", "pair program", "tied pair program", "1F1B family"):
         tab.add_column(col, justify="right")
     for name, B in cases:
         problem = make_problem(load_profile(name), B, recompute=False)
-        F, G, L = bounds.int_tables(problem)
+        F, G, L = int_tables(problem)
         opt = problem.tables.optimizer_ms
         t0 = time.perf_counter()
-        cuts = bounds.stage_bound(F, G, L, B, False)
+        cuts = stage_bound(F, G, L, B, False)
         t1 = time.perf_counter()
-        untied = bounds.untied_bound(F, G, L, B, cuts)
+        untied = untied_bound(F, G, L, B, cuts)
         t2 = time.perf_counter()
-        in_order = bounds.sample_order_bound(F, G, L, B)
-        t3 = time.perf_counter()
-        matched = bounds.matched_bound(F, G, L, B, untied) if B <= 32 else None
-        t4 = time.perf_counter()
-        # from the untied bound, not the matched one, so that its own lift shows
+        in_order = sample_order_bound(F, G, L, B)
+        t3 = t4 = time.perf_counter()
         # its seconds: until its last lift (it goes on asking above that until done or out of time)
         lifted = [t4]
         program = pair_program_bound(F, G, L, B, untied, seconds, lambda _: lifted.append(time.perf_counter()), passes=[UNTIED]) if B <= 32 else None
         t5 = time.perf_counter()
         tied_lifts = [t5]
         tied = pair_program_bound(F, G, L, B, program, seconds, lambda _: tied_lifts.append(time.perf_counter()), passes=PASSES[1:]) if B <= 32 else None
-        pairs = ((cuts, t1 - t0), (untied, t2 - t1), (matched, t4 - t3), (program, lifted[-1] - t4), (tied, tied_lifts[-1] - t5), (in_order, t3 - t2))
+        pairs = ((cuts, t1 - t0), (untied, t2 - t1), (program, lifted[-1] - t4), (tied, tied_lifts[-1] - t5), (in_order, t3 - t2))
         cells = [f"{v / 1000 + opt:.2f} ({dt:.1f} s)" if v is not None else "-" for v, dt in pairs]
         say(f"{name} B={B}: " + ", ".join(cells))
         tab.add_row(name, str(problem.num_stages), str(B), *cells)
@@ -245,7 +245,7 @@ def main() -> None:
     ap.add_argument("--s8", action="store_true", help="the S=8 cases only")
     ap.add_argument("--small", action="store_true", help="only S=4, B=6, 8 and 12: the proven optimum (or best found) against the bounds")
     ap.add_argument("--pairs", action="store_true", help="only S=4, B=16 and 32: the pair bound given 15 s and 60 s")
-    ap.add_argument("--bounds", action="store_true", help="the fast bounds alone (stage cuts, untied, matched, pair program untied and tied, each within --time-limit, 1F1B family), 10-15 minutes at 30 s")
+    ap.add_argument("--bounds", action="store_true", help="the fast bounds alone (stage cuts, untied, pair program untied and tied, each within --time-limit, 1F1B family), 10-15 minutes at 30 s")
     args = ap.parse_args()
     console = Console(width=260)
     if args.bounds:

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from umopt.devices import autocast
-from umopt.profile import load_profile
-from umopt.schedule import load_schedule
+from umopt.formats.profile import load_profile
+from umopt.formats.schedule import load_schedule
 from umopt.zoo import build_model
 
 

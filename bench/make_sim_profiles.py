@@ -9,7 +9,7 @@ the LM head, and an 8-stage transformer with per-call overheads that differ betw
 
 from pathlib import Path
 
-from umopt.profile import save_profile
+from umopt.formats.profile import save_profile
 from umopt.synthetic import synthetic_profile
 
 ROOT = Path(__file__).resolve().parent.parent / "profiles"

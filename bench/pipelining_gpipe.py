@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from umopt.devices import autocast, to_device
-from umopt.profile import load_profile
+from umopt.formats.profile import load_profile
 from umopt.runtime import init_distributed
 from umopt.zoo import build_model
 

@@ -35,9 +35,9 @@ from umopt.calibrate import calibrate as fit
 from umopt.costmodel import simulate
 from umopt.launch import launch
 from umopt.problem import Candidate
-from umopt.profile import load_profile, save_profile
+from umopt.formats.profile import load_profile, save_profile
 from umopt.profiler import ProfileOptions, profile_model
-from umopt.schedule import make_schedule, save_schedule
+from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.solve import make_problem, solve
 from umopt.tune import calibration_runs
 

@@ -17,10 +17,11 @@ from rich.console import Console
 from rich.table import Table
 
 from umopt.baselines import gpipe_equal, onef1b_equal
-from umopt.profile import load_profile
+from umopt.formats.profile import load_profile
 from umopt.solve import make_problem
 from umopt.solvers import SOLVERS
-from umopt.solvers.bounds import backwards_in_sample_order, best_bound_ms
+from umopt.bounds import Scope, fast_bound_ms
+from umopt.partition import backwards_in_sample_order
 from umopt.solvers.local import hill_climb
 
 CASES = [
@@ -42,7 +43,7 @@ def run(time_limit: float, cases=CASES, say=print) -> list[list[str]]:
     rows = []
     for name, B in cases:
         problem = make_problem(load_profile(name), B, recompute=False)
-        gp, of, lb = gpipe_equal(problem), onef1b_equal(problem), best_bound_ms(problem)
+        gp, of, lb = gpipe_equal(problem), onef1b_equal(problem), fast_bound_ms(problem)
 
         def cell(it: float) -> str:
             return f"{it:.1f} ({gp.iteration_ms / it:.3f}x)"
@@ -58,7 +59,7 @@ def run(time_limit: float, cases=CASES, say=print) -> list[list[str]]:
             row.append(cell(it))
         row += [res.candidate.order, f"{seconds:.1f}", f"{lb:.1f}", f"{100 * (it - lb) / lb:.1f}%"]
         # the bound within the 1F1B family holds for auto's schedule when it is of that family
-        lb1 = best_bound_ms(problem, "1f1b order")
+        lb1 = fast_bound_ms(problem, Scope.IN_ORDER)
         in_order = backwards_in_sample_order(res.candidate.ops())
         row += [f"{lb1:.1f}", f"{100 * (it - lb1) / lb1:.1f}%" if in_order else "-"]
         rows.append(row)

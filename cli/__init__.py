@@ -65,8 +65,8 @@ def _ms(x: Optional[float]) -> str:
 @click.option("--trace", type=click.Path(dir_okay=False), default=None, help="Chrome-trace JSON of the predicted timelines (Perfetto).")
 def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, memory_limit, output, plot, trace) -> None:
     """Search unequal per-stage partitions for PROFILE (a path or a bundled profile's name)."""
-    from umopt.profile import load_profile
-    from umopt.schedule import save_schedule
+    from umopt.formats.profile import load_profile
+    from umopt.formats.schedule import save_schedule
     from umopt.solve import solve as run_solve
 
     profile = load_profile(profile_path)
@@ -98,49 +98,47 @@ def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, m
 
 
 def _print_report(report) -> None:
+    """The solve table, within 80 columns: names and the chunk counts abbreviated on purpose."""
+    from umopt.bounds import Scope, bound_for, scope_of
+
     tl = report.timeline
     table = Table(title=f"minibatch {report.schedule.minibatch}, {len(tl.spans)} stages" + (", recompute" if report.schedule.recompute else ""))
     table.add_column("schedule", no_wrap=True)
-    for col in ("M", "iter ms", "vs gpipe", "vs 1f1b", "gap", "bubble"):
+    for col in ("chunks", "ms", "x gpipe", "x 1f1b", "gap", "bubble"):
         table.add_column(col, justify="right", no_wrap=True)
-    lb = report.schedule.solver.lower_bound_ms
-    scope = report.schedule.solver.model_extra.get("bound_scope")
+    solver = report.schedule.solver
+    scope = scope_of(solver.model_extra.get("bound_scope"))
+    # the bound that holds for each row: the report's own where its scope covers the row, else
+    # the fast one of every schedule
+    bounds = {Scope.ANY: report.lower_bound_ms, scope: solver.lower_bound_ms}
 
-    def row(name: str, m, it: Optional[float], bubble: Optional[float], order: str) -> None:
+    def row(name: str, chunks: str, cand, it: Optional[float], bubble: Optional[float]) -> None:
         sg = None if it is None or report.gpipe.iteration_ms is None else report.gpipe.iteration_ms / it
         so = None if it is None or report.onef1b.iteration_ms is None else report.onef1b.iteration_ms / it
-        # a bound among GPipe- or 1F1B-order schedules says nothing about other orders: measure
-        # those against the any-order one
-        bound = lb if scope in (None, "any order") or scope == f"{order} order" else report.lower_bound_ms
+        bound = None if cand is None else bound_for(cand.ops(), cand.order, bounds)
         gap = None if it is None or not bound else (it - bound) / bound
         table.add_row(
-            name,
-            "-" if m is None else str(m),
-            _ms(it),
-            "-" if sg is None else f"{sg:.3f}x",
-            "-" if so is None else f"{so:.3f}x",
-            "-" if gap is None else f"{100 * gap:.1f}%",
-            "-" if bubble is None else f"{100 * bubble:.1f}%",
+            name, chunks, _ms(it),
+            "-" if sg is None else f"{sg:.3f}", "-" if so is None else f"{so:.3f}",
+            "-" if gap is None else f"{100 * gap:.1f}%", "-" if bubble is None else f"{100 * bubble:.1f}%",
         )
 
-    gt = report.gpipe_timeline
-    row("gpipe_equal", report.gpipe.microbatches, report.gpipe.iteration_ms, gt.bubble_fraction if gt else None, "gpipe")
-    ot = report.onef1b_timeline
-    row("1f1b_equal", report.onef1b.microbatches, report.onef1b.iteration_ms, ot.bubble_fraction if ot else None, "1f1b")
+    gt, ot = report.gpipe_timeline, report.onef1b_timeline
+    row("GPipe equal", str(report.gpipe.microbatches or "-"), report.gpipe.candidate, report.gpipe.iteration_ms, gt.bubble_fraction if gt else None)
+    row("1F1B equal", str(report.onef1b.microbatches or "-"), report.onef1b.candidate, report.onef1b.iteration_ms, ot.bubble_fraction if ot else None)
+    counts = sorted({len([o for o in st.ops if o[0] == "F"]) for st in report.schedule.stages})
     winner = report.result.extra.get("winner")
-    name = f"umopt {report.schedule.solver.name}" + (f"/{winner}" if winner else "")
-    chunks = sorted({len([o for o in st.ops if o[0] == 'F']) for st in report.schedule.stages})
-    row(name, "/".join(map(str, chunks)), tl.iteration_ms, tl.bubble_fraction, report.result.candidate.order)
-    table.add_row("lower bound" + (f" ({scope})" if scope else ""), "", _ms(lb), "", "", "", "")
+    umopt_name = f"umopt {solver.name}" if not winner or winner == solver.name else f"umopt ({winner})"
+    row(umopt_name, str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}", report.result.candidate, tl.iteration_ms, tl.bubble_fraction)
+    table.add_row("lower bound", "", _ms(solver.lower_bound_ms), "", "", "", "")
     out.print(table)
+    covers = {Scope.ANY: "every schedule", Scope.IN_ORDER: "1F1B-order schedules", Scope.GPIPE: "GPipe-order schedules"}[scope]
     out.print(
-        f"solver {report.schedule.solver.name}: {report.schedule.solver.status}"
-        + ({"any order": " (the bound holds for every schedule)", None: ""}.get(scope, f" (among {scope} schedules; the bound holds for those)"))
-        + ", "
-        f"{report.schedule.solver.seconds:.1f} s, {report.result.evaluated} schedules scored"
+        f"solver {solver.name}: {solver.status}, {solver.seconds:.1f} s, {report.result.evaluated} schedules scored; "
+        f"the bound holds for {covers}" + ("" if scope == Scope.ANY else " (the others' gap is to the one for every schedule)")
     )
-    lb_1f1b = report.schedule.solver.model_extra.get("lower_bound_1f1b_ms")
-    if lb_1f1b is not None and scope != "1f1b order":
+    lb_1f1b = solver.model_extra.get("lower_bound_1f1b_ms")
+    if lb_1f1b is not None and scope != Scope.IN_ORDER:
         out.print(
             f"among 1F1B-order schedules (B ops in sample order, any warm-ups) the best possible is at least "
             f"{lb_1f1b:.2f} ms: this one is within {100 * (tl.iteration_ms - lb_1f1b) / lb_1f1b:.1f}% of it"
@@ -182,7 +180,7 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
             link_latency_ms, link_gbps, memory_limit, trace_dir, seed, concurrent, output) -> None:
     """Measure each stage's forward/backward time per chunk size, its memory and the links."""
     _require_torch()
-    from umopt.profile import save_profile
+    from umopt.formats.profile import save_profile
     from umopt.profiler import ProfileOptions, profile_model
     from umopt.zoo import parse_model_args
 
@@ -315,8 +313,8 @@ def _require_torch() -> None:
 @click.option("--trace", type=click.Path(dir_okay=False), default=None, help="Chrome-trace JSON of the schedule.")
 def show(schedule_path, profile_path, plot, trace) -> None:
     """Validate SCHEDULE against its profile, re-simulate it and print its numbers."""
-    from umopt.profile import load_profile
-    from umopt.schedule import check_against_profile, load_schedule
+    from umopt.formats.profile import load_profile
+    from umopt.formats.schedule import check_against_profile, load_schedule
 
     schedule = load_schedule(schedule_path)
     profile = load_profile(profile_path or schedule.profile.path)
@@ -353,7 +351,7 @@ def calibrate(profile_path, reports, output) -> None:
     from umopt.calibrate import calibrate as fit
     from umopt.calibrate import size_ratios
     from umopt.fileio import read_json
-    from umopt.profile import load_profile, save_profile
+    from umopt.formats.profile import load_profile, save_profile
 
     profile = load_profile(profile_path)
     loaded = [read_json(r) for r in reports]
@@ -377,7 +375,7 @@ def _sizes(sizes: list[int]) -> str:
 @cli.command("profiles")
 def list_profiles() -> None:
     """List the bundled profiles (usable by name wherever a PROFILE is asked for)."""
-    from umopt.profile import bundled_profiles, load_profile
+    from umopt.formats.profile import bundled_profiles, load_profile
 
     table = Table()
     for col in ("name", "model", "device", "stages", "sizes"):

@@ -1,1 +1,1 @@
-"""Profiles bundled with umopt, addressable by name (see umopt.profile.bundled_profiles)."""
+"""Profiles bundled with umopt, addressable by name (see umopt.formats.profile.bundled_profiles)."""

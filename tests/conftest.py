@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from umopt.profile import PROFILE_FORMAT, Profile
+from umopt.formats.profile import PROFILE_FORMAT, Profile
 
 
 def two_stage_profile(comm: bool = True, **over) -> Profile:
@@ -58,7 +58,7 @@ def run_cli(argv, capsys):
 def zoo_sim_profile(path, model: str, args: dict, cuts: list[int], *, dtype: str = "float32", max_size: int = 8, seed: int = 0):
     """A profile of a zoo model cut at ``cuts``, with synthetic costs (device "sim"), written to
     ``path`` and loaded back: what the runtime needs to run the model, without measuring it."""
-    from umopt.profile import load_profile, save_profile
+    from umopt.formats.profile import load_profile, save_profile
     from umopt.synthetic import synthetic_profile
 
     S = len(cuts) - 1

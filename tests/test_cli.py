@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from umopt.costmodel import CostTables, simulate
-from umopt.profile import load_profile
-from umopt.schedule import load_schedule
+from umopt.formats.profile import load_profile
+from umopt.formats.schedule import load_schedule
 
 from conftest import run_cli as run, two_stage_profile
 
@@ -23,7 +23,7 @@ def test_solve_bundled_profile_by_name_writes_a_consistent_schedule(tmp_path, ca
     trace = tmp_path / "t.json"
     code, stdout, _ = run(["solve", "gpt-sim", "-B", "16", "--time-limit", "1", "-o", str(out), "--plot", str(png), "--trace", str(trace)], capsys)
     assert code == 0, stdout
-    assert "gpipe_equal" in stdout and "lower bound" in stdout
+    assert "GPipe equal" in stdout and "lower bound" in stdout
     sched = load_schedule(str(out))
     prof = load_profile("gpt-sim")
     assert sched.profile.sha256 == prof.sha256
@@ -92,7 +92,7 @@ def test_1f1b_with_recompute_gives_each_stage_its_own_backward_chunks(tmp_path, 
     # Megatron-style 1F1B with activation recomputation: the backward partitions are free
     from umopt.costmodel import CostTables, simulate
     from umopt.partition import onef1b_schedule, partitions_from_ops
-    from umopt.profile import load_profile
+    from umopt.formats.profile import load_profile
 
     out = tmp_path / "s.json"
     code, _, err = run(["solve", "gpt-sim", "-B", "16", "--order", "1f1b", "--recompute", "--solver", "ga", "--time-limit", "2", "-o", str(out)], capsys)
@@ -178,13 +178,13 @@ def test_order_option_restricts_the_search(order, tmp_path, capsys):
     else:
         assert ops == onef1b_schedule([f for f, _ in parts], [b for _, b in parts])
         # the bound is the 1F1B family's, tighter than the any-order one and below the schedule
-        from umopt.profile import load_profile
+        from umopt.formats.profile import load_profile
         from umopt.solve import make_problem
-        from umopt.solvers.bounds import best_bound_ms
+        from umopt.bounds import fast_bound_ms
 
         extra = sched.solver.model_extra
         assert extra["bound_scope"] == "1f1b order"
-        any_order = best_bound_ms(make_problem(load_profile("gpt-sim"), 16, recompute=False))
+        any_order = fast_bound_ms(make_problem(load_profile("gpt-sim"), 16, recompute=False))
         assert any_order < sched.solver.lower_bound_ms == extra["lower_bound_1f1b_ms"] <= sched.predicted.iteration_ms
     assert sched.solver.model_extra["order"] == order
 

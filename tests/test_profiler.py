@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from umopt.errors import UmoptError
-from umopt.profile import load_profile
+from umopt.formats.profile import load_profile
 from umopt.profiler import ProfileOptions, _Stage, balanced_split, measure_link, profile_model, stash_bytes
 from umopt.zoo import build_model
 

@@ -15,8 +15,8 @@ from umopt.errors import UmoptError
 from umopt.launch import RunFailed
 from umopt.launch import launch
 from umopt.problem import Candidate
-from umopt.profile import save_profile
-from umopt.schedule import make_schedule, save_schedule
+from umopt.formats.profile import save_profile
+from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.synthetic import synthetic_profile
 from umopt.zoo import build_model
 
@@ -36,7 +36,7 @@ def mlp_profile(tmp_path, S):
     )
     path = tmp_path / f"mlp{S}.json"
     save_profile(prof, path)
-    from umopt.profile import load_profile
+    from umopt.formats.profile import load_profile
 
     return load_profile(path)
 
@@ -206,7 +206,7 @@ def test_run_command_reports_and_refuses_bad_input(tmp_path, capsys):
     assert r["measured_over_predicted"] == pytest.approx(r["measured_iteration_ms"] / r["predicted_iteration_ms"])
     assert len(r["step_ms"]) == 2 and len(r["busy_ms"]["measured"]) == 2
     # every op's median time beside its prediction, which `umopt calibrate` fits the profile to
-    from umopt.schedule import load_schedule
+    from umopt.formats.schedule import load_schedule
 
     assert [[tuple(op[:3]) for op in st] for st in r["ops"]] == [[tuple(op) for op in st.ops] for st in load_schedule(path).stages]
     assert all(op[3] > 0 and op[4] > 0 for st in r["ops"] for op in st)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import threading
+import subprocess
 import time
 
 import numpy as np
@@ -11,22 +11,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from umopt.baselines import gpipe_equal, lower_bound, min_work, onef1b_equal
+from umopt.baselines import gpipe_equal, onef1b_equal
+from umopt.bounds import Scope, fast, fast_bound_ms, heads, in_order, pair_bound_ms, pair_program, pairs, spec_bound, stage_cuts, untied
+from umopt.bounds.fast import min_work
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
-from umopt.partition import chunks, equal_sizes
+from umopt.partition import backwards_in_sample_order, chunks, equal_sizes
 from umopt.problem import Candidate, Problem, pack, ticking
-from umopt.profile import load_profile
+from umopt.formats.profile import load_profile
 from umopt.solvers import SOLVERS
-from umopt.solvers import bounds
-from umopt.solvers.bounds import best_bound_ms
 from umopt.solvers.dp import shared_partition
 from umopt.solvers.local import aligned_moves, hill_climb, iterated_climb
-from umopt.solvers import pair_program, pairs
-from umopt.solvers.pairs import pair_bound_ms
 from umopt.solvers.ramp import ramped_partitions
 from umopt.synthetic import synthetic_profile
-from umopt.vectorized import evaluate_1f1b
+from umopt.population_sim import evaluate_1f1b
 
 
 def compositions(n, mx):
@@ -74,14 +72,14 @@ def test_ga_finds_brute_force_optimum(S, B, recompute, seed):
     res = SOLVERS["ga"](problem, time_limit=10, seed=0, stall_generations=60, max_restarts=2, polish_kicks=50)
     got = res.candidate.simulate(problem).iteration_ms
     assert got == pytest.approx(best, abs=1e-9)
-    assert lower_bound(problem) <= best + 1e-9
+    assert spec_bound(problem) <= best + 1e-9
 
 
 @pytest.mark.parametrize("S,B,recompute", [(4, 32, False), (4, 24, True), (8, 64, False)])
 def test_every_solver_gives_a_valid_schedule_never_below_the_bound(S, B, recompute):
     prof = synthetic_profile(S, max_size=16, seed=S + B)
     problem = Problem(CostTables.from_profile(prof, recompute), B)
-    lb = lower_bound(problem)
+    lb = spec_bound(problem)
     gp = gpipe_equal(problem).iteration_ms
     for name, solve in SOLVERS.items():
         if name in ("cpsat", "milp") and S * B > 128:
@@ -302,7 +300,7 @@ def test_exact_bounds_never_exceed_any_schedule_found(solver, seed):
 )
 def test_fast_bound_never_exceeds_any_schedule(S, B, mx, recompute, seed):
     problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5), recompute), B)
-    bound = best_bound_ms(problem)
+    bound = fast_bound_ms(problem)
     rng = np.random.default_rng(seed)
     for _ in range(10):  # random partitions in both orders, and the equal baselines
         fs = [_random_partition(rng, B, problem.max_size) for _ in range(S)]
@@ -319,7 +317,7 @@ def test_fast_bound_never_exceeds_any_schedule(S, B, mx, recompute, seed):
 def test_fast_bound_never_exceeds_the_optimum_over_every_order(S, B, recompute, seed):
     prof = synthetic_profile(S, max_size=4, seed=seed, latency_ms=0.3, bytes_per_ms=2e5)
     problem = Problem(CostTables.from_profile(prof, recompute), B)
-    assert best_bound_ms(problem) <= brute_force_any_order(problem) + 1e-9
+    assert fast_bound_ms(problem) <= brute_force_any_order(problem) + 1e-9
 
 
 @pytest.mark.parametrize("S,B,seed", [(2, 4, 2), (2, 4, 14), (3, 3, 1), (3, 3, 6)])
@@ -328,7 +326,7 @@ def test_pair_bound_lifts_the_stage_cuts_and_never_exceeds_the_optimum(S, B, see
     # gradient link's queue is relaxed), so there the bound meets the optimum
     prof = synthetic_profile(S, max_size=4, seed=seed, latency_ms=0.3, bytes_per_ms=2e5)
     problem = Problem(CostTables.from_profile(prof), B)
-    fast, pair, best = best_bound_ms(problem), pair_bound_ms(problem, 10), brute_force_any_order(problem)
+    fast, pair, best = fast_bound_ms(problem), pair_bound_ms(problem, 10), brute_force_any_order(problem)
     assert _stage_cuts_ms(problem) + 0.5 < pair and fast <= pair <= best + 1e-9
     if S == 2:
         assert pair == pytest.approx(best, abs=2 * S * B * 1e-3)  # floored microseconds
@@ -339,7 +337,7 @@ def test_pair_bound_lifts_the_stage_cuts_and_never_exceeds_the_optimum(S, B, see
 def test_pair_bound_never_exceeds_any_schedule(S, B, mx, seed):
     problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5)), B)
     bound = pair_bound_ms(problem, 2)
-    assert bound >= best_bound_ms(problem)
+    assert bound >= fast_bound_ms(problem)
     rng = np.random.default_rng(seed)
     for _ in range(10):  # random partitions in both orders, with random 1F1B warm-ups too
         fs = [_random_partition(rng, B, problem.max_size) for _ in range(S)]
@@ -354,13 +352,13 @@ def test_pair_bound_never_exceeds_any_schedule(S, B, mx, seed):
 def test_usable_chunks_are_those_of_the_partitions_meeting_the_stage_cuts(S, B, mx, slack, seed):
     # brute force: a partition meets the cuts when _reachable passes with only its chunks allowed
     problem = _synthetic_problem(S, B, mx, seed, 0.2, 1e5)
-    F, G, L = bounds.int_tables(problem)
-    h = bounds.heads_and_tails(F, G, L, B)
-    T = int(slack * bounds.stage_bound(F, G, L, B, False))
+    F, G, L = heads.int_tables(problem)
+    h = heads.heads_and_tails(F, G, L, B)
+    T = int(slack * stage_cuts.stage_bound(F, G, L, B, False))
     for s in range(S):
-        cut, KG = bounds._chunk_cut(h, F, G, s, B, False), bounds.least_work(G[s], B)
-        want = _chunks_of_partitions(B, problem.max_size, lambda chunks: bounds._reachable(T, h, F, G, s, _only(cut, chunks), KG, B, False))
-        assert (bounds.usable_chunks(T, h, F, G, s, B) == want).all()
+        cut, KG = stage_cuts._chunk_cut(h, F, G, s, B, False), heads.least_work(G[s], B)
+        want = _chunks_of_partitions(B, problem.max_size, lambda chunks: stage_cuts._reachable(T, h, F, G, s, _only(cut, chunks), KG, B, False))
+        assert (stage_cuts.usable_chunks(T, h, F, G, s, B) == want).all()
 
 
 def _chunks_of_partitions(B: int, mx: int, passes) -> np.ndarray:
@@ -418,15 +416,15 @@ def test_pair_bound_sees_what_the_last_stage_partition_costs_the_stage_above():
         [("F", 0, 6), ("B", 0, 6), ("F", 6, 8), ("B", 6, 8)],
     ]).simulate(problem).iteration_ms
     assert optimum == pytest.approx(158.00, abs=0.01)
-    fast, pair = best_bound_ms(problem), pair_bound_ms(problem, 20)
+    fast, pair = fast_bound_ms(problem), pair_bound_ms(problem, 20)
     # the stage cuts see 139.00 ms, the untied stage programs 146.96, the untied pair 157.41
     assert _stage_cuts_ms(problem) < 139.1 and 146.9 < fast and 157.0 < pair <= optimum
 
 
 def _stage_cuts_ms(problem) -> float:
     """The any-order bound without the untied one (what the pair bound was first built to lift)."""
-    F, G, L = bounds.int_tables(problem)
-    return max(lower_bound(problem), bounds.stage_bound(F, G, L, problem.minibatch, problem.recompute) / 1000 + problem.tables.optimizer_ms)
+    F, G, L = heads.int_tables(problem)
+    return max(spec_bound(problem), stage_cuts.stage_bound(F, G, L, problem.minibatch, problem.recompute) / 1000 + problem.tables.optimizer_ms)
 
 
 def _random_partition(rng, B, mx):
@@ -468,81 +466,107 @@ def test_auto_reports_the_exact_models_proof_for_the_orders_it_searched():
     assert free.lower_bound_ms <= free.candidate.simulate(problem).iteration_ms <= best + 1e-9
 
 
+class _FakeBeside:
+    """Stands in for :class:`umopt.bounds.Beside` in auto: records what auto asks, answers ``proved``.
+    With ``meet``, every schedule offered is at once a bound it meets (a stand-in for a proof)."""
+
+    made: list = []
+
+    def __init__(self, job, problem, on_bound=None, proved=None, meet=False, **params):
+        self.job, self.params, self.on_bound, self.offers, self.ended = job, params, on_bound, [], None
+        self.proved, self.meet = dict(proved or {}), meet
+        _FakeBeside.made.append(self)
+
+    def offer(self, ms):
+        self.offers.append(ms)
+        if self.meet:
+            self.proved["any order"] = ms
+            self.on_bound("any order", ms)
+
+    def wait(self, timeout=None):
+        self.ended = "wait"
+        return dict(self.proved)
+
+    def stop(self):
+        self.ended = "stop"
+        return dict(self.proved)
+
+    def close(self):
+        pass
+
+
+def _fake_beside(monkeypatch, **kw):
+    import umopt.solvers.auto as auto
+
+    _FakeBeside.made = []
+    monkeypatch.setattr(auto, "Beside", lambda job, problem, on_bound=None, **params: _FakeBeside(job, problem, on_bound, **kw, **params))
+    return _FakeBeside.made
+
+
 def test_auto_reports_the_pair_bound_where_the_exact_model_does_not_run(monkeypatch):
     # S=4, B=12: too large for CP-SAT to prove anything (auto skips it), small enough for the pair
     # bounds, which run beside the GA and become the report's bounds
-    import umopt.solvers.auto as auto
-
     problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 12)
-    calls = []
-    any_order = [170.0]
-
-    def pair(problem, seconds, upper_ms, seed, report, max_cells=None, scope="any order", workers=None, stop=None):
-        calls.append((seconds, upper_ms(), scope))
-        return any_order[0] if scope == "any order" else 175.0
-
-    monkeypatch.setattr(auto, "pair_bound_ms", pair)
+    made = _fake_beside(monkeypatch, proved={"any order": 170.0, "1f1b order": 175.0})
     res = SOLVERS["auto"](problem, time_limit=2, seed=0)
     assert "cpsat" not in res.extra["tried"]
-    # first the untied pairs (every schedule), then the 1F1B family's, for the GA's time between
-    # them, from the best fast schedule and then the GA's best; the GA's schedules are of that
+    # first the pairs of every schedule, then the 1F1B family's, for the GA's time between them,
+    # told the best fast schedule and then the GA's better ones; the GA's schedules are of that
     # family, so both are reported
-    [(s1, up1, scope1), (s2, up2, scope2)] = calls
-    assert (scope1, scope2) == ("any order", "1f1b order")
-    assert s1 == pytest.approx(2 * s2) and s1 + s2 >= 1.5
-    assert up1 >= up2 >= res.candidate.iteration_ms - 1e-9
+    [job] = made
+    assert job.job.__name__ == "pairs_job" and job.ended == "wait"
+    assert job.params["any_seconds"] == pytest.approx(2 * job.params["family_seconds"]) and job.params["any_seconds"] + job.params["family_seconds"] >= 1.5
+    assert job.offers == sorted(job.offers, reverse=True) and job.offers[-1] == pytest.approx(res.candidate.iteration_ms)
     assert res.lower_bound_ms == 170.0 and res.extra["bound_scope"] == "any order" and res.status == "feasible"
     assert res.extra["lower_bound_1f1b_ms"] == 175.0
     # a bound that meets the schedule found proves it optimal (never reported above it)
-    any_order[0] = 1e9
+    made = _fake_beside(monkeypatch, proved={"any order": 1e9, "1f1b order": 1e9})
     res = SOLVERS["auto"](problem, time_limit=2, seed=0)
     assert res.status == "optimal" and res.lower_bound_ms == res.candidate.iteration_ms
     # under --order 1f1b only the family's, beside the GA for all its time, and then the bound
-    calls.clear()
+    made = _fake_beside(monkeypatch, proved={"1f1b order": 175.0})
     res = SOLVERS["auto"](problem, time_limit=2, seed=0, order="1f1b")
-    [(seconds, _, scope)] = calls
-    assert scope == "1f1b order" and seconds >= 1.5
+    [job] = made
+    assert job.params["any_seconds"] == 0 and job.params["family_seconds"] >= 1.5
     assert res.lower_bound_ms == 175.0 and res.extra["bound_scope"] == "1f1b order"
 
 
 def test_auto_stops_once_the_bound_meets_its_schedule(monkeypatch):
     # the pairs beside the GA report their bound as it rises; once the GA's best meets it, the
     # schedule is proven optimal and both stop, long before the time limit
-    import umopt.solvers.auto as auto
-
     problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 12)
-    calls, stopped = [], []
-
-    def pair(problem, seconds, upper_ms, seed, report, max_cells=None, scope="any order", workers=None, stop=None):
-        calls.append(scope)
-        report(upper_ms())  # a bound the best schedule so far meets (a stand-in for a proof)
-        stopped.append(stop.wait(seconds))
-        return upper_ms()
-
-    monkeypatch.setattr(auto, "pair_bound_ms", pair)
+    made = _fake_beside(monkeypatch, meet=True)
     t0 = time.perf_counter()
     res = SOLVERS["auto"](problem, time_limit=30, seed=0)
     assert time.perf_counter() - t0 < 10  # a third of the limit: it stopped, and the pairs with it
-    assert stopped == [True] and calls == ["any order"]  # the 1F1B family's pairs were not needed
+    assert made[0].ended == "stop"
     found = res.candidate.simulate(problem).iteration_ms
     assert res.status == "optimal" and res.lower_bound_ms == pytest.approx(found)
     assert res.extra["lower_bound_1f1b_ms"] == pytest.approx(found)
 
 
-def test_ga_and_pair_bound_stop_when_asked():
+def test_ga_stops_when_asked_and_bounds_beside_end_at_once():
     problem = Problem(CostTables.from_profile(load_profile("gpt-sim")), 32)
     t0 = time.perf_counter()
     res = SOLVERS["ga"](problem, time_limit=30, seed=0, stop=lambda best_ms: True)
     assert time.perf_counter() - t0 < 10
     assert res.candidate.simulate(problem).iteration_ms <= onef1b_equal(problem).candidate.iteration_ms + 1e-9
-    # the pairs (and the matched program's process before them) end within moments of the stop,
-    # with what they proved
-    stop = threading.Event()
-    threading.Timer(2.0, stop.set).start()
-    t0 = time.perf_counter()
-    bound = pair_bound_ms(problem, 60, max_cells=1024, workers=1, stop=stop)
-    assert time.perf_counter() - t0 < 10
-    assert bound >= best_bound_ms(problem) - 1e-9
+    # the pairs beside (and the pair program's process below them) end at once when stopped,
+    # with what they proved: nothing of them is left running
+    from umopt.bounds import Beside, pairs_job
+
+    seen = []
+    job = Beside(pairs_job, problem, lambda scope, ms: seen.append((scope, ms)), any_seconds=60, family_seconds=0, seed=0, max_cells=1024, workers=1)
+    while not seen and time.perf_counter() - t0 < 30:  # the program's first lift
+        time.sleep(0.1)
+    t1 = time.perf_counter()
+    proved = job.stop()
+    job.close()
+    assert time.perf_counter() - t1 < 2
+    assert proved["any order"] >= fast_bound_ms(problem) - 1e-9
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", "umopt.bounds.beside"], capture_output=True, text=True).stdout.split()
+    assert left == []
 
 
 def _b_in_sample_order(ops) -> bool:
@@ -562,8 +586,8 @@ def test_1f1b_bound_never_exceeds_the_optimum_among_in_order_backwards(S, B, see
             best = min(best, simulate(problem.tables, combo, B, record=False).iteration_ms)
         except UmoptError:  # this combination deadlocks
             pass
-    bound = best_bound_ms(problem, "1f1b order")
-    assert best_bound_ms(problem) <= bound <= best + 1e-9
+    bound = fast_bound_ms(problem, "1f1b order")
+    assert fast_bound_ms(problem) <= bound <= best + 1e-9
 
 
 def _brute_force_in_order(problem: Problem) -> float:
@@ -586,15 +610,15 @@ def test_in_order_pair_bound_lifts_the_1f1b_bound_and_never_exceeds_the_in_order
     # the optimum (the fast bound, which has the tied pair program, is as close on (3, 3, 2))
     problem = _synthetic_problem(S, B, 4, seed, 0.3, 2e5)
     best = _brute_force_in_order(problem)
-    fast = best_bound_ms(problem, "1f1b order")
+    fast_ms = fast_bound_ms(problem, "1f1b order")
     pair = pair_bound_ms(problem, 10, scope="1f1b order", max_cells=None)
-    assert fast <= pair <= best + 1e-9
+    assert fast_ms <= pair <= best + 1e-9
     if S == 2:
         assert pair == pytest.approx(best, abs=2 * S * B * 1e-3)  # floored microseconds
     else:
-        F, G, L = bounds.int_tables(problem)
-        in_order = bounds.sample_order_bound(F, G, L, B) / 1000 + problem.tables.optimizer_ms
-        assert pair > in_order + 0.5 and pair == pytest.approx(best, abs=0.01)
+        F, G, L = heads.int_tables(problem)
+        sample_order = in_order.sample_order_bound(F, G, L, B) / 1000 + problem.tables.optimizer_ms
+        assert pair > sample_order + 0.5 and pair == pytest.approx(best, abs=0.01)
 
 
 @settings(max_examples=12, deadline=None)
@@ -602,7 +626,7 @@ def test_in_order_pair_bound_lifts_the_1f1b_bound_and_never_exceeds_the_in_order
 def test_in_order_pair_bound_never_exceeds_a_1f1b_schedule(S, B, mx, seed):
     problem = _synthetic_problem(S, B, mx, seed, 0.2, 1e5)
     bound = pair_bound_ms(problem, 2, scope="1f1b order", max_cells=None)
-    assert bound >= best_bound_ms(problem, "1f1b order")
+    assert bound >= fast_bound_ms(problem, "1f1b order")
     rng = np.random.default_rng(seed)
     for _ in range(10):
         fs = [_random_partition(rng, B, problem.max_size) for _ in range(S)]
@@ -617,26 +641,26 @@ def test_in_order_usable_chunks_are_those_of_the_partitions_meeting_both_program
     # brute force: a partition is kept when both the stage cuts' and the in-order program pass
     # with only its chunks allowed
     problem = _synthetic_problem(S, B, mx, seed, 0.2, 1e5)
-    F, G, L = bounds.int_tables(problem)
-    h = bounds.heads_and_tails(F, G, L, B)
-    io = bounds.in_order_heads(F, G, L, h, B)
-    T = int(slack * bounds.sample_order_bound(F, G, L, B))
+    F, G, L = heads.int_tables(problem)
+    h = heads.heads_and_tails(F, G, L, B)
+    io = in_order.in_order_heads(F, G, L, h, B)
+    T = int(slack * in_order.sample_order_bound(F, G, L, B))
     for s in range(S):
-        cut, KG = bounds._chunk_cut(h, F, G, s, B, False), bounds.least_work(G[s], B)
+        cut, KG = stage_cuts._chunk_cut(h, F, G, s, B, False), heads.least_work(G[s], B)
 
         def passes(chunks):
-            return bounds._reachable(T, h, F, G, s, _only(cut, chunks), KG, B, False) and bounds._in_order_ok(
+            return stage_cuts._reachable(T, h, F, G, s, _only(cut, chunks), KG, B, False) and in_order._in_order_ok(
                 T, h, F, G, io.drain, _only(io.cut[s], chunks), s, B, True
             )
 
-        assert (bounds.in_order_usable_chunks(T, h, io, F, G, s, B) == _chunks_of_partitions(B, problem.max_size, passes)).all()
+        assert (in_order.in_order_usable_chunks(T, h, io, F, G, s, B) == _chunks_of_partitions(B, problem.max_size, passes)).all()
 
 
 @settings(max_examples=25, deadline=None)
 @given(S=st.integers(1, 4), B=st.integers(1, 24), mx=st.sampled_from([2, 4, 8, 16]), seed=st.integers(0, 10_000))
 def test_1f1b_bound_never_exceeds_a_1f1b_schedule(S, B, mx, seed):
     problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5)), B)
-    bound = best_bound_ms(problem, "1f1b order")
+    bound = fast_bound_ms(problem, "1f1b order")
     rng = np.random.default_rng(seed)
     for _ in range(10):
         fs = [_random_partition(rng, B, problem.max_size) for _ in range(S)]
@@ -650,14 +674,14 @@ def test_1f1b_bound_never_exceeds_a_1f1b_schedule(S, B, mx, seed):
 def test_1f1b_bound_is_tighter_where_drains_queue():
     # gpt-sim, B=8: the any-order bound is 44.78 ms against a proven optimum of 47.19 ms (any
     # order, CP-SAT); knowing that later samples drain after a chunk lifts it to 45.79
-    from umopt.profile import load_profile
+    from umopt.formats.profile import load_profile
     from umopt.solve import make_problem
 
     problem = make_problem(load_profile("gpt-sim"), 8, recompute=False)
     assert _stage_cuts_ms(problem) < 44.8
-    assert 45.7 < best_bound_ms(problem, "1f1b order") <= 47.19
+    assert 45.7 < fast_bound_ms(problem, "1f1b order") <= 47.19
     # every schedule turns into an untied one with B ops in sample order, whose bound sees it too
-    assert 45.7 < best_bound_ms(problem) <= best_bound_ms(problem, "1f1b order")
+    assert 45.7 < fast_bound_ms(problem) <= fast_bound_ms(problem, "1f1b order")
 
 
 def test_aligned_moves_move_a_shared_chunk_end_on_every_stage_holding_it():
@@ -739,7 +763,7 @@ def _synthetic_problem(S, B, mx, seed, latency_ms, bytes_per_ms):
 )
 def test_drains_through_one_partition_per_stage_lift_the_bound_below_the_optimum(seed, latency_ms, bytes_per_ms, before):
     problem = _synthetic_problem(3, 3, 4, seed, latency_ms, bytes_per_ms)
-    bound = best_bound_ms(problem)
+    bound = fast_bound_ms(problem)
     assert before + 0.1 < bound <= brute_force_any_order(problem) + 1e-9
 
 
@@ -747,12 +771,11 @@ def test_large_chunk_cut_lifts_the_bound_below_the_proven_optimum(monkeypatch):
     from ortools.sat.python import cp_model
 
     from umopt.solve import make_problem
-    from umopt.solvers import bounds
     from umopt.solvers.cpsat import build_free_model
 
     problem = _synthetic_problem(2, 8, 4, 190, 0.05, 1e5)
     bound = _stage_cuts_ms(problem)
-    assert bound <= best_bound_ms(problem)
+    assert bound <= fast_bound_ms(problem)
     # the free-order model alone, without the fast bound as a constraint: its optimum is the truth
     model, *_ = build_free_model(problem, 10**6)
     solver = cp_model.CpSolver()
@@ -762,7 +785,7 @@ def test_large_chunk_cut_lifts_the_bound_below_the_proven_optimum(monkeypatch):
     assert bound <= optimum + 1e-9  # 41.00 against 46.67
     gpt = make_problem(load_profile("gpt-sim"), 16, recompute=False)
     lifted = _stage_cuts_ms(gpt), bound
-    monkeypatch.setattr(bounds, "LARGE_CHUNKS_MAX_CELLS", 0)
+    monkeypatch.setattr(stage_cuts, "LARGE_CHUNKS_MAX_CELLS", 0)
     assert _stage_cuts_ms(gpt) + 1.5 < lifted[0]  # 61.75 -> 63.34 ms
     assert _stage_cuts_ms(problem) + 1.0 < lifted[1]  # 39.94 -> 41.00 ms
 
@@ -804,7 +827,7 @@ def _untie(ops: list) -> list:
 @settings(max_examples=60, deadline=None)
 @given(S=st.integers(2, 4), B=st.integers(2, 12), mx=st.sampled_from([2, 4, 8]), seed=st.integers(0, 10_000))
 def test_every_schedule_turns_into_an_untied_one_in_sample_order_no_later(S, B, mx, seed):
-    # bounds.py, "Any order, in sample order": the exchange behind untied_bound
+    # the exchange behind the untied bound (docs/bounds.md)
     tables = CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5))
     rng = np.random.default_rng(seed)
     ops = [_random_any_order_stage(rng, B, mx) for _ in range(S)]
@@ -812,9 +835,9 @@ def test_every_schedule_turns_into_an_untied_one_in_sample_order_no_later(S, B, 
         before = simulate(tables, ops, B)
     except UmoptError:  # the stages' random orders wait on each other
         return
-    untied = [_untie(st) for st in ops]
-    after = simulate(tables, untied, B)
-    assert all(bounds.backwards_in_sample_order([st]) for st in untied)
+    untied_ops = [_untie(st) for st in ops]
+    after = simulate(tables, untied_ops, B)
+    assert all(backwards_in_sample_order([st]) for st in untied_ops)
     assert after.iteration_ms <= before.iteration_ms + 1e-9
     assert all(a <= b for a, b in zip(after.peak_memory_bytes, before.peak_memory_bytes))
 
@@ -823,7 +846,7 @@ def test_every_schedule_turns_into_an_untied_one_in_sample_order_no_later(S, B, 
 def test_untied_bound_lifts_the_stage_cuts_and_never_exceeds_the_optimum(S, B, seed):
     # brute force over every partition and order (2, 4, 14: 34.57 -> 38.28 ms, the optimum 38.29)
     problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=4, seed=seed, latency_ms=0.3, bytes_per_ms=2e5)), B)
-    assert _stage_cuts_ms(problem) + 0.5 < best_bound_ms(problem) <= brute_force_any_order(problem) + 1e-9
+    assert _stage_cuts_ms(problem) + 0.5 < fast_bound_ms(problem) <= brute_force_any_order(problem) + 1e-9
 
 
 @settings(max_examples=12, deadline=None)
@@ -831,9 +854,9 @@ def test_untied_bound_lifts_the_stage_cuts_and_never_exceeds_the_optimum(S, B, s
 def test_untied_usable_chunks_hold_every_chunk_of_a_schedule_within_the_target(S, B, mx, slack, seed):
     # a schedule meeting T, turned untied: every F and B chunk of it is usable at T
     problem = _synthetic_problem(S, B, mx, seed, 0.2, 1e5)
-    F, G, L = bounds.int_tables(problem)
-    h = bounds.heads_and_tails(F, G, L, B)
-    ut = bounds.untied_heads(F, G, L, h, B)
+    F, G, L = heads.int_tables(problem)
+    h = heads.heads_and_tails(F, G, L, B)
+    ut = untied.untied_heads(F, G, L, h, B)
     rng = np.random.default_rng(seed)
     for _ in range(20):
         fs = [_random_partition(rng, B, problem.max_size) for _ in range(S)]
@@ -841,31 +864,8 @@ def test_untied_usable_chunks_hold_every_chunk_of_a_schedule_within_the_target(S
         cand = Candidate(fs, fs, "1f1b", warmup=warm)
         T = int(slack * (cand.simulate(problem).iteration_ms - problem.tables.optimizer_ms) * 1000) + 2 * S * B
         for s, st_ops in enumerate(cand.ops()):
-            f_use, b_use = bounds.untied_usable_chunks(T, h, ut, F, G, s, B)
+            f_use, b_use = untied.untied_usable_chunks(T, h, ut, F, G, s, B)
             assert all((f_use if kind == "F" else b_use)[lo, hi - lo] for kind, lo, hi in st_ops)
-
-
-@pytest.mark.parametrize("S,B,seed,latency_ms,bytes_per_ms", [(2, 4, 22, 0.3, 2e5), (2, 4, 16, 0.05, 1e5), (3, 3, 7, 0.05, 1e5)])
-def test_matched_bound_lifts_the_untied_bound_and_never_exceeds_the_optimum(S, B, seed, latency_ms, bytes_per_ms):
-    # brute force over every partition and order (2, 4, 22: 22.67 -> 23.31 ms, the optimum 23.32)
-    problem = _synthetic_problem(S, B, 4, seed, latency_ms, bytes_per_ms)
-    F, G, L = bounds.int_tables(problem)
-    known = bounds.untied_bound(F, G, L, B, bounds.stage_bound(F, G, L, B, False))
-    matched = bounds.matched_bound(F, G, L, B, known) / 1000 + problem.tables.optimizer_ms
-    optimum = brute_force_any_order(problem)
-    assert known / 1000 + problem.tables.optimizer_ms + 0.3 < matched <= optimum + 1e-9
-    # so small an instance has it in the fast bound every solver reports (with the pair program)
-    assert matched - 1e-9 <= best_bound_ms(problem) <= optimum + 1e-9
-
-
-@settings(max_examples=25, deadline=None)
-@given(S=st.integers(2, 4), B=st.integers(2, 12), mx=st.sampled_from([2, 4, 8]), seed=st.integers(0, 10_000))
-def test_matched_bound_never_exceeds_a_schedule_in_any_order(S, B, mx, seed):
-    problem = _synthetic_problem(S, B, mx, seed, 0.2, 1e5)
-    F, G, L = bounds.int_tables(problem)
-    # from 0, so that every stage's program is searched, not only those that could lift the rest
-    matched = bounds.matched_bound(F, G, L, B) / 1000 + problem.tables.optimizer_ms
-    _assert_below_random_any_order_schedules(problem, matched, seed)
 
 
 def _assert_below_random_any_order_schedules(problem: Problem, bound_ms: float, seed: int) -> None:
@@ -889,21 +889,21 @@ def test_pair_program_lifts_the_untied_bound_and_never_exceeds_the_optimum(S, B,
     # slow links, 3, 3, 24: 42.69 -> 43.77, the optimum 44.68, where the program without its
     # message queues got 42.95)
     problem = _synthetic_problem(S, B, 4, seed, latency_ms, bytes_per_ms)
-    F, G, L = bounds.int_tables(problem)
+    F, G, L = heads.int_tables(problem)
     opt = problem.tables.optimizer_ms
-    known = bounds.untied_bound(F, G, L, B, bounds.stage_bound(F, G, L, B, False))
+    known = untied.untied_bound(F, G, L, B, stage_cuts.stage_bound(F, G, L, B, False))
     program = pair_program.pair_program_bound(F, G, L, B, known) / 1000 + opt
     assert known / 1000 + opt + 0.5 < program <= brute_force_any_order(problem) + 1e-9
-    # so small an instance has it in the fast bound (which starts it from the matched bound, so
-    # its bisection may stop elsewhere within its two-thousandth)
-    assert best_bound_ms(problem) >= program * (1 - 1 / 2000)
+    # so small an instance has it in the fast bound (which starts it from the stage cuts, so its
+    # bisection may stop elsewhere within its two-thousandth)
+    assert fast_bound_ms(problem) >= program * (1 - 1 / 2000)
 
 
 @settings(max_examples=20, deadline=None)
 @given(S=st.integers(2, 4), B=st.integers(2, 10), mx=st.sampled_from([2, 4, 8]), seed=st.integers(0, 10_000))
 def test_pair_program_never_exceeds_a_schedule_in_any_order(S, B, mx, seed):
     problem = _synthetic_problem(S, B, mx, seed, 0.2, 1e5)
-    F, G, L = bounds.int_tables(problem)
+    F, G, L = heads.int_tables(problem)
     # from 0, so that every pair's program is searched, not only those that could lift the rest
     program = pair_program.pair_program_bound(F, G, L, B, 0) / 1000 + problem.tables.optimizer_ms
     _assert_below_random_any_order_schedules(problem, program, seed)
@@ -912,9 +912,9 @@ def test_pair_program_never_exceeds_a_schedule_in_any_order(S, B, mx, seed):
 def _pair_inputs(name: str, B: int):
     """A bundled profile's problem and what the pair program takes: integer tables, heads, untied heads."""
     problem = Problem(CostTables.from_profile(load_profile(name)), B)
-    F, G, L = bounds.int_tables(problem)
-    h = bounds.heads_and_tails(F, G, L, B)
-    return problem, F, G, L, h, bounds.untied_heads(F, G, L, h, B)
+    F, G, L = heads.int_tables(problem)
+    h = heads.heads_and_tails(F, G, L, B)
+    return problem, F, G, L, h, untied.untied_heads(F, G, L, h, B)
 
 
 def test_pair_program_dive_and_program_agree(monkeypatch):
@@ -935,10 +935,10 @@ def test_pair_program_waits_for_every_message_on_its_way():
     # other stage's last op (an older op's samples free) gave 45.79 ms at S=4, B=8; the optimum,
     # proven by CP-SAT (README, --small), is 47.19
     problem = Problem(CostTables.from_profile(load_profile("gpt-sim")), 8)
-    F, G, L = bounds.int_tables(problem)
-    known = bounds.untied_bound(F, G, L, 8, bounds.stage_bound(F, G, L, 8, False))
-    untied = pair_program.pair_program_bound(F, G, L, 8, known, passes=[pair_program.UNTIED]) / 1000 + problem.tables.optimizer_ms
-    assert 46.2 < untied < 46.5
+    F, G, L = heads.int_tables(problem)
+    known = untied.untied_bound(F, G, L, 8, stage_cuts.stage_bound(F, G, L, 8, False))
+    untied_ms = pair_program.pair_program_bound(F, G, L, 8, known, passes=[pair_program.UNTIED]) / 1000 + problem.tables.optimizer_ms
+    assert 46.2 < untied_ms < 46.5
 
 
 @pytest.mark.parametrize("name,untied,tied,optimum", [("gpt-sim", 46.36, 47.1, 47.19), ("vgg16-cpu", 153.48, 157.3, 158.00)])
@@ -947,7 +947,7 @@ def test_tied_pair_program_gives_each_stage_one_partition(name, untied, tied, op
     # a stage's B ops take the sizes of its F ops. S=4, B=8, in the fast bound; the optima are
     # CP-SAT's proofs (README, --small)
     problem = Problem(CostTables.from_profile(load_profile(name)), 8)
-    assert tied < best_bound_ms(problem) <= optimum
+    assert tied < fast_bound_ms(problem) <= optimum
 
 
 @pytest.mark.parametrize("S,B,seed,latency_ms,bytes_per_ms", [(2, 4, 1, 0.5, 5e4), (2, 4, 3, 0.05, 1e5)])
@@ -955,13 +955,13 @@ def test_tied_pair_program_never_exceeds_the_optimum(S, B, seed, latency_ms, byt
     # brute force over every partition and order: (2, 4, 1) untied 43.45 -> tied 43.65 ms, the
     # optimum 43.67; (2, 4, 3) 24.99 -> 25.12, the optimum 25.13. Each tie alone is a bound too
     problem = _synthetic_problem(S, B, 4, seed, latency_ms, bytes_per_ms)
-    F, G, L = bounds.int_tables(problem)
+    F, G, L = heads.int_tables(problem)
     opt = problem.tables.optimizer_ms
     optimum = brute_force_any_order(problem) + 1e-9
-    known = bounds.untied_bound(F, G, L, B, bounds.stage_bound(F, G, L, B, False))
-    untied = pair_program.pair_program_bound(F, G, L, B, known, passes=[pair_program.UNTIED]) / 1000 + opt
+    known = untied.untied_bound(F, G, L, B, stage_cuts.stage_bound(F, G, L, B, False))
+    untied_ms = pair_program.pair_program_bound(F, G, L, B, known, passes=[pair_program.UNTIED]) / 1000 + opt
     tied = pair_program.pair_program_bound(F, G, L, B, known) / 1000 + opt
-    assert untied + 0.1 < tied <= optimum
+    assert untied_ms + 0.1 < tied <= optimum
     for tie in [("count", "count"), ("sizes", "none"), ("none", "sizes"), ("count", "sizes")]:
         assert pair_program.pair_program_bound(F, G, L, B, known, passes=[tie]) / 1000 + opt <= optimum
 
@@ -970,7 +970,7 @@ def test_tied_pair_program_never_exceeds_the_optimum(S, B, seed, latency_ms, byt
 @given(S=st.integers(2, 3), B=st.integers(2, 8), mx=st.sampled_from([2, 4, 8]), seed=st.integers(0, 10_000))
 def test_counted_and_sized_ties_never_exceed_a_schedule_in_any_order(S, B, mx, seed):
     problem = _synthetic_problem(S, B, mx, seed, 0.2, 1e5)
-    F, G, L = bounds.int_tables(problem)
+    F, G, L = heads.int_tables(problem)
     for tie in [("count", "count"), ("sizes", "count")]:
         program = pair_program.pair_program_bound(F, G, L, B, 0, passes=[tie]) / 1000 + problem.tables.optimizer_ms
         _assert_below_random_any_order_schedules(problem, program, seed)
@@ -978,7 +978,7 @@ def test_counted_and_sized_ties_never_exceed_a_schedule_in_any_order(S, B, mx, s
 
 def test_the_pair_program_is_compiled():
     # setup.py builds it (pybind11, a C++17 compiler); without it umopt runs the Python search
-    assert pair_program.COMPILED, "umopt/solvers/_pair_program.cpp did not build: pip install -e . with a C++ compiler"
+    assert pair_program.COMPILED, "umopt/bounds/_pair_program.cpp did not build: pip install -e . with a C++ compiler"
 
 
 @pytest.mark.parametrize("name,B", [("gpt-sim", 6), ("vgg16-cpu", 6), ("gpt-cpu", 5)])
@@ -986,7 +986,7 @@ def test_compiled_and_python_pair_programs_agree(name, B):
     if not pair_program.COMPILED:
         pytest.skip("not compiled")
     problem, F, G, L, h, ut = _pair_inputs(name, B)
-    known = bounds.untied_bound(F, G, L, B, bounds.stage_bound(F, G, L, B, False))
+    known = untied.untied_bound(F, G, L, B, stage_cuts.stage_bound(F, G, L, B, False))
     for tie in [pair_program.UNTIED, ("none", "count"), ("count", "sizes"), ("sizes", "sizes")]:
         for s in (0, F.shape[0] - 2):
             targets = range(known - known // 50, known + known // 8, max(1, known // 100))
@@ -1007,29 +1007,29 @@ def test_compiled_and_python_pair_programs_agree(name, B):
 def test_compiled_and_numpy_stage_programs_agree(S, B, mx, recompute, seed):
     # the fast bound's one-stage programs (setup.py builds them; CI has a compiler) give the
     # numpy versions' tables at targets from hopeless to loose, on every stage
-    assert bounds.COMPILED, "umopt/solvers/_stage_programs.cpp did not build: pip install -e . with a C++ compiler"
+    assert heads.COMPILED, "umopt/bounds/_stage_programs.cpp did not build: pip install -e . with a C++ compiler"
     problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5), recompute), B)
-    F, G, L = bounds.int_tables(problem)
-    h = bounds.heads_and_tails(F, G, L, B)
-    known = bounds.stage_bound(F, G, L, B, recompute)
+    F, G, L = heads.int_tables(problem)
+    h = heads.heads_and_tails(F, G, L, B)
+    known = stage_cuts.stage_bound(F, G, L, B, recompute)
     targets = [known // 2, known - 1, known, known + known // 20, 2 * known]
     for s in range(S):
-        cut = bounds._chunk_cut(h, F, G, s, B, recompute)
-        KG = bounds.least_work(G[s], B)
+        cut = stage_cuts._chunk_cut(h, F, G, s, B, recompute)
+        KG = heads.least_work(G[s], B)
         for T in targets:
-            c = bounds._suffix_work(T, h, F, G, s, cut, KG, B, recompute)
-            p = bounds._suffix_work(T, h, F, G, s, cut, KG, B, recompute, compiled=False)
+            c = stage_cuts._suffix_work(T, h, F, G, s, cut, KG, B, recompute)
+            p = stage_cuts._suffix_work(T, h, F, G, s, cut, KG, B, recompute, compiled=False)
             for x, y in zip(c, p):
                 np.testing.assert_array_equal(x, y)
     if recompute:
         return  # the untied programs are for tied schedules' bounds only
-    ut = bounds.untied_heads(F, G, L, h, B)
+    ut = untied.untied_heads(F, G, L, h, B)
     reached = []
     for s in range(S):
-        ends = bounds._untied_limits(h, ut, F, G, s, B)
+        ends = untied.untied_limits(h, ut, F, G, s, B)
         for T in targets + [np.iinfo(np.int64).max // 4]:
-            c = bounds._two_chains(T, F[s], G[s], *ends, B)
-            p = bounds._two_chains(T, F[s], G[s], *ends, B, compiled=False)
+            c = untied.two_chains(T, F[s], G[s], *ends, B)
+            p = untied.two_chains(T, F[s], G[s], *ends, B, compiled=False)
             assert (c is None) == (p is None), (s, T)
             if c is not None:
                 np.testing.assert_array_equal(c, p)
@@ -1049,7 +1049,7 @@ def test_pair_program_witness_is_a_path_of_the_relaxation(name, B):
     for tie in [pair_program.UNTIED, ("none", "count"), ("sizes", "sizes")]:
         for s in range(S - 1):
             least = pair_program.pair_program_bound(F, G, L, B, 0, passes=[tie]) if s == S - 2 else None
-            T = (least or bounds.own_bound(problem)) + 2000
+            T = (least or fast.own_bound(problem)) + 2000
             path = pair_program.pair_program_feasible(T, F, G, L, h, ut, B, s, tie=tie, witness=True)
             assert path, (tie, s)
             _assert_relaxed_path(path, F[s : s + 2], G[s : s + 2], L[s], B, T, tie)
@@ -1097,7 +1097,7 @@ def test_pair_program_gives_a_question_up_past_its_label_cap(monkeypatch):
     if not pair_program.COMPILED:
         pytest.skip("not compiled")
     problem, F, G, L, h, ut = _pair_inputs("gpt-sim", 8)
-    known = bounds.untied_bound(F, G, L, 8, bounds.stage_bound(F, G, L, 8, False))
+    known = untied.untied_bound(F, G, L, 8, stage_cuts.stage_bound(F, G, L, 8, False))
     full = pair_program.pair_program_bound(F, G, L, 8, known)
     monkeypatch.setattr(pair_program, "DIVE_STATES", 0)
     monkeypatch.setattr(pair_program, "MAX_LABELS", 20)
@@ -1122,19 +1122,24 @@ def test_pair_program_lifts_vgg16_where_the_pair_models_are_slow():
     # vgg16-cpu, S=4, B=16: the untied bound 199.99 ms; CP-SAT's untied pair model 206.2 in a
     # minute; the best schedule known 211.5. The program: 207.3 in about a second
     problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 16)
-    F, G, L = bounds.int_tables(problem)
-    known = bounds.own_bound(problem)
+    F, G, L = heads.int_tables(problem)
+    known = fast.own_bound(problem)
     program = pair_program.pair_program_bound(F, G, L, 16, known, seconds=20) / 1000 + problem.tables.optimizer_ms
     assert 207.0 < program < 211.5
 
 
-def test_matched_bound_runs_in_a_process_of_its_own_and_gives_up_on_time():
-    problem = _synthetic_problem(3, 12, 8, 5, 0.2, 1e5)  # 96 cells: past MATCHED_FAST_CELLS
-    F, G, L = bounds.int_tables(problem)
-    known = bounds.own_bound(problem)
-    assert 12 * 8 > bounds.MATCHED_FAST_CELLS
-    assert pairs._programs_within(F, G, L, 12, known, 60.0) >= bounds.matched_bound(F, G, L, 12, known)
-    assert pairs._programs_within(F, G, L, 12, known, 0.0) == known
+def test_pair_program_runs_in_a_process_of_its_own_and_gives_up_on_time():
+    problem = _synthetic_problem(3, 12, 8, 5, 0.2, 1e5)  # 96 cells: past what the fast bound runs it on
+    F, G, L = heads.int_tables(problem)
+    known = fast.own_bound(problem)
+    assert 12 * 8 > fast.FAST_PROGRAM_CELLS
+    lifts = []
+    full = pair_program.pair_program_bound(F, G, L, 12, known)
+    assert pairs.program_within(problem, known, 60.0, lifts.append) == full
+    assert lifts and max(lifts) == full
+    t0 = time.perf_counter()
+    assert known <= pairs.program_within(problem, known, 0.0) <= full  # what it proved before it was stopped
+    assert time.perf_counter() - t0 < 5
 
 
 def test_solve_counts_the_bounds_before_the_solver_within_the_time_limit(monkeypatch):
@@ -1146,13 +1151,13 @@ def test_solve_counts_the_bounds_before_the_solver_within_the_time_limit(monkeyp
 
     def slow_bound(problem, scope="any order"):
         time.sleep(0.6)
-        return best_bound_ms(problem, scope)
+        return fast_bound_ms(problem, scope)
 
     def recording(problem, time_limit, **kw):
         seen.append(time_limit)
         return SOLVERS["equal"](problem, time_limit=time_limit, **kw)
 
-    monkeypatch.setattr(solve_mod, "best_bound_ms", slow_bound)
+    monkeypatch.setattr(solve_mod, "fast_bound_ms", slow_bound)
     monkeypatch.setitem(solve_mod.SOLVERS, "recording", recording)
     prof = synthetic_profile(3, max_size=8, seed=2)
     report = solve_mod.solve(prof, 12, solver="recording", time_limit=4.0)

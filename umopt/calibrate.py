@@ -28,7 +28,7 @@ from collections import defaultdict
 import numpy as np
 
 from .errors import UmoptError
-from .profile import Profile
+from .formats.profile import Profile
 
 __all__ = ["calibrate", "size_ratios", "step_overhead_ms"]
 

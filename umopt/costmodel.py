@@ -3,7 +3,7 @@
 This module is the single source of predicted times. :func:`simulate` is the plain reference
 simulator of docs/formats.md ("Cost model"): it plays any op lists (GPipe, 1F1B or any other order)
 and returns the iteration time, per-stage busy time and peak memory, and the timeline of every op
-and message. Solvers that need speed use :mod:`umopt.vectorized`, which must agree with this to
+and message. Solvers that need speed use :mod:`umopt.population_sim`, which must agree with this to
 1e-9 and is tested against it.
 
 Times are milliseconds. Chunk sizes are whole samples, so per-size costs are tabulated once, with
@@ -13,16 +13,29 @@ linear interpolation between the profile's measured sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
 from .errors import UmoptError
-from .profile import Profile
+if TYPE_CHECKING:  # (the formats import the cost model to check schedules)
+    from .formats.profile import Profile
 
 __all__ = ["Op", "CostTables", "Span", "Message", "Timeline", "simulate", "stage_peak_memory"]
 
-Op = tuple[str, int, int]  # ("F" | "B", lo, hi): a chunk of samples [lo, hi)
+class Op(NamedTuple):
+    """One op of a stage: the forward (``kind`` "F") or backward ("B") of samples ``[lo, hi)``.
+
+    A tuple, so it reads and writes as ``["F", lo, hi]`` in schedule files and unpacks as
+    ``kind, lo, hi``."""
+
+    kind: str
+    lo: int
+    hi: int
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
 
 
 @dataclass(frozen=True)

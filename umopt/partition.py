@@ -25,6 +25,7 @@ __all__ = [
     "onef1b_schedule",
     "pipedream_warmup",
     "partitions_from_ops",
+    "backwards_in_sample_order",
 ]
 
 
@@ -91,8 +92,8 @@ def repair_ends(ends: np.ndarray, max_size: int) -> np.ndarray:
 
 def gpipe_ops(fsizes: Sequence[int], bsizes: Sequence[int]) -> list[Op]:
     """One stage's GPipe order: every F in sample order, then every B in reverse sample order."""
-    ops: list[Op] = [("F", lo, hi) for lo, hi in chunks(fsizes)]
-    ops += [("B", lo, hi) for lo, hi in reversed(chunks(bsizes))]
+    ops: list[Op] = [Op("F", lo, hi) for lo, hi in chunks(fsizes)]
+    ops += [Op("B", lo, hi) for lo, hi in reversed(chunks(bsizes))]
     return ops
 
 
@@ -134,16 +135,16 @@ def onef1b_schedule(
         forwarded_when: list[int] = []
         i = j = forwarded = 0
         for _ in range(min(warm[s], len(fch))):
-            ops.append(("F", *fch[i]))
+            ops.append(Op("F", *fch[i]))
             forwarded = fch[i][1]
             i += 1
         while i < len(fch) or j < len(bch):
             if i < len(fch):
-                ops.append(("F", *fch[i]))
+                ops.append(Op("F", *fch[i]))
                 forwarded = fch[i][1]
                 i += 1
             while j < len(bch) and (need[j] <= forwarded or i == len(fch)):
-                ops.append(("B", *bch[j]))
+                ops.append(Op("B", *bch[j]))
                 forwarded_when.append(forwarded)
                 j += 1
                 if i < len(fch):
@@ -158,3 +159,8 @@ def partitions_from_ops(ops: Sequence[Op]) -> tuple[list[int], list[int]]:
     f = sorted((lo, hi) for k, lo, hi in ops if k == "F")
     b = sorted((lo, hi) for k, lo, hi in ops if k == "B")
     return [hi - lo for lo, hi in f], [hi - lo for lo, hi in b]
+
+
+def backwards_in_sample_order(ops: Sequence[Sequence[Op]]) -> bool:
+    """Does every stage's op list run its B ops in sample order (the 1F1B family, any warm-ups)?"""
+    return all([lo for kind, lo, _ in st if kind == "B"] == sorted(lo for kind, lo, _ in st if kind == "B") for st in ops)

@@ -17,7 +17,7 @@ import numpy as np
 
 from .costmodel import CostTables, Op, Timeline, simulate
 from .partition import gpipe_ops, onef1b_schedule, partitions_from_ops, pipedream_warmup
-from .vectorized import PopulationScore, evaluate_1f1b, evaluate_gpipe
+from .population_sim import PopulationScore, evaluate_1f1b, evaluate_gpipe
 
 __all__ = ["Problem", "Candidate", "SolverResult", "Progress", "ticking", "pack", "score_gpipe", "score_1f1b"]
 
@@ -94,7 +94,7 @@ class Candidate:
     def from_ops(cls, ops: Sequence[Sequence[Op]]) -> "Candidate":
         """A free-order candidate from per-stage op lists."""
         parts = [partitions_from_ops(o) for o in ops]
-        return cls([f for f, _ in parts], [b for _, b in parts], "free", explicit_ops=[list(o) for o in ops])
+        return cls([f for f, _ in parts], [b for _, b in parts], "free", explicit_ops=[[Op(*op) for op in o] for o in ops])
 
     @property
     def warmups(self) -> list[int]:
@@ -151,7 +151,7 @@ def score_gpipe(problem: Problem, fsizes: np.ndarray, bsizes: Optional[np.ndarra
 def score_1f1b(
     problem: Problem, fsizes: np.ndarray, warmup: Optional[np.ndarray] = None, bsizes: Optional[np.ndarray] = None
 ) -> tuple[np.ndarray, PopulationScore]:
-    """Iteration ms of each 1F1B-order individual (warm-ups as :func:`umopt.vectorized.evaluate_1f1b`'s),
+    """Iteration ms of each 1F1B-order individual (warm-ups as :func:`umopt.population_sim.evaluate_1f1b`'s),
     ``inf`` where it breaks the memory limit."""
     return _within_memory(problem, evaluate_1f1b(problem.tables, fsizes, warmup, bsizes))
 

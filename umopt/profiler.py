@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .errors import UmoptError
-from .profile import PROFILE_FORMAT, Profile, default_sizes
+from .formats.profile import PROFILE_FORMAT, Profile, default_sizes
 from .devices import TensorSpec, autocast, boundary_tensors, default_memory_limit
 from .zoo import ModelParts, build_model
 

@@ -43,8 +43,8 @@ import torch.distributed as dist
 from .costmodel import CostTables, Span, Timeline, simulate
 from .errors import UmoptError
 from .fileio import write_atomic, write_json
-from .profile import Profile, load_profile
-from .schedule import Schedule, check_against_profile, load_schedule
+from .formats.profile import Profile, load_profile
+from .formats.schedule import Schedule, check_against_profile, load_schedule
 from .devices import TensorSpec, autocast, boundary_tensors, rank_device, to_device
 from .zoo import ModelParts, build_model
 

@@ -8,23 +8,19 @@ written here; the CLI writes the files once everything has succeeded.
 
 from __future__ import annotations
 
-import base64
 import os
-import pickle
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 from .baselines import Baseline, gpipe_equal, onef1b_equal
+from .bounds import Beside, Scope, fast_bound_ms, fast_job, reported_bounds, spec_bound
 from .costmodel import CostTables, Timeline
 from .errors import UmoptError
 from .problem import Candidate, Problem, Progress, SolverResult
-from .profile import Profile
-from .schedule import Schedule, make_schedule, validate_ops
+from .formats.profile import Profile
+from .formats.schedule import Schedule, make_schedule, validate_ops
 from .solvers import SOLVERS
-from .solvers.bounds import backwards_in_sample_order, best_bound_ms
 
 __all__ = ["SolveReport", "solve", "make_problem"]
 
@@ -54,44 +50,16 @@ class SolveReport:
 
 # what the solver gets at least where the bounds before it took most of --time-limit
 MIN_SOLVER_SHARE = 0.25
-# From this many cells (B x largest chunk) on, the fast bounds run in a process of their own
-# beside the solver: there they take seconds (transformer8-sim, both scopes: B=128 2.9 s, B=256
-# 5.6 s; S=4, B=32 0.9 s) and no pair bounds run on the other cores, so the solver keeps its time
+# From this many cells (B x largest chunk) on, the fast bounds take seconds and run in a process
+# of their own beside the solver, which keeps its whole time; below, they run before it
 BOUNDS_BESIDE_CELLS = 4096
+# how long past the time limit a solve waits for the fast bounds beside it before it reports the
+# spec's bound instead
+BESIDE_GRACE_S = 1.0
 
 
-class _BoundsBeside:
-    """:func:`best_bound_ms` for every schedule and (``family``) for the 1F1B family, computed in
-    a child process while the solver runs. A plain subprocess, as in :mod:`.solvers.pairs`:
-    spawning would import the caller's main module again."""
-
-    def __init__(self, problem: Problem, family: bool):
-        self.problem, self.family = problem, family
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _BOUNDS_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(base64.b64encode(pickle.dumps((problem, family))).decode())
-        self.proc.stdin.close()
-
-    def result(self) -> tuple[float, Optional[float]]:
-        assert self.proc.stdout is not None
-        out = self.proc.stdout.read().split()
-        self.proc.wait()
-        if self.proc.returncode != 0 or len(out) != 2:  # then here, as where it is small
-            return _fast_bounds(self.problem, self.family)
-        return float(out[0]), (float(out[1]) if self.family else None)
-
-
-_BOUNDS_CHILD = (
-    "import base64, pickle, sys; from umopt.solvers.bounds import best_bound_ms; "
-    "p, family = pickle.loads(base64.b64decode(sys.stdin.read())); "
-    "print(best_bound_ms(p)); print(best_bound_ms(p, '1f1b order') if family else 0.0)"
-)
-
-
-def _fast_bounds(problem: Problem, family: bool) -> tuple[float, Optional[float]]:
-    return best_bound_ms(problem), (best_bound_ms(problem, "1f1b order") if family else None)
+def _fast_bounds(problem: Problem, family: bool) -> dict[Scope, Optional[float]]:
+    return {Scope.ANY: fast_bound_ms(problem), Scope.IN_ORDER: fast_bound_ms(problem, Scope.IN_ORDER) if family else None}
 
 
 def make_problem(profile: Profile, minibatch: int, recompute: bool) -> Problem:
@@ -130,40 +98,37 @@ def solve(
             f"minibatch {minibatch} does not fit the memory limit of {limit} bytes with any equal partition"
             + ("" if recompute else "; try --recompute")
         )
-    # the fast bound (the spec's, or the stage cuts' and untied bound's when higher), and the 1F1B
-    # family's, which most schedules are of: beside the solver where they take seconds, else
-    # before it; either way within the time limit (they used to come on top of it)
+    # the fast bounds of every schedule and of the 1F1B family, which most schedules are of:
+    # beside the solver where they take seconds, else before it; within the time limit either way
+    family = not recompute
     beside = None
     if problem.minibatch * problem.max_size >= BOUNDS_BESIDE_CELLS and (os.cpu_count() or 1) >= 2:
-        beside = _BoundsBeside(problem, not recompute)
+        beside = Beside(fast_job, problem, family=family)
     else:
-        lb, lb_family = _fast_bounds(problem, not recompute)
+        fast = _fast_bounds(problem, family)
     t0 = time.perf_counter()
     left = max(MIN_SOLVER_SHARE * time_limit, time_limit - (t0 - started))
     try:
         result = SOLVERS[solver](problem, time_limit=left, seed=seed, progress=progress, order=order)
-    except BaseException:  # (a solver's error, an interrupt) no bound is wanted any more
+        if beside is not None:  # what it proved by the time limit (the spec's bound, if nothing)
+            got = beside.wait(timeout=max(0.0, started + time_limit - time.perf_counter()) + BESIDE_GRACE_S)
+            fast = {Scope.ANY: got.get(Scope.ANY.value, spec_bound(problem)), Scope.IN_ORDER: got.get(Scope.IN_ORDER.value) if family else None}
+            if Scope.ANY.value not in got:
+                result.extra.setdefault("note", "the fast bounds did not finish within --time-limit, so the bound is the spec's simple one (more time gives a tighter one)")
+    finally:
         if beside is not None:
-            beside.proc.kill()
-        raise
+            beside.close()
     seconds = time.perf_counter() - t0
-    if beside is not None:
-        lb, lb_family = beside.result()
+    lb = fast[Scope.ANY]
     cand: Candidate = result.candidate
     ops = cand.ops()
     validate_ops(ops, minibatch, problem.max_size, recompute)
     timeline = cand.simulate(problem)
     if not cand.fits(timeline, problem):
         raise UmoptError(f"solver {result.name} found no schedule within the memory limit")
-    # a schedule of the 1F1B family (B ops in sample order) is also measured against the best of
-    # that family, whose bound is tighter; under --order 1f1b that family is the whole question
-    bound = max(lb, result.lower_bound_ms or lb)
-    lb_1f1b = None
-    if lb_family is not None and (order == "1f1b" or backwards_in_sample_order(ops)):
-        lb_1f1b = max(bound, lb_family, result.extra.get("lower_bound_1f1b_ms", 0.0))
-    scope = {"bound_scope": result.extra["bound_scope"]} if "bound_scope" in result.extra else {}
-    if order == "1f1b" and lb_1f1b is not None:
-        bound, scope = lb_1f1b, {"bound_scope": "1f1b order"}
+    bound, scope, lb_1f1b = reported_bounds(
+        fast, result.lower_bound_ms, result.extra.get("bound_scope"), result.extra.get("lower_bound_1f1b_ms"), ops, order
+    )
     schedule = make_schedule(
         profile,
         minibatch,
@@ -181,7 +146,7 @@ def solve(
             "time_limit": time_limit,
             "evaluated": result.evaluated,
             **({"winner": result.extra["winner"]} if "winner" in result.extra else {}),
-            **scope,
+            **({"bound_scope": scope.value} if scope is not None else {}),
             "schedule_order": cand.order,
             **({"warmup": cand.warmup} if cand.order == "1f1b" and cand.warmup is not None else {}),
         },

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .profile import PROFILE_FORMAT, Profile, default_sizes
+from .formats.profile import PROFILE_FORMAT, Profile, default_sizes
 
 __all__ = ["synthetic_profile"]
 

@@ -22,9 +22,9 @@ from .errors import UmoptError
 from .fileio import read_json
 from .launch import launch
 from .problem import Candidate
-from .profile import Profile, load_profile, save_profile
+from .formats.profile import Profile, load_profile, save_profile
 from .profiler import ProfileOptions, check_profile_options, profile_model
-from .schedule import make_schedule, save_schedule
+from .formats.schedule import make_schedule, save_schedule
 from .solve import make_problem, solve
 
 __all__ = ["DEFAULT", "TuneRow", "TuneResult", "calibration_runs", "tune"]

@@ -4,7 +4,7 @@ One module each: ``equal`` (best equal chunks), ``dp`` (one shared partition by 
 programming), ``ramp`` (one shared partition, small chunks first and last), ``greedy`` (stage-by-stage local choice), ``ga`` (the paper's dual-chromosome
 genetic algorithm on the vectorized evaluator), ``cpsat`` and ``milp`` (exact models in OR-Tools
 CP-SAT and in PuLP, of free-order or GPipe-order schedules, seeded with the GA's best; their
-lower bounds come with :mod:`.bounds`) and ``auto`` (the heuristics within a time budget).
+lower bounds come with :mod:`umopt.bounds`) and ``auto`` (the heuristics within a time budget).
 """
 
 from .auto import solve_auto

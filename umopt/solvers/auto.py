@@ -1,24 +1,19 @@
 """The default solver: the best equal, DP and ramp schedules first, then the GA, within the time limit.
 
 The ramp (one shared partition, small chunks first and last) is where the GA starts on deep
-pipelines: at S=8 it cannot line up such chunk ends on every stage by itself within a minute
-(transformer8-sim, B=256: 436 ms alone, 416 started from the ramp's 434; B=128: 262 against
-254; B=64, 30 s: 171 against 166). At S=4 the start made no difference beyond the random path
-(gpt-sim, B=32, 60 s: 104.02 either way; vgg16-cpu, seeds 0 / 1 / 2: 321.1 / 320.1 / 320.1
-from the ramp against 319.5 / 320.1 / 320.6 without).
+pipelines: there it cannot line up such chunk ends on every stage by itself.
 
 On instances small enough for the exact model to prove (about S=4, B=8), half the time goes to
 CP-SAT, warm-started with the best schedule found: the free-order model under ``--order auto``
 (its bound holds for every schedule), the GPipe-order one under ``--order gpipe``; its proof and
 bound are then the report's. On larger ones the GA has all the time, and up to S=4, B=32 the pair
-bounds of :mod:`.pairs` run beside it on the other cores: the matched bound, the pair program and the untied pairs
-(:func:`.pairs.pair_bound_ms`), whose bound holds for
-every schedule and is the report's (status "optimal" where the schedule meets it), then the pairs
-of the 1F1B family (B ops in sample order, the GA's schedules), reported where the schedule found
-is of that family (``lower_bound_1f1b_ms``; under ``--order 1f1b`` only they run, and they are the
-bound). When the bound meets the GA's best schedule, both stop there: it is optimal
-(vgg16-cpu, B=12). The result is the best schedule any of them found, scored by the reference simulator, so
-it is never worse than the best equal schedule.
+bounds run beside it on the other cores (:class:`umopt.bounds.Beside`): first those of every
+schedule (the report's bound; status "optimal" where the schedule meets it), then those of the
+1F1B family (B ops in sample order, the GA's schedules), reported where the schedule found is of
+that family (``lower_bound_1f1b_ms``; under ``--order 1f1b`` only they run, and they are the
+bound). When the bound meets the GA's best schedule, both stop there: it is optimal. The result
+is the best schedule any of them found, scored by the reference simulator, so it is never worse
+than the best equal schedule.
 """
 
 from __future__ import annotations
@@ -28,15 +23,16 @@ import threading
 import time
 from typing import Optional
 
+from ..bounds import IN_ORDER_MAX_CELLS, Beside, Scope, pair_bound_runs, pairs_job
 from ..errors import UmoptError
+from ..partition import backwards_in_sample_order
 from ..problem import Problem, Progress, SolverResult
 from .cpsat import solve_cpsat
 from .dp import solve_dp
 from .equal import solve_equal
+from .exact import model_terms
 from .ga import solve_ga
 from .ramp import solve_ramp
-from .bounds import backwards_in_sample_order
-from .pairs import IN_ORDER_MAX_CELLS, pair_bound_ms, pair_bound_runs
 
 __all__ = ["solve_auto"]
 
@@ -61,7 +57,7 @@ def solve_auto(
     # (a start that adds nothing still changes the random path, by several percent at S=8)
     best_equal = fast[0].candidate.iteration_ms if fast and fast[0].name == "equal" else float("inf")
     seeds = [r.candidate for r in fast if r.candidate.iteration_ms < best_equal - 1e-9]
-    exact = order != "1f1b" and exact_model_terms(problem) <= EXACT_MAX_TERMS
+    exact = order != "1f1b" and model_terms(problem) <= EXACT_MAX_TERMS
     # where CP-SAT cannot prove the optimum (S=4, B=12 to 32), the pair bounds run beside the GA,
     # on the cores it does not use (it searches on one; CP-SAT releases the GIL), so the GA keeps
     # its whole time: under --order auto first the untied pairs (a bound on every schedule, for
@@ -70,60 +66,52 @@ def solve_auto(
     beside_runs = not exact and order != "gpipe" and pair_bound_runs(problem, IN_ORDER_MAX_CELLS)
     left = max(0.1, time_limit - (time.perf_counter() - t0))
     ga_time = left * (1 - (EXACT_SHARE if exact else 0))
-    side: dict = {}
     # the bound on the schedules the GA searches, as the pairs beside it prove it: once the GA's
     # best meets it, the schedule is optimal and both stop. The bounds are on floored
     # microseconds: within one per op of one is optimal.
     proven = threading.Event()
     close = 2 * problem.num_stages * problem.minibatch / 1000
+    side: dict = {"now": 0.0, "found": float("inf")}
+    beside: Optional[Beside] = None
 
     def stop(best_ms: float) -> bool:
-        side["found"] = min(side.get("found", best_ms), best_ms)
-        if "now" in side and best_ms <= side["now"] + close:
+        if best_ms < side["found"]:
+            side["found"] = best_ms
+            if beside is not None:
+                beside.offer(best_ms)  # a tighter horizon for the pair models
+        if best_ms <= side["now"] + close:
             proven.set()
         return proven.is_set()
 
-    def now(bound_ms: float) -> None:
-        side["now"] = max(side.get("now", 0.0), bound_ms)
+    def on_bound(scope: str, ms: float) -> None:
+        # the GA searches every order under --order auto (bounded by the any-order pairs), only
+        # the 1F1B family under --order 1f1b (bounded by that family's)
+        if scope == Scope.ANY.value or order == "1f1b":
+            side["now"] = max(side["now"], ms)
 
     if beside_runs:
+        any_time = ANY_ORDER_SHARE * ga_time if order == "auto" else 0.0
+        beside = Beside(
+            pairs_job, problem, on_bound, any_seconds=any_time, family_seconds=ga_time - any_time, seed=seed,
+            max_cells=IN_ORDER_MAX_CELLS, workers=max(1, (os.cpu_count() or 1) - 1),
+        )
         # a horizon for its models: the best fast schedule within the memory limit, if any
         first = min((r.candidate.iteration_ms for r in fast if r.candidate.iteration_ms < float("inf")), default=None)
-
-        def upper() -> Optional[float]:  # and then the GA's best as it improves: a tighter horizon
-            return min((v for v in (first, side.get("found")) if v is not None and v < float("inf")), default=None)
-
-        workers = max(1, (os.cpu_count() or 1) - 1)
-        any_time = ANY_ORDER_SHARE * ga_time if order == "auto" else 0.0
-
-        def bound_beside() -> None:
-            # the GA searches every order under --order auto (the untied pairs bound it), only the
-            # 1F1B family under --order 1f1b (the in-order pairs do)
-            try:
-                if any_time:
-                    side["any"] = pair_bound_ms(problem, any_time, upper, seed, now, IN_ORDER_MAX_CELLS, "any order", workers, proven)
-                    now(side["any"])  # where it settled early, the GA may still meet it
-                if proven.is_set():  # optimal among every schedule, so among that family's too
-                    side["1f1b"] = side["any"]
-                    return
-                report = now if order == "1f1b" else None
-                side["1f1b"] = pair_bound_ms(problem, ga_time - any_time, upper, seed, report, IN_ORDER_MAX_CELLS, "1f1b order", workers, proven)
-                # a bound on every schedule bounds that family's too
-                side["1f1b"] = max(side["1f1b"], side.get("any", 0.0))
-                if report:
-                    report(side["1f1b"])
-            except BaseException as e:  # raised again in the caller's thread
-                side["error"] = e
-
-        beside = threading.Thread(target=bound_beside, daemon=True)
-        beside.start()
-    ga = solve_ga(problem, time_limit=ga_time, seed=seed, progress=progress, seeds=seeds, order=order, stop=stop if beside_runs else None)
-    ga.candidate.iteration_ms = ga.candidate.simulate(problem).iteration_ms
-    if beside_runs:
-        stop(ga.candidate.iteration_ms)  # a bound proven after the GA's last look stops the pairs too
-        beside.join()
-        if "error" in side:
-            raise side["error"]
+        if first is not None:
+            stop(first)
+    try:
+        ga = solve_ga(problem, time_limit=ga_time, seed=seed, progress=progress, seeds=seeds, order=order, stop=stop if beside_runs else None)
+        ga.candidate.iteration_ms = ga.candidate.simulate(problem).iteration_ms
+        if beside is not None:
+            stop(ga.candidate.iteration_ms)  # a bound proven after the GA's last look ends the pairs too
+            proved = beside.stop() if proven.is_set() else beside.wait(timeout=max(0.0, t0 + time_limit - time.perf_counter()))
+            if Scope.ANY.value in proved:
+                side["any"] = proved[Scope.ANY.value]
+            if proved:  # a bound on every schedule bounds that family's too
+                side["1f1b"] = max(proved.get(Scope.IN_ORDER.value, 0.0), side.get("any", 0.0))
+    finally:
+        if beside is not None:
+            beside.close()
     results = fast + [ga]
     status, bound, extra = "feasible", None, {}
     if exact:
@@ -147,10 +135,10 @@ def solve_auto(
         in_order_bound = min(side["1f1b"], found)
         extra["lower_bound_1f1b_ms"] = in_order_bound
         if order == "1f1b":  # that family is all auto searched
-            bound, extra["bound_scope"] = in_order_bound, "1f1b order"
+            bound, extra["bound_scope"] = in_order_bound, Scope.IN_ORDER.value
             status = "optimal" if found <= in_order_bound + close else status
     if "any" in side:
-        bound, extra["bound_scope"] = min(side["any"], found), "any order"
+        bound, extra["bound_scope"] = min(side["any"], found), Scope.ANY.value
         if found <= bound + close:
             status = "optimal"
     return SolverResult(
@@ -164,22 +152,11 @@ def solve_auto(
     )
 
 
-# Where the free-order CP-SAT model gets half the time: where it proves optimality within a
-# minute on 2 cores (S=4: gpt-sim B=8 in 18 s, vgg16-cpu B=8 in 23 s; model size 1,152; with the
-# tighter bounds `auto --time-limit 40` proves gpt-sim B=10 (2,200) in 33 s, not vgg16-cpu B=10).
-# From gpt-sim B=12 (3,744) on it proves nothing in 60 s and its bound stays at the fast one, while
-# the GA with its iterated local search finds schedules as good or better (at S=4, B=32 CP-SAT has
-# not improved on its warm start since the GA searched warm-ups), so there its half was lost.
+# Where the free-order CP-SAT model gets half the time: up to the model size where it proves
+# optimality within a minute on 2 cores; beyond, it proves nothing and the GA finds schedules as
+# good, so there its half would be lost
 EXACT_MAX_TERMS = 3_000
 EXACT_SHARE = 0.5
-# Of the GA's time, what the untied pair bound (any order) gets beside it under --order auto;
-# the 1F1B family's pairs get the rest. The untied pairs lift gpt-sim, S=4, B=32 from 100.5 to
-# 101.1 ms in a minute on one core; the in-order ones settle most of their lift in 15 s.
+# Of the GA's time, what the pair bounds of every schedule get beside it under --order auto;
+# the 1F1B family's pairs get the rest (they settle most of their lift early)
 ANY_ORDER_SHARE = 2 / 3
-
-
-def exact_model_terms(problem: Problem) -> int:
-    """Size of the exact model: stages x minibatch x (chunks holding a sample), as in
-    :func:`.chunks.model_too_large`."""
-    mx = problem.max_size
-    return problem.num_stages * problem.minibatch * mx * (mx + 1) // 2

@@ -6,10 +6,9 @@ ops in any order: each op is an optional interval on the stage's no-overlap reso
 (``solver.bound_scope: "any order"`` in the schedule file). ``build_gpipe_model``
 (``--order gpipe``) fixes GPipe order; its proof and bound hold among GPipe-order schedules.
 Both prove small instances optimal in seconds (tests compare them with brute force over every
-partition and order). On realistic sizes (S=4, B=32) they do not close the gap: their bound
-rises to the fast bound of :mod:`.bounds` it is given and stays there. Up to S=4, B=16 the free-order
-model first spends a quarter of its time on the pair bound of :mod:`.pairs` (two stages at a
-time, solved exactly), which it then starts from.
+partition and order). On realistic sizes they do not close the gap: their bound rises to the
+bound they start from and stays there. The free-order model starts from the pair bounds (two
+stages at a time, :func:`umopt.bounds.start_bound_ms`) where they run, else from the fast bound.
 
 Decision variables are the partitions themselves: for every stage and every chunk ``[lo, hi)`` of
 at most the profile's largest size, a boolean ``x[s][c]`` (the forward partition uses it) and
@@ -41,15 +40,9 @@ from ortools.sat.python import cp_model
 
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
-from .bounds import (
-    Heads,
-    chunks_ending_at,
-    heads_and_tails,
-    int_tables,
-    linear_cuts,
-)
-from .chunks import candidate_chunks, chunk_fits, chunk_set, start_or_skip, with_clock
-from .pairs import start_bound_ms
+from ..costmodel import Op
+from ..bounds import Heads, Scope, heads_and_tails, int_tables, linear_cuts, start_bound_ms
+from .exact import candidate_chunks, chunk_fits, chunk_set, chunks_ending_at, start_or_skip, with_clock
 
 __all__ = ["solve_cpsat", "build_gpipe_model", "build_free_model"]
 
@@ -312,7 +305,7 @@ def _later_work(m, chunks, B: int, x: dict, y: dict, fdur: dict, bdur: dict, H: 
 
 
 def _add_heads(m, problem: Problem, heads: Heads, s: int, c, on, bon, fstart, bstart, fdur: int, bdur: int, makespan) -> None:
-    """Redundant release, turnaround and tail constraints of one chunk (see :mod:`.bounds`)."""
+    """Redundant release, turnaround and tail constraints of one chunk (see :mod:`umopt.bounds.heads`)."""
     lo, hi = c
     b = hi - lo
     if heads.release[s, hi] > 0:
@@ -399,12 +392,12 @@ def _solve_cpsat(problem: Problem, time_limit: float, seed: int, hint: Optional[
         lower_bound_ms=min(bound, cand.iteration_ms),
         seconds=time.perf_counter() - t0,
         evaluated=warm_scored,
-        extra={"bound_scope": "gpipe order" if order == "gpipe" else "any order", "cp_status": solver.status_name(status)},
+        extra={"bound_scope": (Scope.GPIPE if order == "gpipe" else Scope.ANY).value, "cp_status": solver.status_name(status)},
     )
 
 
 def _ops_by_start(solver: cp_model.CpSolver, x: dict, y: dict, fstart: dict, bstart: dict) -> list:
     """One stage's op list in the order the solver timed it (F first on a tie: B needs its F)."""
-    timed = [(solver.value(fstart[c]), 0, ("F", *c)) for c in x if solver.boolean_value(x[c])]
-    timed += [(solver.value(bstart[c]), 1, ("B", *c)) for c in y if solver.boolean_value(y[c])]
+    timed = [(solver.value(fstart[c]), 0, Op("F", *c)) for c in x if solver.boolean_value(x[c])]
+    timed += [(solver.value(bstart[c]), 1, Op("B", *c)) for c in y if solver.boolean_value(y[c])]
     return [op for _, _, op in sorted(timed)]

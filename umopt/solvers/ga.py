@@ -11,8 +11,8 @@ evolve; with recompute both evolve independently, in either order. Each generati
   degenerates to copying a whole stage);
 * mutations shift, add or remove a chunk end, copy a neighbouring stage, or reset a stage to
   equal chunks; a repair pass splits any chunk longer than the profile's largest size;
-* the whole population is scored at once: :func:`umopt.vectorized.evaluate_gpipe` for GPipe
-  order, :func:`umopt.vectorized.evaluate_1f1b` for 1F1B order. An individual also carries its
+* the whole population is scored at once: :func:`umopt.population_sim.evaluate_gpipe` for GPipe
+  order, :func:`umopt.population_sim.evaluate_1f1b` for 1F1B order. An individual also carries its
   order as a gene, so the search picks the order along with the partitions, and a 1F1B
   individual carries each stage's warm-up (forwards before its first backward) as a third
   chromosome: PipeDream-flush fixes it at ``S - s - 1``, but the stage holding the most work
@@ -24,10 +24,7 @@ never worse than they are; a best-improvement local search (:mod:`.local`) polis
 individual now and then. Once the population stalls (or 90% of the time is gone) the best of each
 order goes to an iterated local search for the rest of the time: kicks of a few random moves, each
 followed by a climb. Evolution finds the region, the kicks find what no single move reaches
-(several stages changed together), and on S=4, B=32 they do better than restarting evolution
-did (30 s, seeds 1 and 2, ``max_restarts=0`` against ``None``: gpt-sim 105.6 / 105.9 ms against
-106.2 / 106.5, vgg16-cpu 319.9 / 321.1 against 320.0 / 322.5, gpt-cpu 144.7 / 143.8 against
-147.5 / 144.6; measured before the climb's aligned moves came in). Ties in
+(several stages changed together), which pays better than restarting evolution. Ties in
 iteration time, which are common because it is a max over stages, are broken by the sum of the
 stages' finish times.
 """
@@ -35,6 +32,7 @@ stages' finish times.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -194,6 +192,38 @@ def _crossover(rng: np.random.Generator, a: np.ndarray, b: np.ndarray) -> np.nda
     return np.where(np.arange(B) < cut, first, second)
 
 
+@dataclass
+class _Population:
+    """Individuals as rows: forward chunk ends ``fe`` (P, S, B), backward ones (``fe`` itself
+    without recompute: one partition per stage), the order gene ``onef1b`` (P,), the 1F1B warm-ups
+    (P, S) and the fitness (P,)."""
+
+    fe: np.ndarray
+    be_own: Optional[np.ndarray]  # only with recompute
+    onef1b: np.ndarray
+    warmup: np.ndarray
+    fit: np.ndarray
+
+    @property
+    def be(self) -> np.ndarray:
+        return self.fe if self.be_own is None else self.be_own
+
+    @classmethod
+    def scored(cls, scorer: "_Scorer", fe, be, onef1b, warmup, recompute: bool) -> "_Population":
+        return cls(fe, be if recompute else None, onef1b, warmup, scorer(fe, be, onef1b, warmup))
+
+    def take(self, idx: np.ndarray) -> "_Population":
+        return _Population(self.fe[idx], None if self.be_own is None else self.be_own[idx], self.onef1b[idx], self.warmup[idx], self.fit[idx])
+
+    def __add__(self, other: "_Population") -> "_Population":
+        cat = np.concatenate
+        be = None if self.be_own is None else cat([self.be_own, other.be_own])
+        return _Population(cat([self.fe, other.fe]), be, cat([self.onef1b, other.onef1b]), cat([self.warmup, other.warmup]), cat([self.fit, other.fit]))
+
+    def candidate(self, k: int) -> Candidate:
+        return _to_candidate(self.fe[k], self.be[k], bool(self.onef1b[k]), self.warmup[k])
+
+
 def solve_ga(
     problem: Problem,
     *,
@@ -253,91 +283,78 @@ def solve_ga(
         wu[n_seed:] = _initial_warmups(rng, rest, S, B)
     if rec:
         _mutate(rng, be[n_seed:], problem, 1.0)
-    else:
-        be = fe
-    fit = scorer(fe, be, ob, wu)
+    pop = _Population.scored(scorer, fe, be if rec else fe, ob, wu, rec)
 
-    best_fit, stall, gen, polished, restarts = float(fit.min()), 0, 0, 0, 0
+    best_fit, stall, gen, polished, restarts = float(pop.fit.min()), 0, 0, 0, 0
     last_report = 0.0
     while gen < max_generations and time.perf_counter() < deadline:
         if stall >= stall_generations:
             # converged: after max_restarts restarts (None: no limit) the iterated local search
-            # gets the rest of the time, which on S=4, B=32 finds better schedules than more
-            # generations do (module docstring); a restart keeps the elite and refills the rest
-            # with fresh and heavily mutated individuals
+            # gets the rest of the time, which finds better schedules than more generations do;
+            # a restart keeps the elite and refills the rest with fresh and heavily mutated
+            # individuals
             if max_restarts is not None and restarts >= max_restarts:
                 break
             restarts += 1
             stall = 0
-            keep = _elite(fit, ob, elite)
+            kept = pop.take(_elite(pop.fit, pop.onef1b, elite))
             fresh = P - elite
-            new_f = np.concatenate([fe[keep][rng.integers(0, elite, fresh // 2)], _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B)])
+            new_f = np.concatenate([kept.fe[rng.integers(0, elite, fresh // 2)], _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B)])
             _mutate(rng, new_f, problem, 4.0)
+            new_b = new_f
             if rec:
-                new_b = np.concatenate([be[keep][rng.integers(0, elite, fresh // 2)], _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B)])
+                new_b = np.concatenate([kept.be[rng.integers(0, elite, fresh // 2)], _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B)])
                 _mutate(rng, new_b, problem, 4.0)
-            else:
-                new_b = new_f
             pick = rng.integers(0, elite, fresh // 2)
-            new_o = np.concatenate([ob[keep][pick], use_1f1b & ((not use_gpipe) | (rng.random(fresh - fresh // 2) < 0.5))])
-            new_w = np.concatenate([wu[keep][pick], np.tile(_textbook(S), (fresh - fresh // 2, 1))])
+            new_o = np.concatenate([kept.onef1b[pick], use_1f1b & ((not use_gpipe) | (rng.random(fresh - fresh // 2) < 0.5))])
+            new_w = np.concatenate([kept.warmup[pick], np.tile(_textbook(S), (fresh - fresh // 2, 1))])
             if free_warmup:
                 _mutate_warmup(rng, new_w, new_f, 2.0)
-            fe = np.concatenate([fe[keep], new_f])
-            be = np.concatenate([be[keep], new_b]) if rec else fe
-            ob = np.concatenate([ob[keep], new_o])
-            wu = np.concatenate([wu[keep], new_w])
-            fit = np.concatenate([fit[keep], scorer(new_f, new_b, new_o, new_w)])
+            pop = kept + _Population.scored(scorer, new_f, new_b, new_o, new_w, rec)
         gen += 1
-        elite_idx = _elite(fit, ob, elite)
+        elite_idx = _elite(pop.fit, pop.onef1b, elite)
         nchild = P - elite
         # tournament selection of 2 parents per child; with both orders, half the children come
         # from tournaments among each order's individuals, so the trailing order keeps evolving
         cand = rng.integers(0, P, (2, nchild, 3))
-        rank = fit[cand]
+        rank = pop.fit[cand]
         if use_1f1b and use_gpipe:
             want = (np.arange(nchild) % 2).astype(bool)  # the order each child's tournaments favour
-            rank = np.where(ob[cand] == want[None, :, None], rank, rank + 1e9)
+            rank = np.where(pop.onef1b[cand] == want[None, :, None], rank, rank + 1e9)
         parents = np.take_along_axis(cand, np.argmin(rank, axis=2)[..., None], axis=2)[..., 0]
-        child_f = _crossover(rng, fe[parents[0]], fe[parents[1]])
+        child_f = _crossover(rng, pop.fe[parents[0]], pop.fe[parents[1]])
         _mutate(rng, child_f, problem, mutation_rate)
         repair_ends(child_f, mx)
+        child_b = child_f
         if rec:
-            child_b = _crossover(rng, be[parents[0]], be[parents[1]])
+            child_b = _crossover(rng, pop.be[parents[0]], pop.be[parents[1]])
             _mutate(rng, child_b, problem, mutation_rate)
             # now and then hand a stage's forward chunks to its backward chromosome
             flip = rng.random((nchild, S)) < 0.02
             child_b[flip] = child_f[flip]
             repair_ends(child_b, mx)
-        else:
-            child_b = child_f
-        child_o = ob[parents[0]].copy()
+        child_o = pop.onef1b[parents[0]].copy()
         if use_1f1b and use_gpipe:
             child_o ^= rng.random(nchild) < 0.03
-        child_w = np.where(rng.random((nchild, S)) < 0.5, wu[parents[0]], wu[parents[1]])
+        child_w = np.where(rng.random((nchild, S)) < 0.5, pop.warmup[parents[0]], pop.warmup[parents[1]])
         if free_warmup:
             _mutate_warmup(rng, child_w, child_f, 0.3)
-        child_fit = scorer(child_f, child_b, child_o, child_w)
-        fe = np.concatenate([fe[elite_idx], child_f])
-        be = np.concatenate([be[elite_idx], child_b]) if rec else fe
-        ob = np.concatenate([ob[elite_idx], child_o])
-        wu = np.concatenate([wu[elite_idx], child_w])
-        fit = np.concatenate([fit[elite_idx], child_fit])
+        pop = pop.take(elite_idx) + _Population.scored(scorer, child_f, child_b, child_o, child_w, rec)
 
         # memetic step: every so often polish the best individual by local search
         if gen % 50 == 0:
-            k = int(np.argmin(fit))
+            k = int(np.argmin(pop.fit))
             pf, pb, pw, n = _polish(
-                problem, fe[k], be[k], bool(ob[k]), wu[k], min(deadline, time.perf_counter() + 0.05 * time_limit), free_warmup
+                problem, pop.fe[k], pop.be[k], bool(pop.onef1b[k]), pop.warmup[k], min(deadline, time.perf_counter() + 0.05 * time_limit), free_warmup
             )
             polished += n
-            fe[k] = pf
+            pop.fe[k] = pf
             if rec:
-                be[k] = pb
-            wu[k] = pw
-            fit[k] = scorer(fe[k : k + 1], be[k : k + 1], ob[k : k + 1], wu[k : k + 1])[0]
+                pop.be[k] = pb
+            pop.warmup[k] = pw
+            pop.fit[k] = scorer(pop.fe[k : k + 1], pop.be[k : k + 1], pop.onef1b[k : k + 1], pop.warmup[k : k + 1])[0]
 
-        now_best = float(fit.min())
+        now_best = float(pop.fit.min())
         if now_best < best_fit - 1e-9:
             best_fit, stall = now_best, 0
         else:
@@ -351,6 +368,7 @@ def solve_ga(
     # polish the best of each order by iterated local search: the climb cannot change the order,
     # and the runner-up order's best is often a few moves away from beating the leader
     end = max(deadline, time.perf_counter()) + polish_share * time_limit
+    ob, fit = pop.onef1b, pop.fit
     leaders = [int(np.flatnonzero(ob == o)[np.argmin(fit[ob == o])]) for o in (False, True) if (ob == o).any()]
     leaders.sort(key=lambda i: fit[i])
     cand, n = None, 0
@@ -364,7 +382,7 @@ def solve_ga(
 
     for j, k in enumerate(leaders):
         share = (end - time.perf_counter()) * (1.0 if j == len(leaders) - 1 else 0.75)
-        start = _to_candidate(fe[k], be[k], bool(ob[k]), wu[k])
+        start = pop.candidate(k)
         c, m = iterated_climb(
             problem, start, time.perf_counter() + share, seed=seed + j, free_warmup=free_warmup, max_kicks=polish_kicks, report=report, stop=stop
         )

@@ -1,13 +1,13 @@
-"""The exact models of :mod:`.cpsat` as mixed-integer programs (PuLP; CBC, or HiGHS when
-installed): the GPipe-order one, and a free-order one for small instances.
+"""The exact models of :mod:`.cpsat` as mixed-integer programs (PuLP, on HiGHS where the
+``highspy`` package installs, else on PuLP's CBC): the GPipe-order one, and a free-order one for
+small instances.
 
 The same decision variables (a binary per stage and chunk for the forward partition, another for
 the backward one with recompute) and the same per-sample chains, with each "if this chunk is
-used" written as a big-M term, plus the linear cuts of :mod:`.bounds`. Times stay in float
+used" written as a big-M term, plus the linear cuts of :mod:`umopt.bounds`. Times stay in float
 milliseconds. Scope as for cpsat: with ``--order gpipe`` "optimal" and the bound hold among
-GPipe-order schedules, with ``auto`` among all. CBC through PuLP reports no bound when stopped by
-the time limit; then the fast bound (:func:`.bounds.best_bound_ms`) is reported, or for the
-free-order model up to S=4, B=16 the pair bound of :mod:`.pairs`, which it also starts from.
+GPipe-order schedules, with ``auto`` among all. PuLP reports no bound when the solver is stopped
+by the time limit; then the bound the model started from is reported (:func:`umopt.bounds.start_bound_ms`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Optional
 import numpy as np
 import pulp
 
+from ..costmodel import Op
 from ..problem import Candidate, Problem, Progress, SolverResult
-from .bounds import chunks_ending_at, heads_and_tails, int_tables, linear_cuts
-from .chunks import candidate_chunks, chunk_fits, chunk_set, start_or_skip, with_clock
-from .pairs import start_bound_ms
+from ..bounds import Scope, heads_and_tails, int_tables, linear_cuts, start_bound_ms
+from .exact import candidate_chunks, chunk_fits, chunk_set, chunks_ending_at, start_or_skip, with_clock
 
-__all__ = ["solve_milp", "build_milp", "build_free_milp", "order_pairs"]
+__all__ = ["MIP_TOLERANCE_MS", "engine", "solve_milp", "build_milp", "build_free_milp", "order_pairs"]
 
 
 def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = None):
@@ -227,7 +227,7 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
 
 
 def _add_cuts(lp, problem: Problem, heads, s: int, chunks, x: dict, y: dict, F, G, makespan, gpipe: bool) -> None:
-    """The linear cuts of :func:`.bounds.linear_cuts` (microseconds, turned into ms)."""
+    """The linear cuts of :func:`umopt.bounds.linear_cuts` (microseconds, turned into ms)."""
     fd = {c: int(F[s, c[1] - c[0]]) for c in chunks}
     bd = {c: int(G[s, c[1] - c[0]]) for c in chunks}
     later_f, later_b = _later_work(lp, s, chunks, problem.minibatch, x, y, fd, bd)
@@ -257,9 +257,19 @@ def _later_work(lp, s: int, chunks, B: int, x: dict, y: dict, fdur: dict, bdur: 
     return later_f, later_b
 
 
+# how far above its bound a schedule may be and still count as optimal: the MIP solvers'
+# feasibility and gap tolerances, in ms
+MIP_TOLERANCE_MS = 1e-3
+
+
+def engine() -> str:
+    """The MIP engine: HiGHS (the ``highspy`` package) where it is installed, else PuLP's CBC."""
+    return "HiGHS" if "HiGHS" in pulp.listSolvers(onlyAvailable=True) else "CBC"
+
+
 def _solver(time_limit: float, warm: bool):
     threads = max(1, os.cpu_count() or 1)
-    if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
+    if engine() == "HiGHS":
         return pulp.HiGHS(msg=False, timeLimit=time_limit, threads=threads)
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit))), threads=threads, warmStart=warm)
 
@@ -327,8 +337,8 @@ def _solve_milp(problem: Problem, time_limit: float, seed: int, hint: Optional[C
     elif solved:
         ops = []
         for s in range(S):
-            timed = [(fstart[s][c].value(), 0, ("F", *c)) for c, v in x[s].items() if on(v)]
-            timed += [(bstart[s][c].value(), 1, ("B", *c)) for c, v in y[s].items() if on(v)]
+            timed = [(fstart[s][c].value(), 0, Op("F", *c)) for c, v in x[s].items() if on(v)]
+            timed += [(bstart[s][c].value(), 1, Op("B", *c)) for c, v in y[s].items() if on(v)]
             ops.append([op for _, _, op in sorted(timed)])
         cand = Candidate.from_ops(ops)
     else:  # nothing better in time: keep the warm start
@@ -337,18 +347,21 @@ def _solve_milp(problem: Problem, time_limit: float, seed: int, hint: Optional[C
     if base.iteration_ms < cand.iteration_ms:
         cand = base
     proven = solved and lp.sol_status == pulp.LpSolutionOptimal
-    # CBC's objective at a proven optimum is a bound (up to its tolerances); otherwise the fast one
+    # the objective at a proven optimum is a bound (up to the solver's tolerances); otherwise the
+    # starting one. A schedule that meets its bound within those tolerances is optimal too
     bound = max(lb, pulp.value(makespan) + opt - 1e-6) if proven else lb
+    optimal = proven or cand.iteration_ms <= bound + MIP_TOLERANCE_MS
     return SolverResult(
         "milp",
         cand,
-        "optimal" if proven else "feasible",
+        "optimal" if optimal else "feasible",
         lower_bound_ms=min(bound, cand.iteration_ms),
         seconds=time.perf_counter() - t0,
         evaluated=warm_scored,
         extra={
-            "bound_scope": "gpipe order" if order == "gpipe" else "any order",
+            "bound_scope": (Scope.GPIPE if order == "gpipe" else Scope.ANY).value,
             "mip_status": status,
+            "mip_engine": engine(),
             **({"note": note} if note else {}),
         },
     )

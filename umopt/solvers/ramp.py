@@ -5,15 +5,14 @@ the last stage starts after the first chunk has passed S - 1 stages, and the fir
 after the last chunk's gradient has come back through them. Small chunks there shorten both;
 large ones in the middle run at the profile's best per-sample cost. Equal chunks cannot have
 both, and on deep pipelines the GA rarely finds the shape by itself, because it must line up
-chunk ends on every stage at once: at S=8 (transformer8-sim, B=256) the best ramp here is 434 ms
-against the GA's 436 after a minute, and the GA started from it reaches 416 in that minute.
+chunk ends on every stage at once; started from the best ramp it does (``auto``).
 
 The family, for every middle size m up to the profile's largest: an up-ramp a, 2a, 4a, ... below
 m (a = 1 to 4, or none), chunks of m, the remainder as one smaller chunk after them, and a
 down-ramp (the up-ramp mirrored, or none); and the equal partitions, so that the result is never
 worse than the best equal schedule. Every stage gets the same partition, in GPipe order and
 in 1F1B order with PipeDream-flush warm-ups, and the whole family is scored in one call of the
-vectorized evaluator (S=8, B=256: 797 partitions, about a second). ``auto`` hands the best to
+population simulator (hundreds of partitions in about a second). ``auto`` hands the best to
 the GA as a start.
 """
 

@@ -9,7 +9,7 @@ order, every recurrence of the cost model is a max-plus scan:
 and a link that carries one message at a time is the same scan over message durations. So each
 stage costs a handful of ``cumsum`` / ``maximum.accumulate`` passes over a (population x chunks)
 array, and which upstream message holds a chunk's last sample is one ``searchsorted``. Where the
-install built ``umopt/_evaluate.cpp``, both evaluators run compiled instead, an individual at a
+install built ``umopt/_population_sim.cpp``, both evaluators run compiled instead, an individual at a
 time with the same floating-point steps (``COMPILED``); the numpy code stays as the fallback
 and as what the compiled scores are tested against.
 
@@ -31,7 +31,7 @@ from .costmodel import CostTables
 # what this module calls the compiled evaluators with (their VERSION)
 _COMPILED_VERSION = 1
 try:  # both evaluators compiled (setup.py); where they did not build, numpy (and a Python loop for 1F1B)
-    from . import _evaluate as _compiled
+    from . import _population_sim as _compiled
 except ImportError:  # pragma: no cover - depends on the install
     _compiled = None
 if _compiled is not None and getattr(_compiled, "VERSION", None) != _COMPILED_VERSION:  # pragma: no cover
@@ -112,9 +112,9 @@ def evaluate_gpipe(tables: CostTables, fsizes: np.ndarray, bsizes: np.ndarray | 
 
     ``fsizes``: int array (P, S, K) of forward chunk sizes per stage, zero-padded at the end.
     ``bsizes``: the same for backward chunks (sample order); ``None`` means the forward partition.
-    Compiled where the install built it (:mod:`umopt._evaluate`: the same scans an individual at
-    a time, the same scores to the bit; at the GA's population of 128 4-6x as many schedules a
-    second as numpy, whose work per call is large against its work per row).
+    Compiled where the install built it (:mod:`umopt._population_sim`: the same scans an individual at
+    a time, the same scores to the bit; faster than numpy at the GA's population, where numpy's
+    work per call is large against its work per row).
     """
     fsizes = np.asarray(fsizes)
     P, S, _ = fsizes.shape
@@ -229,11 +229,10 @@ def evaluate_1f1b(
     stages alternating in direction, each step one vector operation over the population. An
     individual whose pointers stop short of the end deadlocked and gets an infinite time.
 
-    Where the install built it, all of this runs compiled (:mod:`umopt._evaluate`, the same
-    rules an individual at a time, the same scores to the bit): at the GA's population of 128,
-    20x as many schedules a second at S=8, B=256 and 25x at S=4, B=32 (``python
-    bench/evaluator_throughput.py``). Only the play loop compiled, the numpy construction of the
-    (slots x population) arrays had been 97% of the call.
+    Where the install built it, all of this runs compiled (:mod:`umopt._population_sim`, the same
+    rules an individual at a time, the same scores to the bit), construction of the slots included:
+    that, not the play loop, is most of the numpy version's call (``python
+    bench/evaluator_throughput.py`` compares them).
     """
     fsizes, bsizes = _one_width(np.asarray(fsizes), bsizes)
     K = fsizes.shape[2]

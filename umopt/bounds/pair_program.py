@@ -1,10 +1,9 @@
 """The pair program: two adjacent stages' untied schedules by a dynamic program in time order.
 
-The pair models of :mod:`.pairs` hand two adjacent stages to CP-SAT, which settles them at
-S=4, B=12 but at B=32 proves little in a minute (vgg16-cpu: 301.2 -> 302.6 ms). This is the
-same relaxation (untied schedules, :mod:`.bounds`, "Any order, in sample order": each stage's F
-and B ops in sample order, every other stage as heads and tails) by a program instead, with
-one more relaxation that keeps its states few.
+The pair models (:mod:`.pair_models`) hand two adjacent stages to CP-SAT, which settles small
+pairs but proves little on large ones within a solve. This is the same relaxation (untied
+schedules, :mod:`.untied`: each stage's F and B ops in sample order, every other stage as heads
+and tails) by a program instead, with one more relaxation that keeps its states few.
 
 Take the ops of both stages in the order they start. A state is how far each of the four chains
 has got: ``a`` samples forwarded and ``b`` backwarded on the upper stage ``U = s``, ``f`` and ``g``
@@ -12,37 +11,26 @@ on the lower one ``W = s + 1``. A label on it is when each stage is free again (
 last op's start: later ops start no earlier) and two queues of messages still on their way: when
 each of U's F ops not yet run on by W has its activations on W, and when each of W's B ops has its
 gradients on U. A link sends its messages one at a time in the order their ops end (the cost
-model's rule; for gradients it holds after the exchange of :mod:`.bounds` too: the messages keep
-their sizes and times), so an arrival is the later of the op's end and the previous arrival, plus
-its own transfer. An arrival no later than the receiving stage is free waits for nothing and
-leaves the queue (the one relaxation: the next message's transfer may then start earlier than the
-link is free). Every schedule, its ops taken in start order, passes through labels no later than
-its own times (by induction over the ops), so the least ``T`` whose program reaches the end
-bounds it; a label no later in every field than another on the same state (each queued sample in
-no later) stands for it, the program being monotone. States past the one-stage programs' latest
-ends (:func:`.bounds.untied_latest`) are dropped.
+model's rule; for gradients it holds after the untied exchange too: the messages keep their
+sizes and times), so an arrival is the later of the op's end and the previous arrival, plus its
+own transfer. An arrival no later than the receiving stage is free waits for nothing and leaves
+the queue (the one relaxation: the next message's transfer may then start earlier than the link
+is free). Every schedule, its ops taken in start order, passes through labels no later than its
+own times (by induction over the ops), so the least ``T`` whose program reaches the end bounds
+it; a label no later in every field than another on the same state (each queued sample in no
+later) stands for it, the program being monotone. States past the one-stage programs' latest
+ends (:func:`.untied.untied_latest`) are dropped.
 
-vgg16-cpu, S=4, B=32, stages 2 and 3: 301.18 -> 305.29 ms in about 5 s, against CP-SAT's 302.6
-in a minute; B=16: 207.5 in 5 s (CP-SAT's untied pair model: 206.2 in a minute, and its exact
-value lies in 209.0 .. 210.5, the GA's best is 211.5). gpt-sim, B=32: 100.47 -> 101.07 in 5-8 s,
-up to 101.37 in a minute (its messages take a third to a half of an F op's time; before the queues the
-program waited only for the last op's message and got 100.57). What it leaves out is that a B op
-runs an F op's samples (untied, B ranges are any): the stage forwards small chunks to start early
-and backwards large ones to work little, which no schedule does.
-
-Tied, it puts that back: the exchange keeps each B op's size and time, so a stage's B ops take
-the sizes of its F ops, each after an F op of its size has ended. A state then also holds, per
-stage, the sizes forwarded and not yet matched by a B op; a B op must take one of them (and a
-state that cannot run what it still owes before ``T`` is dropped). At S=4, B=8 that takes
-gpt-sim from 46.36 to 47.17 ms (the optimum 47.19) and vgg16-cpu from 153.48 to 157.40 (158.00);
-a question costs 3-50 times an untied one, so the untied pass runs first. At B=32 it is out of
-reach (millions of states a level); sized on the lower stage alone it is not: at S=4, B=32, from
-the fast bound, untied then so, 40 s take gpt-sim from 100.47 to 102.79 ms and gpt-cpu from
-139.82 to 142.41, where counting the lower stage's B ops instead (as many as its F ops, a state
-holding how many are owed: weaker, as sizes imply counts) got 102.08 and 141.15.
+Untied, it leaves out that a B op runs an F op's samples: the stage forwards small chunks to
+start early and backwards large ones to work little, which no schedule does. Tied, it puts that
+back: the exchange keeps each B op's size and time, so a stage's B ops take the sizes of its F
+ops, each after an F op of its size has ended. A state then also holds, per stage, the sizes
+forwarded and not yet matched by a B op ("sizes"; or only how many are owed, "count", weaker and
+cheaper); a B op must take one of them, and a state that cannot run what it still owes before
+``T`` is dropped. A tied question costs many times an untied one, so the untied pass runs first.
 
 The search over states is compiled where the install built it (:mod:`._pair_program`, the same
-moves in C++, 15-20x sooner); this module computes what it needs and runs it in Python otherwise.
+moves in C++); this module computes what it needs and runs it in Python otherwise.
 """
 
 from __future__ import annotations
@@ -64,7 +52,9 @@ if _compiled is not None and getattr(_compiled, "VERSION", None) != _COMPILED_VE
     warnings.warn("umopt: the compiled pair program is out of date (pip install -e . rebuilds it); running it in Python", stacklevel=1)
     _compiled = None
 
-from .bounds import Heads, UntiedHeads, _least, _untied_limits, heads_and_tails, least_work, untied_heads, untied_latest, untied_usable_chunks, usable_chunks
+from .heads import Heads, heads_and_tails, least_true, least_work
+from .stage_cuts import usable_chunks
+from .untied import UntiedHeads, untied_heads, untied_latest, untied_limits, untied_usable_chunks
 
 __all__ = ["pair_program_feasible", "pair_program_bound", "Tie", "UNTIED", "PASSES", "COMPILED"]
 
@@ -75,13 +65,11 @@ _NONE, _SIZES, _COUNT = 0, 1, 2
 _MODES = {"none": _NONE, "sizes": _SIZES, "count": _COUNT}
 UNTIED: Tie = ("none", "none")
 # pair_program_bound's passes, each from where the one before got: untied (cheap); the lower
-# stage's B ops of its F ops' sizes (S=4, B=32, 40 s: gpt-sim 102.79 ms, gpt-cpu 142.41, where
-# sizes on both stages take minutes a question and counting the lower stage's ops got 102.08 and
-# 141.15); both stages' B ops of their F ops' sizes (what lifts S=4, B=8-16: gpt-sim B=8 46.36
-# -> 47.17, the optimum 47.19)
+# stage's B ops of its F ops' sizes (within reach on large pairs, where sizes on both stages take
+# minutes a question); both stages' B ops of their F ops' sizes (what lifts small pairs most)
 PASSES: tuple[Tie, ...] = (UNTIED, ("none", "sizes"), ("sizes", "sizes"))
 
-# whether the label search runs compiled (15-20x sooner than in Python)
+# whether the label search runs compiled
 COMPILED = _compiled is not None
 
 # labels the dive runs on from before the program takes over (a second or so)
@@ -116,16 +104,16 @@ def pair_program_feasible(
     witness: bool = False,
 ) -> bool | list[tuple] | None:
     """Does the program of stages ``s`` and ``s + 1`` reach the end with every op meeting ``T``
-    (integer tables of :func:`.bounds.int_tables`)? ``tie``, per stage (upper, lower): "none",
+    (integer tables of :func:`.heads.int_tables`)? ``tie``, per stage (upper, lower): "none",
     "sizes" (its B ops take the sizes of its F ops: a state also holds the sizes forwarded and
     not yet backwarded) or "count" (as many B ops as F ops, none before its F: a state holds how
     many are owed). ``compiled``: the search in :mod:`._pair_program` where it was built (the
-    same answers, about 15-20x sooner; it raises ``_TooLarge`` past ``MAX_LABELS`` labels).
+    same answers, sooner; it raises ``_TooLarge`` past ``MAX_LABELS`` labels).
     Raises ``_OutOfTime`` past ``deadline``.
 
     ``witness`` (compiled only): instead of yes or no, the ops of one path to the end, in the
     order they start, each ``(kind, 0 for s or 1 for s + 1, lo, size, start)``, or None. Each
-    stage's F and B ops come in sample order (B ops as the exchange of :mod:`.bounds` puts
+    stage's F and B ops come in sample order (B ops as the exchange of :mod:`.untied` puts
     them): it shows what the relaxation lets a schedule do that no schedule can."""
     modes = tuple(_MODES[t] for t in tie)
     B, mx = minibatch, min(F.shape[1] - 1, minibatch)
@@ -138,7 +126,7 @@ def pair_program_feasible(
         if not f_use.any():
             return False
         sizes.append([[[c for c in range(1, mx + 1) if lo + c <= B and use[lo, c]] for lo in range(B)] for use in (f_use, b_use)])
-    limits = [_untied_limits(h, ut, F, G, r, B) for r in (U, W)]
+    limits = [untied_limits(h, ut, F, G, r, B) for r in (U, W)]
     rel = [lim[0].tolist() for lim in limits]  # F ops ending at sample n start no earlier
     ready = [lim[1].tolist() for lim in limits]  # B ops ending at sample n start no earlier
     after_f = [lim[2].tolist() for lim in limits]  # what runs after an F op of c samples
@@ -368,7 +356,7 @@ def pair_program_bound(
     """The best of ``known`` (a bound already proven, in the tables' units) and every pair's
     program, to a two-thousandth: pair by pair (the last first: it binds most often), each of
     ``passes`` from where the one before got (cheap relaxations first: a tied question can
-    cost 3-50 times an untied one). A pass first asks whether the program meets the bound so
+    cost many times an untied one). A pass first asks whether the program meets the bound so
     far (then it cannot lift it); one that does not steps up in doubling steps, then bisects.
     ``report(bound)`` after every lift; past ``seconds`` the bound proven so far. Without
     recompute only (a tie is a stage's one partition)."""
@@ -398,7 +386,7 @@ def pair_program_bound(
                     while not ok(s, best + step, tie):
                         best, step = best + step + 1, 2 * step
                     # reached: the pair's least T is in [best, best + step]
-                    best = _least(lambda T: ok(s, T, tie), best, best + step, max(1, best // 2000))
+                    best = least_true(lambda T: ok(s, T, tie), best, best + step, max(1, best // 2000))
                 except _TooLarge:  # this pass has no answer here; what it proved stands
                     best = max(best, proven)
     except _OutOfTime:

@@ -1,4 +1,4 @@
-// The one-stage programs of umopt/solvers/bounds.py, compiled: _two_chains (a stage's F and B
+// The one-stage programs of umopt/bounds (untied.py, stage_cuts.py), compiled: two_chains (a stage's F and B
 // chains over states (i forwarded, j backwarded)) and _suffix_work's loop (a stage's partition
 // from its last chunk down, by the least tail of the suffix). The same moves in the same order as
 // the Python there, which stays as the fallback; at S=8, B=256 they were 7 of the fast bound's
@@ -16,7 +16,7 @@ static constexpr int64_t BIG = std::numeric_limits<int64_t>::max() / 4;
 
 using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-// t[i, j] as bounds._two_chains; returns (t, reached).
+// t[i, j] as untied.two_chains; returns (t, reached).
 static py::tuple two_chains(int64_t T, I64 Fs, I64 Gs, I64 rel, I64 ready, I64 after_f, I64 after_b, int64_t B) {
     const int64_t mx = Fs.shape(0) - 1;
     auto f = Fs.unchecked<1>();
@@ -57,7 +57,7 @@ static py::tuple two_chains(int64_t T, I64 Fs, I64 Gs, I64 rel, I64 ready, I64 a
     return py::make_tuple(out, t(B, B) < BIG);
 }
 
-// W[lo, l] as bounds._suffix_work, from its inputs there; kg[lo] is added to every suffix from lo.
+// W[lo, l] as stage_cuts._suffix_work, from its inputs there; kg[lo] is added to every suffix from lo.
 static I64 suffix_work(int64_t T, py::array_t<bool, py::array::c_style | py::array::forcecast> cut_ok, I64 rel, I64 own, I64 level_of,
                        I64 levels, I64 kg, int64_t B) {
     const int64_t mx = own.shape(0) - 1;
@@ -92,7 +92,7 @@ static I64 suffix_work(int64_t T, py::array_t<bool, py::array::c_style | py::arr
 }
 
 PYBIND11_MODULE(_stage_programs, m) {
-    m.doc() = "bounds.py's one-stage programs, compiled";
+    m.doc() = "umopt.bounds' one-stage programs, compiled";
     m.attr("VERSION") = 1;
     m.def("two_chains", &two_chains);
     m.def("suffix_work", &suffix_work);

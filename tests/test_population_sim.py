@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from umopt.costmodel import CostTables, simulate
 from umopt.partition import ends_to_sizes, gpipe_ops, onef1b_schedule, repair_ends, sizes_to_ends
 from umopt.synthetic import synthetic_profile
-from umopt.vectorized import evaluate_1f1b, evaluate_gpipe
+from umopt.population_sim import evaluate_1f1b, evaluate_gpipe
 
 
 def _random_population(rng, P, S, B, mx, density):
@@ -82,7 +82,7 @@ def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth,
 def _assert_same_in_numpy(score, evaluate, *args):
     """The compiled evaluator (where built) and the numpy one give the same scores, infinite
     ones (deadlocks) included, and the same work and memory."""
-    import umopt.vectorized as vec
+    import umopt.population_sim as vec
 
     if vec._compiled is None:
         return
@@ -100,7 +100,7 @@ def _assert_same_in_numpy(score, evaluate, *args):
 def test_compiled_evaluators_are_built_and_agree():
     """The install built them (CI has a compiler), and on a deep pipeline's population (with
     random warm-ups in 1F1B order) they score exactly as numpy does."""
-    import umopt.vectorized as vec
+    import umopt.population_sim as vec
 
     assert vec.COMPILED
     rng = np.random.default_rng(5)

@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal, Optional
 from annotated_types import Len
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from .errors import UmoptError
-from .fileio import read_json, write_json
+from ..errors import UmoptError
+from ..fileio import read_json, write_json
 
 __all__ = [
     "PROFILE_FORMAT",

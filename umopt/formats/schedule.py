@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal, Optional, Sequence
 from annotated_types import Len
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .costmodel import CostTables, Op, Timeline, simulate
-from .errors import UmoptError
-from .fileio import write_json
+from ..costmodel import CostTables, Op, Timeline, simulate
+from ..errors import UmoptError
+from ..fileio import write_json
 from .profile import Profile, load_model_file
 
 __all__ = [
@@ -82,7 +82,7 @@ class Schedule(_Strict):
     baselines: dict[str, Baseline]
 
     def op_lists(self) -> list[list[Op]]:
-        return [[(k, lo, hi) for k, lo, hi in st.ops] for st in self.stages]
+        return [[Op(k, lo, hi) for k, lo, hi in st.ops] for st in self.stages]
 
 
 def validate_ops(ops: Sequence[Sequence[Op]], minibatch: int, max_size: int, recompute: bool) -> None:

@@ -1,6 +1,6 @@
 """What the exact models (cpsat, milp) share: the chunks they choose from (every ``[lo, hi)`` of at
-most the largest size), the GPipe-order memory check of a chunk, their warm start, and their
-progress bar."""
+most the largest size), the GPipe-order memory check of a chunk, their size, their warm start,
+and their progress bar."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..baselines import gpipe_equal
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult, ticking
 
-__all__ = ["MAX_MODEL_TERMS", "candidate_chunks", "chunk_fits", "chunk_set", "model_too_large", "start_or_skip", "warm_start", "with_clock"]
+__all__ = ["MAX_MODEL_TERMS", "candidate_chunks", "chunk_fits", "chunk_set", "chunks_ending_at", "model_terms", "model_too_large", "start_or_skip", "warm_start", "with_clock"]
 
 
 def with_clock(progress: Optional[Progress], time_limit: float, solve: Callable[[list], SolverResult]) -> SolverResult:
@@ -40,6 +40,15 @@ def chunk_fits(problem: Problem, s: int, lo: int, hi: int) -> bool:
     return t.static_bytes[s] + problem.minibatch * t.stash_bytes[s] <= limit
 
 
+def chunks_ending_at(chunks, minibatch: int) -> list[list]:
+    """``out[i]``: the chunks whose last sample is i, so that the work of chunks ending after i
+    chains as ``later[i] = later[i + 1] + sum over out[i]`` (linear size, not quadratic)."""
+    out = [[] for _ in range(minibatch)]
+    for c in chunks:
+        out[c[1] - 1].append(c)
+    return out
+
+
 def chunk_set(sizes: Sequence[int]) -> set[tuple[int, int]]:
     out, lo = set(), 0
     for b in sizes:
@@ -48,17 +57,20 @@ def chunk_set(sizes: Sequence[int]) -> set[tuple[int, int]]:
     return out
 
 
+# past this many terms, building an exact model in Python takes longer than a typical time limit
 MAX_MODEL_TERMS = 600_000
 
 
-def model_too_large(problem: Problem) -> Optional[str]:
-    """Why the exact models would not even be built in reasonable time, or None.
-
-    Their size grows as stages x minibatch x max size^2 (every sample's cut and every B chunk's
-    readiness sum over the chunks holding a sample); past about half a million terms, building
-    the model in Python takes longer than a typical time limit."""
+def model_terms(problem: Problem) -> int:
+    """The size of an exact model: stages x minibatch x chunks holding a sample (every sample's
+    cut and every B chunk's readiness sum over the chunks holding it)."""
     S, B, mx = problem.num_stages, problem.minibatch, problem.max_size
-    terms = S * B * mx * (mx + 1) // 2
+    return S * B * mx * (mx + 1) // 2
+
+
+def model_too_large(problem: Problem) -> Optional[str]:
+    """Why the exact models would not even be built in reasonable time, or None."""
+    terms = model_terms(problem)
     if terms > MAX_MODEL_TERMS:
         return f"the exact model would have ~{terms:,} terms (stages x minibatch x max size^2 / 2 > {MAX_MODEL_TERMS:,}); kept the GA's schedule"
     return None
@@ -94,7 +106,7 @@ def start_or_skip(
     """The exact solvers' common start: (warm start, time left, schedules scored, result), where
     ``result`` is set when the model is too large to build: then the GA had the whole time and
     its schedule is the answer, with the fast any-order bound."""
-    from .bounds import best_bound_ms
+    from ..bounds import Scope, fast_bound_ms
 
     too_large = model_too_large(problem)
     base, left, scored = warm_start(problem, name, time_limit, seed, hint, order, share=1.0 if too_large else 0.3)
@@ -105,9 +117,9 @@ def start_or_skip(
         name,
         base,
         "feasible",
-        lower_bound_ms=min(best_bound_ms(problem), base.iteration_ms),
+        lower_bound_ms=min(fast_bound_ms(problem), base.iteration_ms),
         seconds=time.perf_counter() - t0,
         evaluated=scored,
-        extra={"bound_scope": "any order", "note": too_large},
+        extra={"bound_scope": Scope.ANY.value, "note": too_large},
     )
     return base, left, scored, result

@@ -1,4 +1,4 @@
-// umopt/vectorized.py's evaluators compiled, one individual at a time: the same rules, the same
+// umopt/population_sim.py's evaluators compiled, one individual at a time: the same rules, the same
 // floating-point operations in the same order (so the same scores to the bit; tested).
 //
 // evaluate_1f1b: the op order of every stage follows the numpy construction there, from the last stage up: a B
@@ -273,8 +273,8 @@ static py::tuple evaluate_gpipe(I64 fsizes, I64 bsizes, const Costs& c) {
     return out.tuple();
 }
 
-PYBIND11_MODULE(_evaluate, m) {
-    m.doc() = "umopt's population scoring compiled (see umopt/vectorized.py)";
+PYBIND11_MODULE(_population_sim, m) {
+    m.doc() = "umopt's population scoring compiled (see umopt/population_sim.py)";
     m.attr("VERSION") = 1;
     py::class_<Costs>(m, "Costs").def(py::init<F64, F64, F64, F64, F64, F64, double, bool, int64_t>());
     m.def("evaluate_gpipe", &evaluate_gpipe);
