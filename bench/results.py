@@ -1,11 +1,11 @@
-"""Regenerate the results section of README.md (and docs/gantt.png) in one run.
+"""Regenerate docs/results.md's measured sections, docs/gantt.png and README's results table in one run.
 
     python bench/results.py [--time-limit 20] [--rounds 5]
 
 Runs bench/solver_quality.py's comparison on the bundled profiles and bench/runtime_vs_predicted.py's
-side-by-side runs on this CPU, draws the VGG16 Gantt chart, and rewrites the block of README.md
-between the results markers with the tables, the paper's reported gains beside ours, and what
-differs. Takes about 15 minutes on 2 cores.
+side-by-side runs on this CPU, draws the VGG16 Gantt chart, and rewrites the block of
+docs/results.md between the results markers (the tables, the paper's reported gains beside ours,
+and what differs) and README's summary table. Takes about 15 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -20,43 +20,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runtime_vs_predicted  # noqa: E402
 import solver_quality  # noqa: E402
 
+from umopt.formats.profile import load_profile  # noqa: E402
 from umopt.plot import gantt  # noqa: E402
-from umopt.profile import load_profile  # noqa: E402
 from umopt.solve import solve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 RUN_CAVEAT = """Predicted times come from the profile *calibrated* to short runs of equal schedules (`umopt
-calibrate`; the column "profile as measured" shows what the raw profile predicted). This 2-core
-machine's speed wanders by +-10% from step to step and drifts between runs (one run's steps
-ranged from 151 to 231 ms for the same schedule), as much as the predicted margin itself, so the
-benchmark takes medians of 30 steps per run and of 5 rounds run alternately. With these settings
-(this session; before, 8 steps per run gave 0.98-1.23 and 8-210%), three runs of
-`python bench/runtime_vs_predicted.py --rounds 5` gave: umopt's schedule at 1.035, 1.161 and
-1.062 x its prediction; the measured win 102%, 37% and 149% of the predicted one; umopt's
-runtime / ScheduleGPipe 0.891, 0.940 and 0.837. The targets held in two of the three. With the
-step overhead fitted by `umopt calibrate` (since then), the run above (`python bench/results.py
---rounds 5`, an earlier session) and one more of `bench/runtime_vs_predicted.py` met all three:
-1.001 and 0.948 x predicted, 1.010 and 0.964 x ScheduleGPipe, 75% and 90% of the predicted
-margin; the run above (the same command, this session) met them too, at 0.915 x predicted (every
-schedule ran 8-12% faster than predicted that time), 1.022 x ScheduleGPipe and 87%."""
-WHAT_IT_SHOWS = """What the solver table shows, plainly: umopt's schedules beat the best equal GPipe and 1F1B
-schedules on every profile, most where stages differ most (VGG16: 13-26% over equal GPipe); a
-hill climb from the best equal schedules gains 2-11%, one shared ramped partition (`ramp`, small
-chunks first and last) 5-12%, the GA with its iterated local search 5-26%. Almost all the
-winners are 1F1B-ordered with per-stage warm-ups: the stage holding the most work alternates
-forward and backward from the start while the stages before it forward everything first, an
-order neither GPipe nor PipeDream-flush has. `auto` runs the GA as `ga` does (the exact model
-only gets time where it proves optimality, about S=4, B=8), started from the dp and ramp
-schedules too where they beat the equal ones. On the deep pipeline (transformer8-sim, S=8) that
-start is worth 3.4% (B=128: 256.4 against 265.4 ms) and 4.7% (B=256: 420.3 against 440.9): the
-GA does not find the ramp by itself in 20 s, and the ramp alone beats it there. At S=4 a run's
-random path decides between neighbouring schedules (up to 2% apart, either way round from run to
-run; here gpt-sim, B=64: ga 169.5 / auto 170.6 ms; vgg16-cpu, B=128: 1020.5 / 1016.0). The
-"gap" is to the best bound umopt proves for every schedule (stage cuts and the untied bound of
-docs/formats.md; `auto`'s pair bounds run beside it only up to B=32), "gap in 1F1B" to the one it
-proves within the 1F1B family (B ops in sample order) for auto's schedules of that family, so
-each says how far from optimal a schedule is at most, not how far it is."""
+calibrate`; the column "profile as measured" shows what the raw profile predicted). A 2-core
+machine's speed wanders by about 10% from step to step and drifts between runs, as much as the
+predicted margin itself, so the benchmark takes medians of many steps per run and of rounds run
+alternately, the schedules taking turns on the same processes. Runs of the same command differ:
+read measured / predicted and the measured share of the predicted win as figures with a spread of
+several percent, not as exact values."""
+WHAT_IT_SHOWS = """What the solver table shows: umopt's schedules beat the best equal GPipe schedule by
+{gp_lo:.0f}-{gp_hi:.0f}% and the best equal 1F1B one by {of_lo:.0f}-{of_hi:.0f}% across these profiles,
+most where stages differ most. The winners are mostly 1F1B-ordered with per-stage warm-ups: the
+stage holding the most work alternates forward and backward from the start while the stages
+before it forward everything first, an order neither GPipe nor PipeDream-flush has. On deep
+pipelines (S=8) `auto` starts the GA from the ramp (small chunks first and last), which the GA
+does not find by itself. At S=4 a run's random path decides between neighbouring schedules (up
+to about 2% apart, either way round from seed to seed). "bound" is the best bound umopt proves for
+every schedule within the run (docs/bounds.md; `auto`'s pair bounds run beside it up to B=32),
+"1F1B bound" the one within the 1F1B family, so each gap says how far from optimal a schedule is
+at most, not how far it is."""
 
 
 def md(columns, rows) -> str:
@@ -102,18 +89,25 @@ def main() -> None:
             ("GPT (small)", "", "", f"+{100 * (meas[eq] / um - 1):.1f}%", "", "measured, umopt run, 2 CPU stages, B=32"),
         ],
     )
+    gaps_gp = [speedup(r[auto]) for r in quality]
+    gaps_of = [speedup(r[auto]) / speedup(r[of]) for r in quality]
+    shows = WHAT_IT_SHOWS.format(
+        gp_lo=100 * (min(gaps_gp) - 1), gp_hi=100 * (max(gaps_gp) - 1), of_lo=100 * (min(gaps_of) - 1), of_hi=100 * (max(gaps_of) - 1)
+    )
     block = f"""{START}
-### Results
+_Written by `python bench/results.py --time-limit {args.time_limit:g} --rounds {args.rounds}` (solvers get {args.time_limit:g} s each)._
 
-_Regenerated by `python bench/results.py` (solvers get {args.time_limit:g} s each)._
+### Every solver against the baselines and the bound
 
-**Every solver against the baselines and the bound** (iteration ms, speedup over the best equal GPipe schedule):
+Iteration ms (speedup over the best equal GPipe schedule); `python bench/solver_quality.py --time-limit {args.time_limit:g}` runs this table alone.
 
 {md(solver_quality.COLUMNS, quality)}
 
-{WHAT_IT_SHOWS}
+{shows}
 
-**Measured on this CPU, side by side** ({title}):
+### Measured on this CPU, side by side
+
+{title}; `python bench/runtime_vs_predicted.py --rounds {args.rounds}` runs this table alone.
 
 {md(runtime_vs_predicted.COLUMNS, runs)}
 
@@ -121,7 +115,7 @@ _Regenerated by `python bench/results.py` (solvers get {args.time_limit:g} s eac
 
 {RUN_CAVEAT}
 
-**Against the paper's reported gains**:
+### Against the paper's reported gains
 
 {paper}
 
@@ -132,15 +126,25 @@ themselves; most of our gain comes from the per-stage op order (1F1B warm-ups pe
 the paper's GA did not search. Our baselines are also stronger than a fixed M: they try every M.
 And the paper's "PipeDream" is compared here with the best equal 1F1B (PipeDream-flush) schedule.
 
-![Gantt chart: best equal GPipe schedule above, umopt's below](docs/gantt.png)
+![Gantt chart: best equal GPipe schedule above, umopt's below](gantt.png)
+{END}"""
+    results = ROOT / "docs" / "results.md"
+    text = results.read_text()
+    results.write_text(text[: text.index(START)] + block + text[text.index(END) + len(END) :])
+
+    # README: one summary table, the solver table's headline columns
+    cols = ("profile", "B", "best equal GPipe", "best equal 1F1B", "umopt", "bound", "gap")
+    rows = [[r[0], r[1], r[2].split(" ")[0], r[of].split(" ")[0], r[auto], r[COL("bound")], r[COL("auto gap")]] for r in quality]
+    summary_block = f"""{START}
+{md(cols, rows)}
 {END}"""
     readme = (ROOT / "README.md").read_text()
-    if START in readme:
-        readme = readme[: readme.index(START)] + block + readme[readme.index(END) + len(END) :]
-    else:
-        readme = readme.replace("## Development", block + "\n\n## Development")
-    (ROOT / "README.md").write_text(readme)
-    print("README.md results block and docs/gantt.png rewritten")
+    (ROOT / "README.md").write_text(readme[: readme.index(START)] + summary_block + readme[readme.index(END) + len(END) :])
+    print("docs/results.md, README.md's results table and docs/gantt.png rewritten")
+
+
+def COL(name: str) -> int:
+    return solver_quality.COLUMNS.index(name)
 
 
 if __name__ == "__main__":
