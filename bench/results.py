@@ -133,7 +133,7 @@ And the paper's "PipeDream" is compared here with the best equal 1F1B (PipeDream
     results.write_text(text[: text.index(START)] + block + text[text.index(END) + len(END) :])
 
     # README: one summary table, the solver table's headline columns
-    cols = ("profile", "B", "best equal GPipe", "best equal 1F1B", "umopt", "bound", "gap")
+    cols = ("profile", "B", "best equal GPipe", "best equal 1F1B", "umopt (x GPipe)", "bound", "gap")
     rows = [[r[0], r[1], r[2].split(" ")[0], r[of].split(" ")[0], r[auto], r[COL("bound")], r[COL("auto gap")]] for r in quality]
     summary_block = f"""{START}
 {md(cols, rows)}
