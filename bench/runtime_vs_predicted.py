@@ -3,9 +3,10 @@
     python bench/runtime_vs_predicted.py [--minibatch 32] [--rounds 3] [--steps 30] [--calibration-steps 10]
 
 Profiles a small GPT on 2 stages x 1 thread here (so the prediction describes this machine now),
-calibrates the profile with one short run of each equal GPipe and 1F1B schedule whose chunks are
-2, 4, 8 and 16 samples (`umopt calibrate`: per stage, kind and size, measured / profiled), solves the
-calibrated profile, then runs side by side, alternating, `--rounds` times each:
+fits the profile to probe runs of each equal GPipe and 1F1B schedule whose chunks are 2, 4, 8 and
+16 samples (as `umopt profile` does: op times per stage, kind and size, and the runtime's costs per
+op, message and iteration), solves the fitted profile, then runs side by side, alternating,
+`--rounds` times each:
   * umopt's runtime with the best equal GPipe schedule,
   * umopt's runtime and torch.distributed.pipelining's ScheduleGPipe with the best M that divides
     the minibatch (ScheduleGPipe chunks inputs and targets differently otherwise) and the same split,
@@ -31,7 +32,6 @@ from rich.console import Console
 from rich.table import Table
 
 from umopt.baselines import gpipe_equal
-from umopt.calibrate import calibrate as fit
 from umopt.costmodel import simulate
 from umopt.launch import launch
 from umopt.problem import Candidate
@@ -39,7 +39,7 @@ from umopt.formats.profile import load_profile, save_profile
 from umopt.profiler import ProfileOptions, profile_model
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.solve import make_problem, solve
-from umopt.tune import calibration_runs
+from umopt.probes import fit_to_probes
 
 GPT = {"layers": 4, "d_model": 128, "heads": 4, "vocab": 2048, "seq_len": 64}
 
@@ -79,10 +79,8 @@ def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print, c
     save_profile(measured, tmp / "gpt2_measured.json")
     measured = load_profile(tmp / "gpt2_measured.json")
     B = args.minibatch
-    if calibrate:
-        names = calibration_runs(measured, B, tmp / "calibration", steps=calibration_steps)
-        fitted = fit(measured, [json.loads(Path(n).read_text()) for n in names], names)
-        save_profile(fitted, tmp / "gpt2.json")
+    if calibrate:  # what `umopt profile` does at its end: probe runs of the runtime, and the fit to them
+        save_profile(fit_to_probes(measured, B, tmp / "probes", steps=calibration_steps // 2, rounds=2), tmp / "gpt2.json")
     else:
         save_profile(measured, tmp / "gpt2.json")
     prof = load_profile(tmp / "gpt2.json")

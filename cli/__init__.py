@@ -129,7 +129,9 @@ def _print_report(report) -> None:
     counts = sorted({len([o for o in st.ops if o[0] == "F"]) for st in report.schedule.stages})
     winner = report.result.extra.get("winner")
     umopt_name = f"umopt {solver.name}" if not winner or winner == solver.name else f"umopt ({winner})"
-    row(umopt_name, str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}", report.result.candidate, tl.iteration_ms, tl.bubble_fraction)
+    if report.choice.name in ("gpipe_equal", "1f1b_equal"):
+        umopt_name = f"umopt: {report.choice.name.split('_')[0]}"
+    row(umopt_name, str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}", report.choice.candidate, tl.iteration_ms, tl.bubble_fraction)
     table.add_row("lower bound", "", _ms(solver.lower_bound_ms), "", "", "", "")
     out.print(table)
     covers = {Scope.ANY: "every schedule", Scope.IN_ORDER: "1F1B-order schedules", Scope.GPIPE: "GPipe-order schedules"}[scope]
@@ -142,6 +144,11 @@ def _print_report(report) -> None:
         out.print(
             f"among 1F1B-order schedules (B ops in sample order, any warm-ups) the best possible is at least "
             f"{lb_1f1b:.2f} ms: this one is within {100 * (tl.iteration_ms - lb_1f1b) / lb_1f1b:.1f}% of it"
+        )
+    if report.choice.gain is not None and report.choice.uncertainty > 0:
+        out.print(
+            f"the best schedule found is predicted {100 * report.choice.gain:.1f}% +- {100 * report.choice.uncertainty:.1f}% "
+            "faster than the best equal one (the profile's spread and its fit to the runtime)"
         )
     if "note" in report.result.extra:
         out.print(f"note: {report.result.extra['note']}")
@@ -175,17 +182,24 @@ def _int_list(value: Optional[str], what: str) -> Optional[list[int]]:
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False), default=None, help="Write a torch.profiler trace per stage here.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed the model is built with.")
 @click.option("--concurrent/--sequential", default=None, help="Time all stages at once, one process each, as they run (default on CPU when the cores suffice).")
+@click.option("--probes/--no-probes", default=True, show_default=True, help="End with probe runs of the real runtime and fit the profile to them (where there is a core or GPU per stage).")
+@click.option("--probe-minibatch", type=int, default=32, show_default=True, help="Minibatch of the probe runs.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Profile file to write.")
 def profile(model, model_args, stages, split, sizes, max_size, device, dtype, threads, warmup, repeats, optimizer,
-            link_latency_ms, link_gbps, memory_limit, trace_dir, seed, concurrent, output) -> None:
+            link_latency_ms, link_gbps, memory_limit, trace_dir, seed, concurrent, probes, probe_minibatch, output) -> None:
     """Measure each stage's forward/backward time per chunk size, its memory and the links."""
     _require_torch()
+    from umopt.fileio import check_writable
     from umopt.formats.profile import save_profile
-    from umopt.profiler import ProfileOptions, profile_model
+    from umopt.probes import profile_in_pipeline
+    from umopt.profiler import ProfileOptions
     from umopt.zoo import parse_model_args
 
     if max_size < 1:
         raise UmoptError(f"--max-size must be at least 1, got {max_size}")
+    if probe_minibatch < 2:
+        raise UmoptError(f"--probe-minibatch must be at least 2, got {probe_minibatch}")
+    check_writable(output)
     opts = ProfileOptions(
         model=model, model_args=parse_model_args(list(model_args)), stages=stages, split=_int_list(split, "--split"),
         sizes=_int_list(sizes, "--sizes"), max_size=max_size, device=device, dtype=dtype, threads=threads,
@@ -199,7 +213,10 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
             bar.update(task, completed=done, total=total or None, description=what)
 
         ctx_obj = click.get_current_context().obj or {}
-        prof = profile_model(opts, progress=progress, argv=ctx_obj.get("argv", ["umopt", *sys.argv[1:]]))
+        argv = ctx_obj.get("argv", ["umopt", *sys.argv[1:]])
+        prof = profile_in_pipeline(
+            opts, probes=probes, probe_minibatch=probe_minibatch, progress=progress, argv=argv, say=lambda m: bar.update(task, description=m)
+        )
     save_profile(prof, output)
     table = Table(title=f"{model} on {prof.device.type} ({prof.device.name}), {prof.num_stages} stages")
     for col in ("stage", "layers", f"F ms @1..{prof.max_size}", f"B ms @1..{prof.max_size}", "stash/sample", "sends/sample"):
@@ -214,6 +231,19 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
     if prof.links:
         ln = prof.links[0]
         out.print(f"links: {ln.latency_ms:.3f} ms + {8 * ln.bytes_per_ms / 1e6:.2f} Gbit/s ({ln.model_extra.get('source', '')})")
+    meta = prof.model_extra.get("meta") or {}
+    probed = meta.get("probes", {})
+    if probed.get("ran"):
+        cal = meta["calibration"]
+        out.print(
+            f"fitted to {probed['schedules']} probe runs of the runtime: {cal['op_overhead_ms']:.3f} ms per op, "
+            f"{cal['message_overhead_ms']:.3f} ms per message, {cal['step_overhead_ms']:+.2f} ms per iteration; "
+            f"predictions within {100 * cal['residual_rms']:.1f}% (rms) of those runs"
+        )
+    elif probed:
+        out.print(f"note: no probe runs ({probed['why']}): predictions do not include the runtime's own costs")
+    for line in meta.get("warnings", []):
+        err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     out.print(f"wrote {output}")
 
 
@@ -223,12 +253,16 @@ def run(argv) -> None:
     """Execute SCHEDULE with one torch.distributed process per stage (umopt run --help)."""
     _require_torch()
     from umopt.launch import launch
+    from umopt.noise import run_warnings
     from umopt.runtime import build_parser
 
     if not argv or "-h" in argv or "--help" in argv:
         out.print(build_parser().format_help(), markup=False, highlight=False)
         return
     result = launch(list(argv))
+    for r in result.reports:
+        for line in run_warnings(r):
+            err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     if len(result.reports) > 1:
         _print_turns(result.reports)
         return
@@ -267,12 +301,12 @@ def _print_turns(reports: list[dict]) -> None:
 @click.option("--rounds", type=int, default=4, show_default=True, help="Turns the schedules take on the same processes (the steps are spread over them).")
 @click.option("--time-limit", type=float, default=10.0, show_default=True, help="Seconds of search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="umopt-tune", show_default=True)
-@click.option("--calibrate/--no-calibrate", default=True, show_default=True, help="Fit the profile to short runs of equal schedules before solving.")
+@click.option("--probes/--no-probes", default=True, show_default=True, help="Fit the profile to probe runs of the runtime before solving (where there is a core or GPU per stage).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True, help="Autocast dtype, as in umopt profile.")
 @click.option("--link-latency-ms", type=float, default=None, help="Give the links instead of measuring them, as in umopt profile.")
 @click.option("--link-gbps", type=float, default=None, help="Link bandwidth in Gbit/s, with --link-latency-ms.")
-def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit, out_dir, calibrate, dtype, link_latency_ms, link_gbps) -> None:
-    """Profile, solve and run in one go; compare with the best equal GPipe and 1F1B schedules."""
+def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit, out_dir, probes, dtype, link_latency_ms, link_gbps) -> None:
+    """Profile, solve, run the candidates in turns and recommend what measured fastest."""
     _require_torch()
     from umopt.tune import DEFAULT, tune as run_tune
     from umopt.zoo import parse_model_args
@@ -280,7 +314,7 @@ def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit
     args = parse_model_args(list(model_args)) if model else (parse_model_args(list(model_args)) or DEFAULT["model_args"])
     result = run_tune(
         model or DEFAULT["model"], args, stages or DEFAULT["stages"], minibatch or DEFAULT["minibatch"],
-        device=device, steps=steps, rounds=rounds, out_dir=out_dir, time_limit=time_limit, calibrate=calibrate,
+        device=device, steps=steps, rounds=rounds, out_dir=out_dir, time_limit=time_limit, probes=probes,
         dtype=dtype, link_latency_ms=link_latency_ms, link_gbps=link_gbps, say=lambda m: err.print(f"umopt tune: {m}", markup=False),
     )
     table = Table(title=f"{model or DEFAULT['model']}, {stages or DEFAULT['stages']} stages, minibatch {minibatch or DEFAULT['minibatch']}: speedups over equal GPipe")
@@ -288,10 +322,14 @@ def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit
     for col in ("chunks", "pred ms", "meas ms", "meas x", "pred x"):
         table.add_column(col, justify="right", no_wrap=True)
     for row in result.rows:
-        table.add_row(row.name, row.chunks, f"{row.predicted_ms:.2f}", f"{row.measured_ms:.2f}", f"{result.speedup(row):.3f}x", f"{result.speedup(row, False):.3f}x")
+        mark = " *" if row.name == result.recommended else ""
+        table.add_row(row.name + mark, row.chunks, f"{row.predicted_ms:.2f}", f"{row.measured_ms:.2f}", f"{result.speedup(row):.3f}x", f"{result.speedup(row, False):.3f}x")
     out.print(table)
-    best = result.rows[-1]
-    out.print(f"umopt's schedule is within {100 * (best.predicted_ms - result.lower_bound_ms) / result.lower_bound_ms:.1f}% of the lower bound ({result.lower_bound_ms:.2f} ms, not proven tight)")
+    out.print(f"recommended (*): {result.recommended}, {result.reason}; written as {result.out_dir}/recommended.json")
+    umopt_row = result.row("umopt")
+    out.print(f"umopt's schedule is within {100 * (umopt_row.predicted_ms - result.lower_bound_ms) / result.lower_bound_ms:.1f}% of the lower bound ({result.lower_bound_ms:.2f} ms, not proven tight)")
+    for line in result.warnings:
+        err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     out.print(f"wrote {len(result.files)} files to {result.out_dir}/")
 
 

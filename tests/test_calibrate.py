@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from conftest import run_cli, two_stage_profile
-from umopt.calibrate import calibrate
+from umopt.calibrate import Overheads, calibrate
+from umopt.problem import Candidate
+from umopt.synthetic import synthetic_profile
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
 
@@ -47,17 +50,57 @@ def test_each_size_is_scaled_by_its_measured_ratio():
 
 
 def test_what_the_op_times_miss_becomes_a_step_overhead():
+    # three runs of the same op lists cannot tell a cost per op from one per iteration: it all
+    # goes to the iteration, the least-squares value of the relative residuals
     prof = two_stage_profile()
     rep = _report(prof, OPS, [{"F": 1.2, "B": 0.9}] * 2)
     cal0 = calibrate(prof, [rep], ["r.json"])  # op times scaled; its overhead undone below
     op_only = cal0.model_copy(update={"stages": [a.model_copy(update={"optimizer_ms": b.optimizer_ms}) for a, b in zip(cal0.stages, prof.stages)]})
     op_scaled = simulate(CostTables.from_profile(op_only), OPS, 2).iteration_ms
-    others = [dict(rep, measured_iteration_ms=op_scaled - 1.0 + extra) for extra in (3.0, 4.0, 9.0)]
+    extra = np.array([2.0, 3.0, 8.0])
+    others = [dict(rep, measured_iteration_ms=op_scaled + e) for e in extra]
     cal = calibrate(prof, others, ["a.json", "b.json", "c.json"])
-    assert cal.meta["calibration"]["step_overhead_ms"] == pytest.approx(3.0)  # the median of 2, 3 and 8
-    assert [st.optimizer_ms for st in cal.stages] == pytest.approx([st.optimizer_ms + 3.0 for st in prof.stages])
-    # so the run in the middle is predicted exactly
-    assert simulate(CostTables.from_profile(cal), OPS, 2).iteration_ms == pytest.approx(others[1]["measured_iteration_ms"])
+    w = 1 / (op_scaled + extra) ** 2
+    step = float((w * extra).sum() / w.sum())
+    assert cal.meta["calibration"]["step_overhead_ms"] == pytest.approx(step, abs=1e-4)
+    assert cal.meta["calibration"]["op_overhead_ms"] == 0.0
+    assert [st.optimizer_ms for st in cal.stages] == pytest.approx([st.optimizer_ms + step for st in prof.stages], abs=1e-4)
+
+
+def _runs_measured_as(prof, truth, S: int) -> list[dict]:
+    """Reports of equal and unequal schedules with different numbers of ops, each measured as the
+    ``truth`` profile predicts it, its op times as ``prof`` does."""
+    reports = []
+    for sizes in ([8, 8], [4, 4, 4, 4], [2] * 8, [1] * 16, [3, 5, 8]):
+        for order in ("gpipe", "1f1b"):
+            ops = Candidate.uniform(sizes, S, order).ops()
+            tl = simulate(CostTables.from_profile(prof), ops, 16)
+            reports.append({
+                "measured_iteration_ms": simulate(CostTables.from_profile(truth), ops, 16).iteration_ms, "minibatch": 16, "recompute": False,
+                "ops": [[[sp.kind, sp.lo, sp.hi, sp.end - sp.start, sp.end - sp.start] for sp in tl.spans[s]] for s in range(S)],
+            })
+    return reports
+
+
+def test_the_runtime_costs_per_op_and_per_iteration_are_fitted_back():
+    """Runs measured as if every op cost 0.3 ms beyond the profile and every iteration 2 ms
+    more: the fit finds both, and charges the messages nothing the runs did not show."""
+    prof = synthetic_profile(3, max_size=8, seed=4)
+    reports = _runs_measured_as(prof, Overheads(0.3, 0.0, 2.0, 0.0).apply(prof), 3)
+    fit = calibrate(prof, reports, [f"r{k}" for k in range(len(reports))]).meta["calibration"]
+    assert fit["op_overhead_ms"] == pytest.approx(0.3, abs=0.02)
+    assert fit["message_overhead_ms"] == pytest.approx(0.0, abs=0.02)
+    assert fit["step_overhead_ms"] == pytest.approx(2.0, abs=0.15)
+    assert fit["residual_rms"] < 0.005
+
+
+def test_a_cost_per_message_is_fitted_where_the_links_bind():
+    prof = synthetic_profile(2, max_size=8, seed=4, latency_ms=0.5, bytes_per_ms=2e5)
+    reports = _runs_measured_as(prof, Overheads(0.0, 0.6, 0.0, 0.0).apply(prof), 2)
+    cal = calibrate(prof, reports, [f"r{k}" for k in range(len(reports))])
+    fit = cal.meta["calibration"]
+    assert fit["message_overhead_ms"] > 0.3 and fit["residual_rms"] < 0.01
+    assert cal.links[0].message_overhead_ms == pytest.approx(fit["message_overhead_ms"], abs=1e-5)
 
 
 def test_ratios_between_seen_sizes_are_interpolated_in_log_size():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from umopt.costmodel import CostTables, simulate
@@ -117,3 +118,43 @@ def test_deadlock_is_reported():
     ops = [[("F", 0, 1), ("B", 0, 1), ("F", 1, 2), ("B", 1, 2)], [("F", 0, 2), ("B", 0, 2)]]
     with pytest.raises(UmoptError, match="deadlocks"):
         simulate(t, ops, 2)
+
+
+def test_runtime_overheads_count_once_per_op_and_per_message():
+    """An op costs its compute plus the stage's per-op overhead (one, also for a B op that
+    recomputes its forward); a message its transfer plus the link's per-message overhead."""
+    base = two_stage_profile()
+    over = base.model_copy(
+        update={
+            "stages": [st.model_copy(update={"op_overhead_ms": 0.25}) for st in base.stages],
+            "links": [ln.model_copy(update={"message_overhead_ms": 0.125}) for ln in base.links],
+        }
+    )
+    for recompute in (False, True):
+        a, b = CostTables.from_profile(base, recompute), CostTables.from_profile(over, recompute)
+        np.testing.assert_allclose(b.fwd[:, 1:], a.fwd[:, 1:] + 0.25)
+        np.testing.assert_allclose(b.bwd[:, 1:], a.bwd[:, 1:] + 0.25)
+        np.testing.assert_allclose(b.link[:, 1:], a.link[:, 1:] + 0.125)
+        assert b.fwd[0, 0] == b.bwd[0, 0] == b.link[0, 0] == 0.0
+    # two chunks on each of 2 stages, GPipe: more chunks now cost more
+    ops = [[("F", 0, 1), ("F", 1, 2), ("B", 1, 2), ("B", 0, 1)]] * 2
+    plain = simulate(CostTables.from_profile(base), ops, 2).iteration_ms
+    assert simulate(CostTables.from_profile(over), ops, 2).iteration_ms > plain + 4 * 0.25
+
+
+def test_old_profiles_load_and_the_new_fields_round_trip(tmp_path):
+    from umopt.formats.profile import load_profile, save_profile
+
+    old = load_profile("gpt-cpu")  # written before the fields existed
+    assert all(st.op_overhead_ms == 0.0 and st.forward_iqr_ms is None for st in old.stages)
+    assert all(ln.message_overhead_ms == 0.0 for ln in old.links)
+    new = old.model_copy(
+        update={
+            "stages": [st.model_copy(update={"op_overhead_ms": 0.5, "forward_iqr_ms": [0.1] * len(old.sizes), "backward_iqr_ms": [0.2] * len(old.sizes)}) for st in old.stages],
+            "links": [ln.model_copy(update={"message_overhead_ms": 0.05}) for ln in old.links],
+        }
+    )
+    save_profile(new, tmp_path / "p.json")
+    back = load_profile(tmp_path / "p.json")
+    assert back.stages[1].op_overhead_ms == 0.5 and back.stages[0].backward_iqr_ms == [0.2] * len(old.sizes)
+    assert back.links[0].message_overhead_ms == 0.05

@@ -26,11 +26,13 @@ def _random_population(rng, P, S, B, mx, density):
     density=st.floats(0.0, 1.0),
     latency=st.floats(0.0, 2.0),
     bandwidth=st.floats(1e3, 1e7),
+    overhead=st.sampled_from([0.0, 0.0, 0.37]),
     seed=st.integers(0, 2**31),
 )
-def test_vectorized_equals_reference(S, B, mx, recompute, density, latency, bandwidth, seed):
+def test_vectorized_equals_reference(S, B, mx, recompute, density, latency, bandwidth, overhead, seed):
     rng = np.random.default_rng(seed)
-    prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=latency, bytes_per_ms=bandwidth)
+    # the runtime's own costs per op and per message (fitted to runs) count as the ops' and messages'
+    prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=latency, bytes_per_ms=bandwidth, op_overhead_ms=overhead, message_overhead_ms=overhead / 2)
     tables = CostTables.from_profile(prof, recompute)
     P = 6  # 60 examples x 6 individuals = 360 random schedules
     fe = _random_population(rng, P, S, B, mx, density)
@@ -56,11 +58,12 @@ def test_vectorized_equals_reference(S, B, mx, recompute, density, latency, band
     latency=st.floats(0.0, 2.0),
     bandwidth=st.floats(1e3, 1e7),
     own_backward=st.booleans(),
+    overhead=st.sampled_from([0.0, 0.0, 0.37]),
     seed=st.integers(0, 2**31),
 )
-def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth, own_backward, seed):
+def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth, own_backward, overhead, seed):
     rng = np.random.default_rng(seed)
-    prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=latency, bytes_per_ms=bandwidth)
+    prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=latency, bytes_per_ms=bandwidth, op_overhead_ms=overhead, message_overhead_ms=overhead / 2)
     # with recompute a stage's B chunks are free: then half the time a second partition of its own
     tables = CostTables.from_profile(prof, recompute=own_backward or seed % 3 == 0)
     fs = ends_to_sizes(_random_population(rng, 6, S, B, mx, density))

@@ -33,6 +33,15 @@ def test_small_mlp_profile_is_complete_and_sane(tmp_path, capsys):
     assert prof.links[0].latency_ms == 0.05 and prof.links[0].bytes_per_ms == pytest.approx(10e9 / 8 / 1e3)
     meta = prof.model_extra["meta"]
     assert meta["torch"] == torch.__version__ and "umopt profile" in meta["command"] and meta["date"]
+    # every entry keeps its spread, the curves never fall with the chunk size, and the profile
+    # ends fitted to probe runs of the runtime (a core per stage here)
+    for st in prof.stages:
+        assert len(st.forward_iqr_ms) == len(prof.sizes) and all(q >= 0 for q in st.backward_iqr_ms)
+        assert all(a <= b for a, b in zip(st.forward_ms, st.forward_ms[1:])) and all(a <= b for a, b in zip(st.backward_ms, st.backward_ms[1:]))
+    assert 0 <= meta["noise"]["median_spread"] <= meta["noise"]["p90_spread"]
+    assert meta["probes"]["ran"] and meta["probes"]["schedules"] >= 2
+    assert meta["calibration"]["residual_rms"] >= 0 and prof.stages[0].op_overhead_ms == pytest.approx(meta["calibration"]["op_overhead_ms"], abs=1e-5)
+    assert "fitted to" in stdout and "probe runs of the runtime" in stdout
     # and it is usable straight away
     code, _, err = run(["solve", str(out), "-B", "16", "--time-limit", "1", "-o", str(tmp_path / "s.json")], capsys)
     assert code == 0, err

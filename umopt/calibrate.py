@@ -1,36 +1,44 @@
-"""Fit a profile to what a run measured: ``umopt calibrate PROFILE REPORT... -o OUT``.
+"""Fit a profile to what runs measured: ``umopt calibrate PROFILE REPORT... -o OUT``, and the
+probes at the end of ``umopt profile``.
 
 A profile times each stage alone (or beside the others on a CPU), one chunk at a time; in a real
 pipeline the same ops can run slower or faster (caches holding several chunks' activations,
-communication threads beside compute, allocator state). ``umopt run`` writes every op's median
-measured duration into its report beside the profile's prediction; this module scales the
-profile's ``forward_ms`` and ``backward_ms`` by the measured ratio, per stage, per kind (F or B)
-and per chunk size:
+communication threads beside compute, allocator state), and the runtime adds costs of its own.
+``umopt run`` writes every op's median measured duration into its report beside the profile's
+prediction. This module fits the profile to those reports in two steps:
 
-* the ratio of a size seen in the runs is the median of measured / predicted over its ops;
-* between seen sizes it is interpolated in log size; beyond them it is the nearest one's.
-
-An iteration also holds work no op time covers (the optimizer step inside a running pipeline,
-building the step's batch, waiting on the last messages): what each report measured beyond what
-the op-calibrated profile predicts for its own op lists is that step overhead; its median over
-the reports is added to every stage's ``optimizer_ms`` (the cost model's per-iteration term), so it
-shifts every schedule's prediction alike and changes no comparison between them.
+* op times: the profile's ``forward_ms`` and ``backward_ms`` are scaled by the measured ratio, per
+  stage, per kind (F or B) and per chunk size (the median of measured / predicted over its ops;
+  between seen sizes interpolated in log size, beyond them the nearest one's), and fitted again
+  not to fall as chunks grow;
+* the runtime's own costs: what each op costs beyond its compute (``op_overhead_ms``, the same on
+  every stage: the runtime's dispatch and bookkeeping), what each message costs beyond its
+  transfer (``message_overhead_ms``), and what an iteration spends beyond its ops (the optimizer
+  step inside a running pipeline, the last messages: added to ``optimizer_ms``), chosen so that
+  the simulator's iteration times for the reports' own op lists fit the measured ones in least
+  squares of the relative error. Reports whose schedules differ in how many ops and messages they
+  run tell the per-op and per-message costs from the per-iteration one; one report alone only
+  fits the latter.
 
 The simulator then predicts with the calibrated profile as with any other (it stays the single
-source of predicted times); the profile says what it was fitted to in ``meta.calibration``.
-Runs with ``--recompute`` time B as forward plus backward, so their B ops are not used.
+source of predicted times); the profile says what it was fitted to, and how far the fitted
+predictions still are from the reports (``residual_rms``), in ``meta.calibration``.
+Runs with ``--recompute`` time B as forward plus backward, so their B ops are not used for the
+op times.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import UmoptError
 from .formats.profile import Profile
+from .noise import monotone_fit
 
-__all__ = ["calibrate", "size_ratios", "step_overhead_ms"]
+__all__ = ["calibrate", "size_ratios", "fit_overheads", "Overheads"]
 
 
 def _check_report(rep, name: str, profile: Profile, tables) -> None:
@@ -74,7 +82,7 @@ def size_ratios(reports: list[dict], num_stages: int) -> dict[tuple[int, str], d
 
 
 def calibrate(profile: Profile, reports: list[dict], names: list[str]) -> Profile:
-    """A copy of ``profile`` with its op times scaled to the reports' measurements.
+    """A copy of ``profile`` fitted to the reports' measurements.
 
     Every report must come from a run of a schedule for this very profile: each op's predicted
     duration in the report must be the profile's (else it was measured against another one).
@@ -94,29 +102,121 @@ def calibrate(profile: Profile, reports: list[dict], names: list[str]) -> Profil
                 continue
             xs = np.log(np.asarray(list(seen), dtype=float))
             scale = np.interp(log_sizes, xs, np.asarray(list(seen.values())))
-            update[key] = [float(v * r) for v, r in zip(getattr(st, key), scale)]
+            # an op span measures what the old profile predicted as compute plus overhead; the
+            # scaled curve, like the measured one, may not fall as chunks grow
+            scaled = [float(r * (v + st.op_overhead_ms)) for v, r in zip(getattr(st, key), scale)]
+            iqr = getattr(st, key.replace("_ms", "_iqr_ms"))
+            weights = None if iqr is None else [1.0 / (q / max(v, 1e-12) + 0.01) ** 2 for q, v in zip(iqr, getattr(st, key))]
+            update[key] = monotone_fit(scaled, weights)
         stages.append(st.model_copy(update=update))
     scaled = profile.model_copy(update={"stages": stages})
-    overhead = step_overhead_ms(scaled, reports)
-    stages = [st.model_copy(update={"optimizer_ms": max(0.0, st.optimizer_ms + overhead)}) for st in stages]
+    fit = fit_overheads(scaled, reports)
+    fitted = fit.apply(scaled)
     meta = dict(getattr(profile, "meta", None) or {})
     meta["calibration"] = {
         "reports": names,
         "ratios": {f"stage{s}.{kind}": {str(b): round(r, 4) for b, r in seen.items()} for (s, kind), seen in ratios.items()},
-        "step_overhead_ms": round(overhead, 4),
+        "op_overhead_ms": round(fit.op_ms, 5),
+        "message_overhead_ms": round(fit.message_ms, 5),
+        "step_overhead_ms": round(fit.step_ms, 4),
+        "residual_rms": round(fit.residual_rms, 5),
     }
-    return profile.model_copy(update={"stages": stages, "meta": meta})
+    return fitted.model_copy(update={"meta": meta})
 
 
-def step_overhead_ms(profile: Profile, reports: list[dict]) -> float:
-    """Median over the reports of measured iteration - the iteration ``profile`` predicts for the
-    report's own op lists (in the order they ran)."""
+@dataclass(frozen=True)
+class Overheads:
+    """The runtime's own costs, fitted: per op, per message, per iteration (ms), and the relative
+    RMS error of the fitted predictions over the reports."""
+
+    op_ms: float
+    message_ms: float
+    step_ms: float
+    residual_rms: float
+
+    def apply(self, profile: Profile) -> Profile:
+        stages = [
+            st.model_copy(update={"op_overhead_ms": self.op_ms, "optimizer_ms": max(0.0, st.optimizer_ms + self.step_ms)})
+            for st in profile.stages
+        ]
+        links = [ln.model_copy(update={"message_overhead_ms": self.message_ms}) for ln in profile.links]
+        return profile.model_copy(update={"stages": stages, "links": links})
+
+
+def _report_ops(rep: dict) -> tuple[list, int]:
+    ops = [[(kind, int(lo), int(hi)) for kind, lo, hi, *_ in stage] for stage in rep["ops"]]
+    return ops, int(rep.get("minibatch") or max(hi for stage in ops for _, _, hi in stage))
+
+
+def fit_overheads(profile: Profile, reports: list[dict]) -> Overheads:
+    """The per-op, per-message and per-iteration costs that make the simulator's iteration times
+    of the reports' op lists fit their measured ones (least squares of the relative error).
+
+    The per-iteration cost enters linearly, so for given per-op and per-message costs it is the
+    weighted mean residual; those two are found by coordinate search (golden sections on
+    ``[0, what one op or message could at most hold]``, a few sweeps): the simulator is the model,
+    so whatever a schedule's critical path makes of an op's cost is what the fit sees.
+    """
     from .costmodel import CostTables, simulate
 
-    residuals = []
-    for rep in reports:
-        ops = [[(kind, int(lo), int(hi)) for kind, lo, hi, *_ in stage] for stage in rep["ops"]]
-        minibatch = int(rep.get("minibatch") or max(hi for stage in ops for _, _, hi in stage))
-        tl = simulate(CostTables.from_profile(profile, bool(rep.get("recompute"))), ops, minibatch, record=False)
-        residuals.append(float(rep["measured_iteration_ms"]) - tl.iteration_ms)
-    return float(np.median(residuals)) if residuals else 0.0
+    if not reports:
+        return Overheads(0.0, 0.0, 0.0, 0.0)
+    runs = [(_report_ops(rep), float(rep["measured_iteration_ms"]), bool(rep.get("recompute"))) for rep in reports]
+    measured = np.array([m for _, m, _ in runs])
+    weight = 1.0 / measured**2
+
+    def predict(op_ms: float, message_ms: float) -> np.ndarray:
+        p = Overheads(op_ms, message_ms, 0.0, 0.0).apply(profile)
+        return np.array([simulate(CostTables.from_profile(p, rc), ops, B, record=False).iteration_ms for (ops, B), _, rc in runs])
+
+    def step_and_error(op_ms: float, message_ms: float) -> tuple[float, float]:
+        res = measured - predict(op_ms, message_ms)
+        # an iteration's own cost beyond its ops cannot be negative: where the runs were faster
+        # than the ops alone predict, the per-op and per-message costs give way instead
+        step = max(0.0, float((weight * res).sum() / weight.sum()))
+        return step, float((weight * (res - step) ** 2).sum())
+
+    most_ops = max(sum(len(st) for st in ops) for (ops, _), _, _ in runs)
+    op_hi = float(measured.max()) / max(1, most_ops)
+    msg_hi = op_hi if profile.num_stages > 1 else 0.0
+    x = [0.0, 0.0]
+    if len({sum(len(st) for st in ops) for (ops, _), _, _ in runs}) > 1:  # op counts differ: they can be told apart
+        for _ in range(3):
+            for k, hi in ((0, op_hi), (1, msg_hi)):
+                if hi > 0:
+                    x[k] = _golden(lambda v: step_and_error(*(x[:k] + [v] + x[k + 1 :]))[1], 0.0, hi)
+        # Where the runs cannot tell a cost apart from the others (a message's cost on a pipeline
+        # that waits on compute moves only its fill and drain, as an iteration's does), keep the
+        # least of it that fits as well: what is not seen is not charged
+        best = step_and_error(*x)[1]
+        for k in (1, 0):
+            ok = lambda v: step_and_error(*(x[:k] + [v] + x[k + 1 :]))[1] <= best * 1.01 + 1e-12  # noqa: E731
+            lo, hi = 0.0, x[k]
+            if ok(lo):
+                x[k] = 0.0
+                continue
+            for _ in range(20):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+            x[k] = hi
+    step, err = step_and_error(*x)
+    return Overheads(x[0], x[1], step, float(np.sqrt(err / len(runs))))
+
+
+def _golden(f, lo: float, hi: float, iters: int = 24) -> float:
+    """The minimiser of ``f`` on ``[lo, hi]`` by golden sections (``f`` taken as unimodal there)."""
+    g = (np.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(iters):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(d)
+    best = min((f(lo), lo), (fc, c), (fd, d), key=lambda t: t[0])
+    return float(best[1])

@@ -69,14 +69,17 @@ class CostTables:
     def from_profile(cls, profile: Profile, recompute: bool = False) -> "CostTables":
         sizes = np.asarray(profile.sizes, dtype=float)
         b = np.arange(profile.max_size + 1, dtype=float)
-        fwd = np.array([np.interp(b, sizes, st.forward_ms) for st in profile.stages])
-        bwd = np.array([np.interp(b, sizes, st.backward_ms) for st in profile.stages])
+        # an op costs its compute and the runtime's own cost per op; a message its transfer and
+        # the runtime's cost per message (both 0 unless fitted to runs: docs/formats.md)
+        over = np.array([[st.op_overhead_ms] for st in profile.stages])
+        fwd = np.array([np.interp(b, sizes, st.forward_ms) for st in profile.stages]) + over
+        bwd = np.array([np.interp(b, sizes, st.backward_ms) for st in profile.stages]) + over
+        if recompute:  # the recomputed forward runs inside the B op: one op, one overhead
+            bwd = bwd + fwd - over
         fwd[:, 0] = bwd[:, 0] = 0.0
-        if recompute:
-            bwd = bwd + fwd
         link = np.array(
             [
-                np.where(b > 0, ln.latency_ms + b * st.output_bytes_per_sample / ln.bytes_per_ms, 0.0)
+                np.where(b > 0, ln.latency_ms + ln.message_overhead_ms + b * st.output_bytes_per_sample / ln.bytes_per_ms, 0.0)
                 for ln, st in zip(profile.links, profile.stages)
             ]
         ).reshape(len(profile.links), len(b))

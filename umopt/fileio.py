@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from .errors import UmoptError
 
-__all__ = ["read_json", "write_atomic", "write_json"]
+__all__ = ["read_json", "write_atomic", "write_json", "check_writable"]
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -50,3 +50,14 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
     """Write ``data`` as indented JSON, atomically."""
     text = json.dumps(data, indent=1) + "\n"
     write_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """Refuse, before any work, an output path that cannot be written (one line)."""
+    p = Path(path)
+    folder = p.parent if str(p.parent) else Path(".")
+    existing = folder
+    while not existing.exists():  # write_atomic makes the missing folders
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK) or (p.exists() and (p.is_dir() or not os.access(p, os.W_OK))):
+        raise UmoptError(f"{p}: cannot write there")

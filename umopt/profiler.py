@@ -29,6 +29,7 @@ from torch import nn
 from .errors import UmoptError
 from .formats.profile import PROFILE_FORMAT, Profile, default_sizes
 from .devices import TensorSpec, autocast, boundary_tensors, default_memory_limit
+from .noise import Summary, load_warning, monotone_fit, noise_figure, noisy_warning, summarize
 from .zoo import ModelParts, build_model
 
 __all__ = [
@@ -59,7 +60,10 @@ class ProfileOptions:
     dtype: str = "float32"
     threads: int = 1
     warmup: int = 1
-    repeats: int = 5
+    repeats: int = 5  # at least, per entry
+    max_repeats: int = 15  # at most, while an entry's spread is wider than spread_target
+    spread_target: float = 0.05
+    budget_s: float = 20.0  # per stage, for the repeats beyond the first ``repeats``
     optimizer: str = "sgd"
     link_latency_ms: Optional[float] = None
     link_gbps: Optional[float] = None
@@ -163,9 +167,13 @@ def _input(parts: ModelParts, boundary: torch.Tensor, first: bool, b: int, devic
     return act, y.to(device)
 
 
-def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cast, progress, label):
+def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cast, progress, label) -> tuple[list[Summary], list[Summary]]:
+    """Each size's forward and backward times: the median and spread of its repeats, with more
+    repeats (up to ``opts.max_repeats``, within ``opts.budget_s`` for the stage) while either
+    spread is wider than ``opts.spread_target``."""
     timer = _Timer(device)
-    fwd_ms, bwd_ms = [], []
+    fwd, bwd = [], []
+    deadline = time.perf_counter() + opts.budget_s
     # first calls allocate and pick kernels; keep that out of every size's numbers
     for b in (sizes[-1], sizes[0]):
         x, y = _input(parts, boundary, first, b, device, 0)
@@ -173,23 +181,34 @@ def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cas
             out = stage(x, y if last else None)
         out.backward(torch.ones_like(out) if last else torch.randn_like(out))
         stage.zero_grad(set_to_none=True)
+
+    def repeat(b: int, rep: int) -> tuple[float, float]:
+        x, y = _input(parts, boundary, first, b, device, rep)
+        with cast():
+            tf, out = timer(lambda: stage(x, y if last else None))
+        grad = torch.ones_like(out) if last else torch.randn_like(out)
+        tb, _ = timer(lambda: out.backward(grad))
+        stage.zero_grad(set_to_none=True)
+        return tf, tb
+
     for b in sizes:
-        f_runs, b_runs = [], []
-        for rep in range(opts.warmup + opts.repeats):
-            x, y = _input(parts, boundary, first, b, device, rep)
-            with cast():
-                tf, out = timer(lambda: stage(x, y if last else None))
-            grad = torch.ones_like(out) if last else torch.randn_like(out)
-            tb, _ = timer(lambda: out.backward(grad))
-            if rep >= opts.warmup:
-                f_runs.append(tf)
-                b_runs.append(tb)
-            stage.zero_grad(set_to_none=True)
-        fwd_ms.append(statistics.median(f_runs))
-        bwd_ms.append(statistics.median(b_runs))
+        runs = [repeat(b, rep) for rep in range(opts.warmup + opts.repeats)][opts.warmup :]
+        while True:
+            f, g = summarize([r[0] for r in runs]), summarize([r[1] for r in runs])
+            tight = f.spread <= opts.spread_target and g.spread <= opts.spread_target
+            if tight or len(runs) >= opts.max_repeats or time.perf_counter() > deadline:
+                break
+            runs += [repeat(b, len(runs) + k) for k in range(2)]
+        fwd.append(f)
+        bwd.append(g)
         if progress:
             progress(1, 0, f"{label} size {b}")
-    return fwd_ms, bwd_ms
+    return fwd, bwd
+
+
+def _fitted(entries: list[Summary]) -> list[float]:
+    """The curve over chunk sizes: non-decreasing, each entry weighted by how tight it is."""
+    return monotone_fit([e.median for e in entries], [1.0 / (e.spread + 0.01) ** 2 for e in entries])
 
 
 def _optimizer(name: str, params) -> tuple[torch.optim.Optimizer, int]:
@@ -376,7 +395,7 @@ def _timing_worker(s: int, opts: ProfileOptions, cuts: list[int], sizes: list[in
         tick = lambda n, _t, what: queue.put(("tick", s, what))  # noqa: E731
         fwd, bwd = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}")
         opt_ms = _optimizer_step_ms(stage, opts, device)
-        queue.put(("done", s, fwd, bwd, opt_ms))
+        queue.put(("done", s, [(e.median, e.iqr, e.kept) for e in fwd], [(e.median, e.iqr, e.kept) for e in bwd], opt_ms))
         # keep this core as busy as in a real run until every stage is timed
         x, y = _input(parts, bounds[a], first, sizes[len(sizes) // 2], device, 0)
         while not stop.is_set():
@@ -416,7 +435,8 @@ def _time_concurrently(opts: ProfileOptions, cuts: list[int], sizes: list[int], 
             if msg[0] == "tick":
                 tick(1, 0, msg[2])
             elif msg[0] == "done":
-                results[msg[1]] = msg[2:]
+                _, s, fwd, bwd, opt_ms = msg
+                results[s] = ([Summary(*e) for e in fwd], [Summary(*e) for e in bwd], opt_ms)
             else:
                 raise UmoptError(f"profiling stage {msg[1]} failed: {msg[2]}")
     finally:
@@ -504,8 +524,10 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
                 progress(done, total, what)
 
         concurrent = opts.concurrent if opts.concurrent is not None else (device.type == "cpu" and S > 1 and S * opts.threads <= (os.cpu_count() or 1))
+        warnings = [w for w in [load_warning(S * opts.threads if concurrent else opts.threads) if device.type == "cpu" else None] if w]
         timed = _time_concurrently(opts, cuts, sizes, tick) if concurrent else {}
         stages = []
+        entries: list[Summary] = []
         for s in range(S):
             a, b = cuts[s], cuts[s + 1]
             first, last = s == 0, s == S - 1
@@ -515,6 +537,7 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
             else:
                 fwd, bwd = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}")
                 opt_ms = _optimizer_step_ms(stage, opts, device)
+            entries += fwd + bwd
             lo, hi = (2, 6)
             x2, y2 = _input(parts, bounds[a], first, lo, device, 0)
             x6, y6 = _input(parts, bounds[a], first, hi, device, 0)
@@ -526,8 +549,10 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
             out_bytes = 0 if last else TensorSpec.of(bounds[b]).bytes_per_sample
             entry = {
                 "layers": [a, b],
-                "forward_ms": fwd,
-                "backward_ms": bwd,
+                "forward_ms": _fitted(fwd),
+                "backward_ms": _fitted(bwd),
+                "forward_iqr_ms": [e.iqr for e in fwd],
+                "backward_iqr_ms": [e.iqr for e in bwd],
                 "input_bytes_per_sample": int(in_bytes),
                 "output_bytes_per_sample": int(out_bytes),
                 "stash_bytes_per_sample": int(max(stash, 0)),
@@ -562,6 +587,10 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
                 {"latency_ms": measured[pair][0], "bytes_per_ms": measured[pair][1], "source": "measured", **({"devices": list(pair)} if backend == "nccl" else {})}
                 for pair in plan
             ]
+        median_spread, p90_spread = noise_figure([e.median for e in entries], [e.iqr for e in entries])
+        noisy = noisy_warning("profile entries", median_spread)
+        if noisy:
+            warnings.append(noisy)
         memory_limit, memory_limit_source = opts.memory_limit_bytes, None
         if memory_limit is None and device.type == "cuda":
             memory_limit, memory_limit_source = default_memory_limit(device)
@@ -587,6 +616,8 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
             "warmup": opts.warmup,
             "repeats": opts.repeats,
             "stages_timed_concurrently": bool(timed),
+            "noise": {"median_spread": round(median_spread, 4), "p90_spread": round(p90_spread, 4), "max_repeats": max(e.kept for e in entries)},
+            "warnings": warnings,
             **({"memory_limit": memory_limit_source} if memory_limit_source else {}),
         },
     }

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .baselines import Baseline, gpipe_equal, onef1b_equal
+from .choice import Choice, choose
 from .bounds import Beside, Scope, fast_bound_ms, fast_job, reported_bounds, spec_bound
 from .costmodel import CostTables, Timeline
 from .errors import UmoptError
@@ -30,6 +31,7 @@ class SolveReport:
     schedule: Schedule
     timeline: Timeline
     result: SolverResult
+    choice: Choice
     gpipe: Baseline
     onef1b: Baseline
     lower_bound_ms: float
@@ -121,11 +123,17 @@ def solve(
     seconds = time.perf_counter() - t0
     lb = fast[Scope.ANY]
     cand: Candidate = result.candidate
-    ops = cand.ops()
-    validate_ops(ops, minibatch, problem.max_size, recompute)
-    timeline = cand.simulate(problem)
-    if not cand.fits(timeline, problem):
+    validate_ops(cand.ops(), minibatch, problem.max_size, recompute)
+    if not cand.fits(cand.simulate(problem), problem):
         raise UmoptError(f"solver {result.name} found no schedule within the memory limit")
+    # a schedule the profile cannot tell apart from a simpler one is not worth its extra ops
+    found = [(f"umopt {solver}", cand)] + [(b.name, b.candidate) for b in (gp, of) if b.candidate is not None]
+    choice = choose(profile, problem, found, equal=("gpipe_equal", "1f1b_equal"), seed=seed)
+    if choice.name != found[0][0]:
+        result.extra["note"] = choice.reason
+    cand = choice.candidate
+    ops = cand.ops()
+    timeline = cand.simulate(problem)
     bound, scope, lb_1f1b = reported_bounds(
         fast, result.lower_bound_ms, result.extra.get("bound_scope"), result.extra.get("lower_bound_1f1b_ms"), ops, order
     )
@@ -148,10 +156,12 @@ def solve(
             **({"winner": result.extra["winner"]} if "winner" in result.extra else {}),
             **({"bound_scope": scope.value} if scope is not None else {}),
             "schedule_order": cand.order,
+            "recommended": choice.name,
+            **({"gain_over_equal": choice.gain, "gain_uncertainty": choice.uncertainty} if choice.gain is not None else {}),
             **({"warmup": cand.warmup} if cand.order == "1f1b" and cand.warmup is not None else {}),
         },
         baselines={"gpipe_equal": _baseline_entry(gp), "1f1b_equal": _baseline_entry(of)},
     )
     gpipe_timeline = gp.candidate.simulate(problem) if gp.candidate is not None else None
     onef1b_timeline = of.candidate.simulate(problem) if of.candidate is not None else None
-    return SolveReport(schedule, timeline, result, gp, of, lb, gpipe_timeline, onef1b_timeline)
+    return SolveReport(schedule, timeline, result, choice, gp, of, lb, gpipe_timeline, onef1b_timeline)

@@ -30,6 +30,8 @@ def synthetic_profile(
     bytes_per_ms: float = 1e7,
     memory_limit_bytes: int | None = None,
     name: str = "synthetic",
+    op_overhead_ms: float = 0.0,
+    message_overhead_ms: float = 0.0,
 ) -> Profile:
     rng = np.random.default_rng(seed)
     S = num_stages
@@ -51,6 +53,7 @@ def synthetic_profile(
                 "stash_bytes_per_sample": int(4 * bytes_per_sample),
                 "static_bytes": int(1 << 24),
                 "optimizer_ms": round(float(0.1 + 0.2 * rng.random()), 6),
+                "op_overhead_ms": op_overhead_ms,
             }
         )
     return Profile.model_validate(
@@ -60,7 +63,7 @@ def synthetic_profile(
             "device": {"type": "sim", "name": "synthetic", "dtype": "float32"},
             "sizes": sizes,
             "stages": stages,
-            "links": [{"latency_ms": latency_ms, "bytes_per_ms": bytes_per_ms} for _ in range(S - 1)],
+            "links": [{"latency_ms": latency_ms, "bytes_per_ms": bytes_per_ms, "message_overhead_ms": message_overhead_ms} for _ in range(S - 1)],
             "memory_limit_bytes": memory_limit_bytes,
         }
     )

@@ -1,42 +1,45 @@
-"""``umopt tune``: profile, solve and run in one go, and compare with the best equal schedules.
+"""``umopt tune``: profile, solve, run the candidates in turns, and recommend what measured fastest.
 
-Profiles the model on this machine, calibrates the profile with short runs of equal schedules
-(:mod:`umopt.calibrate`; a profile times stages one chunk at a time, and inside a running
-pipeline ops run at another speed), solves for the minibatch, writes the umopt schedule and the
-best equal GPipe and 1F1B schedules, runs all three with the runtime (on the same processes,
-taking turns, so that a machine's drift meets all three alike) and returns one row per schedule:
-predicted and measured iteration time and the measured speedup over equal GPipe.
+Profiles the model on this machine (fitted to probe runs of the runtime where there is a core or
+GPU per stage: :mod:`umopt.probes`), solves for the minibatch, and runs the few schedules worth
+choosing between (umopt's recommendation, the best schedule found if that is another, one shared
+ramped partition as a simpler runner-up, and the best equal GPipe and 1F1B schedules) on the same
+processes, taking turns, so that a machine's drift meets them all alike. The prediction chose the
+candidates; the measurement chooses among them (:func:`pick`), and ``recommended.json`` is the
+schedule that measured fastest, never one that measured slower than the best equal schedule.
 Everything it makes lands in one folder: the profile, the schedules, the run reports and the
 Gantt pictures.
 """
 
 from __future__ import annotations
 
+import shutil
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from .baselines import Baseline
-from .calibrate import calibrate as fit
 from .errors import UmoptError
-from .fileio import read_json
-from .launch import launch
-from .problem import Candidate
 from .formats.profile import Profile, load_profile, save_profile
-from .profiler import ProfileOptions, check_profile_options, profile_model
 from .formats.schedule import make_schedule, save_schedule
+from .launch import launch
+from .noise import OFF_PREDICTION
+from .probes import profile_in_pipeline
+from .problem import Candidate
+from .profiler import ProfileOptions, check_profile_options
 from .solve import make_problem, solve
+from .solvers import SOLVERS
 
-__all__ = ["DEFAULT", "TuneRow", "TuneResult", "calibration_runs", "tune"]
+__all__ = ["DEFAULT", "EQUAL", "TuneRow", "TuneResult", "pick", "tune"]
 
 # about a minute on a 2-core CPU: a small GPT on 2 stages, 2 local ranks, ~140 ms iterations
-# (much smaller and per-op overheads the profile does not see start to dominate)
 DEFAULT = {
     "model": "gpt",
     "model_args": {"layers": 4, "d_model": 128, "heads": 4, "vocab": 2048, "seq_len": 64},
     "stages": 2,
     "minibatch": 32,
 }
+EQUAL = ("gpipe_equal", "1f1b_equal")
 
 
 @dataclass
@@ -44,7 +47,8 @@ class TuneRow:
     name: str
     chunks: str
     predicted_ms: float
-    measured_ms: float
+    measured_ms: float  # the median of every measured step
+    rounds_ms: list[float]  # the median of each round
     schedule: str
     report: str
     plot: str
@@ -55,11 +59,44 @@ class TuneResult:
     rows: list[TuneRow]
     lower_bound_ms: float
     out_dir: str
+    recommended: str  # the name of the row written as recommended.json
+    reason: str
+    warnings: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+
+    def row(self, name: str) -> TuneRow:
+        return next(r for r in self.rows if r.name == name)
 
     def speedup(self, row: TuneRow, measured: bool = True) -> float:
         base = self.rows[0]
         return (base.measured_ms / row.measured_ms) if measured else (base.predicted_ms / row.predicted_ms)
+
+
+def pick(rows: list[TuneRow]) -> tuple[str, str]:
+    """The row to recommend, and why, from runs in turns.
+
+    The reference is the best equal schedule as measured (the lower median over all steps). Any
+    other row beats it only if its median is lower *and* it was faster in more than half of the
+    rounds (each round's median against the reference's in the same round: the rounds ran in
+    turns, so a drift of the machine meets both alike). Of the rows that beat it, the lowest
+    median wins; if none does, the best equal schedule is recommended.
+    """
+    equal = [r for r in rows if r.name in EQUAL]
+    if not equal:
+        raise ValueError("no equal schedule ran: nothing to compare with")
+    ref = min(equal, key=lambda r: r.measured_ms)
+    winners = []
+    for r in rows:
+        if r.name in EQUAL:
+            continue
+        won = sum(a < b for a, b in zip(r.rounds_ms, ref.rounds_ms))
+        if r.measured_ms < ref.measured_ms and won > len(ref.rounds_ms) / 2:
+            winners.append((r.measured_ms, r, won))
+    if not winners:
+        return ref.name, f"no other schedule measured faster than {ref.name} in most rounds and overall"
+    _, best, won = min(winners, key=lambda t: t[0])
+    gain = ref.measured_ms / best.measured_ms - 1
+    return best.name, f"{100 * gain:.1f}% faster than {ref.name} measured, in {won} of {len(ref.rounds_ms)} rounds"
 
 
 def _check_runnable(opts: ProfileOptions) -> None:
@@ -73,41 +110,21 @@ def _check_runnable(opts: ProfileOptions) -> None:
             raise UmoptError(f"umopt tune runs each stage on its own GPU: {opts.stages} stages, {gpus} GPU(s) here (use --stages {gpus})")
 
 
-def _profile(opts: ProfileOptions) -> Profile:
+def _profile(opts: ProfileOptions, probes: bool, probe_minibatch: int) -> Profile:
     """The profile; on CUDA measured in a child process, so that the CUDA context and whatever the
     allocator keeps leave with it and the run's stage 0 finds its GPU as empty as the others."""
     if opts.device != "cuda":
-        return profile_model(opts, argv=["umopt", "tune"])
+        return profile_in_pipeline(opts, probes=probes, probe_minibatch=probe_minibatch, argv=["umopt", "tune"])
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        return pool.submit(profile_model, opts, None, ["umopt", "tune"]).result()
+        return pool.submit(profile_in_pipeline, opts, probes=probes, probe_minibatch=probe_minibatch, argv=["umopt", "tune"]).result()
 
 
-def calibration_runs(prof: Profile, minibatch: int, out: Path, *, steps: int = 3, warmup: int = 1, sizes=(2, 4, 8, 16)) -> list[str]:
-    """Run each equal GPipe and 1F1B schedule with chunks of ``sizes`` briefly; return the reports.
-
-    Their per-op times are what :func:`umopt.calibrate.calibrate` fits the profile to: both orders,
-    because ops run at another speed when a stage interleaves F and B."""
-    out.mkdir(parents=True, exist_ok=True)
-    problem = make_problem(prof, minibatch, False)
-    names = []
-    for b in sizes:
-        chunk_sizes = [b] * (minibatch // b) + ([minibatch % b] if minibatch % b else [])
-        if b > prof.max_size or len(chunk_sizes) < 2:
-            continue
-        for order in ("gpipe", "1f1b"):
-            cand = Candidate.uniform(chunk_sizes, prof.num_stages, order)
-            name = f"{order}_b{b}"
-            sched = make_schedule(prof, minibatch, False, cand.ops(), cand.simulate(problem), {"name": name, "status": "feasible", "seconds": 0.0}, {})
-            save_schedule(sched, str(out / f"{name}.json"))
-            names.append(name)
-    if not names:
-        return []
-    # one launch for all of them: a start costs seconds, more than their steps
-    launch([*(str(out / f"{n}.json") for n in names), "--steps", str(steps), "--warmup", str(warmup), "--report", str(out / "{name}_report.json")], quiet=True)
-    return [str(out / f"{n}_report.json") for n in names]
+def _chunks(ops_lists) -> str:
+    counts = sorted({sum(1 for op in st if op[0] == "F") for st in ops_lists})
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
 
 
 def tune(
@@ -117,14 +134,14 @@ def tune(
     minibatch: int,
     *,
     device: str = "cpu",
-    steps: int = 5,
+    steps: int = 8,
     warmup: int = 2,
     rounds: int = 4,
     out_dir: str = "umopt-tune",
     time_limit: float = 10.0,
     max_size: Optional[int] = None,
     seed: int = 0,
-    calibrate: bool = True,
+    probes: bool = True,
     dtype: str = "float32",
     link_latency_ms: Optional[float] = None,
     link_gbps: Optional[float] = None,
@@ -137,47 +154,52 @@ def tune(
     _check_runnable(opts)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    say(f"profiling {model} on {device}, {stages} stages")
-    prof = _profile(opts)
-    if calibrate:
-        save_profile(prof, out / "profile_measured.json")
-        prof = load_profile(out / "profile_measured.json")
-        say("calibrating: short runs of equal GPipe and 1F1B schedules")
-        names = calibration_runs(prof, minibatch, out / "calibration")
-        prof = fit(prof, [read_json(n) for n in names], names)
+    say(f"profiling {model} on {device}, {stages} stages" + (", then probe runs of the runtime" if probes else ""))
+    prof = _profile(opts, probes, min(minibatch, 32) if minibatch >= 4 else minibatch)
     save_profile(prof, out / "profile.json")
     prof = load_profile(out / "profile.json")
+    warnings = list((getattr(prof, "meta", None) or {}).get("warnings", []))
     say(f"solving for minibatch {minibatch} ({time_limit:g} s)")
     report = solve(prof, minibatch, time_limit=time_limit, seed=seed)
-    save_schedule(report.schedule, str(out / "umopt.json"))
     problem = make_problem(prof, minibatch, False)
 
-    def equal_schedule(b: Baseline, name: str) -> Optional[str]:
-        if b.candidate is None:
-            return None
-        sched = make_schedule(prof, minibatch, False, b.candidate.ops(), b.candidate.simulate(problem), {"name": name, "status": "feasible", "seconds": 0.0}, {})
+    def write(name: str, cand: Candidate) -> str:
+        sched = make_schedule(prof, minibatch, False, cand.ops(), cand.simulate(problem), {"name": name, "status": "feasible", "seconds": 0.0}, {})
         path = str(out / f"{name}.json")
         save_schedule(sched, path)
         return path
 
-    plans = [
-        ("gpipe_equal", equal_schedule(report.gpipe, "gpipe_equal"), f"M={report.gpipe.microbatches}"),
-        ("1f1b_equal", equal_schedule(report.onef1b, "1f1b_equal"), f"M={report.onef1b.microbatches}"),
-        ("umopt", str(out / "umopt.json"), "/".join(str(len([o for o in st.ops if o[0] == "F"])) for st in report.schedule.stages) + f" ({report.result.candidate.order})"),
-    ]
-    plans = [p for p in plans if p[1] is not None]
+    # the candidates: what the prediction says is worth measuring
+    plans: dict[str, Candidate] = {}
+    for b in (report.gpipe, report.onef1b):
+        if b.candidate is not None:
+            plans[b.name] = b.candidate
+    plans["umopt"] = report.choice.candidate
+    if report.result.candidate.ops() != report.choice.candidate.ops():
+        plans["umopt_best"] = report.result.candidate  # the fastest predicted, where the choice was simpler
+    ramp = SOLVERS["ramp"](problem, order="auto").candidate
+    ramp_ms = ramp.simulate(problem).iteration_ms
+    if all(ramp.ops() != c.ops() for c in plans.values()) and ramp_ms < min(c.simulate(problem).iteration_ms for n, c in plans.items() if n in EQUAL):
+        plans["ramp"] = ramp  # one shared partition: a simpler runner-up
+    names = list(plans)
+    paths = [write(n, plans[n]) for n in names]
     rounds = max(1, min(rounds, steps))
-    say(f"running {', '.join(name for name, _, _ in plans)} in turns, {rounds} rounds")
-    # on the same processes, taking turns: a machine that drifts (other load, clocks) would
-    # otherwise favour whichever schedule ran in its good minute
     per_round = -(-steps // rounds)
+    say(f"running {', '.join(names)} in turns, {rounds} rounds of {per_round} steps")
     result = launch(
-        [*(path for _, path, _ in plans), "--steps", str(per_round), "--warmup", str(warmup), "--rounds", str(rounds),
+        [*paths, "--steps", str(per_round), "--warmup", str(warmup), "--rounds", str(rounds),
          "--report", str(out / "report_{name}.json"), "--plot", str(out / "measured_{name}.png")],
         quiet=True,
     )
-    rows = [
-        TuneRow(name, chunks, r["predicted_iteration_ms"], r["measured_iteration_ms"], path, rep, str(out / f"measured_{Path(path).stem}.png"))
-        for (name, path, chunks), r, rep in zip(plans, result.reports, result.report_paths)
-    ]
-    return TuneResult(rows, report.schedule.solver.lower_bound_ms or report.lower_bound_ms, str(out), sorted(str(p) for p in out.iterdir()))
+    rows = []
+    for name, path, r, rep in zip(names, paths, result.reports, result.report_paths):
+        steps_ms = r["step_ms"]
+        rounds_ms = [statistics.median(steps_ms[k * per_round : (k + 1) * per_round]) for k in range(rounds)]
+        rows.append(TuneRow(name, _chunks(plans[name].ops()), r["predicted_iteration_ms"], r["measured_iteration_ms"], rounds_ms, path, rep, str(out / f"measured_{name}.png")))
+        off = r["measured_over_predicted"] - 1
+        if abs(off) > OFF_PREDICTION:
+            warnings.append(f"{name} measured {100 * off:+.0f}% off its prediction")
+    recommended, reason = pick(rows)
+    shutil.copyfile(out / f"{recommended}.json", out / "recommended.json")
+    lb = report.schedule.solver.lower_bound_ms or report.lower_bound_ms
+    return TuneResult(rows, lb, str(out), recommended, reason, warnings, sorted(str(p) for p in out.iterdir()))

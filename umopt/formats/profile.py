@@ -57,11 +57,19 @@ class StageProfile(_Strict):
     stash_bytes_per_sample: NonNegInt
     static_bytes: NonNegInt
     optimizer_ms: NonNegFloat
+    # what the runtime spends on each op beyond its compute (dispatch, posting and waiting on
+    # messages, buffer views): fitted to runs in the pipeline; 0 where not known
+    op_overhead_ms: NonNegFloat = 0.0
+    # the spread of each entry's repeats (interquartile range), where it was measured
+    forward_iqr_ms: Optional[list[NonNegFloat]] = None
+    backward_iqr_ms: Optional[list[NonNegFloat]] = None
 
 
 class LinkProfile(_Strict):
     latency_ms: NonNegFloat
     bytes_per_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    # what each message costs beyond its transfer inside a running pipeline (fitted to runs)
+    message_overhead_ms: NonNegFloat = 0.0
 
 
 class ModelInfo(_Strict):
@@ -96,10 +104,10 @@ class Profile(_Strict):
             raise ValueError("sizes must be strictly ascending")
         n = len(sizes)
         for s, st in enumerate(self.stages):
-            for key in ("forward_ms", "backward_ms"):
-                got = len(getattr(st, key))
-                if got != n:
-                    raise ValueError(f"stages[{s}].{key} has {got} values for {n} sizes")
+            for key in ("forward_ms", "backward_ms", "forward_iqr_ms", "backward_iqr_ms"):
+                values = getattr(st, key)
+                if values is not None and len(values) != n:
+                    raise ValueError(f"stages[{s}].{key} has {len(values)} values for {n} sizes")
             if st.layers[0] >= st.layers[1]:
                 raise ValueError(f"stages[{s}].layers {st.layers} is an empty range")
             if s > 0 and st.layers[0] != self.stages[s - 1].layers[1]:

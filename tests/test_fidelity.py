@@ -1,0 +1,116 @@
+"""Predictions users can trust: noise noticed, curves that cannot follow it, a choice that does not
+trade a schedule the profile cannot tell apart from a simpler one, and tune's measured pick."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from umopt.choice import choose, complexity
+from umopt.costmodel import CostTables
+from umopt.noise import monotone_fit, noise_figure, noisy_warning, run_warnings, summarize
+from umopt.problem import Problem
+from umopt.synthetic import synthetic_profile
+from umopt.tune import TuneRow, pick
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 1e4, allow_nan=False), min_size=1, max_size=12), st.lists(st.floats(0.01, 100.0), min_size=12, max_size=12))
+def test_monotone_fit_never_falls_and_never_leaves_the_measured_range(values, weights):
+    fit = monotone_fit(values, weights[: len(values)])
+    assert len(fit) == len(values)
+    assert all(a <= b + 1e-9 * max(1.0, abs(b)) for a, b in zip(fit, fit[1:]))
+    assert min(values) - 1e-6 <= min(fit) and max(fit) <= max(values) + 1e-6
+    if all(a <= b for a, b in zip(values, values[1:])):
+        assert fit == pytest.approx(values)  # a curve that already rises is kept as it is
+
+
+def test_monotone_fit_trusts_tight_entries_more():
+    # the second entry dips; it is loose, the first is tight: the pooled value stays near the first
+    assert monotone_fit([10.0, 8.0], [100.0, 1.0]) == pytest.approx([9.98, 9.98], abs=0.01)
+
+
+def test_outliers_are_dropped_before_the_median():
+    s = summarize([10.0, 10.2, 9.9, 10.1, 10.0, 55.0])
+    assert s.median == pytest.approx(10.0, abs=0.1) and s.kept == 5 and s.spread < 0.05
+
+
+def test_the_noise_warning_fires_on_a_noisy_series_and_not_on_a_quiet_one():
+    rng = np.random.default_rng(0)
+    quiet = [summarize(10 + 0.1 * rng.standard_normal(9)) for _ in range(12)]
+    noisy = [summarize(10 * (1 + 0.4 * rng.random(9))) for _ in range(12)]
+    for runs, fires in ((quiet, False), (noisy, True)):
+        median_spread, p90 = noise_figure([s.median for s in runs], [s.iqr for s in runs])
+        assert (noisy_warning("entries", median_spread) is not None) == fires
+        assert p90 >= median_spread
+    # a run: far off its prediction, and scattered steps
+    report = {"schedule": "s.json", "measured_over_predicted": 1.3, "step_ms": list(10 * (1 + 0.5 * rng.random(12)))}
+    lines = run_warnings(report)
+    assert len(lines) == 2 and "1.30x its prediction" in lines[0] and "umopt calibrate" in lines[0]
+    assert run_warnings({"measured_over_predicted": 1.05, "step_ms": [10.0, 10.1, 9.9, 10.0]}) == []
+
+
+def _problem_with_spread(spread: float, rms: float):
+    prof = synthetic_profile(2, max_size=16, seed=3, latency_ms=0.05, bytes_per_ms=1e6)
+    stages = [s.model_copy(update={"forward_iqr_ms": [spread * v for v in s.forward_ms], "backward_iqr_ms": [spread * v for v in s.backward_ms]}) for s in prof.stages]
+    prof = prof.model_copy(update={"stages": stages, "meta": {"calibration": {"residual_rms": rms}}})
+    return prof, Problem(CostTables.from_profile(prof), 32)
+
+
+def _candidates(problem):
+    from umopt.baselines import gpipe_equal, onef1b_equal
+
+    from umopt.solvers import SOLVERS
+
+    gp, of = gpipe_equal(problem), onef1b_equal(problem)
+    # (a generation cap and no kicks: the same schedule on every machine)
+    best = SOLVERS["ga"](problem, time_limit=100, seed=0, max_generations=30, polish_kicks=0).candidate
+    return [("umopt auto", best), (gp.name, gp.candidate), (of.name, of.candidate)]
+
+
+def test_a_schedule_the_profile_cannot_tell_from_a_simpler_one_is_not_recommended():
+    prof, problem = _problem_with_spread(0.0, 0.0)
+    cands = _candidates(problem)
+    times = {n: c.simulate(problem).iteration_ms for n, c in cands}
+    ref = min(times["gpipe_equal"], times["1f1b_equal"])
+    gain = ref / times["umopt auto"] - 1
+    assert 0 < gain < 0.2  # the constructed schedule is ahead, but not by much
+    assert complexity(problem, cands[0][1]) > max(complexity(problem, c) for _, c in cands[1:])
+    # no stated uncertainty: the fastest predicted, with its gain
+    c = choose(prof, problem, cands, equal=("gpipe_equal", "1f1b_equal"))
+    assert c.name == "umopt auto" and c.gain == pytest.approx(gain) and c.uncertainty == 0.0
+    # a fit to the runtime that is off by more than the gain: the simpler, equal schedule
+    prof, problem = _problem_with_spread(0.0, gain)
+    c = choose(prof, problem, cands, equal=("gpipe_equal", "1f1b_equal"))
+    assert c.name in ("gpipe_equal", "1f1b_equal") and c.uncertainty == pytest.approx(2 * np.sqrt(2) * gain)
+    assert "within the profile's uncertainty" in c.reason
+    # entries with a wide spread: the same, from the spread alone
+    prof, problem = _problem_with_spread(0.6, 0.0)
+    c = choose(prof, problem, cands, equal=("gpipe_equal", "1f1b_equal"))
+    assert c.uncertainty > gain and c.name in ("gpipe_equal", "1f1b_equal")
+    # a tight profile: the gain stands
+    prof, problem = _problem_with_spread(0.01, 0.001)
+    c = choose(prof, problem, cands, equal=("gpipe_equal", "1f1b_equal"))
+    assert c.name == "umopt auto" and 0 < c.uncertainty < gain
+
+
+def _row(name: str, rounds_ms: list[float]) -> TuneRow:
+    return TuneRow(name, "", 0.0, float(np.median(rounds_ms)), rounds_ms, "", "", "")
+
+
+def test_tune_recommends_what_measured_fastest_and_never_worse_than_the_best_equal():
+    gp, of = _row("gpipe_equal", [110, 112, 111, 113]), _row("1f1b_equal", [105, 104, 106, 105])
+    # faster overall and in every round: recommended
+    name, why = pick([gp, of, _row("umopt", [100, 101, 99, 100])])
+    assert name == "umopt" and "faster than 1f1b_equal" in why and "4 of 4 rounds" in why
+    # faster overall but only in two rounds of four: not enough
+    name, _ = pick([gp, of, _row("umopt", [100, 108, 99, 107])])
+    assert name == "1f1b_equal"
+    # slower than the best equal one: never recommended, even if faster than the other equal one
+    name, _ = pick([gp, of, _row("umopt", [107, 107, 108, 107])])
+    assert name == "1f1b_equal"
+    # of two that beat it, the faster
+    name, _ = pick([gp, of, _row("umopt", [100, 101, 99, 100]), _row("ramp", [98, 99, 97, 99])])
+    assert name == "ramp"

@@ -1,0 +1,115 @@
+"""What to recommend when the profile cannot tell schedules apart.
+
+A profile's entries are medians of noisy repeats, and its fit to the runtime leaves a residual;
+a schedule predicted 0.5% faster than the best equal one may well measure slower, and it runs
+more ops and messages, each a chance for the runtime to lose time. So the predicted gain of the
+best schedule found over the best equal one comes with its uncertainty, and among the candidates
+whose prediction lies within that uncertainty of the best, the one with the fewest ops and
+messages is recommended.
+
+The uncertainty has two parts. The spread of the profile's entries (their interquartile ranges,
+where the profiler kept them) is propagated by simulating every candidate in profiles perturbed
+by it; and the residual of the profile's fit to probe runs of the runtime (``meta.calibration``)
+says how far the cost model itself is from what the runtime does. A profile with neither (a
+synthetic one, or one written before either existed) has no stated uncertainty, and its best
+schedule is taken as predicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .costmodel import CostTables, simulate
+from .formats.profile import Profile
+from .problem import Candidate, Problem
+
+__all__ = ["Choice", "complexity", "gain_uncertainty", "choose"]
+
+# how many standard deviations of the gain a schedule must be ahead to count as ahead
+Z = 2.0
+# perturbed profiles the spread is propagated through
+SAMPLES = 32
+# repeats behind each profile entry at least (the profiler's default); the spread of the median
+# of n repeats is about 1.25 / sqrt(n) times theirs
+MIN_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The recommended candidate, what it was picked over, and why."""
+
+    name: str
+    candidate: Candidate
+    gain: Optional[float]  # predicted gain of the best schedule found over the best equal one
+    uncertainty: float  # Z standard deviations of that gain (0: none stated)
+    reason: str
+
+
+def complexity(problem: Problem, cand: Candidate) -> int:
+    """Ops plus messages of a candidate's schedule: what the runtime pays for beyond compute."""
+    ops = cand.ops()
+    tl = simulate(problem.tables, ops, problem.minibatch)
+    return sum(len(st) for st in ops) + len(tl.messages)
+
+
+def _perturbed_tables(profile: Profile, recompute: bool, rng: np.random.Generator) -> Optional[list[CostTables]]:
+    """Tables of profiles whose entries are moved by their spread (None: the profile has none)."""
+    if not any(st.forward_iqr_ms for st in profile.stages):
+        return None
+    scale = 1.2533 / np.sqrt(MIN_REPEATS) / 1.349  # interquartile range -> the median's standard deviation
+    out = []
+    for _ in range(SAMPLES):
+        stages = []
+        for st in profile.stages:
+            update = {}
+            for key, iqr in (("forward_ms", st.forward_iqr_ms), ("backward_ms", st.backward_iqr_ms)):
+                if iqr:
+                    v = np.asarray(getattr(st, key))
+                    update[key] = list(np.maximum(0.0, v + rng.standard_normal(v.size) * np.asarray(iqr) * scale))
+            stages.append(st.model_copy(update=update))
+        out.append(CostTables.from_profile(profile.model_copy(update={"stages": stages}), recompute))
+    return out
+
+
+def gain_uncertainty(profile: Profile, problem: Problem, best: Candidate, reference: Candidate, seed: int = 0) -> float:
+    """One standard deviation of the relative gain of ``best`` over ``reference``: the profile's
+    spread propagated, and the residual of its fit to probe runs."""
+    var = 0.0
+    tables = _perturbed_tables(profile, problem.recompute, np.random.default_rng(seed))
+    if tables is not None:
+        ob, orf = best.ops(), reference.ops()
+        gains = [simulate(t, orf, problem.minibatch, record=False).iteration_ms / simulate(t, ob, problem.minibatch, record=False).iteration_ms for t in tables]
+        var += float(np.var(gains))
+    calibration = (getattr(profile, "meta", None) or {}).get("calibration") or {}
+    rms = float(calibration.get("residual_rms", 0.0))
+    # two predictions each off by about rms: their ratio by up to sqrt(2) times that
+    return float(np.sqrt(var + 2 * rms**2))
+
+
+def choose(profile: Profile, problem: Problem, candidates: Sequence[tuple[str, Candidate]], equal: Sequence[str], seed: int = 0) -> Choice:
+    """Among ``candidates`` (name, candidate, each within the memory limit, in any order), the
+    fastest predicted one, unless a simpler one (fewer ops and messages) is predicted within the
+    uncertainty of it; ``equal`` names the best equal schedules, the reference of the gain."""
+    timed = sorted(((c.simulate(problem).iteration_ms, name, c) for name, c in candidates), key=lambda t: t[0])
+    best_ms, best_name, best = timed[0]
+    equals = [t for t in timed if t[1] in equal]
+    if not equals or best_name in equal:
+        return Choice(best_name, best, 0.0 if equals else None, 0.0, "the fastest predicted schedule is an equal one")
+    ref_ms, ref_name, ref = equals[0]
+    gain = ref_ms / best_ms - 1
+    sigma = gain_uncertainty(profile, problem, best, ref, seed)
+    margin = Z * sigma
+    if margin == 0.0:
+        return Choice(best_name, best, gain, 0.0, "the profile states no uncertainty: the fastest predicted")
+    close = [t for t in timed if t[0] <= best_ms * (1 + margin)]
+    simplest = min(close, key=lambda t: (complexity(problem, t[2]), t[0]))
+    if simplest[1] == best_name:
+        return Choice(best_name, best, gain, margin, f"ahead of every simpler schedule by more than the profile's uncertainty ({100 * margin:.1f}%)")
+    return Choice(
+        simplest[1], simplest[2], gain, margin,
+        f"{best_name} is predicted {100 * (simplest[0] / best_ms - 1):.1f}% faster than {simplest[1]}, within the profile's "
+        f"uncertainty ({100 * margin:.1f}%): the simpler one, with fewer ops and messages, is recommended",
+    )

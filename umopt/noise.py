@@ -1,0 +1,147 @@
+"""Measuring on a machine that is not quiet: robust summaries of repeats, fits that cannot follow
+noise where physics forbids it, and a figure that tells the user when a measurement is not to be
+trusted.
+
+Another job on the machine, a clock that changes speed, a page fault: any of them can make one
+repeat of a timing slow, and a slow repeat at one chunk size makes the solver believe in an
+advantage that is not there. So each profile entry is the median of its repeats after Tukey's
+fences have dropped the outliers, keeps its interquartile range (its *spread*), and gets more
+repeats while that spread is wide; the curve over chunk sizes is then fitted to be
+non-decreasing (more samples never take less time), weighted by how tight each entry is. The
+noise figure is the median spread over a profile's entries; above :data:`NOISY_SPREAD` the
+commands say so in one line instead of trusting the numbers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+__all__ = [
+    "NOISY_SPREAD",
+    "OFF_PREDICTION",
+    "Summary",
+    "summarize",
+    "monotone_fit",
+    "spread",
+    "noise_figure",
+    "noisy_warning",
+    "load_warning",
+    "run_warnings",
+]
+
+# the median relative spread (interquartile range / median) of repeats above which a machine
+# counts as too noisy to trust: a 10% spread is as large as the gains being measured
+NOISY_SPREAD = 0.10
+# how far a run may be from its prediction before the run says the profile does not describe it
+OFF_PREDICTION = 0.15
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The median of a set of repeats (outliers dropped) and their interquartile range."""
+
+    median: float
+    iqr: float
+    kept: int  # repeats within the fences
+
+    @property
+    def spread(self) -> float:
+        return spread(self.median, self.iqr)
+
+
+def spread(median: float, iqr: float) -> float:
+    """Relative spread: interquartile range over the median (0 where the median is 0)."""
+    return iqr / median if median > 0 else 0.0
+
+
+def summarize(runs: Sequence[float]) -> Summary:
+    """Median and interquartile range of ``runs``, after dropping those outside Tukey's fences
+    (1.5 interquartile ranges beyond the quartiles)."""
+    x = np.asarray(runs, dtype=float)
+    q1, q3 = np.percentile(x, [25, 75])
+    fence = 1.5 * (q3 - q1)
+    kept = x[(x >= q1 - fence) & (x <= q3 + fence)]
+    if kept.size == 0:  # (cannot happen: the quartiles lie within the fences)
+        kept = x
+    k1, k3 = np.percentile(kept, [25, 75])
+    return Summary(float(np.median(kept)), float(k3 - k1), int(kept.size))
+
+
+def monotone_fit(values: Sequence[float], weights: Optional[Sequence[float]] = None) -> list[float]:
+    """The non-decreasing sequence nearest to ``values`` in weighted least squares (pool
+    adjacent violators). Each fitted value is a weighted mean of a run of measured ones, so the
+    fit never leaves the measured range."""
+    y = [float(v) for v in values]
+    w = [1.0] * len(y) if weights is None else [max(float(v), 1e-12) for v in weights]
+    blocks: list[list[float]] = []  # [weighted mean, total weight, count]
+    for v, wt in zip(y, w):
+        blocks.append([v, wt, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, c2 = blocks.pop()
+            m1, w1, c1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    out: list[float] = []
+    for m, _, c in blocks:
+        out += [m] * c
+    return out
+
+
+def noise_figure(medians: Sequence[float], iqrs: Sequence[float]) -> tuple[float, float]:
+    """The median and the 90th percentile of the entries' relative spreads, each entry weighted
+    by its time: a sub-millisecond entry's jitter says little about the machine, and it matters
+    little to any schedule."""
+    s = np.array([spread(m, q) for m, q in zip(medians, iqrs)])
+    w = np.asarray(medians, dtype=float)
+    if s.size == 0 or w.sum() <= 0:
+        return 0.0, 0.0
+    order = np.argsort(s)
+    cum = np.cumsum(w[order]) / w.sum()
+    return float(s[order][np.searchsorted(cum, 0.5)]), float(s[order][min(np.searchsorted(cum, 0.9), s.size - 1)])
+
+
+def noisy_warning(what: str, median_spread: float, threshold: float = NOISY_SPREAD) -> Optional[str]:
+    """One line when ``median_spread`` is above ``threshold``, else None."""
+    if median_spread <= threshold:
+        return None
+    return (
+        f"{what} spread by a median {100 * median_spread:.0f}% between repeats (more than {100 * threshold:.0f}%): "
+        "the machine is too noisy to trust small differences; stop other jobs and measure again"
+    )
+
+
+def load_warning(cores_used: int) -> Optional[str]:
+    """One line when other processes already keep the machine's cores busy, else None."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not on this platform
+        return None
+    cores = os.cpu_count() or 1
+    free = cores - load
+    if free >= cores_used - 0.5:
+        return None
+    return f"the machine's load is {load:.1f} on {cores} cores before measuring: other jobs will slow and scatter the timings"
+
+
+def run_warnings(report: dict) -> list[str]:
+    """What a run's report says the user should know: a run far off its prediction (and what to
+    do), and steps too scattered to trust."""
+    out = []
+    name = report.get("schedule", "the schedule")
+    ratio = float(report["measured_over_predicted"])
+    if abs(ratio - 1) > OFF_PREDICTION:
+        out.append(
+            f"{name} measured {ratio:.2f}x its prediction: the profile does not describe this run (another job on the machine, "
+            "another machine, or a profile without the runtime's costs); profile again here (its probe runs fit the runtime) "
+            "or fit it to this run: umopt calibrate PROFILE REPORT -o PROFILE2"
+        )
+    steps = report.get("step_ms") or []
+    if len(steps) >= 4:
+        s = summarize(steps)
+        line = noisy_warning(f"{name}'s steps", s.spread)
+        if line:
+            out.append(line)
+    return out

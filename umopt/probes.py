@@ -1,0 +1,117 @@
+"""Probe runs: short equal schedules through the real runtime, and the profile fitted to them.
+
+A profile times each stage alone, one chunk at a time; inside a running pipeline ops run at
+another speed and the runtime adds costs of its own (dispatching each op, posting and waiting on
+messages, the optimizer step). Where there is a core (or a GPU) per stage, ``umopt profile`` ends
+by running probe schedules with the same processes, backend and messages as ``umopt run``: the
+equal GPipe and 1F1B schedules with chunks of 2, 4, 8 and 16 samples, taking turns on the same
+processes. :func:`umopt.calibrate.calibrate` then fits the profile to them (op times per size,
+the runtime's costs per op, per message and per iteration), so that ``profile -> solve -> run``
+predicts what the runtime will do.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from .calibrate import calibrate
+from .fileio import read_json
+from .formats.profile import Profile
+from .formats.schedule import make_schedule, save_schedule
+from .launch import RunFailed, launch
+from .problem import Candidate, Problem
+
+__all__ = ["PROBE_SIZES", "PROBE_MINIBATCH", "why_no_probes", "probe_runs", "fit_to_probes", "profile_in_pipeline"]
+
+# chunk sizes of the probe schedules: ops of different sizes, and schedules with different
+# numbers of ops, so that per-size op times and per-op costs can be told apart
+PROBE_SIZES = (2, 4, 8, 16)
+# the probes' minibatch: two or more chunks of every probe size
+PROBE_MINIBATCH = 32
+
+
+def why_no_probes(profile: Profile) -> Optional[str]:
+    """Why probes cannot run here (None: they can): the runtime wants a core, or a GPU, per stage."""
+    S = profile.num_stages
+    if profile.device.type == "sim":
+        return "the profile is synthetic"
+    if profile.device.type == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        return None if gpus >= S else f"{S} stages need a GPU each, {gpus} here: the fit to the runtime is left out"
+    threads = int(profile.device.model_extra.get("threads", 1))
+    cores = os.cpu_count() or 1
+    return None if S * threads <= cores else f"{S} stages x {threads} threads need {S * threads} cores, {cores} here: the fit to the runtime is left out"
+
+
+def probe_runs(profile: Profile, minibatch: int, out: Path, *, steps: int = 3, warmup: int = 1, rounds: int = 2, sizes=PROBE_SIZES) -> list[str]:
+    """Run each equal GPipe and 1F1B schedule with chunks of ``sizes`` (where the minibatch holds
+    two or more and the profile measured them), all in one launch, taking turns; the reports'
+    paths. ``profile`` must have been loaded from its file (the runtime reads it there)."""
+    from .costmodel import CostTables
+
+    out.mkdir(parents=True, exist_ok=True)
+    problem = Problem(CostTables.from_profile(profile), minibatch)
+    names = []
+    for b in sizes:
+        chunk_sizes = [b] * (minibatch // b) + ([minibatch % b] if minibatch % b else [])
+        if b > profile.max_size or len(chunk_sizes) < 2:
+            continue
+        for order in ("gpipe", "1f1b"):
+            cand = Candidate.uniform(chunk_sizes, profile.num_stages, order)
+            name = f"probe_{order}_b{b}"
+            solver = {"name": name, "status": "feasible", "seconds": 0.0}
+            save_schedule(make_schedule(profile, minibatch, False, cand.ops(), cand.simulate(problem), solver, {}), str(out / f"{name}.json"))
+            names.append(name)
+    if not names:
+        return []
+    # one launch for all of them: a start costs seconds, more than their steps
+    launch(
+        [*(str(out / f"{n}.json") for n in names), "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds),
+         "--report", str(out / "{name}_report.json")],
+        quiet=True,
+    )
+    return [str(out / f"{n}_report.json") for n in names]
+
+
+def fit_to_probes(profile: Profile, minibatch: int, out: Path, **kw) -> Profile:
+    """``profile`` fitted to probe runs made in ``out`` (``meta.probes`` says what ran)."""
+    reports = probe_runs(profile, minibatch, out, **kw)
+    if not reports:
+        return profile
+    fitted = calibrate(profile, [read_json(r) for r in reports], [Path(r).name for r in reports])
+    meta = dict(getattr(fitted, "meta", None) or {})
+    meta["probes"] = {"ran": True, "minibatch": minibatch, "schedules": len(reports), "measured": {
+        "forward_ms": [st.forward_ms for st in profile.stages], "backward_ms": [st.backward_ms for st in profile.stages]}}
+    return fitted.model_copy(update={"meta": meta})
+
+
+def profile_in_pipeline(opts, *, probes: bool = True, probe_minibatch: int = PROBE_MINIBATCH, progress=None, argv=None, say=lambda _m: None) -> Profile:
+    """:func:`umopt.profiler.profile_model`, then, where a core or GPU per stage allows, fitted to
+    probe runs of the real runtime (``meta.probes`` says whether they ran, and if not why)."""
+    import tempfile
+
+    from .formats.profile import load_profile, save_profile
+    from .profiler import profile_model
+
+    profile = profile_model(opts, progress=progress, argv=argv)
+    why = "--no-probes" if not probes else why_no_probes(profile)
+    if why is None and min(probe_minibatch, profile.max_size) < 2:
+        why = "the largest chunk size measured is 1"
+    if why is not None:
+        meta = dict(getattr(profile, "meta", None) or {})
+        meta["probes"] = {"ran": False, "why": why}
+        return profile.model_copy(update={"meta": meta})
+    say(f"probe runs of equal schedules (minibatch {probe_minibatch}) through the runtime, to fit the profile to it")
+    with tempfile.TemporaryDirectory(prefix="umopt-probes-") as tmp:
+        save_profile(profile, Path(tmp) / "measured.json")
+        try:
+            return fit_to_probes(load_profile(Path(tmp) / "measured.json"), probe_minibatch, Path(tmp) / "probes")
+        except RunFailed as exc:  # the measured profile stands; the user hears why it is not fitted
+            meta = dict(getattr(profile, "meta", None) or {})
+            meta["probes"] = {"ran": False, "why": f"the probe runs failed: {exc}"}
+            meta.setdefault("warnings", []).append(f"the probe runs failed ({exc}); the profile is as measured, without the runtime's own costs")
+            return profile.model_copy(update={"meta": meta})
