@@ -400,7 +400,11 @@ def calibrate(profile_path, reports, output) -> None:
     for (s, kind), seen in sorted(size_ratios(loaded, profile.num_stages).items()):
         table.add_row(str(s), kind, "  ".join(f"{b}: {r:.2f}" for b, r in seen.items()))
     out.print(table)
-    out.print(f"step overhead beyond the op times: {calibrated.meta['calibration']['step_overhead_ms']:+.2f} ms per iteration (added to optimizer_ms)")
+    cal = calibrated.meta["calibration"]
+    out.print(
+        f"the runtime's own costs: {cal['op_overhead_ms']:.3f} ms per op, {cal['message_overhead_ms']:.3f} ms per message, "
+        f"{cal['step_overhead_ms']:+.2f} ms per iteration; predictions within {100 * cal['residual_rms']:.1f}% (rms) of these runs"
+    )
     save_profile(calibrated, output)
     out.print(f"wrote {output}")
 

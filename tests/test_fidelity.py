@@ -70,26 +70,27 @@ def _candidates(problem):
     return [("umopt auto", best), (gp.name, gp.candidate), (of.name, of.candidate)]
 
 
-def test_a_schedule_the_profile_cannot_tell_from_a_simpler_one_is_not_recommended():
+def test_a_schedule_the_profile_cannot_tell_from_the_best_equal_one_is_not_recommended():
     prof, problem = _problem_with_spread(0.0, 0.0)
     cands = _candidates(problem)
     times = {n: c.simulate(problem).iteration_ms for n, c in cands}
     ref = min(times["gpipe_equal"], times["1f1b_equal"])
     gain = ref / times["umopt auto"] - 1
-    assert 0 < gain < 0.2  # the constructed schedule is ahead, but not by much
-    assert complexity(problem, cands[0][1]) > max(complexity(problem, c) for _, c in cands[1:])
+    assert 0 < gain < 0.2  # the schedule found is ahead, but not by much
+    assert complexity(problem, cands[0][1]) > max(complexity(problem, c) for _, c in cands[1:])  # and it runs more ops
     # no stated uncertainty: the fastest predicted, with its gain
     c = choose(prof, problem, cands, equal=("gpipe_equal", "1f1b_equal"))
     assert c.name == "umopt auto" and c.gain == pytest.approx(gain) and c.uncertainty == 0.0
     # a fit to the runtime that is off by more than the gain: the simpler, equal schedule
     prof, problem = _problem_with_spread(0.0, gain)
     c = choose(prof, problem, cands, equal=("gpipe_equal", "1f1b_equal"))
-    assert c.name in ("gpipe_equal", "1f1b_equal") and c.uncertainty == pytest.approx(2 * np.sqrt(2) * gain)
+    fastest_equal = min(("gpipe_equal", "1f1b_equal"), key=lambda n: times[n])
+    assert c.name == fastest_equal and c.uncertainty == pytest.approx(2 * np.sqrt(2) * gain)
     assert "within the profile's uncertainty" in c.reason
     # entries with a wide spread: the same, from the spread alone
     prof, problem = _problem_with_spread(0.6, 0.0)
     c = choose(prof, problem, cands, equal=("gpipe_equal", "1f1b_equal"))
-    assert c.uncertainty > gain and c.name in ("gpipe_equal", "1f1b_equal")
+    assert c.uncertainty > gain and c.name == fastest_equal
     # a tight profile: the gain stands
     prof, problem = _problem_with_spread(0.01, 0.001)
     c = choose(prof, problem, cands, equal=("gpipe_equal", "1f1b_equal"))

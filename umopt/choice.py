@@ -2,13 +2,13 @@
 
 A profile's entries are medians of noisy repeats, and its fit to the runtime leaves a residual;
 a schedule predicted 0.5% faster than the best equal one may well measure slower, and it runs
-more ops and messages, each a chance for the runtime to lose time. So the predicted gain of the
-best schedule found over the best equal one comes with its uncertainty, and among the candidates
-whose prediction lies within that uncertainty of the best, the one with the fewest ops and
-messages is recommended.
+more ops and messages, each a chance for the runtime to lose time the model does not see. So the
+predicted gain of the best schedule found over the best equal one comes with its uncertainty,
+and unless the gain is larger, the best equal schedule, the simple one a user would otherwise
+run, is recommended instead.
 
 The uncertainty has two parts. The spread of the profile's entries (their interquartile ranges,
-where the profiler kept them) is propagated by simulating every candidate in profiles perturbed
+where the profiler kept them) is propagated by simulating both schedules in profiles perturbed
 by it; and the residual of the profile's fit to probe runs of the runtime (``meta.calibration``)
 says how far the cost model itself is from what the runtime does. A profile with neither (a
 synthetic one, or one written before either existed) has no stated uncertainty, and its best
@@ -90,9 +90,9 @@ def gain_uncertainty(profile: Profile, problem: Problem, best: Candidate, refere
 
 
 def choose(profile: Profile, problem: Problem, candidates: Sequence[tuple[str, Candidate]], equal: Sequence[str], seed: int = 0) -> Choice:
-    """Among ``candidates`` (name, candidate, each within the memory limit, in any order), the
-    fastest predicted one, unless a simpler one (fewer ops and messages) is predicted within the
-    uncertainty of it; ``equal`` names the best equal schedules, the reference of the gain."""
+    """Among ``candidates`` (name, candidate, each within the memory limit), the fastest predicted
+    one if it is ahead of the best equal one (``equal`` names the equal schedules) by more than
+    the profile's uncertainty; else that best equal schedule."""
     timed = sorted(((c.simulate(problem).iteration_ms, name, c) for name, c in candidates), key=lambda t: t[0])
     best_ms, best_name, best = timed[0]
     equals = [t for t in timed if t[1] in equal]
@@ -100,16 +100,13 @@ def choose(profile: Profile, problem: Problem, candidates: Sequence[tuple[str, C
         return Choice(best_name, best, 0.0 if equals else None, 0.0, "the fastest predicted schedule is an equal one")
     ref_ms, ref_name, ref = equals[0]
     gain = ref_ms / best_ms - 1
-    sigma = gain_uncertainty(profile, problem, best, ref, seed)
-    margin = Z * sigma
+    margin = Z * gain_uncertainty(profile, problem, best, ref, seed)
     if margin == 0.0:
         return Choice(best_name, best, gain, 0.0, "the profile states no uncertainty: the fastest predicted")
-    close = [t for t in timed if t[0] <= best_ms * (1 + margin)]
-    simplest = min(close, key=lambda t: (complexity(problem, t[2]), t[0]))
-    if simplest[1] == best_name:
-        return Choice(best_name, best, gain, margin, f"ahead of every simpler schedule by more than the profile's uncertainty ({100 * margin:.1f}%)")
+    if gain > margin:
+        return Choice(best_name, best, gain, margin, f"ahead of {ref_name} by more than the profile's uncertainty ({100 * margin:.1f}%)")
     return Choice(
-        simplest[1], simplest[2], gain, margin,
-        f"{best_name} is predicted {100 * (simplest[0] / best_ms - 1):.1f}% faster than {simplest[1]}, within the profile's "
-        f"uncertainty ({100 * margin:.1f}%): the simpler one, with fewer ops and messages, is recommended",
+        ref_name, ref, gain, margin,
+        f"the best schedule found is predicted {100 * gain:.1f}% faster than {ref_name}, within the profile's uncertainty "
+        f"({100 * margin:.1f}%): {ref_name}, with {complexity(problem, ref)} ops and messages against {complexity(problem, best)}, is recommended",
     )
