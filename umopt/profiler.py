@@ -63,7 +63,7 @@ class ProfileOptions:
     repeats: int = 5  # at least, per entry
     max_repeats: int = 15  # at most, while an entry's spread is wider than spread_target
     spread_target: float = 0.05
-    budget_s: float = 20.0  # per stage, for the repeats beyond the first ``repeats``
+    budget_s: float = 20.0  # for the repeats beyond the first ``repeats``, all stages together
     optimizer: str = "sgd"
     link_latency_ms: Optional[float] = None
     link_gbps: Optional[float] = None
@@ -167,13 +167,13 @@ def _input(parts: ModelParts, boundary: torch.Tensor, first: bool, b: int, devic
     return act, y.to(device)
 
 
-def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cast, progress, label) -> tuple[list[Summary], list[Summary]]:
+def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cast, progress, label, budget_s: float) -> tuple[list[Summary], list[Summary]]:
     """Each size's forward and backward times: the median and spread of its repeats, with more
-    repeats (up to ``opts.max_repeats``, within ``opts.budget_s`` for the stage) while either
-    spread is wider than ``opts.spread_target``."""
+    repeats (up to ``opts.max_repeats``, within ``budget_s`` for the stage) while either spread
+    is wider than ``opts.spread_target``."""
     timer = _Timer(device)
     fwd, bwd = [], []
-    deadline = time.perf_counter() + opts.budget_s
+    deadline = time.perf_counter() + budget_s
     # first calls allocate and pick kernels; keep that out of every size's numbers
     for b in (sizes[-1], sizes[0]):
         x, y = _input(parts, boundary, first, b, device, 0)
@@ -393,7 +393,7 @@ def _timing_worker(s: int, opts: ProfileOptions, cuts: list[int], sizes: list[in
         first, last = s == 0, s == len(cuts) - 2
         stage = _Stage(parts.layers[a:b], parts.loss if last else None).to(device)
         tick = lambda n, _t, what: queue.put(("tick", s, what))  # noqa: E731
-        fwd, bwd = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}")
+        fwd, bwd = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s)
         opt_ms = _optimizer_step_ms(stage, opts, device)
         queue.put(("done", s, [(e.median, e.iqr, e.kept) for e in fwd], [(e.median, e.iqr, e.kept) for e in bwd], opt_ms))
         # keep this core as busy as in a real run until every stage is timed
@@ -535,7 +535,7 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
             if s in timed:
                 fwd, bwd, opt_ms = timed[s]
             else:
-                fwd, bwd = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}")
+                fwd, bwd = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s / S)
                 opt_ms = _optimizer_step_ms(stage, opts, device)
             entries += fwd + bwd
             lo, hi = (2, 6)
