@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from umopt.baselines import gpipe_equal, onef1b_equal
-from umopt.bounds import Scope, fast, fast_bound_ms, heads, in_order, pair_bound_ms, pair_program, pairs, spec_bound, stage_cuts, untied
+from umopt.bounds import fast, fast_bound_ms, heads, in_order, pair_bound_ms, pair_program, pairs, spec_bound, stage_cuts, untied
 from umopt.bounds.fast import min_work
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError

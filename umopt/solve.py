@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .baselines import Baseline, gpipe_equal, onef1b_equal
-from .choice import Choice, choose
 from .bounds import Beside, Scope, fast_bound_ms, fast_job, reported_bounds, spec_bound
+from .choice import Choice, choose
 from .costmodel import CostTables, Timeline
 from .errors import UmoptError
-from .problem import Candidate, Problem, Progress, SolverResult
 from .formats.profile import Profile
 from .formats.schedule import Schedule, make_schedule, validate_ops
+from .problem import Candidate, Problem, Progress, SolverResult
 from .solvers import SOLVERS
 
 __all__ = ["SolveReport", "solve", "make_problem"]

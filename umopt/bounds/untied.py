@@ -17,7 +17,6 @@ samples, and the last stage's B chunks are not its F chunks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 

@@ -38,10 +38,10 @@ from typing import Optional
 
 from ortools.sat.python import cp_model
 
+from ..bounds import Heads, Scope, heads_and_tails, int_tables, linear_cuts, start_bound_ms
+from ..costmodel import Op
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
-from ..costmodel import Op
-from ..bounds import Heads, Scope, heads_and_tails, int_tables, linear_cuts, start_bound_ms
 from .exact import candidate_chunks, chunk_fits, chunk_set, chunks_ending_at, start_or_skip, with_clock
 
 __all__ = ["solve_cpsat", "build_gpipe_model", "build_free_model"]

@@ -20,9 +20,9 @@ from typing import Optional
 import numpy as np
 import pulp
 
+from ..bounds import Scope, heads_and_tails, int_tables, linear_cuts, start_bound_ms
 from ..costmodel import Op
 from ..problem import Candidate, Problem, Progress, SolverResult
-from ..bounds import Scope, heads_and_tails, int_tables, linear_cuts, start_bound_ms
 from .exact import candidate_chunks, chunk_fits, chunk_set, chunks_ending_at, start_or_skip, with_clock
 
 __all__ = ["MIP_TOLERANCE_MS", "engine", "solve_milp", "build_milp", "build_free_milp", "order_pairs"]
