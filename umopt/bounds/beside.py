@@ -77,7 +77,10 @@ class Beside:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            msg = json.loads(line)
+            try:
+                msg = json.loads(line)
+            except ValueError:  # something a library printed: not ours
+                continue
             if msg.get("done"):
                 self.finished = True
                 continue
