@@ -7,7 +7,9 @@ one line on stderr and exits with code 2, without a traceback and without writin
 from __future__ import annotations
 
 import math
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -65,10 +67,13 @@ def _ms(x: Optional[float]) -> str:
 @click.option("--trace", type=click.Path(dir_okay=False), default=None, help="Chrome-trace JSON of the predicted timelines (Perfetto).")
 def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, memory_limit, output, plot, trace) -> None:
     """Search unequal per-stage partitions for PROFILE (a path or a bundled profile's name)."""
+    from umopt.fileio import check_writable
     from umopt.formats.profile import load_profile
     from umopt.formats.schedule import save_schedule
     from umopt.solve import solve as run_solve
 
+    for path in filter(None, (output, plot, trace)):
+        check_writable(path)
     profile = load_profile(profile_path)
     if memory_limit is not None:
         if memory_limit <= 0:
@@ -81,7 +86,6 @@ def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, m
             bar.update(task, completed=frac, description=f"best {best:.3f} ms" if math.isfinite(best) else "searching")
 
         report = run_solve(profile, minibatch, recompute=recompute, solver=solver, time_limit=time_limit, seed=seed, progress=progress, order=order)
-    save_schedule(report.schedule, output)
     panels = [(f"best equal GPipe (M={report.gpipe.microbatches})", report.gpipe_timeline)] if report.gpipe_timeline else []
     panels.append((f"umopt ({solver})", report.timeline))
     if plot:
@@ -92,6 +96,7 @@ def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, m
         from umopt.trace import write_trace
 
         write_trace(panels, trace)
+    save_schedule(report.schedule, output)  # last: a schedule file means everything was written
     _print_report(report)
     written = [output] + [p for p in (plot, trace) if p]
     out.print(f"wrote {', '.join(written)}")
@@ -308,7 +313,8 @@ def _print_turns(reports: list[dict]) -> None:
 def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit, out_dir, probes, dtype, link_latency_ms, link_gbps) -> None:
     """Profile, solve, run the candidates in turns and recommend what measured fastest."""
     _require_torch()
-    from umopt.tune import DEFAULT, tune as run_tune
+    from umopt.tune import DEFAULT
+    from umopt.tune import tune as run_tune
     from umopt.zoo import parse_model_args
 
     args = parse_model_args(list(model_args)) if model else (parse_model_args(list(model_args)) or DEFAULT["model_args"])
@@ -351,9 +357,12 @@ def _require_torch() -> None:
 @click.option("--trace", type=click.Path(dir_okay=False), default=None, help="Chrome-trace JSON of the schedule.")
 def show(schedule_path, profile_path, plot, trace) -> None:
     """Validate SCHEDULE against its profile, re-simulate it and print its numbers."""
+    from umopt.fileio import check_writable
     from umopt.formats.profile import load_profile
     from umopt.formats.schedule import check_against_profile, load_schedule
 
+    for path in filter(None, (plot, trace)):
+        check_writable(path)
     schedule = load_schedule(schedule_path)
     profile = load_profile(profile_path or schedule.profile.path)
     try:
@@ -389,8 +398,10 @@ def calibrate(profile_path, reports, output) -> None:
     from umopt.calibrate import calibrate as fit
     from umopt.calibrate import size_ratios
     from umopt.fileio import read_json
+    from umopt.fileio import check_writable
     from umopt.formats.profile import load_profile, save_profile
 
+    check_writable(output)
     profile = load_profile(profile_path)
     loaded = [read_json(r) for r in reports]
     calibrated = fit(profile, loaded, list(reports))
@@ -428,7 +439,17 @@ def list_profiles() -> None:
     out.print(table)
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the program is, so that it unwinds (children closed, temp files gone)."""
+
+
+def _on_sigterm(_signum, _frame) -> None:
+    raise _Terminated()
+
+
 def main(argv: Optional[list[str]] = None) -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         args = list(sys.argv[1:] if argv is None else argv)
         cli.main(args=args, prog_name="umopt", standalone_mode=False, obj={"argv": ["umopt", *args]})
@@ -444,6 +465,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except KeyboardInterrupt:
         err.print("umopt: interrupted", markup=False)
         sys.exit(130)
+    except _Terminated:
+        err.print("umopt: terminated", markup=False)
+        sys.exit(143)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -110,8 +111,11 @@ def test_1f1b_with_recompute_gives_each_stage_its_own_backward_chunks(tmp_path, 
     [
         (["solve", "no-such-profile", "-B", "4"], "no such file and no bundled profile"),
         (["solve", "gpt-sim", "-B", "0"], "--minibatch must be at least 1"),
-        (["solve", "gpt-sim", "-B", "8", "--memory-limit", "1000"], "does not fit the memory limit"),
-        (["solve", "gpt-sim", "-B", "8", "--time-limit", "0"], "--time-limit must be positive"),
+        (["solve", "gpt-sim", "-B", "8", "--memory-limit", "1000"], "static memory alone (16777216 bytes"),
+        (["solve", "gpt-sim", "-B", "8", "--time-limit", "0"], "--time-limit must be a positive number"),
+        (["solve", "gpt-sim", "-B", "8", "--time-limit", "nan"], "--time-limit must be a positive number"),
+        (["solve", "gpt-sim", "-B", "100000"], "over umopt's limit of 8192 samples"),
+        (["solve", "gpt-sim", "-B", "8", "--plot", "/proc/no/such.png"], "/proc/no/such.png: cannot write there"),
     ],
 )
 def test_bad_arguments(args, expected, tmp_path, capsys):
@@ -199,3 +203,26 @@ def test_orders_a_solver_cannot_search_are_refused(args, expected, tmp_path, cap
     out = tmp_path / "s.json"
     code, _, err = run(["solve", "gpt-sim", "-B", "8", "--time-limit", "1", *args, "-o", str(out)], capsys)
     assert code == 2 and expected in err and not out.exists()
+
+
+def test_files_written_get_the_users_usual_permissions(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    code, _, err = run(["solve", "gpt-sim", "-B", "8", "--time-limit", "0.3", "-o", str(out)], capsys)
+    assert code == 0, err
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_a_schedule_read_from_another_folder_finds_its_profile_beside_it(tmp_path, capsys, monkeypatch):
+    from umopt.formats.profile import save_profile
+
+    (tmp_path / "job").mkdir()
+    save_profile(load_profile("gpt-sim"), tmp_path / "job" / "p.json")
+    monkeypatch.chdir(tmp_path / "job")
+    code, _, err = run(["solve", "p.json", "-B", "8", "--time-limit", "0.3", "-o", "s.json"], capsys)
+    assert code == 0, err
+    monkeypatch.chdir(tmp_path)
+    code, stdout, err = run(["show", "job/s.json"], capsys)
+    assert code == 0 and "iteration" in stdout, err
+    shutil.rmtree(tmp_path / "job")

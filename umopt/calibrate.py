@@ -31,37 +31,65 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Annotated, Literal, Optional
 
 import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+)
 
 from .errors import UmoptError
-from .formats.profile import Profile
+from .formats.profile import Profile, pydantic_error_line
+from .limits import MAX_MINIBATCH, MAX_MS
 from .noise import monotone_fit
 
 __all__ = ["calibrate", "size_ratios", "fit_overheads", "Overheads"]
 
 
-def _check_report(rep, name: str, profile: Profile, tables) -> None:
+_Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
+
+
+class _RunReport(BaseModel):
+    """What calibration reads of a report of ``umopt run`` (the rest is free)."""
+
+    model_config = ConfigDict(extra="allow")
+    measured_iteration_ms: Annotated[StrictFloat | StrictInt, Field(gt=0, le=MAX_MS, allow_inf_nan=False)]
+    recompute: StrictBool = False
+    minibatch: Optional[Annotated[StrictInt, Field(ge=1, le=MAX_MINIBATCH)]] = None
+    # per stage: [kind, lo, hi, measured ms, predicted ms]
+    ops: list[list[tuple[Literal["F", "B"], StrictInt, StrictInt, Annotated[StrictFloat | StrictInt, _Ms], Annotated[StrictFloat | StrictInt, _Ms]]]]
+
+
+def _check_report(rep, name: str, profile: Profile) -> None:
+    from .costmodel import CostTables
+
     if not isinstance(rep, dict) or "measured_iteration_ms" not in rep:
         raise UmoptError(f"{name}: not a report of umopt run")
-    ops = rep.get("ops")
-    if ops is None:
+    if rep.get("ops") is None:
         raise UmoptError(f"{name}: no per-op times (written by an older umopt run; run it again)")
-    if not isinstance(ops, list) or len(ops) != profile.num_stages:
-        raise UmoptError(f"{name}: has {len(ops) if isinstance(ops, list) else 'no'} stages, the profile {profile.num_stages}")
-    for s, stage_ops in enumerate(ops):
-        for op in stage_ops:
-            try:
-                kind, lo, hi, measured, predicted = op
-                b = int(hi) - int(lo)
-                table = tables.fwd if kind == "F" else tables.bwd
-                expected = float(table[s, b]) if 1 <= b <= tables.max_size else None
-                ok = kind in ("F", "B") and float(measured) >= 0 and expected is not None
-            except (TypeError, ValueError):
-                ok, expected, predicted = False, None, None
-            if not ok:
-                raise UmoptError(f"{name}: stage {s} has a malformed op entry {op!r}")
-            if abs(float(predicted) - expected) > 1e-6 * max(1.0, expected):
+    if not isinstance(rep["ops"], list) or len(rep["ops"]) != profile.num_stages:
+        raise UmoptError(f"{name}: has {len(rep['ops']) if isinstance(rep['ops'], list) else 'no'} stages, the profile {profile.num_stages}")
+    try:
+        checked = _RunReport.model_validate(rep)
+    except ValidationError as exc:
+        loc = exc.errors()[0]["loc"]
+        if len(loc) >= 3 and loc[0] == "ops" and isinstance(rep["ops"][loc[1]], list):
+            raise UmoptError(f"{name}: stage {loc[1]} has a malformed op entry {str(rep['ops'][loc[1]][loc[2]])[:80]}") from None
+        raise UmoptError(f"{name}: {pydantic_error_line(exc)}") from None
+    tables = CostTables.from_profile(profile, checked.recompute)
+    for s, stage_ops in enumerate(checked.ops):
+        for kind, lo, hi, _measured, predicted in stage_ops:
+            b = hi - lo
+            if not 1 <= b <= tables.max_size or lo < 0:
+                raise UmoptError(f"{name}: stage {s} has a malformed op entry {[kind, lo, hi]} (a chunk the profile has no time for)")
+            expected = float((tables.fwd if kind == "F" else tables.bwd)[s, b])
+            if abs(predicted - expected) > 1e-6 * max(1.0, expected):
                 raise UmoptError(f"{name}: was not measured against this profile (stage {s} {kind}({lo},{hi}) predicted {predicted:.4f} ms, the profile says {expected:.4f})")
 
 
@@ -87,10 +115,8 @@ def calibrate(profile: Profile, reports: list[dict], names: list[str]) -> Profil
     Every report must come from a run of a schedule for this very profile: each op's predicted
     duration in the report must be the profile's (else it was measured against another one).
     """
-    from .costmodel import CostTables
-
     for rep, name in zip(reports, names):
-        _check_report(rep, name, profile, CostTables.from_profile(profile, bool(rep.get("recompute"))))
+        _check_report(rep, name, profile)
     ratios = size_ratios(reports, profile.num_stages)
     log_sizes = np.log(np.asarray(profile.sizes, dtype=float))
     stages = []

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 import numpy as np
 
 from .errors import UmoptError
+from .limits import MAX_MS
 if TYPE_CHECKING:  # (the formats import the cost model to check schedules)
     from .formats.profile import Profile
 
@@ -83,7 +84,10 @@ class CostTables:
                 for ln, st in zip(profile.links, profile.stages)
             ]
         ).reshape(len(profile.links), len(b))
-        for arr in (fwd, bwd, link):
+        for what, arr in (("an F op of {b} samples on stage {s}", fwd), ("a B op of {b} samples on stage {s}", bwd), ("a message of {b} samples over link {s}", link)):
+            if arr.size and not arr.max() <= MAX_MS:  # not <=: also NaN
+                s, b = np.unravel_index(int(np.argmax(np.where(np.isnan(arr), np.inf, arr))), arr.shape)
+                raise UmoptError(f"{what.format(s=s, b=b)} would take {arr[s, b]:.3g} ms, over umopt's limit of {MAX_MS:.0e} ms")
             arr.setflags(write=False)
         return cls(
             fwd=fwd,

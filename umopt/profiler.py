@@ -359,6 +359,8 @@ def check_profile_options(opts: ProfileOptions) -> tuple[list[int], torch.device
         raise UmoptError("give both --link-latency-ms and --link-gbps, or neither (then the link is measured)")
     if opts.stages is None and opts.split is None:
         raise UmoptError("give --stages S or --split 0,...,L")
+    if opts.stages is not None and opts.stages < 1:
+        raise UmoptError(f"--stages must be at least 1, got {opts.stages}")
     # what can only fail after the timing is checked before it
     S = opts.stages if opts.split is None else len(opts.split) - 1
     if opts.device == "cuda":
@@ -504,8 +506,8 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
             if opts.stages is not None and opts.stages != len(cuts) - 1:
                 raise UmoptError(f"--stages {opts.stages} disagrees with --split of {len(cuts) - 1} stages")
         else:
-            if opts.stages < 1 or opts.stages > L:
-                raise UmoptError(f"--stages {opts.stages}: the model {opts.model} has {L} layers")
+            if opts.stages > L:
+                raise UmoptError(f"--stages {opts.stages}: more stages than the model {opts.model} has layers ({L})")
             # balance on the sum of two chunk sizes: a split that only fits one size would be
             # noise-prone where layers are close, and stages run many sizes
             small, large = _layer_ms(parts, bounds, device, opts, cast, min(8, sizes[-1])), _layer_ms(

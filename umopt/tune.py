@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import UmoptError
+from .fileio import check_writable
 from .formats.profile import Profile, load_profile, save_profile
 from .formats.schedule import make_schedule, save_schedule
 from .launch import launch
@@ -153,6 +154,7 @@ def tune(
     )
     _check_runnable(opts)
     out = Path(out_dir)
+    check_writable(out / "profile.json")
     out.mkdir(parents=True, exist_ok=True)
     say(f"profiling {model} on {device}, {stages} stages" + (", then probe runs of the runtime" if probes else ""))
     prof = _profile(opts, probes, min(minibatch, 32) if minibatch >= 4 else minibatch)

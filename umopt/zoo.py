@@ -14,6 +14,7 @@ Models are built under ``torch.manual_seed(seed)`` so every process gets the sam
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -24,7 +25,7 @@ from torch.nn import functional as F
 
 from .errors import UmoptError
 
-__all__ = ["ModelParts", "MODELS", "build_model", "parse_model_args"]
+__all__ = ["import_object", "ModelParts", "MODELS", "build_model", "parse_model_args"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -176,24 +177,46 @@ def parse_model_args(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def import_object(spec: str, what: str) -> Any:
+    """The object ``package.module:name`` names; one-line errors, whatever importing it raises."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise UmoptError(f"{what} {spec}: expected package.module:name")
+    try:
+        return getattr(importlib.import_module(mod_name), attr)
+    except Exception as exc:  # noqa: BLE001 - the user's module may raise anything while importing
+        raise UmoptError(f"{what} {spec}: cannot import it ({exc.__class__.__name__}: {_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
 def build_model(name: str, args: dict[str, Any] | None = None, seed: int = 0) -> ModelParts:
     """Build a zoo model by name, or a user model by ``package.module:factory``."""
     args = dict(args or {})
     if ":" in name:
-        mod_name, _, attr = name.partition(":")
-        try:
-            factory = getattr(importlib.import_module(mod_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise UmoptError(f"--model {name}: cannot import it ({exc.__class__.__name__}: {exc})") from None
+        factory = import_object(name, "--model")
     elif name in MODELS:
         factory = MODELS[name]
     else:
         raise UmoptError(f"unknown model {name!r} (built in: {', '.join(MODELS)}; or package.module:factory)")
+    if not callable(factory):
+        raise UmoptError(f"--model {name}: not a function")
+    if type(seed) is not int or not 0 <= seed < 2**63:
+        raise UmoptError(f"model seed must be an integer in [0, 2^63), got {seed!r}")
+    try:  # arguments the factory does not take are the user's mistake; what it raises inside is its own
+        inspect.signature(factory).bind(**args)
+    except TypeError as exc:
+        raise UmoptError(f"model {name}: bad arguments {args} ({exc})") from None
+    except ValueError:  # no signature to check (a builtin): let the call say
+        pass
     torch.manual_seed(seed)
     try:
         parts = factory(**args)
-    except TypeError as exc:
-        raise UmoptError(f"model {name}: bad arguments {args} ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - the user's factory may raise anything
+        raise UmoptError(f"model {name}{args or ''}: the factory raised {exc.__class__.__name__}: {_first_line(exc)}") from None
     if isinstance(parts, tuple) and len(parts) == 3:
         parts = ModelParts(list(parts[0]), parts[1], parts[2])
     if not isinstance(parts, ModelParts) or not parts.layers or not all(isinstance(m, nn.Module) for m in parts.layers):

@@ -17,10 +17,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
 from annotated_types import Len
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 
 from ..errors import UmoptError
 from ..fileio import read_json, write_json
+from ..limits import MAX_BYTES, MAX_CELLS, MAX_MINIBATCH, MAX_MS, MAX_STAGES
 
 __all__ = [
     "PROFILE_FORMAT",
@@ -38,8 +46,9 @@ __all__ = [
 
 PROFILE_FORMAT = "umopt-profile/1"
 
-NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-NonNegInt = Annotated[int, Field(ge=0)]
+# bounded (umopt.limits) so that no sum over a schedule overflows and nothing huge is allocated
+NonNegFloat = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
+NonNegInt = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 
 
 class _Strict(BaseModel):
@@ -67,7 +76,7 @@ class StageProfile(_Strict):
 
 class LinkProfile(_Strict):
     latency_ms: NonNegFloat
-    bytes_per_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    bytes_per_ms: Annotated[float, Field(gt=0, le=MAX_BYTES, allow_inf_nan=False)]
     # what each message costs beyond its transfer inside a running pipeline (fitted to runs)
     message_overhead_ms: NonNegFloat = 0.0
 
@@ -87,10 +96,10 @@ class Profile(_Strict):
     format: Literal["umopt-profile/1"]
     model: ModelInfo
     device: DeviceInfo
-    sizes: Annotated[list[Annotated[int, Field(ge=1)]], Len(1)]
-    stages: Annotated[list[StageProfile], Len(1)]
+    sizes: Annotated[list[Annotated[int, Field(ge=1, le=MAX_MINIBATCH)]], Len(1)]
+    stages: Annotated[list[StageProfile], Len(1, MAX_STAGES)]
     links: list[LinkProfile]
-    memory_limit_bytes: Optional[Annotated[int, Field(gt=0)]] = None
+    memory_limit_bytes: Optional[Annotated[int, Field(gt=0, le=MAX_BYTES)]] = None
 
     _path: Optional[str] = PrivateAttr(default=None)
     _sha256: Optional[str] = PrivateAttr(default=None)
@@ -116,6 +125,8 @@ class Profile(_Strict):
                 raise ValueError(
                     f"stages[{s}].output_bytes_per_sample differs from stages[{s + 1}].input_bytes_per_sample"
                 )
+        if len(self.stages) * sizes[-1] > MAX_CELLS:
+            raise ValueError(f"{len(self.stages)} stages x chunk size {sizes[-1]} is over umopt's limit of {MAX_CELLS} cells")
         if len(self.links) != len(self.stages) - 1:
             raise ValueError(f"{len(self.stages)} stages need {len(self.stages) - 1} links, got {len(self.links)}")
         return self
@@ -167,6 +178,9 @@ def pydantic_error_line(exc: ValidationError) -> str:
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "missing":
         msg = "missing field"
+    elif err["type"] == "less_than_equal":
+        shown = repr(err.get("input"))
+        msg = f"{shown if len(shown) <= 24 else shown[:20] + '...'} is over umopt's limit of {err['ctx']['le']}"
     elif err["type"] == "literal_error" and where == "format":
         msg = f"format is {err.get('input')!r}, expected {PROFILE_FORMAT!r}"
     return f"{where}: {msg}" if where else msg

@@ -9,6 +9,8 @@ format checks, and :func:`check_against_profile` refuses a schedule made for ano
 
 from __future__ import annotations
 
+import bisect
+from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Sequence
 
 from annotated_types import Len
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..costmodel import CostTables, Op, Timeline, simulate
 from ..errors import UmoptError
 from ..fileio import write_json
+from ..limits import MAX_MINIBATCH, MAX_STAGES
 from .profile import Profile, load_model_file
 
 __all__ = [
@@ -53,30 +56,34 @@ class StageOps(_Strict):
         return ops
 
 
+Ms = Annotated[float, Field(allow_inf_nan=False)]
+
+
 class Predicted(_Strict):
-    iteration_ms: float
-    busy_ms: list[float]
+    # what the cost model said when the file was written; readers re-simulate rather than trust it
+    iteration_ms: Ms
+    busy_ms: list[Ms]
     peak_memory_bytes: list[int]
 
 
 class SolverInfo(_Strict):
     name: str
     status: str
-    lower_bound_ms: Optional[float] = None
-    seconds: float
+    lower_bound_ms: Optional[Ms] = None
+    seconds: Ms
 
 
 class Baseline(_Strict):
-    microbatches: Optional[int]
-    iteration_ms: Optional[float]
+    microbatches: Optional[Annotated[int, Field(ge=1, le=MAX_MINIBATCH)]]
+    iteration_ms: Optional[Ms]
 
 
 class Schedule(_Strict):
     format: Literal["umopt-schedule/1"]
     profile: ProfileRef
-    minibatch: Annotated[int, Field(ge=1)]
+    minibatch: Annotated[int, Field(ge=1, le=MAX_MINIBATCH)]
     recompute: bool
-    stages: Annotated[list[StageOps], Len(1)]
+    stages: Annotated[list[StageOps], Len(1, MAX_STAGES)]
     predicted: Predicted
     solver: SolverInfo
     baselines: dict[str, Baseline]
@@ -93,10 +100,9 @@ def validate_ops(ops: Sequence[Sequence[Op]], minibatch: int, max_size: int, rec
     B = minibatch
     for s, stage_ops in enumerate(ops):
         where = f"stage {s}"
-        expect = 0
+        expect = 0  # F ops run in sample order: samples [0, expect) have had their forward
         f_ranges: set[tuple[int, int]] = set()
-        forwarded = [False] * B
-        covered = [False] * B
+        b_ranges: list[tuple[int, int]] = []  # sorted and disjoint: intervals, not a flag per sample
         for kind, lo, hi in stage_ops:
             if not (0 <= lo < hi <= B):
                 raise UmoptError(f"{where}: {kind}({lo},{hi}) is not a chunk of samples 0..{B - 1}")
@@ -107,19 +113,24 @@ def validate_ops(ops: Sequence[Sequence[Op]], minibatch: int, max_size: int, rec
                     raise UmoptError(f"{where}: F({lo},{hi}) out of order, expected a chunk starting at sample {expect}")
                 expect = hi
                 f_ranges.add((lo, hi))
-                forwarded[lo:hi] = [True] * (hi - lo)
             else:
-                if not all(forwarded[lo:hi]):
+                if hi > expect:
                     raise UmoptError(f"{where}: B({lo},{hi}) comes before the F of its samples")
-                if any(covered[lo:hi]):
+                k = bisect.bisect_left(b_ranges, (lo, hi))
+                if (k > 0 and b_ranges[k - 1][1] > lo) or (k < len(b_ranges) and b_ranges[k][0] < hi):
                     raise UmoptError(f"{where}: B({lo},{hi}) covers samples a B op already covered")
                 if not recompute and (lo, hi) not in f_ranges:
                     raise UmoptError(f"{where}: B({lo},{hi}) is not one F chunk; without recompute B must reuse F chunks")
-                covered[lo:hi] = [True] * (hi - lo)
+                b_ranges.insert(k, (lo, hi))
         if expect != B:
             raise UmoptError(f"{where}: F ops cover samples 0..{expect - 1}, not the minibatch 0..{B - 1}")
-        if not all(covered):
-            raise UmoptError(f"{where}: B ops miss sample {covered.index(False)}")
+        end = 0
+        for lo, hi in b_ranges:
+            if lo != end:
+                break
+            end = hi
+        if end != B:
+            raise UmoptError(f"{where}: B ops miss sample {end}")
 
 
 def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: bool = True) -> Timeline:
@@ -174,8 +185,16 @@ def make_schedule(
 
 
 def load_schedule(path: str) -> Schedule:
-    """Read a schedule file and check its format (ops are checked against a profile separately)."""
-    return load_model_file(path, Schedule, SCHEDULE_FORMAT, "schedule")
+    """Read a schedule file and check its format (ops are checked against a profile separately).
+
+    The profile path it names is taken as written if that exists, else relative to the schedule
+    file's folder (a schedule and its profile moved together, or read from another folder)."""
+    schedule = load_model_file(path, Schedule, SCHEDULE_FORMAT, "schedule")
+    named = Path(schedule.profile.path)
+    beside = Path(path).parent / named
+    if not named.is_absolute() and not named.exists() and beside.exists():
+        schedule.profile.path = str(beside)
+    return schedule
 
 
 def save_schedule(schedule: Schedule, path: str) -> None:
