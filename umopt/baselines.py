@@ -3,6 +3,12 @@
 ``gpipe_equal``: M chunks of equal size (differing by at most one) on every stage, all F then all
 B, the best M. ``onef1b_equal``: the same chunks in 1F1B (PipeDream-flush) order, M >= S.
 M values whose peak memory breaks the limit are skipped. (The lower bounds are :mod:`umopt.bounds`.)
+
+Every M is accounted for, but not every M is simulated: no iteration is shorter than its busiest
+stage's compute, so once that alone exceeds the best M simulated, the M is out. With per-op
+costs growing faster than linearly in the chunk count, that leaves a few dozen of the B values
+at large minibatches, and the search stays linear in B instead of quadratic. Each problem
+computes its baselines once (several solvers ask).
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ from .partition import equal_sizes
 from .problem import Candidate, Problem, pack, score_1f1b, score_gpipe
 
 __all__ = ["Baseline", "feasible_m", "gpipe_equal", "onef1b_equal"]
+
+# chunk counts simulated together, in a (batch, S, M) array of at most so many cells
+_BATCH = 32
+_BATCH_CELLS = 1 << 21
 
 
 @dataclass
@@ -32,28 +42,56 @@ def feasible_m(problem: Problem, lowest: int = 1) -> range:
     return range(max(lowest, -(-B // problem.max_size)), B + 1)
 
 
+def _busiest_stage_ms(problem: Problem, ms: np.ndarray) -> np.ndarray:
+    """For each chunk count M, the compute of the busiest stage: a lower bound on its iteration."""
+    t = problem.tables
+    q, r = np.divmod(problem.minibatch, ms)
+    per = t.fwd + t.bwd  # (S, sizes)
+    busy = r * per[:, np.minimum(q + 1, t.max_size)] + (ms - r) * per[:, q]
+    return busy.max(axis=0)
+
+
+def _best_equal(problem: Problem, order: str) -> Baseline:
+    name = "gpipe_equal" if order == "gpipe" else "1f1b_equal"
+    if name in problem.cache:
+        return problem.cache[name]
+    S, B = problem.num_stages, problem.minibatch
+    ms = np.array(feasible_m(problem, lowest=1 if order == "gpipe" else S))
+    best_ms, best_m = np.inf, None
+    if len(ms):
+        lb = _busiest_stage_ms(problem, ms)
+        todo = ms[np.argsort(lb, kind="stable")]
+        lb = np.sort(lb, kind="stable")
+        score = score_gpipe if order == "gpipe" else score_1f1b
+        i = 0
+        while i < len(todo) and lb[i] <= best_ms:
+            # the next few counts still in the running (few: each batch tightens the best), in one
+            # array of bounded size
+            batch = []
+            for m, low in zip(todo[i : i + _BATCH], lb[i : i + _BATCH]):
+                if low > best_ms or (len(batch) + 1) * S * max(int(m), *batch, 1) > _BATCH_CELLS:
+                    break
+                batch.append(int(m))
+            batch = batch or [int(todo[i])]
+            n = len(batch)
+            it, _ = score(problem, pack([[equal_sizes(B, m)] * S for m in batch]))
+            for m, t in zip(batch, it):
+                if t < best_ms or (t == best_ms and best_m is not None and m < best_m):  # ties go to the smaller M
+                    best_ms, best_m = float(t), m
+            i += n
+    if best_m is None or not np.isfinite(best_ms):
+        base = Baseline(name, None, None, None)
+    else:
+        cand = Candidate.uniform(equal_sizes(B, best_m), S, order=order)
+        cand.iteration_ms = best_ms
+        base = Baseline(name, best_m, best_ms, cand)
+    problem.cache[name] = base
+    return base
+
+
 def gpipe_equal(problem: Problem) -> Baseline:
-    ms = list(feasible_m(problem))
-    S = problem.num_stages
-    parts = [[equal_sizes(problem.minibatch, m)] * S for m in ms]
-    it, _ = score_gpipe(problem, pack(parts))
-    k = int(np.argmin(it))  # ties go to the smaller M
-    if not np.isfinite(it[k]):
-        return Baseline("gpipe_equal", None, None, None)
-    cand = Candidate.uniform(equal_sizes(problem.minibatch, ms[k]), S)
-    cand.iteration_ms = float(it[k])
-    return Baseline("gpipe_equal", ms[k], float(it[k]), cand)
+    return _best_equal(problem, "gpipe")
 
 
 def onef1b_equal(problem: Problem) -> Baseline:
-    S, B = problem.num_stages, problem.minibatch
-    ms = list(feasible_m(problem, lowest=S))
-    if not ms:
-        return Baseline("1f1b_equal", None, None, None)
-    it, _ = score_1f1b(problem, pack([[equal_sizes(B, m)] * S for m in ms]))
-    k = int(np.argmin(it))  # ties go to the smaller M
-    if not np.isfinite(it[k]):
-        return Baseline("1f1b_equal", None, None, None)
-    cand = Candidate.uniform(equal_sizes(B, ms[k]), S, order="1f1b")
-    cand.iteration_ms = float(it[k])
-    return Baseline("1f1b_equal", ms[k], float(it[k]), cand)
+    return _best_equal(problem, "1f1b")

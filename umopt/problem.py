@@ -55,6 +55,8 @@ def ticking(progress: Optional[Progress], start: float, seconds: float, best: Ca
 class Problem:
     tables: CostTables
     minibatch: int
+    # what is computed once per problem and asked for by several solvers (the equal baselines)
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_stages(self) -> int:

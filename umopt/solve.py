@@ -8,6 +8,7 @@ written here; the CLI writes the files once everything has succeeded.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from .costmodel import CostTables, Timeline
 from .errors import UmoptError
 from .formats.profile import Profile
 from .formats.schedule import Schedule, make_schedule, validate_ops
+from .limits import check_problem_size
 from .problem import Candidate, Problem, Progress, SolverResult
 from .solvers import SOLVERS
 
@@ -50,14 +52,14 @@ class SolveReport:
         return (self.timeline.iteration_ms - lb) / lb if lb > 0 else 0.0
 
 
-# what the solver gets at least where the bounds before it took most of --time-limit
-MIN_SOLVER_SHARE = 0.25
+# what the solver gets at least where what ran before it took most of --time-limit
+MIN_SOLVER_SHARE = 0.1
 # From this many cells (B x largest chunk) on, the fast bounds take seconds and run in a process
 # of their own beside the solver, which keeps its whole time; below, they run before it
 BOUNDS_BESIDE_CELLS = 4096
-# how long past the time limit a solve waits for the fast bounds beside it before it reports the
-# spec's bound instead
-BESIDE_GRACE_S = 1.0
+# how long a solve waits at least for the fast bounds beside it before it reports the spec's bound
+# instead (it is kept free at the end of the time limit)
+BESIDE_GRACE_S = 0.5
 
 
 def _fast_bounds(problem: Problem, family: bool) -> dict[Scope, Optional[float]]:
@@ -67,6 +69,7 @@ def _fast_bounds(problem: Problem, family: bool) -> dict[Scope, Optional[float]]
 def make_problem(profile: Profile, minibatch: int, recompute: bool) -> Problem:
     if minibatch < 1:
         raise UmoptError(f"--minibatch must be at least 1, got {minibatch}")
+    check_problem_size(profile.num_stages, minibatch)
     return Problem(CostTables.from_profile(profile, recompute), minibatch)
 
 
@@ -89,13 +92,19 @@ def solve(
         raise UmoptError(f"unknown solver {solver!r} (choose from {', '.join(SOLVERS)})")
     if order not in ("auto", "gpipe", "1f1b"):
         raise UmoptError(f"--order must be auto, gpipe or 1f1b, got {order!r}")
-    if time_limit <= 0:
-        raise UmoptError(f"--time-limit must be positive, got {time_limit}")
+    if not (0 < time_limit < math.inf):  # also NaN
+        raise UmoptError(f"--time-limit must be a positive number of seconds, got {time_limit}")
     started = time.perf_counter()
     problem = make_problem(profile, minibatch, recompute)
     gp, of = gpipe_equal(problem), onef1b_equal(problem)
     if gp.candidate is None and of.candidate is None:
         limit = problem.memory_limit
+        static = problem.tables.static_bytes
+        if limit is not None and static.max() > limit:
+            s = int(static.argmax())
+            raise UmoptError(f"stage {s}'s static memory alone ({int(static[s])} bytes: weights, gradients, optimizer) is over the memory limit of {limit} bytes")
+        if limit is None:  # every equal schedule took infinitely long: cannot be, with finite tables
+            raise UmoptError(f"no equal partition of minibatch {minibatch} could be scored")
         raise UmoptError(
             f"minibatch {minibatch} does not fit the memory limit of {limit} bytes with any equal partition"
             + ("" if recompute else "; try --recompute")
@@ -109,11 +118,12 @@ def solve(
     else:
         fast = _fast_bounds(problem, family)
     t0 = time.perf_counter()
-    left = max(MIN_SOLVER_SHARE * time_limit, time_limit - (t0 - started))
+    # the whole solve ends within --time-limit: the wait for the bounds beside comes out of it too
+    left = max(MIN_SOLVER_SHARE * time_limit, time_limit - (t0 - started) - (BESIDE_GRACE_S if beside is not None else 0.0))
     try:
         result = SOLVERS[solver](problem, time_limit=left, seed=seed, progress=progress, order=order)
         if beside is not None:  # what it proved by the time limit (the spec's bound, if nothing)
-            got = beside.wait(timeout=max(0.0, started + time_limit - time.perf_counter()) + BESIDE_GRACE_S)
+            got = beside.wait(timeout=max(BESIDE_GRACE_S, started + time_limit - time.perf_counter()))
             fast = {Scope.ANY: got.get(Scope.ANY.value, spec_bound(problem)), Scope.IN_ORDER: got.get(Scope.IN_ORDER.value) if family else None}
             if Scope.ANY.value not in got:
                 result.extra.setdefault("note", "the fast bounds did not finish within --time-limit, so the bound is the spec's simple one (more time gives a tighter one)")

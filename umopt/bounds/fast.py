@@ -30,9 +30,20 @@ def min_work(cost: np.ndarray, total: int) -> float:
 
     ``cost[b]`` is given for ``b = 0..max``; ``cost[0]`` is ignored.
     """
-    mx = len(cost) - 1
+    mx = min(len(cost) - 1, total)
     best = np.full(total + 1, np.inf)
     best[0] = 0.0
+    if mx < total:
+        # a pass per chunk size b, all totals at once: along each residue class mod b, using b
+        # once more adds cost[b], a running minimum of best[n] - k cost[b] (k = n // b)
+        for b in range(1, mx + 1):
+            rows = total // b + 1
+            grid = np.full(rows * b, np.inf)
+            grid[: total + 1] = best
+            steps = np.arange(rows)[:, None] * cost[b]
+            via = (np.minimum.accumulate(grid.reshape(rows, b) - steps, axis=0) + steps).reshape(-1)[: total + 1]
+            best = np.minimum(best, via)
+        return float(best[total])
     sizes = np.arange(1, mx + 1)
     for n in range(1, total + 1):
         b = sizes[sizes <= n]

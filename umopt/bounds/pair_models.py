@@ -30,8 +30,7 @@ import time
 from typing import Callable, Optional
 
 import numpy as np
-from ortools.sat.python import cp_model
-
+from .. import stoppable
 from .heads import Heads, heads_and_tails
 from .in_order import InOrderHeads, in_order_heads, in_order_usable_chunks, sample_order_bound
 from .stage_cuts import stage_bound, usable_chunks
@@ -63,6 +62,7 @@ def build_pair_model(
     ``horizon`` bound the makespan (a known bound, a known schedule's makespan). With ``io``
     (:func:`.in_order.in_order_heads`), the model of the 1F1B family instead: both stages run
     their B ops in sample order, and a last stage runs each chunk's B right after its F."""
+    from ortools.sat.python import cp_model  # imported where used: it pulls in pandas
     B, S = minibatch, F.shape[0]
     m = cp_model.CpModel()
     H = horizon
@@ -163,6 +163,7 @@ def build_untied_pair_model(
     sizes; a B chunk waits for the F of its samples and their gradients. Every schedule, in any
     order, turns into one of these no later, so the model's least makespan bounds them all.
     Returns (model, makespan)."""
+    from ortools.sat.python import cp_model
     B, S = minibatch, F.shape[0]
     mx = F.shape[1] - 1
     m = cp_model.CpModel()
@@ -359,6 +360,7 @@ def _narrow(
     A step that has a schedule halves the interval;
     one that it cannot settle in a third of the time left is retried a quarter as far; what time is
     left after that minimises again, between what is proven and what was found."""
+    from ortools.sat.python import cp_model
     deadline = time.perf_counter() + budget
 
     def solve(T: int, seconds: float, objective: bool):
@@ -374,7 +376,7 @@ def _narrow(
         solver.parameters.max_time_in_seconds = seconds
         solver.parameters.num_workers = workers or max(1, os.cpu_count() or 1)
         solver.parameters.random_seed = seed
-        status = solver.solve(model)
+        status = stoppable.solve(solver, model)
         if tick:
             tick(lo)
         return solver, status

@@ -45,6 +45,9 @@ def solve_auto(
     # the paper's greedy baseline is left out: it is never near the GA's schedules and costs
     # seconds on large instances (S=8, B=256)
     for solver in (solve_equal, solve_dp, solve_ramp):
+        # on the largest instances these take seconds each: the GA's time is not theirs to take
+        if solver is not solve_equal and time.perf_counter() - t0 > FAST_SHARE * time_limit:
+            break
         try:
             fast.append(solver(problem, order=order))
         except UmoptError:  # e.g. no GPipe schedule fits the memory limit; the others may
@@ -156,6 +159,8 @@ def solve_auto(
 # optimality within a minute on 2 cores; beyond, it proves nothing and the GA finds schedules as
 # good, so there its half would be lost
 EXACT_MAX_TERMS = 3_000
+# the share of the time limit after which no more of the fast starts (DP, ramp) begins
+FAST_SHARE = 0.25
 EXACT_SHARE = 0.5
 # Of the GA's time, what the pair bounds of every schedule get beside it under --order auto;
 # the 1F1B family's pairs get the rest (they settle most of their lift early)

@@ -34,15 +34,31 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from ortools.sat.python import cp_model
-
-from ..bounds import Heads, Scope, heads_and_tails, int_tables, linear_cuts, start_bound_ms
+from ..bounds import (
+    Heads,
+    Scope,
+    heads_and_tails,
+    int_tables,
+    linear_cuts,
+    start_bound_ms,
+)
+from .. import stoppable
 from ..costmodel import Op
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
-from .exact import candidate_chunks, chunk_fits, chunk_set, chunks_ending_at, start_or_skip, with_clock
+from .exact import (
+    candidate_chunks,
+    chunk_fits,
+    chunk_set,
+    chunks_ending_at,
+    start_or_skip,
+    with_clock,
+)
+
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model
 
 __all__ = ["solve_cpsat", "build_gpipe_model", "build_free_model"]
 
@@ -53,6 +69,7 @@ def _us(ms: float) -> int:
 
 def build_gpipe_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = None):
     """The CP-SAT model; returns (model, x, y, makespan) with x[s][(lo, hi)] booleans."""
+    from ortools.sat.python import cp_model  # imported where used: it pulls in pandas
     t = problem.tables
     S, B = problem.num_stages, problem.minibatch
     chunks = candidate_chunks(problem)
@@ -157,6 +174,7 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
     them into send order, which can only make it optimistic, so its bound stays valid; the schedule
     is re-scored by the simulator, which does keep send order.
     """
+    from ortools.sat.python import cp_model
     t = problem.tables
     S, B = problem.num_stages, problem.minibatch
     chunks = candidate_chunks(problem)
@@ -342,6 +360,7 @@ def solve_cpsat(
 
 
 def _solve_cpsat(problem: Problem, time_limit: float, seed: int, hint: Optional[Candidate], order: str, found: list) -> SolverResult:
+    from ortools.sat.python import cp_model
     t0 = time.perf_counter()
     base, time_limit, warm_scored, skipped = start_or_skip(problem, "cpsat", time_limit, seed, hint, order, t0)
     if skipped:
@@ -365,7 +384,7 @@ def _solve_cpsat(problem: Problem, time_limit: float, seed: int, hint: Optional[
     solver.parameters.max_time_in_seconds = max(0.1, time_limit - (time.perf_counter() - t_model))
     solver.parameters.num_workers = max(1, os.cpu_count() or 1)
     solver.parameters.random_seed = seed
-    status = solver.solve(model)
+    status = stoppable.solve(solver, model)
     S = problem.num_stages
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if order == "gpipe":

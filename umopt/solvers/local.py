@@ -181,6 +181,10 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
     return it, tie
 
 
+# neighbours scored in one call of the population simulator at most
+_SLICE = 512
+
+
 def hill_climb(
     problem: Problem, cand: Candidate, deadline: float, max_steps: int = 10_000, free_warmup: bool = False
 ) -> tuple[Candidate, int]:
@@ -196,12 +200,21 @@ def hill_climb(
         fs, bs, wu = _neighbours(problem, cand, free_warmup)
         if not len(fs):
             break
-        if cand.order == "gpipe":
-            its, sc = score_gpipe(problem, fs, bs)
-        else:
-            its, sc = score_1f1b(problem, fs, wu, bs)
-        ties = sc.finish_ms.sum(axis=1)
-        scored += len(fs)
+        # scored in slices, so that a step on a large instance (thousands of neighbours, a
+        # second or more) stops at the deadline with the best of those scored so far
+        its_parts, tie_parts = [], []
+        for a in range(0, len(fs), _SLICE):
+            if a and time.perf_counter() > deadline:
+                break
+            cut = slice(a, a + _SLICE)
+            if cand.order == "gpipe":
+                its_a, sc = score_gpipe(problem, fs[cut], None if bs is None else bs[cut])
+            else:
+                its_a, sc = score_1f1b(problem, fs[cut], wu[cut], None if bs is None else bs[cut])
+            its_parts.append(its_a)
+            tie_parts.append(sc.finish_ms.sum(axis=1))
+        its, ties = np.concatenate(its_parts), np.concatenate(tie_parts)
+        scored += len(its)
         k = int(np.lexsort((ties, its))[0])
         if not (its[k] < it - 1e-9 or (its[k] <= it + 1e-12 and ties[k] < tie - 1e-9)):
             break

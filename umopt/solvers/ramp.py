@@ -9,7 +9,7 @@ chunk ends on every stage at once; started from the best ramp it does (``auto``)
 
 The family, for every middle size m up to the profile's largest: an up-ramp a, 2a, 4a, ... below
 m (a = 1 to 4, or none), chunks of m, the remainder as one smaller chunk after them, and a
-down-ramp (the up-ramp mirrored, or none); and the equal partitions, so that the result is never
+down-ramp (the up-ramp mirrored, or none); and the best equal partitions, so that the result is never
 worse than the best equal schedule. Every stage gets the same partition, in GPipe order and
 in 1F1B order with PipeDream-flush warm-ups, and the whole family is scored in one call of the
 population simulator (hundreds of partitions in about a second). ``auto`` hands the best to
@@ -19,10 +19,11 @@ the GA as a start.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
+from ..baselines import gpipe_equal, onef1b_equal
 from ..errors import UmoptError
 from ..partition import equal_sizes
 from ..problem import Candidate, Problem, Progress, SolverResult, pack, score_1f1b, score_gpipe
@@ -41,10 +42,11 @@ def _doubling(first: int, below: int) -> list[int]:
     return out
 
 
-def ramped_partitions(minibatch: int, max_size: int) -> list[list[int]]:
-    """Every partition of the family above (distinct, sorted), each summing to ``minibatch``."""
+def ramped_partitions(minibatch: int, max_size: int, equal_counts: Sequence[int] = ()) -> list[list[int]]:
+    """Every partition of the family above (distinct, sorted), each summing to ``minibatch``,
+    with the equal partitions into ``equal_counts`` chunks."""
     B = minibatch
-    found = {tuple(equal_sizes(B, n)) for n in range(-(-B // max_size), B + 1)}
+    found = {tuple(equal_sizes(B, n)) for n in equal_counts}
     for m in range(1, min(max_size, B) + 1):
         ups = {()} | {tuple(_doubling(a, m)) for a in RAMP_STARTS}
         for up in ups:
@@ -62,7 +64,9 @@ def solve_ramp(
 ) -> SolverResult:
     t0 = time.perf_counter()
     S = problem.num_stages
-    parts = ramped_partitions(problem.minibatch, problem.max_size)
+    # the best equal partitions stand in for all of them (the baselines have scored them all)
+    equal = [b.microbatches for b in (gpipe_equal(problem), onef1b_equal(problem)) if b.microbatches is not None]
+    parts = ramped_partitions(problem.minibatch, problem.max_size, equal)
     packed = pack([[p] * S for p in parts])
     scored: list[tuple[float, Candidate]] = []
     if order in ("auto", "gpipe"):
