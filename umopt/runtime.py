@@ -16,16 +16,19 @@ Several schedules (of one profile) take turns on the same processes, ``--rounds`
 model, trained by each in turn, and one machine state, so that drift meets them all alike; each
 gets its own report.
 
-Run locally with ``umopt run`` (it starts torchrun), or on several machines with
+Run locally with ``umopt run`` (it starts a rank per stage), or on several machines with
 ``torchrun --nnodes ... -m umopt.runtime SCHEDULE [options]``: the same code path.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import secrets
 import select
+import shutil
 import signal
 import statistics
 import sys
@@ -40,13 +43,21 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .checkpoint import (
+    MANIFEST,
+    file_sha256,
+    read_manifest,
+    remove_stale,
+    stage_file,
+    write_manifest,
+)
 from .costmodel import CostTables, Span, Timeline, simulate
+from .devices import TensorSpec, autocast, boundary_tensors, rank_device, to_device
 from .errors import UmoptError
-from .fileio import write_atomic, write_json
+from .fileio import check_writable, write_atomic, write_json
 from .formats.profile import Profile, load_profile
 from .formats.schedule import Schedule, check_against_profile, load_schedule
-from .devices import TensorSpec, autocast, boundary_tensors, rank_device, to_device
-from .zoo import ModelParts, build_model
+from .zoo import ModelParts, build_model, import_object
 
 __all__ = ["build_parser", "preflight", "RunConfig", "StageSetup", "build_stage", "init_distributed", "run_rank", "main"]
 
@@ -71,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", default=None, help="write report.json here" + each)
     p.add_argument("--trace", default=None, help="write a Chrome trace of measured and predicted ops here" + each)
     p.add_argument("--plot", default=None, help="write a Gantt PNG of measured beside predicted here" + each)
-    p.add_argument("--checkpoint", default=None, help="directory: each stage writes stage{s}.pt after the last step")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint's files")
+    p.add_argument("--checkpoint", default=None, help="directory: a checkpoint set (a file per stage, then checkpoint.json) after the last step")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also every N steps (0: only after the last)")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint's last complete set")
     p.add_argument("--save-grads", default=None, help="directory: each stage writes its gradients of the last step")
     return p
 
@@ -92,8 +104,9 @@ class RunConfig:
         return None if template is None else template.replace("{name}", Path(self.args.schedule[k]).stem)
 
 
-def preflight(argv: list[str]) -> RunConfig:
-    """Everything that can be checked before a process starts; one-line errors."""
+def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> RunConfig:
+    """Everything that can be checked before a process starts; one-line errors. With --resume,
+    the checkpoint files of ``verify_stages`` (default: all) are checked against their hashes."""
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse already printed the usage line
@@ -122,16 +135,25 @@ def preflight(argv: list[str]) -> RunConfig:
                 raise UmoptError(f"--{opt} with {len(schedules)} schedules needs {{name}} in its path (one file each)")
     if args.resume and not args.checkpoint:
         raise UmoptError("--resume needs --checkpoint DIR")
+    if args.checkpoint_every < 0:
+        raise UmoptError(f"--checkpoint-every must be at least 0, got {args.checkpoint_every}")
     S = len(schedules[0].stages)
     if args.resume:
-        missing = [s for s in range(S) if not (Path(args.checkpoint) / f"stage{s}.pt").exists()]
-        if missing:
-            raise UmoptError(f"--resume: {args.checkpoint} has no checkpoint for stage {missing[0]}")
+        read_manifest(args.checkpoint, profile, args.optimizer, verify=verify_stages)
+    cfg = RunConfig(schedules, profile, args)
+    # every output checked before a process starts, not found unwritable after the run
+    outputs = [cfg.output(t, k) for t in (args.report, args.trace, args.plot) if t for k in range(len(schedules))]
+    outputs += [str(Path(args.checkpoint) / MANIFEST)] if args.checkpoint else []
+    outputs += [str(Path(args.save_grads) / "grads_stage0.pt")] if args.save_grads else []
+    for path in outputs:
+        check_writable(path)
+    if args.data:
+        _data_function(args.data)
     backend = args.backend or ("nccl" if profile.device.type == "cuda" else "gloo")
     if backend == "nccl" and torch.cuda.device_count() < S and "LOCAL_WORLD_SIZE" not in os.environ:
         raise UmoptError(f"--backend nccl needs one GPU per stage: {S} stages, {torch.cuda.device_count()} GPUs here")
     args.backend = backend
-    return RunConfig(schedules, profile, args)
+    return cfg
 
 
 # --- one rank ----------------------------------------------------------------------------------
@@ -162,8 +184,16 @@ def _link_order(profile: Profile, schedule: Schedule) -> dict[tuple[int, int], l
     return order
 
 
+def _data_function(spec: str) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    fn = import_object(spec, "--data")
+    if not callable(fn):
+        raise UmoptError(f"--data {spec}: not a function")
+    return fn
+
+
 def _fault(rank: int, step: int) -> None:
-    """Fault injection for the tests: UMOPT_FAULT="rank:step:raise|kill|hang[,...]"."""
+    """Fault injection for the tests and bench/faults.py:
+    UMOPT_FAULT="rank:step:raise|kill|hang|diskfull[,...]"."""
     for spec in filter(None, os.environ.get("UMOPT_FAULT", "").split(",")):
         r, st, kind = spec.split(":")
         if int(r) != rank or int(st) != step:
@@ -172,6 +202,11 @@ def _fault(rank: int, step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "hang":  # as a rank blocked on the GPU or in a collective: it never raises
             threading.Event().wait()
+        if kind == "diskfull":  # from now on this rank cannot write a file over 1 KiB (a real OSError)
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            continue
         raise RuntimeError(f"injected fault at step {step}")
 
 
@@ -238,16 +273,16 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     opt = torch.optim.SGD(params, lr=lr, momentum=0.9) if args.optimizer == "sgd" else torch.optim.AdamW(params, lr=lr)
     start_step = 0
     if args.resume:
-        # weights_only: a checkpoint is data, and unpickling anything else can run code
-        state = torch.load(Path(args.checkpoint) / f"stage{s}.pt", map_location=device, weights_only=True)
-        stage.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        start_step = int(state["step"])
+        start_step = _resume(cfg, s, stage, opt, device)
+    run_id = ""
+    if args.checkpoint:  # one name for this run's files on every rank
+        drawn = [secrets.token_hex(4) if rank == 0 else None]
+        dist.broadcast_object_list(drawn, src=0)
+        run_id = str(drawn[0])
 
     data_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
     if args.data:
-        mod, _, fn = args.data.partition(":")
-        data_fn = getattr(__import__(mod, fromlist=[fn]), fn)
+        data_fn = _data_function(args.data)
     else:
         data_fn = lambda step, n: setup.make_batch(n, step)  # noqa: E731
 
@@ -299,10 +334,11 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
                     for d, (_, _, _, t0, t1) in zip(play.op_ms, spans[: len(play.ops)]):
                         d.append(timing.ms(t1) - timing.ms(t0))
                 it += 1
+                if args.checkpoint and args.checkpoint_every and (it - start_step) % args.checkpoint_every == 0 and it <= last:
+                    _checkpoint(cfg, s, stage, opt, it, run_id)
 
     if args.checkpoint:
-        Path(args.checkpoint).mkdir(parents=True, exist_ok=True)
-        _save_atomic({"model": stage.state_dict(), "optimizer": opt.state_dict(), "step": it}, Path(args.checkpoint) / f"stage{s}.pt")
+        _checkpoint(cfg, s, stage, opt, it, run_id)
 
     for k, play in enumerate(plays):
         gathered: list = [None] * world
@@ -470,7 +506,44 @@ class _Links:
 
 
 def _save_atomic(obj, path: Path) -> None:
-    write_atomic(path, lambda tmp: torch.save(obj, tmp))
+    try:
+        write_atomic(path, lambda tmp: torch.save(obj, tmp))
+    except (OSError, RuntimeError) as exc:
+        # torch.save reports a full disk as "unexpected pos 128 vs 0": say what failed, and how
+        # much room there was
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        first = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else exc.__class__.__name__
+        raise OSError(f"cannot write {path} ({free / 2**20:.0f} MiB free there; disk full or a file size limit?): {first}") from None
+
+
+def _checkpoint(cfg: RunConfig, s: int, stage: torch.nn.Module, opt: torch.optim.Optimizer, step: int, run_id: str) -> None:
+    """This stage's part of the checkpoint set of ``step`` (:mod:`umopt.checkpoint`): its file,
+    then, once every stage has written its own, the manifest (rank 0), then the old files go."""
+    folder = Path(cfg.args.checkpoint)
+    name = stage_file(s, step, run_id)
+    _save_atomic({"model": stage.state_dict(), "optimizer": opt.state_dict(), "step": step}, folder / name)
+    hashes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, file_sha256(folder / name))  # returns once every stage has written
+    if s == 0:
+        schedules = [{"path": str(p), "sha256": hashlib.sha256(Path(p).read_bytes()).hexdigest()} for p in cfg.args.schedule]
+        write_manifest(folder, step, run_id, cfg.profile, cfg.args.optimizer, hashes, schedules)
+    _barrier(next(stage.parameters()).device)
+    remove_stale(folder, s, name)
+
+
+def _resume(cfg: RunConfig, s: int, stage: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device) -> int:
+    """Load this stage's file of the folder's last complete set; the step it was written after."""
+    man = read_manifest(cfg.args.checkpoint, cfg.profile, cfg.args.optimizer, verify=[s])
+    path = Path(cfg.args.checkpoint) / man.files[s].path
+    try:
+        # weights_only: a checkpoint is data; unpickling anything else could run code
+        state = torch.load(path, map_location=device, weights_only=True)
+        stage.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    except Exception as exc:  # noqa: BLE001 - whatever the file holds, it is not this stage's state
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise UmoptError(f"--resume: {path} is not stage {s}'s state ({exc.__class__.__name__}: {first})") from None
+    return man.step
 
 
 def _measured_timeline(per_rank: list) -> Timeline:
@@ -487,11 +560,11 @@ def _measured_timeline(per_rank: list) -> Timeline:
 
 def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list) -> None:
     args, schedule = cfg.args, cfg.schedules[k]
-    predicted = schedule.predicted.iteration_ms
     measured = statistics.median(step_ms)
     tl = _measured_timeline(per_rank)
     tables = CostTables.from_profile(cfg.profile, schedule.recompute)
     pred_tl = simulate(tables, schedule.op_lists(), schedule.minibatch)
+    predicted = pred_tl.iteration_ms  # the simulator's, not what the file says
     report = {
         "schedule": str(args.schedule[k]),
         "profile": cfg.profile.path,
@@ -538,11 +611,14 @@ def init_distributed(backend: str, timeout_s: float) -> torch.device:
     (and barriers do not hang on a device nobody uses).
     """
     device = rank_device(backend)
+    # `umopt run` gives its ranks a file store (no port to listen on); torchrun, env:// as usual
+    store = os.environ.get("UMOPT_STORE")
+    where = dict(init_method=f"file://{store}", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])) if store else {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device, **where)
     else:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **where)
     return device
 
 
@@ -552,9 +628,9 @@ def _barrier(device: torch.device) -> None:
 
 def _exit_on_termination(status: Callable[[str, str], None]) -> None:
     """End this rank at once, with a status line, on SIGTERM or SIGINT or when its parent (the
-    torchrun agent) is gone.
+    launcher or the torchrun agent) is gone.
 
-    torchrun stops the other ranks with SIGTERM when one fails; a rank waiting inside NCCL or
+    The launcher (and torchrun) stops the other ranks with SIGTERM when one fails; a rank waiting inside NCCL or
     gloo never returns to Python, so a Python signal handler would not run until the wait times
     out. The signal's number reaches a pipe (``signal.set_wakeup_fd``) whatever the main thread
     is doing, and a thread watching that pipe writes the status and leaves; the status then tells
@@ -565,7 +641,9 @@ def _exit_on_termination(status: Callable[[str, str], None]) -> None:
     signal.set_wakeup_fd(w)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # the watcher acts; without a handler SIGTERM kills silently
-    parent = os.getppid()
+    # the launcher says who it is: had it died while this rank was starting, getppid() here
+    # would already name the process that adopted the orphan
+    parent = int(os.environ.get("UMOPT_LAUNCHER_PID", os.getppid()))
 
     def watch() -> None:
         while True:
@@ -576,7 +654,9 @@ def _exit_on_termination(status: Callable[[str, str], None]) -> None:
                     status("terminated", signal.Signals(sig).name)
                     os._exit(code)
             if os.getppid() != parent:
-                status("terminated", "its launcher (torchrun) is gone")
+                # nobody is left to read the status folder: the first rank out removes it
+                if os.environ.get("UMOPT_STATUS_DIR"):
+                    shutil.rmtree(os.environ["UMOPT_STATUS_DIR"], ignore_errors=True)
                 os._exit(143)
 
     threading.Thread(target=watch, name="umopt-termination", daemon=True).start()
@@ -588,14 +668,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
 
     def status(state: str, message: str = "") -> None:
-        if status_dir:
+        # not into a folder the launcher has removed (it has stopped waiting for this rank)
+        if status_dir and Path(status_dir).is_dir():
             line = json.dumps({"state": state, "time": time.time(), "message": message})
             write_atomic(Path(status_dir) / f"rank{rank}", lambda tmp: Path(tmp).write_text(line))
 
     status("started")
     _exit_on_termination(status)
     try:
-        cfg = preflight(list(sys.argv[1:] if argv is None else argv))
+        cfg = preflight(list(sys.argv[1:] if argv is None else argv), verify_stages=[])  # each rank checks its own file
         device = init_distributed(cfg.args.backend, int(os.environ.get("UMOPT_TIMEOUT_S", "60")))
         try:
             run_rank(cfg, device)

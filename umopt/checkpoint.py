@@ -1,0 +1,146 @@
+"""Checkpoint sets: one file per stage, made one set by a manifest written last.
+
+A run with ``--checkpoint DIR`` leaves, after step N, ``stage{s}-step{N}-{run}.pt`` for every
+stage (its module's and optimizer's state, plain tensors) and then ``checkpoint.json``::
+
+    {"format": "umopt-checkpoint/1", "step": N, "run": "3f9a0c1e", "stages": S,
+     "model": {...}, "optimizer": "sgd", "profile_sha256": ..., "schedules": [...],
+     "files": [{"path": "stage0-step12-3f9a0c1e.pt", "sha256": ...}, ...]}
+
+(``run`` is drawn once per run, so that no run overwrites a file the current manifest names.)
+
+Each stage writes its own file atomically; once every stage has (all of them report the file's
+hash), rank 0 replaces the manifest, and only then are the older files removed. A failure at any
+point leaves the previous manifest and the files it names untouched: the last complete set is
+always resumable, and a set that never completed is never read.
+
+``--resume`` reads the manifest, refuses one that is not for this model, split and optimizer, and
+checks every file against its hash before anything is loaded; files are then loaded as plain
+tensors (``weights_only``), never unpickled as objects, so a tampered file cannot run code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import UmoptError
+from .fileio import read_json, write_json
+from .formats.profile import Profile, pydantic_error_line
+
+__all__ = ["MANIFEST", "CHECKPOINT_FORMAT", "Manifest", "stage_file", "model_identity", "file_sha256", "read_manifest", "write_manifest", "remove_stale"]
+
+MANIFEST = "checkpoint.json"
+CHECKPOINT_FORMAT = "umopt-checkpoint/1"
+
+
+class ManifestFile(BaseModel):
+    model_config = ConfigDict(strict=True)
+    path: str = Field(pattern=r"^stage\d+-step\d+-[0-9a-f]+\.pt$")  # a name inside DIR, never a path out of it
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    format: str
+    step: int = Field(ge=0)
+    run: str = Field(pattern=r"^[0-9a-f]+$")
+    stages: int = Field(ge=1)
+    model: dict[str, Any]
+    optimizer: str
+    files: list[ManifestFile]
+
+
+def stage_file(s: int, step: int, run: str) -> str:
+    return f"stage{s}-step{step}-{run}.pt"
+
+
+def model_identity(profile: Profile) -> dict[str, Any]:
+    """What a stage's saved state depends on: the model, its seed and where the stages are cut."""
+    return {
+        "name": profile.model.name,
+        "args": profile.model.args,
+        "seed": profile.model.model_extra.get("seed", 0),
+        "layers": [st.layers for st in profile.stages],
+    }
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(folder: str | Path, profile: Profile, optimizer: str, *, verify: Optional[list[int]] = None) -> Manifest:
+    """The manifest of ``folder``, checked against this run (one-line errors); the files of the
+    stages in ``verify`` (default: all) are checked against their hashes."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.exists():
+        stray = sorted(p.name for p in folder.glob("stage*.pt")) if folder.is_dir() else []
+        raise UmoptError(
+            f"--resume: {folder} has no complete checkpoint set (no {MANIFEST}"
+            + (f"; {len(stray)} stage file(s) without one are not a set" if stray else "")
+            + ")"
+        )
+    data = read_json(path)
+    if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT:
+        raise UmoptError(f"{path}: not a {CHECKPOINT_FORMAT} manifest")
+    try:
+        man = Manifest.model_validate(data)
+    except ValidationError as exc:
+        raise UmoptError(f"{path}: {pydantic_error_line(exc)}") from None
+    want = model_identity(profile)
+    if man.stages != profile.num_stages or len(man.files) != man.stages:
+        raise UmoptError(f"{path}: a checkpoint of {man.stages} stages, this run has {profile.num_stages}")
+    if man.model != want:
+        raise UmoptError(f"{path}: a checkpoint of {_describe(man.model)}, this run's profile is {_describe(want)}")
+    if man.optimizer != optimizer:
+        raise UmoptError(f"{path}: a checkpoint of the {man.optimizer} optimizer, this run uses {optimizer} (--optimizer)")
+    for s, f in enumerate(man.files):
+        if f.path != stage_file(s, man.step, man.run):
+            raise UmoptError(f"{path}: stage {s}'s file is {f.path}, expected {stage_file(s, man.step, man.run)}")
+    for s in range(man.stages) if verify is None else verify:
+        f = folder / man.files[s].path
+        if not f.is_file():
+            raise UmoptError(f"--resume: {f} is missing: the set of step {man.step} is incomplete")
+        if file_sha256(f) != man.files[s].sha256:
+            raise UmoptError(f"--resume: {f} does not match its hash in {MANIFEST}: changed or corrupted since it was written")
+    return man
+
+
+def _describe(identity: dict[str, Any]) -> str:
+    args = ",".join(f"{k}={v}" for k, v in sorted(identity.get("args", {}).items()))
+    cuts = [lay[0] for lay in identity.get("layers", [])] + [identity["layers"][-1][1]] if identity.get("layers") else []
+    return f"{identity.get('name')}({args}) seed {identity.get('seed')} cut at {cuts}"
+
+
+def write_manifest(folder: str | Path, step: int, run: str, profile: Profile, optimizer: str, hashes: list[str], schedules: list[dict]) -> None:
+    """Make the files of ``step`` (one per stage, hashes in stage order) the folder's set."""
+    write_json(
+        Path(folder) / MANIFEST,
+        {
+            "format": CHECKPOINT_FORMAT,
+            "step": step,
+            "run": run,
+            "stages": len(hashes),
+            "model": model_identity(profile),
+            "optimizer": optimizer,
+            "profile_sha256": profile.sha256,
+            "schedules": schedules,
+            "files": [{"path": stage_file(s, step, run), "sha256": h} for s, h in enumerate(hashes)],
+        },
+    )
+
+
+def remove_stale(folder: str | Path, s: int, keep: str) -> None:
+    """Remove stage ``s``'s files other than ``keep`` (once the manifest names it)."""
+    for p in Path(folder).glob(f"stage{s}-step*.pt"):
+        if re.fullmatch(rf"stage{s}-step\d+-[0-9a-f]+\.pt", p.name) and p.name != keep:
+            p.unlink(missing_ok=True)
