@@ -133,6 +133,11 @@ def _neighbours(problem: Problem, cand: Candidate, free_warmup: bool = False) ->
     N = len(side)
     if N == 0:
         return np.zeros((0, S, 1), dtype=np.int64), None, np.zeros((0, S), dtype=np.int64)
+    cap = max(1, _NEIGHBOUR_CELLS // (S * B * (2 if problem.recompute else 1)))
+    if N > cap:  # on the largest instances a step looks at an even spread of the moves, in bounded memory
+        keep = np.linspace(0, N - 1, cap).round().astype(int)
+        side, stage_rows, clear, put, moved_w, new_w = ([x[i] for i in keep] for x in (side, stage_rows, clear, put, moved_w, new_w))
+        N = cap
     masks = [np.repeat(fmask[None], N, axis=0)] + ([np.repeat(bmask[None], N, axis=0)] if problem.recompute else [])
     rows = np.repeat(np.arange(N), [len(g) for g in stage_rows])
     st = np.concatenate([np.asarray(g, dtype=np.int64) for g in stage_rows]) if len(rows) else np.zeros(0, dtype=np.int64)
@@ -183,6 +188,8 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
 
 # neighbours scored in one call of the population simulator at most
 _SLICE = 512
+# (neighbour, stage, sample) cells one step builds at most
+_NEIGHBOUR_CELLS = 1 << 24
 
 
 def hill_climb(
