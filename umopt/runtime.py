@@ -1,16 +1,9 @@
 """``umopt run``: execute schedule files in torch.distributed, one process per stage.
 
-Every rank rebuilds the profile's model with the same seed, keeps its stage's layers and plays
-its op list: ``F(lo, hi)`` runs the forward of samples ``[lo, hi)`` and sends the activations on,
-``B(lo, hi)`` runs their backward and sends the input gradients back. Neighbours may chunk
-differently, so a stage receives activations (and gradients) into one buffer for the whole
-minibatch and reads its own chunks as views of it; every message's shape follows from the
-schedule, so no shapes are exchanged. The loss of a chunk is summed over its samples and divided
-by B, so an iteration's gradients equal those of the whole minibatch in one process.
-
-Point-to-point messages on each link are issued by both ends in one agreed order (the predicted
-send times of the cost model), receives as early as that order allows: compute overlaps
-communication, and NCCL, which runs a pair's messages in issue order, cannot deadlock.
+Every rank rebuilds the profile's model with the same seed, keeps its stage's layers and plays its
+op list through :class:`umopt.pipeline.Pipeline`, the class users run in their own loops: the same
+code path, timed op by op here for the report. The zoo's losses are sums over samples; divided by
+the minibatch, an iteration's gradients equal those of the whole minibatch in one process.
 
 Several schedules (of one profile) take turns on the same processes, ``--rounds`` times: one
 model, trained by each in turn, and one machine state, so that drift meets them all alike; each
@@ -52,11 +45,12 @@ from .checkpoint import (
     write_manifest,
 )
 from .costmodel import CostTables, Span, Timeline, simulate
-from .devices import TensorSpec, autocast, boundary_tensors, rank_device, to_device
+from .devices import TensorSpec, boundary_tensors, rank_device, to_device
 from .errors import UmoptError
 from .fileio import check_writable, write_atomic, write_json
 from .formats.profile import Profile, load_profile
 from .formats.schedule import Schedule, check_against_profile, load_schedule
+from .pipeline import Pipeline, StepTimer
 from .zoo import ModelParts, build_model, import_object
 
 __all__ = ["build_parser", "preflight", "RunConfig", "StageSetup", "build_stage", "init_distributed", "run_rank", "main"]
@@ -170,20 +164,6 @@ class _StageModule(torch.nn.Module):
         return x
 
 
-def _link_order(profile: Profile, schedule: Schedule) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
-    """For each link (s, s+1): its messages in the order both ends issue them.
-
-    A message is ("act", lo, hi) from s to s+1 or ("grad", lo, hi) from s+1 to s, ordered by the
-    cost model's send time (then direction and sample), which both ends compute identically.
-    """
-    tables = CostTables.from_profile(profile, schedule.recompute)
-    tl = simulate(tables, schedule.op_lists(), schedule.minibatch)
-    order: dict[tuple[int, int], list] = {(s, s + 1): [] for s in range(len(schedule.stages) - 1)}
-    for m in sorted(tl.messages, key=lambda m: (m.sent, m.direction != "fwd", m.lo)):
-        order[(m.link, m.link + 1)].append(("act" if m.direction == "fwd" else "grad", m.lo, m.hi))
-    return order
-
-
 def _data_function(spec: str) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
     fn = import_object(spec, "--data")
     if not callable(fn):
@@ -212,18 +192,21 @@ def _fault(rank: int, step: int) -> None:
 
 @dataclass
 class _Play:
-    """One schedule as this rank plays it, and what it measured."""
+    """One schedule as this rank plays it (a :class:`umopt.pipeline.Pipeline`), and what it measured."""
 
-    schedule: Schedule
-    ops: list  # this stage's op list
-    up: list  # link messages with the stage before: acts received, grads sent
-    down: list  # ... with the stage after: acts sent, grads received
-    act_buf: Optional[torch.Tensor]
-    grad_buf: Optional[torch.Tensor]
+    pipe: Pipeline
     step_ms: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     spans_last: list = field(default_factory=list)
     op_ms: list[list[float]] = field(default_factory=list)  # each op's duration in every measured step
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.pipe.schedule
+
+    @property
+    def ops(self) -> list:
+        return self.pipe.ops
 
 
 @dataclass
@@ -286,19 +269,18 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     else:
         data_fn = lambda step, n: setup.make_batch(n, step)  # noqa: E731
 
+    timing = StepTimer(device)
+    # the zoo's losses are sums over samples: divided by the minibatch, the chunks' losses add up
+    # to the minibatch's mean, as in one process
     plays = []
-    buffers: dict[int, tuple] = {}  # by minibatch: schedules in turn share them (a GPU's memory)
     for sched in cfg.schedules:
         B = sched.minibatch
-        if B not in buffers:
-            buffers[B] = (
-                setup.input.empty(B, device) if not first_stage else None,
-                setup.output.empty(B, device) if not last_stage else None,
-            )
-        order = _link_order(cfg.profile, sched)
-        ops = sched.op_lists()[s]
-        plays.append(_Play(sched, ops, order.get((s - 1, s), []), order.get((s, s + 1), []), *buffers[B], op_ms=[[] for _ in ops]))
-    timing = _Timing(device)
+        pipe = Pipeline(
+            stage, sched, s, loss_fn=lambda out, y, B=B: setup.loss(out, y) / B, loss_reduction="sum", profile=cfg.profile,
+            device=device, input_specs=[setup.input], output_specs=[setup.output], timer=timing,
+        )
+        pipe.prepare()  # the boundary shapes agreed now, not inside the first timed step
+        plays.append(_Play(pipe, op_ms=[[] for _ in pipe.ops]))
     it = start_step
     last = start_step + len(plays) * (args.warmup + args.rounds * args.steps) - 1
     # the schedules take turns, so that whatever drifts on the machine meets each alike
@@ -314,7 +296,8 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
                     targets = to_device(y, device) if last_stage else None
                 _barrier(device)
                 timing.start()
-                spans, loss_sum = _iteration(play, setup, inputs, targets, timing, first_stage, last_stage)
+                loss_sum = play.pipe.step(inputs, targets=targets)
+                spans = list(play.pipe.spans)
                 if args.save_grads and it == last:
                     Path(args.save_grads).mkdir(parents=True, exist_ok=True)
                     grads = {k: p.grad.detach().cpu() for k, p in stage.named_parameters() if p.grad is not None}
@@ -346,163 +329,6 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
         dist.all_gather_object(gathered, {"spans": play.spans_last, "losses": play.losses, "op_ms": medians})
         if rank == 0:
             _report(cfg, k, play.step_ms, gathered)
-
-
-def _forward(setup: StageSetup, x: torch.Tensor, targets: Optional[torch.Tensor], B: int) -> torch.Tensor:
-    """The stage's forward of one chunk under the profile's autocast; on the last stage, the
-    chunk's loss divided by the minibatch (so that chunk gradients add up to the minibatch's)."""
-    with autocast(setup.device, setup.dtype):
-        out = setup.module(x)
-        return out if targets is None else setup.loss(out, targets) / B
-
-
-def _iteration(play: _Play, setup: StageSetup, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor], timing: "_Timing", first_stage: bool, last_stage: bool):
-    """One iteration's forward and backward ops of ``play`` on this stage (gradients accumulate,
-    the optimizer is the caller's): its spans ``(kind, lo, hi, start mark, end mark)`` and the
-    summed loss (the last stage's)."""
-    B, recompute = play.schedule.minibatch, play.schedule.recompute
-    links = _Links(dist.get_rank(), play.up, play.down, play.act_buf, play.grad_buf)
-    saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
-    loss_sum = torch.zeros((), device=setup.device)
-    spans = []
-
-    def chunk_input(lo: int, hi: int, grad: bool) -> torch.Tensor:
-        return inputs[lo:hi] if first_stage else play.act_buf[lo:hi].detach().requires_grad_(grad)
-
-    links.advance()
-    for kind, lo, hi in play.ops:
-        y = targets[lo:hi] if last_stage else None
-        if kind == "F":
-            links.wait_acts(lo, hi)
-            t0 = timing.mark()
-            x = chunk_input(lo, hi, not recompute)
-            with torch.set_grad_enabled(not recompute):
-                out = _forward(setup, x, y, B)
-            if last_stage:
-                loss_sum += out.detach()
-            if not recompute:
-                saved[(lo, hi)] = (x if not first_stage else None, out)
-            if not last_stage:
-                links.send_act(lo, hi, out.detach())
-        else:
-            links.wait_grads(lo, hi)
-            t0 = timing.mark()
-            if recompute:
-                x = chunk_input(lo, hi, True)
-                out = _forward(setup, x, y, B)
-            else:
-                x, out = saved.pop((lo, hi))
-            if last_stage:
-                out.backward()
-            else:
-                torch.autograd.backward(out, play.grad_buf[lo:hi])
-            if not first_stage:
-                links.send_grad(lo, hi, x.grad)
-        spans.append((kind, lo, hi, t0, timing.mark()))
-        links.advance()
-    links.finish()
-    return spans, loss_sum
-
-
-class _Timing:
-    """Milliseconds since the step started: perf_counter on CPU, CUDA events on GPUs."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.events: list = []
-
-    def start(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.t0 = torch.cuda.Event(enable_timing=True)
-            self.t0.record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def ms(self, mark) -> float:
-        return self.t0.elapsed_time(mark) if self.cuda else (mark - self.t0) * 1e3
-
-    def stop(self) -> float:
-        end = self.mark()
-        if self.cuda:
-            torch.cuda.synchronize()
-        return self.ms(end)
-
-
-class _Links:
-    """The point-to-point messages of one stage for one iteration.
-
-    Both ends of a link issue its messages in the agreed order; a receive is posted as soon as
-    every earlier message of that order has been issued, a send when its data is ready.
-    """
-
-    def __init__(self, s: int, up: list, down: list, act_buf, grad_buf):
-        self.s = s
-        self.up, self.down = up, down
-        self.pos = {"up": 0, "down": 0}
-        self.act_buf, self.grad_buf = act_buf, grad_buf
-        self.recv_act: dict[tuple[int, int], object] = {}
-        self.recv_grad: dict[tuple[int, int], object] = {}
-        self.pending_sends: list = []
-        self.ready_sends: dict[tuple[str, int, int], torch.Tensor] = {}
-
-    def _issue(self, side: str) -> None:
-        seq = self.up if side == "up" else self.down
-        peer = self.s - 1 if side == "up" else self.s + 1
-        while self.pos[side] < len(seq):
-            kind, lo, hi = seq[self.pos[side]]
-            tag = self.pos[side]
-            incoming = (kind == "act") == (side == "up")
-            if incoming:
-                buf = self.act_buf if side == "up" else self.grad_buf
-                work = dist.irecv(buf[lo:hi], src=peer, tag=tag)
-                (self.recv_act if side == "up" else self.recv_grad)[(lo, hi)] = work
-            else:
-                data = self.ready_sends.pop((kind, lo, hi), None)
-                if data is None:
-                    return  # not computed yet: later messages of this link wait their turn
-                self.pending_sends.append((dist.isend(data, dst=peer, tag=tag), data))
-            self.pos[side] += 1
-
-    def advance(self) -> None:
-        self._issue("up")
-        self._issue("down")
-
-    def send_act(self, lo: int, hi: int, t: torch.Tensor) -> None:
-        self.ready_sends[("act", lo, hi)] = t.contiguous()
-        self._issue("down")
-
-    def send_grad(self, lo: int, hi: int, t: torch.Tensor) -> None:
-        self.ready_sends[("grad", lo, hi)] = t.contiguous()
-        self._issue("up")
-
-    def _wait(self, works: dict, lo: int, hi: int, side: str) -> None:
-        for (mlo, mhi) in list(works):
-            if mlo < hi and lo < mhi:
-                works.pop((mlo, mhi)).wait()
-
-    def wait_acts(self, lo: int, hi: int) -> None:
-        self.advance()
-        self._wait(self.recv_act, lo, hi, "up")
-
-    def wait_grads(self, lo: int, hi: int) -> None:
-        self.advance()
-        self._wait(self.recv_grad, lo, hi, "down")
-
-    def finish(self) -> None:
-        self.advance()
-        for works in (self.recv_act, self.recv_grad):
-            for w in works.values():
-                w.wait()
-        for work, _data in self.pending_sends:
-            work.wait()
 
 
 def _save_atomic(obj, path: Path) -> None:

@@ -1,0 +1,74 @@
+"""``umopt.Pipeline`` in a user's own script (tests/pipeline_user.py: their modules, MSELoss, AdamW,
+their loop), one real process per stage: parameters after three steps equal one process training
+the whole minibatch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from umopt.costmodel import CostTables, simulate
+from umopt.formats.profile import load_profile, save_profile
+from umopt.formats.schedule import make_schedule, save_schedule
+from umopt.problem import Candidate
+from umopt.synthetic import synthetic_profile
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import pipeline_user  # noqa: E402
+
+B = pipeline_user.B
+
+
+def _schedule(tmp_path: Path, fsizes, order: str, recompute: bool, warmup=None, bsizes=None) -> str:
+    prof = synthetic_profile(2, max_size=8, seed=3)
+    save_profile(prof, tmp_path / "profile.json")
+    prof = load_profile(tmp_path / "profile.json")
+    cand = Candidate(fsizes, bsizes or fsizes, order, warmup=warmup)
+    ops = cand.ops()
+    tl = simulate(CostTables.from_profile(prof, recompute), ops, B)
+    sched = make_schedule(prof, B, recompute, ops, tl, {"name": "test", "status": "feasible", "seconds": 0.0}, {})
+    path = tmp_path / "schedule.json"
+    save_schedule(sched, str(path))
+    return str(path)
+
+
+def _run(tmp_path: Path, case: str, schedule: str, steps: int = 3) -> list[dict]:
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "pipeline_user.py"), case, schedule, str(tmp_path / "store"), str(out), str(steps)],
+            env=dict(os.environ, RANK=str(r), OMP_NUM_THREADS="1"), stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    return [torch.load(out / f"stage{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.parametrize(
+    "case,fsizes,order,recompute,warmup,bsizes",
+    [
+        ("mlp", [[3, 5, 4], [6, 6]], "gpipe", False, None, None),
+        ("mlp", [[2, 2, 8], [1, 4, 7]], "1f1b", False, [3, 0], None),  # unequal, per-stage warm-ups
+        ("mlp", [[4, 8], [5, 7]], "1f1b", True, None, [[6, 6], [2, 3, 7]]),  # recompute: B chunks of their own
+        ("tuple", [[5, 7], [3, 3, 6]], "1f1b", False, None, None),  # a float and an integer tensor cross
+        ("tuple", [[6, 6], [8, 4]], "gpipe", True, None, [[4, 8], [1, 11 - 3, 3]]),
+    ],
+)
+def test_a_users_loop_trains_as_one_process(tmp_path, case, fsizes, order, recompute, warmup, bsizes):
+    schedule = _schedule(tmp_path, fsizes, order, recompute, warmup, bsizes)
+    got = _run(tmp_path, case, schedule)
+    want = pipeline_user.reference(case, steps=3)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for k in w:
+            torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)

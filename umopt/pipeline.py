@@ -1,0 +1,347 @@
+"""``umopt.Pipeline``: one stage of a pipeline that runs a umopt schedule, inside your own training loop.
+
+On each rank you build your stage's module (your layers, on your device), load the schedule that
+``umopt solve`` wrote, and call :meth:`Pipeline.step` once per iteration; the optimizer, scaler,
+clipping, logging and checkpoints stay yours::
+
+    pipe = umopt.Pipeline(stage_module, "schedule.json", loss_fn=nn.CrossEntropyLoss())
+    loss = pipe.step(inputs)              # first stage; the last passes targets=..., the others nothing
+    optimizer.step(); optimizer.zero_grad()
+
+``step`` plays the stage's op list: ``F(lo, hi)`` runs the forward of samples ``[lo, hi)`` and sends
+its output on, ``B(lo, hi)`` runs their backward (recomputing the forward under ``recompute``) and
+sends the input gradients back. Neighbours may chunk differently, so a stage receives activations
+and gradients into one buffer per boundary tensor for the whole minibatch and reads its chunks as
+views of it. The messages of each link are issued by both ends in one agreed order (the cost
+model's send times), receives as early as that order allows, so compute overlaps communication
+and NCCL, which runs a pair's messages in issue order, cannot deadlock. The gradients left in the
+module's parameters are those of ``loss_fn(whole_model(x), y).backward()`` in one process on the
+whole minibatch: with ``loss_reduction="mean"`` (torch's default) a chunk's loss counts by its
+share of the minibatch, with ``"sum"`` as it is.
+
+What crosses a boundary may be one tensor or a tuple of tensors, each split on dim 0. Their
+per-sample shapes and dtypes are given (``input_specs``) or learned once, at the first step, from
+one forward of one sample on the stage before; they are never exchanged per step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .costmodel import CostTables, Op, simulate
+from .devices import TensorSpec, autocast
+from .errors import UmoptError
+from .formats.profile import Profile, load_profile
+from .formats.schedule import Schedule, check_against_profile, load_schedule
+
+__all__ = ["Pipeline", "StepTimer", "link_order"]
+
+Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def link_order(profile: Profile, schedule: Schedule) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
+    """For each link (s, s+1): its messages in the order both ends issue them.
+
+    A message is ("act", lo, hi) from s to s+1 or ("grad", lo, hi) from s+1 to s, ordered by the
+    cost model's send time (then direction and sample), which both ends compute identically.
+    """
+    tables = CostTables.from_profile(profile, schedule.recompute)
+    tl = simulate(tables, schedule.op_lists(), schedule.minibatch)
+    order: dict[tuple[int, int], list] = {(s, s + 1): [] for s in range(len(schedule.stages) - 1)}
+    for m in sorted(tl.messages, key=lambda m: (m.sent, m.direction != "fwd", m.lo)):
+        order[(m.link, m.link + 1)].append(("act" if m.direction == "fwd" else "grad", m.lo, m.hi))
+    return order
+
+
+class StepTimer:
+    """Milliseconds since the step started: perf_counter on CPU, CUDA events on GPUs."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.t0 = torch.cuda.Event(enable_timing=True)
+            self.t0.record()
+        else:
+            import time
+
+            self._clock = time.perf_counter
+            self.t0 = self._clock()
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return self._clock()
+
+    def ms(self, mark) -> float:
+        return self.t0.elapsed_time(mark) if self.cuda else (mark - self.t0) * 1e3
+
+    def stop(self) -> float:
+        end = self.mark()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return self.ms(end)
+
+
+def _as_tuple(x: Optional[Tensors]) -> tuple[torch.Tensor, ...]:
+    if x is None:
+        return ()
+    return (x,) if isinstance(x, torch.Tensor) else tuple(x)
+
+
+def _grad_carrying(spec: TensorSpec) -> bool:
+    return spec.dtype.is_floating_point or spec.dtype.is_complex
+
+
+class Pipeline:
+    """One stage of a umopt schedule, run in your own training loop.
+
+    Args:
+        module: this stage's layers, on ``device``; called with the boundary tensor (or tuple).
+        schedule: a schedule file's path or a loaded :class:`~umopt.formats.schedule.Schedule`.
+        stage: which stage this rank runs (default: its rank in ``group``).
+        loss_fn: ``loss_fn(output, targets)`` on the last stage (required there).
+        loss_reduction: ``"mean"`` (torch's default: the loss is a mean over the samples it is
+            given) or ``"sum"``.
+        profile: the profile the schedule was made for (default: the file the schedule names); the
+            message order both ends of a link agree on, and the autocast dtype, come from it.
+        group: the process group of this pipeline (default: the world); stage ``s`` is its rank ``s``.
+        device: where the buffers live (default: the module's first parameter's device).
+        input_specs, output_specs: per-sample shape and dtype of each tensor this stage receives
+            and sends (default: agreed at the first step, each stage telling the next what one
+            forward of one sample gives; given ones are checked against what the stage before says).
+        dtype: the autocast dtype of forwards (default: the profile's).
+        timer: a :class:`StepTimer` to record each op's span (``spans`` after a step).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        schedule: Union[str, Path, Schedule],
+        stage: Optional[int] = None,
+        *,
+        loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+        loss_reduction: str = "mean",
+        profile: Optional[Union[str, Path, Profile]] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        device: Optional[torch.device] = None,
+        input_specs: Optional[Sequence[TensorSpec]] = None,
+        output_specs: Optional[Sequence[TensorSpec]] = None,
+        dtype: Optional[str] = None,
+        timer: Optional[StepTimer] = None,
+    ):
+        self.schedule = schedule if isinstance(schedule, Schedule) else load_schedule(str(schedule))
+        self.profile = profile if isinstance(profile, Profile) else load_profile(str(profile or self.schedule.profile.path))
+        check_against_profile(self.schedule, self.profile)
+        self.group = group
+        S = len(self.schedule.stages)
+        self.stage = dist.get_rank(group) if stage is None else stage
+        if dist.get_world_size(group) != S:
+            raise UmoptError(f"the schedule has {S} stages but the process group has {dist.get_world_size(group)} ranks")
+        if not 0 <= self.stage < S:
+            raise UmoptError(f"stage {self.stage} of a {S}-stage schedule")
+        if loss_reduction not in ("mean", "sum"):
+            raise UmoptError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.first, self.last = self.stage == 0, self.stage == S - 1
+        if self.last and loss_fn is None:
+            raise UmoptError("the last stage needs loss_fn")
+        self.module, self.loss_fn, self.loss_reduction = module, loss_fn, loss_reduction
+        param = next(module.parameters(), None)
+        self.device = device or (param.device if param is not None else torch.device("cpu"))
+        self.dtype = dtype or self.profile.device.dtype
+        self.timer = timer
+        self.spans: list[tuple[str, int, int, Any, Any]] = []
+        order = link_order(self.profile, self.schedule)
+        self.ops: list[Op] = self.schedule.op_lists()[self.stage]
+        self.up, self.down = order.get((self.stage - 1, self.stage), []), order.get((self.stage, self.stage + 1), [])
+        self.peer_up = dist.get_global_rank(group, self.stage - 1) if group is not None and not self.first else self.stage - 1
+        self.peer_down = dist.get_global_rank(group, self.stage + 1) if group is not None and not self.last else self.stage + 1
+        self.input_specs: Optional[list[TensorSpec]] = list(input_specs) if input_specs is not None else None
+        self.output_specs: Optional[list[TensorSpec]] = list(output_specs) if output_specs is not None else None
+        self._ready = False
+        self._act: list[torch.Tensor] = []  # one buffer per received tensor, the whole minibatch
+        self._grad: list[torch.Tensor] = []  # one per sent tensor that carries a gradient back
+
+    # --- set-up, once ------------------------------------------------------------------------
+    def _learn_specs(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """The shapes at this stage's edges, agreed once along the pipeline: each stage tells the
+        next what it sends (given, or from one forward of one sample)."""
+        if self.first:
+            self.input_specs = [TensorSpec.of(t) for t in inputs]
+        else:
+            told: list = [None]
+            dist.recv_object_list(told, src=self.peer_up)
+            if self.input_specs is not None and list(self.input_specs) != list(told[0]):
+                raise UmoptError(f"stage {self.stage} expects {self.input_specs} but stage {self.stage - 1} sends {told[0]}")
+            self.input_specs = list(told[0])
+        if not self.last:
+            if self.output_specs is None:
+                sample = tuple(t[:1] for t in inputs) if self.first else tuple(spec.empty(1, self.device).zero_() for spec in self.input_specs)
+                with torch.no_grad(), autocast(self.device, self.dtype):
+                    out = self.module(*sample) if len(sample) > 1 else self.module(sample[0])
+                self.output_specs = [TensorSpec.of(t) for t in _as_tuple(out)]
+            dist.send_object_list([self.output_specs], dst=self.peer_down)
+        B = self.schedule.minibatch
+        self._act = [spec.empty(B, self.device) for spec in self.input_specs] if not self.first else []
+        self._grad = [spec.empty(B, self.device) for spec in self.output_specs if _grad_carrying(spec)] if not self.last else []
+        self._ready = True
+
+    def prepare(self, inputs: Optional[Tensors] = None) -> None:
+        """Agree on the boundary shapes now (stage 0 passes a batch of its inputs) rather than in
+        the first step, e.g. to keep that step's time clean. Every stage must call it, or none."""
+        if not self._ready:
+            self._learn_specs(_as_tuple(inputs))
+
+    # --- one iteration -----------------------------------------------------------------------
+    def step(self, inputs: Optional[Tensors] = None, *, targets: Optional[Tensors] = None) -> Optional[torch.Tensor]:
+        """Run one iteration's forwards and backwards on this stage; gradients accumulate in the
+        module's parameters (the optimizer step is yours). Returns the minibatch's loss on the
+        last stage (detached), None elsewhere."""
+        B, recompute = self.schedule.minibatch, self.schedule.recompute
+        xs, ys = _as_tuple(inputs), _as_tuple(targets)
+        if self.first and (not xs or any(t.shape[0] != B for t in xs)):
+            raise UmoptError(f"stage 0's step needs inputs of {B} samples (the schedule's minibatch)")
+        if self.last and (not ys or any(t.shape[0] != B for t in ys)):
+            raise UmoptError(f"the last stage's step needs targets of {B} samples")
+        if not self._ready:
+            self._learn_specs(xs)
+        links = _Links(self)
+        saved: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], Any]] = {}
+        loss_sum = torch.zeros((), device=self.device)
+        spans = []
+        mark = self.timer.mark if self.timer is not None else (lambda: None)
+
+        def chunk_input(lo: int, hi: int, grad: bool) -> tuple[torch.Tensor, ...]:
+            if self.first:
+                return tuple(t[lo:hi] for t in xs)
+            return tuple(
+                buf[lo:hi].detach().requires_grad_(grad and _grad_carrying(spec)) for buf, spec in zip(self._act, self.input_specs)
+            )
+
+        def forward(x: tuple[torch.Tensor, ...], lo: int, hi: int):
+            with autocast(self.device, self.dtype):
+                out = self.module(*x) if len(x) > 1 else self.module(x[0])
+                if not self.last:
+                    return out
+                y = tuple(t[lo:hi] for t in ys)
+                loss = self.loss_fn(out, y[0] if len(y) == 1 else y)
+                return loss * ((hi - lo) / B) if self.loss_reduction == "mean" else loss
+
+        links.advance()
+        for kind, lo, hi in self.ops:
+            if kind == "F":
+                links.wait_acts(lo, hi)
+                t0 = mark()
+                x = chunk_input(lo, hi, not recompute)
+                with torch.set_grad_enabled(not recompute):
+                    out = forward(x, lo, hi)
+                if self.last:
+                    loss_sum += out.detach().float()
+                if not recompute:
+                    saved[(lo, hi)] = (x, out)
+                if not self.last:
+                    links.send_acts(lo, hi, [t.detach() for t in _as_tuple(out)])
+            else:
+                links.wait_grads(lo, hi)
+                t0 = mark()
+                if recompute:
+                    x = chunk_input(lo, hi, True)
+                    out = forward(x, lo, hi)
+                else:
+                    x, out = saved.pop((lo, hi))
+                if self.last:
+                    out.backward()
+                else:
+                    outs = [t for t, spec in zip(_as_tuple(out), self.output_specs) if _grad_carrying(spec)]
+                    grads = [g[lo:hi] for g in self._grad]
+                    pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if not self.first:
+                    links.send_grads(lo, hi, [t.grad if t.grad is not None else torch.zeros_like(t) for t, spec in zip(x, self.input_specs) if _grad_carrying(spec)])
+            spans.append((kind, lo, hi, t0, mark()))
+            links.advance()
+        links.finish()
+        self.spans = spans
+        return loss_sum if self.last else None
+
+
+class _Links:
+    """The point-to-point messages of one stage for one iteration.
+
+    Both ends of a link issue its messages in the agreed order; a receive is posted as soon as
+    every earlier message of that order has been issued, a send when its data is ready. A message
+    of a tuple boundary is one transfer per tensor (gradients: per tensor that carries one).
+    """
+
+    def __init__(self, pipe: Pipeline):
+        self.p = pipe
+        self.pos = {"up": 0, "down": 0}
+        self.recv_act: dict[tuple[int, int], list] = {}
+        self.recv_grad: dict[tuple[int, int], list] = {}
+        self.pending_sends: list = []
+        self.ready: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+
+    def _issue(self, side: str) -> None:
+        p = self.p
+        seq = p.up if side == "up" else p.down
+        peer = p.peer_up if side == "up" else p.peer_down
+        while self.pos[side] < len(seq):
+            kind, lo, hi = seq[self.pos[side]]
+            base = self.pos[side] * 64  # tags: the message's place in the order, then the tensor
+            if (kind == "act") == (side == "up"):  # incoming
+                bufs = p._act if side == "up" else p._grad
+                works = [dist.irecv(buf[lo:hi], src=peer, tag=base + i) for i, buf in enumerate(bufs)]
+                (self.recv_act if side == "up" else self.recv_grad)[(lo, hi)] = works
+            else:
+                data = self.ready.pop((kind, lo, hi), None)
+                if data is None:
+                    return  # not computed yet: later messages of this link wait their turn
+                for i, t in enumerate(data):
+                    self.pending_sends.append((dist.isend(t, dst=peer, tag=base + i), t))
+            self.pos[side] += 1
+
+    def advance(self) -> None:
+        self._issue("up")
+        self._issue("down")
+
+    def send_acts(self, lo: int, hi: int, ts: list[torch.Tensor]) -> None:
+        self.ready[("act", lo, hi)] = [t.contiguous() for t in ts]
+        self._issue("down")
+
+    def send_grads(self, lo: int, hi: int, ts: list[torch.Tensor]) -> None:
+        self.ready[("grad", lo, hi)] = [t.contiguous() for t in ts]
+        self._issue("up")
+
+    @staticmethod
+    def _wait(works: dict, lo: int, hi: int) -> None:
+        for mlo, mhi in list(works):
+            if mlo < hi and lo < mhi:
+                for w in works.pop((mlo, mhi)):
+                    w.wait()
+
+    def wait_acts(self, lo: int, hi: int) -> None:
+        self.advance()
+        self._wait(self.recv_act, lo, hi)
+
+    def wait_grads(self, lo: int, hi: int) -> None:
+        self.advance()
+        self._wait(self.recv_grad, lo, hi)
+
+    def finish(self) -> None:
+        self.advance()
+        for works in (self.recv_act, self.recv_grad):
+            for ws in works.values():
+                for w in ws:
+                    w.wait()
+        for work, _data in self.pending_sends:
+            work.wait()
