@@ -72,3 +72,26 @@ def test_a_users_loop_trains_as_one_process(tmp_path, case, fsizes, order, recom
         assert g.keys() == w.keys()
         for k in w:
             torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_users_own_stages_profiled_solved_and_trained(tmp_path):
+    import umopt
+    from torch import nn
+
+    from umopt.formats.schedule import save_schedule as save
+    from umopt.solve import solve
+
+    x, y = pipeline_user.batch(0)
+    prof = umopt.profile_stages(pipeline_user.model("mlp"), (x, y), nn.MSELoss(), sizes=[1, 2, 4, 8], repeats=2, link_latency_ms=0.05, link_gbps=10)
+    assert prof.num_stages == 2 and prof.model.name == "user" and prof.sizes == [1, 2, 4, 8]
+    assert prof.stages[0].output_bytes_per_sample == prof.stages[1].input_bytes_per_sample == pipeline_user.D * 4
+    assert all(v > 0 for st in prof.stages for v in st.forward_ms + st.backward_ms)
+    assert prof.model_extra["meta"]["probes"]["ran"] is False
+    save_profile(prof, tmp_path / "profile.json")
+    report = solve(load_profile(tmp_path / "profile.json"), B, time_limit=1.0)
+    save(report.schedule, str(tmp_path / "schedule.json"))
+    got = _run(tmp_path, "mlp", str(tmp_path / "schedule.json"))
+    want = pipeline_user.reference("mlp", steps=3)
+    for g, w in zip(got, want):
+        for k in w:
+            torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)

@@ -1,13 +1,14 @@
 """umopt: unequal per-stage microbatch partitions for pipeline-parallel training.
 
-``umopt.Pipeline`` (:mod:`umopt.pipeline`) runs a schedule inside your own training loop; it is
-imported on first use, so that the commands that need no torch (``umopt solve``) start fast.
+``umopt.Pipeline`` (:mod:`umopt.pipeline`) runs a schedule inside your own training loop and
+``umopt.profile_stages`` (:mod:`umopt.profiler`) profiles your own stage modules; both are imported
+on first use, so that the commands that need no torch (``umopt solve``) start fast.
 """
 
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Pipeline", "__version__"]
+__all__ = ["Pipeline", "profile_stages", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,4 +16,8 @@ def __getattr__(name: str) -> Any:
         from .pipeline import Pipeline
 
         return Pipeline
+    if name == "profile_stages":
+        from .profiler import profile_stages
+
+        return profile_stages
     raise AttributeError(f"module 'umopt' has no attribute {name!r}")

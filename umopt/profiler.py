@@ -34,6 +34,7 @@ from .zoo import ModelParts, build_model
 
 __all__ = [
     "ProfileOptions",
+    "profile_stages",
     "check_profile_options",
     "balanced_split",
     "stash_bytes",
@@ -482,9 +483,72 @@ def profile_model(opts: ProfileOptions, progress: Optional[ProgressFn] = None, a
             torch.cuda.empty_cache()
 
 
-def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: Optional[list[str]]) -> Profile:
+def profile_stages(
+    stages: Sequence[nn.Module],
+    sample: tuple[torch.Tensor, torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    loss_reduction: str = "mean",
+    name: str = "user",
+    sizes: Optional[Sequence[int]] = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    threads: int = 1,
+    repeats: int = 5,
+    optimizer: str = "sgd",
+    link_latency_ms: Optional[float] = None,
+    link_gbps: Optional[float] = None,
+    memory_limit_bytes: Optional[int] = None,
+    progress: Optional[ProgressFn] = None,
+) -> Profile:
+    """Profile your own pipeline stages: the same profile file ``umopt profile`` writes, for
+    ``umopt solve`` and :class:`umopt.Pipeline`.
+
+    Args:
+        stages: one module per stage, in order; each takes the tensor the one before returns.
+        sample: ``(inputs, targets)``, a batch of at least the largest chunk size of samples;
+            chunks of each size are cut from it.
+        loss_fn: ``loss_fn(output, targets)`` of the last stage, reduced by ``loss_reduction``
+            (``"mean"``, torch's default, or ``"sum"``).
+        name: what the profile calls the model (``umopt run`` cannot rebuild it: run the schedule
+            with :class:`umopt.Pipeline`).
+        sizes: chunk sizes to measure (default: powers of two up to the sample's size, at most 64).
+        The other arguments are ``umopt profile``'s options of the same names.
+
+    The stages are timed one after another in this process; the links are measured (or given)
+    as by ``umopt profile``; no probe runs of the runtime follow (it cannot rebuild your modules).
+    """
+    if loss_reduction not in ("mean", "sum"):
+        raise UmoptError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    x_all, y_all = sample
+    n = x_all.shape[0]
+    if n < 1 or y_all.shape[0] != n:
+        raise UmoptError(f"the sample's inputs and targets must have the same number of samples, got {n} and {y_all.shape[0]}")
+    if sizes is not None and max(sizes) > n:
+        raise UmoptError(f"chunk size {max(sizes)} needs a sample of at least that many samples, got {n}")
+
+    def make_batch(b: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = (torch.arange(b) + seed * b) % n  # each seed another window of the sample
+        return x_all[idx], y_all[idx]
+
+    def summed(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # the profiler's losses are sums
+        return loss_fn(out, y) * (y.shape[0] if loss_reduction == "mean" else 1)
+
+    parts = ModelParts(list(stages), make_batch, summed)
+    opts = ProfileOptions(
+        model=name, split=list(range(len(parts.layers) + 1)), sizes=list(sizes) if sizes else None, max_size=min(64, n),
+        device=device, dtype=dtype, threads=threads, repeats=repeats, optimizer=optimizer, link_latency_ms=link_latency_ms,
+        link_gbps=link_gbps, memory_limit_bytes=memory_limit_bytes, concurrent=False,
+    )
+    prof = _profile_model(opts, progress, ["umopt.profile_stages"], parts=parts)
+    meta = dict(prof.model_extra.get("meta") or {})
+    meta["probes"] = {"ran": False, "why": "stages given as modules: the runtime cannot rebuild them (fit with umopt calibrate to your own runs' reports)"}
+    return Profile.model_validate({**prof.model_dump(mode="json"), "meta": meta})
+
+
+def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: Optional[list[str]], parts: Optional[ModelParts] = None) -> Profile:
     sizes, device = check_profile_options(opts)
-    parts = build_model(opts.model, opts.model_args, seed=opts.seed)
+    parts = parts or build_model(opts.model, opts.model_args, seed=opts.seed)
     L = len(parts.layers)
     prev_threads = torch.get_num_threads()
     if device.type == "cpu":
