@@ -397,8 +397,7 @@ def calibrate(profile_path, reports, output) -> None:
     """Scale PROFILE's op times to what runs measured (their --report files)."""
     from umopt.calibrate import calibrate as fit
     from umopt.calibrate import size_ratios
-    from umopt.fileio import read_json
-    from umopt.fileio import check_writable
+    from umopt.fileio import check_writable, read_json
     from umopt.formats.profile import load_profile, save_profile
 
     check_writable(output)
@@ -423,6 +422,22 @@ def calibrate(profile_path, reports, output) -> None:
 def _sizes(sizes: list[int]) -> str:
     text = " ".join(map(str, sizes))
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+@cli.command()
+@click.argument("schedule_path", metavar="SCHEDULE")
+@click.option("--format", "fmt", type=click.Choice(["torch-csv"]), default="torch-csv", show_default=True, help="torch-csv: torch.distributed.pipelining's action CSV (_PipelineScheduleRuntime._load_csv).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="File to write.")
+def export(schedule_path, fmt, output) -> None:
+    """Write SCHEDULE in another runtime's format (equal partitions only; the op order is kept)."""
+    from umopt.export import torch_csv
+    from umopt.fileio import check_writable, write_atomic
+    from umopt.formats.schedule import load_schedule
+
+    check_writable(output)
+    text = torch_csv(load_schedule(schedule_path))
+    write_atomic(output, lambda tmp: Path(tmp).write_text(text))
+    out.print(f"wrote {output}: {text.count(chr(10))} ranks, load it with _PipelineScheduleRuntime._load_csv")
 
 
 @cli.command("profiles")

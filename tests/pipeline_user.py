@@ -1,7 +1,8 @@
 """A user's own training script around ``umopt.Pipeline`` (run by tests/test_pipeline.py, one
 process per stage): the user's modules, loss, optimizer and loop; umopt only runs the schedule.
 
-    RANK=r WORLD_SIZE=2 python tests/pipeline_user.py CASE SCHEDULE STORE OUT STEPS
+    RANK=r python tests/pipeline_user.py CASE SCHEDULE STORE OUT STEPS
+    RANK=r python tests/pipeline_user.py torch PLAN.csv MICROBATCHES STORE OUT STEPS   (torch's runtime)
 """
 
 from __future__ import annotations
@@ -81,5 +82,28 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+
+
+def torch_main() -> None:
+    """The same loop on torch.distributed.pipelining's runtime, the schedule an exported CSV."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    plan, microbatches, store, out, steps = sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], int(sys.argv[6])
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    stage = model("mlp")[rank]
+    runtime = _PipelineScheduleRuntime([PipelineStage(stage, rank, 2, torch.device("cpu"))], n_microbatches=microbatches, loss_fn=nn.MSELoss())
+    runtime._load_csv(plan)
+    opt = torch.optim.AdamW(stage.parameters(), lr=0.01)
+    for step in range(steps):
+        x, y = batch(step)
+        runtime.step(x) if rank == 0 else runtime.step(target=y, losses=[])
+        opt.step()
+        opt.zero_grad()
+    torch.save(stage.state_dict(), os.path.join(out, f"stage{rank}.pt"))
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main()
+    torch_main() if sys.argv[1] == "torch" else main()

@@ -26,6 +26,7 @@ B = pipeline_user.B
 
 
 def _schedule(tmp_path: Path, fsizes, order: str, recompute: bool, warmup=None, bsizes=None) -> str:
+    tmp_path.mkdir(exist_ok=True)
     prof = synthetic_profile(2, max_size=8, seed=3)
     save_profile(prof, tmp_path / "profile.json")
     prof = load_profile(tmp_path / "profile.json")
@@ -38,12 +39,12 @@ def _schedule(tmp_path: Path, fsizes, order: str, recompute: bool, warmup=None, 
     return str(path)
 
 
-def _run(tmp_path: Path, case: str, schedule: str, steps: int = 3) -> list[dict]:
+def _run(tmp_path: Path, case: str, schedule: str, steps: int = 3, extra: tuple = ()) -> list[dict]:
     out = tmp_path / "out"
     out.mkdir()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "pipeline_user.py"), case, schedule, str(tmp_path / "store"), str(out), str(steps)],
+            [sys.executable, str(HERE / "pipeline_user.py"), case, schedule, *extra, str(tmp_path / "store"), str(out), str(steps)],
             env=dict(os.environ, RANK=str(r), OMP_NUM_THREADS="1"), stderr=subprocess.PIPE, text=True,
         )
         for r in range(2)
@@ -75,9 +76,9 @@ def test_a_users_loop_trains_as_one_process(tmp_path, case, fsizes, order, recom
 
 
 def test_a_users_own_stages_profiled_solved_and_trained(tmp_path):
-    import umopt
     from torch import nn
 
+    import umopt
     from umopt.formats.schedule import save_schedule as save
     from umopt.solve import solve
 
@@ -95,3 +96,27 @@ def test_a_users_own_stages_profiled_solved_and_trained(tmp_path):
     for g, w in zip(got, want):
         for k in w:
             torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)
+
+
+def test_an_exported_schedule_runs_on_torchs_runtime_as_one_process(tmp_path, capsys):
+    from conftest import run_cli
+
+    # equal chunks, umopt's own warm-ups (stage 0 runs three forwards first, torch's 1F1B one)
+    schedule = _schedule(tmp_path, [[4, 4, 4], [4, 4, 4]], "1f1b", False, warmup=[3, 0])
+    plan = tmp_path / "plan.csv"
+    code, _, err = run_cli(["export", schedule, "--format", "torch-csv", "-o", str(plan)], capsys)
+    assert code == 0, err
+    assert plan.read_text().splitlines() == ["0F0,0F1,0F2,0B0,0B1,0B2", "1F0,1B0,1F1,1B1,1F2,1B2"]
+    got = _run(tmp_path, "torch", str(plan), extra=("3",))
+    want = pipeline_user.reference("mlp", steps=3)
+    for g, w in zip(got, want):
+        for k in w:
+            torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)
+    for bad, why in (
+        (_schedule(tmp_path / "a", [[3, 5, 4], [3, 5, 4]], "gpipe", False), "torch splits the minibatch into equal microbatches"),
+        (_schedule(tmp_path / "b", [[4, 4, 4], [6, 6]], "gpipe", False), "stage 1 splits the minibatch as [6, 6]"),
+        (_schedule(tmp_path / "c", [[4, 4, 4], [4, 4, 4]], "gpipe", True), "cannot recompute"),
+    ):
+        code, _, err = run_cli(["export", bad, "-o", str(tmp_path / "x.csv")], capsys)
+        assert code == 2 and why in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "x.csv").exists()
