@@ -471,8 +471,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     except UmoptError as exc:
         err.print(f"umopt: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        err.print("umopt: aborted", markup=False)
+    except click.exceptions.Abort:  # click's name for a KeyboardInterrupt
+        err.print("umopt: interrupted", markup=False)
         sys.exit(130)
     except click.ClickException as exc:
         exc.show()
