@@ -103,7 +103,7 @@ def test_given_split_is_used(tmp_path):
         (["--model", "resnet9000", "--stages", "2"], "unknown model 'resnet9000'"),
         (["--model", "mlp", "--stages", "2", "--sizes", "2,4"], "--sizes must start at 1"),
         (["--model", "mlp", "--stages", "2", "--sizes", "1,4,2"], "--sizes must be strictly ascending"),
-        (["--model", "mlp", "--stages", "9"], "--stages 9: the model mlp has 4 layers"),
+        (["--model", "mlp", "--stages", "9"], "--stages 9: more stages than the model mlp has layers (4)"),
         (["--model", "mlp", "--stages", "2", "--device", "cuda"], "--device cuda asked for, but torch sees no CUDA device"),
         (["--model", "no_such_module:factory", "--stages", "2"], "cannot import it"),
         (["--model", "userzoo:broken", "--stages", "2"], "the factory must return (layers, make_batch, loss)"),
