@@ -229,3 +229,22 @@ def test_run_command_reports_and_refuses_bad_input(tmp_path, capsys):
         main(["run", str(tmp_path / "missing.json")])
     assert exc.value.code == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_two_data_parallel_replicas_of_the_pipeline_train_as_one_process_on_the_global_minibatch(tmp_path):
+    """PP=2 x DP=2, four processes: each replica runs its own unequal schedule on its half of the
+    global minibatch, each stage's gradients averaged over the replicas."""
+    profile = mlp_profile(tmp_path, 2)
+    path, _ = write_schedule(tmp_path, profile, "1f1b", False, 9)
+    launch([path, "--dp", "2", "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True)
+    got = {}
+    for s in range(2):
+        got.update(torch.load(tmp_path / "g" / f"grads_stage{s}.pt", weights_only=True))
+    parts = build_model("mlp", MLP, seed=0)
+    model = torch.nn.Sequential(*parts.layers)
+    x, y = parts.make_batch(2 * B, 0)
+    (parts.loss(model(x), y) / (2 * B)).backward()
+    want = {"layers." + n: p.grad for n, p in model.named_parameters()}
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)

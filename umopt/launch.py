@@ -65,6 +65,7 @@ class RunResult:
 def launch(argv: list[str], *, timeout_s: Optional[float] = None, quiet: bool = False) -> RunResult:
     cfg = preflight(argv)
     S = cfg.num_stages
+    world = S * cfg.args.dp  # dp replicas of the pipeline: rank r runs stage r % S of replica r // S
     with tempfile.TemporaryDirectory(prefix="umopt-run-") as tmp:
         argv = list(argv)
         template = cfg.args.report
@@ -78,27 +79,27 @@ def launch(argv: list[str], *, timeout_s: Optional[float] = None, quiet: bool = 
             UMOPT_STATUS_DIR=tmp,
             UMOPT_LAUNCHER_PID=str(os.getpid()),  # a rank that outlives it ends itself
             UMOPT_STORE=str(Path(tmp) / "store"),  # the rendezvous: a file, no port
-            WORLD_SIZE=str(S), LOCAL_WORLD_SIZE=str(S), GROUP_RANK="0",
+            WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
             GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"), NCCL_SOCKET_IFNAME=env.get("NCCL_SOCKET_IFNAME", "lo"),
         )
         env.setdefault("OMP_NUM_THREADS", str(threads))
         log = Path(tmp) / "ranks.log"
         with open(log, "w") as out:
-            codes, on_their_own = _supervise(S, argv, env, None if not quiet else out, out, timeout_s)
+            codes, on_their_own = _supervise(world, argv, env, None if not quiet else out, out, timeout_s)
         if any(c != 0 for c in codes.values()):
-            raise RunFailed(_root_cause(Path(tmp), S, codes, on_their_own, log))
+            raise RunFailed(_root_cause(Path(tmp), world, S, codes, on_their_own, log))
         reports = [json.loads(Path(p).read_text()) for p in paths]
         return RunResult(reports, paths if cfg.args.report else [""] * len(paths))
 
 
-def _supervise(S: int, argv: list[str], env: dict, stdout, stderr, timeout_s: Optional[float]) -> tuple[dict[int, int], set[int]]:
-    """Start the S ranks in a process group of their own and wait for them. Returns each rank's
+def _supervise(n: int, argv: list[str], env: dict, stdout, stderr, timeout_s: Optional[float]) -> tuple[dict[int, int], set[int]]:
+    """Start the n ranks in a process group of their own and wait for them. Returns each rank's
     exit status by rank, in the order they ended, and the ranks that ended on their own (before
     any was stopped). On the first bad exit, SIGINT or SIGTERM to this process or the timeout,
     the whole group is stopped before this returns (or raises)."""
     procs: list[subprocess.Popen] = []
     group = 0
-    for r in range(S):
+    for r in range(n):
         rank_env = dict(env, RANK=str(r), LOCAL_RANK=str(r))
         # rank 0 leads a new process group, the others join it: one killpg reaches every rank,
         # and a terminal's Ctrl-C reaches only this process, which then stops them all
@@ -114,7 +115,7 @@ def _supervise(S: int, argv: list[str], env: dict, stdout, stderr, timeout_s: Op
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     ended: dict[int, int] = {}
     try:
-        while len(ended) < S:
+        while len(ended) < n:
             for r, p in enumerate(procs):
                 if r not in ended and p.poll() is not None:
                     ended[r] = p.returncode
@@ -164,7 +165,7 @@ def _exit_words(code: int) -> str:
     return f"exit code {code}"
 
 
-def _root_cause(status_dir: Path, S: int, codes: dict[int, int], on_their_own: set[int], log: Path) -> str:
+def _root_cause(status_dir: Path, world: int, S: int, codes: dict[int, int], on_their_own: set[int], log: Path) -> str:
     """The rank that failed first, with its message.
 
     ``codes`` holds each rank's exit status in the order the ranks ended, ``on_their_own`` the
@@ -176,7 +177,7 @@ def _root_cause(status_dir: Path, S: int, codes: dict[int, int], on_their_own: s
     explain the failure.
     """
     statuses = {}
-    for r in range(S):
+    for r in range(world):
         f = status_dir / f"rank{r}"
         try:
             statuses[r] = json.loads(f.read_text()) if f.exists() else {"state": "never started", "time": 0.0, "message": ""}
@@ -191,13 +192,13 @@ def _root_cause(status_dir: Path, S: int, codes: dict[int, int], on_their_own: s
         lines = log.read_text().strip().splitlines()
         kept = Path(tempfile.gettempdir()) / f"umopt-ranks-{os.getpid()}-{int(time.time())}.log"
         kept.write_text("\n".join(lines) + "\n")
-        return f"rank {r} (stage {r}) ended without a word: {_exit_words(codes[r])} (log: {kept})"
+        return f"rank {r} (stage {r % S}) ended without a word: {_exit_words(codes[r])} (log: {kept})"
     if failed:
         _, r, message = failed[0]
-        return f"rank {r} (stage {r}) failed: {message}"
+        return f"rank {r} (stage {r % S}) failed: {message}"
     stopped = sorted((st["time"], r, st["message"]) for r, st in statuses.items() if st["state"] == "terminated")
     if stopped:
         _, r, why = stopped[0]
-        return f"the run was stopped from outside: rank {r} (stage {r}) first ({why})"
+        return f"the run was stopped from outside: rank {r} (stage {r % S}) first ({why})"
     bad = next(r for r, c in codes.items() if c != 0)
-    return f"rank {bad} (stage {bad}) ended with {_exit_words(codes[bad])}"
+    return f"rank {bad} (stage {bad % S}) ended with {_exit_words(codes[bad])}"

@@ -39,7 +39,10 @@ from .errors import UmoptError
 from .formats.profile import Profile, load_profile
 from .formats.schedule import Schedule, check_against_profile, load_schedule
 
-__all__ = ["Pipeline", "StepTimer", "link_order"]
+__all__ = ["Pipeline", "StepTimer", "link_order", "BUCKET_BYTES"]
+
+# gradients all-reduced together across data-parallel replicas, at most (torch DDP's default)
+BUCKET_BYTES = 25 << 20
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -121,6 +124,10 @@ class Pipeline:
             forward of one sample gives; given ones are checked against what the stage before says).
         dtype: the autocast dtype of forwards (default: the profile's).
         timer: a :class:`StepTimer` to record each op's span (``spans`` after a step).
+        dp_group: the ranks that run this same stage in the other data-parallel replicas of the
+            pipeline, each on its own slice of the global minibatch: at the end of each step the
+            stage's gradients are averaged over them (bucketed all-reduces), so that they are the
+            global minibatch's mean-loss gradients.
     """
 
     def __init__(
@@ -138,6 +145,7 @@ class Pipeline:
         output_specs: Optional[Sequence[TensorSpec]] = None,
         dtype: Optional[str] = None,
         timer: Optional[StepTimer] = None,
+        dp_group: Optional[dist.ProcessGroup] = None,
     ):
         self.schedule = schedule if isinstance(schedule, Schedule) else load_schedule(str(schedule))
         self.profile = profile if isinstance(profile, Profile) else load_profile(str(profile or self.schedule.profile.path))
@@ -159,6 +167,7 @@ class Pipeline:
         self.device = device or (param.device if param is not None else torch.device("cpu"))
         self.dtype = dtype or self.profile.device.dtype
         self.timer = timer
+        self.dp_group = dp_group
         self.spans: list[tuple[str, int, int, Any, Any]] = []
         order = link_order(self.profile, self.schedule)
         self.ops: list[Op] = self.schedule.op_lists()[self.stage]
@@ -271,8 +280,36 @@ class Pipeline:
             spans.append((kind, lo, hi, t0, mark()))
             links.advance()
         links.finish()
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            t0 = mark()
+            self._average_gradients()
+            spans.append(("AR", 0, 0, t0, mark()))
         self.spans = spans
         return loss_sum if self.last else None
+
+
+    def _average_gradients(self) -> None:
+        """Average this stage's gradients over its data-parallel replicas: flat buckets of about
+        :data:`BUCKET_BYTES`, all-reduced together, then divided and copied back."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        buckets: list[list[torch.Tensor]] = [[]]
+        size = 0
+        for g in grads:
+            if size and size + g.numel() * g.element_size() > BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(g)
+            size += g.numel() * g.element_size()
+        n = dist.get_world_size(self.dp_group)
+        flat = [torch.cat([g.reshape(-1) for g in b]) for b in buckets if b]
+        works = [dist.all_reduce(f, group=self.dp_group, async_op=True) for f in flat]
+        for w, f, b in zip(works, flat, [b for b in buckets if b]):
+            w.wait()
+            f /= n
+            offset = 0
+            for g in b:
+                g.copy_(f[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
 
 class _Links:

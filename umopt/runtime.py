@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on CUDA profiles, else gloo")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.01 for sgd, 1e-3 for adamw)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline, each on its own minibatch of the schedule's size")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default: the profile's)")
     p.add_argument("--data", default=None, help="package.module:fn, fn(step, minibatch) -> (inputs, targets)")
     each = "; with several schedules a path with {name} in it, the schedule file's name without .json"
@@ -118,6 +119,8 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
         raise UmoptError(
             f"profile {profile.path} splits {layers_needed} layers but model {profile.model.name} {profile.model.args} has {len(parts.layers)}"
         )
+    if args.dp < 1:
+        raise UmoptError(f"--dp must be at least 1, got {args.dp}")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise UmoptError("--steps and --rounds must be at least 1 and --warmup at least 0")
     if len(schedules) > 1:
@@ -144,8 +147,8 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
     if args.data:
         _data_function(args.data)
     backend = args.backend or ("nccl" if profile.device.type == "cuda" else "gloo")
-    if backend == "nccl" and torch.cuda.device_count() < S and "LOCAL_WORLD_SIZE" not in os.environ:
-        raise UmoptError(f"--backend nccl needs one GPU per stage: {S} stages, {torch.cuda.device_count()} GPUs here")
+    if backend == "nccl" and torch.cuda.device_count() < S * args.dp and "LOCAL_WORLD_SIZE" not in os.environ:
+        raise UmoptError(f"--backend nccl needs one GPU per stage and replica: {S} stages x {args.dp}, {torch.cuda.device_count()} GPUs here")
     args.backend = backend
     return cfg
 
@@ -242,10 +245,15 @@ def build_stage(profile: Profile, s: int, device: torch.device) -> StageSetup:
 def run_rank(cfg: RunConfig, device: torch.device) -> None:
     args = cfg.args
     rank, world = dist.get_rank(), dist.get_world_size()
-    S = cfg.num_stages
-    if world != S:
-        raise UmoptError(f"the schedule has {S} stages but {world} processes were started")
-    s = rank
+    S, dp = cfg.num_stages, args.dp
+    if world != S * dp:
+        raise UmoptError(f"the schedule has {S} stages x --dp {dp} replicas but {world} processes were started")
+    replica, s = divmod(rank, S)  # rank r: stage r % S of replica r // S
+    pipe_group = dp_group = None
+    if dp > 1:  # every rank creates every group, in one order
+        pipes = [dist.new_group([k * S + j for j in range(S)]) for k in range(dp)]
+        stage_groups = [dist.new_group([k * S + j for k in range(dp)]) for j in range(S)]
+        pipe_group, dp_group = pipes[replica], stage_groups[s]
     first_stage, last_stage = s == 0, s == S - 1
     if device.type == "cpu":
         torch.set_num_threads(args.threads or int(cfg.profile.device.model_extra.get("threads", 1)))
@@ -277,7 +285,7 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
         B = sched.minibatch
         pipe = Pipeline(
             stage, sched, s, loss_fn=lambda out, y, B=B: setup.loss(out, y) / B, loss_reduction="sum", profile=cfg.profile,
-            device=device, input_specs=[setup.input], output_specs=[setup.output], timer=timing,
+            device=device, input_specs=[setup.input], output_specs=[setup.output], timer=timing, group=pipe_group, dp_group=dp_group,
         )
         pipe.prepare()  # the boundary shapes agreed now, not inside the first timed step
         plays.append(_Play(pipe, op_ms=[[] for _ in pipe.ops]))
@@ -291,14 +299,15 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
                 B = play.schedule.minibatch
                 inputs = targets = None
                 if first_stage or last_stage:  # the stages between never touch the data
-                    x, y = data_fn(it, B)
+                    x, y = data_fn(it, B * dp)  # the global minibatch: this replica's slice of it
+                    x, y = x[replica * B : (replica + 1) * B], y[replica * B : (replica + 1) * B]
                     inputs = to_device(x, device) if first_stage else None
                     targets = to_device(y, device) if last_stage else None
                 _barrier(device)
                 timing.start()
                 loss_sum = play.pipe.step(inputs, targets=targets)
                 spans = list(play.pipe.spans)
-                if args.save_grads and it == last:
+                if args.save_grads and it == last and replica == 0:  # the replicas' gradients are equal
                     Path(args.save_grads).mkdir(parents=True, exist_ok=True)
                     grads = {k: p.grad.detach().cpu() for k, p in stage.named_parameters() if p.grad is not None}
                     _save_atomic(grads, Path(args.save_grads) / f"grads_stage{s}.pt")
@@ -327,8 +336,8 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
         gathered: list = [None] * world
         medians = [[kind, lo, hi, statistics.median(d)] for (kind, lo, hi), d in zip(play.ops, play.op_ms)]
         dist.all_gather_object(gathered, {"spans": play.spans_last, "losses": play.losses, "op_ms": medians})
-        if rank == 0:
-            _report(cfg, k, play.step_ms, gathered)
+        if rank == 0:  # replica 0's stages (the others ran the same ops on their own samples)
+            _report(cfg, k, play.step_ms, gathered[:S])
 
 
 def _save_atomic(obj, path: Path) -> None:
@@ -344,17 +353,21 @@ def _save_atomic(obj, path: Path) -> None:
 
 def _checkpoint(cfg: RunConfig, s: int, stage: torch.nn.Module, opt: torch.optim.Optimizer, step: int, run_id: str) -> None:
     """This stage's part of the checkpoint set of ``step`` (:mod:`umopt.checkpoint`): its file,
-    then, once every stage has written its own, the manifest (rank 0), then the old files go."""
+    then, once every stage has written its own, the manifest (rank 0), then the old files go.
+    Replica 0 writes (with --dp the replicas' states are equal)."""
     folder = Path(cfg.args.checkpoint)
     name = stage_file(s, step, run_id)
-    _save_atomic({"model": stage.state_dict(), "optimizer": opt.state_dict(), "step": step}, folder / name)
+    writes = dist.get_rank() < cfg.num_stages
+    if writes:
+        _save_atomic({"model": stage.state_dict(), "optimizer": opt.state_dict(), "step": step}, folder / name)
     hashes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hashes, file_sha256(folder / name))  # returns once every stage has written
-    if s == 0:
+    dist.all_gather_object(hashes, file_sha256(folder / name) if writes else None)  # returns once every stage has written
+    if dist.get_rank() == 0:
         schedules = [{"path": str(p), "sha256": hashlib.sha256(Path(p).read_bytes()).hexdigest()} for p in cfg.args.schedule]
-        write_manifest(folder, step, run_id, cfg.profile, cfg.args.optimizer, hashes, schedules)
+        write_manifest(folder, step, run_id, cfg.profile, cfg.args.optimizer, hashes[: cfg.num_stages], schedules)
     _barrier(next(stage.parameters()).device)
-    remove_stale(folder, s, name)
+    if writes:
+        remove_stale(folder, s, name)
 
 
 def _resume(cfg: RunConfig, s: int, stage: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device) -> int:
@@ -396,6 +409,7 @@ def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list) -> Non
         "profile": cfg.profile.path,
         "backend": args.backend,
         "stages": cfg.num_stages,
+        "dp": args.dp,
         "minibatch": schedule.minibatch,
         "recompute": schedule.recompute,
         "steps": len(step_ms),  # measured, over all rounds
