@@ -5,10 +5,16 @@ profile, an impossible request) raises :class:`UmoptError` with a single line th
 problem. The CLI prints that line and exits with code 2; every other exception is a bug.
 """
 
-__all__ = ["UmoptError"]
+__all__ = ["UmoptError", "first_line"]
 
 
 class UmoptError(Exception):
     """A problem with the user's input, described in one line."""
 
     exit_code = 2
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message (at most ``limit`` characters), or ""."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else ""

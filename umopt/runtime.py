@@ -46,7 +46,7 @@ from .checkpoint import (
 )
 from .costmodel import CostTables, Span, Timeline, simulate
 from .devices import TensorSpec, boundary_tensors, rank_device, to_device
-from .errors import UmoptError
+from .errors import UmoptError, first_line
 from .fileio import check_writable, write_atomic, write_json
 from .formats.profile import Profile, load_profile
 from .formats.schedule import Schedule, check_against_profile, load_schedule
@@ -347,7 +347,7 @@ def _save_atomic(obj, path: Path) -> None:
         # torch.save reports a full disk as "unexpected pos 128 vs 0": say what failed, and how
         # much room there was
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
-        first = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else exc.__class__.__name__
+        first = first_line(exc, 120) or exc.__class__.__name__
         raise OSError(f"cannot write {path} ({free / 2**20:.0f} MiB free there; disk full or a file size limit?): {first}") from None
 
 
@@ -380,7 +380,7 @@ def _resume(cfg: RunConfig, s: int, stage: torch.nn.Module, opt: torch.optim.Opt
         stage.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
     except Exception as exc:  # noqa: BLE001 - whatever the file holds, it is not this stage's state
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        first = first_line(exc)
         raise UmoptError(f"--resume: {path} is not stage {s}'s state ({exc.__class__.__name__}: {first})") from None
     return man.step
 
@@ -523,7 +523,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         finally:
             dist.destroy_process_group()
     except BaseException as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        first = first_line(exc, 1000)
         status("failed", f"{exc.__class__.__name__}: {first}" if first else exc.__class__.__name__)
         if not isinstance(exc, (UmoptError, KeyboardInterrupt)):
             traceback.print_exc()

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .errors import UmoptError
+from .errors import UmoptError, first_line
 
 __all__ = ["import_object", "ModelParts", "MODELS", "build_model", "parse_model_args"]
 
@@ -185,12 +185,7 @@ def import_object(spec: str, what: str) -> Any:
     try:
         return getattr(importlib.import_module(mod_name), attr)
     except Exception as exc:  # noqa: BLE001 - the user's module may raise anything while importing
-        raise UmoptError(f"{what} {spec}: cannot import it ({exc.__class__.__name__}: {_first_line(exc)})") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else ""
+        raise UmoptError(f"{what} {spec}: cannot import it ({exc.__class__.__name__}: {first_line(exc)})") from None
 
 
 def build_model(name: str, args: dict[str, Any] | None = None, seed: int = 0) -> ModelParts:
@@ -216,7 +211,7 @@ def build_model(name: str, args: dict[str, Any] | None = None, seed: int = 0) ->
     try:
         parts = factory(**args)
     except Exception as exc:  # noqa: BLE001 - the user's factory may raise anything
-        raise UmoptError(f"model {name}{args or ''}: the factory raised {exc.__class__.__name__}: {_first_line(exc)}") from None
+        raise UmoptError(f"model {name}{args or ''}: the factory raised {exc.__class__.__name__}: {first_line(exc)}") from None
     if isinstance(parts, tuple) and len(parts) == 3:
         parts = ModelParts(list(parts[0]), parts[1], parts[2])
     if not isinstance(parts, ModelParts) or not parts.layers or not all(isinstance(m, nn.Module) for m in parts.layers):
