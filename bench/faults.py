@@ -57,21 +57,27 @@ def _setup(folder: Path) -> tuple[str, object]:
     return str(folder / "s.json"), prof
 
 
+def _detached() -> None:
+    """In the child before exec: a new sid (its pid), and SIGINT's default action."""
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(argv: list[str], temp: Path, env: dict | None = None) -> subprocess.Popen:
     full = dict(os.environ, TMPDIR=str(temp), **(env or {}))
     return subprocess.Popen(
         [sys.executable, "-m", "umopt.cli", *argv], env=full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=_detached,
     )
 
 
-def _session(sid: int) -> list[int]:
+def _processes_of(sid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True).stdout.split()
     return [int(p) for p in out]
 
 
 def _rank_pid(sid: int, rank: int) -> int:
-    for pid in _session(sid):
+    for pid in _processes_of(sid):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -98,7 +104,7 @@ def _wait_for_step(ck: Path, step: int, proc: subprocess.Popen, timeout: float =
 
 def _gone(sid: int) -> float:
     t0 = time.monotonic()
-    while _session(sid) and time.monotonic() - t0 < 60:
+    while _processes_of(sid) and time.monotonic() - t0 < 60:
         time.sleep(0.02)
     return time.monotonic() - t0
 

@@ -113,26 +113,33 @@ def test_a_killed_rank_is_the_one_named(tmp_path, monkeypatch, k):
         launch([path, "--steps", "4", "--warmup", "0"], quiet=True)
 
 
+def _detached() -> None:
+    """In the child before exec: a new sid (its pid), and SIGINT's default action."""
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(argv: list[str], tmp_path: Path) -> subprocess.Popen:
-    """``umopt ...`` in a session of its own, with Ctrl-C's default (a shell's background job
-    would ignore SIGINT), temp files in ``tmp_path``."""
+    """``umopt ...`` detached (setsid: it and every process it starts share its pid as their
+    sid), with Ctrl-C's default (a shell's background job would ignore SIGINT), temp files in
+    ``tmp_path``."""
     env = dict(os.environ, TMPDIR=str(tmp_path))
     return subprocess.Popen(
         [sys.executable, "-m", "umopt.cli", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=_detached,
     )
 
 
-def _session(sid: int) -> list[str]:
+def _processes_of(sid: int) -> list[str]:
     out = subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True).stdout.split()
     return [p for p in out if int(p) != os.getpid()]
 
 
 def _gone_within(sid: int, seconds: float) -> float:
     t0 = time.monotonic()
-    while _session(sid) and time.monotonic() - t0 < seconds + 10:
+    while _processes_of(sid) and time.monotonic() - t0 < seconds + 10:
         time.sleep(0.05)
-    assert not _session(sid), f"left running: {_session(sid)}"
+    assert not _processes_of(sid), f"left running: {_processes_of(sid)}"
     return time.monotonic() - t0
 
 

@@ -194,6 +194,8 @@ class Pipeline:
             self.input_specs = list(told[0])
         if not self.last:
             if self.output_specs is None:
+                if self.first and not inputs:
+                    raise UmoptError("stage 0 learns what it sends from one forward: pass its inputs to prepare() or step()")
                 sample = tuple(t[:1] for t in inputs) if self.first else tuple(spec.empty(1, self.device).zero_() for spec in self.input_specs)
                 with torch.no_grad(), autocast(self.device, self.dtype):
                     out = self.module(*sample) if len(sample) > 1 else self.module(sample[0])
