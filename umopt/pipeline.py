@@ -26,6 +26,7 @@ one forward of one sample on the stage before; they are never exchanged per step
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -73,17 +74,14 @@ class StepTimer:
             self.t0 = torch.cuda.Event(enable_timing=True)
             self.t0.record()
         else:
-            import time
-
-            self._clock = time.perf_counter
-            self.t0 = self._clock()
+            self.t0 = time.perf_counter()
 
     def mark(self):
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
             return e
-        return self._clock()
+        return time.perf_counter()
 
     def ms(self, mark) -> float:
         return self.t0.elapsed_time(mark) if self.cuda else (mark - self.t0) * 1e3
