@@ -62,14 +62,17 @@ def _ms(x: Optional[float]) -> str:
 @click.option("--time-limit", type=float, default=20.0, show_default=True, help="Seconds of search.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed (the search is timed: the same seed gives the same result for the same amount of work, not always on a busier machine).")
 @click.option("--memory-limit", type=int, default=None, help="Bytes per stage; overrides the profile's limit.")
+@click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel replicas of the pipeline: each stage all-reduces its gradients among them after its last op.")
+@click.option("--dp-gbps", type=float, default=None, help="Bus bandwidth of that all-reduce, Gbit/s (default: what `umopt profile --dp N` measured).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Schedule file to write.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Gantt chart PNG: best equal GPipe above, this schedule below.")
 @click.option("--trace", type=click.Path(dir_okay=False), default=None, help="Chrome-trace JSON of the predicted timelines (Perfetto).")
-def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, memory_limit, output, plot, trace) -> None:
+def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, memory_limit, dp, dp_gbps, output, plot, trace) -> None:
     """Search unequal per-stage partitions for PROFILE (a path or a bundled profile's name)."""
     from umopt.fileio import check_writable
     from umopt.formats.profile import load_profile
     from umopt.formats.schedule import save_schedule
+    from umopt.solve import allreduce_for
     from umopt.solve import solve as run_solve
 
     for path in filter(None, (output, plot, trace)):
@@ -79,13 +82,14 @@ def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, m
         if memory_limit <= 0:
             raise UmoptError(f"--memory-limit must be positive, got {memory_limit}")
         profile = profile.with_memory_limit(memory_limit)
+    allreduce = allreduce_for(profile, dp, dp_gbps)
     with _progress_bar(f"solve ({solver})") as bar:
         task = bar.add_task("", total=1.0)
 
         def progress(frac: float, best: float) -> None:
             bar.update(task, completed=frac, description=f"best {best:.3f} ms" if math.isfinite(best) else "searching")
 
-        report = run_solve(profile, minibatch, recompute=recompute, solver=solver, time_limit=time_limit, seed=seed, progress=progress, order=order)
+        report = run_solve(profile, minibatch, recompute=recompute, solver=solver, time_limit=time_limit, seed=seed, progress=progress, order=order, dp=allreduce)
     panels = [(f"best equal GPipe (M={report.gpipe.microbatches})", report.gpipe_timeline)] if report.gpipe_timeline else []
     panels.append((f"umopt ({solver})", report.timeline))
     if plot:
@@ -107,7 +111,11 @@ def _print_report(report) -> None:
     from umopt.bounds import Scope, bound_for, scope_of
 
     tl = report.timeline
-    table = Table(title=f"minibatch {report.schedule.minibatch}, {len(tl.spans)} stages" + (", recompute" if report.schedule.recompute else ""))
+    dp = report.schedule.dp
+    table = Table(
+        title=f"minibatch {report.schedule.minibatch}, {len(tl.spans)} stages" + (", recompute" if report.schedule.recompute else "")
+        + (f", x{dp.replicas} data-parallel (all-reduce {min(tl.allreduce_ms):.2f}-{max(tl.allreduce_ms):.2f} ms per stage)" if dp else "")
+    )
     table.add_column("schedule", no_wrap=True)
     for col in ("chunks", "ms", "x gpipe", "x 1f1b", "gap", "bubble"):
         table.add_column(col, justify="right", no_wrap=True)
@@ -189,9 +197,10 @@ def _int_list(value: Optional[str], what: str) -> Optional[list[int]]:
 @click.option("--concurrent/--sequential", default=None, help="Time all stages at once, one process each, as they run (default on CPU when the cores suffice).")
 @click.option("--probes/--no-probes", default=True, show_default=True, help="End with probe runs of the real runtime and fit the profile to them (where there is a core or GPU per stage).")
 @click.option("--probe-minibatch", type=int, default=32, show_default=True, help="Minibatch of the probe runs.")
+@click.option("--dp", type=int, default=1, show_default=True, help="Also measure the gradient all-reduce among this many data-parallel replicas (processes; GPUs 0..N-1 on CUDA).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Profile file to write.")
 def profile(model, model_args, stages, split, sizes, max_size, device, dtype, threads, warmup, repeats, optimizer,
-            link_latency_ms, link_gbps, memory_limit, trace_dir, seed, concurrent, probes, probe_minibatch, output) -> None:
+            link_latency_ms, link_gbps, memory_limit, trace_dir, seed, concurrent, probes, probe_minibatch, dp, output) -> None:
     """Measure each stage's forward/backward time per chunk size, its memory and the links."""
     _require_torch()
     from umopt.fileio import check_writable
@@ -202,6 +211,8 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
 
     if max_size < 1:
         raise UmoptError(f"--max-size must be at least 1, got {max_size}")
+    if dp < 1:
+        raise UmoptError(f"--dp must be at least 1, got {dp}")
     if probe_minibatch < 2:
         raise UmoptError(f"--probe-minibatch must be at least 2, got {probe_minibatch}")
     check_writable(output)
@@ -209,7 +220,7 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
         model=model, model_args=parse_model_args(list(model_args)), stages=stages, split=_int_list(split, "--split"),
         sizes=_int_list(sizes, "--sizes"), max_size=max_size, device=device, dtype=dtype, threads=threads,
         warmup=warmup, repeats=repeats, optimizer=optimizer, link_latency_ms=link_latency_ms, link_gbps=link_gbps,
-        memory_limit_bytes=memory_limit, trace_dir=trace_dir, seed=seed, concurrent=concurrent,
+        memory_limit_bytes=memory_limit, trace_dir=trace_dir, seed=seed, concurrent=concurrent, dp=dp,
     )
     with _progress_bar("profile") as bar:
         task = bar.add_task("", total=None)
@@ -236,6 +247,9 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
     if prof.links:
         ln = prof.links[0]
         out.print(f"links: {ln.latency_ms:.3f} ms + {8 * ln.bytes_per_ms / 1e6:.2f} Gbit/s ({ln.model_extra.get('source', '')})")
+    if prof.allreduce:
+        ar = prof.allreduce
+        out.print(f"all-reduce among {ar.replicas}: {ar.latency_ms:.3f} ms + {8 * ar.bus_bytes_per_ms / 1e6:.2f} Gbit/s bus bandwidth (measured)")
     meta = prof.model_extra.get("meta") or {}
     probed = meta.get("probes", {})
     if probed.get("ran"):
@@ -277,6 +291,9 @@ def run(argv) -> None:
         table.add_column(col, justify="right")
     table.add_row("predicted", f"{r['predicted_iteration_ms']:.2f}", " ".join(f"{x:.1f}" for x in r["busy_ms"]["predicted"]))
     table.add_row("measured (median)", f"{r['measured_iteration_ms']:.2f}", " ".join(f"{x:.1f}" for x in r["busy_ms"]["measured"]))
+    if "allreduce_ms" in r:
+        ar = r["allreduce_ms"]
+        table.add_row("all-reduce pred / meas", "", " ".join(f"{p:.1f}/{m:.1f}" for p, m in zip(ar["predicted"], ar["measured"])))
     out.print(table)
     out.print(f"measured / predicted = {r['measured_over_predicted']:.3f}; losses per step: " + " ".join(f"{x:.4f}" for x in r["losses"]))
 

@@ -39,6 +39,22 @@ def test_solve_bundled_profile_by_name_writes_a_consistent_schedule(tmp_path, ca
     assert code == 0 and "iteration" in stdout
 
 
+def test_solve_for_data_parallel_replicas_records_and_predicts_their_allreduce(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    code, _, err = run(["solve", "gpt-sim", "-B", "16", "--dp", "2", "--time-limit", "1", "-o", str(out)], capsys)
+    assert code == 2 and "no all-reduce speed" in err and "--dp-gbps" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+    code, stdout, _ = run(["solve", "gpt-sim", "-B", "16", "--dp", "4", "--dp-gbps", "8", "--time-limit", "1", "-o", str(out), "--plot", str(tmp_path / "s.png")], capsys)
+    assert code == 0 and "x4 data-parallel" in stdout
+    sched = load_schedule(str(out))
+    prof = load_profile("gpt-sim")
+    assert sched.dp.replicas == 4 and sched.dp.bus_bytes_per_ms == 1e6
+    tl = simulate(CostTables.from_profile(prof, False, sched.dp), sched.op_lists(), 16)
+    assert sched.predicted.iteration_ms == tl.iteration_ms > simulate(CostTables.from_profile(prof), sched.op_lists(), 16).iteration_ms
+    code, stdout, _ = run(["show", str(out)], capsys)
+    assert code == 0 and f"iteration {tl.iteration_ms:.3f} ms (file says {tl.iteration_ms:.3f})" in stdout
+
+
 @pytest.mark.parametrize("command", [[shutil.which("umopt") or "umopt"], [sys.executable, "-m", "umopt.cli"]])
 def test_console_entry_points_run_and_fail_cleanly(command, tmp_path):
     out = tmp_path / "s.json"

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from umopt.costmodel import CostTables, simulate
+from umopt.formats.profile import AllReduceProfile
 from umopt.partition import ends_to_sizes, gpipe_ops, onef1b_schedule, repair_ends, sizes_to_ends
 from umopt.synthetic import synthetic_profile
 from umopt.population_sim import evaluate_1f1b, evaluate_gpipe
@@ -27,13 +28,15 @@ def _random_population(rng, P, S, B, mx, density):
     latency=st.floats(0.0, 2.0),
     bandwidth=st.floats(1e3, 1e7),
     overhead=st.sampled_from([0.0, 0.0, 0.37]),
+    replicas=st.sampled_from([1, 1, 2, 8]),
     seed=st.integers(0, 2**31),
 )
-def test_vectorized_equals_reference(S, B, mx, recompute, density, latency, bandwidth, overhead, seed):
+def test_vectorized_equals_reference(S, B, mx, recompute, density, latency, bandwidth, overhead, replicas, seed):
     rng = np.random.default_rng(seed)
     # the runtime's own costs per op and per message (fitted to runs) count as the ops' and messages'
-    prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=latency, bytes_per_ms=bandwidth, op_overhead_ms=overhead, message_overhead_ms=overhead / 2)
-    tables = CostTables.from_profile(prof, recompute)
+    prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=latency, bytes_per_ms=bandwidth, op_overhead_ms=overhead, message_overhead_ms=overhead / 2,
+                             param_bytes=list(rng.integers(0, 1 << 24, S)))
+    tables = CostTables.from_profile(prof, recompute, _allreduce(replicas, rng))
     P = 6  # 60 examples x 6 individuals = 360 random schedules
     fe = _random_population(rng, P, S, B, mx, density)
     be = _random_population(rng, P, S, B, mx, rng.random()) if recompute else fe
@@ -59,13 +62,15 @@ def test_vectorized_equals_reference(S, B, mx, recompute, density, latency, band
     bandwidth=st.floats(1e3, 1e7),
     own_backward=st.booleans(),
     overhead=st.sampled_from([0.0, 0.0, 0.37]),
+    replicas=st.sampled_from([1, 1, 2, 8]),
     seed=st.integers(0, 2**31),
 )
-def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth, own_backward, overhead, seed):
+def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth, own_backward, overhead, replicas, seed):
     rng = np.random.default_rng(seed)
-    prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=latency, bytes_per_ms=bandwidth, op_overhead_ms=overhead, message_overhead_ms=overhead / 2)
+    prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=latency, bytes_per_ms=bandwidth, op_overhead_ms=overhead, message_overhead_ms=overhead / 2,
+                             param_bytes=list(rng.integers(0, 1 << 24, S)))
     # with recompute a stage's B chunks are free: then half the time a second partition of its own
-    tables = CostTables.from_profile(prof, recompute=own_backward or seed % 3 == 0)
+    tables = CostTables.from_profile(prof, own_backward or seed % 3 == 0, _allreduce(replicas, rng))
     fs = ends_to_sizes(_random_population(rng, 6, S, B, mx, density))
     bs = ends_to_sizes(_random_population(rng, 6, S, B, mx, rng.random())) if own_backward else fs
     # PipeDream-flush's warm-ups for the first half, random per-stage ones (up to all forwards first) for the rest
@@ -80,6 +85,13 @@ def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth,
         np.testing.assert_allclose(score.finish_ms[p], ref.finish_ms, atol=1e-9, rtol=0)
         np.testing.assert_allclose(score.busy_ms[p], ref.busy_ms, atol=1e-9, rtol=0)
         assert list(score.peak_memory_bytes[p].astype(np.int64)) == ref.peak_memory_bytes
+
+
+def _allreduce(replicas: int, rng) -> AllReduceProfile | None:
+    """Data-parallel replicas whose all-reduce takes a random share of an iteration (None: one)."""
+    if replicas == 1:
+        return None
+    return AllReduceProfile(replicas=replicas, latency_ms=float(rng.uniform(0, 1)), bus_bytes_per_ms=float(rng.uniform(1e5, 1e7)))
 
 
 def _assert_same_in_numpy(score, evaluate, *args):

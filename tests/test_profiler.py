@@ -9,7 +9,7 @@ from torch import nn
 
 from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile
-from umopt.profiler import ProfileOptions, _Stage, balanced_split, measure_link, profile_model, stash_bytes
+from umopt.profiler import ProfileOptions, _Stage, balanced_split, measure_allreduce, measure_link, profile_model, stash_bytes
 from umopt.zoo import build_model
 
 from conftest import run_cli as run
@@ -30,6 +30,10 @@ def test_small_mlp_profile_is_complete_and_sane(tmp_path, capsys):
     # what stage 0 sends is what stage 1 receives: a 256-wide float32 activation
     assert prof.stages[0].output_bytes_per_sample == prof.stages[1].input_bytes_per_sample == 256 * 4
     assert prof.stages[0].input_bytes_per_sample == 64 * 4
+    # the gradients data-parallel replicas would all-reduce: the stage's parameters
+    mlp = build_model("mlp", {"layers": 4}, seed=0)
+    for st in prof.stages:
+        assert st.param_bytes == sum(p.numel() * 4 for m in mlp.layers[st.layers[0] : st.layers[1]] for p in m.parameters())
     assert prof.links[0].latency_ms == 0.05 and prof.links[0].bytes_per_ms == pytest.approx(10e9 / 8 / 1e3)
     meta = prof.model_extra["meta"]
     assert meta["torch"] == torch.__version__ and "umopt profile" in meta["command"] and meta["date"]
@@ -129,3 +133,9 @@ def test_link_ping_pong_over_gloo():
     latency, bytes_per_ms = measure_link("gloo", max_bytes=1 << 20, reps=5)
     assert 0 <= latency < 50
     assert bytes_per_ms > 1e4  # at least 10 MB/s between two local processes
+
+
+def test_allreduce_among_gloo_processes():
+    latency, bus = measure_allreduce("gloo", 2, max_bytes=1 << 20, reps=3)
+    assert 0 <= latency < 50
+    assert bus > 1e4  # at least 10 MB/s between two local processes

@@ -12,6 +12,7 @@ import torch
 
 from umopt.costmodel import CostTables
 from umopt.errors import UmoptError
+from umopt.noise import run_warnings
 from umopt.launch import RunFailed
 from umopt.launch import launch
 from umopt.problem import Candidate
@@ -236,7 +237,10 @@ def test_two_data_parallel_replicas_of_the_pipeline_train_as_one_process_on_the_
     global minibatch, each stage's gradients averaged over the replicas."""
     profile = mlp_profile(tmp_path, 2)
     path, _ = write_schedule(tmp_path, profile, "1f1b", False, 9)
-    launch([path, "--dp", "2", "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True)
+    report = launch([path, "--dp", "2", "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True).report
+    # the schedule was solved for one pipeline and the profile knows no all-reduce speed: said so
+    assert report["dp"] == 2 and report["allreduce"] is None and len(report["allreduce_ms"]["measured"]) == 2
+    assert any("leaves out their all-reduce" in w for w in run_warnings(report))
     got = {}
     for s in range(2):
         got.update(torch.load(tmp_path / "g" / f"grads_stage{s}.pt", weights_only=True))

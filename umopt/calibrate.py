@@ -45,7 +45,7 @@ from pydantic import (
 )
 
 from .errors import UmoptError
-from .formats.profile import Profile, pydantic_error_line
+from .formats.profile import AllReduceProfile, Profile, pydantic_error_line
 from .limits import MAX_MINIBATCH, MAX_MS
 from .noise import monotone_fit
 
@@ -61,6 +61,9 @@ class _RunReport(BaseModel):
     model_config = ConfigDict(extra="allow")
     measured_iteration_ms: Annotated[StrictFloat | StrictInt, Field(gt=0, le=MAX_MS, allow_inf_nan=False)]
     recompute: StrictBool = False
+    allreduce: Optional[AllReduceProfile] = None
+    # per stage, with data-parallel replicas: its all-reduce's measured and predicted ms
+    allreduce_ms: Optional[dict[Literal["measured", "predicted"], list[Annotated[StrictFloat | StrictInt, _Ms]]]] = None
     minibatch: Optional[Annotated[StrictInt, Field(ge=1, le=MAX_MINIBATCH)]] = None
     # per stage: [kind, lo, hi, measured ms, predicted ms]
     ops: list[list[tuple[Literal["F", "B"], StrictInt, StrictInt, Annotated[StrictFloat | StrictInt, _Ms], Annotated[StrictFloat | StrictInt, _Ms]]]]
@@ -91,6 +94,35 @@ def _check_report(rep, name: str, profile: Profile) -> None:
             expected = float((tables.fwd if kind == "F" else tables.bwd)[s, b])
             if abs(predicted - expected) > 1e-6 * max(1.0, expected):
                 raise UmoptError(f"{name}: was not measured against this profile (stage {s} {kind}({lo},{hi}) predicted {predicted:.4f} ms, the profile says {expected:.4f})")
+
+
+def _allreduce(rep: dict, profile: Profile) -> Optional[AllReduceProfile]:
+    """The all-reduce of a run of data-parallel replicas (None: one pipeline): the profile's, fitted,
+    where it has one, else what the run was predicted with; for the run's replicas."""
+    if not rep.get("allreduce"):
+        return None
+    ran = AllReduceProfile.model_validate(rep["allreduce"])
+    return (profile.allreduce or ran).model_copy(update={"replicas": ran.replicas})
+
+
+def fit_allreduce(profile: Profile, reports: list[dict]) -> Optional[AllReduceProfile]:
+    """The profile's all-reduce with its latency fitted to the runs of data-parallel replicas
+    (the median over stages and runs of measured minus bandwidth term: what the replicas'
+    skew and the machine add to every all-reduce); None where no report ran replicas."""
+    from .costmodel import allreduce_ms
+
+    extra = []
+    base = None
+    for rep in reports:
+        ar = _allreduce(rep, profile)
+        if ar is None or not rep.get("allreduce_ms"):
+            continue
+        base = base or ar
+        bandwidth_only = ar.model_copy(update={"latency_ms": 0.0})
+        extra += [m - allreduce_ms(bandwidth_only, st.param_bytes or 0) for m, st in zip(rep["allreduce_ms"]["measured"], profile.stages)]
+    if base is None:
+        return None
+    return base.model_copy(update={"latency_ms": max(0.0, float(np.median(extra)))})
 
 
 def size_ratios(reports: list[dict], num_stages: int) -> dict[tuple[int, str], dict[int, float]]:
@@ -136,6 +168,9 @@ def calibrate(profile: Profile, reports: list[dict], names: list[str]) -> Profil
             update[key] = monotone_fit(scaled, weights)
         stages.append(st.model_copy(update=update))
     scaled = profile.model_copy(update={"stages": stages})
+    allreduce = fit_allreduce(scaled, reports)
+    if allreduce is not None:
+        scaled = scaled.model_copy(update={"allreduce": allreduce})
     fit = fit_overheads(scaled, reports)
     fitted = fit.apply(scaled)
     meta = dict(getattr(profile, "meta", None) or {})
@@ -146,6 +181,7 @@ def calibrate(profile: Profile, reports: list[dict], names: list[str]) -> Profil
         "message_overhead_ms": round(fit.message_ms, 5),
         "step_overhead_ms": round(fit.step_ms, 4),
         "residual_rms": round(fit.residual_rms, 5),
+        **({"allreduce_latency_ms": round(allreduce.latency_ms, 4)} if allreduce is not None else {}),
     }
     return fitted.model_copy(update={"meta": meta})
 
@@ -187,13 +223,13 @@ def fit_overheads(profile: Profile, reports: list[dict]) -> Overheads:
 
     if not reports:
         return Overheads(0.0, 0.0, 0.0, 0.0)
-    runs = [(_report_ops(rep), float(rep["measured_iteration_ms"]), bool(rep.get("recompute"))) for rep in reports]
+    runs = [(_report_ops(rep), float(rep["measured_iteration_ms"]), (bool(rep.get("recompute")), _allreduce(rep, profile))) for rep in reports]
     measured = np.array([m for _, m, _ in runs])
     weight = 1.0 / measured**2
 
     def predict(op_ms: float, message_ms: float) -> np.ndarray:
         p = Overheads(op_ms, message_ms, 0.0, 0.0).apply(profile)
-        return np.array([simulate(CostTables.from_profile(p, rc), ops, B, record=False).iteration_ms for (ops, B), _, rc in runs])
+        return np.array([simulate(CostTables.from_profile(p, *rc), ops, B, record=False).iteration_ms for (ops, B), _, rc in runs])
 
     def step_and_error(op_ms: float, message_ms: float) -> tuple[float, float]:
         res = measured - predict(op_ms, message_ms)

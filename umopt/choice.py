@@ -17,6 +17,8 @@ schedule is taken as predicted.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -55,8 +57,9 @@ def complexity(problem: Problem, cand: Candidate) -> int:
     return sum(len(st) for st in ops) + len(tl.messages)
 
 
-def _perturbed_tables(profile: Profile, recompute: bool, rng: np.random.Generator) -> Optional[list[CostTables]]:
-    """Tables of profiles whose entries are moved by their spread (None: the profile has none)."""
+def _perturbed_tables(profile: Profile, problem: Problem, rng: np.random.Generator) -> Optional[list[CostTables]]:
+    """Tables of profiles whose entries are moved by their spread (None: the profile has none);
+    the all-reduces are the problem's."""
     if not any(st.forward_iqr_ms for st in profile.stages):
         return None
     scale = 1.2533 / np.sqrt(MIN_REPEATS) / 1.349  # interquartile range -> the median's standard deviation
@@ -70,7 +73,8 @@ def _perturbed_tables(profile: Profile, recompute: bool, rng: np.random.Generato
                     v = np.asarray(getattr(st, key))
                     update[key] = list(np.maximum(0.0, v + rng.standard_normal(v.size) * np.asarray(iqr) * scale))
             stages.append(st.model_copy(update=update))
-        out.append(CostTables.from_profile(profile.model_copy(update={"stages": stages}), recompute))
+        tables = CostTables.from_profile(profile.model_copy(update={"stages": stages}), problem.recompute)
+        out.append(dataclasses.replace(tables, allreduce_ms=problem.tables.allreduce_ms))
     return out
 
 
@@ -78,7 +82,7 @@ def gain_uncertainty(profile: Profile, problem: Problem, best: Candidate, refere
     """One standard deviation of the relative gain of ``best`` over ``reference``: the profile's
     spread propagated, and the residual of its fit to probe runs."""
     var = 0.0
-    tables = _perturbed_tables(profile, problem.recompute, np.random.default_rng(seed))
+    tables = _perturbed_tables(profile, problem, np.random.default_rng(seed))
     if tables is not None:
         ob, orf = best.ops(), reference.ops()
         gains = [simulate(t, orf, problem.minibatch, record=False).iteration_ms / simulate(t, ob, problem.minibatch, record=False).iteration_ms for t in tables]

@@ -20,9 +20,9 @@ import numpy as np
 from .errors import UmoptError
 from .limits import MAX_MS
 if TYPE_CHECKING:  # (the formats import the cost model to check schedules)
-    from .formats.profile import Profile
+    from .formats.profile import AllReduceProfile, Profile
 
-__all__ = ["Op", "CostTables", "Span", "Message", "Timeline", "simulate", "stage_peak_memory"]
+__all__ = ["Op", "CostTables", "Span", "Message", "Timeline", "simulate", "stage_peak_memory", "allreduce_ms"]
 
 class Op(NamedTuple):
     """One op of a stage: the forward (``kind`` "F") or backward ("B") of samples ``[lo, hi)``.
@@ -46,6 +46,8 @@ class CostTables:
     ``fwd[s, b]`` and ``bwd[s, b]`` are the durations of an F and a B op of ``b`` samples on stage
     ``s``; with ``recompute`` a B op re-runs the forward, so ``bwd`` already includes it.
     ``link[s, b]`` is the time of a ``b``-sample message over link ``s`` (either direction).
+    ``allreduce_ms[s]`` is the all-reduce of stage ``s``'s gradients among its data-parallel
+    replicas, after its last op (zeros for one pipeline).
     """
 
     fwd: np.ndarray
@@ -57,6 +59,7 @@ class CostTables:
     stash_bytes: np.ndarray
     input_bytes: np.ndarray
     memory_limit: int | None
+    allreduce_ms: np.ndarray
 
     @property
     def num_stages(self) -> int:
@@ -67,7 +70,9 @@ class CostTables:
         return self.fwd.shape[1] - 1
 
     @classmethod
-    def from_profile(cls, profile: Profile, recompute: bool = False) -> "CostTables":
+    def from_profile(cls, profile: Profile, recompute: bool = False, dp: AllReduceProfile | None = None) -> "CostTables":
+        """The tables of ``profile``; with ``dp`` (replicas and their all-reduce speed), each stage's
+        gradient all-reduce among them."""
         sizes = np.asarray(profile.sizes, dtype=float)
         b = np.arange(profile.max_size + 1, dtype=float)
         # an op costs its compute and the runtime's own cost per op; a message its transfer and
@@ -99,7 +104,30 @@ class CostTables:
             stash_bytes=np.array([st.stash_bytes_per_sample for st in profile.stages], dtype=np.int64),
             input_bytes=np.array([st.input_bytes_per_sample for st in profile.stages], dtype=np.int64),
             memory_limit=profile.memory_limit_bytes,
+            allreduce_ms=_allreduce_per_stage(profile, dp),
         )
+
+
+def allreduce_ms(dp: AllReduceProfile, nbytes: float) -> float:
+    """One all-reduce of ``nbytes`` among ``dp.replicas`` replicas (a ring: every byte crosses
+    2 (N - 1) / N times the bus bandwidth); 0 for one replica."""
+    n = dp.replicas
+    return 0.0 if n <= 1 else dp.latency_ms + 2 * (n - 1) / n * nbytes / dp.bus_bytes_per_ms
+
+
+def _allreduce_per_stage(profile: Profile, dp: AllReduceProfile | None) -> np.ndarray:
+    S = profile.num_stages
+    if dp is None or dp.replicas <= 1:
+        out = np.zeros(S)
+    else:
+        missing = [s for s, st in enumerate(profile.stages) if st.param_bytes is None]
+        if missing:
+            raise UmoptError(f"stage {missing[0]} of the profile has no param_bytes: its gradient all-reduce cannot be predicted (profile again)")
+        out = np.array([allreduce_ms(dp, st.param_bytes) for st in profile.stages])
+        if not out.max() <= MAX_MS:
+            raise UmoptError(f"an all-reduce would take {out.max():.3g} ms, over umopt's limit of {MAX_MS:.0e} ms")
+    out.setflags(write=False)
+    return out
 
 
 @dataclass(frozen=True)
@@ -135,11 +163,12 @@ class Timeline:
     spans: list[list[Span]] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
     finish_ms: list[float] = field(default_factory=list)  # end of each stage's last op
+    allreduce_ms: list[float] = field(default_factory=list)  # each stage's gradient all-reduce after it
 
     @property
     def makespan_ms(self) -> float:
-        """End of the last op, without the optimizer step."""
-        return max(self.finish_ms)
+        """End of the last op or all-reduce, without the optimizer step."""
+        return max(f + a for f, a in zip(self.finish_ms, self.allreduce_ms or [0.0] * len(self.finish_ms)))
 
     @property
     def bubble_fraction(self) -> float:
@@ -239,11 +268,13 @@ def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int, *,
         s = stuck[0]
         kind, lo, hi = ops[s][ptr[s]]
         raise UmoptError(f"schedule deadlocks: stage {s} waits forever at {kind}({lo},{hi})")
+    ar = [float(a) for a in tables.allreduce_ms]
     return Timeline(
-        iteration_ms=max(clock) + tables.optimizer_ms,
+        iteration_ms=max(c + a for c, a in zip(clock, ar)) + tables.optimizer_ms,
         busy_ms=busy,
         peak_memory_bytes=[stage_peak_memory(tables, s, ops[s]) for s in range(S)] if record else [],
         spans=spans,
         messages=messages,
         finish_ms=clock,
+        allreduce_ms=ar,
     )

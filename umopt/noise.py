@@ -131,6 +131,11 @@ def run_warnings(report: dict) -> list[str]:
     do), and steps too scattered to trust."""
     out = []
     name = report.get("schedule", "the schedule")
+    if int(report.get("dp") or 1) > 1 and not report.get("allreduce"):
+        out.append(
+            f"{name} ran with {report['dp']} data-parallel replicas but its prediction leaves out their all-reduce (no speed known): "
+            f"solve with --dp {report['dp']} (and --dp-gbps, or a profile made with --dp {report['dp']})"
+        )
     ratio = float(report["measured_over_predicted"])
     if abs(ratio - 1) > OFF_PREDICTION:
         out.append(

@@ -279,18 +279,23 @@ class Pipeline:
                     links.send_grads(lo, hi, [t.grad if t.grad is not None else torch.zeros_like(t) for t, spec in zip(x, self.input_specs) if _grad_carrying(spec)])
             spans.append((kind, lo, hi, t0, mark()))
             links.advance()
-        links.finish()
-        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+        # the all-reduce starts as the last op ends, beside the last messages (the cost model's
+        # iteration: each stage's last op, then its all-reduce)
+        averaging = self.dp_group is not None and dist.get_world_size(self.dp_group) > 1
+        if averaging:
             t0 = mark()
-            self._average_gradients()
+            finish_average = self._average_gradients()
+        links.finish()
+        if averaging:
+            finish_average()
             spans.append(("AR", 0, 0, t0, mark()))
         self.spans = spans
         return loss_sum if self.last else None
 
-
-    def _average_gradients(self) -> None:
-        """Average this stage's gradients over its data-parallel replicas: flat buckets of about
-        :data:`BUCKET_BYTES`, all-reduced together, then divided and copied back."""
+    def _average_gradients(self) -> Callable[[], None]:
+        """Start averaging this stage's gradients over its data-parallel replicas: flat buckets of
+        about :data:`BUCKET_BYTES`, all-reduced together; the function returned waits for them,
+        divides and copies back."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         buckets: list[list[torch.Tensor]] = [[]]
         size = 0
@@ -303,13 +308,17 @@ class Pipeline:
         n = dist.get_world_size(self.dp_group)
         flat = [torch.cat([g.reshape(-1) for g in b]) for b in buckets if b]
         works = [dist.all_reduce(f, group=self.dp_group, async_op=True) for f in flat]
-        for w, f, b in zip(works, flat, [b for b in buckets if b]):
-            w.wait()
-            f /= n
-            offset = 0
-            for g in b:
-                g.copy_(f[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+
+        def finish() -> None:
+            for w, f, b in zip(works, flat, [b for b in buckets if b]):
+                w.wait()
+                f /= n
+                offset = 0
+                for g in b:
+                    g.copy_(f[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
+        return finish
 
 
 class _Links:

@@ -16,6 +16,7 @@ from .fileio import write_atomic
 __all__ = ["gantt"]
 
 COLOURS = {"F": "#4C72B0", "B": "#DD8452"}
+ALLREDUCE = "#55A868"
 
 
 def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: str = "") -> None:
@@ -36,6 +37,10 @@ def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: st
                 ax.barh(s, width, left=sp.start, height=0.8, color=COLOURS[sp.kind], edgecolor="white", linewidth=0.4)
                 if width > horizon / 60:
                     ax.text(sp.start + width / 2, s, str(sp.hi - sp.lo), ha="center", va="center", fontsize=6, color="white")
+        # each stage's gradient all-reduce among data-parallel replicas, after its last op
+        for s, (f, a) in enumerate(zip(tl.finish_ms, tl.allreduce_ms)):
+            if a > 0:
+                ax.barh(s, a, left=f, height=0.8, color=ALLREDUCE, edgecolor="white", linewidth=0.4)
         # the optimizer step closes the iteration on every stage
         ax.barh(range(len(tl.spans)), tl.iteration_ms - tl.makespan_ms, left=tl.makespan_ms, height=0.8, color="#BBBBBB")
         ax.set_yticks(range(len(tl.spans)), [f"stage {s}" for s in range(len(tl.spans))])
@@ -46,6 +51,8 @@ def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: st
     axes[-1, 0].set_xlabel("time (ms)")
     # above the first panel, right of its title: inside the axes it hid the first stage's ops
     handles = [Patch(color=COLOURS["F"], label="forward"), Patch(color=COLOURS["B"], label="backward"), Patch(color="#BBBBBB", label="optimizer")]
+    if any(any(a > 0 for a in tl.allreduce_ms) for _, tl in panels):
+        handles.insert(2, Patch(color=ALLREDUCE, label="all-reduce"))
     axes[0, 0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=7, frameon=False, borderaxespad=0.2)
     if title:
         fig.suptitle(title, fontsize=10)

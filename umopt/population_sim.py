@@ -121,7 +121,7 @@ def evaluate_gpipe(tables: CostTables, fsizes: np.ndarray, bsizes: np.ndarray | 
     B = int(fsizes[0, 0].sum())
     if _compiled is not None:
         it, finish, busy, peak = _compiled.evaluate_gpipe(*_one_width(fsizes, bsizes), _compiled_costs(tables, B))
-        return PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
+        return _with_allreduce(tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak))
     idx = np.int32 if B * P < 2**31 else np.int64
     cols = np.arange(P, dtype=idx)
     # Chunk-major layout (S, K, P): every scan step is then one contiguous row of the population.
@@ -172,9 +172,9 @@ def evaluate_gpipe(tables: CostTables, fsizes: np.ndarray, bsizes: np.ndarray | 
             arrive = _scan(end + part.pad, link[s - 1][part.sizes], 0.0, reverse=True)
         peak[s] = _gpipe_peak(tables, s, fparts[s].sizes, part.sizes)
 
-    return PopulationScore(
+    return _with_allreduce(tables, PopulationScore(
         iteration_ms=finish.max(axis=0) + tables.optimizer_ms, finish_ms=finish.T, busy_ms=busy.T, peak_memory_bytes=peak.T
-    )
+    ))
 
 
 def _one_width(fsizes: np.ndarray, bsizes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -241,7 +241,7 @@ def evaluate_1f1b(
     if _compiled is not None:
         wu = np.broadcast_to(S - 1 - np.arange(S), (P, S)) if warmup is None else np.asarray(warmup)
         it, finish, busy, peak = _compiled.evaluate_1f1b(fsizes, bsizes, wu, _compiled_costs(tables, B))
-        return PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
+        return _with_allreduce(tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak))
     idx = np.int32 if (2 * S + 4) * K * P < 2**31 else np.int64
     cols = np.arange(P, dtype=idx)
     parts = [_Partition(np.ascontiguousarray(fsizes[:, s].T, dtype=idx), B, cols) for s in range(S)]
@@ -342,7 +342,17 @@ def evaluate_1f1b(
     finish = clock
     busy = np.array([tables.fwd[s][parts[s].sizes].sum(axis=0) + tables.bwd[s][bparts[s].sizes].sum(axis=0) for s in range(S)])
     it = np.where(settled, finish.max(axis=0) + tables.optimizer_ms, np.inf)
-    return PopulationScore(iteration_ms=it, finish_ms=finish.T, busy_ms=busy.T, peak_memory_bytes=peak.T)
+    return _with_allreduce(tables, PopulationScore(iteration_ms=it, finish_ms=finish.T, busy_ms=busy.T, peak_memory_bytes=peak.T))
+
+
+def _with_allreduce(tables: CostTables, score: PopulationScore) -> PopulationScore:
+    """``score`` with each stage's gradient all-reduce after its last op (data-parallel replicas):
+    the iteration ends at the latest stage's end plus its all-reduce, then the optimizer step."""
+    if not tables.allreduce_ms.any():
+        return score
+    ends = (score.finish_ms + tables.allreduce_ms).max(axis=1) + tables.optimizer_ms
+    score.iteration_ms = np.where(np.isfinite(score.iteration_ms), ends, np.inf)
+    return score
 
 
 def _play(plans: list, known: np.ndarray, P: int, Q: int, S: int) -> tuple[np.ndarray, np.ndarray]:

@@ -33,18 +33,20 @@ PROBE_MINIBATCH = 32
 
 
 def why_no_probes(profile: Profile) -> Optional[str]:
-    """Why probes cannot run here (None: they can): the runtime wants a core, or a GPU, per stage."""
-    S = profile.num_stages
+    """Why probes cannot run here (None: they can): the runtime wants a core, or a GPU, per stage
+    (and data-parallel replica, where the profile measured their all-reduce)."""
+    dp = profile.allreduce.replicas if profile.allreduce else 1
+    S = profile.num_stages * dp
     if profile.device.type == "sim":
         return "the profile is synthetic"
     if profile.device.type == "cuda":
         import torch
 
         gpus = torch.cuda.device_count()
-        return None if gpus >= S else f"{S} stages need a GPU each, {gpus} here: the fit to the runtime is left out"
+        return None if gpus >= S else f"{S} ranks need a GPU each, {gpus} here: the fit to the runtime is left out"
     threads = int(profile.device.model_extra.get("threads", 1))
     cores = os.cpu_count() or 1
-    return None if S * threads <= cores else f"{S} stages x {threads} threads need {S * threads} cores, {cores} here: the fit to the runtime is left out"
+    return None if S * threads <= cores else f"{S} ranks x {threads} threads need {S * threads} cores, {cores} here: the fit to the runtime is left out"
 
 
 def probe_runs(profile: Profile, minibatch: int, out: Path, *, steps: int = 3, warmup: int = 1, rounds: int = 2, sizes=PROBE_SIZES) -> list[str]:
@@ -54,7 +56,9 @@ def probe_runs(profile: Profile, minibatch: int, out: Path, *, steps: int = 3, w
     from .costmodel import CostTables
 
     out.mkdir(parents=True, exist_ok=True)
-    problem = Problem(CostTables.from_profile(profile), minibatch)
+    # with the profile's replicas (umopt profile --dp), as the runs of its schedules will be
+    dp = profile.allreduce
+    problem = Problem(CostTables.from_profile(profile, False, dp), minibatch)
     names = []
     for b in sizes:
         chunk_sizes = [b] * (minibatch // b) + ([minibatch % b] if minibatch % b else [])
@@ -64,7 +68,7 @@ def probe_runs(profile: Profile, minibatch: int, out: Path, *, steps: int = 3, w
             cand = Candidate.uniform(chunk_sizes, profile.num_stages, order)
             name = f"probe_{order}_b{b}"
             solver = {"name": name, "status": "feasible", "seconds": 0.0}
-            save_schedule(make_schedule(profile, minibatch, False, cand.ops(), cand.simulate(problem), solver, {}), str(out / f"{name}.json"))
+            save_schedule(make_schedule(profile, minibatch, False, cand.ops(), cand.simulate(problem), solver, {}, dp), str(out / f"{name}.json"))
             names.append(name)
     if not names:
         return []

@@ -39,6 +39,7 @@ __all__ = [
     "balanced_split",
     "stash_bytes",
     "measure_link",
+    "measure_allreduce",
     "pingpong_sizes",
     "link_plan",
     "profile_model",
@@ -72,6 +73,7 @@ class ProfileOptions:
     trace_dir: Optional[str] = None
     seed: int = 0
     concurrent: Optional[bool] = None  # time all stages at once, one process each (default: on CPU)
+    dp: int = 1  # data-parallel replicas to measure the gradient all-reduce among (1: not measured)
 
 
 # --- stage splitting ---------------------------------------------------------------------------
@@ -322,6 +324,73 @@ def measure_link(backend: str = "gloo", max_bytes: int = 1 << 24, reps: int = 20
     latency = float(t[0])
     bpm = float((x[-1] - x[0]) / max(t[-1] - t[0], 1e-6))
     return latency, bpm
+
+
+# all-reduces timed together per repeat in measure_allreduce
+_BACK_TO_BACK = 4
+
+
+def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], reps: int, out_path: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    cuda = backend == "nccl"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    extra = {}
+    if cuda:
+        torch.cuda.set_device(device)
+        extra["device_id"] = device
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **extra)
+    results = []
+    for nbytes in sizes:
+        buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        times = []
+        for i in range(reps + 2):
+            dist.barrier(device_ids=[rank]) if cuda else dist.barrier()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            # back to back, the collectives pace each other: the ranks' skew out of the barrier
+            # is paid once, not per all-reduce
+            for _ in range(_BACK_TO_BACK):
+                dist.all_reduce(buf)
+            if cuda:
+                torch.cuda.synchronize()
+            if i >= 2:
+                times.append((time.perf_counter() - t0) * 1e3 / _BACK_TO_BACK)
+        results.append((buf.numel() * 4, statistics.median(times)))
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def measure_allreduce(backend: str, replicas: int, max_bytes: int = 1 << 24, reps: int = 10) -> tuple[float, float]:
+    """All-reduces among ``replicas`` processes (under NCCL on GPUs 0..replicas-1): the latency
+    (the smallest one's time) and the bus bandwidth from the largest, as
+    :func:`umopt.costmodel.allreduce_ms` takes them: time = latency + 2 (N - 1) / N * bytes / bus.
+
+    Returns ``(latency_ms, bus_bytes_per_ms)``.
+    """
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    if backend == "nccl" and torch.cuda.device_count() < replicas:
+        raise UmoptError(f"--dp {replicas}: measuring the all-reduce needs a GPU per replica, {torch.cuda.device_count()} here")
+    sizes = pingpong_sizes(backend, max_bytes)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "allreduce.json")
+        mp.start_processes(_allreduce_worker, args=(replicas, _free_port(), backend, sizes, reps, out), nprocs=replicas, start_method="spawn")
+        with open(out) as f:
+            results = json.load(f)
+    x = np.array([r[0] for r in results], dtype=float)
+    t = np.array([r[1] for r in results], dtype=float)
+    latency = float(t[0])
+    bus = 2 * (replicas - 1) / replicas * (x[-1] - x[0]) / max(t[-1] - t[0], 1e-6)
+    return latency, float(bus)
 
 
 def link_plan(num_stages: int, device_type: str, gpus: int) -> list[tuple[int, int]]:
@@ -623,6 +692,7 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
                 "output_bytes_per_sample": int(out_bytes),
                 "stash_bytes_per_sample": int(max(stash, 0)),
                 "static_bytes": int(nparam * (2 + nstate)),
+                "param_bytes": int(sum(p.numel() * p.element_size() for p in stage.parameters() if p.requires_grad)),
                 "optimizer_ms": opt_ms,
             }
             if device.type == "cuda":
@@ -653,6 +723,12 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
                 {"latency_ms": measured[pair][0], "bytes_per_ms": measured[pair][1], "source": "measured", **({"devices": list(pair)} if backend == "nccl" else {})}
                 for pair in plan
             ]
+        allreduce = None
+        if opts.dp > 1:
+            if progress:
+                progress(done, total, f"all-reduce among {opts.dp} processes")
+            biggest = max(st["param_bytes"] for st in stages)
+            allreduce = measure_allreduce("nccl" if device.type == "cuda" else "gloo", opts.dp, max_bytes=max(biggest, 1 << 16))
         median_spread, p90_spread = noise_figure([e.median for e in entries], [e.iqr for e in entries])
         noisy = noisy_warning("profile entries", median_spread)
         if noisy:
@@ -672,6 +748,7 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
         "stages": stages,
         "links": links,
         "memory_limit_bytes": memory_limit,
+        **({"allreduce": {"replicas": opts.dp, "latency_ms": allreduce[0], "bus_bytes_per_ms": allreduce[1]}} if allreduce else {}),
         "split": cuts,
         "layer_ms": layer_ms,
         "meta": {

@@ -48,7 +48,7 @@ from .costmodel import CostTables, Span, Timeline, simulate
 from .devices import TensorSpec, boundary_tensors, rank_device, to_device
 from .errors import UmoptError, first_line
 from .fileio import check_writable, write_atomic, write_json
-from .formats.profile import Profile, load_profile
+from .formats.profile import AllReduceProfile, Profile, load_profile
 from .formats.schedule import Schedule, check_against_profile, load_schedule
 from .pipeline import Pipeline, StepTimer
 from .zoo import ModelParts, build_model, import_object
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on CUDA profiles, else gloo")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.01 for sgd, 1e-3 for adamw)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline, each on its own minibatch of the schedule's size")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas of the pipeline, each on its own minibatch of the schedule's size (default: the schedule's, else 1)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default: the profile's)")
     p.add_argument("--data", default=None, help="package.module:fn, fn(step, minibatch) -> (inputs, targets)")
     each = "; with several schedules a path with {name} in it, the schedule file's name without .json"
@@ -119,6 +119,11 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
         raise UmoptError(
             f"profile {profile.path} splits {layers_needed} layers but model {profile.model.name} {profile.model.args} has {len(parts.layers)}"
         )
+    if args.dp is None:  # the replicas the schedules were solved for
+        solved_for = {sc.dp.replicas if sc.dp else 1 for sc in schedules}
+        if len(solved_for) > 1:
+            raise UmoptError(f"the schedules were solved for {' and '.join(map(str, sorted(solved_for)))} data-parallel replicas: give --dp")
+        args.dp = solved_for.pop()
     if args.dp < 1:
         raise UmoptError(f"--dp must be at least 1, got {args.dp}")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
@@ -394,14 +399,25 @@ def _measured_timeline(per_rank: list) -> Timeline:
         busy.append(sum(sp.end - sp.start for sp in mine))
     end = max((t1 for rec in per_rank for k, lo, hi, t0, t1 in rec["spans"]), default=0.0)
     finish = [sp[-1].end if sp else 0.0 for sp in spans]
-    return Timeline(iteration_ms=end, busy_ms=busy, peak_memory_bytes=[], spans=spans, finish_ms=finish)
+    # the all-reduce span (data-parallel replicas) runs from the stage's last op to its end
+    ar = [max([t1 for k, lo, hi, t0, t1 in rec["spans"] if k == "AR"], default=f) - f for rec, f in zip(per_rank, finish)]
+    return Timeline(iteration_ms=end, busy_ms=busy, peak_memory_bytes=[], spans=spans, finish_ms=finish, allreduce_ms=ar)
+
+
+def run_allreduce(cfg: RunConfig, schedule: Schedule) -> Optional[AllReduceProfile]:
+    """The all-reduce the prediction of ``schedule`` includes with ``--dp`` replicas: at the speed
+    the schedule was solved with, else the one its profile measured (None: one pipeline, or no
+    speed known, which the report says)."""
+    speed = schedule.dp or cfg.profile.allreduce
+    return None if cfg.args.dp <= 1 or speed is None else speed.model_copy(update={"replicas": cfg.args.dp})
 
 
 def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list) -> None:
     args, schedule = cfg.args, cfg.schedules[k]
     measured = statistics.median(step_ms)
     tl = _measured_timeline(per_rank)
-    tables = CostTables.from_profile(cfg.profile, schedule.recompute)
+    allreduce = run_allreduce(cfg, schedule)
+    tables = CostTables.from_profile(cfg.profile, schedule.recompute, allreduce)
     pred_tl = simulate(tables, schedule.op_lists(), schedule.minibatch)
     predicted = pred_tl.iteration_ms  # the simulator's, not what the file says
     report = {
@@ -410,6 +426,8 @@ def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list) -> Non
         "backend": args.backend,
         "stages": cfg.num_stages,
         "dp": args.dp,
+        # what the prediction took each stage's all-reduce to cost (null: one pipeline, or left out)
+        "allreduce": allreduce.model_dump() if allreduce else None,
         "minibatch": schedule.minibatch,
         "recompute": schedule.recompute,
         "steps": len(step_ms),  # measured, over all rounds
@@ -421,6 +439,7 @@ def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list) -> Non
         "measured_over_predicted": measured / predicted,
         "step_ms": step_ms,
         "busy_ms": {"measured": tl.busy_ms, "predicted": pred_tl.busy_ms},
+        **({"allreduce_ms": {"measured": tl.allreduce_ms, "predicted": pred_tl.allreduce_ms}} if args.dp > 1 else {}),
         # per stage, every op with its median measured duration and the profile's: what
         # `umopt calibrate` fits a profile to
         "ops": [

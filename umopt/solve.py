@@ -19,13 +19,13 @@ from .bounds import Beside, Scope, fast_bound_ms, fast_job, reported_bounds, spe
 from .choice import Choice, choose
 from .costmodel import CostTables, Timeline
 from .errors import UmoptError
-from .formats.profile import Profile
+from .formats.profile import AllReduceProfile, Profile
 from .formats.schedule import Schedule, make_schedule, validate_ops
 from .limits import check_problem_size
 from .problem import Candidate, Problem, Progress, SolverResult
 from .solvers import SOLVERS
 
-__all__ = ["SolveReport", "solve", "make_problem"]
+__all__ = ["SolveReport", "solve", "make_problem", "allreduce_for"]
 
 
 @dataclass
@@ -66,11 +66,28 @@ def _fast_bounds(problem: Problem, family: bool) -> dict[Scope, Optional[float]]
     return {Scope.ANY: fast_bound_ms(problem), Scope.IN_ORDER: fast_bound_ms(problem, Scope.IN_ORDER) if family else None}
 
 
-def make_problem(profile: Profile, minibatch: int, recompute: bool) -> Problem:
+def make_problem(profile: Profile, minibatch: int, recompute: bool, dp: Optional[AllReduceProfile] = None) -> Problem:
     if minibatch < 1:
         raise UmoptError(f"--minibatch must be at least 1, got {minibatch}")
     check_problem_size(profile.num_stages, minibatch)
-    return Problem(CostTables.from_profile(profile, recompute), minibatch)
+    return Problem(CostTables.from_profile(profile, recompute, dp), minibatch)
+
+
+def allreduce_for(profile: Profile, replicas: int, gbps: Optional[float] = None) -> Optional[AllReduceProfile]:
+    """The all-reduce ``replicas`` data-parallel pipelines pay per stage (None for one): at ``gbps``
+    (bus bandwidth, Gbit/s) where given, else at the speed the profile measured (``umopt profile --dp``)."""
+    if replicas < 1:
+        raise UmoptError(f"--dp must be at least 1, got {replicas}")
+    if gbps is not None and not (0 < gbps < math.inf):
+        raise UmoptError(f"--dp-gbps must be a positive number, got {gbps}")
+    if replicas == 1:
+        return None
+    measured = profile.allreduce
+    if gbps is not None:
+        return AllReduceProfile(replicas=replicas, latency_ms=measured.latency_ms if measured else 0.0, bus_bytes_per_ms=gbps * 1e9 / 8 / 1e3)
+    if measured is None:
+        raise UmoptError(f"--dp {replicas}: the profile has no all-reduce speed; profile with --dp {replicas} to measure it, or give --dp-gbps")
+    return measured.model_copy(update={"replicas": replicas})
 
 
 def _baseline_entry(b: Baseline) -> dict:
@@ -87,7 +104,10 @@ def solve(
     seed: int = 0,
     progress: Optional[Progress] = None,
     order: str = "auto",
+    dp: Optional[AllReduceProfile] = None,
 ) -> SolveReport:
+    """Solve for ``profile`` at ``minibatch`` samples per pipeline; with ``dp``, for that many
+    data-parallel replicas of the pipeline, each stage paying its gradient all-reduce."""
     if solver not in SOLVERS:
         raise UmoptError(f"unknown solver {solver!r} (choose from {', '.join(SOLVERS)})")
     if order not in ("auto", "gpipe", "1f1b"):
@@ -95,7 +115,7 @@ def solve(
     if not (0 < time_limit < math.inf):  # also NaN
         raise UmoptError(f"--time-limit must be a positive number of seconds, got {time_limit}")
     started = time.perf_counter()
-    problem = make_problem(profile, minibatch, recompute)
+    problem = make_problem(profile, minibatch, recompute, dp)
     gp, of = gpipe_equal(problem), onef1b_equal(problem)
     if gp.candidate is None and of.candidate is None:
         limit = problem.memory_limit
@@ -171,6 +191,7 @@ def solve(
             **({"warmup": cand.warmup} if cand.order == "1f1b" and cand.warmup is not None else {}),
         },
         baselines={"gpipe_equal": _baseline_entry(gp), "1f1b_equal": _baseline_entry(of)},
+        dp=dp,
     )
     gpipe_timeline = gp.candidate.simulate(problem) if gp.candidate is not None else None
     onef1b_timeline = of.candidate.simulate(problem) if of.candidate is not None else None

@@ -32,6 +32,7 @@ def synthetic_profile(
     name: str = "synthetic",
     op_overhead_ms: float = 0.0,
     message_overhead_ms: float = 0.0,
+    param_bytes: Sequence[int] | None = None,
 ) -> Profile:
     rng = np.random.default_rng(seed)
     S = num_stages
@@ -52,6 +53,8 @@ def synthetic_profile(
                 "output_bytes_per_sample": bytes_per_sample if s + 1 < S else 0,
                 "stash_bytes_per_sample": int(4 * bytes_per_sample),
                 "static_bytes": int(1 << 24),
+                # parameters, gradients and two optimizer states (AdamW) make the static memory
+                "param_bytes": int(param_bytes[s]) if param_bytes is not None else int(1 << 22),
                 "optimizer_ms": round(float(0.1 + 0.2 * rng.random()), 6),
                 "op_overhead_ms": op_overhead_ms,
             }

@@ -35,6 +35,9 @@ def chrome_trace(panels: Sequence[tuple[str, Timeline]]) -> dict:
                         "args": {"samples": sp.hi - sp.lo},
                     }
                 )
+        for s, (f, a) in enumerate(zip(tl.finish_ms, tl.allreduce_ms)):
+            if a > 0:  # the stage's gradient all-reduce among data-parallel replicas
+                events.append({"name": "all-reduce", "cat": "comm", "ph": "X", "pid": pid, "tid": s, "ts": f * 1000.0, "dur": a * 1000.0})
         for m in tl.messages:
             tid = S + 2 * m.link + (m.direction == "bwd")
             events.append(

@@ -34,7 +34,7 @@ __all__ = ["Beside", "Job"]
 # knows now (None: none)
 Job = Callable[..., None]
 
-_ARRAYS = ("fwd", "bwd", "link", "static_bytes", "stash_bytes", "input_bytes")
+_ARRAYS = ("fwd", "bwd", "link", "static_bytes", "stash_bytes", "input_bytes", "allreduce_ms")
 
 
 class Beside:
@@ -148,7 +148,7 @@ def _child() -> None:
     arrays = {name: np.load(data, allow_pickle=False) for name in _ARRAYS}
     tables = CostTables(
         arrays["fwd"], arrays["bwd"], arrays["link"], header["optimizer_ms"], header["recompute"],
-        arrays["static_bytes"], arrays["stash_bytes"], arrays["input_bytes"], header["memory_limit"],
+        arrays["static_bytes"], arrays["stash_bytes"], arrays["input_bytes"], header["memory_limit"], arrays["allreduce_ms"],
     )
     problem = Problem(tables, header["minibatch"])
     module, name = header["job"]

@@ -55,19 +55,23 @@ def spec_bound(problem: Problem) -> float:
     """For each stage: fastest fill + least F work + least B work + fastest drain; the max, plus optimizer.
 
     Fill and drain take, per stage and link on the way, the cheapest op or message of any size
-    (at least one sample must pass each), which keeps the bound valid for any partitions.
+    (at least one sample must pass each), which keeps the bound valid for any partitions. With
+    data-parallel replicas, a stage's all-reduce follows its own last op: the drain to each stage
+    ``j`` below, then ``j``'s all-reduce, and the stage's own all-reduce, whichever is longest.
     """
     t = problem.tables
     B, S, mx = problem.minibatch, problem.num_stages, problem.max_size
     cheapest_f = t.fwd[:, 1 : mx + 1].min(axis=1)
     cheapest_b = t.bwd[:, 1 : mx + 1].min(axis=1)
     cheapest_link = t.link[:, 1 : mx + 1].min(axis=1) if S > 1 else np.zeros(0)
+    ar = t.allreduce_ms
     best = 0.0
     for s in range(S):
         fill = float(cheapest_f[:s].sum() + cheapest_link[:s].sum())
-        drain = float(cheapest_b[:s].sum() + cheapest_link[:s].sum())
+        # after this stage's last op: the drain down to stage j, then j's all-reduce (j = s: its own)
+        tail = max(float(cheapest_b[j:s].sum() + cheapest_link[j:s].sum() + ar[j]) for j in range(s + 1))
         work = min_work(t.fwd[s, : mx + 1], B) + min_work(t.bwd[s, : mx + 1], B)
-        best = max(best, fill + work + drain)
+        best = max(best, fill + work + tail)
     return best + t.optimizer_ms
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "PROFILE_FORMAT",
     "StageProfile",
     "LinkProfile",
+    "AllReduceProfile",
     "Profile",
     "bundled_profiles",
     "resolve_profile_path",
@@ -72,6 +73,8 @@ class StageProfile(_Strict):
     # the spread of each entry's repeats (interquartile range), where it was measured
     forward_iqr_ms: Optional[list[NonNegFloat]] = None
     backward_iqr_ms: Optional[list[NonNegFloat]] = None
+    # bytes of the stage's gradients: what data-parallel replicas all-reduce (None: not recorded)
+    param_bytes: Optional[NonNegInt] = None
 
 
 class LinkProfile(_Strict):
@@ -79,6 +82,17 @@ class LinkProfile(_Strict):
     bytes_per_ms: Annotated[float, Field(gt=0, le=MAX_BYTES, allow_inf_nan=False)]
     # what each message costs beyond its transfer inside a running pipeline (fitted to runs)
     message_overhead_ms: NonNegFloat = 0.0
+
+
+class AllReduceProfile(_Strict):
+    """The all-reduce between data-parallel replicas of a stage: ``latency_ms`` plus
+    ``2 (N - 1) / N * bytes / bus_bytes_per_ms`` for N replicas (a ring; the bus bandwidth of
+    nccl-tests). In a profile: measured among ``replicas`` processes; in a schedule: what its
+    prediction assumed for ``replicas``."""
+
+    replicas: Annotated[int, Field(ge=1, le=MAX_STAGES)]
+    latency_ms: NonNegFloat
+    bus_bytes_per_ms: Annotated[float, Field(gt=0, le=MAX_BYTES, allow_inf_nan=False)]
 
 
 class ModelInfo(_Strict):
@@ -100,6 +114,7 @@ class Profile(_Strict):
     stages: Annotated[list[StageProfile], Len(1, MAX_STAGES)]
     links: list[LinkProfile]
     memory_limit_bytes: Optional[Annotated[int, Field(gt=0, le=MAX_BYTES)]] = None
+    allreduce: Optional[AllReduceProfile] = None
 
     _path: Optional[str] = PrivateAttr(default=None)
     _sha256: Optional[str] = PrivateAttr(default=None)

@@ -20,7 +20,7 @@ from ..costmodel import CostTables, Op, Timeline, simulate
 from ..errors import UmoptError
 from ..fileio import write_json
 from ..limits import MAX_MINIBATCH, MAX_STAGES
-from .profile import Profile, load_model_file
+from .profile import AllReduceProfile, Profile, load_model_file
 
 __all__ = [
     "SCHEDULE_FORMAT",
@@ -87,6 +87,8 @@ class Schedule(_Strict):
     predicted: Predicted
     solver: SolverInfo
     baselines: dict[str, Baseline]
+    # data-parallel replicas the prediction includes the gradient all-reduce of (None: one pipeline)
+    dp: Optional[AllReduceProfile] = None
 
     def op_lists(self) -> list[list[Op]]:
         return [[Op(k, lo, hi) for k, lo, hi in st.ops] for st in self.stages]
@@ -145,7 +147,7 @@ def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: 
         raise UmoptError(f"schedule was made for another profile (sha256 {schedule.profile.sha256[:12]}..., this one {profile.sha256[:12]}...)")
     ops = schedule.op_lists()
     validate_ops(ops, schedule.minibatch, profile.max_size, schedule.recompute)
-    tables = CostTables.from_profile(profile, schedule.recompute)
+    tables = CostTables.from_profile(profile, schedule.recompute, schedule.dp)
     timeline = simulate(tables, ops, schedule.minibatch)
     limit = profile.memory_limit_bytes
     if limit is not None:
@@ -163,6 +165,7 @@ def make_schedule(
     timeline: Timeline,
     solver: dict,
     baselines: dict,
+    dp: Optional[AllReduceProfile] = None,
 ) -> Schedule:
     """The schedule file's content for ``ops``, with the cost model's ``timeline`` of exactly them."""
     return Schedule.model_validate(
@@ -180,6 +183,7 @@ def make_schedule(
             },
             "solver": solver,
             "baselines": baselines,
+            **({"dp": dp.model_dump()} if dp is not None else {}),
         }
     )
 

@@ -142,7 +142,7 @@ def build_gpipe_model(problem: Problem, horizon_us: int, hint: Optional[Candidat
                 m.add(garrive[s][i] >= bmsg[s][i]).only_enforce_if(starts[i])
                 if i > 0:
                     m.add(garrive[s][i] >= garrive[s][i - 1]).only_enforce_if(starts[i].Not())
-        m.add(makespan >= bend[s][0])
+        m.add(makespan >= bend[s][0] + _us(t.allreduce_ms[s]))  # the stage's last op, then its all-reduce
         fd = {c: _us(t.fwd[s, c[1] - c[0]]) for c in chunks}
         bd = {c: _us(t.bwd[s, c[1] - c[0]]) for c in chunks}
         later_f, later_b = _later_work(m, chunks, B, x[s], y[s], fd, bd, H)
@@ -331,6 +331,8 @@ def _add_heads(m, problem: Problem, heads: Heads, s: int, c, on, bon, fstart, bs
     if not problem.recompute and heads.turn[s, b] > 0:
         m.add(bstart >= fstart + fdur + int(heads.turn[s, b])).only_enforce_if(on)
     m.add(makespan >= bstart + bdur + int(heads.tail[s, b])).only_enforce_if(bon)
+    if problem.tables.allreduce_ms[s] > 0:  # data-parallel replicas: the stage's all-reduce after its ops
+        m.add(makespan >= bstart + bdur + _us(problem.tables.allreduce_ms[s])).only_enforce_if(bon)
 
 
 def _as_bool(m: cp_model.CpModel, expr):

@@ -101,7 +101,7 @@ def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = 
                 lp += garrive[s][i] >= bmsg[s][i] - M * (1 - starts[i])
                 if i > 0:
                     lp += garrive[s][i] >= garrive[s][i - 1] - M * starts[i]
-        lp += makespan >= bend[s][0]
+        lp += makespan >= bend[s][0] + float(t.allreduce_ms[s])  # the stage's last op, then its all-reduce
         _add_cuts(lp, problem, heads, s, chunks, x[s], y[s], F, G, makespan, gpipe=True)
 
     # --- objective -----------------------------------------------------------------------------
@@ -190,7 +190,7 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
             if s + 1 < S:
                 for i in range(lo, hi):
                     lp += bstart[s][c] >= garrive[s + 1][i] - boff
-            lp += makespan >= bstart[s][c] + dur["B", c] - boff
+            lp += makespan >= bstart[s][c] + dur["B", c] + float(t.allreduce_ms[s]) - boff
             if s > 0:
                 lp += gsend[s][c] >= bstart[s][c] + dur["B", c] - boff
                 for i in range(lo, hi):
