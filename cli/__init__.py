@@ -64,10 +64,11 @@ def _ms(x: Optional[float]) -> str:
 @click.option("--memory-limit", type=int, default=None, help="Bytes per stage; overrides the profile's limit.")
 @click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel replicas of the pipeline: each stage all-reduces its gradients among them after its last op.")
 @click.option("--dp-gbps", type=float, default=None, help="Bus bandwidth of that all-reduce, Gbit/s (default: what `umopt profile --dp N` measured).")
+@click.option("--zero-bubble", is_flag=True, help="Split each backward: W ops (weight gradients) placed to fill bubbles; compares with the best equal ZB-H1.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Schedule file to write.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Gantt chart PNG: best equal GPipe above, this schedule below.")
 @click.option("--trace", type=click.Path(dir_okay=False), default=None, help="Chrome-trace JSON of the predicted timelines (Perfetto).")
-def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, memory_limit, dp, dp_gbps, output, plot, trace) -> None:
+def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, memory_limit, dp, dp_gbps, zero_bubble, output, plot, trace) -> None:
     """Search unequal per-stage partitions for PROFILE (a path or a bundled profile's name)."""
     from umopt.fileio import check_writable
     from umopt.formats.profile import load_profile
@@ -89,7 +90,7 @@ def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, m
         def progress(frac: float, best: float) -> None:
             bar.update(task, completed=frac, description=f"best {best:.3f} ms" if math.isfinite(best) else "searching")
 
-        report = run_solve(profile, minibatch, recompute=recompute, solver=solver, time_limit=time_limit, seed=seed, progress=progress, order=order, dp=allreduce)
+        report = run_solve(profile, minibatch, recompute=recompute, solver=solver, time_limit=time_limit, seed=seed, progress=progress, order=order, dp=allreduce, zero_bubble=zero_bubble)
     panels = [(f"best equal GPipe (M={report.gpipe.microbatches})", report.gpipe_timeline)] if report.gpipe_timeline else []
     panels.append((f"umopt ({solver})", report.timeline))
     if plot:
@@ -139,21 +140,30 @@ def _print_report(report) -> None:
     gt, ot = report.gpipe_timeline, report.onef1b_timeline
     row("GPipe equal", str(report.gpipe.microbatches or "-"), report.gpipe.candidate, report.gpipe.iteration_ms, gt.bubble_fraction if gt else None)
     row("1F1B equal", str(report.onef1b.microbatches or "-"), report.onef1b.candidate, report.onef1b.iteration_ms, ot.bubble_fraction if ot else None)
+    if report.zbh1 is not None:
+        zt = report.zbh1_timeline
+        row("ZB-H1 equal", str(report.zbh1.microbatches or "-"), None, report.zbh1.iteration_ms, zt.bubble_fraction if zt else None)
     counts = sorted({len([o for o in st.ops if o[0] == "F"]) for st in report.schedule.stages})
     winner = report.result.extra.get("winner")
     umopt_name = f"umopt {solver.name}" if not winner or winner == solver.name else f"umopt ({winner})"
     if report.choice.name in ("gpipe_equal", "1f1b_equal"):
         umopt_name = f"umopt: {report.choice.name.split('_')[0]}"
-    row(umopt_name, str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}", report.choice.candidate, tl.iteration_ms, tl.bubble_fraction)
+    has_w = any(op[0] == "W" for st in report.schedule.stages for op in st.ops)
+    if has_w:
+        umopt_name += " + W"
+    # (the bounds hold for schedules without W ops: no gap for one with them)
+    row(umopt_name, str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}", None if has_w else report.choice.candidate, tl.iteration_ms, tl.bubble_fraction)
     table.add_row("lower bound", "", _ms(solver.lower_bound_ms), "", "", "", "")
     out.print(table)
     covers = {Scope.ANY: "every schedule", Scope.IN_ORDER: "1F1B-order schedules", Scope.GPIPE: "GPipe-order schedules"}[scope]
     out.print(
         f"solver {solver.name}: {solver.status}, {solver.seconds:.1f} s, {report.result.evaluated} schedules scored; "
-        f"the bound holds for {covers}" + ("" if scope == Scope.ANY else " (the others' gap is to the one for every schedule)")
+        f"the bound holds for {covers}" + (" without W ops" if has_w else "" if scope == Scope.ANY else " (the others' gap is to the one for every schedule)")
     )
+    if report.zbh1 is not None and report.zbh1.iteration_ms:
+        out.print(f"against the best equal ZB-H1 (M={report.zbh1.microbatches}): {report.zbh1.iteration_ms / tl.iteration_ms:.3f}x")
     lb_1f1b = solver.model_extra.get("lower_bound_1f1b_ms")
-    if lb_1f1b is not None and scope != Scope.IN_ORDER:
+    if lb_1f1b is not None and scope != Scope.IN_ORDER and not has_w:
         out.print(
             f"among 1F1B-order schedules (B ops in sample order, any warm-ups) the best possible is at least "
             f"{lb_1f1b:.2f} ms: this one is within {100 * (tl.iteration_ms - lb_1f1b) / lb_1f1b:.1f}% of it"

@@ -153,7 +153,7 @@ def _schedule(tmp_path, capsys, profile_path):
     [
         (lambda s: s["stages"][0]["ops"].pop(), "B ops miss sample"),
         (lambda s: s["stages"][1].update(ops=[["F", 0, 1], ["B", 0, 1]]), "F ops cover samples 0..0"),
-        (lambda s: s["stages"][0]["ops"].__setitem__(0, ["X", 0, 1]), "expected [\"F\"|\"B\", lo, hi]"),
+        (lambda s: s["stages"][0]["ops"].__setitem__(0, ["X", 0, 1]), "expected [\"F\"|\"B\"|\"W\", lo, hi]"),
         (lambda s: s.update(format="umopt-schedule/9"), "format is 'umopt-schedule/9'"),
         (lambda s: s.pop("predicted"), "predicted: missing field"),
         (lambda s: s["stages"].pop(), "schedule has 1 stages but profile"),

@@ -75,6 +75,54 @@ def test_a_users_loop_trains_as_one_process(tmp_path, case, fsizes, order, recom
             torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)
 
 
+def _with_w(ops, rng, max_size: int = 8):
+    """The op lists with each stage's backward split: W ops of one or two consecutive B chunks,
+    each at a random place after its B ops."""
+    from umopt.costmodel import Op
+
+    out = []
+    for st in ops:
+        bs = sorted((lo, hi) for kind, lo, hi in st if kind == "B")
+        new = list(st)
+        i = 0
+        while i < len(bs):
+            n = 2 if i + 1 < len(bs) and bs[i + 1][1] - bs[i][0] <= max_size and rng.random() < 0.5 else 1
+            group = bs[i : i + n]
+            after = max(new.index(Op("B", lo, hi)) for lo, hi in group)
+            new.insert(int(rng.integers(after + 1, len(new) + 1)), Op("W", group[0][0], group[-1][1]))
+            i += n
+        out.append(new)
+    return out
+
+
+@pytest.mark.parametrize(
+    "case,fsizes,order,recompute,warmup,bsizes,seed",
+    [
+        ("mlp", [[2, 2, 8], [1, 4, 7]], "1f1b", False, [3, 0], None, 0),
+        ("mlp", [[3, 5, 4], [6, 6]], "gpipe", False, None, None, 1),
+        ("mlp", [[4, 8], [5, 7]], "1f1b", True, None, [[6, 6], [2, 3, 7]], 2),  # recompute, then the weights later
+        ("tuple", [[5, 7], [3, 3, 6]], "1f1b", False, None, None, 3),
+    ],
+)
+def test_weight_gradients_split_off_into_w_ops_train_as_one_process(tmp_path, case, fsizes, order, recompute, warmup, bsizes, seed):
+    """Zero-bubble ops: B computes the input gradient (sent on at once), W the weight gradient
+    later, W ops spanning one or two B chunks at random places after them."""
+    import numpy as np
+
+    prof = synthetic_profile(2, max_size=8, seed=3)
+    tmp_path.mkdir(exist_ok=True)
+    save_profile(prof, tmp_path / "profile.json")
+    prof = load_profile(tmp_path / "profile.json")
+    ops = _with_w(Candidate(fsizes, bsizes or fsizes, order, warmup=warmup).ops(), np.random.default_rng(seed))
+    tl = simulate(CostTables.from_profile(prof, recompute), ops, B)
+    save_schedule(make_schedule(prof, B, recompute, ops, tl, {"name": "test", "status": "feasible", "seconds": 0.0}, {}), str(tmp_path / "schedule.json"))
+    got = _run(tmp_path, case, str(tmp_path / "schedule.json"))
+    want = pipeline_user.reference(case, steps=3)
+    for g, w in zip(got, want):
+        for k in w:
+            torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)
+
+
 def test_a_users_own_stages_profiled_solved_and_trained(tmp_path):
     from torch import nn
 

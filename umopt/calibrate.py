@@ -66,7 +66,7 @@ class _RunReport(BaseModel):
     allreduce_ms: Optional[dict[Literal["measured", "predicted"], list[Annotated[StrictFloat | StrictInt, _Ms]]]] = None
     minibatch: Optional[Annotated[StrictInt, Field(ge=1, le=MAX_MINIBATCH)]] = None
     # per stage: [kind, lo, hi, measured ms, predicted ms]
-    ops: list[list[tuple[Literal["F", "B"], StrictInt, StrictInt, Annotated[StrictFloat | StrictInt, _Ms], Annotated[StrictFloat | StrictInt, _Ms]]]]
+    ops: list[list[tuple[Literal["F", "B", "W"], StrictInt, StrictInt, Annotated[StrictFloat | StrictInt, _Ms], Annotated[StrictFloat | StrictInt, _Ms]]]]
 
 
 def _check_report(rep, name: str, profile: Profile) -> None:
@@ -87,11 +87,15 @@ def _check_report(rep, name: str, profile: Profile) -> None:
         raise UmoptError(f"{name}: {pydantic_error_line(exc)}") from None
     tables = CostTables.from_profile(profile, checked.recompute)
     for s, stage_ops in enumerate(checked.ops):
+        split = any(op[0] == "W" for op in stage_ops)
+        if split and tables.bwd_input is None:
+            raise UmoptError(f"{name}: ran W ops, but the profile has no backward_input_ms / backward_weight_ms")
         for kind, lo, hi, _measured, predicted in stage_ops:
             b = hi - lo
             if not 1 <= b <= tables.max_size or lo < 0:
                 raise UmoptError(f"{name}: stage {s} has a malformed op entry {[kind, lo, hi]} (a chunk the profile has no time for)")
-            expected = float((tables.fwd if kind == "F" else tables.bwd)[s, b])
+            table = {"F": tables.fwd, "B": tables.bwd_input if split else tables.bwd, "W": tables.bwd_weight}[kind]
+            expected = float(table[s, b])
             if abs(predicted - expected) > 1e-6 * max(1.0, expected):
                 raise UmoptError(f"{name}: was not measured against this profile (stage {s} {kind}({lo},{hi}) predicted {predicted:.4f} ms, the profile says {expected:.4f})")
 
@@ -130,8 +134,10 @@ def size_ratios(reports: list[dict], num_stages: int) -> dict[tuple[int, str], d
     samples: dict[tuple[int, str, int], list[float]] = defaultdict(list)
     for rep in reports:
         for s, ops in enumerate(rep["ops"]):
+            split = any(op[0] == "W" for op in ops)
             for kind, lo, hi, measured, predicted in ops:
-                if kind == "B" and rep.get("recompute"):
+                # a B with recompute, or split from its W, is not the profile's backward
+                if kind == "W" or (kind == "B" and (rep.get("recompute") or split)):
                     continue
                 if predicted > 0:
                     samples[(s, kind, hi - lo)].append(measured / predicted)

@@ -25,7 +25,8 @@ if TYPE_CHECKING:  # (the formats import the cost model to check schedules)
 __all__ = ["Op", "CostTables", "Span", "Message", "Timeline", "simulate", "stage_peak_memory", "allreduce_ms"]
 
 class Op(NamedTuple):
-    """One op of a stage: the forward (``kind`` "F") or backward ("B") of samples ``[lo, hi)``.
+    """One op of a stage: the forward (``kind`` "F"), backward ("B") or weight gradient ("W") of
+    samples ``[lo, hi)``. On a stage with W ops, B computes only the input gradient.
 
     A tuple, so it reads and writes as ``["F", lo, hi]`` in schedule files and unpacks as
     ``kind, lo, hi``."""
@@ -47,7 +48,8 @@ class CostTables:
     ``s``; with ``recompute`` a B op re-runs the forward, so ``bwd`` already includes it.
     ``link[s, b]`` is the time of a ``b``-sample message over link ``s`` (either direction).
     ``allreduce_ms[s]`` is the all-reduce of stage ``s``'s gradients among its data-parallel
-    replicas, after its last op (zeros for one pipeline).
+    replicas, after its last op (zeros for one pipeline). ``bwd_input`` and ``bwd_weight`` are the
+    B and W ops of a stage whose backward is split (None where the profile has no split).
     """
 
     fwd: np.ndarray
@@ -60,6 +62,9 @@ class CostTables:
     input_bytes: np.ndarray
     memory_limit: int | None
     allreduce_ms: np.ndarray
+    bwd_input: np.ndarray | None = None
+    bwd_weight: np.ndarray | None = None  # one B chunk's weight gradient as a W op
+    op_overhead: np.ndarray | None = None  # (S,) the runtime's cost per op, inside every entry above
 
     @property
     def num_stages(self) -> int:
@@ -80,16 +85,28 @@ class CostTables:
         over = np.array([[st.op_overhead_ms] for st in profile.stages])
         fwd = np.array([np.interp(b, sizes, st.forward_ms) for st in profile.stages]) + over
         bwd = np.array([np.interp(b, sizes, st.backward_ms) for st in profile.stages]) + over
+        split = {}
+        if all(st.backward_input_ms is not None for st in profile.stages):
+            split["bwd_input"] = np.array([np.interp(b, sizes, st.backward_input_ms) for st in profile.stages]) + over
+            split["bwd_weight"] = np.array([np.interp(b, sizes, st.backward_weight_ms) for st in profile.stages]) + over
+            split["op_overhead"] = over[:, 0].copy()
         if recompute:  # the recomputed forward runs inside the B op: one op, one overhead
             bwd = bwd + fwd - over
+            if split:
+                split["bwd_input"] = split["bwd_input"] + fwd - over
         fwd[:, 0] = bwd[:, 0] = 0.0
+        for key in ("bwd_input", "bwd_weight"):
+            if key in split:
+                split[key][:, 0] = 0.0
         link = np.array(
             [
                 np.where(b > 0, ln.latency_ms + ln.message_overhead_ms + b * st.output_bytes_per_sample / ln.bytes_per_ms, 0.0)
                 for ln, st in zip(profile.links, profile.stages)
             ]
         ).reshape(len(profile.links), len(b))
-        for what, arr in (("an F op of {b} samples on stage {s}", fwd), ("a B op of {b} samples on stage {s}", bwd), ("a message of {b} samples over link {s}", link)):
+        checked = [("an F op of {b} samples on stage {s}", fwd), ("a B op of {b} samples on stage {s}", bwd), ("a message of {b} samples over link {s}", link)]
+        checked += [(f"a {k} op of {{b}} samples on stage {{s}}", split[key]) for k, key in (("B", "bwd_input"), ("W", "bwd_weight")) if key in split]
+        for what, arr in checked:
             if arr.size and not arr.max() <= MAX_MS:  # not <=: also NaN
                 s, b = np.unravel_index(int(np.argmax(np.where(np.isnan(arr), np.inf, arr))), arr.shape)
                 raise UmoptError(f"{what.format(s=s, b=b)} would take {arr[s, b]:.3g} ms, over umopt's limit of {MAX_MS:.0e} ms")
@@ -105,6 +122,7 @@ class CostTables:
             input_bytes=np.array([st.input_bytes_per_sample for st in profile.stages], dtype=np.int64),
             memory_limit=profile.memory_limit_bytes,
             allreduce_ms=_allreduce_per_stage(profile, dp),
+            **split,
         )
 
 
@@ -178,22 +196,39 @@ class Timeline:
 
 
 def stage_peak_memory(tables: CostTables, stage: int, ops: Sequence[Op]) -> int:
-    """Peak bytes of one stage over its op list (the spec's memory model; it does not depend on time)."""
+    """Peak bytes of one stage over its op list (the spec's memory model; it does not depend on time).
+
+    On a stage with W ops, what a sample keeps for backward is released by its W, not its B
+    (the weight gradient needs the layers' inputs and output gradients); with recompute, the
+    activations its B recomputed are kept until its W too."""
     s = stage
-    stashed = 0
+    release = "W" if any(op[0] == "W" for op in ops) else "B"
+    stashed = 0  # samples forwarded and not yet released
+    awaiting = 0  # with recompute and W ops: samples whose B recomputed activations their W needs
     peak = int(tables.static_bytes[s])
     for kind, lo, hi in ops:
         b = hi - lo
         if kind == "F":
             stashed += b
         if tables.recompute:
-            mem = tables.static_bytes[s] + stashed * tables.input_bytes[s] + b * tables.stash_bytes[s]
+            running = b if kind == "B" else 0
+            mem = tables.static_bytes[s] + stashed * tables.input_bytes[s] + (awaiting + running) * tables.stash_bytes[s]
         else:
             mem = tables.static_bytes[s] + stashed * tables.stash_bytes[s]
         peak = max(peak, int(mem))
-        if kind == "B":
+        if kind == release:
             stashed -= b
+            awaiting -= b if kind == "W" and tables.recompute else 0
+        elif kind == "B" and release == "W" and tables.recompute:
+            awaiting += b
     return peak
+
+
+def weight_ms(tables: CostTables, stage: int, b_chunks: Sequence[tuple[int, int]]) -> float:
+    """A W op over whole B chunks: each chunk's weight gradient as measured (the runtime resumes
+    each chunk's own saved backward; their graphs cannot be batched), one op's overhead."""
+    over = float(tables.op_overhead[stage])
+    return sum(float(tables.bwd_weight[stage, hi - lo]) - over for lo, hi in b_chunks) + over
 
 
 def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int, *, record: bool = True) -> Timeline:
@@ -202,18 +237,23 @@ def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int, *,
     With ``record=False`` the timeline keeps no spans or messages and peak memory is not computed
     (searches that only need times run faster); every time is the same either way.
 
-    Raises :class:`UmoptError` if the schedule deadlocks (some stage waits forever) or a B op
-    comes before the F of its samples on its stage.
+    Raises :class:`UmoptError` if the schedule deadlocks (some stage waits forever), a B op
+    comes before the F of its samples on its stage, or a W op before their B.
     """
     S = tables.num_stages
     if len(ops) != S:
         raise UmoptError(f"schedule has {len(ops)} stages, the profile {S}")
+    split = [any(op[0] == "W" for op in stage) for stage in ops]
+    if any(split) and tables.bwd_input is None:
+        raise UmoptError("the schedule has W ops but the profile has no backward_input_ms / backward_weight_ms (profile again)")
     never = float("inf")  # not sent yet; max() over a chunk then says "not ready" by itself
     # act_at[s][i]: when sample i's activation is ready on stage s (stage 0: at time 0).
     # grad_at[s][i]: when sample i's gradient is ready on stage s (last stage: its F's end there).
     act_at = [[0.0] * minibatch] + [[never] * minibatch for _ in range(S - 1)]
     grad_at = [[never] * minibatch for _ in range(S)]
     fwd_done = [[False] * minibatch for _ in range(S)]
+    bwd_done = [[False] * minibatch for _ in range(S)]
+    b_chunks = [sorted((lo, hi) for kind, lo, hi in stage if kind == "B") if split[s] else [] for s, stage in enumerate(ops)]
     link_free = {("fwd", s): 0.0 for s in range(S - 1)} | {("bwd", s): 0.0 for s in range(S - 1)}
     clock = [0.0] * S
     busy = [0.0] * S
@@ -240,11 +280,16 @@ def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int, *,
                 if kind == "F":
                     ready = max(act_at[s][lo:hi])
                     dur = float(fwd[s, hi - lo])
-                else:
+                elif kind == "B":
                     if not all(fwd_done[s][lo:hi]):
                         raise UmoptError(f"stage {s}: B({lo},{hi}) comes before the F of its samples")
                     ready = max(grad_at[s][lo:hi])
-                    dur = float(bwd[s, hi - lo])
+                    dur = float((tables.bwd_input if split[s] else bwd)[s, hi - lo])
+                else:  # W: local, after the B of its samples on this stage, which ran before it
+                    if not all(bwd_done[s][lo:hi]):
+                        raise UmoptError(f"stage {s}: W({lo},{hi}) comes before the B of its samples")
+                    ready = 0.0
+                    dur = weight_ms(tables, s, [c for c in b_chunks[s] if lo <= c[0] and c[1] <= hi])
                 if ready == never:  # an input has not been sent yet
                     break
                 start = max(clock[s], ready)
@@ -259,8 +304,10 @@ def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int, *,
                         send("fwd", s, lo, hi, end, act_at[s + 1])
                     else:
                         grad_at[s][lo:hi] = [end] * (hi - lo)
-                elif s > 0:
-                    send("bwd", s - 1, lo, hi, end, grad_at[s - 1])
+                elif kind == "B":
+                    bwd_done[s][lo:hi] = [True] * (hi - lo)
+                    if s > 0:
+                        send("bwd", s - 1, lo, hi, end, grad_at[s - 1])
                 ptr[s] += 1
                 progress = True
     stuck = [s for s in range(S) if ptr[s] < len(ops[s])]

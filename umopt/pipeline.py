@@ -169,6 +169,7 @@ class Pipeline:
         self.spans: list[tuple[str, int, int, Any, Any]] = []
         order = link_order(self.profile, self.schedule)
         self.ops: list[Op] = self.schedule.op_lists()[self.stage]
+        self._split = any(op.kind == "W" for op in self.ops)  # B: the input gradient only; W: the weights'
         self.up, self.down = order.get((self.stage - 1, self.stage), []), order.get((self.stage, self.stage + 1), [])
         self.peer_up = dist.get_global_rank(group, self.stage - 1) if group is not None and not self.first else self.stage - 1
         self.peer_down = dist.get_global_rank(group, self.stage + 1) if group is not None and not self.last else self.stage + 1
@@ -225,6 +226,7 @@ class Pipeline:
             self._learn_specs(xs)
         links = _Links(self)
         saved: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], Any]] = {}
+        weights_later: dict[tuple[int, int], Callable[[], None]] = {}  # B chunks whose W is to come
         loss_sum = torch.zeros((), device=self.device)
         spans = []
         mark = self.timer.mark if self.timer is not None else (lambda: None)
@@ -259,7 +261,7 @@ class Pipeline:
                     saved[(lo, hi)] = (x, out)
                 if not self.last:
                     links.send_acts(lo, hi, [t.detach() for t in _as_tuple(out)])
-            else:
+            elif kind == "B":
                 links.wait_grads(lo, hi)
                 t0 = mark()
                 if recompute:
@@ -268,15 +270,21 @@ class Pipeline:
                 else:
                     x, out = saved.pop((lo, hi))
                 if self.last:
-                    out.backward()
+                    roots, grads = [out], None
                 else:
                     outs = [t for t, spec in zip(_as_tuple(out), self.output_specs) if _grad_carrying(spec)]
-                    grads = [g[lo:hi] for g in self._grad]
-                    pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    pairs = [(o, g[lo:hi]) for o, g in zip(outs, self._grad) if o.requires_grad]
+                    roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+                if self._split:  # the input gradient now, the weight gradient at this chunk's W
+                    weights_later[(lo, hi)] = _backward_input(x, roots, grads, self.module)
+                elif roots:
+                    torch.autograd.backward(roots, grads)
                 if not self.first:
                     links.send_grads(lo, hi, [t.grad if t.grad is not None else torch.zeros_like(t) for t, spec in zip(x, self.input_specs) if _grad_carrying(spec)])
+            else:  # W: the weight gradients of the B chunks in [lo, hi)
+                t0 = mark()
+                for chunk in sorted(c for c in weights_later if lo <= c[0] and c[1] <= hi):
+                    weights_later.pop(chunk)()
             spans.append((kind, lo, hi, t0, mark()))
             links.advance()
         # the all-reduce starts as the last op ends, beside the last messages (the cost model's
@@ -319,6 +327,26 @@ class Pipeline:
                     offset += g.numel()
 
         return finish
+
+
+def _backward_input(x: tuple[torch.Tensor, ...], roots: list[torch.Tensor], grads: Optional[list[torch.Tensor]], module: torch.nn.Module) -> Callable[[], None]:
+    """A B op of a stage with W ops: the gradients of the inputs ``x`` now (left in their
+    ``.grad``, to be sent), keeping what the weight gradients need; returns the W part.
+
+    torch.distributed.pipelining's split (``stage_backward_input`` / ``stage_backward_weight``):
+    the input gradient's backward records, through hooks, the output gradients of the nodes where
+    the weights' paths join it, and the W part resumes from there, so nothing runs twice. Where
+    no input carries a gradient (the first stage), the input gradient is empty and the whole
+    backward is the W part."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    inputs = [t for t in x if t.requires_grad]
+    if not roots:
+        return lambda: None
+    if not inputs:
+        return lambda: torch.autograd.backward(roots, grads)
+    _, groups = stage_backward_input(roots, grads, inputs, module.parameters())
+    return lambda: stage_backward_weight(module.parameters(), groups)
 
 
 class _Links:

@@ -24,6 +24,7 @@ from .formats.schedule import Schedule, make_schedule, validate_ops
 from .limits import check_problem_size
 from .problem import Candidate, Problem, Progress, SolverResult
 from .solvers import SOLVERS
+from .zerobubble import best_with_weight_ops, require_split, zb_h1
 
 __all__ = ["SolveReport", "solve", "make_problem", "allreduce_for"]
 
@@ -39,6 +40,8 @@ class SolveReport:
     lower_bound_ms: float
     gpipe_timeline: Optional[Timeline]
     onef1b_timeline: Optional[Timeline]
+    zbh1: Optional[Baseline] = None  # with --zero-bubble: the best equal ZB-H1
+    zbh1_timeline: Optional[Timeline] = None
 
     def speedup_over(self, baseline: Baseline) -> Optional[float]:
         if baseline.iteration_ms is None:
@@ -54,6 +57,8 @@ class SolveReport:
 
 # what the solver gets at least where what ran before it took most of --time-limit
 MIN_SOLVER_SHARE = 0.1
+# with --zero-bubble, the share of --time-limit kept for placing W ops (ZB-H1 and umopt's schedule)
+ZERO_BUBBLE_SHARE = 0.15
 # From this many cells (B x largest chunk) on, the fast bounds take seconds and run in a process
 # of their own beside the solver, which keeps its whole time; below, they run before it
 BOUNDS_BESIDE_CELLS = 4096
@@ -105,9 +110,12 @@ def solve(
     progress: Optional[Progress] = None,
     order: str = "auto",
     dp: Optional[AllReduceProfile] = None,
+    zero_bubble: bool = False,
 ) -> SolveReport:
     """Solve for ``profile`` at ``minibatch`` samples per pipeline; with ``dp``, for that many
-    data-parallel replicas of the pipeline, each stage paying its gradient all-reduce."""
+    data-parallel replicas of the pipeline, each stage paying its gradient all-reduce; with
+    ``zero_bubble``, W ops (the weight gradients split off the backward) placed where they pay,
+    against the best equal ZB-H1 too."""
     if solver not in SOLVERS:
         raise UmoptError(f"unknown solver {solver!r} (choose from {', '.join(SOLVERS)})")
     if order not in ("auto", "gpipe", "1f1b"):
@@ -116,6 +124,8 @@ def solve(
         raise UmoptError(f"--time-limit must be a positive number of seconds, got {time_limit}")
     started = time.perf_counter()
     problem = make_problem(profile, minibatch, recompute, dp)
+    if zero_bubble:
+        require_split(problem)
     gp, of = gpipe_equal(problem), onef1b_equal(problem)
     if gp.candidate is None and of.candidate is None:
         limit = problem.memory_limit
@@ -140,6 +150,7 @@ def solve(
     t0 = time.perf_counter()
     # the whole solve ends within --time-limit: the wait for the bounds beside comes out of it too
     left = max(MIN_SOLVER_SHARE * time_limit, time_limit - (t0 - started) - (BESIDE_GRACE_S if beside is not None else 0.0))
+    left *= 1 - ZERO_BUBBLE_SHARE if zero_bubble else 1.0
     try:
         result = SOLVERS[solver](problem, time_limit=left, seed=seed, progress=progress, order=order)
         if beside is not None:  # what it proved by the time limit (the spec's bound, if nothing)
@@ -164,6 +175,17 @@ def solve(
     cand = choice.candidate
     ops = cand.ops()
     timeline = cand.simulate(problem)
+    zbh1 = zbh1_timeline = None
+    if zero_bubble:
+        seconds = ZERO_BUBBLE_SHARE * time_limit / 2
+        found_zb = zb_h1(problem, seconds)
+        zbh1 = Baseline("zbh1_equal", found_zb[0] if found_zb else None, found_zb[2].iteration_ms if found_zb else None, None)
+        zbh1_timeline = found_zb[2] if found_zb else None
+        with_w = best_with_weight_ops(problem, ops, seconds)
+        if with_w is not None and with_w[1].iteration_ms < timeline.iteration_ms - 1e-9:
+            ops, timeline = with_w
+            note = "with W ops placed; the lower bounds hold for schedules without W ops"
+            result.extra["note"] = f"{result.extra['note']}; {note}" if "note" in result.extra else note
     bound, scope, lb_1f1b = reported_bounds(
         fast, result.lower_bound_ms, result.extra.get("bound_scope"), result.extra.get("lower_bound_1f1b_ms"), ops, order
     )
@@ -190,9 +212,9 @@ def solve(
             **({"gain_over_equal": choice.gain, "gain_uncertainty": choice.uncertainty} if choice.gain is not None else {}),
             **({"warmup": cand.warmup} if cand.order == "1f1b" and cand.warmup is not None else {}),
         },
-        baselines={"gpipe_equal": _baseline_entry(gp), "1f1b_equal": _baseline_entry(of)},
+        baselines={"gpipe_equal": _baseline_entry(gp), "1f1b_equal": _baseline_entry(of), **({"zbh1_equal": _baseline_entry(zbh1)} if zbh1 else {})},
         dp=dp,
     )
     gpipe_timeline = gp.candidate.simulate(problem) if gp.candidate is not None else None
     onef1b_timeline = of.candidate.simulate(problem) if of.candidate is not None else None
-    return SolveReport(schedule, timeline, result, choice, gp, of, lb, gpipe_timeline, onef1b_timeline)
+    return SolveReport(schedule, timeline, result, choice, gp, of, lb, gpipe_timeline, onef1b_timeline, zbh1, zbh1_timeline)

@@ -1,7 +1,8 @@
 """Synthetic profiles (``"device": {"type": "sim"}``) for tests, examples and bundled defaults.
 
 Each stage's forward time follows ``overhead + per_sample * b ** exponent`` (an exponent below 1
-models a device that gets more efficient with bigger chunks), backward about twice forward; the
+models a device that gets more efficient with bigger chunks), backward about twice forward, split
+into input and weight gradients by ``weight_share`` (half each, as in a transformer layer); the
 numbers are drawn from a seeded generator so a profile is reproducible from its arguments.
 """
 
@@ -33,6 +34,7 @@ def synthetic_profile(
     op_overhead_ms: float = 0.0,
     message_overhead_ms: float = 0.0,
     param_bytes: Sequence[int] | None = None,
+    weight_share: float | None = 0.5,
 ) -> Profile:
     rng = np.random.default_rng(seed)
     S = num_stages
@@ -55,6 +57,12 @@ def synthetic_profile(
                 "static_bytes": int(1 << 24),
                 # parameters, gradients and two optimizer states (AdamW) make the static memory
                 "param_bytes": int(param_bytes[s]) if param_bytes is not None else int(1 << 22),
+                # the backward split into the input gradient and the weight gradient (W ops);
+                # in a transformer layer each is about one forward, so half the backward each
+                **({
+                    "backward_input_ms": [round(float(x * (1 - weight_share)), 6) for x in g],
+                    "backward_weight_ms": [round(float(x * weight_share), 6) for x in g],
+                } if weight_share is not None else {}),
                 "optimizer_ms": round(float(0.1 + 0.2 * rng.random()), 6),
                 "op_overhead_ms": op_overhead_ms,
             }

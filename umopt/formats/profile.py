@@ -75,6 +75,10 @@ class StageProfile(_Strict):
     backward_iqr_ms: Optional[list[NonNegFloat]] = None
     # bytes of the stage's gradients: what data-parallel replicas all-reduce (None: not recorded)
     param_bytes: Optional[NonNegInt] = None
+    # the backward split into the input gradient (a B op where the stage has W ops) and the
+    # weight gradient (a W op), one value per size each (None: not measured)
+    backward_input_ms: Optional[list[NonNegFloat]] = None
+    backward_weight_ms: Optional[list[NonNegFloat]] = None
 
 
 class LinkProfile(_Strict):
@@ -128,7 +132,9 @@ class Profile(_Strict):
             raise ValueError("sizes must be strictly ascending")
         n = len(sizes)
         for s, st in enumerate(self.stages):
-            for key in ("forward_ms", "backward_ms", "forward_iqr_ms", "backward_iqr_ms"):
+            if (st.backward_input_ms is None) != (st.backward_weight_ms is None):
+                raise ValueError(f"stages[{s}] has one of backward_input_ms and backward_weight_ms without the other")
+            for key in ("forward_ms", "backward_ms", "forward_iqr_ms", "backward_iqr_ms", "backward_input_ms", "backward_weight_ms"):
                 values = getattr(st, key)
                 if values is not None and len(values) != n:
                     raise ValueError(f"stages[{s}].{key} has {len(values)} values for {n} sizes")

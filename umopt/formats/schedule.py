@@ -51,8 +51,8 @@ class StageOps(_Strict):
     @classmethod
     def _op_shape(cls, ops: list[list[Any]]) -> list[list[Any]]:
         for i, (kind, lo, hi) in enumerate(ops):
-            if kind not in ("F", "B") or type(lo) is not int or type(hi) is not int:
-                raise ValueError(f"op {i} is {[kind, lo, hi]!r}, expected [\"F\"|\"B\", lo, hi] with integer lo, hi")
+            if kind not in ("F", "B", "W") or type(lo) is not int or type(hi) is not int:
+                raise ValueError(f"op {i} is {[kind, lo, hi]!r}, expected [\"F\"|\"B\"|\"W\", lo, hi] with integer lo, hi")
         return ops
 
 
@@ -105,11 +105,15 @@ def validate_ops(ops: Sequence[Sequence[Op]], minibatch: int, max_size: int, rec
         expect = 0  # F ops run in sample order: samples [0, expect) have had their forward
         f_ranges: set[tuple[int, int]] = set()
         b_ranges: list[tuple[int, int]] = []  # sorted and disjoint: intervals, not a flag per sample
+        w_ranges: list[tuple[int, int]] = []
         for kind, lo, hi in stage_ops:
             if not (0 <= lo < hi <= B):
                 raise UmoptError(f"{where}: {kind}({lo},{hi}) is not a chunk of samples 0..{B - 1}")
             if hi - lo > max_size:
                 raise UmoptError(f"{where}: {kind}({lo},{hi}) has {hi - lo} samples, the profile measured at most {max_size}")
+            if kind == "W":
+                _check_w(where, lo, hi, b_ranges, w_ranges)
+                continue
             if kind == "F":
                 if lo != expect:
                     raise UmoptError(f"{where}: F({lo},{hi}) out of order, expected a chunk starting at sample {expect}")
@@ -133,6 +137,28 @@ def validate_ops(ops: Sequence[Sequence[Op]], minibatch: int, max_size: int, rec
             end = hi
         if end != B:
             raise UmoptError(f"{where}: B ops miss sample {end}")
+        end = 0
+        for lo, hi in w_ranges:
+            if lo != end:
+                break
+            end = hi
+        if w_ranges and end != B:
+            raise UmoptError(f"{where}: W ops miss sample {end} (a stage with W ops needs the weight gradient of every sample)")
+
+
+def _check_w(where: str, lo: int, hi: int, b_ranges: list[tuple[int, int]], w_ranges: list[tuple[int, int]]) -> None:
+    """A W op: whole B chunks that ran before it on the stage, each taken by one W only."""
+    k = bisect.bisect_left(b_ranges, (lo, -1))
+    end = lo
+    while k < len(b_ranges) and b_ranges[k][0] == end and end < hi:
+        end = b_ranges[k][1]
+        k += 1
+    if end != hi:
+        raise UmoptError(f"{where}: W({lo},{hi}) is not whole B chunks that ran before it (a weight gradient follows its samples' B)")
+    j = bisect.bisect_left(w_ranges, (lo, hi))
+    if (j > 0 and w_ranges[j - 1][1] > lo) or (j < len(w_ranges) and w_ranges[j][0] < hi):
+        raise UmoptError(f"{where}: W({lo},{hi}) covers samples a W op already covered")
+    w_ranges.insert(j, (lo, hi))
 
 
 def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: bool = True) -> Timeline:
