@@ -242,3 +242,15 @@ def test_a_schedule_read_from_another_folder_finds_its_profile_beside_it(tmp_pat
     code, stdout, err = run(["show", "job/s.json"], capsys)
     assert code == 0 and "iteration" in stdout, err
     shutil.rmtree(tmp_path / "job")
+
+
+def test_zero_bubble_schedule_is_written_shown_and_refused_by_torch_csv(tmp_path, capsys):
+    out = tmp_path / "zb.json"
+    code, stdout, err = run(["solve", "transformer8-sim", "-B", "16", "--zero-bubble", "--time-limit", "2", "-o", str(out)], capsys)
+    assert code == 0, err
+    assert "ZB-H1 equal" in stdout and "against the best equal ZB-H1" in stdout and "without W ops" in stdout
+    assert any(op[0] == "W" for st in load_schedule(str(out)).stages for op in st.ops)
+    code, stdout, _ = run(["show", str(out)], capsys)
+    assert code == 0
+    code, _, err = run(["export", str(out), "--format", "torch-csv", "-o", str(tmp_path / "plan.csv")], capsys)
+    assert code == 2 and "W ops" in err and not (tmp_path / "plan.csv").exists()

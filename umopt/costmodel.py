@@ -211,7 +211,7 @@ def stage_peak_memory(tables: CostTables, stage: int, ops: Sequence[Op]) -> int:
         if kind == "F":
             stashed += b
         if tables.recompute:
-            running = b if kind == "B" else 0
+            running = b if kind != "W" else 0  # a W runs on what its B kept (awaiting)
             mem = tables.static_bytes[s] + stashed * tables.input_bytes[s] + (awaiting + running) * tables.stash_bytes[s]
         else:
             mem = tables.static_bytes[s] + stashed * tables.stash_bytes[s]

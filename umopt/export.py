@@ -29,6 +29,8 @@ def torch_csv(schedule: Schedule) -> str:
     if schedule.recompute:
         raise UmoptError("torch-csv: torch's schedules cannot recompute inside a backward as this schedule does")
     ops = schedule.op_lists()
+    if any(op.kind == "W" for st in ops for op in st):
+        raise UmoptError("torch-csv: W ops (weight gradients split off the backward) are not exported; solve without --zero-bubble")
     parts = [partitions_from_ops(o) for o in ops]
     first = parts[0][0]
     for s, (f, b) in enumerate(parts):
