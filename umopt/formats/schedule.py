@@ -130,20 +130,22 @@ def validate_ops(ops: Sequence[Sequence[Op]], minibatch: int, max_size: int, rec
                 b_ranges.insert(k, (lo, hi))
         if expect != B:
             raise UmoptError(f"{where}: F ops cover samples 0..{expect - 1}, not the minibatch 0..{B - 1}")
-        end = 0
-        for lo, hi in b_ranges:
-            if lo != end:
-                break
-            end = hi
+        end = _covered(b_ranges)
         if end != B:
             raise UmoptError(f"{where}: B ops miss sample {end}")
-        end = 0
-        for lo, hi in w_ranges:
-            if lo != end:
-                break
-            end = hi
+        end = _covered(w_ranges)
         if w_ranges and end != B:
             raise UmoptError(f"{where}: W ops miss sample {end} (a stage with W ops needs the weight gradient of every sample)")
+
+
+def _covered(ranges: list[tuple[int, int]]) -> int:
+    """How far sorted, disjoint sample ranges cover 0, 1, ... without a gap."""
+    end = 0
+    for lo, hi in ranges:
+        if lo != end:
+            break
+        end = hi
+    return end
 
 
 def _check_w(where: str, lo: int, hi: int, b_ranges: list[tuple[int, int]], w_ranges: list[tuple[int, int]]) -> None:
