@@ -7,8 +7,9 @@ samples in flight (forwarded, weight gradient not yet computed): ZB-H1 (Qi et al
 keeps 1F1B's number, so its memory is 1F1B's; no cap defers every W to the end. Then
 :func:`fill_bubbles` moves W ops, one at a time, into idle time of their stage that is long enough
 to hold them, which by the cost model delays nothing, and merges neighbouring W ops where the
-runtime's cost per op makes one W cheaper than two. :func:`zb_h1` is the paper's ZB-H1 on equal microbatches, the best M;
-:func:`best_with_weight_ops` the best W placement of one schedule within the memory limit.
+runtime's cost per op makes one W cheaper than two. :func:`zb_h1` is the paper's ZB-H1 on equal
+microbatches, the best M; :func:`best_with_weight_ops` the best W placement of one schedule
+within the memory limit.
 """
 
 from __future__ import annotations
