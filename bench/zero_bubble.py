@@ -1,6 +1,8 @@
-"""Predicted iterations with W ops (zero bubble) on the bundled profiles that have the B/W split.
+"""Iterations with W ops (zero bubble): predicted on the bundled profiles that have the B/W
+split, and measured on 2 CPU stages.
 
     python bench/zero_bubble.py [--minibatch 32] [--time-limit 8] [--markdown]
+    python bench/zero_bubble.py --measure [--rounds 3] [--steps 6] [--markdown]
 
 For each profile: `umopt solve` without W ops, `umopt solve --zero-bubble` (umopt's schedule with
 W ops placed, and the best equal ZB-H1), and the best equal 1F1B, at the same memory (none set:
@@ -9,19 +11,82 @@ Targets (issue 34): with W ops umopt beats umopt without them where backward >= 
 best equal ZB-H1 by at least 5% on the heterogeneous profiles. The synthetic profiles split each
 backward 50/50 between input and weight gradients (a transformer layer's B and W each cost about
 one forward); the measured profiles bundled here predate the split and are left out.
+
+With --measure: a GPT of 4 layers on 2 CPU stages x 1 thread, `umopt profile` (which times the
+split as the runtime runs it, and fits to probe runs), then umopt's best schedule without W ops,
+the same with W ops placed, and the best equal ZB-H1 and 1F1B, run in turns on the same processes
+(--rounds times): predicted and measured ms, their ratio, and each against the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from umopt.formats.profile import bundled_profiles, load_profile
-from umopt.solve import solve
+from umopt.costmodel import simulate
+from umopt.formats.profile import bundled_profiles, load_profile, save_profile
+from umopt.formats.schedule import make_schedule, save_schedule
+from umopt.launch import launch
+from umopt.probes import profile_in_pipeline
+from umopt.profiler import ProfileOptions
+from umopt.solve import make_problem, solve
+from umopt.zerobubble import best_with_weight_ops, zb_h1
 
 COLUMNS = ("profile", "1F1B equal ms", "ZB-H1 equal ms", "umopt ms", "umopt + W ms", "x ZB-H1", "x umopt", "peak MiB umopt / +W")
+
+
+MEASURE_COLUMNS = ("schedule", "W ops", "pred ms", "meas ms", "meas / pred", "meas x 1F1B", "meas x ZB-H1")
+
+
+def measure(B: int, rounds: int, steps: int, time_limit: float) -> list[tuple]:
+    with tempfile.TemporaryDirectory(prefix="umopt-zb-") as tmp:
+        out = Path(tmp)
+        args = {"layers": 4, "d_model": 192, "heads": 4, "vocab": 512, "seq_len": 64}
+        save_profile(profile_in_pipeline(ProfileOptions(model="gpt", model_args=args, stages=2, max_size=B), probe_minibatch=B), out / "p.json")
+        prof = load_profile(out / "p.json")
+        problem = make_problem(prof, B, False)
+        plain = solve(prof, B, time_limit=time_limit, seed=0)
+        plans = {"umopt": plain.schedule.op_lists(), "1f1b_equal": plain.onef1b.candidate.ops()}
+        placed = best_with_weight_ops(problem, plans["umopt"], seconds=time_limit / 2)
+        if placed is not None:
+            plans["umopt_w"] = placed[0]
+        zb = zb_h1(problem, seconds=time_limit / 2)
+        if zb is not None:
+            plans["zbh1_equal"] = zb[1]
+        paths = []
+        for name, ops in plans.items():
+            tl = simulate(problem.tables, ops, B)
+            save_schedule(make_schedule(prof, B, False, ops, tl, {"name": name, "status": "feasible", "seconds": 0.0}, {}), str(out / f"{name}.json"))
+            paths.append(str(out / f"{name}.json"))
+        reports = launch([*paths, "--steps", str(steps), "--warmup", "2", "--rounds", str(rounds), "--report", str(out / "{name}_report.json")], quiet=True).reports
+        meas = {n: r["measured_iteration_ms"] for n, r in zip(plans, reports)}
+        rows = []
+        for (name, ops), r in zip(plans.items(), reports):
+            rows.append((
+                name, "yes" if any(op.kind == "W" for st in ops for op in st) else "no", f"{r['predicted_iteration_ms']:.1f}",
+                f"{r['measured_iteration_ms']:.1f}", f"{r['measured_over_predicted']:.3f}",
+                f"{meas['1f1b_equal'] / meas[name]:.3f}", f"{meas['zbh1_equal'] / meas[name]:.3f}" if "zbh1_equal" in meas else "-",
+            ))
+        return rows
+
+
+def _print(columns, rows, markdown: bool, title: str) -> None:
+    if markdown:
+        print("| " + " | ".join(columns) + " |")
+        print("|" + "---|" * len(columns))
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+        return
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="left" if c in ("profile", "schedule") else "right")
+    for r in rows:
+        table.add_row(*r)
+    Console().print(table)
 
 
 def main() -> None:
@@ -29,7 +94,13 @@ def main() -> None:
     ap.add_argument("--minibatch", "-B", type=int, default=32)
     ap.add_argument("--time-limit", type=float, default=8.0)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--measure", action="store_true", help="measure on 2 CPU stages instead")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
     a = ap.parse_args()
+    if a.measure:
+        _print(MEASURE_COLUMNS, measure(a.minibatch, a.rounds, a.steps, a.time_limit), a.markdown, f"measured on 2 CPU stages, minibatch {a.minibatch}")
+        return
     rows = []
     for name in bundled_profiles():
         prof = load_profile(name)
@@ -43,18 +114,7 @@ def main() -> None:
             f"{zb.zbh1.iteration_ms / it:.3f}", f"{plain.timeline.iteration_ms / it:.3f}",
             f"{max(plain.timeline.peak_memory_bytes) / 2**20:.0f} / {max(zb.timeline.peak_memory_bytes) / 2**20:.0f}",
         ))
-    if a.markdown:
-        print("| " + " | ".join(COLUMNS) + " |")
-        print("|" + "---|" * len(COLUMNS))
-        for r in rows:
-            print("| " + " | ".join(r) + " |")
-        return
-    table = Table(title=f"predicted ms per iteration, minibatch {a.minibatch}")
-    for c in COLUMNS:
-        table.add_column(c, justify="left" if c == "profile" else "right")
-    for r in rows:
-        table.add_row(*r)
-    Console().print(table)
+    _print(COLUMNS, rows, a.markdown, f"predicted ms per iteration, minibatch {a.minibatch}")
 
 
 if __name__ == "__main__":

@@ -207,10 +207,11 @@ def _int_list(value: Optional[str], what: str) -> Optional[list[int]]:
 @click.option("--concurrent/--sequential", default=None, help="Time all stages at once, one process each, as they run (default on CPU when the cores suffice).")
 @click.option("--probes/--no-probes", default=True, show_default=True, help="End with probe runs of the real runtime and fit the profile to them (where there is a core or GPU per stage).")
 @click.option("--probe-minibatch", type=int, default=32, show_default=True, help="Minibatch of the probe runs.")
+@click.option("--split-backward/--no-split-backward", default=True, show_default=True, help="Also time each backward's input and weight gradients apart (what solve --zero-bubble needs).")
 @click.option("--dp", type=int, default=1, show_default=True, help="Also measure the gradient all-reduce among this many data-parallel replicas (processes; GPUs 0..N-1 on CUDA).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Profile file to write.")
 def profile(model, model_args, stages, split, sizes, max_size, device, dtype, threads, warmup, repeats, optimizer,
-            link_latency_ms, link_gbps, memory_limit, trace_dir, seed, concurrent, probes, probe_minibatch, dp, output) -> None:
+            link_latency_ms, link_gbps, memory_limit, trace_dir, seed, concurrent, probes, probe_minibatch, split_backward, dp, output) -> None:
     """Measure each stage's forward/backward time per chunk size, its memory and the links."""
     _require_torch()
     from umopt.fileio import check_writable
@@ -230,7 +231,7 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
         model=model, model_args=parse_model_args(list(model_args)), stages=stages, split=_int_list(split, "--split"),
         sizes=_int_list(sizes, "--sizes"), max_size=max_size, device=device, dtype=dtype, threads=threads,
         warmup=warmup, repeats=repeats, optimizer=optimizer, link_latency_ms=link_latency_ms, link_gbps=link_gbps,
-        memory_limit_bytes=memory_limit, trace_dir=trace_dir, seed=seed, concurrent=concurrent, dp=dp,
+        memory_limit_bytes=memory_limit, trace_dir=trace_dir, seed=seed, concurrent=concurrent, dp=dp, split_backward=split_backward,
     )
     with _progress_bar("profile") as bar:
         task = bar.add_task("", total=None)

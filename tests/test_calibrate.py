@@ -49,6 +49,25 @@ def test_each_size_is_scaled_by_its_measured_ratio():
         assert [sp.end - sp.start for sp in tl.spans[s]] == pytest.approx([op[3] for op in rep["ops"][s]])
 
 
+def test_split_backwards_move_with_the_backward_and_w_reports_are_read():
+    """A profile with the B/W split: its parts scale with the backward's ratio; a run with W ops
+    (whose B ops are input gradients) is checked against the split and adds no backward ratio."""
+    split = two_stage_profile()
+    split = split.model_copy(update={"stages": [st.model_copy(update={
+        "backward_input_ms": [0.6 * v for v in st.backward_ms], "backward_weight_ms": [0.4 * v for v in st.backward_ms]}) for st in split.stages]})
+    cal = calibrate(split, [_report(split, OPS, [{"F": 1.0, "B": 1.5}, {"F": 1.0, "B": 1.0}])], ["r.json"])
+    assert cal.stages[0].backward_input_ms == pytest.approx([1.5 * 0.6 * v for v in split.stages[0].backward_ms])
+    assert cal.stages[0].backward_weight_ms == pytest.approx([1.5 * 0.4 * v for v in split.stages[0].backward_ms])
+    with_w = [OPS[0], [("F", 0, 2), ("B", 0, 2), ("W", 0, 2)]]
+    cal = calibrate(split, [_report(split, with_w, [{"F": 1.0, "B": 1.0}, {"F": 1.0, "B": 2.0, "W": 2.0}])], ["w.json"])
+    assert cal.stages[1].backward_ms == pytest.approx(split.stages[1].backward_ms)
+    # a stage with W ops whose B was predicted as the whole backward: not this profile's run
+    rep = _report(split, with_w, [{"F": 1.0, "B": 1.0, "W": 1.0}] * 2)
+    rep["ops"][1][1][4] = split.stages[1].backward_ms[1]
+    with pytest.raises(UmoptError, match="was not measured against this profile"):
+        calibrate(split, [rep], ["x.json"])
+
+
 def test_what_the_op_times_miss_becomes_a_step_overhead():
     # three runs of the same op lists cannot tell a cost per op from one per iteration: it all
     # goes to the iteration, the least-squares value of the relative residuals

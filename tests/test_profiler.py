@@ -30,6 +30,12 @@ def test_small_mlp_profile_is_complete_and_sane(tmp_path, capsys):
     # what stage 0 sends is what stage 1 receives: a 256-wide float32 activation
     assert prof.stages[0].output_bytes_per_sample == prof.stages[1].input_bytes_per_sample == 256 * 4
     assert prof.stages[0].input_bytes_per_sample == 64 * 4
+    # the backward split as W ops run it: on stage 0 no input needs a gradient, so the weight
+    # part is all of it; on stage 1 both parts do work
+    first, second = prof.stages
+    assert len(first.backward_input_ms) == len(first.backward_weight_ms) == len(prof.sizes)
+    assert all(i < w for i, w in zip(first.backward_input_ms, first.backward_weight_ms))
+    assert all(i > 0 and w > 0 for i, w in zip(second.backward_input_ms, second.backward_weight_ms))
     # the gradients data-parallel replicas would all-reduce: the stage's parameters
     mlp = build_model("mlp", {"layers": 4}, seed=0)
     for st in prof.stages:

@@ -172,6 +172,9 @@ def calibrate(profile: Profile, reports: list[dict], names: list[str]) -> Profil
             iqr = getattr(st, key.replace("_ms", "_iqr_ms"))
             weights = None if iqr is None else [1.0 / (q / max(v, 1e-12) + 0.01) ** 2 for q, v in zip(iqr, getattr(st, key))]
             update[key] = monotone_fit(scaled, weights)
+            if kind == "B" and st.backward_input_ms is not None:  # its two parts move with it
+                for part in ("backward_input_ms", "backward_weight_ms"):
+                    update[part] = monotone_fit([float(r * (v + st.op_overhead_ms)) for v, r in zip(getattr(st, part), scale)])
         stages.append(st.model_copy(update=update))
     scaled = profile.model_copy(update={"stages": stages})
     allreduce = fit_allreduce(scaled, reports)

@@ -39,6 +39,7 @@ from .devices import TensorSpec, autocast
 from .errors import UmoptError
 from .formats.profile import Profile, load_profile
 from .formats.schedule import Schedule, check_against_profile, load_schedule
+from .splitbackward import backward_input
 
 __all__ = ["Pipeline", "StepTimer", "link_order", "BUCKET_BYTES"]
 
@@ -276,7 +277,7 @@ class Pipeline:
                     pairs = [(o, g[lo:hi]) for o, g in zip(outs, self._grad) if o.requires_grad]
                     roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
                 if self._split:  # the input gradient now, the weight gradient at this chunk's W
-                    weights_later[(lo, hi)] = _backward_input(x, roots, grads, self.module)
+                    weights_later[(lo, hi)] = backward_input(x, roots, grads, self.module)
                 elif roots:
                     torch.autograd.backward(roots, grads)
                 if not self.first:
@@ -327,26 +328,6 @@ class Pipeline:
                     offset += g.numel()
 
         return finish
-
-
-def _backward_input(x: tuple[torch.Tensor, ...], roots: list[torch.Tensor], grads: Optional[list[torch.Tensor]], module: torch.nn.Module) -> Callable[[], None]:
-    """A B op of a stage with W ops: the gradients of the inputs ``x`` now (left in their
-    ``.grad``, to be sent), keeping what the weight gradients need; returns the W part.
-
-    torch.distributed.pipelining's split (``stage_backward_input`` / ``stage_backward_weight``):
-    the input gradient's backward records, through hooks, the output gradients of the nodes where
-    the weights' paths join it, and the W part resumes from there, so nothing runs twice. Where
-    no input carries a gradient (the first stage), the input gradient is empty and the whole
-    backward is the W part."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
-    inputs = [t for t in x if t.requires_grad]
-    if not roots:
-        return lambda: None
-    if not inputs:
-        return lambda: torch.autograd.backward(roots, grads)
-    _, groups = stage_backward_input(roots, grads, inputs, module.parameters())
-    return lambda: stage_backward_weight(module.parameters(), groups)
 
 
 class _Links:

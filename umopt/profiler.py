@@ -30,6 +30,7 @@ from .errors import UmoptError
 from .formats.profile import PROFILE_FORMAT, Profile, default_sizes
 from .devices import TensorSpec, autocast, boundary_tensors, default_memory_limit
 from .noise import Summary, load_warning, monotone_fit, noise_figure, noisy_warning, summarize
+from .splitbackward import backward_input
 from .zoo import ModelParts, build_model
 
 __all__ = [
@@ -73,6 +74,7 @@ class ProfileOptions:
     trace_dir: Optional[str] = None
     seed: int = 0
     concurrent: Optional[bool] = None  # time all stages at once, one process each (default: on CPU)
+    split_backward: bool = True  # also time the backward's input and weight gradients apart (W ops)
     dp: int = 1  # data-parallel replicas to measure the gradient all-reduce among (1: not measured)
 
 
@@ -170,12 +172,15 @@ def _input(parts: ModelParts, boundary: torch.Tensor, first: bool, b: int, devic
     return act, y.to(device)
 
 
-def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cast, progress, label, budget_s: float) -> tuple[list[Summary], list[Summary]]:
-    """Each size's forward and backward times: the median and spread of its repeats, with more
-    repeats (up to ``opts.max_repeats``, within ``budget_s`` for the stage) while either spread
-    is wider than ``opts.spread_target``."""
+def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cast, progress, label, budget_s: float) -> tuple[list[Summary], ...]:
+    """Each size's forward and backward times, and with ``opts.split_backward`` the backward's
+    input and weight gradients split as W ops run them (:mod:`umopt.splitbackward`, after a
+    forward of their own): the median and spread of its repeats, with more repeats (up to
+    ``opts.max_repeats``, within ``budget_s`` for the stage) while a spread is wider than
+    ``opts.spread_target``. Returns (forward, backward, input gradient, weight gradient); the
+    last two empty without the split."""
     timer = _Timer(device)
-    fwd, bwd = [], []
+    fwd, bwd, bin_, bwt = [], [], [], []
     deadline = time.perf_counter() + budget_s
     # first calls allocate and pick kernels; keep that out of every size's numbers
     for b in (sizes[-1], sizes[0]):
@@ -185,28 +190,36 @@ def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cas
         out.backward(torch.ones_like(out) if last else torch.randn_like(out))
         stage.zero_grad(set_to_none=True)
 
-    def repeat(b: int, rep: int) -> tuple[float, float]:
+    def repeat(b: int, rep: int) -> tuple[float, ...]:
         x, y = _input(parts, boundary, first, b, device, rep)
         with cast():
             tf, out = timer(lambda: stage(x, y if last else None))
         grad = torch.ones_like(out) if last else torch.randn_like(out)
         tb, _ = timer(lambda: out.backward(grad))
         stage.zero_grad(set_to_none=True)
-        return tf, tb
+        if not opts.split_backward:
+            return tf, tb
+        x, y = _input(parts, boundary, first, b, device, rep)
+        with cast():
+            out = stage(x, y if last else None)
+        tbi, weights = timer(lambda: backward_input((x,), [out], None if last else [grad], stage))
+        tbw, _ = timer(weights)
+        stage.zero_grad(set_to_none=True)
+        return tf, tb, tbi, tbw
 
     for b in sizes:
         runs = [repeat(b, rep) for rep in range(opts.warmup + opts.repeats)][opts.warmup :]
         while True:
-            f, g = summarize([r[0] for r in runs]), summarize([r[1] for r in runs])
-            tight = f.spread <= opts.spread_target and g.spread <= opts.spread_target
+            got = [summarize([r[k] for r in runs]) for k in range(len(runs[0]))]
+            tight = all(e.spread <= opts.spread_target for e in got)
             if tight or len(runs) >= opts.max_repeats or time.perf_counter() > deadline:
                 break
             runs += [repeat(b, len(runs) + k) for k in range(2)]
-        fwd.append(f)
-        bwd.append(g)
+        for into, e in zip((fwd, bwd, bin_, bwt), got):
+            into.append(e)
         if progress:
             progress(1, 0, f"{label} size {b}")
-    return fwd, bwd
+    return fwd, bwd, bin_, bwt
 
 
 def _fitted(entries: list[Summary]) -> list[float]:
@@ -465,9 +478,9 @@ def _timing_worker(s: int, opts: ProfileOptions, cuts: list[int], sizes: list[in
         first, last = s == 0, s == len(cuts) - 2
         stage = _Stage(parts.layers[a:b], parts.loss if last else None).to(device)
         tick = lambda n, _t, what: queue.put(("tick", s, what))  # noqa: E731
-        fwd, bwd = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s)
+        measured = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s)
         opt_ms = _optimizer_step_ms(stage, opts, device)
-        queue.put(("done", s, [(e.median, e.iqr, e.kept) for e in fwd], [(e.median, e.iqr, e.kept) for e in bwd], opt_ms))
+        queue.put(("done", s, [[(e.median, e.iqr, e.kept) for e in entries] for entries in measured], opt_ms))
         # keep this core as busy as in a real run until every stage is timed
         x, y = _input(parts, bounds[a], first, sizes[len(sizes) // 2], device, 0)
         while not stop.is_set():
@@ -507,8 +520,8 @@ def _time_concurrently(opts: ProfileOptions, cuts: list[int], sizes: list[int], 
             if msg[0] == "tick":
                 tick(1, 0, msg[2])
             elif msg[0] == "done":
-                _, s, fwd, bwd, opt_ms = msg
-                results[s] = ([Summary(*e) for e in fwd], [Summary(*e) for e in bwd], opt_ms)
+                _, s, measured, opt_ms = msg
+                results[s] = ([[Summary(*e) for e in entries] for entries in measured], opt_ms)
             else:
                 raise UmoptError(f"profiling stage {msg[1]} failed: {msg[2]}")
     finally:
@@ -668,9 +681,9 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
             first, last = s == 0, s == S - 1
             stage = _Stage(parts.layers[a:b], parts.loss if last else None).to(device)
             if s in timed:
-                fwd, bwd, opt_ms = timed[s]
+                (fwd, bwd, bin_, bwt), opt_ms = timed[s]
             else:
-                fwd, bwd = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s / S)
+                fwd, bwd, bin_, bwt = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s / S)
                 opt_ms = _optimizer_step_ms(stage, opts, device)
             entries += fwd + bwd
             lo, hi = (2, 6)
@@ -688,6 +701,7 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
                 "backward_ms": _fitted(bwd),
                 "forward_iqr_ms": [e.iqr for e in fwd],
                 "backward_iqr_ms": [e.iqr for e in bwd],
+                **({"backward_input_ms": _fitted(bin_), "backward_weight_ms": _fitted(bwt)} if bin_ else {}),
                 "input_bytes_per_sample": int(in_bytes),
                 "output_bytes_per_sample": int(out_bytes),
                 "stash_bytes_per_sample": int(max(stash, 0)),
