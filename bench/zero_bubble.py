@@ -12,10 +12,10 @@ best equal ZB-H1 by at least 5% on the heterogeneous profiles. The synthetic pro
 backward 50/50 between input and weight gradients (a transformer layer's B and W each cost about
 one forward); the measured profiles bundled here predate the split and are left out.
 
-With --measure: a GPT of 4 layers on 2 CPU stages x 1 thread, `umopt profile` (which times the
-split as the runtime runs it, and fits to probe runs), then umopt's best schedule without W ops,
-the same with W ops placed, and the best equal ZB-H1 and 1F1B, run in turns on the same processes
-(--rounds times): predicted and measured ms, their ratio, and each against the others.
+With --measure: a GPT of 4 layers on 2 CPU stages x 1 thread, `umopt profile --split-backward`
+(which times the split as the runtime runs it, and fits to probe runs), then umopt's best schedule
+without W ops, the same with W ops placed, and the best equal ZB-H1 and 1F1B, run in turns on the
+same processes (--rounds times): predicted and measured ms, their ratio, and each against the others.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def measure(B: int, rounds: int, steps: int, time_limit: float) -> list[tuple]:
     with tempfile.TemporaryDirectory(prefix="umopt-zb-") as tmp:
         out = Path(tmp)
         args = {"layers": 4, "d_model": 192, "heads": 4, "vocab": 512, "seq_len": 64}
-        save_profile(profile_in_pipeline(ProfileOptions(model="gpt", model_args=args, stages=2, max_size=B), probe_minibatch=B), out / "p.json")
+        save_profile(profile_in_pipeline(ProfileOptions(model="gpt", model_args=args, stages=2, max_size=B, split_backward=True), probe_minibatch=B), out / "p.json")
         prof = load_profile(out / "p.json")
         problem = make_problem(prof, B, False)
         plain = solve(prof, B, time_limit=time_limit, seed=0)

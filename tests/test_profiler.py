@@ -19,7 +19,7 @@ FAST_LINK = ["--link-latency-ms", "0.05", "--link-gbps", "10"]
 
 def test_small_mlp_profile_is_complete_and_sane(tmp_path, capsys):
     out = tmp_path / "mlp.json"
-    code, stdout, err = run(["profile", "--model", "mlp", "--model-arg", "layers=4", "--stages", "2", "--max-size", "8", *FAST_LINK, "-o", str(out)], capsys)
+    code, stdout, err = run(["profile", "--model", "mlp", "--model-arg", "layers=4", "--stages", "2", "--max-size", "8", "--split-backward", *FAST_LINK, "-o", str(out)], capsys)
     assert code == 0, err
     prof = load_profile(str(out))
     assert prof.sizes == [1, 2, 4, 8] and prof.num_stages == 2

@@ -245,7 +245,7 @@ def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int, *,
         raise UmoptError(f"schedule has {len(ops)} stages, the profile {S}")
     split = [any(op[0] == "W" for op in stage) for stage in ops]
     if any(split) and tables.bwd_input is None:
-        raise UmoptError("the schedule has W ops but the profile has no backward_input_ms / backward_weight_ms (profile again)")
+        raise UmoptError("the schedule has W ops but the profile has no backward_input_ms / backward_weight_ms (profile with --split-backward)")
     never = float("inf")  # not sent yet; max() over a chunk then says "not ready" by itself
     # act_at[s][i]: when sample i's activation is ready on stage s (stage 0: at time 0).
     # grad_at[s][i]: when sample i's gradient is ready on stage s (last stage: its F's end there).

@@ -28,7 +28,7 @@ __all__ = ["with_weight_ops", "fill_bubbles", "best_with_weight_ops", "zb_h1", "
 
 def require_split(problem: Problem) -> None:
     if problem.tables.bwd_input is None:
-        raise UmoptError("W ops need the profile's backward_input_ms and backward_weight_ms (profile again with this umopt)")
+        raise UmoptError("W ops need the profile's backward_input_ms and backward_weight_ms: profile with --split-backward")
 
 
 def in_flight_peak(stage_ops: Sequence[Op]) -> int:
