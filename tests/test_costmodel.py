@@ -230,3 +230,18 @@ def test_placed_w_ops_beat_the_same_schedule_without_them_and_zb_h1_at_its_memor
     # the timeline is the simulator's for exactly these ops (W ops included)
     tl = simulate(CostTables.from_profile(prof), zb.schedule.op_lists(), 32)
     assert tl.iteration_ms == zb.schedule.predicted.iteration_ms
+
+
+def test_zero_bubble_keeps_to_the_memory_limit():
+    """Deferred W ops keep their samples' stash: under a limit at the plain schedule's peak, the
+    W schedule found stays within it."""
+    from umopt.formats.profile import load_profile
+    from umopt.solve import solve
+
+    prof = load_profile("gpt-sim")
+    plain = solve(prof, 32, time_limit=2, seed=0)
+    limit = max(plain.timeline.peak_memory_bytes)
+    zb = solve(prof.with_memory_limit(limit), 32, time_limit=4, seed=0, zero_bubble=True)
+    assert max(zb.timeline.peak_memory_bytes) <= limit
+    assert max(zb.zbh1_timeline.peak_memory_bytes) <= limit
+    assert zb.schedule.predicted.peak_memory_bytes == zb.timeline.peak_memory_bytes
