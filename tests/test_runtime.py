@@ -252,3 +252,28 @@ def test_two_data_parallel_replicas_of_the_pipeline_train_as_one_process_on_the_
     assert set(got) == set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("recompute,seed", [(False, 5), (True, 6)])
+def test_zero_bubble_schedules_on_three_stages_give_single_process_gradients(tmp_path, recompute, seed):
+    """W ops on every stage, the middle one included (inputs and outputs both carry gradients):
+    umopt's W placement on a random unequal schedule, run by `umopt run`."""
+    from umopt.costmodel import simulate
+    from umopt.problem import Problem
+    from umopt.zerobubble import best_with_weight_ops
+
+    profile = mlp_profile(tmp_path, 3)
+    _, cand = write_schedule(tmp_path, profile, "1f1b", recompute, seed)
+    problem = Problem(CostTables.from_profile(profile, recompute), B)
+    ops, tl = best_with_weight_ops(problem, cand.ops())
+    assert all(any(op.kind == "W" for op in st) for st in ops)
+    path = tmp_path / "w.json"
+    save_schedule(make_schedule(profile, B, recompute, ops, simulate(problem.tables, ops, B), {"name": "w", "status": "feasible", "seconds": 0.0}, {}), str(path))
+    launch([str(path), "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True)
+    got = {}
+    for s in range(3):
+        got.update(torch.load(tmp_path / "g" / f"grads_stage{s}.pt"))
+    want = reference()
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
