@@ -133,6 +133,9 @@ class SolverResult:
     seconds: float = 0.0
     evaluated: int = 0  # schedules scored
     extra: dict = field(default_factory=dict)
+    # other schedules it found on the way (auto: each part's best), for what comes after the
+    # search: W ops placed in each (solve --zero-bubble)
+    alternatives: list[Candidate] = field(default_factory=list)
 
 
 def pack(partitions: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:

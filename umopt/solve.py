@@ -183,7 +183,7 @@ def solve(
         zbh1_timeline = found_zb[2] if found_zb else None
         # W ops placed in the recommended schedule and in the other schedules the solve found
         # (the best without W ops need not be the best with them)
-        starts = [ops] + [c.ops() for _, c in found if c is not choice.candidate]
+        starts = [ops] + [c.ops() for c in [*(c for _, c in found), *result.alternatives] if c is not choice.candidate]
         placed = [w for w in (best_with_weight_ops(problem, o, seconds / len(starts)) for o in starts) if w is not None]
         with_w = min(placed, key=lambda w: w[1].iteration_ms, default=None)
         if with_w is not None and with_w[1].iteration_ms < timeline.iteration_ms - 1e-9:

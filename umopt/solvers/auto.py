@@ -152,6 +152,7 @@ def solve_auto(
         seconds=time.perf_counter() - t0,
         evaluated=sum(r.evaluated for r in results),
         extra={"winner": best.name, "tried": {r.name: r.candidate.iteration_ms for r in results}, **extra},
+        alternatives=[r.candidate for r in results if r is not best and r.candidate.iteration_ms < float("inf")],
     )
 
 
