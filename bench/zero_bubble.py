@@ -3,6 +3,7 @@ split, and measured on 2 CPU stages.
 
     python bench/zero_bubble.py [--minibatch 32] [--time-limit 8] [--markdown]
     python bench/zero_bubble.py --measure [--rounds 3] [--steps 6] [--markdown]
+    python bench/zero_bubble.py --small [--markdown]
 
 For each profile: `umopt solve` without W ops, `umopt solve --zero-bubble` (umopt's schedule with
 W ops placed, and the best equal ZB-H1), and the best equal 1F1B, at the same memory (none set:
@@ -16,24 +17,31 @@ With --measure: a GPT of 4 layers on 2 CPU stages x 1 thread, `umopt profile --s
 (which times the split as the runtime runs it, and fits to probe runs), then umopt's best schedule
 without W ops, the same with W ops placed, and the best equal ZB-H1 and 1F1B, run in turns on the
 same processes (--rounds times): predicted and measured ms, their ratio, and each against the others.
+
+With --small: on small synthetic instances, how far the W placement is from the optimum among
+schedules with a W op per B chunk (the free-order CP-SAT model, proven).
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from umopt.costmodel import simulate
+from umopt.costmodel import CostTables, simulate
 from umopt.formats.profile import bundled_profiles, load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.launch import launch
 from umopt.probes import profile_in_pipeline
+from umopt.problem import Problem
 from umopt.profiler import ProfileOptions
 from umopt.solve import make_problem, solve
+from umopt.solvers.cpsat import solve_with_weight_ops
+from umopt.synthetic import synthetic_profile
 from umopt.zerobubble import best_with_weight_ops, zb_h1
 
 COLUMNS = ("profile", "1F1B equal ms", "ZB-H1 equal ms", "umopt ms", "umopt + W ms", "x ZB-H1", "x umopt", "peak MiB umopt / +W")
@@ -74,6 +82,27 @@ def measure(B: int, rounds: int, steps: int, time_limit: float) -> list[tuple]:
         return rows
 
 
+SMALL_COLUMNS = ("S", "B", "seed", "umopt + W ms", "optimum ms", "gap", "proven", "cp-sat s")
+
+
+def small(time_limit: float) -> list[tuple]:
+
+
+    rows = []
+    for S, B, seed in [(2, 4, 1), (2, 6, 3), (3, 4, 2), (3, 6, 5), (4, 6, 4), (4, 8, 6)]:
+        prof = synthetic_profile(S, max_size=4, seed=seed)
+        problem = Problem(CostTables.from_profile(prof), B)
+        plain = solve(prof, B, time_limit=time_limit, seed=0)
+        starts = [plain.schedule.op_lists()] + [c.ops() for c in (plain.gpipe.candidate, plain.onef1b.candidate, *plain.result.alternatives) if c is not None]
+        heur = min(best_with_weight_ops(problem, o)[1].iteration_ms for o in starts)
+        t0 = time.perf_counter()
+        ops, _bound, proven = solve_with_weight_ops(problem, 60)
+        sec = time.perf_counter() - t0
+        best = simulate(problem.tables, ops, B, record=False).iteration_ms
+        rows.append((str(S), str(B), str(seed), f"{heur:.2f}", f"{best:.2f}", f"{100 * (heur - best) / best:.1f}%", "yes" if proven else "no", f"{sec:.1f}"))
+    return rows
+
+
 def _print(columns, rows, markdown: bool, title: str) -> None:
     if markdown:
         print("| " + " | ".join(columns) + " |")
@@ -95,9 +124,13 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=8.0)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--measure", action="store_true", help="measure on 2 CPU stages instead")
+    ap.add_argument("--small", action="store_true", help="the W placement against the exact model on small instances")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     a = ap.parse_args()
+    if a.small:
+        _print(SMALL_COLUMNS, small(min(a.time_limit, 4.0)), a.markdown, "W placement against the exact optimum with W ops")
+        return
     if a.measure:
         _print(MEASURE_COLUMNS, measure(a.minibatch, a.rounds, a.steps, a.time_limit), a.markdown, f"measured on 2 CPU stages, minibatch {a.minibatch}")
         return

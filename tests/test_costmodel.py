@@ -245,3 +245,33 @@ def test_zero_bubble_keeps_to_the_memory_limit():
     assert max(zb.timeline.peak_memory_bytes) <= limit
     assert max(zb.zbh1_timeline.peak_memory_bytes) <= limit
     assert zb.schedule.predicted.peak_memory_bytes == zb.timeline.peak_memory_bytes
+
+
+def test_exact_zero_bubble_model_bounds_every_w_schedule_and_reaches_its_bound():
+    """The free-order CP-SAT model with a W op per B chunk: its schedule re-scores at its proven
+    bound (to the microsecond rounding), and no random schedule with W ops beats that bound."""
+    from umopt.costmodel import Op
+    from umopt.problem import Candidate, Problem
+    from umopt.solvers.cpsat import solve_with_weight_ops
+
+    rng = np.random.default_rng(0)
+    for S, B, seed in [(2, 6, 3), (3, 4, 2)]:
+        problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=4, seed=seed)), B)
+        ops, bound, proven = solve_with_weight_ops(problem, 30)
+        assert proven
+        assert simulate(problem.tables, ops, B).iteration_ms == pytest.approx(bound, abs=4 * S * B * 1e-3)
+        for _ in range(40):
+            parts = []
+            for _s in range(S):
+                cuts = sorted(rng.choice(np.arange(1, B), size=int(rng.integers(0, B - 1)), replace=False).tolist())
+                sizes = np.diff([0, *cuts, B]).tolist()
+                parts.append(sizes if max(sizes) <= 4 else [1] * B)
+            fb = Candidate(parts, parts, "1f1b", warmup=rng.integers(0, B + 1, S).tolist()).ops()
+            with_w = []
+            for st in fb:  # each W at a random place after its B
+                new = list(st)
+                for b in [op for op in st if op.kind == "B"]:
+                    at = new.index(b)
+                    new.insert(int(rng.integers(at + 1, len(new) + 1)), Op("W", b.lo, b.hi))
+                with_w.append(new)
+            assert simulate(problem.tables, with_w, B, record=False).iteration_ms >= bound - 1e-9

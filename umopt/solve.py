@@ -17,13 +17,16 @@ from typing import Optional
 from .baselines import Baseline, gpipe_equal, onef1b_equal
 from .bounds import Beside, Scope, fast_bound_ms, fast_job, reported_bounds, spec_bound
 from .choice import Choice, choose
-from .costmodel import CostTables, Timeline
+from .costmodel import CostTables, Timeline, simulate
 from .errors import UmoptError
 from .formats.profile import AllReduceProfile, Profile
 from .formats.schedule import Schedule, make_schedule, validate_ops
 from .limits import check_problem_size
 from .problem import Candidate, Problem, Progress, SolverResult
 from .solvers import SOLVERS
+from .solvers.auto import EXACT_MAX_TERMS
+from .solvers.cpsat import solve_with_weight_ops
+from .solvers.exact import model_terms
 from .zerobubble import best_with_weight_ops, require_split, zb_h1
 
 __all__ = ["SolveReport", "solve", "make_problem", "allreduce_for"]
@@ -185,6 +188,12 @@ def solve(
         # (the best without W ops need not be the best with them)
         starts = [ops] + [c.ops() for c in [*(c for _, c in found), *result.alternatives] if c is not choice.candidate]
         placed = [w for w in (best_with_weight_ops(problem, o, seconds / len(starts)) for o in starts) if w is not None]
+        # on small instances the exact model places W ops too, and proves how far from optimal
+        if model_terms(problem) <= EXACT_MAX_TERMS and not recompute and problem.memory_limit is None:
+            exact = solve_with_weight_ops(problem, seconds, seed)
+            if exact is not None:
+                placed.append((exact[0], simulate(problem.tables, exact[0], minibatch)))
+                result.extra["w_lower_bound_ms"] = exact[1]
         with_w = min(placed, key=lambda w: w[1].iteration_ms, default=None)
         if with_w is not None and with_w[1].iteration_ms < timeline.iteration_ms - 1e-9:
             ops, timeline = with_w
@@ -215,6 +224,8 @@ def solve(
             "recommended": choice.name,
             **({"gain_over_equal": choice.gain, "gain_uncertainty": choice.uncertainty} if choice.gain is not None else {}),
             **({"warmup": cand.warmup} if cand.order == "1f1b" and cand.warmup is not None else {}),
+            # with --zero-bubble on a small instance: no schedule with a W op per B chunk is faster
+            **({"lower_bound_w_ms": result.extra["w_lower_bound_ms"]} if "w_lower_bound_ms" in result.extra else {}),
         },
         baselines={"gpipe_equal": _baseline_entry(gp), "1f1b_equal": _baseline_entry(of), **({"zbh1_equal": _baseline_entry(zbh1)} if zbh1 else {})},
         dp=dp,

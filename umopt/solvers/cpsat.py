@@ -45,7 +45,7 @@ from ..bounds import (
     start_bound_ms,
 )
 from .. import stoppable
-from ..costmodel import Op
+from ..costmodel import Op, simulate
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
 from .exact import (
@@ -60,7 +60,7 @@ from .exact import (
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
 
-__all__ = ["solve_cpsat", "build_gpipe_model", "build_free_model"]
+__all__ = ["solve_cpsat", "build_gpipe_model", "build_free_model", "solve_with_weight_ops"]
 
 
 def _us(ms: float) -> int:
@@ -163,8 +163,12 @@ def build_gpipe_model(problem: Problem, horizon_us: int, hint: Optional[Candidat
     return m, x, y, makespan
 
 
-def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = None):
-    """The free-order CP-SAT model; returns (model, x, y, fstart, bstart, makespan).
+def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = None, weights: bool = False):
+    """The free-order CP-SAT model; returns (model, x, y, fstart, bstart, makespan, wstart).
+
+    With ``weights`` every stage's backward is split (zero bubble): a B op is the input gradient
+    and each B chunk has a W op of its own, any time after it on the stage (``wstart``; empty
+    otherwise). The redundant cuts and memory, which assume whole backwards, are then left out.
 
     Every op is an optional interval on its stage's no-overlap resource, so each stage's op order
     is the solver's choice (GPipe, 1F1B and every other order are in the search space); memory is a
@@ -190,9 +194,12 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
     fstart = [{c: m.new_int_var(0, H, "") for c in chunks} for s in range(S)]
     bstart = [{c: m.new_int_var(0, H, "") for c in chunks} for s in range(S)]
     fdur = [{c: _us(t.fwd[s, c[1] - c[0]]) for c in chunks} for s in range(S)]
-    bdur = [{c: _us(t.bwd[s, c[1] - c[0]]) for c in chunks} for s in range(S)]
+    bdur = [{c: _us((t.bwd_input if weights else t.bwd)[s, c[1] - c[0]]) for c in chunks} for s in range(S)]
     fint = [{c: m.new_optional_fixed_size_interval_var(fstart[s][c], fdur[s][c], x[s][c], "") for c in chunks} for s in range(S)]
     bint = [{c: m.new_optional_fixed_size_interval_var(bstart[s][c], bdur[s][c], y[s][c], "") for c in chunks} for s in range(S)]
+    wstart = [{c: m.new_int_var(0, H, "") for c in chunks} if weights else {} for s in range(S)]
+    wdur = [{c: _us(t.bwd_weight[s, c[1] - c[0]]) for c in chunks} if weights else {} for s in range(S)]
+    wint = [{c: m.new_optional_fixed_size_interval_var(wstart[s][c], wdur[s][c], y[s][c], "") for c in wstart[s]} for s in range(S)]
     # gradient message of B chunk c on stage s (s > 0), over link s-1
     gsend = [{c: m.new_int_var(0, H, "") for c in chunks} if s > 0 else {} for s in range(S)]
     gint = [
@@ -213,7 +220,7 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
         for part in (x[s], y[s]) if problem.recompute else (x[s],):
             for i in range(B):  # every sample in exactly one chunk
                 m.add_exactly_one(part[c] for c in chunks if c[0] <= i < c[1])
-        m.add_no_overlap([*fint[s].values(), *bint[s].values()])
+        m.add_no_overlap([*fint[s].values(), *bint[s].values(), *wint[s].values()])
         ends = [_as_bool(m, sum(x[s][c] for c in chunks if c[1] - 1 == i)) for i in range(B)]
         for c in chunks:
             lo, hi = c
@@ -233,7 +240,11 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
                 m.add(gsend[s][c] >= bstart[s][c] + bdur[s][c]).only_enforce_if(bon)
                 for i in range(lo, hi):
                     m.add(garrive[s][i] >= gsend[s][c] + _us(t.link[s - 1, hi - lo])).only_enforce_if(bon)
-            _add_heads(m, problem, heads, s, c, on, bon, fstart[s][c], bstart[s][c], fdur[s][c], bdur[s][c], makespan)
+            if weights:  # the chunk's W after its B, then the stage's all-reduce
+                m.add(wstart[s][c] >= bstart[s][c] + bdur[s][c]).only_enforce_if(bon)
+                m.add(makespan >= wstart[s][c] + wdur[s][c] + _us(t.allreduce_ms[s])).only_enforce_if(bon)
+            else:
+                _add_heads(m, problem, heads, s, c, on, bon, fstart[s][c], bstart[s][c], fdur[s][c], bdur[s][c], makespan)
             # activation messages: one at a time, in F order (= sample order)
             if s + 1 < S:
                 link = _us(t.link[s, hi - lo])
@@ -250,6 +261,8 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
                     m.add(arrive[s][i] >= arrive[s][i + 1]).only_enforce_if(ends[i].Not())
         if s > 0:
             m.add_no_overlap(list(gint[s].values()))
+        if weights:
+            continue
         if limit is not None:
             _add_memory(m, problem, s, chunks, x[s], y[s], fstart[s], bstart[s], fdur[s], bdur[s])
         # redundant cuts: they give the LP relaxation what each chunk size costs (see .bounds)
@@ -262,7 +275,7 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
 
     if hint is not None:
         _hint_free(m, problem, hint, chunks, x, y, fstart, bstart)
-    return m, x, y, fstart, bstart, makespan
+    return m, x, y, fstart, bstart, makespan, wstart
 
 
 def _add_memory(m, problem: Problem, s: int, chunks, x, y, fstart, bstart, fdur, bdur) -> None:
@@ -376,7 +389,7 @@ def _solve_cpsat(problem: Problem, time_limit: float, seed: int, hint: Optional[
     if order == "gpipe":
         model, x, y, makespan = build_gpipe_model(problem, horizon, base)
     else:
-        model, x, y, fstart, bstart, makespan = build_free_model(problem, horizon, base)
+        model, x, y, fstart, bstart, makespan, _ = build_free_model(problem, horizon, base)
     # on small instances two adjacent stages at a time, solved exactly, lift the bound (pairs.py)
     lb_ms = start_bound_ms(problem, order, time_limit - (time.perf_counter() - t_model), base.iteration_ms, seed) - opt
     # the bound, in the model's floored microseconds (one microsecond of slack per op)
@@ -417,8 +430,42 @@ def _solve_cpsat(problem: Problem, time_limit: float, seed: int, hint: Optional[
     )
 
 
-def _ops_by_start(solver: cp_model.CpSolver, x: dict, y: dict, fstart: dict, bstart: dict) -> list:
-    """One stage's op list in the order the solver timed it (F first on a tie: B needs its F)."""
+def _ops_by_start(solver: cp_model.CpSolver, x: dict, y: dict, fstart: dict, bstart: dict, wstart: Optional[dict] = None) -> list:
+    """One stage's op list in the order the solver timed it (F, B, W on a tie: each needs the one before)."""
     timed = [(solver.value(fstart[c]), 0, Op("F", *c)) for c in x if solver.boolean_value(x[c])]
     timed += [(solver.value(bstart[c]), 1, Op("B", *c)) for c in y if solver.boolean_value(y[c])]
+    timed += [(solver.value(wstart[c]), 2, Op("W", *c)) for c in (wstart or {}) if solver.boolean_value(y[c])]
     return [op for _, _, op in sorted(timed)]
+
+
+def gpipe_ops_all(sizes: list[int], num_stages: int) -> list[list[Op]]:
+    from ..partition import gpipe_ops
+
+    return [gpipe_ops(sizes, sizes) for _ in range(num_stages)]
+
+
+def solve_with_weight_ops(problem: Problem, time_limit: float, seed: int = 0) -> Optional[tuple[list[list[Op]], float, bool]]:
+    """The free-order model with a W op per B chunk (zero bubble), on a small instance without
+    recompute or memory limit: (op lists, bound in ms, proven optimal among such schedules), or
+    None if it found nothing in ``time_limit``. The op lists are re-scored by the simulator."""
+    from ortools.sat.python import cp_model
+
+    t = problem.tables
+    if problem.recompute or problem.memory_limit is not None or t.bwd_input is None:
+        raise UmoptError("the exact zero-bubble model takes a split profile, no recompute, no memory limit")
+    # a schedule the model holds (GPipe order, 1-sample chunks, each W right after its B) bounds
+    # the horizon: the model, whose links need not keep send order, times it no later
+    ones = [1] * problem.minibatch
+    plain = [[op for b in st for op in ([b, Op("W", b.lo, b.hi)] if b.kind == "B" else [b])] for st in gpipe_ops_all(ones, problem.num_stages)]
+    horizon = _us(simulate(t, plain, problem.minibatch, record=False).iteration_ms) + 4 * problem.num_stages * problem.minibatch + 1
+    model, x, y, fstart, bstart, makespan, wstart = build_free_model(problem, horizon, weights=True)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.1, time_limit)
+    solver.parameters.num_workers = max(1, os.cpu_count() or 1)
+    solver.parameters.random_seed = seed
+    status = stoppable.solve(solver, model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    ops = [_ops_by_start(solver, x[s], y[s], fstart[s], bstart[s], wstart[s]) for s in range(problem.num_stages)]
+    bound = solver.best_objective_bound / 1000 + t.optimizer_ms
+    return ops, bound, status == cp_model.OPTIMAL
