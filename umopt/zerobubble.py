@@ -7,7 +7,8 @@ samples in flight (forwarded, weight gradient not yet computed): ZB-H1 (Qi et al
 keeps 1F1B's number, so its memory is 1F1B's; no cap defers every W to the end. Then
 :func:`fill_bubbles` moves W ops, one at a time, into idle time of their stage that is long enough
 to hold them, which by the cost model delays nothing, and merges neighbouring W ops where the
-runtime's cost per op makes one W cheaper than two. :func:`zb_h1` is the paper's ZB-H1 on equal
+runtime's cost per op makes one W cheaper than two; :func:`climb` then moves single W ops
+wherever the iteration gets shorter. :func:`zb_h1` is the paper's ZB-H1 on equal
 microbatches, the best M; :func:`best_with_weight_ops` the best W placement of one schedule
 within the memory limit.
 """
@@ -102,6 +103,35 @@ def fill_bubbles(problem: Problem, ops: Sequence[Sequence[Op]], deadline: float 
     return ops, tl
 
 
+def climb(problem: Problem, ops: Sequence[Sequence[Op]], tl: Timeline, deadline: float = float("inf")) -> tuple[list[list[Op]], Timeline]:
+    """Move single W ops to any other place after their B while that shortens the iteration
+    within the memory limit (first improvement, stage by stage, until none does or the deadline
+    passes): what filling gaps cannot find, as a W that delays one op to let another stage start
+    sooner."""
+    ops = [list(st) for st in ops]
+    better = True
+    while better and time.perf_counter() < deadline:
+        better = False
+        for s in range(problem.num_stages):
+            st = ops[s]
+            for i, op in enumerate(st):
+                if op.kind != "W" or time.perf_counter() > deadline:
+                    continue
+                rest = st[:i] + st[i + 1 :]
+                after = max(k for k, o in enumerate(rest) if o.kind == "B" and op.lo <= o.lo and o.hi <= op.hi)
+                for j in range(after + 1, len(rest) + 1):
+                    if j == i:
+                        continue
+                    trial = ops[:s] + [rest[:j] + [op] + rest[j:]] + ops[s + 1 :]
+                    ttl = simulate(problem.tables, trial, problem.minibatch)
+                    if ttl.iteration_ms < tl.iteration_ms - 1e-9 and _fits(problem, ttl):
+                        ops, tl, better = trial, ttl, True
+                        break
+                if better:
+                    break
+    return ops, tl
+
+
 def _fits(problem: Problem, tl: Timeline) -> bool:
     limit = problem.tables.memory_limit
     return limit is None or max(tl.peak_memory_bytes) <= limit
@@ -109,7 +139,8 @@ def _fits(problem: Problem, tl: Timeline) -> bool:
 
 def best_with_weight_ops(problem: Problem, ops: Sequence[Sequence[Op]], seconds: float = 2.0) -> Optional[tuple[list[list[Op]], Timeline]]:
     """The best of ``ops`` with W ops deferred under the schedule's own in-flight peak (its
-    memory) and with every W deferred (more memory), bubbles filled; None if neither fits."""
+    memory) and with every W deferred (more memory), bubbles filled, then climbed; None if
+    neither fits."""
     require_split(problem)
     deadline = time.perf_counter() + seconds
     best = None
@@ -118,7 +149,8 @@ def best_with_weight_ops(problem: Problem, ops: Sequence[Sequence[Op]], seconds:
         got = fill_bubbles(problem, split, deadline)
         if _fits(problem, got[1]) and (best is None or got[1].iteration_ms < best[1].iteration_ms - 1e-9):
             best = got
-    return best
+    # the rest of the time to climb from the better of the two
+    return None if best is None else climb(problem, *best, deadline)
 
 
 def zb_h1(problem: Problem, seconds: float = 2.0, tries: int = 4) -> Optional[tuple[int, list[list[Op]], Timeline]]:
