@@ -64,7 +64,7 @@ def _ms(x: Optional[float]) -> str:
 @click.option("--memory-limit", type=int, default=None, help="Bytes per stage; overrides the profile's limit.")
 @click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel replicas of the pipeline: each stage all-reduces its gradients among them after its last op.")
 @click.option("--dp-gbps", type=float, default=None, help="Bus bandwidth of that all-reduce, Gbit/s (default: what `umopt profile --dp N` measured).")
-@click.option("--zero-bubble", is_flag=True, help="Split each backward: W ops (weight gradients) placed to fill bubbles; compares with the best equal ZB-H1.")
+@click.option("--zero-bubble", is_flag=True, help="Split each backward: W ops (weight gradients) placed to fill bubbles; compares with the best equal ZB-H1 and ZB-H2.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Schedule file to write.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Gantt chart PNG: best equal GPipe above, this schedule below.")
 @click.option("--trace", type=click.Path(dir_okay=False), default=None, help="Chrome-trace JSON of the predicted timelines (Perfetto).")
@@ -140,9 +140,9 @@ def _print_report(report) -> None:
     gt, ot = report.gpipe_timeline, report.onef1b_timeline
     row("GPipe equal", str(report.gpipe.microbatches or "-"), report.gpipe.candidate, report.gpipe.iteration_ms, gt.bubble_fraction if gt else None)
     row("1F1B equal", str(report.onef1b.microbatches or "-"), report.onef1b.candidate, report.onef1b.iteration_ms, ot.bubble_fraction if ot else None)
-    if report.zbh1 is not None:
-        zt = report.zbh1_timeline
-        row("ZB-H1 equal", str(report.zbh1.microbatches or "-"), None, report.zbh1.iteration_ms, zt.bubble_fraction if zt else None)
+    for name, zb, zt in (("ZB-H1 equal", report.zbh1, report.zbh1_timeline), ("ZB-H2 equal", report.zbh2, report.zbh2_timeline)):
+        if zb is not None:
+            row(name, str(zb.microbatches or "-"), None, zb.iteration_ms, zt.bubble_fraction if zt else None)
     counts = sorted({len([o for o in st.ops if o[0] == "F"]) for st in report.schedule.stages})
     winner = report.result.extra.get("winner")
     umopt_name = f"umopt {solver.name}" if not winner or winner == solver.name else f"umopt ({winner})"
@@ -163,8 +163,10 @@ def _print_report(report) -> None:
     lb_w = solver.model_extra.get("lower_bound_w_ms")
     if lb_w is not None:
         out.print(f"among schedules with a W op per B chunk the best possible is at least {lb_w:.2f} ms (CP-SAT): this one is within {100 * (tl.iteration_ms - lb_w) / lb_w:.1f}% of it")
-    if report.zbh1 is not None and report.zbh1.iteration_ms:
-        out.print(f"against the best equal ZB-H1 (M={report.zbh1.microbatches}): {report.zbh1.iteration_ms / tl.iteration_ms:.3f}x")
+    for name, zb, zt in (("ZB-H1", report.zbh1, report.zbh1_timeline), ("ZB-H2", report.zbh2, report.zbh2_timeline)):
+        if zb is not None and zb.iteration_ms:
+            peak = f", its peak memory {max(zt.peak_memory_bytes) / 2**20:.0f} MiB against {max(tl.peak_memory_bytes) / 2**20:.0f}"
+            out.print(f"against the best equal {name} (M={zb.microbatches}{peak}): {zb.iteration_ms / tl.iteration_ms:.3f}x")
     lb_1f1b = solver.model_extra.get("lower_bound_1f1b_ms")
     if lb_1f1b is not None and scope != Scope.IN_ORDER and not has_w:
         out.print(
@@ -401,12 +403,13 @@ def show(schedule_path, profile_path, plot, trace) -> None:
     except UmoptError as exc:
         raise UmoptError(f"{schedule_path}: {exc}") from None
     table = Table(title=f"{schedule_path}: {len(tl.spans)} stages, minibatch {schedule.minibatch}")
-    for col in ("stage", "F chunks", "B chunks", "busy ms", "peak memory"):
+    has_w = any(op[0] == "W" for st in schedule.stages for op in st.ops)
+    kinds = ("F", "B", "W") if has_w else ("F", "B")
+    for col in ("stage", *(f"{k} chunks" for k in kinds), "busy ms", "peak memory"):
         table.add_column(col, justify="right")
     for s, st in enumerate(schedule.stages):
-        f = [hi - lo for k, lo, hi in st.ops if k == "F"]
-        b = [hi - lo for k, lo, hi in st.ops if k == "B"]
-        table.add_row(str(s), _sizes(f), _sizes(b), f"{tl.busy_ms[s]:.3f}", f"{tl.peak_memory_bytes[s] / 2**20:.1f} MiB")
+        sizes = [[hi - lo for k, lo, hi in st.ops if k == kind] for kind in kinds]  # in the order they run
+        table.add_row(str(s), *(_sizes(x) for x in sizes), f"{tl.busy_ms[s]:.3f}", f"{tl.peak_memory_bytes[s] / 2**20:.1f} MiB")
     out.print(table)
     out.print(f"iteration {tl.iteration_ms:.3f} ms (file says {schedule.predicted.iteration_ms:.3f}), bubble {100 * tl.bubble_fraction:.1f}%")
     panels = [(schedule_path, tl)]

@@ -247,6 +247,44 @@ def test_zero_bubble_keeps_to_the_memory_limit():
     assert zb.schedule.predicted.peak_memory_bytes == zb.timeline.peak_memory_bytes
 
 
+def _unit_profile(S: int, f: float, b: float, w: float):
+    """Every stage the same, one sample per op, free links, no optimizer step: the paper's setting."""
+    from umopt.formats.profile import Profile
+
+    d = synthetic_profile(S, max_size=1, seed=0, latency_ms=0.0, bytes_per_ms=1e15).model_dump()
+    for st in d["stages"]:
+        st.update(forward_ms=[f], backward_ms=[b + w], backward_input_ms=[b], backward_weight_ms=[w], optimizer_ms=0.0)
+    return Profile.model_validate(d)
+
+
+@pytest.mark.parametrize("f,b,w", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.8), (2.0, 1.0, 1.5), (1.0, 2.0, 1.0)])
+def test_zb_h1_and_h2_are_the_papers(f, b, w):
+    """On the paper's setting (Qi et al., ICLR 2024, 4 stages, 8 microbatches): 1F1B takes
+    M (F+B+W) + (p-1)(F+B+W) and ZB-H1 M (F+B+W) + (p-1)(F+B-W) (where W <= B: otherwise the
+    last stage, which cannot start before (p-1)F, sets the end), op for op the paper's figure
+    with equal times; ZB-H2 warms up with 2(p-s)-1 forwards and ends no later
+    than what the first forward's trip down the pipeline allows."""
+    from umopt.baselines import onef1b_equal
+    from umopt.problem import Problem
+    from umopt.zerobubble import zb_h1, zb_h2
+
+    S, M = 4, 8
+    problem = Problem(CostTables.from_profile(_unit_profile(S, f, b, w)), M)
+    assert onef1b_equal(problem).iteration_ms == pytest.approx(M * (f + b + w) + (S - 1) * (f + b + w), abs=1e-6)
+    m, ops, tl = zb_h1(problem)
+    assert m == M and tl.iteration_ms == pytest.approx(M * (f + b + w) + (S - 1) * max(f + b - w, f), abs=1e-6)
+    assert max(tl.peak_memory_bytes) <= max(simulate(problem.tables, onef1b_equal(problem).candidate.ops(), M).peak_memory_bytes)
+    if f == b == w:
+        text = [" ".join(f"{k}{lo + 1}" for k, lo, _ in st) for st in ops]
+        assert text[0] == "F1 F2 F3 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 F8 B5 W5 B6 W6 B7 W7 B8 W8"
+        assert text[-1] == "F1 B1 F2 B2 F3 B3 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 F8 B8 W5 W6 W7 W8"
+    m, ops, tl = zb_h2(problem)
+    for s, st in enumerate(ops):
+        assert [k for k, _, _ in st].index("B") == 2 * (S - s) - 1
+    # zero bubble: the last stage starts after (p-1) forwards and never idles after
+    assert tl.iteration_ms == pytest.approx(M * (f + b + w) + (S - 1) * f, abs=1e-6)
+
+
 def test_exact_zero_bubble_model_bounds_every_w_schedule_and_reaches_its_bound():
     """The free-order CP-SAT model with a W op per B chunk: its schedule re-scores at its proven
     bound (to the microsecond rounding), and no random schedule with W ops beats that bound."""

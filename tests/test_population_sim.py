@@ -8,6 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from umopt.costmodel import CostTables, simulate
+from umopt.errors import UmoptError
+from umopt.formats.schedule import validate_ops
+from umopt.problem import Candidate
 from umopt.formats.profile import AllReduceProfile
 from umopt.partition import ends_to_sizes, gpipe_ops, onef1b_schedule, repair_ends, sizes_to_ends
 from umopt.synthetic import synthetic_profile
@@ -85,6 +88,75 @@ def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth,
         np.testing.assert_allclose(score.finish_ms[p], ref.finish_ms, atol=1e-9, rtol=0)
         np.testing.assert_allclose(score.busy_ms[p], ref.busy_ms, atol=1e-9, rtol=0)
         assert list(score.peak_memory_bytes[p].astype(np.int64)) == ref.peak_memory_bytes
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    S=st.integers(1, 5),
+    B=st.integers(1, 40),
+    mx=st.integers(1, 16),
+    density=st.floats(0.0, 1.0),
+    onef1b=st.booleans(),
+    recompute=st.booleans(),
+    own_backward=st.booleans(),
+    overhead=st.sampled_from([0.0, 0.0, 0.37]),
+    weight_share=st.sampled_from([0.0, 0.3, 0.5, 0.9]),
+    replicas=st.sampled_from([1, 1, 2]),
+    seed=st.integers(0, 2**31),
+)
+def test_split_evaluator_equals_reference(S, B, mx, density, onef1b, recompute, own_backward, overhead, weight_share, replicas, seed):
+    """W ops (zero bubble) placed by each stage's cap, in both orders: the evaluator equals the
+    reference simulator on the op lists Candidate.ops builds, deadlocks and memory included."""
+    rng = np.random.default_rng(seed)
+    prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=float(rng.uniform(0, 2)), bytes_per_ms=float(rng.uniform(1e3, 1e7)),
+                             op_overhead_ms=overhead, message_overhead_ms=overhead / 2, param_bytes=list(rng.integers(0, 1 << 24, S)), weight_share=weight_share)
+    own_backward = own_backward and recompute
+    tables = CostTables.from_profile(prof, recompute, _allreduce(replicas, rng))
+    P = 6
+    fs = ends_to_sizes(_random_population(rng, P, S, B, mx, density))
+    bs = ends_to_sizes(_random_population(rng, P, S, B, mx, rng.random())) if own_backward else fs
+    warm = np.where(np.arange(P)[:, None] < 3, np.arange(S - 1, -1, -1)[None, :], rng.integers(0, B + 1, (P, S)))
+    # per stage: no W ops, every W at the end, or a random cap
+    wcap = np.where(rng.random((P, S)) < 0.2, -1, np.where(rng.random((P, S)) < 0.3, B, rng.integers(0, B + 1, (P, S))))
+    if onef1b:
+        score = evaluate_1f1b(tables, fs, warm, bs if own_backward else None, wcap=wcap)
+    else:
+        score = evaluate_gpipe(tables, fs, bs if own_backward else None, wcap=wcap)
+    for p in range(P):
+        cand = Candidate([[int(x) for x in fs[p, s] if x] for s in range(S)], [[int(x) for x in bs[p, s] if x] for s in range(S)],
+                         "1f1b" if onef1b else "gpipe", warmup=[int(w) for w in warm[p]], wcap=[int(c) for c in wcap[p]])
+        ops = cand.ops()
+        validate_ops(ops, B, mx, recompute)  # a valid schedule (deadlock aside)
+        try:
+            ref = simulate(tables, ops, B)
+        except UmoptError:
+            assert score.iteration_ms[p] == np.inf
+            continue
+        assert abs(score.iteration_ms[p] - ref.iteration_ms) <= 1e-9
+        np.testing.assert_allclose(score.finish_ms[p], ref.finish_ms, atol=1e-9, rtol=0)
+        np.testing.assert_allclose(score.busy_ms[p], ref.busy_ms, atol=1e-9, rtol=0)
+        assert list(score.peak_memory_bytes[p].astype(np.int64)) == ref.peak_memory_bytes
+
+
+def test_split_evaluator_without_the_compiled_module():
+    """Where the install did not compile, the reference simulator scores W schedules: the same."""
+    import umopt.population_sim as vec
+
+    rng = np.random.default_rng(3)
+    S, B, mx = 4, 24, 8
+    tables = CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=3, op_overhead_ms=0.2), recompute=False)
+    fs = ends_to_sizes(_random_population(rng, 8, S, B, mx, 0.3))
+    wcap = rng.integers(-1, B + 1, (8, S))
+    got = [evaluate_1f1b(tables, fs, None, None, wcap=wcap), evaluate_gpipe(tables, fs, None, wcap=wcap)]
+    saved, vec._compiled = vec._compiled, None
+    try:
+        ref = [evaluate_1f1b(tables, fs, None, None, wcap=wcap), evaluate_gpipe(tables, fs, None, wcap=wcap)]
+    finally:
+        vec._compiled = saved
+    for a, b in zip(got, ref):
+        assert np.isfinite(a.iteration_ms).all()
+        np.testing.assert_allclose(a.iteration_ms, b.iteration_ms, atol=1e-9, rtol=0)
+        np.testing.assert_array_equal(a.peak_memory_bytes, b.peak_memory_bytes)
 
 
 def _allreduce(replicas: int, rng) -> AllReduceProfile | None:

@@ -772,7 +772,7 @@ def test_climb_neighbours_are_every_schedule_one_move_away(S, B, mx, recompute, 
                 if 0 <= w <= n and w != min(now[s], n):
                     want.add(key(f, b, now[:s] + [_warmup(w, n, B)] + now[s + 1 :]))
     want.discard(key(f, b, cand.warmups))  # an aligned move may change nothing
-    fs, bs, wu = _neighbours(problem, cand, free_warmup=True)
+    fs, bs, wu, _ = _neighbours(problem, cand, free_warmup=True)
     rows = lambda a: [[int(x) for x in r if x] for r in a]  # noqa: E731
     got = [key(rows(fs[k]), rows(bs[k]) if recompute else rows(fs[k]), [int(x) for x in wu[k]]) for k in range(len(fs))]
     assert set(got) == want

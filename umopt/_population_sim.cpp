@@ -69,6 +69,36 @@ static void fill_part(Part& p, const int64_t* sizes, int64_t K, int64_t B) {
         for (; i <= (size_t)p.last[k] && i < (size_t)B; ++i) p.of[i] = (int32_t)k;
 }
 
+// One stage's 1F1B order as slots (kind 0 F, 1 B; chunk index), for partitions f (forward) and b
+// (backward), after the stage below (b_below, null on the last stage) whose B chunks had
+// forwarded fwd_at_b_below samples when they ran; fills fwd_at_b for the stage above.
+static void order_1f1b(const Part& f, const Part& b, const Part* b_below, int64_t warmup, int64_t B, std::vector<int64_t>& fwd_at_b_below,
+                       std::vector<int64_t>& fwd_at_b, std::vector<int8_t>& kind, std::vector<int32_t>& chunk) {
+    const int64_t n = f.size.size(), nb = b.size.size();
+    const int64_t warm = std::min<int64_t>(warmup, n);
+    std::vector<int64_t> after(nb);
+    fwd_at_b.assign(nb, B);
+    int64_t run = std::numeric_limits<int64_t>::min();
+    for (int64_t j = 0; j < nb; ++j) {
+        int64_t need = b.last[j] + 1;
+        if (b_below != nullptr) need = std::max(need, fwd_at_b_below[b_below->of[b.last[j]]]);
+        const int64_t own = f.of[std::min<int64_t>(need - 1, B - 1)];
+        run = std::max(run, std::max(warm, own) - j);  // B_j runs after F number after_j
+        after[j] = std::min(run + j, n - 1);
+        fwd_at_b[j] = f.last[after[j]] + 1;
+    }
+    fwd_at_b_below.swap(fwd_at_b);
+    const int64_t Q = n + nb;
+    kind.assign(Q, 0);
+    chunk.assign(Q, 0);
+    for (int64_t j = 0; j < nb; ++j) {
+        kind[after[j] + 1 + j] = 1;
+        chunk[after[j] + 1 + j] = (int32_t)j;
+    }
+    for (int64_t q = 0, i = 0; q < Q; ++q)
+        if (kind[q] == 0) chunk[q] = (int32_t)i++;
+}
+
 static py::tuple evaluate_1f1b(I64 fsizes, I64 bsizes, I64 warmup, const Costs& c) {
     const int64_t P = fsizes.shape(0), S = fsizes.shape(1), K = fsizes.shape(2), W = c.W, B = c.B;
     auto fs = fsizes.unchecked<3>();
@@ -100,30 +130,11 @@ static py::tuple evaluate_1f1b(I64 fsizes, I64 bsizes, I64 warmup, const Costs& 
             for (int64_t s = S - 1; s >= 0; --s) {
                 const Part &f = fp[s], &b = bp[s];
                 const int64_t n = f.size.size(), nb = b.size.size();
-                const int64_t warm = std::min<int64_t>(wu(p, s), n);
-                std::vector<int64_t> after(nb);
-                fwd_at_b.assign(nb, B);
-                int64_t run = std::numeric_limits<int64_t>::min();
-                for (int64_t j = 0; j < nb; ++j) {
-                    int64_t need = b.last[j] + 1;
-                    if (s < S - 1) need = std::max(need, fwd_at_b_below[bp[s + 1].of[b.last[j]]]);
-                    const int64_t own = f.of[std::min<int64_t>(need - 1, B - 1)];
-                    run = std::max(run, std::max(warm, own) - j);  // B_j runs after F number after_j
-                    after[j] = std::min(run + j, n - 1);
-                    fwd_at_b[j] = f.last[after[j]] + 1;
-                }
-                fwd_at_b_below.swap(fwd_at_b);
+                order_1f1b(f, b, s < S - 1 ? &bp[s + 1] : nullptr, wu(p, s), B, fwd_at_b_below, fwd_at_b, kind[s], chunk[s]);
                 const int64_t Q = n + nb;
-                kind[s].assign(Q, 0);
-                chunk[s].assign(Q, 0);
-                for (int64_t j = 0; j < nb; ++j) {
-                    kind[s][after[j] + 1 + j] = 1;
-                    chunk[s][after[j] + 1 + j] = (int32_t)j;
-                }
                 int64_t held = 0, most = 0;
                 double mem_most = 0.0;
-                for (int64_t q = 0, i = 0; q < Q; ++q) {
-                    if (kind[s][q] == 0) chunk[s][q] = (int32_t)i++;
+                for (int64_t q = 0; q < Q; ++q) {
                     const int64_t d = kind[s][q] == 0 ? f.size[chunk[s][q]] : -b.size[chunk[s][q]];
                     const int64_t h = held + std::max<int64_t>(d, 0);  // a B's samples are held while it runs
                     held += d;
@@ -273,10 +284,185 @@ static py::tuple evaluate_gpipe(I64 fsizes, I64 bsizes, const Costs& c) {
     return out.tuple();
 }
 
+// Both orders with each stage's backward split into B (input gradient) and W (weight gradient)
+// ops: the F/B slots of the individual's order (onef1b: 1F1B with its warm-ups, else GPipe), then
+// a W slot per B chunk placed as umopt.partition.with_weight_ops places it under the stage's cap
+// (wcap < 0: the stage's backward stays whole). The slots are played as evaluate_1f1b plays them,
+// each op waiting for every message that holds one of its samples (the latest), a W for nothing
+// but its stage; memory follows umopt.costmodel.stage_peak_memory (a W releases what its samples
+// kept). Equal to the reference simulator to 1e-9 (tested), not to the bit: busy time sums in op order.
+static py::tuple evaluate_split(I64 fsizes, I64 bsizes, I64 warmup, I64 wcap, bool onef1b, const Costs& c, F64 bwd_input, F64 bwd_weight, F64 op_overhead) {
+    const int64_t P = fsizes.shape(0), S = fsizes.shape(1), K = fsizes.shape(2), W = c.W, B = c.B;
+    auto fs = fsizes.unchecked<3>();
+    auto bs = bsizes.unchecked<3>();
+    auto wu = warmup.unchecked<2>();
+    auto wc = wcap.unchecked<2>();
+    const double *F = c.F, *G = c.G, *L = c.L, *Gi = bwd_input.data(), *Gw = bwd_weight.data(), *over = op_overhead.data();
+    const bool recompute = c.recompute;
+    Scores out(P, S);
+    auto it = out.it.mutable_unchecked<1>();
+    auto finish = out.finish.mutable_unchecked<2>();
+    auto busy = out.busy.mutable_unchecked<2>();
+    auto peak = out.peak.mutable_unchecked<2>();
+    const double inf = std::numeric_limits<double>::infinity();
+    {
+        py::gil_scoped_release release;
+        std::vector<Part> fp(S), bp(S);
+        std::vector<int8_t> fb_kind;
+        std::vector<int32_t> fb_chunk;
+        std::vector<std::vector<int8_t>> kind(S);     // per slot: 0 F, 1 B, 2 W
+        std::vector<std::vector<int32_t>> chunk(S);   // per slot: its chunk (a W: its B chunk)
+        std::vector<std::vector<double>> act(S), grad(S);
+        std::vector<int64_t> fwd_at_b, fwd_at_b_below, pending;
+        std::vector<int64_t> ptr(S);
+        std::vector<double> clock(S), f_free(S), b_free(S);
+        for (int64_t p = 0; p < P; ++p) {
+            for (int64_t s = 0; s < S; ++s) {
+                fill_part(fp[s], &fs(p, s, 0), K, B);
+                fill_part(bp[s], &bs(p, s, 0), K, B);
+            }
+            for (int64_t s = S - 1; s >= 0; --s) {
+                const Part &f = fp[s], &b = bp[s];
+                const int64_t n = f.size.size(), nb = b.size.size();
+                if (onef1b) {
+                    order_1f1b(f, b, s < S - 1 ? &bp[s + 1] : nullptr, wu(p, s), B, fwd_at_b_below, fwd_at_b, fb_kind, fb_chunk);
+                } else {  // every F in sample order, then every B in reverse
+                    fb_kind.assign(n, 0);
+                    fb_chunk.resize(n);
+                    for (int64_t k = 0; k < n; ++k) fb_chunk[k] = (int32_t)k;
+                    for (int64_t k = nb - 1; k >= 0; --k) {
+                        fb_kind.push_back(1);
+                        fb_chunk.push_back((int32_t)k);
+                    }
+                }
+                // W slots: before an F, the oldest pending W ops until its samples fit under the
+                // cap; after a B, while more than the cap await; the rest at the end
+                const int64_t cap = wc(p, s);
+                kind[s].clear();
+                chunk[s].clear();
+                pending.clear();
+                size_t head = 0;
+                int64_t held = 0;
+                auto pop_w = [&]() {
+                    const int64_t j = pending[head++];
+                    kind[s].push_back(2);
+                    chunk[s].push_back((int32_t)j);
+                    held -= b.size[j];
+                };
+                for (size_t q = 0; q < fb_kind.size(); ++q) {
+                    const int64_t k = fb_chunk[q];
+                    if (fb_kind[q] == 0 && cap >= 0) {
+                        while (head < pending.size() && held + f.size[k] > cap) pop_w();
+                        held += f.size[k];
+                    }
+                    kind[s].push_back(fb_kind[q]);
+                    chunk[s].push_back((int32_t)k);
+                    if (fb_kind[q] == 1 && cap >= 0) {
+                        pending.push_back(k);
+                        while (head < pending.size() && held > cap) pop_w();
+                    }
+                }
+                while (head < pending.size()) pop_w();
+                // peak memory (umopt.costmodel.stage_peak_memory)
+                const bool split = cap >= 0 && nb > 0;
+                const int8_t release = split ? 2 : 1;
+                int64_t stashed = 0, awaiting = 0;
+                double most = c.stat[s];
+                for (size_t q = 0; q < kind[s].size(); ++q) {
+                    const int8_t kd = kind[s][q];
+                    const int64_t sz = kd == 0 ? f.size[chunk[s][q]] : b.size[chunk[s][q]];
+                    if (kd == 0) stashed += sz;
+                    double mem;
+                    if (recompute) {
+                        const int64_t running = kd != 2 ? sz : 0;
+                        mem = c.stat[s] + (double)stashed * c.inb[s] + (double)(awaiting + running) * c.stash[s];
+                    } else {
+                        mem = c.stat[s] + (double)stashed * c.stash[s];
+                    }
+                    most = std::max(most, mem);
+                    if (kd == release) {
+                        stashed -= sz;
+                        if (kd == 2 && recompute) awaiting -= sz;
+                    } else if (kd == 1 && split && recompute) {
+                        awaiting += sz;
+                    }
+                }
+                peak(p, s) = most;
+            }
+            // --- playing the slots
+            for (int64_t s = 0; s < S; ++s) {
+                act[s].assign(fp[s].size.size(), inf);
+                grad[s].assign(bp[s].size.size(), inf);
+                ptr[s] = 0;
+                clock[s] = f_free[s] = b_free[s] = 0.0;
+                busy(p, s) = 0.0;
+            }
+            // the latest arrival among the messages (chunks of part) holding samples [lo, hi]
+            auto latest = [inf](const std::vector<double>& at, const Part& part, int64_t lo, int64_t hi) {
+                double r = -inf;
+                for (int64_t k = part.of[lo]; k <= part.of[hi]; ++k) r = std::max(r, at[k]);
+                return r;
+            };
+            for (int64_t round = 0, moved = 1; moved; ++round) {
+                moved = 0;
+                for (int64_t i = 0; i < S; ++i) {
+                    const int64_t s = round % 2 == 0 ? i : S - 1 - i;
+                    const int64_t Q = kind[s].size();
+                    const bool split = wc(p, s) >= 0;
+                    while (ptr[s] < Q) {
+                        const int64_t q = ptr[s], k = chunk[s][q];
+                        const int8_t kd = kind[s][q];
+                        double ready, dur;
+                        if (kd == 0) {
+                            const int64_t lo = fp[s].last[k] - fp[s].size[k] + 1, hi = fp[s].last[k];
+                            ready = s == 0 ? 0.0 : latest(act[s - 1], fp[s - 1], lo, hi);
+                            dur = F[s * W + fp[s].size[k]];
+                        } else if (kd == 1) {
+                            const int64_t lo = bp[s].last[k] - bp[s].size[k] + 1, hi = bp[s].last[k];
+                            ready = s == S - 1 ? latest(act[s], fp[s], lo, hi) : latest(grad[s + 1], bp[s + 1], lo, hi);
+                            dur = (split ? Gi : G)[s * W + bp[s].size[k]];
+                        } else {  // the weight gradient of one B chunk: what it measured less the op's overhead, then the overhead
+                            ready = 0.0;
+                            dur = (0.0 + (Gw[s * W + bp[s].size[k]] - over[s])) + over[s];
+                        }
+                        if (ready == inf) break;
+                        const double end = std::max(clock[s], ready) + dur;
+                        clock[s] = end;
+                        busy(p, s) += dur;
+                        if (kd == 0) {
+                            if (s == S - 1) {
+                                act[s][k] = end;
+                            } else {
+                                f_free[s] = std::max(f_free[s], end) + L[s * W + fp[s].size[k]];
+                                act[s][k] = f_free[s];
+                            }
+                        } else if (kd == 1 && s > 0) {
+                            b_free[s] = std::max(b_free[s], end) + L[(s - 1) * W + bp[s].size[k]];
+                            grad[s][k] = b_free[s];
+                        }
+                        ptr[s] += 1;
+                        moved = 1;
+                    }
+                }
+            }
+            double last_end = 0.0;
+            bool settled = true;
+            for (int64_t s = 0; s < S; ++s) {
+                finish(p, s) = clock[s];
+                last_end = std::max(last_end, clock[s]);
+                settled = settled && ptr[s] == (int64_t)kind[s].size();
+            }
+            it(p) = settled ? last_end + c.optimizer_ms : inf;
+        }
+    }
+    return out.tuple();
+}
+
 PYBIND11_MODULE(_population_sim, m) {
     m.doc() = "umopt's population scoring compiled (see umopt/population_sim.py)";
-    m.attr("VERSION") = 1;
+    m.attr("VERSION") = 2;
     py::class_<Costs>(m, "Costs").def(py::init<F64, F64, F64, F64, F64, F64, double, bool, int64_t>());
     m.def("evaluate_gpipe", &evaluate_gpipe);
     m.def("evaluate_1f1b", &evaluate_1f1b);
+    m.def("evaluate_split", &evaluate_split);
 }

@@ -9,6 +9,7 @@ per-stage forward and backward partitions into op lists in GPipe or 1F1B order.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Optional, Sequence
 
 import numpy as np
@@ -26,6 +27,7 @@ __all__ = [
     "pipedream_warmup",
     "partitions_from_ops",
     "backwards_in_sample_order",
+    "with_weight_ops",
 ]
 
 
@@ -152,6 +154,36 @@ def onef1b_schedule(
         out[s] = ops
         needed_below, below_b = forwarded_when, bch
     return out
+
+
+def with_weight_ops(stage_ops: Sequence[Op], cap: Optional[int]) -> list[Op]:
+    """One stage's F/B ops with a W op per B chunk, each as late as the stage can hold: before an F,
+    the oldest W ops run until its samples fit under ``cap`` samples awaiting their W (forwarded,
+    weight gradient not yet computed); after a B, while more than ``cap`` await. The rest run after
+    the last op; ``None`` defers every W there.
+
+    With ``cap`` at the stage's in-flight peak of the F/B order (ZB-H1: 1F1B's), memory stays what
+    it was; in GPipe order, where all samples are in flight after the forwards, ``cap`` is how many
+    samples' W ops wait for the end while the others run right after their B.
+    """
+    out: list[Op] = []
+    pending: deque[Op] = deque()
+    held = 0
+    for op in stage_ops:
+        if op.kind == "F":
+            while pending and cap is not None and held + op.size > cap:
+                w = pending.popleft()
+                out.append(w)
+                held -= w.size
+            held += op.size
+        out.append(op)
+        if op.kind == "B":
+            pending.append(Op("W", op.lo, op.hi))
+            while pending and cap is not None and held > cap:
+                w = pending.popleft()
+                out.append(w)
+                held -= w.size
+    return out + list(pending)
 
 
 def partitions_from_ops(ops: Sequence[Op]) -> tuple[list[int], list[int]]:

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from .costmodel import CostTables, Op, Timeline, simulate
-from .partition import gpipe_ops, onef1b_schedule, partitions_from_ops, pipedream_warmup
+from .partition import gpipe_ops, onef1b_schedule, partitions_from_ops, pipedream_warmup, with_weight_ops
 from .population_sim import PopulationScore, evaluate_1f1b, evaluate_gpipe
 
 __all__ = ["Problem", "Candidate", "SolverResult", "Progress", "ticking", "pack", "score_gpipe", "score_1f1b"]
@@ -82,7 +82,10 @@ class Candidate:
     ``order`` is "gpipe" or "1f1b" (op lists follow from the partitions by rule) or "free": the op
     lists were chosen op by op (the exact models' free order) and are kept in ``explicit_ops``.
     In 1F1B order ``warmup[s]`` is how many forwards stage s runs before its first backward
-    (None: PipeDream-flush's ``S - s - 1``).
+    (None: PipeDream-flush's ``S - s - 1``). ``wcap[s]`` splits stage s's backward into B and W
+    ops, placed by :func:`umopt.partition.with_weight_ops` with that cap (samples awaiting their
+    W; the minibatch defers every W to the end; negative: the stage's backward stays whole);
+    None: no W ops.
     """
 
     fsizes: list[list[int]]
@@ -91,6 +94,7 @@ class Candidate:
     iteration_ms: float = float("inf")  # as last scored; the simulator has the final word
     explicit_ops: Optional[list[list[Op]]] = None
     warmup: Optional[list[int]] = None
+    wcap: Optional[list[int]] = None
 
     @classmethod
     def from_ops(cls, ops: Sequence[Sequence[Op]]) -> "Candidate":
@@ -108,8 +112,12 @@ class Candidate:
             assert self.explicit_ops is not None
             return [list(o) for o in self.explicit_ops]
         if self.order == "gpipe":
-            return [gpipe_ops(f, b) for f, b in zip(self.fsizes, self.bsizes)]
-        return onef1b_schedule(self.fsizes, self.bsizes, self.warmup)
+            ops = [gpipe_ops(f, b) for f, b in zip(self.fsizes, self.bsizes)]
+        else:
+            ops = onef1b_schedule(self.fsizes, self.bsizes, self.warmup)
+        if self.wcap is None:
+            return ops
+        return [with_weight_ops(st, cap) if cap >= 0 else st for st, cap in zip(ops, self.wcap)]
 
     def simulate(self, problem: Problem) -> Timeline:
         return simulate(problem.tables, self.ops(), problem.minibatch)
@@ -148,17 +156,20 @@ def pack(partitions: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
     return out
 
 
-def score_gpipe(problem: Problem, fsizes: np.ndarray, bsizes: Optional[np.ndarray] = None) -> tuple[np.ndarray, PopulationScore]:
-    """Iteration ms of each GPipe-order individual, ``inf`` where it breaks the memory limit."""
-    return _within_memory(problem, evaluate_gpipe(problem.tables, fsizes, bsizes))
+def score_gpipe(
+    problem: Problem, fsizes: np.ndarray, bsizes: Optional[np.ndarray] = None, wcap: Optional[np.ndarray] = None
+) -> tuple[np.ndarray, PopulationScore]:
+    """Iteration ms of each GPipe-order individual, ``inf`` where it breaks the memory limit;
+    ``wcap`` (P, S): W ops placed with those caps (:class:`Candidate`)."""
+    return _within_memory(problem, evaluate_gpipe(problem.tables, fsizes, bsizes, wcap))
 
 
 def score_1f1b(
-    problem: Problem, fsizes: np.ndarray, warmup: Optional[np.ndarray] = None, bsizes: Optional[np.ndarray] = None
+    problem: Problem, fsizes: np.ndarray, warmup: Optional[np.ndarray] = None, bsizes: Optional[np.ndarray] = None, wcap: Optional[np.ndarray] = None
 ) -> tuple[np.ndarray, PopulationScore]:
     """Iteration ms of each 1F1B-order individual (warm-ups as :func:`umopt.population_sim.evaluate_1f1b`'s),
-    ``inf`` where it breaks the memory limit."""
-    return _within_memory(problem, evaluate_1f1b(problem.tables, fsizes, warmup, bsizes))
+    ``inf`` where it breaks the memory limit; ``wcap`` as :func:`score_gpipe`'s."""
+    return _within_memory(problem, evaluate_1f1b(problem.tables, fsizes, warmup, bsizes, wcap))
 
 
 def _within_memory(problem: Problem, sc: PopulationScore) -> tuple[np.ndarray, PopulationScore]:

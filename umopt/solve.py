@@ -27,7 +27,7 @@ from .solvers import SOLVERS
 from .solvers.auto import EXACT_MAX_TERMS
 from .solvers.cpsat import solve_with_weight_ops
 from .solvers.exact import model_terms
-from .zerobubble import best_with_weight_ops, require_split, zb_h1
+from .zerobubble import best_with_weight_ops, require_split, search_with_weight_ops, zb_h1, zb_h2
 
 __all__ = ["SolveReport", "solve", "make_problem", "allreduce_for"]
 
@@ -45,6 +45,8 @@ class SolveReport:
     onef1b_timeline: Optional[Timeline]
     zbh1: Optional[Baseline] = None  # with --zero-bubble: the best equal ZB-H1
     zbh1_timeline: Optional[Timeline] = None
+    zbh2: Optional[Baseline] = None  # with --zero-bubble: the best equal ZB-H2 within the memory limit
+    zbh2_timeline: Optional[Timeline] = None
 
     def speedup_over(self, baseline: Baseline) -> Optional[float]:
         if baseline.iteration_ms is None:
@@ -60,8 +62,9 @@ class SolveReport:
 
 # what the solver gets at least where what ran before it took most of --time-limit
 MIN_SOLVER_SHARE = 0.1
-# with --zero-bubble, the share of --time-limit kept for placing W ops (ZB-H1 and umopt's schedule)
-ZERO_BUBBLE_SHARE = 0.15
+# with --zero-bubble, the share of --time-limit kept for W ops: ZB-H1 and H2, W ops placed in the schedules
+# found, the GA with W caps (and on small instances the exact model)
+ZERO_BUBBLE_SHARE = 0.4
 # From this many cells (B x largest chunk) on, the fast bounds take seconds and run in a process
 # of their own beside the solver, which keeps its whole time; below, they run before it
 BOUNDS_BESIDE_CELLS = 4096
@@ -118,7 +121,7 @@ def solve(
     """Solve for ``profile`` at ``minibatch`` samples per pipeline; with ``dp``, for that many
     data-parallel replicas of the pipeline, each stage paying its gradient all-reduce; with
     ``zero_bubble``, W ops (the weight gradients split off the backward) placed where they pay,
-    against the best equal ZB-H1 too."""
+    against the best equal ZB-H1 and ZB-H2 too."""
     if solver not in SOLVERS:
         raise UmoptError(f"unknown solver {solver!r} (choose from {', '.join(SOLVERS)})")
     if order not in ("auto", "gpipe", "1f1b"):
@@ -178,19 +181,27 @@ def solve(
     cand = choice.candidate
     ops = cand.ops()
     timeline = cand.simulate(problem)
-    zbh1 = zbh1_timeline = None
+    zbh1 = zbh1_timeline = zbh2 = zbh2_timeline = None
     if zero_bubble:
-        seconds = ZERO_BUBBLE_SHARE * time_limit / 2
-        found_zb = zb_h1(problem, seconds)
+        seconds = ZERO_BUBBLE_SHARE * time_limit
+        found_zb = zb_h1(problem, seconds / 16)
         zbh1 = Baseline("zbh1_equal", found_zb[0] if found_zb else None, found_zb[2].iteration_ms if found_zb else None, None)
         zbh1_timeline = found_zb[2] if found_zb else None
+        found_zb = zb_h2(problem, seconds / 16)
+        zbh2 = Baseline("zbh2_equal", found_zb[0] if found_zb else None, found_zb[2].iteration_ms if found_zb else None, None)
+        zbh2_timeline = found_zb[2] if found_zb else None
         # W ops placed in the recommended schedule and in the other schedules the solve found
-        # (the best without W ops need not be the best with them)
-        starts = [ops] + [c.ops() for c in [*(c for _, c in found), *result.alternatives] if c is not choice.candidate]
-        placed = [w for w in (best_with_weight_ops(problem, o, seconds / len(starts)) for o in starts) if w is not None]
+        # (the best without W ops need not be the best with them), and the GA searching
+        # partitions and W placement together from them
+        seeds = [choice.candidate] + [c for c in [*(c for _, c in found), *result.alternatives] if c is not choice.candidate]
+        placed = [w for w in (best_with_weight_ops(problem, c.ops(), seconds / 8 / len(seeds)) for c in seeds) if w is not None]
         # on small instances the exact model places W ops too, and proves how far from optimal
-        if model_terms(problem) <= EXACT_MAX_TERMS and not recompute and problem.memory_limit is None:
-            exact = solve_with_weight_ops(problem, seconds, seed)
+        exact_too = model_terms(problem) <= EXACT_MAX_TERMS and not recompute and problem.memory_limit is None
+        searched = search_with_weight_ops(problem, seeds, (0.5 if exact_too else 0.75) * seconds, seed, order)
+        if searched is not None:
+            placed.append(searched)
+        if exact_too:
+            exact = solve_with_weight_ops(problem, seconds / 4, seed)
             if exact is not None:
                 placed.append((exact[0], simulate(problem.tables, exact[0], minibatch)))
                 result.extra["w_lower_bound_ms"] = exact[1]
@@ -227,9 +238,9 @@ def solve(
             # with --zero-bubble on a small instance: no schedule with a W op per B chunk is faster
             **({"lower_bound_w_ms": result.extra["w_lower_bound_ms"]} if "w_lower_bound_ms" in result.extra else {}),
         },
-        baselines={"gpipe_equal": _baseline_entry(gp), "1f1b_equal": _baseline_entry(of), **({"zbh1_equal": _baseline_entry(zbh1)} if zbh1 else {})},
+        baselines={"gpipe_equal": _baseline_entry(gp), "1f1b_equal": _baseline_entry(of), **({"zbh1_equal": _baseline_entry(zbh1), "zbh2_equal": _baseline_entry(zbh2)} if zbh1 else {})},
         dp=dp,
     )
     gpipe_timeline = gp.candidate.simulate(problem) if gp.candidate is not None else None
     onef1b_timeline = of.candidate.simulate(problem) if of.candidate is not None else None
-    return SolveReport(schedule, timeline, result, choice, gp, of, lb, gpipe_timeline, onef1b_timeline, zbh1, zbh1_timeline)
+    return SolveReport(schedule, timeline, result, choice, gp, of, lb, gpipe_timeline, onef1b_timeline, zbh1, zbh1_timeline, zbh2, zbh2_timeline)

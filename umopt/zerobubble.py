@@ -4,11 +4,11 @@ path: its result goes to the stage before) and W (the weight gradient, local, fr
 Any F/B schedule, unequal and per-stage partitions included, becomes one with W ops in two
 steps. :func:`with_weight_ops` defers each chunk's W while the stage holds at most ``cap``
 samples in flight (forwarded, weight gradient not yet computed): ZB-H1 (Qi et al., ICLR 2024)
-keeps 1F1B's number, so its memory is 1F1B's; no cap defers every W to the end. Then
+keeps 1F1B's peak (S microbatches), so its memory is 1F1B's; no cap defers every W to the end. Then
 :func:`fill_bubbles` moves W ops, one at a time, into idle time of their stage that is long enough
 to hold them, which by the cost model delays nothing, and merges neighbouring W ops where the
 runtime's cost per op makes one W cheaper than two; :func:`climb` then moves single W ops
-wherever the iteration gets shorter. :func:`zb_h1` is the paper's ZB-H1 on equal
+wherever the iteration gets shorter. :func:`zb_h1` and :func:`zb_h2` are the paper's ZB-H1 and ZB-H2 on equal
 microbatches, the best M; :func:`best_with_weight_ops` the best W placement of one schedule
 within the memory limit.
 """
@@ -16,15 +16,16 @@ within the memory limit.
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Optional, Sequence
 
+from .baselines import feasible_m
 from .costmodel import Op, Timeline, simulate
 from .errors import UmoptError
-from .partition import equal_sizes, onef1b_schedule
-from .problem import Problem
+from .partition import equal_sizes, onef1b_schedule, with_weight_ops
+from .problem import Candidate, Problem
+from .solvers.ga import solve_ga
 
-__all__ = ["with_weight_ops", "fill_bubbles", "best_with_weight_ops", "zb_h1", "require_split"]
+__all__ = ["with_weight_ops", "fill_bubbles", "climb", "best_with_weight_ops", "search_with_weight_ops", "zb_h1", "zb_h2", "require_split"]
 
 
 def require_split(problem: Problem) -> None:
@@ -39,25 +40,6 @@ def in_flight_peak(stage_ops: Sequence[Op]) -> int:
         held += (hi - lo) * ((kind == "F") - (kind == "B"))
         peak = max(peak, held)
     return peak
-
-
-def with_weight_ops(stage_ops: Sequence[Op], cap: Optional[int]) -> list[Op]:
-    """One stage's F/B ops with a W op per B chunk: each W as late as possible while the stage
-    holds at most ``cap`` samples whose W has not run (None: every W after the last B)."""
-    out: list[Op] = []
-    pending: deque[Op] = deque()
-    held = 0
-    for op in stage_ops:
-        if op.kind == "F":
-            while pending and cap is not None and held + op.size > cap:
-                w = pending.popleft()
-                out.append(w)
-                held -= w.size
-            held += op.size
-        out.append(op)
-        if op.kind == "B":
-            pending.append(Op("W", op.lo, op.hi))
-    return out + list(pending)
 
 
 def _moves(tl: Timeline, stage_ops: list[Op], s: int, max_size: int, tables) -> list[tuple[int, list[Op]]]:
@@ -154,24 +136,60 @@ def best_with_weight_ops(problem: Problem, ops: Sequence[Sequence[Op]], seconds:
 
 
 def zb_h1(problem: Problem, seconds: float = 2.0, tries: int = 4) -> Optional[tuple[int, list[list[Op]], Timeline]]:
-    """ZB-H1 on M equal microbatches: PipeDream-flush's F/B order, stage s deferring each W while
-    it holds at most S - s microbatches (1F1B's memory), bubbles filled; the best M among the
+    """ZB-H1 on M equal microbatches: PipeDream-flush's F/B order, every stage deferring each W
+    while it holds at most S microbatches (1F1B's peak, that of its first stage, as the paper
+    keeps it: later stages start their W ops later), bubbles filled; the best M among the
     ``tries`` best of 1F1B without W ops. (M, op lists, timeline), or None if none fits."""
-    from .baselines import feasible_m
+    S = problem.num_stages
+    return _equal_zero_bubble(problem, seconds, tries, None, lambda s, mb: S * mb)
 
+
+def zb_h2(problem: Problem, seconds: float = 2.0, tries: int = 4) -> Optional[tuple[int, list[list[Op]], Timeline]]:
+    """ZB-H2 on M equal microbatches: stage s runs 2 (S - s) - 1 forwards before its first
+    backward (the paper's warm-up, which fills the bubble before it), then F and B in turn, every
+    W deferred and moved into the idle time that is left (the tail's B W B W), so that the
+    bubbles close at about twice 1F1B's memory (here: samples are held until their W).
+    (M, op lists, timeline), or None if none fits the memory limit."""
+    S = problem.num_stages
+    return _equal_zero_bubble(problem, seconds, tries, [2 * (S - s) - 2 for s in range(S)], lambda s, mb: None)
+
+
+def _equal_zero_bubble(problem: Problem, seconds: float, tries: int, warmup, cap) -> Optional[tuple[int, list[list[Op]], Timeline]]:
+    """The best M of a zero-bubble schedule on equal microbatches: 1F1B order with ``warmup``
+    (None: PipeDream-flush's), W ops deferred under ``cap(stage, microbatch size)``, bubbles
+    filled; M among the ``tries`` best of 1F1B without W ops."""
     require_split(problem)
     S, B = problem.num_stages, problem.minibatch
     plans = []
     for M in feasible_m(problem, lowest=S):
         sizes = equal_sizes(B, M)
         fb = onef1b_schedule([sizes] * S, [sizes] * S)
-        plans.append((simulate(problem.tables, fb, B, record=False).iteration_ms, M, sizes, fb))
+        plans.append((simulate(problem.tables, fb, B, record=False).iteration_ms, M, sizes))
     plans.sort(key=lambda p: p[0])
     deadline = time.perf_counter() + seconds
     best = None
-    for _, M, sizes, fb in plans[:tries]:
-        split = [with_weight_ops(st, (S - s) * max(sizes)) for s, st in enumerate(fb)]
+    for _, M, sizes in plans[:tries]:
+        fb = onef1b_schedule([sizes] * S, [sizes] * S, warmup)
+        split = [with_weight_ops(st, cap(s, max(sizes))) for s, st in enumerate(fb)]
         ops, tl = fill_bubbles(problem, split, deadline)
         if _fits(problem, tl) and (best is None or tl.iteration_ms < best[2].iteration_ms - 1e-9):
             best = (M, ops, tl)
     return best
+
+
+def search_with_weight_ops(
+    problem: Problem, seeds: Sequence[Candidate], seconds: float, seed: int = 0, order: str = "auto"
+) -> Optional[tuple[list[list[Op]], Timeline]]:
+    """The GA with W caps in every individual (partitions, order, warm-ups and where the W ops
+    go searched together), started from ``seeds``, then its best with gaps filled and single W
+    ops climbed (moves the caps cannot express); None if nothing fits the memory limit."""
+    require_split(problem)
+    deadline = time.perf_counter() + seconds
+    ruled = [c for c in seeds if c.order in ("gpipe", "1f1b")]
+    found = solve_ga(problem, time_limit=0.8 * seconds, seed=seed, seeds=ruled, weights=True, order=order).candidate
+    ops = found.ops()
+    tl = simulate(problem.tables, ops, problem.minibatch)
+    if not _fits(problem, tl):
+        return None
+    ops, tl = fill_bubbles(problem, ops, deadline)
+    return climb(problem, ops, tl, deadline)

@@ -57,14 +57,15 @@ def _to_ends(problem: Problem, cands: Sequence[Candidate]) -> tuple[np.ndarray, 
     return fe, be, np.array([c.order == "1f1b" for c in cands]), wu
 
 
-def _to_candidate(fe: np.ndarray, be: np.ndarray, onef1b: bool, warmup: np.ndarray) -> Candidate:
-    """One individual's (S, B) end masks (and warm-ups, in 1F1B order) as a candidate."""
+def _to_candidate(fe: np.ndarray, be: np.ndarray, onef1b: bool, warmup: np.ndarray, wcap: Optional[np.ndarray] = None) -> Candidate:
+    """One individual's (S, B) end masks (and warm-ups, in 1F1B order; W caps with W ops) as a candidate."""
     fs = [[int(x) for x in row if x] for row in ends_to_sizes(fe)]
     bs = [[int(x) for x in row if x] for row in ends_to_sizes(be)]
+    wc = None if wcap is None else [int(c) for c in wcap]
     if not onef1b:
-        return Candidate(fs, bs, "gpipe")
+        return Candidate(fs, bs, "gpipe", wcap=wc)
     wu = [int(w) for w in warmup]
-    return Candidate(fs, bs, "1f1b", warmup=None if wu == list(_textbook(len(fs))) else wu)
+    return Candidate(fs, bs, "1f1b", warmup=None if wu == list(_textbook(len(fs))) else wu, wcap=wc)
 
 
 class _Scorer:
@@ -74,27 +75,30 @@ class _Scorer:
         self.problem = problem
         self.count = 0
 
-    def __call__(self, fe: np.ndarray, be: np.ndarray, onef1b: np.ndarray, warmup: np.ndarray) -> np.ndarray:
+    def __call__(self, fe: np.ndarray, be: np.ndarray, onef1b: np.ndarray, warmup: np.ndarray, wcap: Optional[np.ndarray] = None) -> np.ndarray:
         self.count += fe.shape[0]
         fit = np.empty(fe.shape[0])
         g = ~onef1b
         if g.any():
-            it, sc = score_gpipe(self.problem, ends_to_sizes(fe[g]), ends_to_sizes(be[g]) if self.problem.recompute else None)
+            wc = None if wcap is None else wcap[g]
+            it, sc = score_gpipe(self.problem, ends_to_sizes(fe[g]), ends_to_sizes(be[g]) if self.problem.recompute else None, wc)
             fit[g] = it + 1e-7 * sc.finish_ms.mean(axis=1)
         if onef1b.any():
             bs = ends_to_sizes(be[onef1b]) if self.problem.recompute else None
-            it, sc = score_1f1b(self.problem, ends_to_sizes(fe[onef1b]), warmup[onef1b], bs)
+            wc = None if wcap is None else wcap[onef1b]
+            it, sc = score_1f1b(self.problem, ends_to_sizes(fe[onef1b]), warmup[onef1b], bs, wc)
             fit[onef1b] = it + 1e-7 * sc.finish_ms.mean(axis=1)
         return fit
 
 
 def _polish(
-    problem: Problem, fe: np.ndarray, be: np.ndarray, onef1b: bool, warmup: np.ndarray, deadline: float, free_warmup: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    cand, n = hill_climb(problem, _to_candidate(fe, be, onef1b, warmup), deadline, free_warmup=free_warmup)
+    problem: Problem, fe: np.ndarray, be: np.ndarray, onef1b: bool, warmup: np.ndarray, wcap: Optional[np.ndarray], deadline: float, free_warmup: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray], int]:
+    cand, n = hill_climb(problem, _to_candidate(fe, be, onef1b, warmup, wcap), deadline, free_warmup=free_warmup)
     B = problem.minibatch
     wu = np.array(cand.warmups)
-    return np.array([sizes_to_ends(p, B) for p in cand.fsizes]), np.array([sizes_to_ends(p, B) for p in cand.bsizes]), wu, n
+    wc = None if cand.wcap is None else np.array(cand.wcap)
+    return np.array([sizes_to_ends(p, B) for p in cand.fsizes]), np.array([sizes_to_ends(p, B) for p in cand.bsizes]), wu, wc, n
 
 
 def _equal_rows(rng: np.random.Generator, n: int, problem: Problem) -> np.ndarray:
@@ -173,6 +177,32 @@ def _mutate_warmup(rng: np.random.Generator, wu: np.ndarray, fe: np.ndarray, rat
     wu[who, st] = np.where((kind == 2) | (new >= chunks), B, np.maximum(new, 0))
 
 
+def _initial_caps(rng: np.random.Generator, fe: np.ndarray, onef1b: np.ndarray) -> np.ndarray:
+    """(P, S) W caps: a third ZB-H1's (1F1B's peak, S of the stage's largest chunks; GPipe order:
+    every W at the end), a third every W at the end, a third random."""
+    P, S, B = fe.shape
+    pick = rng.integers(0, 3, (P, S))
+    zb = np.where(onef1b[:, None], S * ends_to_sizes(fe).max(axis=2), B)
+    return np.where(pick == 0, np.minimum(zb, B), np.where(pick == 1, B, rng.integers(0, B + 1, (P, S))))
+
+
+def _mutate_caps(rng: np.random.Generator, wcap: np.ndarray, minibatch: int, max_size: int, rate: float) -> None:
+    """Mutate (P, S) W caps in place, about ``rate`` mutations per individual: up to a chunk's
+    worth more or fewer, halved or doubled, every W at the end, now and then the stage's backward
+    whole (-1); a whole one is split again with a random cap by any other mutation."""
+    P, S = wcap.shape
+    n = rng.poisson(rate * P)
+    if n == 0:
+        return
+    who, st = rng.integers(0, P, n), rng.integers(0, S, n)
+    cur = wcap[who, st]
+    kind = rng.choice(6, size=n, p=[0.3, 0.3, 0.1, 0.1, 0.15, 0.05])
+    step = rng.integers(1, max_size + 1, n)
+    new = np.select([kind == 0, kind == 1, kind == 2, kind == 3, kind == 4], [cur + step, cur - step, cur // 2, 2 * cur + 1, np.full(n, minibatch)], -1)
+    new = np.where((cur < 0) & (kind != 5), rng.integers(0, minibatch + 1, n), new)
+    wcap[who, st] = np.where(kind == 5, -1, np.clip(new, 0, minibatch))
+
+
 def _elite(fit: np.ndarray, onef1b: np.ndarray, k: int) -> np.ndarray:
     """The ``k`` fittest, of which the best quarter of each order present, so that neither order
     dies out once the other leads: which one wins often shows only after both have evolved."""
@@ -203,25 +233,28 @@ class _Population:
     onef1b: np.ndarray
     warmup: np.ndarray
     fit: np.ndarray
+    wcap: Optional[np.ndarray] = None  # (P, S) W caps, only with W ops
 
     @property
     def be(self) -> np.ndarray:
         return self.fe if self.be_own is None else self.be_own
 
     @classmethod
-    def scored(cls, scorer: "_Scorer", fe, be, onef1b, warmup, recompute: bool) -> "_Population":
-        return cls(fe, be if recompute else None, onef1b, warmup, scorer(fe, be, onef1b, warmup))
+    def scored(cls, scorer: "_Scorer", fe, be, onef1b, warmup, recompute: bool, wcap: Optional[np.ndarray] = None) -> "_Population":
+        return cls(fe, be if recompute else None, onef1b, warmup, scorer(fe, be, onef1b, warmup, wcap), wcap)
 
     def take(self, idx: np.ndarray) -> "_Population":
-        return _Population(self.fe[idx], None if self.be_own is None else self.be_own[idx], self.onef1b[idx], self.warmup[idx], self.fit[idx])
+        pick = lambda a: None if a is None else a[idx]  # noqa: E731
+        return _Population(self.fe[idx], pick(self.be_own), self.onef1b[idx], self.warmup[idx], self.fit[idx], pick(self.wcap))
 
     def __add__(self, other: "_Population") -> "_Population":
-        cat = np.concatenate
-        be = None if self.be_own is None else cat([self.be_own, other.be_own])
-        return _Population(cat([self.fe, other.fe]), be, cat([self.onef1b, other.onef1b]), cat([self.warmup, other.warmup]), cat([self.fit, other.fit]))
+        cat = lambda a, b: None if a is None else np.concatenate([a, b])  # noqa: E731
+        return _Population(
+            cat(self.fe, other.fe), cat(self.be_own, other.be_own), cat(self.onef1b, other.onef1b), cat(self.warmup, other.warmup), cat(self.fit, other.fit), cat(self.wcap, other.wcap)
+        )
 
     def candidate(self, k: int) -> Candidate:
-        return _to_candidate(self.fe[k], self.be[k], bool(self.onef1b[k]), self.warmup[k])
+        return _to_candidate(self.fe[k], self.be[k], bool(self.onef1b[k]), self.warmup[k], None if self.wcap is None else self.wcap[k])
 
 
 def solve_ga(
@@ -242,10 +275,14 @@ def solve_ga(
     polish_share: float = 0.1,
     polish_kicks: Optional[int] = None,
     stop: Optional[Callable[[float], bool]] = None,
+    weights: bool = False,
     **_,
 ) -> SolverResult:
     """The GA within ``time_limit`` seconds. ``stop(best ms)``, asked every generation and every
-    kick of the polish, ends the search early when True (``auto``: a bound proved it optimal)."""
+    kick of the polish, ends the search early when True (``auto``: a bound proved it optimal).
+    ``weights``: every individual carries W caps too (a fourth chromosome, :class:`Candidate`'s
+    ``wcap``: each stage's backward split into B and W ops, the W ops deferred under the cap),
+    mutated and crossed over like the warm-ups; the profile must have the split."""
     t0 = time.perf_counter()
     if order in ("gpipe", "1f1b"):
         orders = (order,)
@@ -283,7 +320,13 @@ def solve_ga(
         wu[n_seed:] = _initial_warmups(rng, rest, S, B)
     if rec:
         _mutate(rng, be[n_seed:], problem, 1.0)
-    pop = _Population.scored(scorer, fe, be if rec else fe, ob, wu, rec)
+    wc = None
+    if weights:  # seeds without W caps get them too: each start both ways
+        wc = _initial_caps(rng, fe, ob)
+        for i, c in enumerate(start[:n_seed]):
+            if c.wcap is not None:
+                wc[i] = c.wcap
+    pop = _Population.scored(scorer, fe, be if rec else fe, ob, wu, rec, wc)
 
     best_fit, stall, gen, polished, restarts = float(pop.fit.min()), 0, 0, 0, 0
     last_report = 0.0
@@ -310,7 +353,11 @@ def solve_ga(
             new_w = np.concatenate([kept.warmup[pick], np.tile(_textbook(S), (fresh - fresh // 2, 1))])
             if free_warmup:
                 _mutate_warmup(rng, new_w, new_f, 2.0)
-            pop = kept + _Population.scored(scorer, new_f, new_b, new_o, new_w, rec)
+            new_c = None
+            if weights:
+                new_c = np.concatenate([kept.wcap[pick], _initial_caps(rng, new_f[fresh // 2 :], new_o[fresh // 2 :])])
+                _mutate_caps(rng, new_c, B, mx, 2.0)
+            pop = kept + _Population.scored(scorer, new_f, new_b, new_o, new_w, rec, new_c)
         gen += 1
         elite_idx = _elite(pop.fit, pop.onef1b, elite)
         nchild = P - elite
@@ -339,20 +386,28 @@ def solve_ga(
         child_w = np.where(rng.random((nchild, S)) < 0.5, pop.warmup[parents[0]], pop.warmup[parents[1]])
         if free_warmup:
             _mutate_warmup(rng, child_w, child_f, 0.3)
-        pop = pop.take(elite_idx) + _Population.scored(scorer, child_f, child_b, child_o, child_w, rec)
+        child_c = None
+        if weights:
+            child_c = np.where(rng.random((nchild, S)) < 0.5, pop.wcap[parents[0]], pop.wcap[parents[1]])
+            _mutate_caps(rng, child_c, B, mx, 0.3)
+        pop = pop.take(elite_idx) + _Population.scored(scorer, child_f, child_b, child_o, child_w, rec, child_c)
 
         # memetic step: every so often polish the best individual by local search
         if gen % 50 == 0:
             k = int(np.argmin(pop.fit))
-            pf, pb, pw, n = _polish(
-                problem, pop.fe[k], pop.be[k], bool(pop.onef1b[k]), pop.warmup[k], min(deadline, time.perf_counter() + 0.05 * time_limit), free_warmup
+            own_c = None if pop.wcap is None else pop.wcap[k]
+            pf, pb, pw, pc, n = _polish(
+                problem, pop.fe[k], pop.be[k], bool(pop.onef1b[k]), pop.warmup[k], own_c, min(deadline, time.perf_counter() + 0.05 * time_limit), free_warmup
             )
             polished += n
             pop.fe[k] = pf
             if rec:
                 pop.be[k] = pb
             pop.warmup[k] = pw
-            pop.fit[k] = scorer(pop.fe[k : k + 1], pop.be[k : k + 1], pop.onef1b[k : k + 1], pop.warmup[k : k + 1])[0]
+            if pc is not None:
+                pop.wcap[k] = pc
+            one = slice(k, k + 1)
+            pop.fit[k] = scorer(pop.fe[one], pop.be[one], pop.onef1b[one], pop.warmup[one], None if pop.wcap is None else pop.wcap[one])[0]
 
         now_best = float(pop.fit.min())
         if now_best < best_fit - 1e-9:

@@ -4,7 +4,9 @@ iterated local search around it.
 A move changes one stage's forward partition (and, with recompute, its backward partition on its
 own): shift the boundary between two neighbouring chunks by one sample, merge two chunks, or split
 one in half; in 1F1B order, with ``free_warmup``, it may also run one forward more or fewer before
-a stage's first backward; an aligned move shifts (or removes) a chunk end shared by several
+a stage's first backward; in a schedule with W ops (zero bubble), it may change a stage's W cap
+(samples awaiting their W: a chunk's worth more or fewer, halved, doubled, all W at the end, the
+backward whole again); an aligned move shifts (or removes) a chunk end shared by several
 stages on all of them at once. All moves of a step are built together as chunk-end masks (as
 the GA's population is) and scored in one call of the population evaluator, and the best one is
 taken, until none helps or time runs out.
@@ -80,18 +82,29 @@ def _warmup(w: int, chunks: int, minibatch: int) -> int:
     return minibatch if w >= chunks else max(w, 0)
 
 
-def _neighbours(problem: Problem, cand: Candidate, free_warmup: bool = False) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
+def _cap_moves(cap: int, chunk: int, minibatch: int) -> list[int]:
+    """A stage's other W caps one move away (see :class:`Candidate`): a chunk more or fewer,
+    halved, doubled, every W at the end, the backward whole (-1) and back."""
+    if cap < 0:
+        return [0, minibatch]
+    out = {max(0, cap - chunk), min(minibatch, cap + chunk), cap // 2, min(minibatch, 2 * cap + 1), minibatch, -1}
+    return sorted(out - {cap})
+
+
+def _neighbours(problem: Problem, cand: Candidate, free_warmup: bool = False) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray, Optional[np.ndarray]]:
     """Every schedule one move from ``cand`` (GPipe or 1F1B order), as arrays: ``(fsizes (N, S,
-    K), bsizes or None without recompute, warm-ups (N, S))``: :func:`moves` on each stage's
-    partition (and with recompute its backward one), :func:`aligned_moves` on the forward ones,
-    and in 1F1B order with ``free_warmup`` a warm-up one up or down. Built on chunk-end masks
+    K), bsizes or None without recompute, warm-ups (N, S), W caps (N, S) or None without W
+    ops)``: :func:`moves` on each stage's partition (and with recompute its backward one),
+    :func:`aligned_moves` on the forward ones, in 1F1B order with ``free_warmup`` a warm-up one
+    up or down, with W ops :func:`_cap_moves`. Built on chunk-end masks
     the way the GA's population is: at S=8, B=256, building hundreds of neighbours as lists of
     lists and packing them had taken most of a climb's time (a step 16 ms, the scoring 4)."""
     S, B, mx = problem.num_stages, problem.minibatch, problem.max_size
     fmask = np.array([sizes_to_ends(p, B) for p in cand.fsizes])
     bmask = np.array([sizes_to_ends(p, B) for p in cand.bsizes]) if problem.recompute else None
     warm = np.array(cand.warmups)
-    # each move: (side, stages touched, end cleared or -1, end set or -1, stage whose warm-up changes or -1, its new value)
+    # each move: (side, stages touched, end cleared or -1, end set or -1, stage whose warm-up
+    # (or, with ws < -1, W cap of stage -2 - ws) changes or -1, its new value)
     side, stage_rows, clear, put = [], [], [], []
     moved_w, new_w = [], []
 
@@ -130,9 +143,13 @@ def _neighbours(problem: Problem, cand: Candidate, free_warmup: bool = False) ->
             for w in (min(warm[s], n) - 1, min(warm[s], n) + 1):
                 if 0 <= w <= n and w != min(warm[s], n):
                     add(0, [], -1, -1, s, _warmup(w, n, B))
+    if cand.wcap is not None:
+        for s in range(S):
+            for c in _cap_moves(cand.wcap[s], max(cand.bsizes[s]), B):
+                add(0, [], -1, -1, -2 - s, c)
     N = len(side)
     if N == 0:
-        return np.zeros((0, S, 1), dtype=np.int64), None, np.zeros((0, S), dtype=np.int64)
+        return np.zeros((0, S, 1), dtype=np.int64), None, np.zeros((0, S), dtype=np.int64), None
     cap = max(1, _NEIGHBOUR_CELLS // (S * B * (2 if problem.recompute else 1)))
     if N > cap:  # on the largest instances a step looks at an even spread of the moves, in bounded memory
         keep = np.linspace(0, N - 1, cap).round().astype(int)
@@ -152,14 +169,19 @@ def _neighbours(problem: Problem, cand: Candidate, free_warmup: bool = False) ->
     ws = np.asarray(moved_w)
     w_rows = np.flatnonzero(ws >= 0)
     wu[w_rows, ws[w_rows]] = np.asarray(new_w)[w_rows]
+    wc = None
+    if cand.wcap is not None:
+        wc = np.repeat(np.asarray(cand.wcap)[None], N, axis=0)
+        c_rows = np.flatnonzero(ws < -1)
+        wc[c_rows, -2 - ws[c_rows]] = np.asarray(new_w)[c_rows]
     fs = ends_to_sizes(masks[0])
     bs = ends_to_sizes(masks[1]) if problem.recompute else None
     # a move that made a chunk longer than the largest size, or changed nothing, is no move
     ok = fs.max(axis=(1, 2)) <= mx
     if bs is not None:
         ok &= bs.max(axis=(1, 2)) <= mx
-    ok &= (masks[0] != fmask).any(axis=(1, 2)) | (ws >= 0) | ((masks[1] != bmask).any(axis=(1, 2)) if bs is not None else False)
-    return fs[ok], (bs[ok] if bs is not None else None), wu[ok]
+    ok &= (masks[0] != fmask).any(axis=(1, 2)) | (ws >= 0) | (ws < -1) | ((masks[1] != bmask).any(axis=(1, 2)) if bs is not None else False)
+    return fs[ok], (bs[ok] if bs is not None else None), wu[ok], (wc[ok] if wc is not None else None)
 
 
 def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, np.ndarray]:
@@ -167,12 +189,14 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
     limit = problem.memory_limit
     # without recompute the backward partitions are the forward ones: packed once
     bsizes = (lambda: pack([c.bsizes for c in cands])) if problem.recompute else (lambda: None)
-    if cands and all(c.order == "gpipe" for c in cands):
-        it, sc = score_gpipe(problem, pack([c.fsizes for c in cands]), bsizes())
+    split = {c.wcap is None for c in cands} == {False}
+    wcap = np.array([c.wcap for c in cands]) if split else None
+    if cands and all(c.order == "gpipe" for c in cands) and (split or all(c.wcap is None for c in cands)):
+        it, sc = score_gpipe(problem, pack([c.fsizes for c in cands]), bsizes(), wcap)
         return it, sc.finish_ms.sum(axis=1)
-    if cands and all(c.order == "1f1b" for c in cands):
+    if cands and all(c.order == "1f1b" for c in cands) and (split or all(c.wcap is None for c in cands)):
         wu = np.array([c.warmups for c in cands])
-        it, sc = score_1f1b(problem, pack([c.fsizes for c in cands]), wu, bsizes())
+        it, sc = score_1f1b(problem, pack([c.fsizes for c in cands]), wu, bsizes(), wcap)
         return it, sc.finish_ms.sum(axis=1)
     it = np.empty(len(cands))
     tie = np.empty(len(cands))
@@ -204,7 +228,7 @@ def hill_climb(
     for _ in range(max_steps):
         if time.perf_counter() > deadline:
             break
-        fs, bs, wu = _neighbours(problem, cand, free_warmup)
+        fs, bs, wu, wc = _neighbours(problem, cand, free_warmup)
         if not len(fs):
             break
         # scored in slices, so that a step on a large instance (thousands of neighbours, a
@@ -214,10 +238,11 @@ def hill_climb(
             if a and time.perf_counter() > deadline:
                 break
             cut = slice(a, a + _SLICE)
+            wc_cut = None if wc is None else wc[cut]
             if cand.order == "gpipe":
-                its_a, sc = score_gpipe(problem, fs[cut], None if bs is None else bs[cut])
+                its_a, sc = score_gpipe(problem, fs[cut], None if bs is None else bs[cut], wc_cut)
             else:
-                its_a, sc = score_1f1b(problem, fs[cut], wu[cut], None if bs is None else bs[cut])
+                its_a, sc = score_1f1b(problem, fs[cut], wu[cut], None if bs is None else bs[cut], wc_cut)
             its_parts.append(its_a)
             tie_parts.append(sc.finish_ms.sum(axis=1))
         its, ties = np.concatenate(its_parts), np.concatenate(tie_parts)
@@ -229,20 +254,26 @@ def hill_climb(
         b = [[int(x) for x in row if x] for row in bs[k]] if bs is not None else f
         w = [int(x) for x in wu[k]]
         warmup = None if cand.order == "gpipe" else cand.warmup if w == cand.warmups else w
-        cand, it, tie = Candidate(f, b, cand.order, warmup=warmup), float(its[k]), float(ties[k])
+        wcap = None if wc is None else [int(x) for x in wc[k]]
+        cand, it, tie = Candidate(f, b, cand.order, warmup=warmup, wcap=wcap), float(its[k]), float(ties[k])
     cand.iteration_ms = it
     return cand, scored
 
 
 def _kick(rng: np.random.Generator, problem: Problem, cand: Candidate, n_moves: int, free_warmup: bool) -> Candidate:
     """``cand`` after ``n_moves`` random moves, each on a random stage's forward partition (with
-    recompute, as often its backward one) or, in 1F1B order, its warm-up."""
+    recompute, as often its backward one), in 1F1B order its warm-up, with W ops its W cap."""
     mx, S, B = problem.max_size, problem.num_stages, problem.minibatch
     f = [list(p) for p in cand.fsizes]
     b = [list(p) for p in cand.bsizes] if problem.recompute else f
     wu = cand.warmups
+    wcap = None if cand.wcap is None else list(cand.wcap)
     for _ in range(n_moves):
         s = int(rng.integers(S))
+        if wcap is not None and rng.random() < 0.2:
+            options = _cap_moves(wcap[s], max(b[s]), B)
+            wcap[s] = options[int(rng.integers(len(options)))]
+            continue
         if free_warmup and cand.order == "1f1b" and rng.random() < 0.2:
             n = len(f[s])
             w = min(wu[s], n) + int(rng.choice([-1, 1]))
@@ -252,7 +283,7 @@ def _kick(rng: np.random.Generator, problem: Problem, cand: Candidate, n_moves: 
         options = list(moves(part[s], mx))
         if options:
             part[s] = options[int(rng.integers(len(options)))]
-    return Candidate(f, b, cand.order, warmup=wu if cand.order == "1f1b" else None)
+    return Candidate(f, b, cand.order, warmup=wu if cand.order == "1f1b" else None, wcap=wcap)
 
 
 def iterated_climb(
