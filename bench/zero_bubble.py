@@ -5,17 +5,19 @@ split, and measured on 2 CPU stages.
     python bench/zero_bubble.py --measure [--rounds 3] [--steps 6] [--markdown]
     python bench/zero_bubble.py --small [--markdown]
 
-For each profile: `umopt solve` without W ops, `umopt solve --zero-bubble` (umopt's schedule with
-W ops placed, and the best equal ZB-H1), and the best equal 1F1B, at the same memory (none set:
-the W schedule is kept at most at the peak of the schedule it came from where that is fastest).
+For each profile, at two memory limits (1F1B's peak, which ZB-H1 keeps, and ZB-H2's): `umopt solve`
+without W ops, `umopt solve --zero-bubble` (umopt's schedule with W ops: the GA searching
+partitions and W placement together, W ops placed in the schedules found, then filled and
+climbed; and the best equal ZB-H1 and ZB-H2), and the best equal 1F1B, all within that limit.
 Targets (issue 34): with W ops umopt beats umopt without them where backward >= forward, and the
 best equal ZB-H1 by at least 5% on the heterogeneous profiles. The synthetic profiles split each
 backward 50/50 between input and weight gradients (a transformer layer's B and W each cost about
-one forward); the measured profiles bundled here predate the split and are left out.
+one forward); vgg16-split-cpu is VGG16 measured here with `--split-backward` (vgg16-cpu and
+gpt-cpu predate the split and are left out).
 
 With --measure: a GPT of 4 layers on 2 CPU stages x 1 thread, `umopt profile --split-backward`
 (which times the split as the runtime runs it, and fits to probe runs), then umopt's best schedule
-without W ops, the same with W ops placed, and the best equal ZB-H1 and 1F1B, run in turns on the
+without W ops, `umopt solve --zero-bubble`'s (where it has W ops), and the best equal ZB-H1 and 1F1B, run in turns on the
 same processes (--rounds times): predicted and measured ms, their ratio, and each against the others.
 
 With --small: on small synthetic instances, how far the W placement is from the optimum among
@@ -42,9 +44,12 @@ from umopt.profiler import ProfileOptions
 from umopt.solve import make_problem, solve
 from umopt.solvers.cpsat import solve_with_weight_ops
 from umopt.synthetic import synthetic_profile
-from umopt.zerobubble import best_with_weight_ops, zb_h1
+from umopt.zerobubble import best_with_weight_ops, zb_h1, zb_h2
 
-COLUMNS = ("profile", "1F1B equal ms", "ZB-H1 equal ms", "umopt ms", "umopt + W ms", "x ZB-H1", "x umopt", "peak MiB umopt / +W")
+COLUMNS = (
+    "profile", "memory limit MiB", "1F1B equal ms", "ZB-H1 equal ms", "ZB-H2 equal ms", "umopt ms", "umopt + W ms",
+    "x 1F1B", "x ZB-H1", "x ZB-H2", "x umopt", "peak MiB +W",
+)
 
 
 MEASURE_COLUMNS = ("schedule", "W ops", "pred ms", "meas ms", "meas / pred", "meas x 1F1B", "meas x ZB-H1")
@@ -59,9 +64,9 @@ def measure(B: int, rounds: int, steps: int, time_limit: float) -> list[tuple]:
         problem = make_problem(prof, B, False)
         plain = solve(prof, B, time_limit=time_limit, seed=0)
         plans = {"umopt": plain.schedule.op_lists(), "1f1b_equal": plain.onef1b.candidate.ops()}
-        placed = best_with_weight_ops(problem, plans["umopt"], seconds=time_limit / 2)
-        if placed is not None:
-            plans["umopt_w"] = placed[0]
+        with_w = solve(prof, B, time_limit=time_limit, seed=0, zero_bubble=True)
+        if any(op[0] == "W" for st in with_w.schedule.stages for op in st.ops):
+            plans["umopt_w"] = with_w.schedule.op_lists()
         zb = zb_h1(problem, seconds=time_limit / 2)
         if zb is not None:
             plans["zbh1_equal"] = zb[1]
@@ -139,15 +144,21 @@ def main() -> None:
         prof = load_profile(name)
         if any(st.backward_input_ms is None for st in prof.stages):
             continue
-        plain = solve(prof, a.minibatch, time_limit=a.time_limit, seed=0)
-        zb = solve(prof, a.minibatch, time_limit=a.time_limit, seed=0, zero_bubble=True)
-        it = zb.timeline.iteration_ms
-        rows.append((
-            name, f"{zb.onef1b.iteration_ms:.2f}", f"{zb.zbh1.iteration_ms:.2f}", f"{plain.timeline.iteration_ms:.2f}", f"{it:.2f}",
-            f"{zb.zbh1.iteration_ms / it:.3f}", f"{plain.timeline.iteration_ms / it:.3f}",
-            f"{max(plain.timeline.peak_memory_bytes) / 2**20:.0f} / {max(zb.timeline.peak_memory_bytes) / 2**20:.0f}",
-        ))
-    _print(COLUMNS, rows, a.markdown, f"predicted ms per iteration, minibatch {a.minibatch}")
+        problem = make_problem(prof, a.minibatch, False)
+        for memory, found in (("1F1B's", zb_h1(problem)), ("ZB-H2's", zb_h2(problem))):
+            limit = max(found[2].peak_memory_bytes)
+            at = prof.with_memory_limit(limit)
+            plain = solve(at, a.minibatch, time_limit=a.time_limit, seed=0)
+            zb = solve(at, a.minibatch, time_limit=a.time_limit, seed=0, zero_bubble=True)
+            it = zb.timeline.iteration_ms
+            x = lambda base: "-" if base is None else f"{base / it:.3f}"  # noqa: E731
+            ms = lambda base: "-" if base is None else f"{base:.2f}"  # noqa: E731
+            rows.append((
+                name, f"{memory} {limit / 2**20:.0f}", ms(zb.onef1b.iteration_ms), ms(zb.zbh1.iteration_ms), ms(zb.zbh2.iteration_ms),
+                f"{plain.timeline.iteration_ms:.2f}", f"{it:.2f}", x(zb.onef1b.iteration_ms), x(zb.zbh1.iteration_ms), x(zb.zbh2.iteration_ms),
+                x(plain.timeline.iteration_ms), f"{max(zb.timeline.peak_memory_bytes) / 2**20:.0f}",
+            ))
+    _print(COLUMNS, rows, a.markdown, f"predicted ms per iteration, minibatch {a.minibatch}, within the memory limit (MiB)")
 
 
 if __name__ == "__main__":

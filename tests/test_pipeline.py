@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from umopt.costmodel import CostTables, simulate
+from umopt.costmodel import CostTables, Op, simulate
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.problem import Candidate
@@ -26,12 +26,15 @@ B = pipeline_user.B
 
 
 def _schedule(tmp_path: Path, fsizes, order: str, recompute: bool, warmup=None, bsizes=None) -> str:
+    ops = Candidate(fsizes, bsizes or fsizes, order, warmup=warmup).ops()
+    return _save(tmp_path, ops, recompute)
+
+
+def _save(tmp_path: Path, ops, recompute: bool) -> str:
+    """A schedule of these op lists on the 2-stage synthetic profile, both written to tmp_path."""
     tmp_path.mkdir(exist_ok=True)
-    prof = synthetic_profile(2, max_size=8, seed=3)
-    save_profile(prof, tmp_path / "profile.json")
+    save_profile(synthetic_profile(2, max_size=8, seed=3), tmp_path / "profile.json")
     prof = load_profile(tmp_path / "profile.json")
-    cand = Candidate(fsizes, bsizes or fsizes, order, warmup=warmup)
-    ops = cand.ops()
     tl = simulate(CostTables.from_profile(prof, recompute), ops, B)
     sched = make_schedule(prof, B, recompute, ops, tl, {"name": "test", "status": "feasible", "seconds": 0.0}, {})
     path = tmp_path / "schedule.json"
@@ -157,6 +160,17 @@ def test_an_exported_schedule_runs_on_torchs_runtime_as_one_process(tmp_path, ca
     assert plan.read_text().splitlines() == ["0F0,0F1,0F2,0B0,0B1,0B2", "1F0,1B0,1F1,1B1,1F2,1B2"]
     got = _run(tmp_path, "torch", str(plan), extra=("3",))
     want = pipeline_user.reference("mlp", steps=3)
+    for g, w in zip(got, want):
+        for k in w:
+            torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)
+    # zero bubble: B as torch's I, W ops deferred on stage 0, its last two as one W op over two microbatches
+    ops = Candidate([[4, 4, 4]] * 2, [[4, 4, 4]] * 2, "1f1b", wcap=[8, 0]).ops()
+    ops[0] = [op for op in ops[0] if op.kind != "W" or op.lo == 0] + [Op("W", 4, 12)]
+    plan = tmp_path / "zb" / "plan.csv"
+    code, _, err = run_cli(["export", _save(tmp_path / "zb", ops, False), "--format", "torch-csv", "-o", str(plan)], capsys)
+    assert code == 0, err
+    assert plan.read_text().splitlines() == ["0F0,0F1,0I0,0W0,0F2,0I1,0I2,0W1,0W2", "1F0,1I0,1W0,1F1,1I1,1W1,1F2,1I2,1W2"]
+    got = _run(tmp_path / "zb", "torch", str(plan), extra=("3",))
     for g, w in zip(got, want):
         for k in w:
             torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)

@@ -2,7 +2,10 @@
 
 torch.distributed.pipelining runs a schedule given as a CSV of actions, one row per rank, each
 cell ``{stage}F{microbatch}`` or ``{stage}B{microbatch}`` in the order the rank runs them
-(``_PipelineScheduleRuntime._load_csv``, which adds the sends and receives itself). torch splits
+(``_PipelineScheduleRuntime._load_csv``, which adds the sends and receives itself). On a stage
+with W ops (zero bubble) B is torch's ``I`` (the input gradient) and each W its ``W`` action, one
+per microbatch: a W op over several microbatches becomes their W actions in a row, which is
+what umopt's runtime computes too (each chunk's own saved backward). torch splits
 the minibatch into equal microbatches, the same for every stage, and averages their losses, so
 only schedules with one partition of equal chunks on every stage can be written; their op order,
 per-stage warm-ups included, is kept (torch's built-in 1F1B has one warm-up rule for all). Any
@@ -29,8 +32,6 @@ def torch_csv(schedule: Schedule) -> str:
     if schedule.recompute:
         raise UmoptError("torch-csv: torch's schedules cannot recompute inside a backward as this schedule does")
     ops = schedule.op_lists()
-    if any(op.kind == "W" for st in ops for op in st):
-        raise UmoptError("torch-csv: W ops (weight gradients split off the backward) are not exported; solve without --zero-bubble")
     parts = [partitions_from_ops(o) for o in ops]
     first = parts[0][0]
     for s, (f, b) in enumerate(parts):
@@ -48,5 +49,12 @@ def torch_csv(schedule: Schedule) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for s, stage_ops in enumerate(ops):
-        writer.writerow([f"{s}{kind}{index[(lo, hi)]}" for kind, lo, hi in stage_ops])
+        split = any(op.kind == "W" for op in stage_ops)
+        row = []
+        for kind, lo, hi in stage_ops:
+            if kind == "W":  # every microbatch it covers, in sample order
+                row += [f"{s}W{i}" for (a, z), i in index.items() if lo <= a and z <= hi]
+            else:
+                row.append(f"{s}{'I' if split and kind == 'B' else kind}{index[(lo, hi)]}")
+        writer.writerow(row)
     return out.getvalue()
