@@ -313,3 +313,35 @@ def test_exact_zero_bubble_model_bounds_every_w_schedule_and_reaches_its_bound()
                     new.insert(int(rng.integers(at + 1, len(new) + 1)), Op("W", b.lo, b.hi))
                 with_w.append(new)
             assert simulate(problem.tables, with_w, B, record=False).iteration_ms >= bound - 1e-9
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_exact_zero_bubble_model_keeps_to_the_memory_limit(recompute):
+    """Under a limit that binds, the exact W model's schedule stays within it (a W releases its
+    samples' memory), re-scores at its bound, and no random W schedule within the limit beats it."""
+    from umopt.problem import Candidate, Problem
+    from umopt.solvers.cpsat import solve_with_weight_ops
+
+    S, B = 2, 6
+    prof = synthetic_profile(S, max_size=4, seed=3)
+    free = Problem(CostTables.from_profile(prof, recompute), B)
+    _, free_bound, _ = solve_with_weight_ops(free, 30)
+    t = free.tables
+    limit = int(max(t.static_bytes + 2 * (t.stash_bytes + t.input_bytes)))  # about two samples in flight
+    problem = Problem(CostTables.from_profile(prof.with_memory_limit(limit), recompute), B)
+    ops, bound, proven = solve_with_weight_ops(problem, 30)
+    assert proven and bound > free_bound + 1e-6  # the limit binds
+    tl = simulate(problem.tables, ops, B)
+    assert max(tl.peak_memory_bytes) <= limit
+    assert tl.iteration_ms == pytest.approx(bound, abs=4 * S * B * 1e-3)
+    rng = np.random.default_rng(1)
+    partitions = [[1] * B, [2] * 3, [1, 1, 2, 2], [2, 1, 1, 2]]
+    within = 0
+    for _ in range(100):
+        sizes = [partitions[int(rng.integers(len(partitions)))] for _s in range(S)]
+        cand = Candidate(sizes, sizes, "1f1b", warmup=rng.integers(0, 2, S).tolist(), wcap=rng.integers(0, 3, S).tolist())
+        got = simulate(problem.tables, cand.ops(), B)
+        if max(got.peak_memory_bytes) <= limit:
+            within += 1
+            assert got.iteration_ms >= bound - 1e-9
+    assert within >= 10

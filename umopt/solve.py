@@ -196,7 +196,7 @@ def solve(
         seeds = [choice.candidate] + [c for c in [*(c for _, c in found), *result.alternatives] if c is not choice.candidate]
         placed = [w for w in (best_with_weight_ops(problem, c.ops(), seconds / 8 / len(seeds)) for c in seeds) if w is not None]
         # on small instances the exact model places W ops too, and proves how far from optimal
-        exact_too = model_terms(problem) <= EXACT_MAX_TERMS and not recompute and problem.memory_limit is None
+        exact_too = model_terms(problem) <= EXACT_MAX_TERMS
         searched = search_with_weight_ops(problem, seeds, (0.5 if exact_too else 0.75) * seconds, seed, order)
         if searched is not None:
             placed.append(searched)

@@ -168,7 +168,8 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
 
     With ``weights`` every stage's backward is split (zero bubble): a B op is the input gradient
     and each B chunk has a W op of its own, any time after it on the stage (``wstart``; empty
-    otherwise). The redundant cuts and memory, which assume whole backwards, are then left out.
+    otherwise), which releases what its samples kept; the redundant cuts, which assume whole
+    backwards, are then left out.
 
     Every op is an optional interval on its stage's no-overlap resource, so each stage's op order
     is the solver's choice (GPipe, 1F1B and every other order are in the search space); memory is a
@@ -261,10 +262,11 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
                     m.add(arrive[s][i] >= arrive[s][i + 1]).only_enforce_if(ends[i].Not())
         if s > 0:
             m.add_no_overlap(list(gint[s].values()))
+        if limit is not None:
+            wend = {c: wstart[s][c] + wdur[s][c] for c in wstart[s]} if weights else None
+            _add_memory(m, problem, s, chunks, x[s], y[s], fstart[s], bstart[s], fdur[s], bdur[s], wend)
         if weights:
             continue
-        if limit is not None:
-            _add_memory(m, problem, s, chunks, x[s], y[s], fstart[s], bstart[s], fdur[s], bdur[s])
         # redundant cuts: they give the LP relaxation what each chunk size costs (see .bounds)
         later_f, later_b = _later_work(m, chunks, B, x[s], y[s], fdur[s], bdur[s], H)
         for terms, rest in linear_cuts(problem, heads, s, chunks, x[s], y[s], fdur[s], bdur[s], later_f, later_b, gpipe=False):
@@ -278,9 +280,11 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
     return m, x, y, fstart, bstart, makespan, wstart
 
 
-def _add_memory(m, problem: Problem, s: int, chunks, x, y, fstart, bstart, fdur, bdur) -> None:
+def _add_memory(m, problem: Problem, s: int, chunks, x, y, fstart, bstart, fdur, bdur, wend: Optional[dict] = None) -> None:
     """The spec's memory model as a reservoir: stash grows when an F starts and shrinks when its
-    B ends (with recompute: inputs are kept, the running chunk's stash only while it runs)."""
+    B ends (with recompute: inputs are kept, the running chunk's stash only while it runs). With
+    W ops (``wend``: each B chunk's W end) a sample's memory goes when its W ends, and with
+    recompute what its B recomputed stays until then too."""
     t = problem.tables
     room = int(problem.memory_limit - t.static_bytes[s])
     times, changes, actives = [], [], []
@@ -293,7 +297,13 @@ def _add_memory(m, problem: Problem, s: int, chunks, x, y, fstart, bstart, fdur,
 
     for c in chunks:
         b = c[1] - c[0]
-        if not problem.recompute:
+        if wend is not None:
+            event(fstart[c], b * (t.input_bytes[s] + t.stash_bytes[s] if problem.recompute else t.stash_bytes[s]), x[c])
+            if problem.recompute:
+                event(fstart[c] + fdur[c], -b * t.stash_bytes[s], x[c])
+                event(bstart[c], b * t.stash_bytes[s], y[c])
+            event(wend[c], -b * (t.input_bytes[s] + t.stash_bytes[s] if problem.recompute else t.stash_bytes[s]), y[c])
+        elif not problem.recompute:
             event(fstart[c], b * t.stash_bytes[s], x[c])
             event(bstart[c] + bdur[c], -b * t.stash_bytes[s], y[c])
         else:
@@ -445,18 +455,25 @@ def gpipe_ops_all(sizes: list[int], num_stages: int) -> list[list[Op]]:
 
 
 def solve_with_weight_ops(problem: Problem, time_limit: float, seed: int = 0) -> Optional[tuple[list[list[Op]], float, bool]]:
-    """The free-order model with a W op per B chunk (zero bubble), on a small instance without
-    recompute or memory limit: (op lists, bound in ms, proven optimal among such schedules), or
-    None if it found nothing in ``time_limit``. The op lists are re-scored by the simulator."""
+    """The free-order model with a W op per B chunk (zero bubble), on a small instance, within the
+    memory limit: (op lists, bound in ms, proven optimal among such schedules), or None if it
+    found nothing in ``time_limit``. The op lists are re-scored by the simulator."""
     from ortools.sat.python import cp_model
 
+    from ..partition import onef1b_schedule, with_weight_ops
+
     t = problem.tables
-    if problem.recompute or problem.memory_limit is not None or t.bwd_input is None:
-        raise UmoptError("the exact zero-bubble model takes a split profile, no recompute, no memory limit")
-    # a schedule the model holds (GPipe order, 1-sample chunks, each W right after its B) bounds
-    # the horizon: the model, whose links need not keep send order, times it no later
+    if t.bwd_input is None:
+        raise UmoptError("the exact zero-bubble model takes a profile with the B/W split")
+    # a schedule the model holds bounds the horizon (the model, whose links need not keep send
+    # order, times it no later): GPipe order, 1-sample chunks, each W right after its B; under a
+    # memory limit one sample at a time through the whole pipeline, which holds the least
     ones = [1] * problem.minibatch
-    plain = [[op for b in st for op in ([b, Op("W", b.lo, b.hi)] if b.kind == "B" else [b])] for st in gpipe_ops_all(ones, problem.num_stages)]
+    S = problem.num_stages
+    if problem.memory_limit is None:
+        plain = [[op for b in st for op in ([b, Op("W", b.lo, b.hi)] if b.kind == "B" else [b])] for st in gpipe_ops_all(ones, S)]
+    else:
+        plain = [with_weight_ops(st, 0) for st in onef1b_schedule([ones] * S, [ones] * S, [0] * S)]
     horizon = _us(simulate(t, plain, problem.minibatch, record=False).iteration_ms) + 4 * problem.num_stages * problem.minibatch + 1
     model, x, y, fstart, bstart, makespan, wstart = build_free_model(problem, horizon, weights=True)
     solver = cp_model.CpSolver()
