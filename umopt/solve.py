@@ -195,9 +195,11 @@ def solve(
         # partitions and W placement together from them
         seeds = [choice.candidate] + [c for c in [*(c for _, c in found), *result.alternatives] if c is not choice.candidate]
         placed = [w for w in (best_with_weight_ops(problem, c.ops(), seconds / 8 / len(seeds)) for c in seeds) if w is not None]
-        # on small instances the exact model places W ops too, and proves how far from optimal
+        # on small instances the exact model places W ops too, and proves how far from optimal;
+        # the GA gets what is left of --time-limit (the steps before can run a little over)
         exact_too = model_terms(problem) <= EXACT_MAX_TERMS
-        searched = search_with_weight_ops(problem, seeds, (0.5 if exact_too else 0.75) * seconds, seed, order)
+        left = max(0.1 * seconds, started + time_limit - time.perf_counter() - (seconds / 4 if exact_too else 0.0))
+        searched = search_with_weight_ops(problem, seeds, left, seed, order)
         if searched is not None:
             placed.append(searched)
         if exact_too:
