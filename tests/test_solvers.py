@@ -1235,3 +1235,24 @@ def test_fast_bounds_run_beside_the_solver_where_they_take_seconds(monkeypatch):
     assert seen[1] >= 4.0 - solve_mod.BESIDE_GRACE_S - 0.2  # only the baselines came before it, and the wait for the bounds after
     for key in ("lower_bound_ms", "lower_bound_1f1b_ms"):
         assert beside[key] == here[key] is not None
+
+
+def test_ga_with_w_caps_beats_its_seeds_with_w_ops_placed_and_keeps_to_memory():
+    """The GA carrying W caps (zero bubble): its schedule has W ops, scores as the simulator
+    says, stays within a memory limit that binds, and beats the best seed's W placement."""
+    from umopt.solvers.ga import solve_ga
+    from umopt.zerobubble import best_with_weight_ops
+
+    prof = load_profile("gpt-sim")
+    free = Problem(CostTables.from_profile(prof), 16)
+    seed = onef1b_equal(free).candidate
+    limit = int(max(simulate(free.tables, seed.ops(), 16).peak_memory_bytes))
+    problem = Problem(CostTables.from_profile(prof.with_memory_limit(limit)), 16)
+    res = solve_ga(problem, time_limit=3, seed=0, seeds=[seed], weights=True)
+    cand = res.candidate
+    assert cand.wcap is not None and any(op.kind == "W" for st in cand.ops() for op in st)
+    tl = cand.simulate(problem)
+    assert tl.iteration_ms == pytest.approx(cand.iteration_ms, abs=1e-9)
+    assert max(tl.peak_memory_bytes) <= limit
+    placed = best_with_weight_ops(problem, seed.ops())
+    assert tl.iteration_ms < placed[1].iteration_ms

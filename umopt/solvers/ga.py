@@ -18,6 +18,9 @@ evolve; with recompute both evolve independently, in either order. Each generati
   chromosome: PipeDream-flush fixes it at ``S - s - 1``, but the stage holding the most work
   often does best with fewer in flight and the stages feeding it with more (all forwards first,
   GPipe-like), which is how the best schedules of small instances look when solved exactly.
+  With ``weights`` (zero bubble) each individual also carries a W cap per stage (how many samples
+  may await their weight gradient before a W op runs, :class:`umopt.problem.Candidate`), so the
+  partitions are searched with where their W ops go, not before it.
 
 Seeds (the best equal schedules and any the caller brings) start the population, so the result is
 never worse than they are; a best-improvement local search (:mod:`.local`) polishes the best
