@@ -48,11 +48,7 @@ def test_vectorized_equals_reference(S, B, mx, recompute, density, latency, band
     _assert_same_in_numpy(score, evaluate_gpipe, tables, fs, bs)
     for p in range(P):
         ops = [gpipe_ops([x for x in fs[p, s] if x], [x for x in bs[p, s] if x]) for s in range(S)]
-        ref = simulate(tables, ops, B)
-        assert abs(score.iteration_ms[p] - ref.iteration_ms) <= 1e-9
-        np.testing.assert_allclose(score.busy_ms[p], ref.busy_ms, atol=1e-9, rtol=0)
-        np.testing.assert_allclose(score.finish_ms[p], [sp[-1].end for sp in ref.spans], atol=1e-9, rtol=0)
-        assert list(score.peak_memory_bytes[p].astype(np.int64)) == ref.peak_memory_bytes
+        _assert_equals_reference(score, p, simulate(tables, ops, B))
 
 
 @settings(max_examples=100, deadline=None)
@@ -83,11 +79,7 @@ def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth,
     for p in range(6):
         fparts = [[int(x) for x in fs[p, s] if x] for s in range(S)]
         bparts = [[int(x) for x in bs[p, s] if x] for s in range(S)]
-        ref = simulate(tables, onef1b_schedule(fparts, bparts, list(warm[p])), B)  # raises if the order deadlocked
-        assert abs(score.iteration_ms[p] - ref.iteration_ms) <= 1e-9
-        np.testing.assert_allclose(score.finish_ms[p], ref.finish_ms, atol=1e-9, rtol=0)
-        np.testing.assert_allclose(score.busy_ms[p], ref.busy_ms, atol=1e-9, rtol=0)
-        assert list(score.peak_memory_bytes[p].astype(np.int64)) == ref.peak_memory_bytes
+        _assert_equals_reference(score, p, simulate(tables, onef1b_schedule(fparts, bparts, list(warm[p])), B))  # raises if it deadlocked
 
 
 @settings(max_examples=80, deadline=None)
@@ -132,10 +124,7 @@ def test_split_evaluator_equals_reference(S, B, mx, density, onef1b, recompute, 
         except UmoptError:
             assert score.iteration_ms[p] == np.inf
             continue
-        assert abs(score.iteration_ms[p] - ref.iteration_ms) <= 1e-9
-        np.testing.assert_allclose(score.finish_ms[p], ref.finish_ms, atol=1e-9, rtol=0)
-        np.testing.assert_allclose(score.busy_ms[p], ref.busy_ms, atol=1e-9, rtol=0)
-        assert list(score.peak_memory_bytes[p].astype(np.int64)) == ref.peak_memory_bytes
+        _assert_equals_reference(score, p, ref)
 
 
 def test_split_evaluator_without_the_compiled_module():
@@ -157,6 +146,14 @@ def test_split_evaluator_without_the_compiled_module():
         assert np.isfinite(a.iteration_ms).all()
         np.testing.assert_allclose(a.iteration_ms, b.iteration_ms, atol=1e-9, rtol=0)
         np.testing.assert_array_equal(a.peak_memory_bytes, b.peak_memory_bytes)
+
+
+def _assert_equals_reference(score, p: int, ref) -> None:
+    """Individual ``p``'s scores equal the reference simulator's timeline (1e-9 ms; bytes exactly)."""
+    assert abs(score.iteration_ms[p] - ref.iteration_ms) <= 1e-9
+    np.testing.assert_allclose(score.finish_ms[p], ref.finish_ms, atol=1e-9, rtol=0)
+    np.testing.assert_allclose(score.busy_ms[p], ref.busy_ms, atol=1e-9, rtol=0)
+    assert list(score.peak_memory_bytes[p].astype(np.int64)) == ref.peak_memory_bytes
 
 
 def _allreduce(replicas: int, rng) -> AllReduceProfile | None:

@@ -69,6 +69,76 @@ static void fill_part(Part& p, const int64_t* sizes, int64_t K, int64_t B) {
         for (; i <= (size_t)p.last[k] && i < (size_t)B; ++i) p.of[i] = (int32_t)k;
 }
 
+// The state of playing one individual's slots: per stage, message arrivals (+inf: not yet; the
+// last stage's act: its F ends), the next slot, the stage's clock and each link direction's.
+struct Player {
+    std::vector<std::vector<double>> act, grad;
+    std::vector<int64_t> ptr;
+    std::vector<double> clock, f_free, b_free;
+    explicit Player(int64_t S) : act(S), grad(S), ptr(S), clock(S), f_free(S), b_free(S) {}
+
+    // Plays slots (kind 0 F, 1 B, 2 W; chunk) as the reference simulator plays ops: every stage
+    // runs its next slot once ready(s, kind, chunk) is known (+inf: a message not yet sent), an
+    // op ends at max(stage free, ready) + dur(s, kind, chunk), and its message leaves once the
+    // op has ended and the link's previous message that way is through. Which stage moves first
+    // changes no time (each depends only on its inputs), so a stage runs every slot ready when
+    // visited. Returns whether every stage ran all its slots (else the individual deadlocked).
+    template <class Ready, class Dur>
+    bool play(const std::vector<std::vector<int8_t>>& kind, const std::vector<std::vector<int32_t>>& chunk, const std::vector<Part>& fp,
+              const std::vector<Part>& bp, const double* L, int64_t W, Ready ready, Dur dur) {
+        const int64_t S = kind.size();
+        const double inf = std::numeric_limits<double>::infinity();
+        for (int64_t s = 0; s < S; ++s) {
+            act[s].assign(fp[s].size.size(), inf);
+            grad[s].assign(bp[s].size.size(), inf);
+            ptr[s] = 0;
+            clock[s] = f_free[s] = b_free[s] = 0.0;
+        }
+        for (int64_t round = 0, moved = 1; moved; ++round) {
+            moved = 0;
+            for (int64_t i = 0; i < S; ++i) {
+                const int64_t s = round % 2 == 0 ? i : S - 1 - i;
+                const int64_t Q = kind[s].size();
+                while (ptr[s] < Q) {
+                    const int64_t q = ptr[s], k = chunk[s][q];
+                    const int8_t kd = kind[s][q];
+                    const double at = ready(s, kd, k);
+                    if (at == inf) break;
+                    const double end = std::max(clock[s], at) + dur(s, kd, k);
+                    clock[s] = end;
+                    if (kd == 0) {
+                        if (s == S - 1) {
+                            act[s][k] = end;
+                        } else {
+                            f_free[s] = std::max(f_free[s], end) + L[s * W + fp[s].size[k]];
+                            act[s][k] = f_free[s];
+                        }
+                    } else if (kd == 1 && s > 0) {
+                        b_free[s] = std::max(b_free[s], end) + L[(s - 1) * W + bp[s].size[k]];
+                        grad[s][k] = b_free[s];
+                    }
+                    ptr[s] += 1;
+                    moved = 1;
+                }
+            }
+        }
+        bool settled = true;
+        for (int64_t s = 0; s < S; ++s) settled = settled && ptr[s] == (int64_t)kind[s].size();
+        return settled;
+    }
+
+    // each stage's end into finish(p, .), and the iteration (+inf where it deadlocked)
+    template <class Finish, class It>
+    void score(int64_t p, bool settled, double optimizer_ms, Finish& finish, It& it) const {
+        double last_end = 0.0;
+        for (size_t s = 0; s < clock.size(); ++s) {
+            finish(p, s) = clock[s];
+            last_end = std::max(last_end, clock[s]);
+        }
+        it(p) = settled ? last_end + optimizer_ms : std::numeric_limits<double>::infinity();
+    }
+};
+
 // One stage's 1F1B order as slots (kind 0 F, 1 B; chunk index), for partitions f (forward) and b
 // (backward), after the stage below (b_below, null on the last stage) whose B chunks had
 // forwarded fwd_at_b_below samples when they ran; fills fwd_at_b for the stage above.
@@ -99,6 +169,15 @@ static void order_1f1b(const Part& f, const Part& b, const Part* b_below, int64_
         if (kind[q] == 0) chunk[q] = (int32_t)i++;
 }
 
+// individual p's forward and backward partitions of every stage
+template <class Sizes>
+static void fill_parts(std::vector<Part>& fp, std::vector<Part>& bp, const Sizes& fs, const Sizes& bs, int64_t p, int64_t K, int64_t B) {
+    for (size_t s = 0; s < fp.size(); ++s) {
+        fill_part(fp[s], &fs(p, s, 0), K, B);
+        fill_part(bp[s], &bs(p, s, 0), K, B);
+    }
+}
+
 static py::tuple evaluate_1f1b(I64 fsizes, I64 bsizes, I64 warmup, const Costs& c) {
     const int64_t P = fsizes.shape(0), S = fsizes.shape(1), K = fsizes.shape(2), W = c.W, B = c.B;
     auto fs = fsizes.unchecked<3>();
@@ -111,21 +190,15 @@ static py::tuple evaluate_1f1b(I64 fsizes, I64 bsizes, I64 warmup, const Costs& 
     auto finish = out.finish.mutable_unchecked<2>();
     auto busy = out.busy.mutable_unchecked<2>();
     auto peak = out.peak.mutable_unchecked<2>();
-    const double inf = std::numeric_limits<double>::infinity();
     {
         py::gil_scoped_release release;
         std::vector<Part> fp(S), bp(S);
         std::vector<std::vector<int8_t>> kind(S);     // per slot: 0 F, 1 B
         std::vector<std::vector<int32_t>> chunk(S);   // per slot: its chunk
-        std::vector<std::vector<double>> act(S), grad(S);  // message arrivals (last stage: F ends)
         std::vector<int64_t> fwd_at_b, fwd_at_b_below;
-        std::vector<int64_t> ptr(S);
-        std::vector<double> clock(S), f_free(S), b_free(S);
+        Player pl(S);
         for (int64_t p = 0; p < P; ++p) {
-            for (int64_t s = 0; s < S; ++s) {
-                fill_part(fp[s], &fs(p, s, 0), K, B);
-                fill_part(bp[s], &bs(p, s, 0), K, B);
-            }
+            fill_parts(fp, bp, fs, bs, p, K, B);
             // --- the op order of every stage, from the last stage up
             for (int64_t s = S - 1; s >= 0; --s) {
                 const Part &f = fp[s], &b = bp[s];
@@ -149,55 +222,16 @@ static py::tuple evaluate_1f1b(I64 fsizes, I64 bsizes, I64 warmup, const Costs& 
                 for (int64_t k = 0; k < nb; ++k) bwork += G[s * W + b.size[k]];
                 busy(p, s) = fwork + bwork;
             }
-            // --- playing the slots
-            for (int64_t s = 0; s < S; ++s) {
-                act[s].assign(fp[s].size.size(), inf);
-                grad[s].assign(bp[s].size.size(), inf);
-                ptr[s] = 0;
-                clock[s] = f_free[s] = b_free[s] = 0.0;
-            }
-            for (int64_t round = 0, moved = 1; moved; ++round) {
-                moved = 0;
-                for (int64_t i = 0; i < S; ++i) {
-                    const int64_t s = round % 2 == 0 ? i : S - 1 - i;
-                    const int64_t Q = kind[s].size();
-                    while (ptr[s] < Q) {
-                        const int64_t q = ptr[s], c = chunk[s][q];
-                        const bool is_f = kind[s][q] == 0;
-                        double ready;
-                        if (is_f)
-                            ready = s == 0 ? 0.0 : act[s - 1][fp[s - 1].of[fp[s].last[c]]];
-                        else if (s == S - 1)  // the F that forwarded its last sample here
-                            ready = act[s][fp[s].of[bp[s].last[c]]];
-                        else  // the gradient message holding its last sample
-                            ready = grad[s + 1][bp[s + 1].of[bp[s].last[c]]];
-                        if (ready == inf) break;
-                        const double end = std::max(clock[s], ready) + (is_f ? F[s * W + fp[s].size[c]] : G[s * W + bp[s].size[c]]);
-                        clock[s] = end;
-                        if (is_f) {
-                            if (s == S - 1) {
-                                act[s][c] = end;
-                            } else {
-                                f_free[s] = std::max(f_free[s], end) + L[s * W + fp[s].size[c]];
-                                act[s][c] = f_free[s];
-                            }
-                        } else if (s > 0) {
-                            b_free[s] = std::max(b_free[s], end) + L[(s - 1) * W + bp[s].size[c]];
-                            grad[s][c] = b_free[s];
-                        }
-                        ptr[s] += 1;
-                        moved = 1;
-                    }
-                }
-            }
-            double last_end = 0.0;
-            bool settled = true;
-            for (int64_t s = 0; s < S; ++s) {
-                finish(p, s) = clock[s];
-                last_end = std::max(last_end, clock[s]);
-                settled = settled && ptr[s] == (int64_t)kind[s].size();
-            }
-            it(p) = settled ? last_end + c.optimizer_ms : inf;
+            // --- playing the slots: F after the message holding its last sample; B (in sample
+            // order) after the gradient message holding its last sample, on the last stage after
+            // the F that forwarded it
+            auto ready = [&](int64_t s, int8_t kd, int64_t k) {
+                if (kd == 0) return s == 0 ? 0.0 : pl.act[s - 1][fp[s - 1].of[fp[s].last[k]]];
+                if (s == S - 1) return pl.act[s][fp[s].of[bp[s].last[k]]];
+                return pl.grad[s + 1][bp[s + 1].of[bp[s].last[k]]];
+            };
+            auto dur = [&](int64_t s, int8_t kd, int64_t k) { return kd == 0 ? F[s * W + fp[s].size[k]] : G[s * W + bp[s].size[k]]; };
+            pl.score(p, pl.play(kind, chunk, fp, bp, L, W, ready, dur), c.optimizer_ms, finish, it);
         }
     }
     return out.tuple();
@@ -222,10 +256,7 @@ static py::tuple evaluate_gpipe(I64 fsizes, I64 bsizes, const Costs& c) {
         std::vector<Part> fp(S), bp(S);
         std::vector<double> fwd_end(S), arrive, arrive_next;
         for (int64_t p = 0; p < P; ++p) {
-            for (int64_t s = 0; s < S; ++s) {
-                fill_part(fp[s], &fs(p, s, 0), K, B);
-                fill_part(bp[s], &bs(p, s, 0), K, B);
-            }
+            fill_parts(fp, bp, fs, bs, p, K, B);
             for (int64_t s = 0; s < S; ++s) {  // forward sweep
                 const Part& f = fp[s];
                 const int64_t n = f.size.size();
@@ -312,15 +343,10 @@ static py::tuple evaluate_split(I64 fsizes, I64 bsizes, I64 warmup, I64 wcap, bo
         std::vector<int32_t> fb_chunk;
         std::vector<std::vector<int8_t>> kind(S);     // per slot: 0 F, 1 B, 2 W
         std::vector<std::vector<int32_t>> chunk(S);   // per slot: its chunk (a W: its B chunk)
-        std::vector<std::vector<double>> act(S), grad(S);
         std::vector<int64_t> fwd_at_b, fwd_at_b_below, pending;
-        std::vector<int64_t> ptr(S);
-        std::vector<double> clock(S), f_free(S), b_free(S);
+        Player pl(S);
         for (int64_t p = 0; p < P; ++p) {
-            for (int64_t s = 0; s < S; ++s) {
-                fill_part(fp[s], &fs(p, s, 0), K, B);
-                fill_part(bp[s], &bs(p, s, 0), K, B);
-            }
+            fill_parts(fp, bp, fs, bs, p, K, B);
             for (int64_t s = S - 1; s >= 0; --s) {
                 const Part &f = fp[s], &b = bp[s];
                 const int64_t n = f.size.size(), nb = b.size.size();
@@ -389,70 +415,29 @@ static py::tuple evaluate_split(I64 fsizes, I64 bsizes, I64 warmup, I64 wcap, bo
                 }
                 peak(p, s) = most;
             }
-            // --- playing the slots
-            for (int64_t s = 0; s < S; ++s) {
-                act[s].assign(fp[s].size.size(), inf);
-                grad[s].assign(bp[s].size.size(), inf);
-                ptr[s] = 0;
-                clock[s] = f_free[s] = b_free[s] = 0.0;
-                busy(p, s) = 0.0;
-            }
-            // the latest arrival among the messages (chunks of part) holding samples [lo, hi]
+            // --- playing the slots: each op after the latest message holding one of its samples,
+            // a W after nothing but its stage
             auto latest = [inf](const std::vector<double>& at, const Part& part, int64_t lo, int64_t hi) {
                 double r = -inf;
                 for (int64_t k = part.of[lo]; k <= part.of[hi]; ++k) r = std::max(r, at[k]);
                 return r;
             };
-            for (int64_t round = 0, moved = 1; moved; ++round) {
-                moved = 0;
-                for (int64_t i = 0; i < S; ++i) {
-                    const int64_t s = round % 2 == 0 ? i : S - 1 - i;
-                    const int64_t Q = kind[s].size();
-                    const bool split = wc(p, s) >= 0;
-                    while (ptr[s] < Q) {
-                        const int64_t q = ptr[s], k = chunk[s][q];
-                        const int8_t kd = kind[s][q];
-                        double ready, dur;
-                        if (kd == 0) {
-                            const int64_t lo = fp[s].last[k] - fp[s].size[k] + 1, hi = fp[s].last[k];
-                            ready = s == 0 ? 0.0 : latest(act[s - 1], fp[s - 1], lo, hi);
-                            dur = F[s * W + fp[s].size[k]];
-                        } else if (kd == 1) {
-                            const int64_t lo = bp[s].last[k] - bp[s].size[k] + 1, hi = bp[s].last[k];
-                            ready = s == S - 1 ? latest(act[s], fp[s], lo, hi) : latest(grad[s + 1], bp[s + 1], lo, hi);
-                            dur = (split ? Gi : G)[s * W + bp[s].size[k]];
-                        } else {  // the weight gradient of one B chunk: what it measured less the op's overhead, then the overhead
-                            ready = 0.0;
-                            dur = (0.0 + (Gw[s * W + bp[s].size[k]] - over[s])) + over[s];
-                        }
-                        if (ready == inf) break;
-                        const double end = std::max(clock[s], ready) + dur;
-                        clock[s] = end;
-                        busy(p, s) += dur;
-                        if (kd == 0) {
-                            if (s == S - 1) {
-                                act[s][k] = end;
-                            } else {
-                                f_free[s] = std::max(f_free[s], end) + L[s * W + fp[s].size[k]];
-                                act[s][k] = f_free[s];
-                            }
-                        } else if (kd == 1 && s > 0) {
-                            b_free[s] = std::max(b_free[s], end) + L[(s - 1) * W + bp[s].size[k]];
-                            grad[s][k] = b_free[s];
-                        }
-                        ptr[s] += 1;
-                        moved = 1;
-                    }
-                }
-            }
-            double last_end = 0.0;
-            bool settled = true;
-            for (int64_t s = 0; s < S; ++s) {
-                finish(p, s) = clock[s];
-                last_end = std::max(last_end, clock[s]);
-                settled = settled && ptr[s] == (int64_t)kind[s].size();
-            }
-            it(p) = settled ? last_end + c.optimizer_ms : inf;
+            auto ready = [&](int64_t s, int8_t kd, int64_t k) {
+                if (kd == 0) return s == 0 ? 0.0 : latest(pl.act[s - 1], fp[s - 1], fp[s].last[k] - fp[s].size[k] + 1, fp[s].last[k]);
+                if (kd == 2) return 0.0;
+                const int64_t lo = bp[s].last[k] - bp[s].size[k] + 1, hi = bp[s].last[k];
+                return s == S - 1 ? latest(pl.act[s], fp[s], lo, hi) : latest(pl.grad[s + 1], bp[s + 1], lo, hi);
+            };
+            // a W: one B chunk's weight gradient as measured less the op's overhead, then the overhead
+            auto dur = [&](int64_t s, int8_t kd, int64_t k) {
+                const double d = kd == 0 ? F[s * W + fp[s].size[k]]
+                                 : kd == 1 ? (wc(p, s) >= 0 ? Gi : G)[s * W + bp[s].size[k]]
+                                           : (0.0 + (Gw[s * W + bp[s].size[k]] - over[s])) + over[s];
+                busy(p, s) += d;
+                return d;
+            };
+            for (int64_t s = 0; s < S; ++s) busy(p, s) = 0.0;
+            pl.score(p, pl.play(kind, chunk, fp, bp, L, W, ready, dur), c.optimizer_ms, finish, it);
         }
     }
     return out.tuple();
