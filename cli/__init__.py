@@ -343,7 +343,8 @@ def _print_turns(reports: list[dict]) -> None:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True, help="Autocast dtype, as in umopt profile.")
 @click.option("--link-latency-ms", type=float, default=None, help="Give the links instead of measuring them, as in umopt profile.")
 @click.option("--link-gbps", type=float, default=None, help="Link bandwidth in Gbit/s, with --link-latency-ms.")
-def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit, out_dir, probes, dtype, link_latency_ms, link_gbps) -> None:
+@click.option("--zero-bubble", is_flag=True, help="Profile the backward split too, and measure umopt's W schedule and the best equal ZB-H1 beside the others.")
+def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit, out_dir, probes, dtype, link_latency_ms, link_gbps, zero_bubble) -> None:
     """Profile, solve, run the candidates in turns and recommend what measured fastest."""
     _require_torch()
     from umopt.tune import DEFAULT
@@ -354,7 +355,7 @@ def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit
     result = run_tune(
         model or DEFAULT["model"], args, stages or DEFAULT["stages"], minibatch or DEFAULT["minibatch"],
         device=device, steps=steps, rounds=rounds, out_dir=out_dir, time_limit=time_limit, probes=probes,
-        dtype=dtype, link_latency_ms=link_latency_ms, link_gbps=link_gbps, say=lambda m: err.print(f"umopt tune: {m}", markup=False),
+        dtype=dtype, link_latency_ms=link_latency_ms, link_gbps=link_gbps, zero_bubble=zero_bubble, say=lambda m: err.print(f"umopt tune: {m}", markup=False),
     )
     table = Table(title=f"{model or DEFAULT['model']}, {stages or DEFAULT['stages']} stages, minibatch {minibatch or DEFAULT['minibatch']}: speedups over equal GPipe")
     table.add_column("schedule", no_wrap=True)

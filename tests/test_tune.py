@@ -58,3 +58,18 @@ def test_readme_quickstart_is_two_commands_and_ci_runs_the_test_one():
     assert "umopt tune" in install_and_run
     ci = (ROOT / ".ci" / "run").read_text()
     assert test in ci.splitlines()
+
+
+def test_tune_with_zero_bubble_measures_zb_h1_beside_the_others(tmp_path, capsys):
+    out = tmp_path / "tune"
+    main(["tune", "--model", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32", "--stages", "2",
+          "--minibatch", "8", "--steps", "2", "--rounds", "2", "--time-limit", "1", "--zero-bubble", "--no-probes", "--out", str(out)])
+    stdout = capsys.readouterr().out
+    prof = json.loads((out / "profile.json").read_text())
+    assert all(st["backward_input_ms"] and st["backward_weight_ms"] for st in prof["stages"])
+    assert "zbh1_equal" in stdout
+    zb = json.loads((out / "zbh1_equal.json").read_text())
+    assert any(op[0] == "W" for st in zb["stages"] for op in st["ops"])
+    report = json.loads((out / "report_zbh1_equal.json").read_text())
+    assert report["measured_iteration_ms"] > 0 and report["predicted_iteration_ms"] > 0
+    assert "recommended (*):" in stdout and (out / "recommended.json").exists()

@@ -3,7 +3,8 @@
 Profiles the model on this machine (fitted to probe runs of the runtime where there is a core or
 GPU per stage: :mod:`umopt.probes`), solves for the minibatch, and runs the few schedules worth
 choosing between (umopt's recommendation, the best schedule found if that is another, one shared
-ramped partition as a simpler runner-up, and the best equal GPipe and 1F1B schedules) on the same
+ramped partition as a simpler runner-up, and the best equal GPipe and 1F1B schedules; with
+``zero_bubble``, umopt's schedule with W ops and the best equal ZB-H1 too) on the same
 processes, taking turns, so that a machine's drift meets them all alike. The prediction chose the
 candidates; the measurement chooses among them (:func:`pick`), and ``recommended.json`` is the
 schedule that measured fastest, never one that measured slower than the best equal schedule.
@@ -30,6 +31,7 @@ from .problem import Candidate
 from .profiler import ProfileOptions, check_profile_options
 from .solve import make_problem, solve
 from .solvers import SOLVERS
+from .zerobubble import zb_h1
 
 __all__ = ["DEFAULT", "EQUAL", "TuneRow", "TuneResult", "pick", "tune"]
 
@@ -146,11 +148,12 @@ def tune(
     dtype: str = "float32",
     link_latency_ms: Optional[float] = None,
     link_gbps: Optional[float] = None,
+    zero_bubble: bool = False,
     say: Callable[[str], None] = lambda _msg: None,
 ) -> TuneResult:
     opts = ProfileOptions(
         model=model, model_args=model_args, stages=stages, max_size=max_size or min(64, minibatch), device=device, dtype=dtype,
-        seed=seed, link_latency_ms=link_latency_ms, link_gbps=link_gbps,
+        seed=seed, link_latency_ms=link_latency_ms, link_gbps=link_gbps, split_backward=zero_bubble,
     )
     _check_runnable(opts)
     out = Path(out_dir)
@@ -162,7 +165,7 @@ def tune(
     prof = load_profile(out / "profile.json")
     warnings = list((getattr(prof, "meta", None) or {}).get("warnings", []))
     say(f"solving for minibatch {minibatch} ({time_limit:g} s)")
-    report = solve(prof, minibatch, time_limit=time_limit, seed=seed)
+    report = solve(prof, minibatch, time_limit=time_limit, seed=seed, zero_bubble=zero_bubble)
     problem = make_problem(prof, minibatch, False)
 
     def write(name: str, cand: Candidate) -> str:
@@ -183,6 +186,13 @@ def tune(
     ramp_ms = ramp.simulate(problem).iteration_ms
     if all(ramp.ops() != c.ops() for c in plans.values()) and ramp_ms < min(c.simulate(problem).iteration_ms for n, c in plans.items() if n in EQUAL):
         plans["ramp"] = ramp  # one shared partition: a simpler runner-up
+    if zero_bubble:  # W ops where the solve placed them (if they paid in prediction), and the best equal ZB-H1
+        with_w = report.schedule.op_lists()
+        if any(op.kind == "W" for st in with_w for op in st):
+            plans["umopt_w"] = Candidate.from_ops(with_w)
+        zb = zb_h1(problem, seconds=1.0)
+        if zb is not None:
+            plans["zbh1_equal"] = Candidate.from_ops(zb[1])
     names = list(plans)
     paths = [write(n, plans[n]) for n in names]
     rounds = max(1, min(rounds, steps))
