@@ -24,6 +24,11 @@ def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
         assert report["measured_iteration_ms"] > 0 and report["predicted_iteration_ms"] > 0
         assert (out / f"measured_{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "profile.json").exists() and (out / "umopt.json").exists()
+    # umopt's schedule ran once: where it is an equal one, its report is that run's
+    umopt = json.loads((out / "umopt.json").read_text())["stages"]
+    for eq in ("gpipe_equal", "1f1b_equal"):
+        if json.loads((out / f"{eq}.json").read_text())["stages"] == umopt:
+            assert (out / f"report_{eq}.json").read_bytes() == (out / "report_umopt.json").read_bytes()
     # the profile was fitted to probe runs of the runtime (the machine has a core per stage)
     meta = json.loads((out / "profile.json").read_text())["meta"]
     assert meta["probes"]["ran"] and meta["calibration"]["op_overhead_ms"] >= 0

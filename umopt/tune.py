@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import shutil
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -179,7 +179,10 @@ def tune(
     for b in (report.gpipe, report.onef1b):
         if b.candidate is not None:
             plans[b.name] = b.candidate
-    plans["umopt"] = report.choice.candidate
+    # umopt's recommendation runs once: where it is one of the equal schedules, its row is that run's
+    same = next((n for n, c in plans.items() if c.ops() == report.choice.candidate.ops()), None)
+    if same is None:
+        plans["umopt"] = report.choice.candidate
     if report.result.candidate.ops() != report.choice.candidate.ops():
         plans["umopt_best"] = report.result.candidate  # the fastest predicted, where the choice was simpler
     ramp = SOLVERS["ramp"](problem, order="auto").candidate
@@ -211,6 +214,12 @@ def tune(
         off = r["measured_over_predicted"] - 1
         if abs(off) > OFF_PREDICTION:
             warnings.append(f"{name} measured {100 * off:+.0f}% off its prediction")
+    if same is not None:
+        for kind, ext in (("report", "json"), ("measured", "png")):
+            shutil.copyfile(out / f"{kind}_{same}.{ext}", out / f"{kind}_umopt.{ext}")
+        shutil.copyfile(out / f"{same}.json", out / "umopt.json")
+        twin = next(r for r in rows if r.name == same)
+        rows.insert(len(EQUAL), replace(twin, name="umopt", schedule=str(out / "umopt.json"), report=str(out / "report_umopt.json"), plot=str(out / "measured_umopt.png")))
     recommended, reason = pick(rows)
     shutil.copyfile(out / f"{recommended}.json", out / "recommended.json")
     lb = report.schedule.solver.lower_bound_ms or report.lower_bound_ms
