@@ -241,7 +241,7 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
     with _progress_bar("profile") as bar:
         task = bar.add_task("", total=None)
 
-        def progress(done: int, total: int, what: str) -> None:
+        def progress(done: float, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total or None, description=what)
 
         ctx_obj = click.get_current_context().obj or {}

@@ -28,6 +28,9 @@ __all__ = [
     "monotone_fit",
     "spread",
     "noise_figure",
+    "round_speeds",
+    "drift_figure",
+    "drift_warning",
     "noisy_warning",
     "load_warning",
     "run_warnings",
@@ -88,6 +91,51 @@ def monotone_fit(values: Sequence[float], weights: Optional[Sequence[float]] = N
     for m, _, c in blocks:
         out += [m] * c
     return out
+
+
+def round_speeds(times: np.ndarray, groups: Sequence[int]) -> np.ndarray:
+    """The machine's speed in each round of a profile, as each series should be corrected for it.
+
+    ``times`` holds one row per series (one size's forward, or its backward) and one column per
+    round of timing, NaN where the series was not timed in that round; ``groups`` names each
+    row's size. A row's factor in a round is the median, over the *other* sizes' rows timed in
+    that round, of their time relative to their own median: an estimate of how fast the machine
+    ran then that the row's own noise does not enter. Where fewer than two such rows were timed
+    the factor is 1. Dividing ``times`` by the result takes out drift common to all sizes."""
+    t = np.asarray(times, dtype=float)
+    g = np.asarray(groups)
+    rel = t / np.nanmedian(t, axis=1, keepdims=True)
+    out = np.ones_like(t)
+    for size in np.unique(g):
+        others = rel[g != size]
+        for r in range(t.shape[1]):
+            seen = others[:, r][~np.isnan(others[:, r])]
+            if seen.size >= 2:
+                out[g == size, r] = np.median(seen)
+    return out
+
+
+def drift_figure(times: np.ndarray) -> float:
+    """How much the machine's speed changed over a profile's rounds: the spread between the
+    10th and 90th percentile of the rounds' median relative times, over their median."""
+    t = np.asarray(times, dtype=float)
+    rel = t / np.nanmedian(t, axis=1, keepdims=True)
+    per_round = [float(np.median(c[~np.isnan(c)])) for c in rel.T if np.count_nonzero(~np.isnan(c)) >= 2]
+    if len(per_round) < 3:
+        return 0.0
+    p10, p50, p90 = np.percentile(per_round, [10, 50, 90])
+    return float((p90 - p10) / p50)
+
+
+def drift_warning(drift: float, threshold: float = NOISY_SPREAD) -> Optional[str]:
+    """One line when the machine's speed drifted by more than ``threshold`` while profiling."""
+    if drift <= threshold:
+        return None
+    return (
+        f"the machine's speed changed by {100 * drift:.0f}% between rounds of timing (more than {100 * threshold:.0f}%): "
+        "each round was corrected for it, but a profile taken at another moment may differ by as much; "
+        "stop other jobs, or let the probe runs and `umopt tune` measure in turns"
+    )
 
 
 def noise_figure(medians: Sequence[float], iqrs: Sequence[float]) -> tuple[float, float]:

@@ -29,7 +29,7 @@ from torch import nn
 from .errors import UmoptError
 from .formats.profile import PROFILE_FORMAT, Profile, default_sizes
 from .devices import TensorSpec, autocast, boundary_tensors, default_memory_limit
-from .noise import Summary, load_warning, monotone_fit, noise_figure, noisy_warning, summarize
+from .noise import Summary, drift_figure, drift_warning, load_warning, monotone_fit, noise_figure, noisy_warning, round_speeds, summarize
 from .splitbackward import backward_input
 from .zoo import ModelParts, build_model
 
@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 # progress(done, total, what)
-ProgressFn = Callable[[int, int, str], None]
+ProgressFn = Callable[[float, int, str], None]
 
 
 @dataclass
@@ -209,22 +209,42 @@ def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cas
         stage.zero_grad(set_to_none=True)
         return tf, tb, tbi, tbw
 
-    for b in sizes:
-        # the split's parts are timed in the first repeats only (they cost a forward and a
-        # backward more each); the forward and the whole backward decide whether to repeat more
-        runs = [repeat(b, rep, opts.split_backward and rep >= opts.warmup) for rep in range(opts.warmup + opts.repeats)][opts.warmup :]
-        while True:
-            got = [summarize([r[k] for r in runs]) for k in range(2)]
-            if all(e.spread <= opts.spread_target for e in got) or len(runs) >= opts.max_repeats or time.perf_counter() > deadline:
-                break
-            runs += [repeat(b, len(runs) + k, False) for k in range(2)]
+    # sizes are timed in rounds, one repeat of each per round, rather than one size after
+    # another: a machine whose speed drifts over seconds (seen here: 30%) then slows every
+    # size alike instead of bending the curve where one size happened to be timed. The order
+    # alternates so that no size always follows the largest.
+    runs: dict[int, dict[int, tuple[float, ...]]] = {b: {} for b in sizes}  # size -> round -> times
+    for rnd in range(opts.warmup + opts.repeats):
+        for b in sizes if rnd % 2 == 0 else sizes[::-1]:
+            # the split's parts are timed in the first repeats only (they cost a forward and
+            # a backward more each); the forward and the whole backward decide on more repeats
+            r = repeat(b, rnd, opts.split_backward and rnd >= opts.warmup)
+            if rnd >= opts.warmup:
+                runs[b][rnd] = r
+        if progress:
+            progress(len(sizes) / (opts.warmup + opts.repeats), 0, f"{label} round {rnd + 1}")
+    wide = lambda b: any(summarize([r[k] for r in runs[b].values()]).spread > opts.spread_target for k in range(2))  # noqa: E731
+    rnd = opts.warmup + opts.repeats
+    while time.perf_counter() <= deadline:
+        todo = [b for b in sizes if len(runs[b]) < opts.max_repeats and wide(b)]
+        if not todo:
+            break
+        for b in todo if rnd % 2 == 0 else todo[::-1]:
+            runs[b][rnd] = repeat(b, rnd, False)
+        rnd += 1
+    # what every size saw in a round is the machine's speed then, not the size's own cost
+    rounds = list(range(opts.warmup, rnd))
+    table = np.array([[runs[b][r][k] if r in runs[b] else np.nan for r in rounds] for b in sizes for k in range(2)])
+    speed = round_speeds(table, [b for b in sizes for _ in range(2)])
+    drift = drift_figure(table)
+    for i, b in enumerate(sizes):
+        at = {r: speed[2 * i, j] for j, r in enumerate(rounds)}
+        got = [summarize([t[k] / at[r] for r, t in runs[b].items()]) for k in range(2)]
         if opts.split_backward:
-            got += [summarize([r[k] for r in runs if len(r) > 2]) for k in (2, 3)]
+            got += [summarize([t[k] / at[r] for r, t in runs[b].items() if len(t) > 2]) for k in (2, 3)]
         for into, e in zip((fwd, bwd, bin_, bwt), got):
             into.append(e)
-        if progress:
-            progress(1, 0, f"{label} size {b}")
-    return fwd, bwd, bin_, bwt
+    return fwd, bwd, bin_, bwt, drift
 
 
 def _fitted(entries: list[Summary]) -> list[float]:
@@ -482,10 +502,10 @@ def _timing_worker(s: int, opts: ProfileOptions, cuts: list[int], sizes: list[in
         a, b = cuts[s], cuts[s + 1]
         first, last = s == 0, s == len(cuts) - 2
         stage = _Stage(parts.layers[a:b], parts.loss if last else None).to(device)
-        tick = lambda n, _t, what: queue.put(("tick", s, what))  # noqa: E731
-        measured = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s)
+        tick = lambda n, _t, what: queue.put(("tick", s, what, n))  # noqa: E731
+        *measured, drift = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s)
         opt_ms = _optimizer_step_ms(stage, opts, device)
-        queue.put(("done", s, [[(e.median, e.iqr, e.kept) for e in entries] for entries in measured], opt_ms))
+        queue.put(("done", s, [[(e.median, e.iqr, e.kept) for e in entries] for entries in measured], drift, opt_ms))
         # keep this core as busy as in a real run until every stage is timed
         x, y = _input(parts, bounds[a], first, sizes[len(sizes) // 2], device, 0)
         while not stop.is_set():
@@ -523,10 +543,10 @@ def _time_concurrently(opts: ProfileOptions, cuts: list[int], sizes: list[int], 
                     raise UmoptError(f"profiling stage {dead[0]} died (exit code {procs[dead[0]].exitcode})") from None
                 continue
             if msg[0] == "tick":
-                tick(1, 0, msg[2])
+                tick(msg[3], 0, msg[2])
             elif msg[0] == "done":
-                _, s, measured, opt_ms = msg
-                results[s] = ([[Summary(*e) for e in entries] for entries in measured], opt_ms)
+                _, s, measured, drift, opt_ms = msg
+                results[s] = ([[Summary(*e) for e in entries] for entries in measured], drift, opt_ms)
             else:
                 raise UmoptError(f"profiling stage {msg[1]} failed: {msg[2]}")
     finally:
@@ -681,16 +701,18 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
         timed = _time_concurrently(opts, cuts, sizes, tick) if concurrent else {}
         stages = []
         entries: list[Summary] = []
+        drifts: list[float] = []
         for s in range(S):
             a, b = cuts[s], cuts[s + 1]
             first, last = s == 0, s == S - 1
             stage = _Stage(parts.layers[a:b], parts.loss if last else None).to(device)
             if s in timed:
-                (fwd, bwd, bin_, bwt), opt_ms = timed[s]
+                (fwd, bwd, bin_, bwt), drift, opt_ms = timed[s]
             else:
-                fwd, bwd, bin_, bwt = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s / S)
+                fwd, bwd, bin_, bwt, drift = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s / S)
                 opt_ms = _optimizer_step_ms(stage, opts, device)
             entries += fwd + bwd
+            drifts.append(drift)
             lo, hi = (2, 6)
             x2, y2 = _input(parts, bounds[a], first, lo, device, 0)
             x6, y6 = _input(parts, bounds[a], first, hi, device, 0)
@@ -752,6 +774,9 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
         noisy = noisy_warning("profile entries", median_spread)
         if noisy:
             warnings.append(noisy)
+        drifted = drift_warning(max(drifts))
+        if drifted:
+            warnings.append(drifted)
         memory_limit, memory_limit_source = opts.memory_limit_bytes, None
         if memory_limit is None and device.type == "cuda":
             memory_limit, memory_limit_source = default_memory_limit(device)
@@ -778,7 +803,7 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
             "warmup": opts.warmup,
             "repeats": opts.repeats,
             "stages_timed_concurrently": bool(timed),
-            "noise": {"median_spread": round(median_spread, 4), "p90_spread": round(p90_spread, 4), "max_repeats": max(e.kept for e in entries)},
+            "noise": {"median_spread": round(median_spread, 4), "p90_spread": round(p90_spread, 4), "max_repeats": max(e.kept for e in entries), "drift": [round(d, 4) for d in drifts]},
             "warnings": warnings,
             **({"memory_limit": memory_limit_source} if memory_limit_source else {}),
         },
