@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from umopt.choice import choose, complexity
 from umopt.costmodel import CostTables
-from umopt.noise import drift_figure, drift_warning, monotone_fit, noise_figure, noisy_warning, round_speeds, run_warnings, summarize
+from umopt import noise
+from umopt.noise import drift_figure, drift_warning, monotone_fit, noise_figure, noisy_warning, round_speeds, run_warnings, summarize, uneven_devices_warning
 from umopt.problem import Problem
 from umopt.synthetic import synthetic_profile
 from umopt.tune import TuneRow, pick
@@ -75,6 +76,17 @@ def test_round_speeds_take_out_a_drift_that_all_sizes_saw():
     alone[:, 0] = [1.0, 2.0, 3.0, 4.0]
     alone[:2, 1:] = [[1.5, 1.0], [3.0, 2.0]]
     assert round_speeds(alone, [1, 1, 2, 2])[:2, 1:].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_devices_of_unequal_speed_and_a_busy_machine_are_said(monkeypatch):
+    line = uneven_devices_warning([1.12, 1.65], "cpu")
+    assert line is not None and "1.12 to 1.65 ms" in line and "47% apart" in line and "cores" in line
+    assert uneven_devices_warning([1.12, 1.18], "cuda") is None and uneven_devices_warning([1.0], "cpu") is None
+    monkeypatch.setattr(noise.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(noise, "busy_cores", lambda seconds=0.5: 2.6)
+    assert "2.6 of the machine's 4 cores were busy" in noise.load_warning(2)
+    monkeypatch.setattr(noise, "busy_cores", lambda seconds=0.5: 0.3)
+    assert noise.load_warning(2) is None
 
 
 def _problem_with_spread(spread: float, rms: float):

@@ -15,6 +15,7 @@ commands say so in one line instead of trusting the numbers.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -31,6 +32,7 @@ __all__ = [
     "round_speeds",
     "drift_figure",
     "drift_warning",
+    "uneven_devices_warning",
     "noisy_warning",
     "load_warning",
     "run_warnings",
@@ -138,6 +140,22 @@ def drift_warning(drift: float, threshold: float = NOISY_SPREAD) -> Optional[str
     )
 
 
+def uneven_devices_warning(reference_ms: Sequence[float], device_type: str, threshold: float = NOISY_SPREAD) -> Optional[str]:
+    """One line when the same fixed work took more than ``threshold`` longer on one stage's
+    device than on another's while they were timed: the profile then holds the devices' speeds
+    of that moment as much as the stages' costs."""
+    if len(reference_ms) < 2 or min(reference_ms) <= 0:
+        return None
+    slow, fast = max(reference_ms), min(reference_ms)
+    if slow / fast - 1 <= threshold:
+        return None
+    where = "cores" if device_type == "cpu" else "devices"
+    return (
+        f"the same fixed matmul took {fast:.2f} to {slow:.2f} ms on the stages' {where} ({100 * (slow / fast - 1):.0f}% apart) while profiling: "
+        f"the {where} are not equally fast now (shared or throttled hardware); the profile holds that, and a run at another moment may not"
+    )
+
+
 def noise_figure(medians: Sequence[float], iqrs: Sequence[float]) -> tuple[float, float]:
     """The median and the 90th percentile of the entries' relative spreads, each entry weighted
     by its time: a sub-millisecond entry's jitter says little about the machine, and it matters
@@ -161,17 +179,37 @@ def noisy_warning(what: str, median_spread: float, threshold: float = NOISY_SPRE
     )
 
 
+def busy_cores(seconds: float = 0.5) -> Optional[float]:
+    """How many cores other work kept busy over the last ``seconds`` (Linux's /proc/stat), or the
+    one-minute load average where that cannot be read. The load average lags by a minute: right
+    after another measurement it still counts that one."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v[:8]), v[3] + v[4]  # all time, idle + iowait
+
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+        return (os.cpu_count() or 1) * (1 - (i1 - i0) / max(t1 - t0, 1))
+    except (OSError, ValueError, IndexError):
+        try:
+            return os.getloadavg()[0]
+        except OSError:  # not on this platform
+            return None
+
+
 def load_warning(cores_used: int) -> Optional[str]:
     """One line when other processes already keep the machine's cores busy, else None."""
-    try:
-        load = os.getloadavg()[0]
-    except OSError:  # not on this platform
+    load = busy_cores()
+    if load is None:
         return None
     cores = os.cpu_count() or 1
     free = cores - load
     if free >= cores_used - 0.5:
         return None
-    return f"the machine's load is {load:.1f} on {cores} cores before measuring: other jobs will slow and scatter the timings"
+    return f"{load:.1f} of the machine's {cores} cores were busy before measuring: other jobs will slow and scatter the timings"
 
 
 def run_warnings(report: dict) -> list[str]:

@@ -29,7 +29,7 @@ from torch import nn
 from .errors import UmoptError
 from .formats.profile import PROFILE_FORMAT, Profile, default_sizes
 from .devices import TensorSpec, autocast, boundary_tensors, default_memory_limit
-from .noise import Summary, drift_figure, drift_warning, load_warning, monotone_fit, noise_figure, noisy_warning, round_speeds, summarize
+from .noise import Summary, drift_figure, drift_warning, uneven_devices_warning, load_warning, monotone_fit, noise_figure, noisy_warning, round_speeds, summarize
 from .splitbackward import backward_input
 from .zoo import ModelParts, build_model
 
@@ -174,7 +174,27 @@ def _input(parts: ModelParts, boundary: torch.Tensor, first: bool, b: int, devic
     return act, y.to(device)
 
 
-def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cast, progress, label, budget_s: float) -> tuple[list[Summary], ...]:
+@dataclass
+class _StageTimes:
+    """What timing one stage found: per size, the forward, the backward and (with the split) its
+    input- and weight-gradient parts; how much the machine drifted; a fixed matmul's time on
+    the stage's device, to compare devices by."""
+
+    forward: list[Summary]
+    backward: list[Summary]
+    backward_input: list[Summary]
+    backward_weight: list[Summary]
+    drift: float
+    reference_ms: float
+
+
+def _reference(device: torch.device) -> Callable[[], object]:
+    """The same work on every device, whatever the model: a 256 x 256 matmul chain."""
+    a = torch.randn(256, 256, device=device)
+    return lambda: a @ a @ a @ a
+
+
+def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cast, progress, label, budget_s: float) -> _StageTimes:
     """Each size's forward and backward times, and with ``opts.split_backward`` the backward's
     input and weight gradients split as W ops run them (:mod:`umopt.splitbackward`, after a
     forward of their own): the median and spread of its repeats, with more repeats (up to
@@ -182,6 +202,7 @@ def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cas
     ``opts.spread_target``. Returns (forward, backward, input gradient, weight gradient); the
     last two empty without the split."""
     timer = _Timer(device)
+    reference, reference_ms = _reference(device), []
     fwd, bwd, bin_, bwt = [], [], [], []
     deadline = time.perf_counter() + budget_s
     # first calls allocate and pick kernels; keep that out of every size's numbers
@@ -221,6 +242,7 @@ def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cas
             r = repeat(b, rnd, opts.split_backward and rnd >= opts.warmup)
             if rnd >= opts.warmup:
                 runs[b][rnd] = r
+        reference_ms.append(timer(reference)[0])
         if progress:
             progress(len(sizes) / (opts.warmup + opts.repeats), 0, f"{label} round {rnd + 1}")
     wide = lambda b: any(summarize([r[k] for r in runs[b].values()]).spread > opts.spread_target for k in range(2))  # noqa: E731
@@ -244,7 +266,7 @@ def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cas
             got += [summarize([t[k] / at[r] for r, t in runs[b].items() if len(t) > 2]) for k in (2, 3)]
         for into, e in zip((fwd, bwd, bin_, bwt), got):
             into.append(e)
-    return fwd, bwd, bin_, bwt, drift
+    return _StageTimes(fwd, bwd, bin_, bwt, drift, statistics.median(reference_ms[opts.warmup:] or reference_ms))
 
 
 def _fitted(entries: list[Summary]) -> list[float]:
@@ -503,9 +525,9 @@ def _timing_worker(s: int, opts: ProfileOptions, cuts: list[int], sizes: list[in
         first, last = s == 0, s == len(cuts) - 2
         stage = _Stage(parts.layers[a:b], parts.loss if last else None).to(device)
         tick = lambda n, _t, what: queue.put(("tick", s, what, n))  # noqa: E731
-        *measured, drift = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s)
+        measured = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s)
         opt_ms = _optimizer_step_ms(stage, opts, device)
-        queue.put(("done", s, [[(e.median, e.iqr, e.kept) for e in entries] for entries in measured], drift, opt_ms))
+        queue.put(("done", s, measured, opt_ms))
         # keep this core as busy as in a real run until every stage is timed
         x, y = _input(parts, bounds[a], first, sizes[len(sizes) // 2], device, 0)
         while not stop.is_set():
@@ -545,8 +567,8 @@ def _time_concurrently(opts: ProfileOptions, cuts: list[int], sizes: list[int], 
             if msg[0] == "tick":
                 tick(msg[3], 0, msg[2])
             elif msg[0] == "done":
-                _, s, measured, drift, opt_ms = msg
-                results[s] = ([[Summary(*e) for e in entries] for entries in measured], drift, opt_ms)
+                _, s, measured, opt_ms = msg
+                results[s] = (measured, opt_ms)
             else:
                 raise UmoptError(f"profiling stage {msg[1]} failed: {msg[2]}")
     finally:
@@ -702,17 +724,20 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
         stages = []
         entries: list[Summary] = []
         drifts: list[float] = []
+        references: list[float] = []
         for s in range(S):
             a, b = cuts[s], cuts[s + 1]
             first, last = s == 0, s == S - 1
             stage = _Stage(parts.layers[a:b], parts.loss if last else None).to(device)
             if s in timed:
-                (fwd, bwd, bin_, bwt), drift, opt_ms = timed[s]
+                measured, opt_ms = timed[s]
             else:
-                fwd, bwd, bin_, bwt, drift = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s / S)
+                measured = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s / S)
                 opt_ms = _optimizer_step_ms(stage, opts, device)
+            fwd, bwd, bin_, bwt = measured.forward, measured.backward, measured.backward_input, measured.backward_weight
             entries += fwd + bwd
-            drifts.append(drift)
+            drifts.append(measured.drift)
+            references.append(measured.reference_ms)
             lo, hi = (2, 6)
             x2, y2 = _input(parts, bounds[a], first, lo, device, 0)
             x6, y6 = _input(parts, bounds[a], first, hi, device, 0)
@@ -774,9 +799,9 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
         noisy = noisy_warning("profile entries", median_spread)
         if noisy:
             warnings.append(noisy)
-        drifted = drift_warning(max(drifts))
-        if drifted:
-            warnings.append(drifted)
+        for line in (drift_warning(max(drifts)), uneven_devices_warning(references, device.type)):
+            if line:
+                warnings.append(line)
         memory_limit, memory_limit_source = opts.memory_limit_bytes, None
         if memory_limit is None and device.type == "cuda":
             memory_limit, memory_limit_source = default_memory_limit(device)
@@ -803,7 +828,7 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
             "warmup": opts.warmup,
             "repeats": opts.repeats,
             "stages_timed_concurrently": bool(timed),
-            "noise": {"median_spread": round(median_spread, 4), "p90_spread": round(p90_spread, 4), "max_repeats": max(e.kept for e in entries), "drift": [round(d, 4) for d in drifts]},
+            "noise": {"median_spread": round(median_spread, 4), "p90_spread": round(p90_spread, 4), "max_repeats": max(e.kept for e in entries), "drift": [round(d, 4) for d in drifts], "reference_ms": [round(r, 4) for r in references]},
             "warnings": warnings,
             **({"memory_limit": memory_limit_source} if memory_limit_source else {}),
         },
