@@ -142,8 +142,9 @@ def drift_warning(drift: float, threshold: float = NOISY_SPREAD) -> Optional[str
 
 def uneven_devices_warning(reference_ms: Sequence[float], device_type: str, threshold: float = NOISY_SPREAD) -> Optional[str]:
     """One line when the same fixed work took more than ``threshold`` longer on one stage's
-    device than on another's while they were timed: the profile then holds the devices' speeds
-    of that moment as much as the stages' costs."""
+    device than on another's while they were timed. (The stages' times are not scaled by it: on
+    a shared CPU the matmul's speed did not follow the models' ops, and scaled profiles agreed
+    less, not more.)"""
     if len(reference_ms) < 2 or min(reference_ms) <= 0:
         return None
     slow, fast = max(reference_ms), min(reference_ms)
@@ -152,7 +153,7 @@ def uneven_devices_warning(reference_ms: Sequence[float], device_type: str, thre
     where = "cores" if device_type == "cpu" else "devices"
     return (
         f"the same fixed matmul took {fast:.2f} to {slow:.2f} ms on the stages' {where} ({100 * (slow / fast - 1):.0f}% apart) while profiling: "
-        f"the {where} are not equally fast now (shared or throttled hardware); the profile holds that, and a run at another moment may not"
+        f"the {where} were not equally fast while profiling (shared or throttled hardware), and the stages' times may differ by as much at another moment"
     )
 
 
