@@ -82,6 +82,8 @@ def test_devices_of_unequal_speed_and_a_busy_machine_are_said(monkeypatch):
     line = uneven_devices_warning([1.12, 1.65], "cpu")
     assert line is not None and "1.12 to 1.65 ms" in line and "47% apart" in line and "cores" in line
     assert uneven_devices_warning([1.12, 1.18], "cuda") is None and uneven_devices_warning([1.0], "cpu") is None
+    ran = run_warnings({"schedule": "s.json", "backend": "gloo", "measured_over_predicted": 1.0, "reference_ms": [1.0, 1.3]})
+    assert len(ran) == 1 and "30% apart) while s.json ran" in ran[0]
     monkeypatch.setattr(noise.os, "cpu_count", lambda: 4)
     monkeypatch.setattr(noise, "busy_cores", lambda seconds=0.5: 2.6)
     assert "2.6 of the machine's 4 cores were busy" in noise.load_warning(2)

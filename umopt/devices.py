@@ -9,6 +9,7 @@ float32).
 from __future__ import annotations
 
 import os
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import ContextManager, Optional, Sequence
@@ -26,6 +27,7 @@ __all__ = [
     "rank_device",
     "to_device",
     "default_memory_limit",
+    "reference_ms",
 ]
 
 # the profile's dtype names and what autocast runs in (None: no autocast)
@@ -112,3 +114,20 @@ def default_memory_limit(device: torch.device) -> tuple[int, str]:
     props = torch.cuda.get_device_properties(device)
     limit = int(DEFAULT_MEMORY_SHARE * props.total_memory)
     return limit, f"{DEFAULT_MEMORY_SHARE:.0%} of {props.name}'s {props.total_memory / 2**30:.1f} GiB (no --memory-limit given)"
+
+
+def reference_ms(device: torch.device) -> float:
+    """How long a fixed piece of work takes on ``device`` now (a chain of three 256 x 256 float32
+    matmuls): the same work whatever the model, so that stages' devices can be compared by it."""
+    a = torch.randn(256, 256, device=device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        a @ a @ a @ a
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    a @ a @ a @ a
+    return (time.perf_counter() - t0) * 1e3

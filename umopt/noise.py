@@ -140,7 +140,7 @@ def drift_warning(drift: float, threshold: float = NOISY_SPREAD) -> Optional[str
     )
 
 
-def uneven_devices_warning(reference_ms: Sequence[float], device_type: str, threshold: float = NOISY_SPREAD) -> Optional[str]:
+def uneven_devices_warning(reference_ms: Sequence[float], device_type: str, when: str = "while profiling", threshold: float = NOISY_SPREAD) -> Optional[str]:
     """One line when the same fixed work took more than ``threshold`` longer on one stage's
     device than on another's while they were timed. (The stages' times are not scaled by it: on
     a shared CPU the matmul's speed did not follow the models' ops, and scaled profiles agreed
@@ -152,8 +152,8 @@ def uneven_devices_warning(reference_ms: Sequence[float], device_type: str, thre
         return None
     where = "cores" if device_type == "cpu" else "devices"
     return (
-        f"the same fixed matmul took {fast:.2f} to {slow:.2f} ms on the stages' {where} ({100 * (slow / fast - 1):.0f}% apart) while profiling: "
-        f"the {where} were not equally fast while profiling (shared or throttled hardware), and the stages' times may differ by as much at another moment"
+        f"the same fixed matmul took {fast:.2f} to {slow:.2f} ms on the stages' {where} ({100 * (slow / fast - 1):.0f}% apart) {when}: "
+        f"the {where} were not equally fast (shared or throttled hardware), and the stages' times may differ by as much at another moment"
     )
 
 
@@ -230,6 +230,9 @@ def run_warnings(report: dict) -> list[str]:
             "another machine, or a profile without the runtime's costs); profile again here (its probe runs fit the runtime) "
             "or fit it to this run: umopt calibrate PROFILE REPORT -o PROFILE2"
         )
+    uneven = uneven_devices_warning(report.get("reference_ms") or [], "cuda" if report.get("backend") == "nccl" else "cpu", f"while {name} ran")
+    if uneven:
+        out.append(uneven)
     steps = report.get("step_ms") or []
     if len(steps) >= 4:
         s = summarize(steps)

@@ -28,7 +28,7 @@ from torch import nn
 
 from .errors import UmoptError
 from .formats.profile import PROFILE_FORMAT, Profile, default_sizes
-from .devices import TensorSpec, autocast, boundary_tensors, default_memory_limit
+from .devices import TensorSpec, autocast, boundary_tensors, default_memory_limit, reference_ms
 from .noise import Summary, drift_figure, drift_warning, uneven_devices_warning, load_warning, monotone_fit, noise_figure, noisy_warning, round_speeds, summarize
 from .splitbackward import backward_input
 from .zoo import ModelParts, build_model
@@ -188,12 +188,6 @@ class _StageTimes:
     reference_ms: float
 
 
-def _reference(device: torch.device) -> Callable[[], object]:
-    """The same work on every device, whatever the model: a 256 x 256 matmul chain."""
-    a = torch.randn(256, 256, device=device)
-    return lambda: a @ a @ a @ a
-
-
 def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cast, progress, label, budget_s: float) -> _StageTimes:
     """Each size's forward and backward times, and with ``opts.split_backward`` the backward's
     input and weight gradients split as W ops run them (:mod:`umopt.splitbackward`, after a
@@ -202,7 +196,7 @@ def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cas
     ``opts.spread_target``. Returns (forward, backward, input gradient, weight gradient); the
     last two empty without the split."""
     timer = _Timer(device)
-    reference, reference_ms = _reference(device), []
+    reference = []
     fwd, bwd, bin_, bwt = [], [], [], []
     deadline = time.perf_counter() + budget_s
     # first calls allocate and pick kernels; keep that out of every size's numbers
@@ -242,7 +236,7 @@ def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cas
             r = repeat(b, rnd, opts.split_backward and rnd >= opts.warmup)
             if rnd >= opts.warmup:
                 runs[b][rnd] = r
-        reference_ms.append(timer(reference)[0])
+        reference.append(reference_ms(device))
         if progress:
             progress(len(sizes) / (opts.warmup + opts.repeats), 0, f"{label} round {rnd + 1}")
     wide = lambda b: any(summarize([r[k] for r in runs[b].values()]).spread > opts.spread_target for k in range(2))  # noqa: E731
@@ -266,7 +260,7 @@ def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cas
             got += [summarize([t[k] / at[r] for r, t in runs[b].items() if len(t) > 2]) for k in (2, 3)]
         for into, e in zip((fwd, bwd, bin_, bwt), got):
             into.append(e)
-    return _StageTimes(fwd, bwd, bin_, bwt, drift, statistics.median(reference_ms[opts.warmup:] or reference_ms))
+    return _StageTimes(fwd, bwd, bin_, bwt, drift, statistics.median(reference[opts.warmup:] or reference))
 
 
 def _fitted(entries: list[Summary]) -> list[float]:

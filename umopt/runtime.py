@@ -45,7 +45,7 @@ from .checkpoint import (
     write_manifest,
 )
 from .costmodel import CostTables, Span, Timeline, simulate
-from .devices import TensorSpec, boundary_tensors, rank_device, to_device
+from .devices import TensorSpec, boundary_tensors, rank_device, reference_ms, to_device
 from .errors import UmoptError, first_line
 from .fileio import check_writable, write_atomic, write_json
 from .formats.profile import AllReduceProfile, Profile, load_profile
@@ -297,7 +297,9 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     it = start_step
     last = start_step + len(plays) * (args.warmup + args.rounds * args.steps) - 1
     # the schedules take turns, so that whatever drifts on the machine meets each alike
+    speeds = []  # a fixed matmul's time on this rank's device, each round: do the stages' devices differ?
     for turn in range(args.rounds):
+        speeds.append(reference_ms(device))
         for play in plays:
             for j in range((args.warmup if turn == 0 else 0) + args.steps):
                 _fault(rank, it - start_step)
@@ -340,7 +342,7 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     for k, play in enumerate(plays):
         gathered: list = [None] * world
         medians = [[kind, lo, hi, statistics.median(d)] for (kind, lo, hi), d in zip(play.ops, play.op_ms)]
-        dist.all_gather_object(gathered, {"spans": play.spans_last, "losses": play.losses, "op_ms": medians})
+        dist.all_gather_object(gathered, {"spans": play.spans_last, "losses": play.losses, "op_ms": medians, "reference_ms": statistics.median(speeds)})
         if rank == 0:  # replica 0's stages (the others ran the same ops on their own samples)
             _report(cfg, k, play.step_ms, gathered[:S])
 
@@ -447,6 +449,7 @@ def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list) -> Non
             for rec, pred in zip(per_rank, pred_tl.spans)
         ],
         "losses": per_rank[-1]["losses"],
+        "reference_ms": [rec["reference_ms"] for rec in per_rank],
     }
     report_path, trace_path, plot_path = (cfg.output(t, k) for t in (args.report, args.trace, args.plot))
     if report_path:
