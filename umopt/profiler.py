@@ -188,27 +188,39 @@ class _StageTimes:
     reference_ms: float
 
 
-def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cast, progress, label, budget_s: float) -> _StageTimes:
-    """Each size's forward and backward times, and with ``opts.split_backward`` the backward's
-    input and weight gradients split as W ops run them (:mod:`umopt.splitbackward`, after a
-    forward of their own): the median and spread of its repeats, with more repeats (up to
-    ``opts.max_repeats``, within ``budget_s`` for the stage) while a spread is wider than
-    ``opts.spread_target``. Returns (forward, backward, input gradient, weight gradient); the
-    last two empty without the split."""
+@dataclass
+class _Timed:
+    """A stage to time: its module, the tensor entering it, whether it is the first or last."""
+
+    stage: nn.Module
+    boundary: torch.Tensor
+    first: bool
+    last: bool
+
+
+def _measure_sizes(timed: list[_Timed], parts, sizes, device, opts, cast, progress, label, budget_s: float) -> list[_StageTimes]:
+    """Each stage's forward and backward times at each size, and with ``opts.split_backward`` the
+    backward's input and weight gradients split as W ops run them (:mod:`umopt.splitbackward`,
+    after a forward of their own): the median and spread of the repeats, with more repeats (up
+    to ``opts.max_repeats``, within ``budget_s``) while a spread is wider than
+    ``opts.spread_target``. Several stages given are timed in one another's rounds (stages
+    sharing one device)."""
     timer = _Timer(device)
     reference = []
-    fwd, bwd, bin_, bwt = [], [], [], []
     deadline = time.perf_counter() + budget_s
     # first calls allocate and pick kernels; keep that out of every size's numbers
-    for b in (sizes[-1], sizes[0]):
-        x, y = _input(parts, boundary, first, b, device, 0)
-        with cast():
-            out = stage(x, y if last else None)
-        out.backward(torch.ones_like(out) if last else torch.randn_like(out))
-        stage.zero_grad(set_to_none=True)
+    for t in timed:
+        for b in (sizes[-1], sizes[0]):
+            x, y = _input(parts, t.boundary, t.first, b, device, 0)
+            with cast():
+                out = t.stage(x, y if t.last else None)
+            out.backward(torch.ones_like(out) if t.last else torch.randn_like(out))
+            t.stage.zero_grad(set_to_none=True)
 
-    def repeat(b: int, rep: int, split: bool) -> tuple[float, ...]:
-        x, y = _input(parts, boundary, first, b, device, rep)
+    def repeat(unit: tuple[int, int], rep: int, split: bool) -> tuple[float, ...]:
+        t, b = timed[unit[0]], unit[1]
+        stage, last = t.stage, t.last
+        x, y = _input(parts, t.boundary, t.first, b, device, rep)
         with cast():
             tf, out = timer(lambda: stage(x, y if last else None))
         grad = torch.ones_like(out) if last else torch.randn_like(out)
@@ -216,7 +228,7 @@ def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cas
         stage.zero_grad(set_to_none=True)
         if not split:
             return tf, tb
-        x, y = _input(parts, boundary, first, b, device, rep)
+        x, y = _input(parts, t.boundary, t.first, b, device, rep)
         with cast():
             out = stage(x, y if last else None)
         tbi, weights = timer(lambda: backward_input((x,), [out], None if last else [grad], stage))
@@ -224,43 +236,53 @@ def _measure_sizes(stage, parts, boundary, first, last, sizes, device, opts, cas
         stage.zero_grad(set_to_none=True)
         return tf, tb, tbi, tbw
 
-    # sizes are timed in rounds, one repeat of each per round, rather than one size after
-    # another: a machine whose speed drifts over seconds (seen here: 30%) then slows every
-    # size alike instead of bending the curve where one size happened to be timed. The order
+    # sizes (and stages sharing the device) are timed in rounds, one repeat of each per round,
+    # rather than one after another: a machine whose speed drifts over seconds (seen here: 30%)
+    # then slows every entry alike instead of bending a curve where one size happened to be
+    # timed, or tilting the balance toward the stage timed in a slow moment. The order
     # alternates so that no size always follows the largest.
-    runs: dict[int, dict[int, tuple[float, ...]]] = {b: {} for b in sizes}  # size -> round -> times
+    units = [(j, b) for j in range(len(timed)) for b in sizes]
+    runs: dict[tuple[int, int], dict[int, tuple[float, ...]]] = {u: {} for u in units}  # unit -> round -> times
     for rnd in range(opts.warmup + opts.repeats):
-        for b in sizes if rnd % 2 == 0 else sizes[::-1]:
+        for u in units if rnd % 2 == 0 else units[::-1]:
             # the split's parts are timed in the first repeats only (they cost a forward and
             # a backward more each); the forward and the whole backward decide on more repeats
-            r = repeat(b, rnd, opts.split_backward and rnd >= opts.warmup)
+            r = repeat(u, rnd, opts.split_backward and rnd >= opts.warmup)
             if rnd >= opts.warmup:
-                runs[b][rnd] = r
+                runs[u][rnd] = r
         reference.append(reference_ms(device))
         if progress:
-            progress(len(sizes) / (opts.warmup + opts.repeats), 0, f"{label} round {rnd + 1}")
-    wide = lambda b: any(summarize([r[k] for r in runs[b].values()]).spread > opts.spread_target for k in range(2))  # noqa: E731
+            progress(len(units) / (opts.warmup + opts.repeats), 0, f"{label} round {rnd + 1}")
+    wide = lambda u: any(summarize([r[k] for r in runs[u].values()]).spread > opts.spread_target for k in range(2))  # noqa: E731
     rnd = opts.warmup + opts.repeats
     while time.perf_counter() <= deadline:
-        todo = [b for b in sizes if len(runs[b]) < opts.max_repeats and wide(b)]
-        if not todo:
+        # while any entry is wide, every entry below the cap runs again: one timed alone in a
+        # round has nobody to tell its own noise from the machine's
+        if not any(len(runs[u]) < opts.max_repeats and wide(u) for u in units):
             break
-        for b in todo if rnd % 2 == 0 else todo[::-1]:
-            runs[b][rnd] = repeat(b, rnd, False)
+        todo = [u for u in units if len(runs[u]) < opts.max_repeats]
+        for u in todo if rnd % 2 == 0 else todo[::-1]:
+            runs[u][rnd] = repeat(u, rnd, False)
         rnd += 1
-    # what every size saw in a round is the machine's speed then, not the size's own cost
+    # what every entry saw in a round is the machine's speed then, not the entry's own cost
     rounds = list(range(opts.warmup, rnd))
-    table = np.array([[runs[b][r][k] if r in runs[b] else np.nan for r in rounds] for b in sizes for k in range(2)])
-    speed = round_speeds(table, [b for b in sizes for _ in range(2)])
-    drift = drift_figure(table)
-    for i, b in enumerate(sizes):
-        at = {r: speed[2 * i, j] for j, r in enumerate(rounds)}
-        got = [summarize([t[k] / at[r] for r, t in runs[b].items()]) for k in range(2)]
-        if opts.split_backward:
-            got += [summarize([t[k] / at[r] for r, t in runs[b].items() if len(t) > 2]) for k in (2, 3)]
-        for into, e in zip((fwd, bwd, bin_, bwt), got):
-            into.append(e)
-    return _StageTimes(fwd, bwd, bin_, bwt, drift, statistics.median(reference[opts.warmup:] or reference))
+    table = np.array([[runs[u][r][k] if r in runs[u] else np.nan for r in rounds] for u in units for k in range(2)])
+    speed = round_speeds(table, [i for i in range(len(units)) for _ in range(2)])
+    out = []
+    for j in range(len(timed)):
+        got_all: list[list[Summary]] = [[], [], [], []]
+        for i, u in enumerate(units):
+            if u[0] != j:
+                continue
+            at = {r: speed[2 * i, c] for c, r in enumerate(rounds)}
+            got = [summarize([t[k] / at[r] for r, t in runs[u].items()]) for k in range(2)]
+            if opts.split_backward:
+                got += [summarize([t[k] / at[r] for r, t in runs[u].items() if len(t) > 2]) for k in (2, 3)]
+            for into, e in zip(got_all, got):
+                into.append(e)
+        mine = [2 * i + k for i, u in enumerate(units) if u[0] == j for k in range(2)]
+        out.append(_StageTimes(*got_all, drift_figure(table[mine]), statistics.median(reference[opts.warmup:] or reference)))
+    return out
 
 
 def _fitted(entries: list[Summary]) -> list[float]:
@@ -519,7 +541,7 @@ def _timing_worker(s: int, opts: ProfileOptions, cuts: list[int], sizes: list[in
         first, last = s == 0, s == len(cuts) - 2
         stage = _Stage(parts.layers[a:b], parts.loss if last else None).to(device)
         tick = lambda n, _t, what: queue.put(("tick", s, what, n))  # noqa: E731
-        measured = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s)
+        (measured,) = _measure_sizes([_Timed(stage, bounds[a], first, last)], parts, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s)
         opt_ms = _optimizer_step_ms(stage, opts, device)
         queue.put(("done", s, measured, opt_ms))
         # keep this core as busy as in a real run until every stage is timed
@@ -715,6 +737,10 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
         concurrent = opts.concurrent if opts.concurrent is not None else (device.type == "cpu" and S > 1 and S * opts.threads <= (os.cpu_count() or 1))
         warnings = [w for w in [load_warning(S * opts.threads if concurrent else opts.threads) if device.type == "cpu" else None] if w]
         timed = _time_concurrently(opts, cuts, sizes, tick) if concurrent else {}
+        modules = [_Stage(parts.layers[a:b], parts.loss if b == L else None).to(device) for a, b in zip(cuts, cuts[1:])]
+        if not concurrent:
+            together = _measure_sizes([_Timed(m, bounds[a], a == 0, b == L) for m, a, b in zip(modules, cuts, cuts[1:])], parts, sizes, device, opts, cast, tick, "stages", opts.budget_s)
+            timed = {s: (t, _optimizer_step_ms(modules[s], opts, device)) for s, t in enumerate(together)}
         stages = []
         entries: list[Summary] = []
         drifts: list[float] = []
@@ -722,12 +748,8 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
         for s in range(S):
             a, b = cuts[s], cuts[s + 1]
             first, last = s == 0, s == S - 1
-            stage = _Stage(parts.layers[a:b], parts.loss if last else None).to(device)
-            if s in timed:
-                measured, opt_ms = timed[s]
-            else:
-                measured = _measure_sizes(stage, parts, bounds[a], first, last, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s / S)
-                opt_ms = _optimizer_step_ms(stage, opts, device)
+            stage = modules[s]
+            measured, opt_ms = timed[s]
             fwd, bwd, bin_, bwt = measured.forward, measured.backward, measured.backward_input, measured.backward_weight
             entries += fwd + bwd
             drifts.append(measured.drift)
