@@ -136,6 +136,39 @@ def test_a_schedule_the_profile_cannot_tell_from_the_best_equal_one_is_not_recom
     assert c.name == "umopt auto" and 0 < c.uncertainty < gain
 
 
+def test_where_the_model_cannot_tell_gpipe_from_1f1b_the_probe_runs_decide():
+    prof, problem = _problem_with_spread(0.0, 0.5)  # a loose fit: every pick falls back to an equal schedule
+    cands = _candidates(problem)
+    times = {n: c.simulate(problem).iteration_ms for n, c in cands}
+    faster, slower = sorted(("gpipe_equal", "1f1b_equal"), key=lambda n: times[n])
+    assert choose(prof, problem, cands, equal=("gpipe_equal", "1f1b_equal")).name == faster
+    # the probe runs of the faster-predicted order measured 20% over the fitted model, the other's 2% under
+    order = {"gpipe_equal": "gpipe", "1f1b_equal": "1f1b"}
+    ratio = {order[faster]: 1.2, order[slower]: 0.98}
+    assert times[slower] * 0.98 < times[faster] * 1.2  # (the probes outweigh the prediction's difference)
+    probed = prof.model_copy(update={"meta": {**prof.meta, "probes": {"ran": True, "order_ratio": ratio}}})
+    c = choose(probed, problem, cands, equal=("gpipe_equal", "1f1b_equal"))
+    assert c.name == slower and f"{slower} over {faster}" in c.reason and f"{order[faster]} 1.20x" in c.reason
+    assert c.gain == pytest.approx(times[faster] / times["umopt auto"] - 1)  # the gain stays the model's
+    # probes that agree with the model change nothing
+    level = prof.model_copy(update={"meta": {**prof.meta, "probes": {"ran": True, "order_ratio": {"gpipe": 1.0, "1f1b": 1.0}}}})
+    assert choose(level, problem, cands, equal=("gpipe_equal", "1f1b_equal")).name == faster
+
+
+def test_run_ratios_are_measured_over_the_profiles_prediction():
+    from umopt.calibrate import run_ratios
+    from umopt.costmodel import simulate
+
+    prof, problem = _problem_with_spread(0.0, 0.0)
+    cands = _candidates(problem)
+    reports = []
+    for k, (_, c) in enumerate(cands):
+        predicted = simulate(problem.tables, c.ops(), 32).iteration_ms
+        reports.append({"minibatch": 32, "recompute": False, "measured_iteration_ms": predicted * (1 + 0.1 * k),
+                        "ops": [[[kind, lo, hi, 0.0, 0.0] for kind, lo, hi in st] for st in c.ops()]})
+    assert run_ratios(prof, reports) == pytest.approx([1.0, 1.1, 1.2])
+
+
 def _row(name: str, rounds_ms: list[float]) -> TuneRow:
     return TuneRow(name, "", 0.0, float(np.median(rounds_ms)), rounds_ms, "", "", "")
 

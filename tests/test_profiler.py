@@ -50,6 +50,11 @@ def test_small_mlp_profile_is_complete_and_sane(tmp_path, capsys):
         assert all(a <= b for a, b in zip(st.forward_ms, st.forward_ms[1:])) and all(a <= b for a, b in zip(st.backward_ms, st.backward_ms[1:]))
     assert 0 <= meta["noise"]["median_spread"] <= meta["noise"]["p90_spread"]
     assert meta["probes"]["ran"] and meta["probes"]["schedules"] >= 2
+    # what the fit leaves, run by run and per order, and what the profile said of the machine
+    left = meta["probes"]["measured_over_fitted"]
+    assert len(left) == meta["probes"]["schedules"] and all(v > 0 for v in left.values())
+    assert set(meta["probes"]["order_ratio"]) == {"gpipe", "1f1b"}
+    assert len(meta["noise"]["drift"]) == len(meta["noise"]["reference_ms"]) == prof.num_stages
     assert meta["calibration"]["residual_rms"] >= 0 and prof.stages[0].op_overhead_ms == pytest.approx(meta["calibration"]["op_overhead_ms"], abs=1e-5)
     assert "fitted to" in stdout and "probe runs of the runtime" in stdout
     # and it is usable straight away

@@ -49,7 +49,7 @@ from .formats.profile import AllReduceProfile, Profile, pydantic_error_line
 from .limits import MAX_MINIBATCH, MAX_MS
 from .noise import monotone_fit
 
-__all__ = ["calibrate", "size_ratios", "fit_overheads", "Overheads"]
+__all__ = ["calibrate", "size_ratios", "fit_overheads", "Overheads", "run_ratios"]
 
 
 _Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
@@ -272,6 +272,18 @@ def fit_overheads(profile: Profile, reports: list[dict]) -> Overheads:
             x[k] = hi
     step, err = step_and_error(*x)
     return Overheads(x[0], x[1], step, float(np.sqrt(err / len(runs))))
+
+
+def run_ratios(profile: Profile, reports: list[dict]) -> list[float]:
+    """Each report's measured iteration over what ``profile`` predicts for its op list: what a
+    fit leaves, run by run."""
+    from .costmodel import CostTables, simulate
+
+    out = []
+    for rep in reports:
+        (ops, B), rc = _report_ops(rep), (bool(rep.get("recompute")), _allreduce(rep, profile))
+        out.append(float(rep["measured_iteration_ms"]) / simulate(CostTables.from_profile(profile, *rc), ops, B, record=False).iteration_ms)
+    return out
 
 
 def _golden(f, lo: float, hi: float, iters: int = 24) -> float:

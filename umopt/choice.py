@@ -28,7 +28,7 @@ from .costmodel import CostTables, simulate
 from .formats.profile import Profile
 from .problem import Candidate, Problem
 
-__all__ = ["Choice", "complexity", "gain_uncertainty", "choose"]
+__all__ = ["Choice", "complexity", "gain_uncertainty", "order_ratios", "choose"]
 
 # how many standard deviations of the gain a schedule must be ahead to count as ahead
 Z = 2.0
@@ -93,24 +93,49 @@ def gain_uncertainty(profile: Profile, problem: Problem, best: Candidate, refere
     return float(np.sqrt(var + 2 * rms**2))
 
 
+def order_ratios(profile: Profile) -> dict[str, float]:
+    """Per order ("gpipe", "1f1b"): the geometric mean of measured / predicted over the profile's
+    probe runs of that order, after the fit (empty where no probes ran)."""
+    return dict(((getattr(profile, "meta", None) or {}).get("probes") or {}).get("order_ratio") or {})
+
+
+# the order each equal schedule runs in, to read its probe runs' ratio by
+ORDER_OF = {"gpipe_equal": "gpipe", "1f1b_equal": "1f1b"}
+
+
 def choose(profile: Profile, problem: Problem, candidates: Sequence[tuple[str, Candidate]], equal: Sequence[str], seed: int = 0) -> Choice:
     """Among ``candidates`` (name, candidate, each within the memory limit), the fastest predicted
     one if it is ahead of the best equal one (``equal`` names the equal schedules) by more than
-    the profile's uncertainty; else that best equal schedule."""
+    the profile's uncertainty; else that best equal schedule. The equal schedules are ranked by
+    their predictions times what the probe runs of their order measured over the fitted model:
+    where the model cannot tell GPipe from 1F1B, the runtime has."""
     timed = sorted(((c.simulate(problem).iteration_ms, name, c) for name, c in candidates), key=lambda t: t[0])
     best_ms, best_name, best = timed[0]
-    equals = [t for t in timed if t[1] in equal]
-    if not equals or best_name in equal:
-        return Choice(best_name, best, 0.0 if equals else None, 0.0, "the fastest predicted schedule is an equal one")
+    ratio = order_ratios(profile)
+    by_model = [t for t in timed if t[1] in equal]
+    equals = sorted(by_model, key=lambda t: t[0] * ratio.get(ORDER_OF.get(t[1], ""), 1.0))
+    if not equals:
+        return Choice(best_name, best, None, 0.0, "no equal schedule to compare with")
     ref_ms, ref_name, ref = equals[0]
-    gain = ref_ms / best_ms - 1
-    margin = Z * gain_uncertainty(profile, problem, best, ref, seed)
+    probes = ""
+    if ref_name != by_model[0][1]:
+        other = by_model[0][1]
+        probes = (
+            f"; {ref_name} over {other} (predicted {100 * (ref_ms / by_model[0][0] - 1):.1f}% slower): in the probe runs "
+            f"{ORDER_OF[ref_name]} measured {ratio[ORDER_OF[ref_name]]:.2f}x the fitted model's time and {ORDER_OF[other]} {ratio[ORDER_OF[other]]:.2f}x"
+        )
+    if best_name in equal:
+        return Choice(ref_name, ref, 0.0, 0.0, "the fastest predicted schedule is an equal one" + probes)
+    # the gain is over the best equal schedule predicted, as the model alone sees it
+    eq_ms, eq_name, eq = by_model[0]
+    gain = eq_ms / best_ms - 1
+    margin = Z * gain_uncertainty(profile, problem, best, eq, seed)
     if margin == 0.0:
         return Choice(best_name, best, gain, 0.0, "the profile states no uncertainty: the fastest predicted")
     if gain > margin:
-        return Choice(best_name, best, gain, margin, f"ahead of {ref_name} by more than the profile's uncertainty ({100 * margin:.1f}%)")
+        return Choice(best_name, best, gain, margin, f"ahead of {eq_name} by more than the profile's uncertainty ({100 * margin:.1f}%)")
     return Choice(
         ref_name, ref, gain, margin,
-        f"the best schedule found is predicted {100 * gain:.1f}% faster than {ref_name}, within the profile's uncertainty "
-        f"({100 * margin:.1f}%): {ref_name}, with {complexity(problem, ref)} ops and messages against {complexity(problem, best)}, is recommended",
+        f"the best schedule found is predicted {100 * gain:.1f}% faster than {eq_name}, within the profile's uncertainty "
+        f"({100 * margin:.1f}%): {ref_name}, with {complexity(problem, ref)} ops and messages against {complexity(problem, best)}, is recommended" + probes,
     )

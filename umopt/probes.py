@@ -16,7 +16,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from .calibrate import calibrate
+import numpy as np
+
+from .calibrate import calibrate, run_ratios
 from .fileio import read_json
 from .formats.profile import Profile
 from .formats.schedule import make_schedule, save_schedule
@@ -86,10 +88,17 @@ def fit_to_probes(profile: Profile, minibatch: int, out: Path, **kw) -> Profile:
     reports = probe_runs(profile, minibatch, out, **kw)
     if not reports:
         return profile
-    fitted = calibrate(profile, [read_json(r) for r in reports], [Path(r).name for r in reports])
+    runs = [read_json(r) for r in reports]
+    fitted = calibrate(profile, runs, [Path(r).name for r in reports])
+    # what the fit leaves per order: on a CPU an op after one of the other kind runs slower,
+    # which the model (a time per kind and size) cannot hold and 1F1B meets at every step
+    left = dict(zip((Path(r).name.removesuffix("_report.json") for r in reports), run_ratios(fitted, runs)))
+    by_order = {o: [v for k, v in left.items() if k.startswith(f"probe_{o}_")] for o in ("gpipe", "1f1b")}
     meta = dict(getattr(fitted, "meta", None) or {})
     meta["probes"] = {"ran": True, "minibatch": minibatch, "schedules": len(reports), "measured": {
-        "forward_ms": [st.forward_ms for st in profile.stages], "backward_ms": [st.backward_ms for st in profile.stages]}}
+        "forward_ms": [st.forward_ms for st in profile.stages], "backward_ms": [st.backward_ms for st in profile.stages]},
+        "measured_over_fitted": {k: round(v, 4) for k, v in left.items()},
+        "order_ratio": {o: round(float(np.exp(np.mean(np.log(v)))), 4) for o, v in by_order.items() if v}}
     return fitted.model_copy(update={"meta": meta})
 
 
