@@ -198,7 +198,7 @@ class _Timed:
     last: bool
 
 
-def _measure_sizes(timed: list[_Timed], parts, sizes, device, opts, cast, progress, label, budget_s: float) -> list[_StageTimes]:
+def _time_stages(timed: list[_Timed], parts, sizes, device, opts, cast, progress, label, budget_s: float) -> list[_StageTimes]:
     """Each stage's forward and backward times at each size, and with ``opts.split_backward`` the
     backward's input and weight gradients split as W ops run them (:mod:`umopt.splitbackward`,
     after a forward of their own): the median and spread of the repeats, with more repeats (up
@@ -237,7 +237,7 @@ def _measure_sizes(timed: list[_Timed], parts, sizes, device, opts, cast, progre
         return tf, tb, tbi, tbw
 
     # sizes (and stages sharing the device) are timed in rounds, one repeat of each per round,
-    # rather than one after another: a machine whose speed drifts over seconds (seen here: 30%)
+    # rather than one after another: a machine whose speed drifts over seconds
     # then slows every entry alike instead of bending a curve where one size happened to be
     # timed, or tilting the balance toward the stage timed in a slow moment. The order
     # alternates so that no size always follows the largest.
@@ -541,7 +541,7 @@ def _timing_worker(s: int, opts: ProfileOptions, cuts: list[int], sizes: list[in
         first, last = s == 0, s == len(cuts) - 2
         stage = _Stage(parts.layers[a:b], parts.loss if last else None).to(device)
         tick = lambda n, _t, what: queue.put(("tick", s, what, n))  # noqa: E731
-        (measured,) = _measure_sizes([_Timed(stage, bounds[a], first, last)], parts, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s)
+        (measured,) = _time_stages([_Timed(stage, bounds[a], first, last)], parts, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s)
         opt_ms = _optimizer_step_ms(stage, opts, device)
         queue.put(("done", s, measured, opt_ms))
         # keep this core as busy as in a real run until every stage is timed
@@ -739,7 +739,7 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
         timed = _time_concurrently(opts, cuts, sizes, tick) if concurrent else {}
         modules = [_Stage(parts.layers[a:b], parts.loss if b == L else None).to(device) for a, b in zip(cuts, cuts[1:])]
         if not concurrent:
-            together = _measure_sizes([_Timed(m, bounds[a], a == 0, b == L) for m, a, b in zip(modules, cuts, cuts[1:])], parts, sizes, device, opts, cast, tick, "stages", opts.budget_s)
+            together = _time_stages([_Timed(m, bounds[a], a == 0, b == L) for m, a, b in zip(modules, cuts, cuts[1:])], parts, sizes, device, opts, cast, tick, "stages", opts.budget_s)
             timed = {s: (t, _optimizer_step_ms(modules[s], opts, device)) for s, t in enumerate(together)}
         stages = []
         entries: list[Summary] = []
