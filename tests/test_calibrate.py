@@ -43,6 +43,9 @@ def test_each_size_is_scaled_by_its_measured_ratio():
     assert s1.forward_ms == pytest.approx([1.2 * v for v in prof.stages[1].forward_ms])
     assert s1.backward_ms == pytest.approx([0.8 * v for v in prof.stages[1].backward_ms])
     assert cal.meta["calibration"]["ratios"]["stage1.F"] == {"2": 1.2}
+    # what probe runs measured over the profile's earlier fit does not survive a new one
+    probed = prof.model_copy(update={"meta": {"probes": {"ran": True, "order_ratio": {"gpipe": 0.9, "1f1b": 1.1}, "measured_over_fitted": {"probe_gpipe_b2": 0.9}}}})
+    assert calibrate(probed, [rep], ["r.json"]).meta["probes"] == {"ran": True}
     # the calibrated profile predicts the measured op times of the run it was fitted to
     tl = simulate(CostTables.from_profile(cal), OPS, 2)
     for s in range(2):

@@ -183,6 +183,9 @@ def calibrate(profile: Profile, reports: list[dict], names: list[str]) -> Profil
     fit = fit_overheads(scaled, reports)
     fitted = fit.apply(scaled)
     meta = dict(getattr(profile, "meta", None) or {})
+    if isinstance(meta.get("probes"), dict):
+        # what the probe runs measured over the old fit does not hold for this one
+        meta["probes"] = {k: v for k, v in meta["probes"].items() if k not in ("order_ratio", "measured_over_fitted")}
     meta["calibration"] = {
         "reports": names,
         "ratios": {f"stage{s}.{kind}": {str(b): round(r, 4) for b, r in seen.items()} for (s, kind), seen in ratios.items()},
