@@ -3,6 +3,8 @@ process per stage): the user's modules, loss, optimizer and loop; umopt only run
 
     RANK=r python tests/pipeline_user.py CASE SCHEDULE STORE OUT STEPS
     RANK=r python tests/pipeline_user.py torch PLAN.csv MICROBATCHES STORE OUT STEPS   (torch's runtime)
+
+CASE "mlp3" runs three stages and records, for every message, the process group it went through.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def model(case: str) -> list[nn.Module]:
     torch.manual_seed(0)
     if case == "tuple":
         return [Head(), Tail()]
+    if case == "mlp3":
+        return [nn.Sequential(nn.Linear(D, D), nn.Tanh()), nn.Sequential(nn.Linear(D, D), nn.Tanh()), nn.Linear(D, 1)]
     return [nn.Sequential(nn.Linear(D, D), nn.Tanh()), nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 1))]
 
 
@@ -60,6 +64,8 @@ def reference(case: str, steps: int) -> list[dict[str, torch.Tensor]]:
         x, y = batch(step)
         h = stages[0](x)
         out = stages[1](*h) if isinstance(h, tuple) else stages[1](h)
+        for later in stages[2:]:
+            out = later(out)
         nn.MSELoss()(out, y).backward()
         opt.step()
         opt.zero_grad()
@@ -68,18 +74,35 @@ def reference(case: str, steps: int) -> list[dict[str, torch.Tensor]]:
 
 def main() -> None:
     case, schedule, store, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    rank, world = int(os.environ["RANK"]), 3 if case == "mlp3" else 2
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    groups_used = _spy_on_messages() if case == "mlp3" else []
     stage = model(case)[rank]  # the user's own module for this stage
     pipe = umopt.Pipeline(stage, schedule, loss_fn=nn.MSELoss())
     opt = torch.optim.AdamW(stage.parameters(), lr=0.01)
     for step in range(steps):
         x, y = batch(step)
-        pipe.step(x) if rank == 0 else pipe.step(targets=y)
+        pipe.step(x) if rank == 0 else pipe.step(targets=y) if rank == world - 1 else pipe.step()
         opt.step()
         opt.zero_grad()
-    torch.save(stage.state_dict(), os.path.join(out, f"stage{rank}.pt"))
+    torch.save({**stage.state_dict(), **({"groups_used": groups_used} if groups_used else {})}, os.path.join(out, f"stage{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _spy_on_messages() -> list:
+    """Record every point-to-point call's peer and the ranks of the group it went through."""
+    seen: list = []
+    for name in ("isend", "irecv", "send_object_list", "recv_object_list"):
+        real = getattr(dist, name)
+
+        def spy(*args, _real=real, **kwargs):
+            group = kwargs.get("group")
+            peer = kwargs.get("dst", kwargs.get("src"))
+            seen.append((peer, None if group is None else dist.get_process_group_ranks(group)))
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, spy)
+    return seen
 
 
 

@@ -31,9 +31,9 @@ def _schedule(tmp_path: Path, fsizes, order: str, recompute: bool, warmup=None, 
 
 
 def _save(tmp_path: Path, ops, recompute: bool) -> str:
-    """A schedule of these op lists on the 2-stage synthetic profile, both written to tmp_path."""
+    """A schedule of these op lists on a synthetic profile of as many stages, both written to tmp_path."""
     tmp_path.mkdir(exist_ok=True)
-    save_profile(synthetic_profile(2, max_size=8, seed=3), tmp_path / "profile.json")
+    save_profile(synthetic_profile(len(ops), max_size=8, seed=3), tmp_path / "profile.json")
     prof = load_profile(tmp_path / "profile.json")
     tl = simulate(CostTables.from_profile(prof, recompute), ops, B)
     sched = make_schedule(prof, B, recompute, ops, tl, {"name": "test", "status": "feasible", "seconds": 0.0}, {})
@@ -42,7 +42,7 @@ def _save(tmp_path: Path, ops, recompute: bool) -> str:
     return str(path)
 
 
-def _run(tmp_path: Path, case: str, schedule: str, steps: int = 3, extra: tuple = ()) -> list[dict]:
+def _run(tmp_path: Path, case: str, schedule: str, steps: int = 3, extra: tuple = (), ranks: int = 2) -> list[dict]:
     out = tmp_path / "out"
     out.mkdir()
     procs = [
@@ -50,12 +50,27 @@ def _run(tmp_path: Path, case: str, schedule: str, steps: int = 3, extra: tuple 
             [sys.executable, str(HERE / "pipeline_user.py"), case, schedule, *extra, str(tmp_path / "store"), str(out), str(steps)],
             env=dict(os.environ, RANK=str(r), OMP_NUM_THREADS="1"), stderr=subprocess.PIPE, text=True,
         )
-        for r in range(2)
+        for r in range(ranks)
     ]
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-2000:]
-    return [torch.load(out / f"stage{r}.pt", weights_only=True) for r in range(2)]
+    return [torch.load(out / f"stage{r}.pt", weights_only=True) for r in range(ranks)]
+
+
+def test_each_link_has_a_process_group_of_its_own(tmp_path):
+    """[Note: one process group per link]: on three stages every message (and the boundary-shape
+    exchange) goes through the group of exactly its two ranks, so the middle stage's two links
+    are two communicators; and training still equals one process."""
+    schedule = _schedule(tmp_path, [[3, 5, 4], [6, 6], [2, 4, 6]], "1f1b", False)
+    got = _run(tmp_path, "mlp3", schedule, steps=2, ranks=3)
+    for rank, state in enumerate(got):
+        used = state.pop("groups_used")
+        assert used and all(ranks == sorted([rank, peer]) for peer, ranks in used), used
+        assert {peer for peer, _ in used} == {r for r in (rank - 1, rank + 1) if 0 <= r < 3}
+    for g, w in zip(got, pipeline_user.reference("mlp3", steps=2)):
+        for k in w:
+            torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ one forward of one sample on the stage before; they are never exchanged per step
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -35,18 +36,61 @@ import torch.distributed as dist
 from torch import nn
 
 from .costmodel import CostTables, Op, simulate
-from .devices import TensorSpec, autocast
+from .devices import TensorSpec, autocast, check_trainable, numerics, numerics_differences
 from .errors import UmoptError
 from .formats.profile import Profile, load_profile
 from .formats.schedule import Schedule, check_against_profile, load_schedule
 from .splitbackward import backward_input
 
-__all__ = ["Pipeline", "StepTimer", "link_order", "BUCKET_BYTES"]
+__all__ = ["Pipeline", "StepTimer", "link_order", "link_groups", "BUCKET_BYTES"]
 
 # gradients all-reduced together across data-parallel replicas, at most (torch DDP's default)
 BUCKET_BYTES = 25 << 20
 
+# [Note: one process group per link]
+# Every link (s, s+1) has a process group of its own, and its messages go through it only: so,
+# under NCCL, each link has its own communicator and CUDA stream. With one group for all of a
+# rank's messages, NCCL runs them on one stream in issue order: after
+# `init_process_group(device_id=...)` (eager init, what the runtime does) every point-to-point op
+# of the world group uses the world's single communicator instead of one per peer pair, so a middle
+# stage's receive from s-1, posted early, blocks its later send to s+1, and the stages serialize
+# (measured far above prediction on 3+ GPUs, and a probe fit would take that for a per-message
+# cost). The cost model orders messages per link only; a group per link is what makes that true.
+# NCCL makes a subgroup by splitting the world's communicator, which every rank of the world takes
+# part in, in one order: so every rank creates every link's group, other replicas' links too.
+
+_LINKS: dict[str, Any] = {"world": None, "groups": {}}
+
+
+def link_groups(pipelines: Sequence[Sequence[int]]) -> dict[tuple[int, int], Any]:
+    """A process group for each link of each pipeline (its global ranks by stage), made once per
+    world and reused (several Pipelines of one set of ranks share them). Collective: every rank of
+    the world calls it with the same pipelines (see [Note: one process group per link])."""
+    world = dist.distributed_c10d._get_default_group()
+    if _LINKS["world"] is not world:  # a new world: the groups of the last one are gone
+        _LINKS.update(world=world, groups={})
+    groups: dict[tuple[int, int], Any] = _LINKS["groups"]
+    pairs = sorted({tuple(sorted((p[s], p[s + 1]))) for p in pipelines for s in range(len(p) - 1)})
+    for pair in pairs:
+        if pair not in groups:
+            groups[pair] = dist.new_group(list(pair))
+    return {pair: groups[pair] for pair in pairs}
+
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+_said: set[str] = set()
+
+
+def _warn_numerics(profile: Profile) -> None:
+    """Say once per process where this process's TF32 / cuDNN settings differ from the profile's."""
+    differ = numerics_differences(profile.device.numerics, numerics())
+    line = "; ".join(differ)
+    if differ and line not in _said:
+        _said.add(line)
+        logging.getLogger("umopt").warning(
+            "this process runs with other numerics than the profile was timed under (%s): its predicted times may not hold", line
+        )
 
 
 def link_order(profile: Profile, schedule: Schedule) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
@@ -165,6 +209,8 @@ class Pipeline:
         param = next(module.parameters(), None)
         self.device = device or (param.device if param is not None else torch.device("cpu"))
         self.dtype = dtype or self.profile.device.dtype
+        check_trainable(self.dtype)
+        _warn_numerics(self.profile)
         self.timer = timer
         self.dp_group = dp_group
         self.spans: list[tuple[str, int, int, Any, Any]] = []
@@ -172,8 +218,19 @@ class Pipeline:
         self.ops: list[Op] = self.schedule.op_lists()[self.stage]
         self._split = any(op.kind == "W" for op in self.ops)  # B: the input gradient only; W: the weights'
         self.up, self.down = order.get((self.stage - 1, self.stage), []), order.get((self.stage, self.stage + 1), [])
-        self.peer_up = dist.get_global_rank(group, self.stage - 1) if group is not None and not self.first else self.stage - 1
-        self.peer_down = dist.get_global_rank(group, self.stage + 1) if group is not None and not self.last else self.stage + 1
+        ranks = list(range(S)) if group is None else dist.get_process_group_ranks(group)
+        self.peer_up = ranks[self.stage - 1] if not self.first else -1
+        self.peer_down = ranks[self.stage + 1] if not self.last else -1
+        if group is None:
+            pipelines = [ranks]
+        else:  # every rank of the world makes every replica's links: gather the pipelines
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, ranks)
+            pipelines = sorted({tuple(r) for r in gathered})
+        links = link_groups(pipelines)
+        me = ranks[self.stage]
+        self.link_up = links[tuple(sorted((self.peer_up, me)))] if not self.first else None
+        self.link_down = links[tuple(sorted((me, self.peer_down)))] if not self.last else None
         self.input_specs: Optional[list[TensorSpec]] = list(input_specs) if input_specs is not None else None
         self.output_specs: Optional[list[TensorSpec]] = list(output_specs) if output_specs is not None else None
         self._ready = False
@@ -188,7 +245,7 @@ class Pipeline:
             self.input_specs = [TensorSpec.of(t) for t in inputs]
         else:
             told: list = [None]
-            dist.recv_object_list(told, src=self.peer_up)
+            dist.recv_object_list(told, src=self.peer_up, group=self.link_up)
             if self.input_specs is not None and list(self.input_specs) != list(told[0]):
                 raise UmoptError(f"stage {self.stage} expects {self.input_specs} but stage {self.stage - 1} sends {told[0]}")
             self.input_specs = list(told[0])
@@ -200,7 +257,7 @@ class Pipeline:
                 with torch.no_grad(), autocast(self.device, self.dtype):
                     out = self.module(*sample) if len(sample) > 1 else self.module(sample[0])
                 self.output_specs = [TensorSpec.of(t) for t in _as_tuple(out)]
-            dist.send_object_list([self.output_specs], dst=self.peer_down)
+            dist.send_object_list([self.output_specs], dst=self.peer_down, group=self.link_down)
         B = self.schedule.minibatch
         self._act = [spec.empty(B, self.device) for spec in self.input_specs] if not self.first else []
         self._grad = [spec.empty(B, self.device) for spec in self.output_specs if _grad_carrying(spec)] if not self.last else []
@@ -288,19 +345,23 @@ class Pipeline:
                     weights_later.pop(chunk)()
             spans.append((kind, lo, hi, t0, mark()))
             links.advance()
-        # the all-reduce starts as the last op ends, beside the last messages (the cost model's
-        # iteration: each stage's last op, then its all-reduce)
-        averaging = self.dp_group is not None and dist.get_world_size(self.dp_group) > 1
-        if averaging:
-            t0 = mark()
-            finish_average = self._average_gradients()
         links.finish()
-        if averaging:
-            finish_average()
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            # after this stage's last messages are through (see [Note: the all-reduce after the sends])
+            t0 = mark()
+            self._average_gradients()()
             spans.append(("AR", 0, 0, t0, mark()))
         self.spans = spans
         return loss_sum if self.last else None
 
+    # [Note: the all-reduce after the sends]
+    # The data-parallel all-reduce runs on a communicator of its own (dp_group) and would start
+    # while this stage's last sends (its last input gradients) are still in flight on the links'.
+    # NCCL promises progress for two communicators in flight at once only if both kernels can run
+    # at the same time, which nothing guarantees (a full GPU, or a peer that starts them in the
+    # other order, deadlocks). So the all-reduce starts once the links are done. The cost model
+    # starts it at the stage's last op: the last message's time, on a GPU link microseconds, is
+    # not counted.
     def _average_gradients(self) -> Callable[[], None]:
         """Start averaging this stage's gradients over its data-parallel replicas: flat buckets of
         about :data:`BUCKET_BYTES`, all-reduced together; the function returned waits for them,
@@ -350,19 +411,20 @@ class _Links:
         p = self.p
         seq = p.up if side == "up" else p.down
         peer = p.peer_up if side == "up" else p.peer_down
+        link = p.link_up if side == "up" else p.link_down  # [Note: one process group per link]
         while self.pos[side] < len(seq):
             kind, lo, hi = seq[self.pos[side]]
             base = self.pos[side] * 64  # tags: the message's place in the order, then the tensor
             if (kind == "act") == (side == "up"):  # incoming
                 bufs = p._act if side == "up" else p._grad
-                works = [dist.irecv(buf[lo:hi], src=peer, tag=base + i) for i, buf in enumerate(bufs)]
+                works = [dist.irecv(buf[lo:hi], src=peer, tag=base + i, group=link) for i, buf in enumerate(bufs)]
                 (self.recv_act if side == "up" else self.recv_grad)[(lo, hi)] = works
             else:
                 data = self.ready.pop((kind, lo, hi), None)
                 if data is None:
                     return  # not computed yet: later messages of this link wait their turn
                 for i, t in enumerate(data):
-                    self.pending_sends.append((dist.isend(t, dst=peer, tag=base + i), t))
+                    self.pending_sends.append((dist.isend(t, dst=peer, tag=base + i, group=link), t))
             self.pos[side] += 1
 
     def advance(self) -> None:
