@@ -104,6 +104,23 @@ def test_a_failed_checkpoint_write_keeps_the_last_complete_set(tmp_path, monkeyp
     assert read_manifest(ck, profile, "sgd").step == 1  # every file there, every hash right
 
 
+def test_checkpoint_waits_are_bounded_by_the_io_timeout_not_the_steps(tmp_path, monkeypatch):
+    """[Note: two timeouts]: rank 1 writes its checkpoint file 4 s late. With the steps' bound at
+    2 s the run still completes (the wait for it is an I/O wait); with the I/O bound at 2 s the
+    waiting rank fails, naming the wait and its bound."""
+    profile = mlp_profile(tmp_path, 2)
+    path, _ = write_schedule(tmp_path, profile, "gpipe", False, 4)
+    monkeypatch.setenv("UMOPT_FAULT", "1:0:slowio")
+    monkeypatch.setenv("UMOPT_FAULT_SLOW_S", "4")
+    monkeypatch.setenv("UMOPT_TIMEOUT_S", "2")
+    launch([path, "--steps", "1", "--warmup", "0", "--checkpoint", str(tmp_path / "a")], quiet=True)
+    assert read_manifest(tmp_path / "a", profile, "sgd").step == 1
+    monkeypatch.setenv("UMOPT_TIMEOUT_S", "60")
+    monkeypatch.setenv("UMOPT_IO_TIMEOUT_S", "2")
+    with pytest.raises(RunFailed, match=r"rank 0 \(stage 0\) failed: UmoptError: waiting for every stage's checkpoint file of step 1 \(at most UMOPT_IO_TIMEOUT_S=2 s\)"):
+        launch([path, "--steps", "1", "--warmup", "0", "--checkpoint", str(tmp_path / "b")], quiet=True)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_a_killed_rank_is_the_one_named(tmp_path, monkeypatch, k):
     profile = mlp_profile(tmp_path, 3)

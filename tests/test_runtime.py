@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,8 @@ from umopt.problem import Candidate
 from umopt.formats.profile import save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.synthetic import synthetic_profile
+from umopt.devices import numerics
+from umopt.formats.profile import load_profile
 from umopt.zoo import build_model
 
 MLP = {"layers": 6, "width": 24, "in_features": 12, "num_classes": 5}
@@ -162,8 +165,16 @@ def test_schedules_take_turns_and_train_one_model(tmp_path, capsys):
 
 
 def _no_runtime_left():
-    out = subprocess.run(["pgrep", "-f", "umopt.runtime"], capture_output=True, text=True).stdout.split()
-    return [p for p in out if int(p) != os.getpid()]
+    """The ranks this process launched that are still there (others' runs on the machine are not ours)."""
+    mine = f"UMOPT_LAUNCHER_PID={os.getpid()}".encode()
+    left = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if mine in (proc / "environ").read_bytes().split(b"\0"):
+                left.append(proc.name)
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return left
 
 
 @pytest.mark.parametrize(
@@ -187,6 +198,40 @@ def test_a_failing_rank_ends_the_run(tmp_path, monkeypatch, fault, expected):
     assert expected in str(exc.value) and exc.value.exit_code == 1
     time.sleep(0.5)
     assert _no_runtime_left() == []
+
+
+def test_a_rank_failing_in_the_middle_of_a_step_is_named_at_once(tmp_path, monkeypatch):
+    """The middle rank of three raises at its second forward, with receives posted on both of its
+    links and its neighbours' sends in flight: its own words reach the launcher, within seconds
+    (not after a communicator's teardown waits for them, or a watchdog's timeout)."""
+    profile = mlp_profile(tmp_path, 3)
+    path, _ = write_schedule(tmp_path, profile, "1f1b", False, 7)
+    monkeypatch.setenv("UMOPT_FAULT", "1:1:midstep")
+    monkeypatch.setenv("UMOPT_TIMEOUT_S", "300")  # a wait that timed out would not end within the bound below
+    t0 = time.perf_counter()
+    with pytest.raises(RunFailed, match=r"rank 1 \(stage 1\) failed: RuntimeError: injected fault in the middle of step 1"):
+        launch([path, "--steps", "5", "--warmup", "0"], quiet=True)
+    assert time.perf_counter() - t0 < 10
+    time.sleep(0.5)
+    assert _no_runtime_left() == []
+
+
+def test_a_run_says_when_its_numerics_differ_from_the_profiles_and_refuses_float16(tmp_path):
+    """The profile says it was timed with TF32 matmuls, this run has them off: the report lists
+    the difference and the run's warnings say so; a float16 profile is refused before any process."""
+    profile = mlp_profile(tmp_path, 2)
+    now = numerics()
+    timed = profile.model_copy(update={"device": profile.device.model_copy(update={"numerics": {**now, "matmul_tf32": not now["matmul_tf32"]}})})
+    save_profile(timed, tmp_path / "timed.json")
+    path, _ = write_schedule(tmp_path, load_profile(tmp_path / "timed.json"), "gpipe", False, 3)
+    report = launch([path, "--steps", "1", "--warmup", "0"], quiet=True).report
+    assert report["numerics_differ"] == [f"matmul_tf32: profiled {not now['matmul_tf32']}, now {now['matmul_tf32']}"]
+    assert any("other numerics than its profile was timed under" in w for w in run_warnings(report))
+    half = profile.model_copy(update={"device": profile.device.model_copy(update={"dtype": "float16"})})
+    save_profile(half, tmp_path / "half.json")
+    path, _ = write_schedule(tmp_path, load_profile(tmp_path / "half.json"), "gpipe", False, 3, name="s16.json")
+    with pytest.raises(UmoptError, match="float16 training needs loss scaling .* use bfloat16"):
+        launch([path])
 
 
 def test_mismatched_schedule_is_rejected_before_any_process(tmp_path):

@@ -192,7 +192,10 @@ def _root_cause(status_dir: Path, world: int, S: int, codes: dict[int, int], on_
         lines = log.read_text().strip().splitlines()
         kept = Path(tempfile.gettempdir()) / f"umopt-ranks-{os.getpid()}-{int(time.time())}.log"
         kept.write_text("\n".join(lines) + "\n")
-        return f"rank {r} (stage {r % S}) ended without a word: {_exit_words(codes[r])} (log: {kept})"
+        during = f" during {statuses[r]['phase']}" if statuses[r].get("phase") else ""
+        if codes[r] == -signal.SIGABRT:  # what NCCL's watchdog does to a rank whose wait timed out
+            during += " (NCCL's watchdog aborts a rank whose wait outlasts its timeout)"
+        return f"rank {r} (stage {r % S}) ended without a word: {_exit_words(codes[r])}{during} (log: {kept})"
     if failed:
         _, r, message = failed[0]
         return f"rank {r} (stage {r % S}) failed: {message}"

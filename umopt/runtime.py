@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +46,7 @@ from .checkpoint import (
     write_manifest,
 )
 from .costmodel import CostTables, Span, Timeline, simulate
-from .devices import TensorSpec, boundary_tensors, rank_device, reference_ms, to_device
+from .devices import TensorSpec, boundary_tensors, check_trainable, numerics, numerics_differences, rank_device, reference_ms, to_device
 from .errors import UmoptError, first_line
 from .fileio import check_writable, write_atomic, write_json
 from .formats.profile import AllReduceProfile, Profile, load_profile
@@ -113,6 +114,7 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
             check_against_profile(schedule, profile)
         except UmoptError as exc:
             raise UmoptError(f"{path}: {exc}") from None
+    check_trainable(profile.device.dtype)
     parts = build_model(profile.model.name, profile.model.args, seed=int(profile.model.model_extra.get("seed", 0)))
     layers_needed = profile.stages[-1].layers[1]
     if layers_needed != len(parts.layers):
@@ -179,17 +181,35 @@ def _data_function(spec: str) -> Callable[[int, int], tuple[torch.Tensor, torch.
     return fn
 
 
-def _fault(rank: int, step: int) -> None:
+_slow_io_s: list[float] = []  # injected: seconds every checkpoint write of this rank takes longer
+
+
+def _fault(rank: int, step: int, module: torch.nn.Module) -> None:
     """Fault injection for the tests and bench/faults.py:
-    UMOPT_FAULT="rank:step:raise|kill|hang|diskfull[,...]"."""
+    UMOPT_FAULT="rank:step:raise|midstep|kill|hang|diskfull|slowio[,...]" (midstep: the stage's
+    second forward of that step raises, with the step's messages in flight; slowio: this rank's
+    checkpoint writes take UMOPT_FAULT_SLOW_S (5) seconds longer from then on)."""
     for spec in filter(None, os.environ.get("UMOPT_FAULT", "").split(",")):
         r, st, kind = spec.split(":")
         if int(r) != rank or int(st) != step:
+            continue
+        if kind == "midstep":
+            calls = []
+
+            def hook(*_):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError(f"injected fault in the middle of step {step}")
+
+            module.register_forward_pre_hook(hook)
             continue
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "hang":  # as a rank blocked on the GPU or in a collective: it never raises
             threading.Event().wait()
+        if kind == "slowio":
+            _slow_io_s.append(float(os.environ.get("UMOPT_FAULT_SLOW_S", "5")))
+            continue
         if kind == "diskfull":  # from now on this rank cannot write a file over 1 KiB (a real OSError)
             import resource
 
@@ -270,10 +290,11 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     start_step = 0
     if args.resume:
         start_step = _resume(cfg, s, stage, opt, device)
+    io_group = dist.new_group(timeout=timedelta(seconds=io_timeout_s()))  # [Note: two timeouts]
     run_id = ""
-    if args.checkpoint:  # one name for this run's files on every rank
-        drawn = [secrets.token_hex(4) if rank == 0 else None]
-        dist.broadcast_object_list(drawn, src=0)
+    with _waiting("the other ranks to build their stages" + (" and load the checkpoint" if args.resume else ""), io=True):
+        drawn = [secrets.token_hex(4) if rank == 0 else None]  # one name for this run's checkpoint files on every rank
+        dist.broadcast_object_list(drawn, src=0, group=io_group)
         run_id = str(drawn[0])
 
     data_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
@@ -282,6 +303,7 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     else:
         data_fn = lambda step, n: setup.make_batch(n, step)  # noqa: E731
 
+    differ = numerics_differences(cfg.profile.device.numerics, numerics())  # as the profile timed its kernels?
     timing = StepTimer(device)
     # the zoo's losses are sums over samples: divided by the minibatch, the chunks' losses add up
     # to the minibatch's mean, as in one process
@@ -298,11 +320,12 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     last = start_step + len(plays) * (args.warmup + args.rounds * args.steps) - 1
     # the schedules take turns, so that whatever drifts on the machine meets each alike
     speeds = []  # a fixed matmul's time on this rank's device, each round: do the stages' devices differ?
+    _phase("the steps")
     for turn in range(args.rounds):
         speeds.append(reference_ms(device))
         for play in plays:
             for j in range((args.warmup if turn == 0 else 0) + args.steps):
-                _fault(rank, it - start_step)
+                _fault(rank, it - start_step, stage)
                 B = play.schedule.minibatch
                 inputs = targets = None
                 if first_stage or last_stage:  # the stages between never touch the data
@@ -314,15 +337,17 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
                 timing.start()
                 loss_sum = play.pipe.step(inputs, targets=targets)
                 spans = list(play.pipe.spans)
-                if args.save_grads and it == last and replica == 0:  # the replicas' gradients are equal
-                    Path(args.save_grads).mkdir(parents=True, exist_ok=True)
-                    grads = {k: p.grad.detach().cpu() for k, p in stage.named_parameters() if p.grad is not None}
-                    _save_atomic(grads, Path(args.save_grads) / f"grads_stage{s}.pt")
+                # the gradients themselves, not copies: neither optimizer as built above changes a
+                # gradient in place, and zero_grad only drops the parameters' references to them
+                grads = {k: p.grad for k, p in stage.named_parameters() if p.grad is not None} if args.save_grads and it == last else None
                 t_opt = timing.mark()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 spans.append(("OPT", 0, 0, t_opt, timing.mark()))
                 elapsed = timing.stop()
+                if grads is not None and replica == 0:  # outside the step's time; the replicas' gradients are equal
+                    Path(args.save_grads).mkdir(parents=True, exist_ok=True)
+                    _save_atomic({k: g.detach().cpu() for k, g in grads.items()}, Path(args.save_grads) / f"grads_stage{s}.pt")
                 worst = torch.tensor([elapsed], dtype=torch.float64).to(device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 if last_stage:
@@ -334,15 +359,19 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
                         d.append(timing.ms(t1) - timing.ms(t0))
                 it += 1
                 if args.checkpoint and args.checkpoint_every and (it - start_step) % args.checkpoint_every == 0 and it <= last:
-                    _checkpoint(cfg, s, stage, opt, it, run_id)
+                    _checkpoint(cfg, s, stage, opt, it, run_id, io_group)
+                    _phase("the steps")
 
     if args.checkpoint:
-        _checkpoint(cfg, s, stage, opt, it, run_id)
+        _checkpoint(cfg, s, stage, opt, it, run_id, io_group)
 
+    _phase("the report")
     for k, play in enumerate(plays):
         gathered: list = [None] * world
         medians = [[kind, lo, hi, statistics.median(d)] for (kind, lo, hi), d in zip(play.ops, play.op_ms)]
-        dist.all_gather_object(gathered, {"spans": play.spans_last, "losses": play.losses, "op_ms": medians, "reference_ms": statistics.median(speeds)})
+        mine = {"spans": play.spans_last, "losses": play.losses, "op_ms": medians, "reference_ms": statistics.median(speeds), "numerics_differ": differ}
+        with _waiting("the other ranks' measurements", io=True):  # rank 0 writes the last report, plot and trace meanwhile
+            dist.all_gather_object(gathered, mine, group=io_group)
         if rank == 0:  # replica 0's stages (the others ran the same ops on their own samples)
             _report(cfg, k, play.step_ms, gathered[:S])
 
@@ -358,21 +387,25 @@ def _save_atomic(obj, path: Path) -> None:
         raise OSError(f"cannot write {path} ({free / 2**20:.0f} MiB free there; disk full or a file size limit?): {first}") from None
 
 
-def _checkpoint(cfg: RunConfig, s: int, stage: torch.nn.Module, opt: torch.optim.Optimizer, step: int, run_id: str) -> None:
+def _checkpoint(cfg: RunConfig, s: int, stage: torch.nn.Module, opt: torch.optim.Optimizer, step: int, run_id: str, io_group) -> None:
     """This stage's part of the checkpoint set of ``step`` (:mod:`umopt.checkpoint`): its file,
     then, once every stage has written its own, the manifest (rank 0), then the old files go.
     Replica 0 writes (with --dp the replicas' states are equal)."""
+    _phase(f"the checkpoint of step {step}")
     folder = Path(cfg.args.checkpoint)
     name = stage_file(s, step, run_id)
     writes = dist.get_rank() < cfg.num_stages
     if writes:
+        time.sleep(sum(_slow_io_s))
         _save_atomic({"model": stage.state_dict(), "optimizer": opt.state_dict(), "step": step}, folder / name)
     hashes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hashes, file_sha256(folder / name) if writes else None)  # returns once every stage has written
+    with _waiting(f"every stage's checkpoint file of step {step}", io=True):
+        dist.all_gather_object(hashes, file_sha256(folder / name) if writes else None, group=io_group)  # returns once every stage has written
     if dist.get_rank() == 0:
         schedules = [{"path": str(p), "sha256": hashlib.sha256(Path(p).read_bytes()).hexdigest()} for p in cfg.args.schedule]
         write_manifest(folder, step, run_id, cfg.profile, cfg.args.optimizer, hashes[: cfg.num_stages], schedules)
-    _barrier(next(stage.parameters()).device)
+    with _waiting(f"the checkpoint manifest of step {step}", io=True):
+        _barrier(next(stage.parameters()).device, io_group)
     if writes:
         remove_stale(folder, s, name)
 
@@ -450,6 +483,7 @@ def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list) -> Non
         ],
         "losses": per_rank[-1]["losses"],
         "reference_ms": [rec["reference_ms"] for rec in per_rank],
+        "numerics_differ": sorted({d for rec in per_rank for d in rec.get("numerics_differ", [])}),
     }
     report_path, trace_path, plot_path = (cfg.output(t, k) for t in (args.report, args.trace, args.plot))
     if report_path:
@@ -484,8 +518,43 @@ def init_distributed(backend: str, timeout_s: float) -> torch.device:
     return device
 
 
-def _barrier(device: torch.device) -> None:
-    dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
+def _barrier(device: torch.device, group=None) -> None:
+    dist.barrier(group=group, device_ids=[device.index]) if device.type == "cuda" else dist.barrier(group=group)
+
+
+# [Note: two timeouts]
+# A wait in the steps (a message, the step's all-reduce, its barrier) that lasts a minute has a
+# dead or hung peer behind it; a wait behind another rank's file I/O (writing and hashing a
+# checkpoint, loading one with --resume, writing the report and its plot) can rightly last many
+# minutes. NCCL's watchdog reads one timeout per process group, so the I/O waits run on a group of
+# their own: the world's timeout is UMOPT_TIMEOUT_S (60 s), theirs UMOPT_IO_TIMEOUT_S (1800 s). A
+# wait that fails says which it was (_waiting), and the status file says what a rank was doing,
+# so a rank that NCCL's watchdog aborts (SIGABRT, no Python left to speak) is named with it.
+def step_timeout_s() -> float:
+    return float(os.environ.get("UMOPT_TIMEOUT_S", "60"))
+
+
+def io_timeout_s() -> float:
+    return float(os.environ.get("UMOPT_IO_TIMEOUT_S", "1800"))
+
+
+# what this rank tells its launcher it is doing (set by main: the rank's status file)
+_status: Callable[..., None] = lambda *_, **__: None  # noqa: E731
+
+
+def _phase(what: str) -> None:
+    _status("started", phase=what)
+
+
+@contextmanager
+def _waiting(what: str, io: bool = False):
+    """A wait for the other ranks, named in its failure, with the bound it had (see [Note: two timeouts])."""
+    bound = f"UMOPT_IO_TIMEOUT_S={io_timeout_s():g} s" if io else f"UMOPT_TIMEOUT_S={step_timeout_s():g} s"
+    _phase(f"a wait for {what} (at most {bound})")
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - whatever broke the wait, say which wait it was
+        raise UmoptError(f"waiting for {what} (at most {bound}): {exc.__class__.__name__}: {first_line(exc, 300)}") from None
 
 
 def _exit_on_termination(status: Callable[[str, str], None]) -> None:
@@ -524,32 +593,42 @@ def _exit_on_termination(status: Callable[[str, str], None]) -> None:
     threading.Thread(target=watch, name="umopt-termination", daemon=True).start()
 
 
+# [Note: a failed rank leaves at once]
+# A rank that raises writes its status and traceback first and then leaves with os._exit, never
+# through destroy_process_group: under NCCL that waits for the communicators' in-flight kernels,
+# and a rank that failed in the middle of a step (a CUDA out-of-memory error, say) has receives
+# posted that will never complete, so it would block until the watchdog's SIGABRT and its error
+# would be lost ("ended without a word"). Leaving frees the communicators with the process; the
+# launcher (or torchrun) then stops the other ranks. gloo does not wait, which is why only a GPU
+# showed it.
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point of each rank (``python -m umopt.runtime`` under torchrun)."""
+    global _status
     status_dir = os.environ.get("UMOPT_STATUS_DIR")
     rank = int(os.environ.get("RANK", "0"))
 
-    def status(state: str, message: str = "") -> None:
+    def status(state: str, message: str = "", phase: str = "") -> None:
         # not into a folder the launcher has removed (it has stopped waiting for this rank)
         if status_dir and Path(status_dir).is_dir():
-            line = json.dumps({"state": state, "time": time.time(), "message": message})
+            line = json.dumps({"state": state, "time": time.time(), "message": message, "phase": phase})
             write_atomic(Path(status_dir) / f"rank{rank}", lambda tmp: Path(tmp).write_text(line))
 
-    status("started")
+    _status = status
+    status("started", phase="set-up")
     _exit_on_termination(status)
     try:
         cfg = preflight(list(sys.argv[1:] if argv is None else argv), verify_stages=[])  # each rank checks its own file
-        device = init_distributed(cfg.args.backend, int(os.environ.get("UMOPT_TIMEOUT_S", "60")))
-        try:
-            run_rank(cfg, device)
-        finally:
-            dist.destroy_process_group()
-    except BaseException as exc:
+        device = init_distributed(cfg.args.backend, step_timeout_s())
+        run_rank(cfg, device)
+        dist.destroy_process_group()
+    except BaseException as exc:  # see [Note: a failed rank leaves at once]
         first = first_line(exc, 1000)
         status("failed", f"{exc.__class__.__name__}: {first}" if first else exc.__class__.__name__)
         if not isinstance(exc, (UmoptError, KeyboardInterrupt)):
             traceback.print_exc()
-        sys.exit(1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     status("done")
     # Leave without running C++ static destructors: after a finished run, gloo's threads
     # sometimes abort there ("terminate called without an active exception", SIGABRT), which
