@@ -51,3 +51,34 @@ def test_bfloat16_gpt_profile_counts_the_float32_residual_stream():
     )
     assert prof.stages[0].output_bytes_per_sample == 16 * 64 * 4
     assert prof.memory_limit_bytes is not None and "no --memory-limit given" in prof.model_extra["meta"]["memory_limit"]
+
+
+def test_the_reference_matmul_measures_the_gpu_not_launch_gaps():
+    """A few ms of device time, warmed up: two calls on an idle GPU agree within 10%, and the
+    first call is not the slowest by lazy loading."""
+    from umopt.devices import reference_ms
+
+    device = torch.device("cuda", 0)
+    times = [reference_ms(device) for _ in range(5)]
+    assert min(times) > 0.2, times  # device work, not a ~2 us launch
+    assert max(times) / min(times) < 1.1, times
+
+
+@pytest.mark.parametrize("S", [2, 3])
+def test_a_failing_rank_under_nccl_is_named_with_its_error_at_once(tmp_path, monkeypatch, S):
+    """[Note: a failed rank leaves at once]: under NCCL a rank raising in the middle of a step,
+    with receives posted, is named with its own error within seconds."""
+    import time
+
+    from umopt.launch import RunFailed
+
+    if torch.cuda.device_count() < S:
+        pytest.skip(f"needs {S} GPUs")
+    prof = zoo_sim_profile(tmp_path / "p.json", "mlp", MLP, [0, 3, 6] if S == 2 else [0, 2, 4, 6])
+    path, _ = write_schedule(tmp_path, prof, "1f1b", False, 3)
+    monkeypatch.setenv("UMOPT_FAULT", "1:1:midstep")  # the last of two, the middle of three
+    monkeypatch.setenv("UMOPT_TIMEOUT_S", "300")
+    t0 = time.perf_counter()
+    with pytest.raises(RunFailed, match="failed: RuntimeError: injected fault in the middle of step 1"):
+        launch([path, "--backend", "nccl", "--steps", "4", "--warmup", "0"], quiet=True)
+    assert time.perf_counter() - t0 < 30

@@ -9,6 +9,7 @@ from torch import nn
 
 from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile
+from umopt.devices import numerics
 from umopt.profiler import ProfileOptions, _Stage, balanced_split, measure_allreduce, measure_link, profile_model, stash_bytes
 from umopt.zoo import build_model
 
@@ -24,6 +25,7 @@ def test_small_mlp_profile_is_complete_and_sane(tmp_path, capsys):
     prof = load_profile(str(out))
     assert prof.sizes == [1, 2, 4, 8] and prof.num_stages == 2
     assert prof.device.type == "cpu" and prof.model.name == "mlp" and prof.model.args == {"layers": 4}
+    assert prof.device.numerics == numerics()  # the TF32 / cuDNN settings it was timed under
     for st in prof.stages:
         assert all(x > 0 for x in st.forward_ms + st.backward_ms)
         assert st.stash_bytes_per_sample > 0 and st.static_bytes > 0 and st.optimizer_ms > 0
@@ -146,7 +148,34 @@ def test_link_ping_pong_over_gloo():
     assert bytes_per_ms > 1e4  # at least 10 MB/s between two local processes
 
 
+def test_links_sharing_no_device_are_measured_at_once(monkeypatch):
+    """Three links of a 4-GPU pipeline: (0,1) and (2,3) share no device and run in one round,
+    (1,2) in a second; every pair gets its own fit."""
+    import torch.multiprocessing as mp
+
+    import umopt.profiler as profiler
+
+    rounds, real = [], mp.start_processes
+
+    def start(fn, args, nprocs, start_method, join):
+        rounds.append(args[4])
+        return real(fn, args=args, nprocs=nprocs, start_method=start_method, join=join)
+
+    monkeypatch.setattr(mp, "start_processes", start)
+    got = profiler.measure_links("gloo", [(0, 1), (1, 2), (2, 3)], max_bytes=1 << 16, reps=2)
+    assert rounds == [(0, 1), (2, 3), (1, 2)] and set(got) == {(0, 1), (1, 2), (2, 3)}
+    assert all(lat >= 0 and bpm > 0 for lat, bpm in got.values())
+
+
 def test_allreduce_among_gloo_processes():
     latency, bus = measure_allreduce("gloo", 2, max_bytes=1 << 20, reps=3)
     assert 0 <= latency < 50
     assert bus > 1e4  # at least 10 MB/s between two local processes
+
+
+def test_float16_is_refused_for_training_with_the_way_out(tmp_path, capsys):
+    """No loss scaling in the runtime: float16 would flush small gradients to zero, silently."""
+    out = tmp_path / "p.json"
+    code, _, err = run(["profile", "--model", "mlp", "--stages", "2", "--dtype", "float16", *FAST_LINK, "-o", str(out)], capsys)
+    (line,) = err.strip().splitlines()
+    assert code == 2 and "float16 training needs loss scaling" in line and "bfloat16" in line and not out.exists()

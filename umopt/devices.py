@@ -28,10 +28,44 @@ __all__ = [
     "to_device",
     "default_memory_limit",
     "reference_ms",
+    "check_trainable",
+    "numerics",
+    "numerics_differences",
 ]
 
 # the profile's dtype names and what autocast runs in (None: no autocast)
 DTYPES: dict[str, Optional[torch.dtype]] = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_trainable(dtype: str) -> None:
+    """Refuse float16 for training: without loss scaling its small gradients flush to zero."""
+    if dtype == "float16":
+        raise UmoptError(
+            "float16 training needs loss scaling (torch.amp.GradScaler), which umopt's runtime does not do: "
+            "use bfloat16 (--dtype bfloat16: as fast on GPUs since Ampere, and no scaler needed)"
+        )
+
+
+def numerics() -> dict[str, object]:
+    """The settings that choose which kernels float32 matmuls and convolutions run, and so how long
+    they take: TF32 for matmuls and for cuDNN, the matmul precision, cuDNN's autotuning. A
+    profile records them; a run warns where its own differ (:func:`numerics_differences`)."""
+    cudnn = torch.backends.cudnn
+    return {
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "matmul_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "cudnn_tf32": bool(cudnn.allow_tf32),
+        "cudnn_benchmark": bool(cudnn.benchmark),
+        "cudnn_deterministic": bool(cudnn.deterministic),
+    }
+
+
+def numerics_differences(profiled: Optional[dict], now: dict) -> list[str]:
+    """Each setting of :func:`numerics` that differs between a profile and this process, as
+    ``name: profiled X, now Y`` (none where the profile recorded none)."""
+    if not profiled:
+        return []
+    return [f"{k}: profiled {profiled[k]}, now {now[k]}" for k in now if k in profiled and profiled[k] != now[k]]
 
 
 def autocast(device: torch.device, dtype: str) -> ContextManager:
@@ -116,11 +150,20 @@ def default_memory_limit(device: torch.device) -> tuple[int, str]:
     return limit, f"{DEFAULT_MEMORY_SHARE:.0%} of {props.name}'s {props.total_memory / 2**30:.1f} GiB (no --memory-limit given)"
 
 
+# the reference work: on a CPU three 256 x 256 float32 matmuls (about a millisecond); on a GPU
+# three 4096 x 4096 bfloat16 ones (0.4 TFLOP, a few ms on any data-center GPU), so that launch
+# gaps, which a small matmul on a GPU would measure instead, are a small part of it
+_REFERENCE_N = {"cpu": 256, "cuda": 4096}
+
+
 def reference_ms(device: torch.device) -> float:
-    """How long a fixed piece of work takes on ``device`` now (a chain of three 256 x 256 float32
-    matmuls): the same work whatever the model, so that stages' devices can be compared by it."""
-    a = torch.randn(256, 256, device=device)
+    """How long a fixed piece of work takes on ``device`` now (a chain of three matmuls): the same
+    work whatever the model, so that stages' devices can be compared by it. On a GPU it runs
+    once untimed first (lazy module loading, cuBLAS's workspace) and is timed with CUDA events."""
+    n = _REFERENCE_N.get(device.type, 256)
     if device.type == "cuda":
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        a @ a @ a @ a  # warm-up
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
         start.record()
@@ -128,6 +171,7 @@ def reference_ms(device: torch.device) -> float:
         end.record()
         torch.cuda.synchronize(device)
         return start.elapsed_time(end)
+    a = torch.randn(n, n, device=device)
     t0 = time.perf_counter()
     a @ a @ a @ a
     return (time.perf_counter() - t0) * 1e3

@@ -233,6 +233,11 @@ def run_warnings(report: dict) -> list[str]:
     uneven = uneven_devices_warning(report.get("reference_ms") or [], "cuda" if report.get("backend") == "nccl" else "cpu", f"while {name} ran")
     if uneven:
         out.append(uneven)
+    if report.get("numerics_differ"):
+        out.append(
+            f"{name} ran with other numerics than its profile was timed under ({'; '.join(report['numerics_differ'])}): "
+            "its prediction may not hold; profile under the settings you train with"
+        )
     steps = report.get("step_ms") or []
     if len(steps) >= 4:
         s = summarize(steps)

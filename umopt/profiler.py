@@ -28,7 +28,7 @@ from torch import nn
 
 from .errors import UmoptError
 from .formats.profile import PROFILE_FORMAT, Profile, default_sizes
-from .devices import TensorSpec, autocast, boundary_tensors, default_memory_limit, reference_ms
+from .devices import TensorSpec, autocast, boundary_tensors, check_trainable, default_memory_limit, numerics, reference_ms
 from .noise import Summary, drift_figure, drift_warning, uneven_devices_warning, load_warning, monotone_fit, noise_figure, noisy_warning, round_speeds, summarize
 from .splitbackward import backward_input
 from .zoo import ModelParts, build_model
@@ -42,6 +42,7 @@ __all__ = [
     "measure_link",
     "measure_allreduce",
     "pingpong_sizes",
+    "measure_links",
     "link_plan",
     "profile_model",
     "default_sizes",
@@ -381,17 +382,44 @@ def measure_link(backend: str = "gloo", max_bytes: int = 1 << 24, reps: int = 20
 
     Returns ``(latency_ms, bytes_per_ms)``.
     """
+    return measure_links(backend, [devices], max_bytes, reps)[devices]
+
+
+def measure_links(backend: str, pairs: list[tuple[int, int]], max_bytes: int = 1 << 24, reps: int = 20) -> dict[tuple[int, int], tuple[float, float]]:
+    """:func:`measure_link` for each pair of devices; pairs that share no device are measured at
+    the same time (on 8 GPUs the 7 links take two rounds instead of seven: the links of a running
+    pipeline are busy at the same time too). Returns ``(latency_ms, bytes_per_ms)`` per pair."""
     import json
     import tempfile
 
     import torch.multiprocessing as mp
 
     sizes = pingpong_sizes(backend, max_bytes)
+    rounds: list[list[tuple[int, int]]] = []
+    for pair in dict.fromkeys(pairs):  # each pair once, in order
+        free = next((r for r in rounds if not any(set(pair) & set(q) for q in r)), None)
+        if free is None:
+            rounds.append([pair])
+        else:
+            free.append(pair)
+    out: dict[tuple[int, int], tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "link.json")
-        mp.start_processes(_pingpong_worker, args=(_free_port(), backend, sizes, reps, devices, out), nprocs=2, start_method="spawn")
-        with open(out) as f:
-            results = json.load(f)
+        for together in rounds:
+            paths = {pair: os.path.join(tmp, f"link{pair[0]}-{pair[1]}.json") for pair in together}
+            running = [
+                mp.start_processes(_pingpong_worker, args=(_free_port(), backend, sizes, reps, pair, paths[pair]), nprocs=2, start_method="spawn", join=False)
+                for pair in together
+            ]
+            for ctx in running:
+                while not ctx.join():
+                    pass
+            for pair in together:
+                with open(paths[pair]) as f:
+                    out[pair] = _fit_link(json.load(f))
+    return out
+
+
+def _fit_link(results: list) -> tuple[float, float]:
     x = np.array([r[0] for r in results], dtype=float)
     t = np.array([r[1] for r in results], dtype=float)
     # A least-squares line is thrown off by one slow size (a scheduler hiccup on a busy machine);
@@ -499,6 +527,7 @@ def check_profile_options(opts: ProfileOptions) -> tuple[list[int], torch.device
         raise UmoptError(f"--device must be cpu or cuda, got {opts.device!r}")
     if opts.dtype not in ("float32", "bfloat16", "float16"):
         raise UmoptError(f"--dtype must be float32, bfloat16 or float16, got {opts.dtype!r}")
+    check_trainable(opts.dtype)  # a profile the runtime could not train with is no use
     if opts.threads < 1 or opts.repeats < 1 or opts.warmup < 0:
         raise UmoptError("--threads and --repeats must be at least 1, --warmup at least 0")
     if (opts.link_latency_ms is None) != (opts.link_gbps is None):
@@ -794,13 +823,10 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
         else:
             backend = "nccl" if device.type == "cuda" else "gloo"
             plan = link_plan(S, device.type, torch.cuda.device_count() if device.type == "cuda" else 0)
-            measured: dict[tuple[int, int], tuple[float, float]] = {}
-            for pair in plan:
-                if pair not in measured:
-                    if progress:
-                        progress(done, total, f"link ping-pong {pair[0]}-{pair[1]}" if backend == "nccl" else "link ping-pong")
-                    biggest = max(st["output_bytes_per_sample"] for st in stages) * sizes[-1]
-                    measured[pair] = measure_link(backend, max_bytes=max(biggest, 1 << 16), devices=pair)
+            if progress:
+                progress(done, total, f"link ping-pongs ({len(set(plan))} pairs of GPUs)" if backend == "nccl" else "link ping-pong")
+            biggest = max(st["output_bytes_per_sample"] for st in stages) * sizes[-1]
+            measured = measure_links(backend, plan, max_bytes=max(biggest, 1 << 16))
             links = [
                 {"latency_ms": measured[pair][0], "bytes_per_ms": measured[pair][1], "source": "measured", **({"devices": list(pair)} if backend == "nccl" else {})}
                 for pair in plan
@@ -828,7 +854,7 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
     data = {
         "format": PROFILE_FORMAT,
         "model": {"name": opts.model, "args": opts.model_args, "seed": opts.seed},
-        "device": {"type": device.type, "name": device_name, "dtype": opts.dtype, "threads": opts.threads},
+        "device": {"type": device.type, "name": device_name, "dtype": opts.dtype, "threads": opts.threads, "numerics": numerics()},
         "sizes": sizes,
         "stages": stages,
         "links": links,

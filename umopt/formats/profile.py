@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from annotated_types import Len
 from pydantic import (
@@ -108,6 +108,9 @@ class DeviceInfo(_Strict):
     type: Literal["cuda", "cpu", "sim"]
     name: str = ""
     dtype: str = "float32"
+    # the settings the kernels were timed under (TF32, matmul precision, cuDNN autotuning:
+    # umopt.devices.numerics); None where not recorded
+    numerics: Optional[dict[str, Union[bool, str]]] = None
 
 
 class Profile(_Strict):
