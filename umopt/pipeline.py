@@ -27,7 +27,9 @@ one forward of one sample on the stage before; they are never exchanged per step
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -37,12 +39,18 @@ from torch import nn
 
 from .costmodel import CostTables, Op, simulate
 from .devices import TensorSpec, autocast, check_trainable, numerics, numerics_differences
-from .errors import UmoptError
+from .errors import UmoptError, first_line
+from .losses import ChunkLoss, chunk_loss
 from .formats.profile import Profile, load_profile
 from .formats.schedule import Schedule, check_against_profile, load_schedule
 from .splitbackward import backward_input
 
-__all__ = ["Pipeline", "StepTimer", "link_order", "link_groups", "BUCKET_BYTES"]
+__all__ = ["Pipeline", "PipelineBroken", "StepTimer", "link_order", "link_groups", "BUCKET_BYTES"]
+
+
+class PipelineBroken(UmoptError):
+    """A step failed because another rank's step failed first (its words inside), or this
+    pipeline can no longer step (see [Note: a failed step breaks the pipeline])."""
 
 # gradients all-reduced together across data-parallel replicas, at most (torch DDP's default)
 BUCKET_BYTES = 25 << 20
@@ -59,7 +67,7 @@ BUCKET_BYTES = 25 << 20
 # NCCL makes a subgroup by splitting the world's communicator, which every rank of the world takes
 # part in, in one order: so every rank creates every link's group, other replicas' links too.
 
-_LINKS: dict[str, Any] = {"world": None, "groups": {}}
+_LINKS: dict[str, Any] = {"world": None, "groups": {}, "failed": "", "watching": None}
 
 
 def link_groups(pipelines: Sequence[Sequence[int]]) -> dict[tuple[int, int], Any]:
@@ -67,8 +75,8 @@ def link_groups(pipelines: Sequence[Sequence[int]]) -> dict[tuple[int, int], Any
     world and reused (several Pipelines of one set of ranks share them). Collective: every rank of
     the world calls it with the same pipelines (see [Note: one process group per link])."""
     world = dist.distributed_c10d._get_default_group()
-    if _LINKS["world"] is not world:  # a new world: the groups of the last one are gone
-        _LINKS.update(world=world, groups={})
+    if _LINKS["world"] is not world:  # a new world: the groups (and any failure) of the last one are gone
+        _LINKS.update(world=world, groups={}, failed="", watching=None)
     groups: dict[tuple[int, int], Any] = _LINKS["groups"]
     pairs = sorted({tuple(sorted((p[s], p[s + 1]))) for p in pipelines for s in range(len(p) - 1)})
     for pair in pairs:
@@ -77,6 +85,68 @@ def link_groups(pipelines: Sequence[Sequence[int]]) -> dict[tuple[int, int], Any
     return {pair: groups[pair] for pair in pairs}
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+# [Note: a failed step breaks the pipeline]
+# A step that raises on one rank (a bad batch, an out-of-memory error) leaves messages half done:
+# its neighbours wait for messages that will never come, or have sent ones nobody will read, so
+# the next step could only hang or exchange the wrong data. So a failed step breaks this process's
+# links for good (every later step raises a one-line error saying why), and makes the others fail
+# at once, not after the process group's timeout (30 minutes by default): the rank writes why into
+# the world's store, then drops every request and destroys its link groups, which closes gloo's
+# connections, so a neighbour waiting on that link gets an error at once; it then reads the first
+# failure from the store, reports that, and breaks its own links, and so on along the pipeline.
+# NCCL does not notice a peer's communicator going away, so under NCCL every process also has a
+# thread waiting on the store's key, which aborts its communicators when it appears: the main
+# thread's wait then fails instead of hanging. A process whose pipeline broke needs a new process
+# group to train on; catching the error and going on is not possible.
+def _failure_elsewhere() -> str:
+    """The first failure another rank wrote into the store (empty: none)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return store.get(_FAILED_KEY).decode() if store.check([_FAILED_KEY]) else ""
+    except Exception:  # noqa: BLE001 - no store, or it is gone: nothing to read
+        return ""
+
+
+def _break_links(reason: str) -> None:
+    """Say why in the store (unless another rank already did), then drop every link group of this
+    process (see [Note: a failed step breaks the pipeline])."""
+    if _LINKS["failed"]:
+        return
+    _LINKS["failed"] = reason
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.compare_set(_FAILED_KEY, "", reason)  # the first failure stays
+    except Exception:  # noqa: BLE001 - the links are still dropped below
+        pass
+    nccl = dist.get_backend() == "nccl"
+    groups = [g for g in _LINKS["groups"].values() if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER]
+    _LINKS["groups"] = {}
+    for g in groups:
+        try:
+            if nccl:
+                dist.distributed_c10d._abort_process_group(g)
+            dist.destroy_process_group(g)
+        except Exception:  # noqa: BLE001 - broken already is what we want
+            pass
+
+
+def _watch_for_failures() -> None:
+    """Under NCCL: a thread that breaks this process's links when another rank's step fails."""
+    if _LINKS["watching"] is not None or dist.get_backend() != "nccl":
+        return
+    store = dist.distributed_c10d._get_default_store()
+
+    def watch() -> None:
+        try:
+            store.wait([_FAILED_KEY], timedelta(days=365))
+            _break_links(store.get(_FAILED_KEY).decode())
+        except Exception:  # noqa: BLE001 - the store went away with the process group: nothing to watch
+            pass
+
+    _LINKS["watching"] = threading.Thread(target=watch, name="umopt-pipeline-failures", daemon=True)
+    _LINKS["watching"].start()
 
 
 _said: set[str] = set()
@@ -138,14 +208,54 @@ class StepTimer:
         return self.ms(end)
 
 
-def _as_tuple(x: Optional[Tensors]) -> tuple[torch.Tensor, ...]:
+def _tensors(x: Any, what: str) -> tuple[torch.Tensor, ...]:
+    """``x`` as a tuple of tensors: a tensor, or a tuple or list of tensors, as what crosses a
+    boundary in torch.distributed.pipelining; anything else is refused with one line."""
     if x is None:
         return ()
-    return (x,) if isinstance(x, torch.Tensor) else tuple(x)
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x)
+    inner = next((t for t in x if not isinstance(t, torch.Tensor)), None) if isinstance(x, (tuple, list)) else x
+    kind = "a numpy array (make it a tensor: torch.from_numpy)" if type(inner).__module__ == "numpy" else f"a {type(inner).__name__}"
+    raise UmoptError(f"{what} is {kind}: umopt.Pipeline takes a tensor or a tuple of tensors there (dicts are not supported: use a tuple)")
+
+
+def _as_tuple(x: Optional[Tensors]) -> tuple[torch.Tensor, ...]:
+    return _tensors(x, "a boundary")
 
 
 def _grad_carrying(spec: TensorSpec) -> bool:
     return spec.dtype.is_floating_point or spec.dtype.is_complex
+
+
+def _check_spec(t: torch.Tensor, spec: TensorSpec, what: str) -> None:
+    """A boundary tensor against the shape and dtype agreed at the first step (see [Note: fixed boundary shapes])."""
+    if tuple(t.shape[1:]) != spec.shape or t.dtype != spec.dtype:
+        raise UmoptError(
+            f"{what} is {tuple(t.shape[1:])} {t.dtype} per sample, but was {spec.shape} {spec.dtype} at the first step: "
+            "boundary shapes are fixed (pad every minibatch to one length, e.g. the longest sequence)"
+        )
+
+
+# [Note: fixed boundary shapes]
+# Receive buffers are allocated once, for the whole minibatch, from the per-sample shapes agreed at
+# the first step, and never exchanged again (a step would otherwise pay a round trip per link).
+# A boundary whose shape changes between steps (dynamic padding) is caught where it is sent, with
+# the shapes and the fix, instead of as a transport's "received data size doesn't match".
+
+BATCH_STATISTICS = (nn.modules.batchnorm._BatchNorm,)  # BatchNorm1d/2d/3d, SyncBatchNorm, lazy ones
+
+
+def batch_statistics_layers(module: nn.Module) -> list[str]:
+    """The layers of ``module`` whose output in training depends on the other samples of the
+    batch (BatchNorm): chunked, they see a chunk's statistics, not the minibatch's."""
+    return [name or module.__class__.__name__ for name, m in module.named_modules() if isinstance(m, BATCH_STATISTICS)]
+
+
+# What broke the links of this process's pipelines, once one step failed (see [Note: a failed step breaks the pipeline])
+_FAILED_KEY = "umopt/pipeline-failed"
 
 
 class Pipeline:
@@ -155,9 +265,15 @@ class Pipeline:
         module: this stage's layers, on ``device``; called with the boundary tensor (or tuple).
         schedule: a schedule file's path or a loaded :class:`~umopt.formats.schedule.Schedule`.
         stage: which stage this rank runs (default: its rank in ``group``).
-        loss_fn: ``loss_fn(output, targets)`` on the last stage (required there).
-        loss_reduction: ``"mean"`` (torch's default: the loss is a mean over the samples it is
-            given) or ``"sum"``.
+        loss_fn: ``loss_fn(output, targets)`` on the last stage (required there). A torch loss
+            module is read for what its mean is over (:func:`umopt.losses.chunk_loss`):
+            ``nn.CrossEntropyLoss(ignore_index=..., weight=..., label_smoothing=...)`` gives one
+            process's gradients as it is.
+        loss_reduction: for a plain function: ``"mean"`` (over the samples it is given, the
+            default) or ``"sum"``; a loss module's own ``reduction`` is used instead.
+        loss_normalizer: ``loss_normalizer(targets)`` of the whole minibatch: what the mean is
+            over (valid tokens, say). The loss is then a sum (``loss_reduction="sum"``; a loss
+            module's mean is made one), divided by it.
         profile: the profile the schedule was made for (default: the file the schedule names); the
             message order both ends of a link agree on, and the autocast dtype, come from it.
         group: the process group of this pipeline (default: the world); stage ``s`` is its rank ``s``.
@@ -171,6 +287,13 @@ class Pipeline:
             pipeline, each on its own slice of the global minibatch: at the end of each step the
             stage's gradients are averaged over them (bucketed all-reduces), so that they are the
             global minibatch's mean-loss gradients.
+        strict: refuse a module with BatchNorm layers (whose gradients cannot equal one
+            process's) instead of warning.
+        on_failure: called with a failed step's exception before the links break (the runtime
+            writes its status there, so that the rank that failed first is the one named).
+
+    Constructing a Pipeline is collective: every rank of the world takes part in making the
+    links' process groups (see [Note: one process group per link]).
     """
 
     def __init__(
@@ -180,7 +303,8 @@ class Pipeline:
         stage: Optional[int] = None,
         *,
         loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
-        loss_reduction: str = "mean",
+        loss_reduction: Optional[str] = None,
+        loss_normalizer: Optional[Callable[[Any], Any]] = None,
         profile: Optional[Union[str, Path, Profile]] = None,
         group: Optional[dist.ProcessGroup] = None,
         device: Optional[torch.device] = None,
@@ -189,6 +313,8 @@ class Pipeline:
         dtype: Optional[str] = None,
         timer: Optional[StepTimer] = None,
         dp_group: Optional[dist.ProcessGroup] = None,
+        strict: bool = False,
+        on_failure: Optional[Callable[[BaseException], None]] = None,
     ):
         self.schedule = schedule if isinstance(schedule, Schedule) else load_schedule(str(schedule))
         self.profile = profile if isinstance(profile, Profile) else load_profile(str(profile or self.schedule.profile.path))
@@ -200,23 +326,33 @@ class Pipeline:
             raise UmoptError(f"the schedule has {S} stages but the process group has {dist.get_world_size(group)} ranks")
         if not 0 <= self.stage < S:
             raise UmoptError(f"stage {self.stage} of a {S}-stage schedule")
-        if loss_reduction not in ("mean", "sum"):
-            raise UmoptError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.first, self.last = self.stage == 0, self.stage == S - 1
         if self.last and loss_fn is None:
             raise UmoptError("the last stage needs loss_fn")
-        self.module, self.loss_fn, self.loss_reduction = module, loss_fn, loss_reduction
+        self.module, self.loss_fn = module, loss_fn
+        self._loss: Optional[ChunkLoss] = chunk_loss(loss_fn, loss_reduction, loss_normalizer) if loss_fn is not None else None
+        batch_norms = batch_statistics_layers(module)
+        if batch_norms:
+            line = (
+                f"stage {self.stage} has BatchNorm layers ({', '.join(batch_norms[:3])}{', ...' if len(batch_norms) > 3 else ''}): in training "
+                "they normalize each chunk by its own statistics, so gradients will not equal one process's on the whole minibatch; "
+                "GroupNorm or LayerNorm chunk exactly"
+            )
+            if strict:
+                raise UmoptError(line)
+            logging.getLogger("umopt").warning(line)
         param = next(module.parameters(), None)
         self.device = device or (param.device if param is not None else torch.device("cpu"))
         self.dtype = dtype or self.profile.device.dtype
         check_trainable(self.dtype)
         _warn_numerics(self.profile)
         self.timer = timer
+        self.on_failure = on_failure
         self.dp_group = dp_group
         self.spans: list[tuple[str, int, int, Any, Any]] = []
-        order = link_order(self.profile, self.schedule)
         self.ops: list[Op] = self.schedule.op_lists()[self.stage]
         self._split = any(op.kind == "W" for op in self.ops)  # B: the input gradient only; W: the weights'
+        order = link_order(self.profile, self.schedule)
         self.up, self.down = order.get((self.stage - 1, self.stage), []), order.get((self.stage, self.stage + 1), [])
         ranks = list(range(S)) if group is None else dist.get_process_group_ranks(group)
         self.peer_up = ranks[self.stage - 1] if not self.first else -1
@@ -227,17 +363,43 @@ class Pipeline:
             gathered: list = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, ranks)
             pipelines = sorted({tuple(r) for r in gathered})
-        links = link_groups(pipelines)
+        link_groups(pipelines)
         me = ranks[self.stage]
-        self.link_up = links[tuple(sorted((self.peer_up, me)))] if not self.first else None
-        self.link_down = links[tuple(sorted((me, self.peer_down)))] if not self.last else None
+        # the groups are looked up, not held: a failed step drops them (_break_links)
+        self._pair_up = tuple(sorted((self.peer_up, me))) if not self.first else None
+        self._pair_down = tuple(sorted((me, self.peer_down))) if not self.last else None
+        _watch_for_failures()
         self.input_specs: Optional[list[TensorSpec]] = list(input_specs) if input_specs is not None else None
         self.output_specs: Optional[list[TensorSpec]] = list(output_specs) if output_specs is not None else None
         self._ready = False
         self._act: list[torch.Tensor] = []  # one buffer per received tensor, the whole minibatch
         self._grad: list[torch.Tensor] = []  # one per sent tensor that carries a gradient back
 
+    @property
+    def link_up(self):
+        return _LINKS["groups"].get(self._pair_up) if self._pair_up else None
+
+    @property
+    def link_down(self):
+        return _LINKS["groups"].get(self._pair_down) if self._pair_down else None
+
     # --- set-up, once ------------------------------------------------------------------------
+    def _sample_forward(self, sample: tuple[torch.Tensor, ...]) -> Any:
+        """One forward of ``sample``, leaving the module as it was: in eval mode (a batch of one
+        through BatchNorm in training would fail, or move its running statistics), its buffers
+        put back after."""
+        buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
+        training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad(), autocast(self.device, self.dtype):
+                return self.module(*sample) if len(sample) > 1 else self.module(sample[0])
+        finally:
+            self.module.train(training)
+            with torch.no_grad():
+                for name, b in self.module.named_buffers():
+                    b.copy_(buffers[name])
+
     def _learn_specs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """The shapes at this stage's edges, agreed once along the pipeline: each stage tells the
         next what it sends (given, or from one forward of one sample)."""
@@ -254,9 +416,8 @@ class Pipeline:
                 if self.first and not inputs:
                     raise UmoptError("stage 0 learns what it sends from one forward: pass its inputs to prepare() or step()")
                 sample = tuple(t[:1] for t in inputs) if self.first else tuple(spec.empty(1, self.device).zero_() for spec in self.input_specs)
-                with torch.no_grad(), autocast(self.device, self.dtype):
-                    out = self.module(*sample) if len(sample) > 1 else self.module(sample[0])
-                self.output_specs = [TensorSpec.of(t) for t in _as_tuple(out)]
+                out = self._sample_forward(sample)
+                self.output_specs = [TensorSpec.of(t) for t in _tensors(out, f"stage {self.stage}'s output")]
             dist.send_object_list([self.output_specs], dst=self.peer_down, group=self.link_down)
         B = self.schedule.minibatch
         self._act = [spec.empty(B, self.device) for spec in self.input_specs] if not self.first else []
@@ -267,21 +428,90 @@ class Pipeline:
         """Agree on the boundary shapes now (stage 0 passes a batch of its inputs) rather than in
         the first step, e.g. to keep that step's time clean. Every stage must call it, or none."""
         if not self._ready:
-            self._learn_specs(_as_tuple(inputs))
+            self._guarded(lambda: self._learn_specs(_tensors(inputs, "stage 0's inputs")))
 
     # --- one iteration -----------------------------------------------------------------------
-    def step(self, inputs: Optional[Tensors] = None, *, targets: Optional[Tensors] = None) -> Optional[torch.Tensor]:
-        """Run one iteration's forwards and backwards on this stage; gradients accumulate in the
-        module's parameters (the optimizer step is yours). Returns the minibatch's loss on the
-        last stage (detached), None elsewhere."""
-        B, recompute = self.schedule.minibatch, self.schedule.recompute
-        xs, ys = _as_tuple(inputs), _as_tuple(targets)
+    def _inputs(self, args: tuple, inputs: Any, targets: Any, target: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """The inputs and targets of a step, as torch's schedules take them (``step(x)``,
+        ``step(target=y)``) or as umopt's (``inputs=``, ``targets=``), checked."""
+        if args and inputs is not None:
+            raise UmoptError("give stage 0's inputs once: step(x) or step(inputs=x)")
+        if targets is not None and target is not None:
+            raise UmoptError("give the targets once: step(target=y) or step(targets=y)")
+        B = self.schedule.minibatch
+        xs = _tensors(args[0] if len(args) == 1 else (args or inputs), "stage 0's inputs")
+        ys = _tensors(targets if targets is not None else target, "the targets")
         if self.first and (not xs or any(t.shape[0] != B for t in xs)):
-            raise UmoptError(f"stage 0's step needs inputs of {B} samples (the schedule's minibatch)")
+            raise UmoptError(f"stage 0's step needs inputs of {B} samples (the schedule's minibatch), got {[t.shape[0] for t in xs] or 'none'}")
         if self.last and (not ys or any(t.shape[0] != B for t in ys)):
-            raise UmoptError(f"the last stage's step needs targets of {B} samples")
+            raise UmoptError(f"the last stage's step needs targets of {B} samples, got {[t.shape[0] for t in ys] or 'none'}")
+        if self.first and self._ready:
+            for i, (t, spec) in enumerate(zip(xs, self.input_specs)):
+                _check_spec(t, spec, f"stage 0's input {i}")
+        return xs, ys
+
+    def _loss_scale(self, ys: tuple[torch.Tensor, ...]) -> Callable[[int, int], Any]:
+        """What each chunk's loss counts by (:mod:`umopt.losses`); with data-parallel replicas a
+        normalizer is the global minibatch's (its replicas' sum), the gradients' average undone."""
+        assert self._loss is not None
+        if self._loss.rule != "normalized":
+            return self._loss.scale(ys[0] if len(ys) == 1 else ys, self.schedule.minibatch)
+        total = torch.as_tensor(self._loss.normalizer(ys[0] if len(ys) == 1 else ys), dtype=torch.float32, device=self.device)
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            total = total.clone()
+            dist.all_reduce(total, group=self.dp_group)
+            total = total / dist.get_world_size(self.dp_group)
+        return lambda lo, hi: 1.0 / total
+
+    def step(
+        self, *args: Any, inputs: Optional[Tensors] = None, targets: Optional[Tensors] = None, target: Optional[Tensors] = None,
+        losses: Optional[list] = None,
+    ) -> Optional[torch.Tensor]:
+        """Run one iteration's forwards and backwards on this stage; gradients accumulate in the
+        module's parameters (the optimizer step is yours). Stage 0 passes the minibatch's inputs
+        (``step(x)``), the last stage its targets (``step(target=y)``; ``targets=`` too), the
+        others nothing. Returns the minibatch's loss on the last stage (detached; exactly one
+        process's), None elsewhere; ``losses``, a list, gets each chunk's own loss appended, as
+        torch's schedules do.
+
+        A step that raises leaves this pipeline (and every other of this process) unable to step
+        again, and makes the other ranks' steps fail at once instead of waiting (see [Note: a
+        failed step breaks the pipeline]).
+        """
+        return self._guarded(lambda: self._step(*self._inputs(args, inputs, targets, target), losses=losses))
+
+    def eval_step(self, *args: Any, inputs: Optional[Tensors] = None, targets: Optional[Tensors] = None, target: Optional[Tensors] = None,
+                  outputs: bool = False) -> Any:
+        """Forwards only, under ``torch.no_grad()``, chunked as the schedule's forwards: nothing is
+        stashed and no gradient is touched. Returns, on the last stage, the minibatch's loss
+        exactly as one process computes it (with ``outputs=True``: ``(loss, output)``, the last
+        stage's output of the whole minibatch), None elsewhere. Train or eval mode is the
+        module's own, as in one process (call ``module.eval()`` for dropout)."""
+        return self._guarded(lambda: self._eval(*self._inputs(args, inputs, targets, target), keep=outputs))
+
+    def _guarded(self, run: Callable[[], Any]) -> Any:
+        """Run ``run`` unless a step has failed; if it raises, break the links (see [Note: a
+        failed step breaks the pipeline]) and raise, with the failure that came first named."""
+        if _LINKS["failed"]:
+            raise PipelineBroken(f"this pipeline cannot step again: {_LINKS['failed']}")
+        try:
+            return run()
+        except BaseException as exc:
+            first = _failure_elsewhere()
+            if first and not isinstance(exc, UmoptError):  # this rank's error is the echo of another's
+                exc = PipelineBroken(f"{first} (stage {self.stage} stopped: {exc.__class__.__name__}: {first_line(exc, 160)})")
+            if self.on_failure is not None:
+                self.on_failure(exc)  # before the links break: the peers fail at once after that
+            _break_links(first or f"stage {self.stage} failed: {exc.__class__.__name__}: {first_line(exc, 300)}")
+            if isinstance(exc, PipelineBroken):
+                raise exc from None
+            raise
+
+    def _step(self, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...], losses: Optional[list]) -> Optional[torch.Tensor]:
+        B, recompute = self.schedule.minibatch, self.schedule.recompute
         if not self._ready:
             self._learn_specs(xs)
+        scale = self._loss_scale(ys) if self.last else None
         links = _Links(self)
         saved: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], Any]] = {}
         weights_later: dict[tuple[int, int], Callable[[], None]] = {}  # B chunks whose W is to come
@@ -301,51 +531,53 @@ class Pipeline:
                 out = self.module(*x) if len(x) > 1 else self.module(x[0])
                 if not self.last:
                     return out
-                y = tuple(t[lo:hi] for t in ys)
-                loss = self.loss_fn(out, y[0] if len(y) == 1 else y)
-                return loss * ((hi - lo) / B) if self.loss_reduction == "mean" else loss
+                return self._chunk_loss(out, ys, lo, hi, scale, losses)
 
-        links.advance()
-        for kind, lo, hi in self.ops:
-            if kind == "F":
-                links.wait_acts(lo, hi)
-                t0 = mark()
-                x = chunk_input(lo, hi, not recompute)
-                with torch.set_grad_enabled(not recompute):
-                    out = forward(x, lo, hi)
-                if self.last:
-                    loss_sum += out.detach().float()
-                if not recompute:
-                    saved[(lo, hi)] = (x, out)
-                if not self.last:
-                    links.send_acts(lo, hi, [t.detach() for t in _as_tuple(out)])
-            elif kind == "B":
-                links.wait_grads(lo, hi)
-                t0 = mark()
-                if recompute:
-                    x = chunk_input(lo, hi, True)
-                    out = forward(x, lo, hi)
-                else:
-                    x, out = saved.pop((lo, hi))
-                if self.last:
-                    roots, grads = [out], None
-                else:
-                    outs = [t for t, spec in zip(_as_tuple(out), self.output_specs) if _grad_carrying(spec)]
-                    pairs = [(o, g[lo:hi]) for o, g in zip(outs, self._grad) if o.requires_grad]
-                    roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
-                if self._split:  # the input gradient now, the weight gradient at this chunk's W
-                    weights_later[(lo, hi)] = backward_input(x, roots, grads, self.module)
-                elif roots:
-                    torch.autograd.backward(roots, grads)
-                if not self.first:
-                    links.send_grads(lo, hi, [t.grad if t.grad is not None else torch.zeros_like(t) for t, spec in zip(x, self.input_specs) if _grad_carrying(spec)])
-            else:  # W: the weight gradients of the B chunks in [lo, hi)
-                t0 = mark()
-                for chunk in sorted(c for c in weights_later if lo <= c[0] and c[1] <= hi):
-                    weights_later.pop(chunk)()
-            spans.append((kind, lo, hi, t0, mark()))
+        try:
             links.advance()
-        links.finish()
+            for kind, lo, hi in self.ops:
+                if kind == "F":
+                    links.wait_acts(lo, hi)
+                    t0 = mark()
+                    x = chunk_input(lo, hi, not recompute)
+                    with torch.set_grad_enabled(not recompute):
+                        out = forward(x, lo, hi)
+                    if self.last:
+                        loss_sum += out.detach().float()
+                    if not recompute:
+                        saved[(lo, hi)] = (x, out)
+                    if not self.last:
+                        links.send_acts(lo, hi, self._outgoing(out))
+                elif kind == "B":
+                    links.wait_grads(lo, hi)
+                    t0 = mark()
+                    if recompute:
+                        x = chunk_input(lo, hi, True)
+                        out = forward(x, lo, hi)
+                    else:
+                        x, out = saved.pop((lo, hi))
+                    if self.last:
+                        roots, grads = [out], None
+                    else:
+                        outs = [t for t, spec in zip(_as_tuple(out), self.output_specs) if _grad_carrying(spec)]
+                        pairs = [(o, g[lo:hi]) for o, g in zip(outs, self._grad) if o.requires_grad]
+                        roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+                    if self._split:  # the input gradient now, the weight gradient at this chunk's W
+                        weights_later[(lo, hi)] = backward_input(x, roots, grads, self.module)
+                    elif roots:
+                        torch.autograd.backward(roots, grads)
+                    if not self.first:
+                        links.send_grads(lo, hi, [t.grad if t.grad is not None else torch.zeros_like(t) for t, spec in zip(x, self.input_specs) if _grad_carrying(spec)])
+                else:  # W: the weight gradients of the B chunks in [lo, hi)
+                    t0 = mark()
+                    for chunk in sorted(c for c in weights_later if lo <= c[0] and c[1] <= hi):
+                        weights_later.pop(chunk)()
+                spans.append((kind, lo, hi, t0, mark()))
+                links.advance()
+            links.finish()
+        except BaseException:
+            links.drop()  # no request of this step may keep a link open (see _break_links)
+            raise
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             # after this stage's last messages are through (see [Note: the all-reduce after the sends])
             t0 = mark()
@@ -353,6 +585,66 @@ class Pipeline:
             spans.append(("AR", 0, 0, t0, mark()))
         self.spans = spans
         return loss_sum if self.last else None
+
+    def _chunk_loss(self, out: Any, ys: tuple[torch.Tensor, ...], lo: int, hi: int, scale, losses: Optional[list]) -> torch.Tensor:
+        """The loss of samples ``[lo, hi)``, counted as its part of the minibatch's (:mod:`umopt.losses`)."""
+        assert self._loss is not None
+        y = tuple(t[lo:hi] for t in ys)
+        y = y[0] if len(y) == 1 else y
+        loss = self._loss.fn(out, y)
+        if losses is not None:  # the chunk's own loss, as torch's schedules append it
+            own = loss / torch.as_tensor(self._loss.normalizer(y), dtype=torch.float32, device=loss.device) if self._loss.rule == "normalized" else loss
+            losses.append(own.detach())
+        return loss * scale(lo, hi)
+
+    def _outgoing(self, out: Any) -> list[torch.Tensor]:
+        """What this stage sends on for a chunk: its output's tensors, checked against the agreed shapes."""
+        ts = _tensors(out, f"stage {self.stage}'s output")
+        if len(ts) != len(self.output_specs):
+            raise UmoptError(f"stage {self.stage}'s output has {len(ts)} tensors, but had {len(self.output_specs)} at the first step")
+        for i, (t, spec) in enumerate(zip(ts, self.output_specs)):
+            _check_spec(t, spec, f"stage {self.stage}'s output {i}")
+        return [t.detach() for t in ts]
+
+    def _eval(self, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...], keep: bool) -> Any:
+        if not self._ready:
+            self._learn_specs(xs)
+        forwards = [op for op in self.ops if op.kind == "F"]
+        # forwards only: each link carries activations alone, in the order the stage before runs its forwards
+        links = _Links(self, up=[("act", lo, hi) for _, lo, hi in self._forwards_of(self.stage - 1)], down=[("act", lo, hi) for _, lo, hi in forwards])
+        scale = self._loss_scale(ys) if self.last else None
+        loss_sum = torch.zeros((), device=self.device)
+        kept: dict[int, Any] = {}
+        try:
+            with torch.no_grad():
+                links.advance()
+                for _, lo, hi in forwards:
+                    links.wait_acts(lo, hi)
+                    x = tuple(t[lo:hi] for t in xs) if self.first else tuple(buf[lo:hi] for buf in self._act)
+                    with autocast(self.device, self.dtype):
+                        out = self.module(*x) if len(x) > 1 else self.module(x[0])
+                        if self.last:
+                            loss_sum += self._chunk_loss(out, ys, lo, hi, scale, None).float()
+                    if self.last and keep:
+                        kept[lo] = out
+                    if not self.last:
+                        links.send_acts(lo, hi, self._outgoing(out))
+                    links.advance()
+                links.finish()
+        except BaseException:
+            links.drop()
+            raise
+        if not self.last:
+            return None
+        if not keep:
+            return loss_sum
+        parts = [kept[lo] for lo in sorted(kept)]
+        first = _tensors(parts[0], "the last stage's output")
+        output = tuple(torch.cat([_tensors(p, "the last stage's output")[i] for p in parts]) for i in range(len(first)))
+        return loss_sum, output[0] if len(output) == 1 else output
+
+    def _forwards_of(self, stage: int) -> list[Op]:
+        return [op for op in self.schedule.op_lists()[stage] if op.kind == "F"] if stage >= 0 else []
 
     # [Note: the all-reduce after the sends]
     # The data-parallel all-reduce runs on a communicator of its own (dp_group) and would start
@@ -399,8 +691,10 @@ class _Links:
     of a tuple boundary is one transfer per tensor (gradients: per tensor that carries one).
     """
 
-    def __init__(self, pipe: Pipeline):
+    def __init__(self, pipe: Pipeline, up: Optional[list] = None, down: Optional[list] = None):
         self.p = pipe
+        self.up = pipe.up if up is None else up  # each link's messages in the order both ends issue them
+        self.down = pipe.down if down is None else down
         self.pos = {"up": 0, "down": 0}
         self.recv_act: dict[tuple[int, int], list] = {}
         self.recv_grad: dict[tuple[int, int], list] = {}
@@ -409,7 +703,7 @@ class _Links:
 
     def _issue(self, side: str) -> None:
         p = self.p
-        seq = p.up if side == "up" else p.down
+        seq = self.up if side == "up" else self.down
         peer = p.peer_up if side == "up" else p.peer_down
         link = p.link_up if side == "up" else p.link_down  # [Note: one process group per link]
         while self.pos[side] < len(seq):
@@ -462,3 +756,10 @@ class _Links:
                     w.wait()
         for work, _data in self.pending_sends:
             work.wait()
+
+    def drop(self) -> None:
+        """Forget every request of this step: a failed step's requests must not keep its links open."""
+        self.recv_act.clear()
+        self.recv_grad.clear()
+        self.pending_sends.clear()
+        self.ready.clear()

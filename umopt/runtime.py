@@ -313,6 +313,7 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
         pipe = Pipeline(
             stage, sched, s, loss_fn=lambda out, y, B=B: setup.loss(out, y) / B, loss_reduction="sum", profile=cfg.profile,
             device=device, input_specs=[setup.input], output_specs=[setup.output], timer=timing, group=pipe_group, dp_group=dp_group,
+            on_failure=_report_failure,
         )
         pipe.prepare()  # the boundary shapes agreed now, not inside the first timed step
         plays.append(_Play(pipe, op_ms=[[] for _ in pipe.ops]))
@@ -542,6 +543,18 @@ def io_timeout_s() -> float:
 _status: Callable[..., None] = lambda *_, **__: None  # noqa: E731
 
 
+_reported: list[BaseException] = []
+
+
+def _report_failure(exc: BaseException) -> None:
+    """The rank's "failed" status, once: the first failure is the cause, what follows its echo."""
+    if _reported:
+        return
+    _reported.append(exc)
+    first = first_line(exc, 1000)
+    _status("failed", f"{exc.__class__.__name__}: {first}" if first else exc.__class__.__name__)
+
+
 def _phase(what: str) -> None:
     _status("started", phase=what)
 
@@ -615,6 +628,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     _status = status
     status("started", phase="set-up")
+
     _exit_on_termination(status)
     try:
         cfg = preflight(list(sys.argv[1:] if argv is None else argv), verify_stages=[])  # each rank checks its own file
@@ -622,8 +636,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         run_rank(cfg, device)
         dist.destroy_process_group()
     except BaseException as exc:  # see [Note: a failed rank leaves at once]
-        first = first_line(exc, 1000)
-        status("failed", f"{exc.__class__.__name__}: {first}" if first else exc.__class__.__name__)
+        _report_failure(exc)  # unless the Pipeline already did, before its links broke
         if not isinstance(exc, (UmoptError, KeyboardInterrupt)):
             traceback.print_exc()
         sys.stdout.flush()
