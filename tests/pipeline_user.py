@@ -5,6 +5,9 @@ process per stage): the user's modules, loss, optimizer and loop; umopt only run
     RANK=r python tests/pipeline_user.py torch PLAN.csv MICROBATCHES STORE OUT STEPS   (torch's runtime)
 
 CASE "mlp3" runs three stages and records, for every message, the process group it went through.
+CASE "tokens-LOSS" is a token model under nn.CrossEntropyLoss with LOSS one of "ignore", "weight",
+"smooth": padded targets (-100), one chunk of them all ignored; it also checks eval_step.
+CASE "catch" raises in the last stage's loss at step 1; the user catches it and steps again.
 """
 
 from __future__ import annotations
@@ -19,6 +22,46 @@ from torch import nn
 import umopt
 
 B, D = 12, 6
+V, T = 7, 5  # the token cases: vocabulary and sequence length
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+
+    def forward(self, x):
+        return torch.tanh(self.emb(x))
+
+
+class Logits(nn.Module):
+    """(B, T, D) -> (B, V, T): the class dimension second, as nn.CrossEntropyLoss takes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, V)
+
+    def forward(self, h):
+        return self.lin(h).transpose(1, 2)
+
+
+def token_loss(kind: str) -> nn.Module:
+    if kind == "weight":
+        return nn.CrossEntropyLoss(weight=torch.linspace(0.5, 2.0, V))
+    if kind == "smooth":
+        return nn.CrossEntropyLoss(label_smoothing=0.1, weight=torch.linspace(0.5, 2.0, V))
+    return nn.CrossEntropyLoss(ignore_index=-100)
+
+
+def token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences of uneven valid length, padded with -100; samples 0-2 all padding."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, V, (B, T), generator=g)
+    y = torch.randint(0, V, (B, T), generator=g)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[:3] = 0
+    y[torch.arange(T)[None, :] >= lengths[:, None]] = -100
+    return x, y
 
 
 class Head(nn.Module):
@@ -46,6 +89,8 @@ def model(case: str) -> list[nn.Module]:
     torch.manual_seed(0)
     if case == "tuple":
         return [Head(), Tail()]
+    if case.startswith("tokens"):
+        return [Embed(), Logits()]
     if case == "mlp3":
         return [nn.Sequential(nn.Linear(D, D), nn.Tanh()), nn.Sequential(nn.Linear(D, D), nn.Tanh()), nn.Linear(D, 1)]
     return [nn.Sequential(nn.Linear(D, D), nn.Tanh()), nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 1))]
@@ -57,9 +102,21 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference(case: str, steps: int) -> list[dict[str, torch.Tensor]]:
-    """One process, the whole minibatch: each stage's parameters after ``steps`` AdamW steps."""
+    """One process, the whole minibatch: each stage's parameters after ``steps`` AdamW steps (for
+    the token cases also its validation loss on the next batch, under "eval_loss")."""
     stages = model(case)
     opt = torch.optim.AdamW([p for m in stages for p in m.parameters()], lr=0.01)
+    if case.startswith("tokens"):
+        loss_fn = token_loss(case.split("-")[1])
+        for step in range(steps):
+            x, y = token_batch(step)
+            loss_fn(stages[1](stages[0](x)), y).backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            x, y = token_batch(steps)
+            eval_loss = loss_fn(stages[1](stages[0](x)), y)
+        return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in stages] + [{"eval_loss": eval_loss}]
     for step in range(steps):
         x, y = batch(step)
         h = stages[0](x)
@@ -77,6 +134,10 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), 3 if case == "mlp3" else 2
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     groups_used = _spy_on_messages() if case == "mlp3" else []
+    if case.startswith("tokens"):
+        return tokens_main(case, rank, schedule, out, steps)
+    if case == "catch":
+        return catch_main(rank, schedule, out)
     stage = model(case)[rank]  # the user's own module for this stage
     pipe = umopt.Pipeline(stage, schedule, loss_fn=nn.MSELoss())
     opt = torch.optim.AdamW(stage.parameters(), lr=0.01)
@@ -87,6 +148,53 @@ def main() -> None:
         opt.zero_grad()
     torch.save({**stage.state_dict(), **({"groups_used": groups_used} if groups_used else {})}, os.path.join(out, f"stage{rank}.pt"))
     dist.destroy_process_group()
+
+
+def tokens_main(case: str, rank: int, schedule: str, out: str, steps: int) -> None:
+    stage = model(case)[rank]
+    pipe = umopt.Pipeline(stage, schedule, loss_fn=token_loss(case.split("-")[1]))  # the loss module as it is
+    opt = torch.optim.AdamW(stage.parameters(), lr=0.01)
+    for step in range(steps):
+        x, y = token_batch(step)
+        pipe.step(x) if rank == 0 else pipe.step(target=y, losses=[])
+        opt.step()
+        opt.zero_grad()
+    x, y = token_batch(steps)
+    before = {k: v.clone() for k, v in stage.state_dict().items()}
+    got = pipe.eval_step(x) if rank == 0 else pipe.eval_step(target=y, outputs=True)
+    assert all(torch.equal(before[k], v) for k, v in stage.state_dict().items()) and all(p.grad is None for p in stage.parameters())
+    extra = {}
+    if rank == 1:
+        loss, logits = got
+        assert logits.shape == (B, V, T)
+        extra = {"eval_loss": loss}
+    torch.save({**stage.state_dict(), **extra}, os.path.join(out, f"stage{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def catch_main(rank: int, schedule: str, out: str) -> None:
+    """The skip-a-bad-batch pattern: the last stage's loss raises at step 1, the user catches it
+    and goes on; every rank must get a one-line error within seconds, none may hang."""
+    import time
+
+    stage = model("mlp")[rank]
+
+    def loss_fn(out, y):
+        if step == 1:
+            raise ValueError("a bad batch")
+        return nn.functional.mse_loss(out, y)
+
+    pipe = umopt.Pipeline(stage, schedule, loss_fn=loss_fn)
+    said = []
+    t0 = time.monotonic()
+    for step in range(3):
+        x, y = batch(step)
+        try:
+            pipe.step(x) if rank == 0 else pipe.step(target=y)
+        except Exception as exc:  # the user's skip-a-bad-batch
+            said.append(f"{type(exc).__name__}: {exc}")
+    torch.save({"said": said, "seconds": time.monotonic() - t0}, os.path.join(out, f"stage{rank}.pt"))
+    os._exit(0)
 
 
 def _spy_on_messages() -> list:
