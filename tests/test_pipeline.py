@@ -237,3 +237,31 @@ def test_a_step_that_fails_on_one_rank_fails_every_rank_at_once(tmp_path):
     for said in (first, last):
         assert len(said) == 2 and said[1].startswith("PipelineBroken: this pipeline cannot step again: stage 1 failed: ValueError")
     assert max(g["seconds"] for g in got) < 10
+
+
+def test_batchnorm_is_warned_of_and_shape_learning_leaves_its_statistics_alone(tmp_path, caplog):
+    """One rank, one stage: the sample forward that learns the output shape runs in eval mode
+    with the buffers put back (a batch of one through BatchNorm1d in training would fail), the
+    module is warned of (strict= refuses it), and a step moves the statistics once per chunk."""
+    import logging
+
+    import torch.distributed as dist
+
+    import umopt
+    from umopt.errors import UmoptError
+
+    path = _save(tmp_path, Candidate([[4, 8]], [[4, 8]], "gpipe").ops(), False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        module = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 1))
+        with pytest.raises(UmoptError, match="stage 0 has BatchNorm layers .* will not equal one process's"):
+            umopt.Pipeline(module, path, loss_fn=torch.nn.MSELoss(), strict=True)
+        with caplog.at_level(logging.WARNING, logger="umopt"):
+            pipe = umopt.Pipeline(module, path, loss_fn=torch.nn.MSELoss())
+        assert "BatchNorm layers (1)" in caplog.text
+        pipe._sample_forward((torch.randn(1, 6),))
+        assert module[1].num_batches_tracked.item() == 0 and module.training
+        pipe.step(torch.randn(B, 6), target=torch.randn(B, 1))
+        assert module[1].num_batches_tracked.item() == 2  # two chunks
+    finally:
+        dist.destroy_process_group()
