@@ -183,3 +183,21 @@ def test_autocast_is_off_in_float32_and_on_the_meta_device():
         pass
     with pytest.raises(UmoptError, match="dtype must be one of"):
         devices.autocast(torch.device("cpu"), "int8")
+
+
+def test_a_data_module_in_the_current_folder_is_found_and_more_samples_are_refused(tmp_path, monkeypatch):
+    """No PYTHONPATH=. needed for the user's own module; a hook returning more samples than the
+    minibatch is an error, not silently cut."""
+    from umopt.launch import RunFailed
+
+    prof = zoo_sim_profile(tmp_path / "p.json", "mlp", MLP, [0, 3, 6])
+    path, _ = write_schedule(tmp_path, prof, "gpipe", False, 4)
+    (tmp_path / "mydata.py").write_text(
+        "import torch\n"
+        "def ok(step, n):\n    return torch.randn(n, 12), torch.randint(0, 5, (n,))\n"
+        "def more(step, n):\n    return torch.randn(n + 3, 12), torch.randint(0, 5, (n + 3,))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    launch([path, "--steps", "1", "--warmup", "0", "--data", "mydata:ok"], quiet=True)
+    with pytest.raises(RunFailed, match=r"--data mydata:more returned 15 inputs and 15 targets for step 0; the minibatch is 12"):
+        launch([path, "--steps", "1", "--warmup", "0", "--data", "mydata:more"], quiet=True)

@@ -331,6 +331,8 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
                 inputs = targets = None
                 if first_stage or last_stage:  # the stages between never touch the data
                     x, y = data_fn(it, B * dp)  # the global minibatch: this replica's slice of it
+                    if len(x) != B * dp or len(y) != B * dp:  # not cut silently: the user meant other samples
+                        raise UmoptError(f"--data {args.data} returned {len(x)} inputs and {len(y)} targets for step {it}; the minibatch is {B * dp}")
                     x, y = x[replica * B : (replica + 1) * B], y[replica * B : (replica + 1) * B]
                     inputs = to_device(x, device) if first_stage else None
                     targets = to_device(y, device) if last_stage else None

@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -182,6 +184,10 @@ def import_object(spec: str, what: str) -> Any:
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
         raise UmoptError(f"{what} {spec}: expected package.module:name")
+    # a module in the current folder is found as `python -m` would find it, without PYTHONPATH=.
+    # (the ranks of `umopt run` start in the same folder)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         return getattr(importlib.import_module(mod_name), attr)
     except Exception as exc:  # noqa: BLE001 - the user's module may raise anything while importing
