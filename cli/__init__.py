@@ -22,8 +22,32 @@ from umopt.errors import UmoptError
 
 __all__ = ["main", "cli"]
 
-out = Console()
-err = Console(stderr=True)
+# emoji off: a user's text (`--data mydata:ok`) is printed as written, not as 🆗
+out = Console(emoji=False)
+err = Console(stderr=True, emoji=False)
+
+
+class _Bytes(click.ParamType):
+    """A byte count: 17179869184, 16GiB, 16GB, 512MiB, 1.5e9."""
+
+    name = "bytes"
+    _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        import re
+
+        m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(value).lower())
+        if not m or m.group(2) not in self._UNITS:
+            self.fail(f"{value!r} is not a byte count (e.g. 17179869184, 16GiB, 512MB)", param, ctx)
+        try:
+            return int(float(m.group(1)) * self._UNITS[m.group(2)])
+        except ValueError:
+            self.fail(f"{value!r} is not a byte count (e.g. 17179869184, 16GiB, 512MB)", param, ctx)
+
+
+BYTES = _Bytes()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -61,7 +85,7 @@ def _ms(x: Optional[float]) -> str:
 @click.option("--order", type=click.Choice(["auto", "gpipe", "1f1b"]), default="auto", show_default=True, help="Op order: GPipe, 1F1B, or auto (the GA tries both; cpsat/milp order each stage freely).")
 @click.option("--time-limit", type=float, default=20.0, show_default=True, help="Seconds of search.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed (the search is timed: the same seed gives the same result for the same amount of work, not always on a busier machine).")
-@click.option("--memory-limit", type=int, default=None, help="Bytes per stage; overrides the profile's limit.")
+@click.option("--memory-limit", type=BYTES, default=None, help="Bytes per stage (16GiB, 512MB or a number); overrides the profile's limit.")
 @click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel replicas of the pipeline: each stage all-reduces its gradients among them after its last op.")
 @click.option("--dp-gbps", type=float, default=None, help="Bus bandwidth of that all-reduce, Gbit/s (default: what `umopt profile --dp N` measured).")
 @click.option("--zero-bubble", is_flag=True, help="Split each backward: W ops (weight gradients) placed to fill bubbles; compares with the best equal ZB-H1 and ZB-H2.")
@@ -206,7 +230,7 @@ def _int_list(value: Optional[str], what: str) -> Optional[list[int]]:
 @click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="sgd", show_default=True)
 @click.option("--link-latency-ms", type=float, default=None, help="Give the link instead of measuring it (needed with one GPU).")
 @click.option("--link-gbps", type=float, default=None, help="Link bandwidth in Gbit/s, with --link-latency-ms.")
-@click.option("--memory-limit", type=int, default=None, help="Bytes per stage to record as the profile's memory limit.")
+@click.option("--memory-limit", type=BYTES, default=None, help="Bytes per stage (16GiB, 512MB or a number) to record as the profile's memory limit.")
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False), default=None, help="Write a torch.profiler trace per stage here.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed the model is built with.")
 @click.option("--concurrent/--sequential", default=None, help="Time all stages at once, one process each, as they run (default on CPU when the cores suffice).")

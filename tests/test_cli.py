@@ -254,3 +254,16 @@ def test_zero_bubble_schedule_is_written_and_shown(tmp_path, capsys):
     assert set(sched.baselines) == {"gpipe_equal", "1f1b_equal", "zbh1_equal", "zbh2_equal"}
     code, stdout, _ = run(["show", str(out)], capsys)
     assert code == 0 and "W chunks" in stdout
+
+
+def test_memory_limits_take_units_and_errors_print_text_as_written(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    code, _, err = run(["solve", "gpt-sim", "-B", "8", "--solver", "equal", "--memory-limit", "64GiB", "-o", str(out)], capsys)
+    assert code == 0, err
+    code, _, err = run(["solve", "gpt-sim", "-B", "8", "--solver", "equal", "--memory-limit", "1KiB", "-o", str(tmp_path / "t.json")], capsys)
+    assert code == 2 and "1024" in err and not (tmp_path / "t.json").exists()
+    code, _, err = run(["solve", "gpt-sim", "-B", "8", "--memory-limit", "lots", "-o", str(out)], capsys)
+    assert code == 2 and "is not a byte count" in err
+    # a user's own text with a colon reaches the terminal as written (rich would make ':ok' an emoji)
+    code, _, err = run(["run", str(tmp_path / "missing:ok.json")], capsys)
+    assert code == 2 and "missing:ok.json" in err and "🆗" not in err
