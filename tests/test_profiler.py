@@ -179,3 +179,17 @@ def test_float16_is_refused_for_training_with_the_way_out(tmp_path, capsys):
     code, _, err = run(["profile", "--model", "mlp", "--stages", "2", "--dtype", "float16", *FAST_LINK, "-o", str(out)], capsys)
     (line,) = err.strip().splitlines()
     assert code == 2 and "float16 training needs loss scaling" in line and "bfloat16" in line and not out.exists()
+
+
+def test_profile_stages_in_a_script_without_a_main_guard_says_what_to_add(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, umopt\nfrom torch import nn\nfrom umopt.errors import UmoptError\n"
+        "try:\n    umopt.profile_stages([nn.Linear(4, 4), nn.Linear(4, 1)], (torch.randn(8, 4), torch.randn(8, 1)), nn.MSELoss(), sizes=[1, 2])\n"
+        "except UmoptError as e:\n    print('umopt:', e)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert 'put its code under `if __name__ == "__main__":`' in done.stdout, done.stdout + done.stderr[-2000:]

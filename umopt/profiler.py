@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import os
 import socket
 import statistics
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import UmoptError
+from .errors import UmoptError, first_line
 from .formats.profile import PROFILE_FORMAT, Profile, default_sizes
 from .devices import TensorSpec, autocast, boundary_tensors, check_trainable, default_memory_limit, numerics, reference_ms
 from .noise import Summary, drift_figure, drift_warning, uneven_devices_warning, load_warning, monotone_fit, noise_figure, noisy_warning, round_speeds, summarize
@@ -410,9 +411,19 @@ def measure_links(backend: str, pairs: list[tuple[int, int]], max_bytes: int = 1
                 mp.start_processes(_pingpong_worker, args=(_free_port(), backend, sizes, reps, pair, paths[pair]), nprocs=2, start_method="spawn", join=False)
                 for pair in together
             ]
-            for ctx in running:
-                while not ctx.join():
-                    pass
+            try:
+                for ctx in running:
+                    while not ctx.join():
+                        pass
+            except mp.ProcessExitedException as exc:
+                # a child that died before its function ran: most often a script without a main
+                # guard, which every spawned process imports again (and so profiles again)
+                if getattr(sys.modules.get("__main__"), "__file__", None):
+                    raise UmoptError(
+                        f"a process measuring a link ended ({first_line(exc)}); the new processes import your script again: "
+                        "put its code under `if __name__ == \"__main__\":`, or give the link (link_latency_ms=, link_gbps=)"
+                    ) from None
+                raise
             for pair in together:
                 with open(paths[pair]) as f:
                     out[pair] = _fit_link(json.load(f))
@@ -717,6 +728,8 @@ def profile_stages(
     prof = _profile_model(opts, progress, ["umopt.profile_stages"], parts=parts)
     meta = dict(prof.model_extra.get("meta") or {})
     meta["probes"] = {"ran": False, "why": "stages given as modules: the runtime cannot rebuild them (fit with umopt calibrate to your own runs' reports)"}
+    for line in meta.get("warnings", []):  # as the CLI prints them
+        logging.getLogger("umopt").warning(line)
     return Profile.model_validate({**prof.model_dump(mode="json"), "meta": meta})
 
 
