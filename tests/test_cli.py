@@ -267,3 +267,26 @@ def test_memory_limits_take_units_and_errors_print_text_as_written(tmp_path, cap
     # a user's own text with a colon reaches the terminal as written (rich would make ':ok' an emoji)
     code, _, err = run(["run", str(tmp_path / "missing:ok.json")], capsys)
     assert code == 2 and "missing:ok.json" in err and "🆗" not in err
+
+
+def test_a_schedule_finds_its_profile_from_any_folder_and_after_a_move(tmp_path, capsys, monkeypatch):
+    """[Note: a schedule finds its profile]: stored relative to the schedule (bundled ones by
+    name), read from another folder, after the folder moved, and by sha256 after a rename."""
+    from umopt.formats.schedule import load_schedule
+
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(load_profile("gpt-sim").path, work / "prof.json")
+    monkeypatch.chdir(work)
+    assert run(["solve", "prof.json", "-B", "8", "--solver", "equal", "-o", "out/s.json"], capsys)[0] == 0
+    assert run(["solve", "gpt-sim", "-B", "8", "--solver", "equal", "-o", "bundled.json"], capsys)[0] == 0
+    assert json.loads((work / "out/s.json").read_text())["profile"]["path"] == "../prof.json"
+    assert json.loads((work / "bundled.json").read_text())["profile"]["path"] == "gpt-sim"
+    monkeypatch.chdir(tmp_path)
+    assert Path(load_schedule("work/out/s.json").profile.path).resolve() == (work / "prof.json").resolve()
+    moved = tmp_path / "moved"
+    shutil.move(str(work), moved)
+    assert Path(load_schedule(str(moved / "out/s.json")).profile.path).resolve() == (moved / "prof.json").resolve()
+    (moved / "prof.json").rename(moved / "out" / "renamed.json")  # found beside the schedule by its hash
+    assert Path(load_schedule(str(moved / "out/s.json")).profile.path).name == "renamed.json"
+    assert load_profile(load_schedule(str(moved / "bundled.json")).profile.path).sha256 == load_profile("gpt-sim").sha256

@@ -10,6 +10,9 @@ format checks, and :func:`check_against_profile` refuses a schedule made for ano
 from __future__ import annotations
 
 import bisect
+import hashlib
+import os
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Sequence
 
@@ -219,15 +222,55 @@ def make_schedule(
 def load_schedule(path: str) -> Schedule:
     """Read a schedule file and check its format (ops are checked against a profile separately).
 
-    The profile path it names is taken as written if that exists, else relative to the schedule
-    file's folder (a schedule and its profile moved together, or read from another folder)."""
+    Its profile is found wherever the schedule is read from (see [Note: a schedule finds its
+    profile]); where none is found the path stays as written, and loading it says so."""
     schedule = load_model_file(path, Schedule, SCHEDULE_FORMAT, "schedule")
-    named = Path(schedule.profile.path)
-    beside = Path(path).parent / named
-    if not named.is_absolute() and not named.exists() and beside.exists():
-        schedule.profile.path = str(beside)
+    found = _find_profile(Path(path), schedule.profile.path, schedule.profile.sha256)
+    if found is not None:
+        schedule.profile.path = str(found)
     return schedule
 
 
+# [Note: a schedule finds its profile]
+# A schedule file names its profile by a path relative to the schedule's own folder (so a folder
+# of both can be moved, and read from anywhere), or by name where the profile is bundled (a
+# site-packages path would break in another environment). Reading it looks, in order: beside the
+# schedule, at the path as written (older files: relative to where they were written), the
+# bundled profile of that name, and then any profile beside the schedule or bundled whose sha256
+# is the one the schedule was made for.
+def _find_profile(schedule_path: Path, named: str, sha256: str) -> Optional[Path]:
+    from .profile import bundled_profiles
+
+    if named:
+        candidates = [schedule_path.parent / named, Path(named)]
+        stem = named[:-5] if named.endswith(".json") else named
+        if "/" not in stem and stem in bundled_profiles():
+            candidates.append(Path(str(resources.files("umopt.profiles") / f"{stem}.json")))
+        for c in candidates:
+            if c.is_file():
+                return c
+    nearby = sorted(schedule_path.parent.glob("*.json"))[:200] + [Path(str(resources.files("umopt.profiles") / f"{n}.json")) for n in bundled_profiles()]
+    for c in nearby:
+        try:
+            if c.resolve() != schedule_path.resolve() and hashlib.sha256(c.read_bytes()).hexdigest() == sha256:
+                return c
+        except OSError:
+            continue
+    return None
+
+
+def _stored_profile_path(profile_path: str, schedule_path: Path) -> str:
+    """How a schedule written at ``schedule_path`` names its profile (see [Note: a schedule finds its profile])."""
+    if not profile_path:
+        return profile_path
+    p = Path(profile_path).resolve()
+    bundled = Path(str(resources.files("umopt.profiles"))).resolve()
+    if p.parent == bundled:
+        return p.stem
+    return os.path.relpath(p, schedule_path.resolve().parent)
+
+
 def save_schedule(schedule: Schedule, path: str) -> None:
-    write_json(path, schedule.model_dump(mode="json"))
+    data = schedule.model_dump(mode="json")
+    data["profile"]["path"] = _stored_profile_path(schedule.profile.path, Path(path))
+    write_json(path, data)
