@@ -322,3 +322,14 @@ def test_zero_bubble_schedules_on_three_stages_give_single_process_gradients(tmp
     assert set(got) == set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
+
+
+def test_a_run_on_more_ranks_than_cores_is_blamed_on_that_not_on_another_job(monkeypatch):
+    import umopt.noise as noise
+
+    monkeypatch.setattr(noise.os, "cpu_count", lambda: 2)
+    report = {"schedule": "s.json", "measured_over_predicted": 2.6, "backend": "gloo", "stages": 8, "dp": 1}
+    (line,) = run_warnings(report)
+    assert "8 ranks on 2 cores" in line and "another job" not in line
+    (line,) = run_warnings({**report, "stages": 2})
+    assert "another job on the machine" in line

@@ -224,7 +224,13 @@ def run_warnings(report: dict) -> list[str]:
             f"solve with --dp {report['dp']} (and --dp-gbps, or a profile made with --dp {report['dp']})"
         )
     ratio = float(report["measured_over_predicted"])
-    if abs(ratio - 1) > OFF_PREDICTION:
+    ranks, cores = int(report.get("stages") or 1) * int(report.get("dp") or 1), os.cpu_count() or 1
+    if abs(ratio - 1) > OFF_PREDICTION and report.get("backend") == "gloo" and ranks > cores:
+        out.append(
+            f"{name} measured {ratio:.2f}x its prediction: {ranks} ranks on {cores} cores share them, where the profile timed "
+            "each stage on a core of its own; run with a core per rank (or fewer stages) to compare with the prediction"
+        )
+    elif abs(ratio - 1) > OFF_PREDICTION:
         out.append(
             f"{name} measured {ratio:.2f}x its prediction: the profile does not describe this run (another job on the machine, "
             "another machine, or a profile without the runtime's costs); profile again here (its probe runs fit the runtime) "
