@@ -351,6 +351,10 @@ def _print_turns(reports: list[dict]) -> None:
             f"{first['measured_iteration_ms'] / r['measured_iteration_ms']:.3f}x", f"{first['predicted_iteration_ms'] / r['predicted_iteration_ms']:.3f}x",
         )
     out.print(table)
+    d = first.get("decision")
+    if d:
+        state = "decided" if d["decided"] else f"not decided at {100 * d['confidence_asked']:.0f}% when the turns ended"
+        out.print(f"keep {d['winner']}: {d['reason']} ({state})", markup=False, highlight=False)
 
 
 @cli.command()
@@ -359,8 +363,10 @@ def _print_turns(reports: list[dict]) -> None:
 @click.option("--stages", type=int, default=None, help="Pipeline stages (default 2).")
 @click.option("--minibatch", "-B", type=int, default=None, help="Samples per iteration (default 32).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--steps", type=int, default=8, show_default=True, help="Measured iterations per schedule.")
-@click.option("--rounds", type=int, default=4, show_default=True, help="Turns the schedules take on the same processes (the steps are spread over them).")
+@click.option("--steps", type=int, default=2, show_default=True, help="Measured iterations of each schedule in each round, as in umopt run.")
+@click.option("--rounds", type=int, default=4, show_default=True, help="Turns the schedules take on the same processes, at least.")
+@click.option("--confidence", type=click.FloatRange(0.5, 1, min_open=True, max_open=True), default=0.95, show_default=True, help="Take turns until the paired test over rounds decides at this confidence.")
+@click.option("--budget", type=click.FloatRange(0, min_open=True), default=120.0, show_default=True, help="Seconds of turns after which no round starts; the pick is then made at the confidence reached.")
 @click.option("--time-limit", type=float, default=10.0, show_default=True, help="Seconds of search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="umopt-tune", show_default=True)
 @click.option("--probes/--no-probes", default=True, show_default=True, help="Fit the profile to probe runs of the runtime before solving (where there is a core or GPU per stage).")
@@ -368,7 +374,7 @@ def _print_turns(reports: list[dict]) -> None:
 @click.option("--link-latency-ms", type=float, default=None, help="Give the links instead of measuring them, as in umopt profile.")
 @click.option("--link-gbps", type=float, default=None, help="Link bandwidth in Gbit/s, with --link-latency-ms.")
 @click.option("--zero-bubble", is_flag=True, help="Profile the backward split too, and measure umopt's W schedule and the best equal ZB-H1 beside the others.")
-def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit, out_dir, probes, dtype, link_latency_ms, link_gbps, zero_bubble) -> None:
+def tune(model, model_args, stages, minibatch, device, steps, rounds, confidence, budget, time_limit, out_dir, probes, dtype, link_latency_ms, link_gbps, zero_bubble) -> None:
     """Profile, solve, run the candidates in turns and recommend what measured fastest."""
     _require_torch()
     from umopt.tune import DEFAULT
@@ -378,7 +384,7 @@ def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit
     args = parse_model_args(list(model_args)) if model else (parse_model_args(list(model_args)) or DEFAULT["model_args"])
     result = run_tune(
         model or DEFAULT["model"], args, stages or DEFAULT["stages"], minibatch or DEFAULT["minibatch"],
-        device=device, steps=steps, rounds=rounds, out_dir=out_dir, time_limit=time_limit, probes=probes,
+        device=device, steps=steps, rounds=rounds, confidence=confidence, budget=budget, out_dir=out_dir, time_limit=time_limit, probes=probes,
         dtype=dtype, link_latency_ms=link_latency_ms, link_gbps=link_gbps, zero_bubble=zero_bubble, say=lambda m: err.print(f"umopt tune: {m}", markup=False),
     )
     table = Table(title=f"{model or DEFAULT['model']}, {stages or DEFAULT['stages']} stages, minibatch {minibatch or DEFAULT['minibatch']}: speedups over equal GPipe")
@@ -389,7 +395,8 @@ def tune(model, model_args, stages, minibatch, device, steps, rounds, time_limit
         mark = " *" if row.name == result.recommended else ""
         table.add_row(row.name + mark, row.chunks, f"{row.predicted_ms:.2f}", f"{row.measured_ms:.2f}", f"{result.speedup(row):.3f}x", f"{result.speedup(row, False):.3f}x")
     out.print(table)
-    out.print(f"recommended (*): {result.recommended}, {result.reason}; written as {result.out_dir}/recommended.json")
+    state = "" if result.decided else "; not decided when the budget ended (more --budget or --steps decides)"
+    out.print(f"recommended (*): {result.recommended}, {result.reason}{state}; written as {result.out_dir}/recommended.json", markup=False, highlight=False)
     umopt_row = result.row("umopt")
     out.print(f"umopt's schedule is within {100 * (umopt_row.predicted_ms - result.lower_bound_ms) / result.lower_bound_ms:.1f}% of the lower bound ({result.lower_bound_ms:.2f} ms, not proven tight)")
     for line in result.warnings:

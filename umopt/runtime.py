@@ -46,6 +46,7 @@ from .checkpoint import (
     write_manifest,
 )
 from .costmodel import CostTables, Span, Timeline, simulate
+from .decide import Decision, decide, is_equal
 from .devices import TensorSpec, boundary_tensors, check_trainable, numerics, numerics_differences, rank_device, reference_ms, to_device
 from .errors import UmoptError, first_line
 from .fileio import check_writable, write_atomic, write_json
@@ -67,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, help="profile to use (default: the one the schedule names)")
     p.add_argument("--steps", type=int, default=10, help="measured iterations (of each schedule, each round)")
     p.add_argument("--warmup", type=int, default=2, help="iterations run first and not measured (of each schedule, in the first round)")
-    p.add_argument("--rounds", type=int, default=1, help="turns each schedule takes; its median is over all of them")
+    p.add_argument("--rounds", type=int, default=1, help="turns each schedule takes; its median is over all of them (with --decide: at least)")
+    p.add_argument("--decide", type=float, default=None, metavar="CONFIDENCE",
+                   help="with several schedules: keep taking turns until the paired test over rounds decides between them at this "
+                   "confidence (e.g. 0.95), --budget ends, or --max-rounds; the decision goes in each report")
+    p.add_argument("--budget", type=float, default=120.0, help="with --decide: seconds of turns after which no round starts (default 120)")
+    p.add_argument("--max-rounds", type=int, default=30, help="with --decide: rounds at most (default 30)")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on CUDA profiles, else gloo")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.01 for sgd, 1e-3 for adamw)")
@@ -137,6 +143,17 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
         for opt in ("report", "trace", "plot"):
             if getattr(args, opt) is not None and "{name}" not in getattr(args, opt):
                 raise UmoptError(f"--{opt} with {len(schedules)} schedules needs {{name}} in its path (one file each)")
+    if args.decide is not None:
+        if not 0.5 < args.decide < 1:
+            raise UmoptError(f"--decide is a confidence between 0.5 and 1, got {args.decide:g}")
+        if len(schedules) < 2:
+            raise UmoptError("--decide needs two schedules or more to decide between")
+        if not any(is_equal(sc.op_lists()) for sc in schedules):
+            raise UmoptError("--decide compares with an equal schedule (every chunk one size): give one, e.g. the solve's gpipe_equal")
+        if args.save_grads or args.checkpoint_every:
+            raise UmoptError("--decide runs an unknown number of steps: --save-grads and --checkpoint-every need a known last one")
+        if args.max_rounds < args.rounds:
+            raise UmoptError(f"--max-rounds {args.max_rounds} is less than --rounds {args.rounds}")
     if args.resume and not args.checkpoint:
         raise UmoptError("--resume needs --checkpoint DIR")
     if args.checkpoint_every < 0:
@@ -179,6 +196,16 @@ def _data_function(spec: str) -> Callable[[int, int], tuple[torch.Tensor, torch.
     if not callable(fn):
         raise UmoptError(f"--data {spec}: not a function")
     return fn
+
+
+def _slower_s(path: str) -> float:
+    """Fault injection for the tests of --decide: UMOPT_FAULT_SLOWER="name:ms[,...]" makes every
+    step of schedule ``name`` (its file's stem) take ``ms`` longer, for step times by construction."""
+    for spec in filter(None, os.environ.get("UMOPT_FAULT_SLOWER", "").split(",")):
+        name, ms = spec.rsplit(":", 1)
+        if name == Path(path).stem:
+            return float(ms) / 1e3
+    return 0.0
 
 
 _slow_io_s: list[float] = []  # injected: seconds every checkpoint write of this rank takes longer
@@ -227,6 +254,7 @@ class _Play:
     losses: list[float] = field(default_factory=list)
     spans_last: list = field(default_factory=list)
     op_ms: list[list[float]] = field(default_factory=list)  # each op's duration in every measured step
+    slower_s: float = 0.0  # injected (UMOPT_FAULT_SLOWER)
 
     @property
     def schedule(self) -> Schedule:
@@ -316,13 +344,18 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
             on_failure=_report_failure,
         )
         pipe.prepare()  # the boundary shapes agreed now, not inside the first timed step
-        plays.append(_Play(pipe, op_ms=[[] for _ in pipe.ops]))
+        plays.append(_Play(pipe, op_ms=[[] for _ in pipe.ops], slower_s=_slower_s(args.schedule[len(plays)])))
     it = start_step
-    last = start_step + len(plays) * (args.warmup + args.rounds * args.steps) - 1
+    last = start_step + len(plays) * (args.warmup + args.rounds * args.steps) - 1  # without --decide
     # the schedules take turns, so that whatever drifts on the machine meets each alike
     speeds = []  # a fixed matmul's time on this rank's device, each round: do the stages' devices differ?
     _phase("the steps")
-    for turn in range(args.rounds):
+    decision: Optional[Decision] = None
+    began = time.monotonic()
+    turn = 0
+    while turn < args.rounds or (decision is not None and not decision.decided):
+        if turn >= args.rounds and not _another_round(args, turn, time.monotonic() - began, device):
+            break
         speeds.append(reference_ms(device))
         for play in plays:
             for j in range((args.warmup if turn == 0 else 0) + args.steps):
@@ -338,6 +371,8 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
                     targets = to_device(y, device) if last_stage else None
                 _barrier(device)
                 timing.start()
+                if rank == 0 and play.slower_s:
+                    time.sleep(play.slower_s)
                 loss_sum = play.pipe.step(inputs, targets=targets)
                 spans = list(play.pipe.spans)
                 # the gradients themselves, not copies: neither optimizer as built above changes a
@@ -364,6 +399,9 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
                 if args.checkpoint and args.checkpoint_every and (it - start_step) % args.checkpoint_every == 0 and it <= last:
                     _checkpoint(cfg, s, stage, opt, it, run_id, io_group)
                     _phase("the steps")
+        turn += 1
+        if args.decide is not None:  # every rank has the same step times (all-reduced), so the same decision
+            decision = _decision(cfg, plays)
 
     if args.checkpoint:
         _checkpoint(cfg, s, stage, opt, it, run_id, io_group)
@@ -376,7 +414,26 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
         with _waiting("the other ranks' measurements", io=True):  # rank 0 writes the last report, plot and trace meanwhile
             dist.all_gather_object(gathered, mine, group=io_group)
         if rank == 0:  # replica 0's stages (the others ran the same ops on their own samples)
-            _report(cfg, k, play.step_ms, gathered[:S])
+            _report(cfg, k, play.step_ms, gathered[:S], turn, decision)
+
+
+def _round_medians(step_ms: list[float], steps: int) -> list[float]:
+    """A schedule's median step in each round (``steps`` measured steps a round)."""
+    return [statistics.median(step_ms[k : k + steps]) for k in range(0, len(step_ms), steps)]
+
+
+def _decision(cfg: RunConfig, plays: list) -> Decision:
+    names = [Path(p).stem for p in cfg.args.schedule]
+    rounds = {n: _round_medians(play.step_ms, cfg.args.steps) for n, play in zip(names, plays)}
+    equal = [n for n, sc in zip(names, cfg.schedules) if is_equal(sc.op_lists())]
+    return decide(rounds, equal, confidence=cfg.args.decide)
+
+
+def _another_round(args: argparse.Namespace, turn: int, spent_s: float, device: torch.device) -> bool:
+    """Whether an undecided comparison gets another round: rank 0's clock says, for every rank."""
+    more = torch.tensor([turn < args.max_rounds and spent_s * (turn + 1) / turn <= args.budget], dtype=torch.int32).to(device)
+    dist.broadcast(more, src=0)
+    return bool(more.item())
 
 
 def _save_atomic(obj, path: Path) -> None:
@@ -450,7 +507,7 @@ def run_allreduce(cfg: RunConfig, schedule: Schedule) -> Optional[AllReduceProfi
     return None if cfg.args.dp <= 1 or speed is None else speed.model_copy(update={"replicas": cfg.args.dp})
 
 
-def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list) -> None:
+def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list, rounds: int, decision: Optional[Decision]) -> None:
     args, schedule = cfg.args, cfg.schedules[k]
     measured = statistics.median(step_ms)
     tl = _measured_timeline(per_rank)
@@ -470,7 +527,13 @@ def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list) -> Non
         "recompute": schedule.recompute,
         "steps": len(step_ms),  # measured, over all rounds
         "warmup": args.warmup,
-        "rounds": args.rounds,
+        "rounds": rounds,  # played (with --decide, until decided or out of budget)
+        "round_ms": _round_medians(step_ms, args.steps),  # this schedule's median step in each round
+        # with --decide: which schedule the paired test over rounds keeps, and how sure it is
+        "decision": None if decision is None else {
+            "winner": decision.winner, "reference": decision.reference, "confidence": decision.confidence,
+            "decided": decision.decided, "confidence_asked": args.decide, "reason": decision.reason,
+        },
         "schedules_in_turn": len(cfg.schedules),  # the schedules that took turns with it on the same processes
         "measured_iteration_ms": measured,
         "predicted_iteration_ms": predicted,

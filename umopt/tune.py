@@ -6,8 +6,10 @@ choosing between (umopt's recommendation, the best schedule found if that is ano
 ramped partition as a simpler runner-up, and the best equal GPipe and 1F1B schedules; with
 ``zero_bubble``, umopt's schedule with W ops and the best equal ZB-H1 too) on the same
 processes, taking turns, so that a machine's drift meets them all alike. The prediction chose the
-candidates; the measurement chooses among them (:func:`pick`), and ``recommended.json`` is the
-schedule that measured fastest, never one that measured slower than the best equal schedule.
+candidates; the measurement chooses among them, taking turns until a paired test over the rounds
+decides at a stated confidence or a time budget ends (:mod:`umopt.decide`): ``recommended.json``
+is an unequal schedule only where it measured faster than the best equal schedule at that
+confidence, else the best equal schedule.
 Everything it makes lands in one folder: the profile, the schedules, the run reports and the
 Gantt pictures.
 """
@@ -15,11 +17,11 @@ Gantt pictures.
 from __future__ import annotations
 
 import shutil
-import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
+from .decide import CONFIDENCE, Decision, decide
 from .errors import UmoptError
 from .fileio import check_writable
 from .formats.profile import Profile, load_profile, save_profile
@@ -64,6 +66,8 @@ class TuneResult:
     out_dir: str
     recommended: str  # the name of the row written as recommended.json
     reason: str
+    confidence: float  # of the decision (umopt.decide): the winner faster, or no candidate worth it
+    decided: bool  # reached the asked confidence before the budget ended
     warnings: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
 
@@ -75,31 +79,9 @@ class TuneResult:
         return (base.measured_ms / row.measured_ms) if measured else (base.predicted_ms / row.predicted_ms)
 
 
-def pick(rows: list[TuneRow]) -> tuple[str, str]:
-    """The row to recommend, and why, from runs in turns.
-
-    The reference is the best equal schedule as measured (the lower median over all steps). Any
-    other row beats it only if its median is lower *and* it was faster in more than half of the
-    rounds (each round's median against the reference's in the same round: the rounds ran in
-    turns, so a drift of the machine meets both alike). Of the rows that beat it, the lowest
-    median wins; if none does, the best equal schedule is recommended.
-    """
-    equal = [r for r in rows if r.name in EQUAL]
-    if not equal:
-        raise ValueError("no equal schedule ran: nothing to compare with")
-    ref = min(equal, key=lambda r: r.measured_ms)
-    winners = []
-    for r in rows:
-        if r.name in EQUAL:
-            continue
-        won = sum(a < b for a, b in zip(r.rounds_ms, ref.rounds_ms))
-        if r.measured_ms < ref.measured_ms and won > len(ref.rounds_ms) / 2:
-            winners.append((r.measured_ms, r, won))
-    if not winners:
-        return ref.name, f"no other schedule measured faster than {ref.name} in most rounds and overall"
-    _, best, won = min(winners, key=lambda t: t[0])
-    gain = ref.measured_ms / best.measured_ms - 1
-    return best.name, f"{100 * gain:.1f}% faster than {ref.name} measured, in {won} of {len(ref.rounds_ms)} rounds"
+def pick(rows: list[TuneRow], confidence: float = CONFIDENCE) -> Decision:
+    """The row to recommend, by the paired test over rounds of :mod:`umopt.decide`."""
+    return decide({r.name: r.rounds_ms for r in rows}, EQUAL, confidence)
 
 
 def _check_runnable(opts: ProfileOptions) -> None:
@@ -137,9 +119,11 @@ def tune(
     minibatch: int,
     *,
     device: str = "cpu",
-    steps: int = 8,
+    steps: int = 2,
     warmup: int = 2,
     rounds: int = 4,
+    confidence: float = CONFIDENCE,
+    budget: float = 120.0,
     out_dir: str = "umopt-tune",
     time_limit: float = 10.0,
     max_size: Optional[int] = None,
@@ -198,29 +182,26 @@ def tune(
             plans["zbh1_equal"] = Candidate.from_ops(zb[1])
     names = list(plans)
     paths = [write(n, plans[n]) for n in names]
-    rounds = max(1, min(rounds, steps))
-    per_round = -(-steps // rounds)
-    say(f"running {', '.join(names)} in turns, {rounds} rounds of {per_round} steps")
+    say(f"running {', '.join(names)} in turns, rounds of {steps} steps each, until decided at {100 * confidence:.0f}% confidence (at least {rounds} rounds, at most {budget:g} s)")
     result = launch(
-        [*paths, "--steps", str(per_round), "--warmup", str(warmup), "--rounds", str(rounds),
+        [*paths, "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds), "--decide", str(confidence), "--budget", str(budget),
          "--report", str(out / "report_{name}.json"), "--plot", str(out / "measured_{name}.png")],
         quiet=True,
     )
     rows = []
     for name, path, r, rep in zip(names, paths, result.reports, result.report_paths):
-        steps_ms = r["step_ms"]
-        rounds_ms = [statistics.median(steps_ms[k * per_round : (k + 1) * per_round]) for k in range(rounds)]
-        rows.append(TuneRow(name, _chunks(plans[name].ops()), r["predicted_iteration_ms"], r["measured_iteration_ms"], rounds_ms, path, rep, str(out / f"measured_{name}.png")))
+        rows.append(TuneRow(name, _chunks(plans[name].ops()), r["predicted_iteration_ms"], r["measured_iteration_ms"], r["round_ms"], path, rep, str(out / f"measured_{name}.png")))
         off = r["measured_over_predicted"] - 1
         if abs(off) > OFF_PREDICTION:
             warnings.append(f"{name} measured {100 * off:+.0f}% off its prediction")
+    decision = pick(rows, confidence)  # the runtime's own, recomputed from the reports
     if same is not None:
         for kind, ext in (("report", "json"), ("measured", "png")):
             shutil.copyfile(out / f"{kind}_{same}.{ext}", out / f"{kind}_umopt.{ext}")
         shutil.copyfile(out / f"{same}.json", out / "umopt.json")
         twin = next(r for r in rows if r.name == same)
         rows.insert(len(EQUAL), replace(twin, name="umopt", schedule=str(out / "umopt.json"), report=str(out / "report_umopt.json"), plot=str(out / "measured_umopt.png")))
-    recommended, reason = pick(rows)
+    recommended = decision.winner
     shutil.copyfile(out / f"{recommended}.json", out / "recommended.json")
     lb = report.schedule.solver.lower_bound_ms or report.lower_bound_ms
-    return TuneResult(rows, lb, str(out), recommended, reason, warnings, sorted(str(p) for p in out.iterdir()))
+    return TuneResult(rows, lb, str(out), recommended, decision.reason, decision.confidence, decision.decided, warnings, sorted(str(p) for p in out.iterdir()))

@@ -1,0 +1,112 @@
+"""Deciding between schedules measured in turns: a paired test over rounds, at a stated confidence.
+
+Schedules that take turns on the same processes meet a machine's drift alike, so each round pairs
+them: the reference's median step in round k against a candidate's in round k. The figure tested
+is the log of their ratio, one per round; its mean over the rounds is the candidate's gain, and a
+one-sided Student t test on those figures says how sure the measurement is that the gain is
+above zero. The rule (:func:`decide`), as README states it:
+
+- the reference is the equal schedule (every chunk the same size) with the lowest median;
+- a candidate that is not equal is recommended only if it is faster than the reference at the
+  given confidence (default 95%); of several such, the one with the lowest median;
+- otherwise the reference is recommended: an unequal schedule has to earn its place.
+
+The call is *decided* when every candidate (and every other equal schedule, against the
+reference) is either faster at that confidence or, at the same confidence, not faster by more
+than a margin (1%: a gain too small to be worth a schedule nobody
+else runs). Until then more rounds can be measured (``umopt run --decide``, ``umopt tune``); where
+a budget ends first the rule still picks, and the confidence printed beside the pick says how far
+from decided it was.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from scipy import stats
+
+__all__ = ["CONFIDENCE", "MARGIN", "Comparison", "Decision", "compare", "decide", "is_equal"]
+
+CONFIDENCE = 0.95
+MARGIN = 0.01
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One candidate against the reference, over paired rounds."""
+
+    name: str
+    gain: float  # geometric mean over rounds of reference / candidate, minus 1
+    faster: float  # confidence that the candidate is faster than the reference
+    not_worth: float  # confidence that it is not faster by more than the margin
+
+
+@dataclass(frozen=True)
+class Decision:
+    winner: str
+    reference: str
+    confidence: float  # in the winner being faster than the reference; for the reference, that no candidate is worth it
+    decided: bool
+    rounds: int
+    comparisons: tuple[Comparison, ...]
+    reason: str
+
+
+def compare(name: str, reference_ms: Sequence[float], candidate_ms: Sequence[float], margin: float = MARGIN) -> Comparison:
+    """The paired one-sided t test of ``log(reference / candidate)`` over rounds."""
+    d = [math.log(r / c) for r, c in zip(reference_ms, candidate_ms)]
+    mean = statistics.fmean(d) if d else 0.0
+    bound = math.log1p(margin)
+    if len(d) < 2:
+        return Comparison(name, math.expm1(mean), 0.5, 0.5)
+    sd = statistics.stdev(d)
+    if sd == 0.0:  # every round alike: the sign is certain
+        return Comparison(name, math.expm1(mean), float(mean > 0), float(mean < bound))
+    se = sd / math.sqrt(len(d))
+    t = stats.t(df=len(d) - 1)
+    return Comparison(name, math.expm1(mean), float(t.cdf(mean / se)), float(t.cdf((bound - mean) / se)))
+
+
+def decide(rounds_ms: Mapping[str, Sequence[float]], equal: Sequence[str], confidence: float = CONFIDENCE, margin: float = MARGIN) -> Decision:
+    """The schedule to keep, from each schedule's median step per round (rounds paired by index)."""
+    refs = [n for n in rounds_ms if n in equal]
+    if not refs:
+        raise ValueError("no equal schedule was measured: nothing to compare with")
+    ref = min(refs, key=lambda n: statistics.median(rounds_ms[n]))
+    rounds = min(len(v) for v in rounds_ms.values())
+    comps = tuple(compare(n, rounds_ms[ref], v, margin) for n, v in rounds_ms.items() if n not in equal)
+    # the reference against the other equal schedules: which order of equal chunks is faster
+    # matters too (on CPUs it is often the larger difference), though either is safe to keep
+    peers = tuple(compare(ref, rounds_ms[n], rounds_ms[ref], margin) for n in refs if n != ref)
+    decided = all(c.faster >= confidence or c.not_worth >= confidence for c in comps + peers)
+    winners = [c for c in comps if c.faster >= confidence]
+    if winners:
+        best = min(winners, key=lambda c: statistics.median(rounds_ms[c.name]))
+        reason = f"{100 * best.gain:.1f}% faster than {ref} over {rounds} paired rounds, at {_percent(best.faster)} confidence"
+        return Decision(best.name, ref, best.faster, decided, rounds, comps, reason)
+    sure = min([c.not_worth for c in comps] + [max(c.faster, c.not_worth) for c in peers], default=1.0)
+    if comps:
+        top = max(comps, key=lambda c: c.gain)
+        reason = (
+            f"no other schedule faster than {ref} at {100 * confidence:.0f}% confidence over {rounds} paired rounds "
+            f"(closest: {top.name}, {100 * top.gain:+.1f}%, {_percent(top.faster)} confidence)"
+        )
+    else:
+        reason = f"no schedule but equal ones over {rounds} paired rounds"
+    for n, c in zip((n for n in refs if n != ref), peers):
+        reason += f"; {100 * c.gain:.1f}% faster than {n} at {_percent(c.faster)} confidence"
+    return Decision(ref, ref, sure, decided, rounds, comps, reason)
+
+
+def _percent(p: float) -> str:
+    """A confidence as people read one: never a rounded 100%."""
+    return ">99.9%" if p > 0.999 else f"{100 * p:.1f}%" if p > 0.99 else f"{100 * p:.0f}%"
+
+
+def is_equal(op_lists: Sequence[Sequence[tuple]]) -> bool:
+    """Every forward and backward chunk of every stage the same size: what a pipeline runs today."""
+    sizes = {hi - lo for ops in op_lists for kind, lo, hi, *_ in ops}
+    return len(sizes) == 1
