@@ -6,10 +6,13 @@ one line on stderr and exits with code 2, without a traceback and without writin
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -52,7 +55,9 @@ BYTES = _Bytes()
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="umopt")
-def cli() -> None:
+@click.option("-v", "--verbose", is_flag=True, help="Say more: what each step does (and every rank's log under umopt run).")
+@click.option("-q", "--quiet", is_flag=True, help="Say less: no progress, only results, warnings and errors.")
+def cli(verbose: bool, quiet: bool) -> None:
     """umopt: unequal per-stage microbatch partitions for pipeline-parallel training.
 
     \b
@@ -60,9 +65,74 @@ def cli() -> None:
       umopt solve gpt-sim --minibatch 64 -o schedule.json --plot schedule.png
       umopt show schedule.json
     """
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    _VERBOSITY["level"] = level
+    _log_to(err, level)
+    os.environ["UMOPT_LOG_LEVEL"] = logging.getLevelName(level)  # for the ranks umopt run starts
+
+
+def _log_to(console: Console, level: int) -> None:
+    """umopt's library logs (warnings of profile_stages and Pipeline, the solver's steps) as
+    'umopt: ...' lines on stderr, plain text."""
+    logger = logging.getLogger("umopt")
+    logger.setLevel(level)
+    if not any(isinstance(h, _ConsoleHandler) for h in logger.handlers):
+        logger.addHandler(_ConsoleHandler(console))
+    logger.propagate = False
+
+
+class _ConsoleHandler(logging.Handler):
+    def __init__(self, console: Console):
+        super().__init__()
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        kind = "warning: " if record.levelno >= logging.WARNING else ""
+        self.console.print(f"umopt: {kind}{record.getMessage()}", markup=False, highlight=False, soft_wrap=True)
+
+
+_VERBOSITY = {"level": logging.INFO}
+
+
+class _Lines:
+    """Progress as plain lines on stderr, for logs (CI, nohup, torchrun): one when what is being
+    done changes, and at most one every ``every`` seconds while it goes on. The same calls as
+    rich's Progress, which draws a bar only on a terminal."""
+
+    def __init__(self, label: str, every: float = 10.0):
+        self.label, self.every = label, every
+        self.last_what, self.last_t, self.start = "", 0.0, time.monotonic()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def add_task(self, description: str, total: Optional[float] = None) -> int:
+        return 0
+
+    def update(self, task: int, completed: Optional[float] = None, total: Optional[float] = None, description: Optional[str] = None) -> None:
+        now = time.monotonic()
+        what = description or self.last_what
+        if now - self.last_t < (self.every if what == self.last_what else 1.0):  # a new phase, unless the last line is under a second old
+            return
+        share = f" ({completed:g}/{total:g})" if completed is not None and total else ""
+        err.print(f"umopt {self.label}: {what}{share} [{now - self.start:.0f} s]", markup=False, highlight=False, soft_wrap=True)
+        self.last_what, self.last_t = what, now
+
+
+class _Silent(_Lines):
+    def update(self, *args, **kwargs) -> None:
+        return None
 
 
 def _progress_bar(label: str):
+    """A bar on a terminal, plain lines elsewhere, nothing with -q."""
+    if _VERBOSITY["level"] > logging.INFO:
+        return _Silent(label)
+    if not err.is_terminal:
+        return _Lines(label)
     return Progress(
         TextColumn(f"[bold]{label}"),
         BarColumn(),
@@ -127,6 +197,12 @@ def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, m
         write_trace(panels, trace)
     save_schedule(report.schedule, output)  # last: a schedule file means everything was written
     _print_report(report)
+    if minibatch > profile.max_size:
+        out.print(
+            f"chunks are at most {profile.max_size} samples: the profile was measured up to {profile.max_size} (umopt profile --max-size, "
+            f"or profile_stages' sample batch); profile to {min(minibatch, 2 * profile.max_size)} or more if larger chunks may run faster per sample",
+            markup=False, highlight=False,
+        )
     written = [output] + [p for p in (plot, trace) if p]
     out.print(f"wrote {', '.join(written)}")
 
@@ -318,7 +394,13 @@ def run(argv) -> None:
     if not argv or "-h" in argv or "--help" in argv:
         out.print(build_parser().format_help(), markup=False, highlight=False)
         return
-    result = launch(list(argv))
+    with _progress_bar("run") as bar:
+        task = bar.add_task("starting the ranks", total=None)
+
+        def progress(done: int, total: Optional[int], what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+
+        result = launch(list(argv), progress=progress)
     for r in result.reports:
         for line in run_warnings(r):
             err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)

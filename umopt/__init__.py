@@ -8,7 +8,7 @@ on first use, so that the commands that need no torch (``umopt solve``) start fa
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Pipeline", "profile_stages", "__version__"]
+__all__ = ["Pipeline", "TensorSpec", "profile_stages", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,6 +16,10 @@ def __getattr__(name: str) -> Any:
         from .pipeline import Pipeline
 
         return Pipeline
+    if name == "TensorSpec":  # what Pipeline's input_specs / output_specs take
+        from .devices import TensorSpec
+
+        return TensorSpec
     if name == "profile_stages":
         from .profiler import profile_stages
 

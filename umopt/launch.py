@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .errors import UmoptError
 from .runtime import preflight
@@ -62,7 +62,10 @@ class RunResult:
         return self.reports[0]
 
 
-def launch(argv: list[str], *, timeout_s: Optional[float] = None, quiet: bool = False) -> RunResult:
+ProgressFn = Callable[[int, Optional[int], str], None]  # (steps done, of how many or None, what)
+
+
+def launch(argv: list[str], *, timeout_s: Optional[float] = None, quiet: bool = False, progress: Optional[ProgressFn] = None) -> RunResult:
     cfg = preflight(argv)
     S = cfg.num_stages
     world = S * cfg.args.dp  # dp replicas of the pipeline: rank r runs stage r % S of replica r // S
@@ -85,14 +88,14 @@ def launch(argv: list[str], *, timeout_s: Optional[float] = None, quiet: bool = 
         env.setdefault("OMP_NUM_THREADS", str(threads))
         log = Path(tmp) / "ranks.log"
         with open(log, "w") as out:
-            codes, on_their_own = _supervise(world, argv, env, None if not quiet else out, out, timeout_s)
+            codes, on_their_own = _supervise(world, argv, env, None if not quiet else out, out, timeout_s, progress)
         if any(c != 0 for c in codes.values()):
             raise RunFailed(_root_cause(Path(tmp), world, S, codes, on_their_own, log))
         reports = [json.loads(Path(p).read_text()) for p in paths]
         return RunResult(reports, paths if cfg.args.report else [""] * len(paths))
 
 
-def _supervise(n: int, argv: list[str], env: dict, stdout, stderr, timeout_s: Optional[float]) -> tuple[dict[int, int], set[int]]:
+def _supervise(n: int, argv: list[str], env: dict, stdout, stderr, timeout_s: Optional[float], progress: Optional[ProgressFn] = None) -> tuple[dict[int, int], set[int]]:
     """Start the n ranks in a process group of their own and wait for them. Returns each rank's
     exit status by rank, in the order they ended, and the ranks that ended on their own (before
     any was stopped). On the first bad exit, SIGINT or SIGTERM to this process or the timeout,
@@ -123,6 +126,8 @@ def _supervise(n: int, argv: list[str], env: dict, stdout, stderr, timeout_s: Op
                 raise Interrupted(got[0])
             if any(c != 0 for c in ended.values()):
                 break  # the others are stopped below; their statuses say they were
+            if progress is not None:
+                _show_progress(Path(env["UMOPT_STATUS_DIR"]) / "rank0", progress)
             if deadline is not None and time.monotonic() > deadline:
                 raise RunFailed(f"the run did not finish within {timeout_s:.0f} s; every rank stopped")
             time.sleep(POLL_S)
@@ -134,6 +139,19 @@ def _supervise(n: int, argv: list[str], env: dict, stdout, stderr, timeout_s: Op
     for r, p in enumerate(procs):
         ended.setdefault(r, p.returncode)
     return ended, on_their_own
+
+
+def _show_progress(status: Path, progress: ProgressFn) -> None:
+    """Rank 0's steps as its status file says (the runtime writes them at most once a second)."""
+    try:
+        now = json.loads(status.read_text())
+    except (OSError, ValueError):  # not written yet, or being replaced
+        return
+    p = now.get("progress")
+    if p:
+        progress(int(p["done"]), p.get("total"), str(p.get("what", "")))
+    elif now.get("phase"):
+        progress(0, None, str(now["phase"]))
 
 
 def _stop_group(group: int, procs: list[subprocess.Popen]) -> None:

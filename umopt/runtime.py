@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import secrets
 import select
@@ -50,6 +51,7 @@ from .decide import Decision, decide, is_equal
 from .devices import TensorSpec, boundary_tensors, check_trainable, numerics, numerics_differences, rank_device, reference_ms, to_device
 from .errors import UmoptError, first_line
 from .fileio import check_writable, write_atomic, write_json
+from .noise import run_warnings
 from .formats.profile import AllReduceProfile, Profile, load_profile
 from .formats.schedule import Schedule, check_against_profile, load_schedule
 from .pipeline import Pipeline, StepTimer
@@ -196,6 +198,9 @@ def _data_function(spec: str) -> Callable[[int, int], tuple[torch.Tensor, torch.
     if not callable(fn):
         raise UmoptError(f"--data {spec}: not a function")
     return fn
+
+
+_log = logging.getLogger("umopt.runtime")
 
 
 def _slower_s(path: str) -> float:
@@ -349,6 +354,14 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     last = start_step + len(plays) * (args.warmup + args.rounds * args.steps) - 1  # without --decide
     # the schedules take turns, so that whatever drifts on the machine meets each alike
     speeds = []  # a fixed matmul's time on this rank's device, each round: do the stages' devices differ?
+    names = [Path(p).stem for p in args.schedule]
+    if rank == 0:
+        turns = f"{args.rounds} rounds" + (f" or more (until decided at {args.decide:g})" if args.decide else "")
+        _log.info("%d ranks (%d stages x %d replicas), %s on %s: %s, %s of %d warm-up + %d steps each",
+                  world, S, dp, args.backend, device.type, ", ".join(names), turns, args.warmup, args.steps)
+    _log.debug("stage %d, layers %s, of replica %d", s, cfg.profile.stages[s].layers, replica)
+    predicted = [p.schedule.predicted.iteration_ms for p in plays]
+    progress = _Progress(None if args.decide else len(plays) * (args.warmup + args.rounds * args.steps)) if rank == 0 else None
     _phase("the steps")
     decision: Optional[Decision] = None
     began = time.monotonic()
@@ -357,8 +370,9 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
         if turn >= args.rounds and not _another_round(args, turn, time.monotonic() - began, device):
             break
         speeds.append(reference_ms(device))
-        for play in plays:
-            for j in range((args.warmup if turn == 0 else 0) + args.steps):
+        for k, play in enumerate(plays):
+            n_steps = (args.warmup if turn == 0 else 0) + args.steps
+            for j in range(n_steps):
                 _fault(rank, it - start_step, stage)
                 B = play.schedule.minibatch
                 inputs = targets = None
@@ -396,6 +410,8 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
                     for d, (_, _, _, t0, t1) in zip(play.op_ms, spans[: len(play.ops)]):
                         d.append(timing.ms(t1) - timing.ms(t0))
                 it += 1
+                if progress:
+                    progress.step(f"round {turn + 1}, {names[k]}", float(worst.item()), predicted[k], end_of_round=j == n_steps - 1 and k == len(plays) - 1)
                 if args.checkpoint and args.checkpoint_every and (it - start_step) % args.checkpoint_every == 0 and it <= last:
                     _checkpoint(cfg, s, stage, opt, it, run_id, io_group)
                     _phase("the steps")
@@ -552,6 +568,12 @@ def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list, rounds
         "numerics_differ": sorted({d for rec in per_rank for d in rec.get("numerics_differ", [])}),
     }
     report_path, trace_path, plot_path = (cfg.output(t, k) for t in (args.report, args.trace, args.plot))
+    _log.info("%s: measured %.2f ms, predicted %.2f ms (measured / predicted %.3f) over %d steps%s", Path(args.schedule[k]).stem, measured,
+              predicted, measured / predicted, len(step_ms), f"; report {report_path}" if args.report else "")
+    if decision is not None and k == len(cfg.schedules) - 1:
+        _log.info("keep %s: %s%s", decision.winner, decision.reason, "" if decision.decided else " (not decided when the turns ended)")
+    for line in run_warnings(report):
+        _log.warning(line)
     if report_path:
         write_json(report_path, report)
     panels = [("predicted", pred_tl), ("measured (last step)", tl)]
@@ -624,6 +646,45 @@ def _phase(what: str) -> None:
     _status("started", phase=what)
 
 
+def _setup_logging(rank: int) -> None:
+    """Rank-prefixed lines on stderr. Under torchrun rank 0 says what it does (INFO) and the others
+    only warn; ``umopt run`` passes its -v / -q as UMOPT_LOG_LEVEL."""
+    level = os.environ.get("UMOPT_LOG_LEVEL") or ("INFO" if rank == 0 else "WARNING")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_RankFormatter(rank))
+    logging.basicConfig(handlers=[handler], level=level, force=True)
+
+
+class _RankFormatter(logging.Formatter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def format(self, record: logging.LogRecord) -> str:
+        kind = "warning: " if record.levelno == logging.WARNING else "error: " if record.levelno >= logging.ERROR else ""
+        return f"[rank {self.rank}] umopt: {kind}{record.getMessage()}"
+
+
+class _Progress:
+    """Rank 0's steps: to the launcher's status file (``umopt run`` draws them) at most once a
+    second, and as a log line at most every ``every`` seconds and at each round's end."""
+
+    def __init__(self, total: Optional[int], every: float = 10.0):
+        self.total, self.every = total, every
+        self.done, self.t_status, self.t_log = 0, 0.0, time.monotonic()
+
+    def step(self, what: str, ms: float, predicted_ms: float, end_of_round: bool) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.t_status >= 1.0 or end_of_round:
+            _status("started", phase="the steps", progress={"done": self.done, "total": self.total, "what": what})
+            self.t_status = now
+        if now - self.t_log >= self.every or end_of_round:
+            of = f"/{self.total}" if self.total else ""
+            _log.info("step %d%s, %s: %.1f ms (predicted %.1f ms)", self.done, of, what, ms, predicted_ms)
+            self.t_log = now
+
+
 @contextmanager
 def _waiting(what: str, io: bool = False):
     """A wait for the other ranks, named in its failure, with the bound it had (see [Note: two timeouts])."""
@@ -685,14 +746,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     status_dir = os.environ.get("UMOPT_STATUS_DIR")
     rank = int(os.environ.get("RANK", "0"))
 
-    def status(state: str, message: str = "", phase: str = "") -> None:
+    def status(state: str, message: str = "", phase: str = "", progress: Optional[dict] = None) -> None:
         # not into a folder the launcher has removed (it has stopped waiting for this rank)
         if status_dir and Path(status_dir).is_dir():
-            line = json.dumps({"state": state, "time": time.time(), "message": message, "phase": phase})
+            line = json.dumps({"state": state, "time": time.time(), "message": message, "phase": phase, "progress": progress})
             write_atomic(Path(status_dir) / f"rank{rank}", lambda tmp: Path(tmp).write_text(line))
 
     _status = status
     status("started", phase="set-up")
+    _setup_logging(rank)
 
     _exit_on_termination(status)
     try:
