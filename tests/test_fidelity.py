@@ -175,15 +175,13 @@ def _row(name: str, rounds_ms: list[float]) -> TuneRow:
 
 def test_tune_recommends_what_measured_fastest_and_never_worse_than_the_best_equal():
     gp, of = _row("gpipe_equal", [110, 112, 111, 113]), _row("1f1b_equal", [105, 104, 106, 105])
-    # faster overall and in every round: recommended
-    name, why = pick([gp, of, _row("umopt", [100, 101, 99, 100])])
-    assert name == "umopt" and "faster than 1f1b_equal" in why and "4 of 4 rounds" in why
-    # faster overall but only in two rounds of four: not enough
-    name, _ = pick([gp, of, _row("umopt", [100, 108, 99, 107])])
-    assert name == "1f1b_equal"
+    # faster in every round, by about as much: recommended at a stated confidence
+    d = pick([gp, of, _row("umopt", [100, 101, 99, 100])])
+    assert d.winner == "umopt" and "faster than 1f1b_equal over 4 paired rounds" in d.reason and d.confidence >= 0.95
+    # faster overall but only in two rounds of four: not at 95%
+    d = pick([gp, of, _row("umopt", [100, 108, 99, 107])])
+    assert d.winner == "1f1b_equal" and not d.decided
     # slower than the best equal one: never recommended, even if faster than the other equal one
-    name, _ = pick([gp, of, _row("umopt", [107, 107, 108, 107])])
-    assert name == "1f1b_equal"
+    assert pick([gp, of, _row("umopt", [107, 107, 108, 107])]).winner == "1f1b_equal"
     # of two that beat it, the faster
-    name, _ = pick([gp, of, _row("umopt", [100, 101, 99, 100]), _row("ramp", [98, 99, 97, 99])])
-    assert name == "ramp"
+    assert pick([gp, of, _row("umopt", [100, 101, 99, 100]), _row("ramp", [98, 99, 97, 99])]).winner == "ramp"
