@@ -72,11 +72,11 @@ def one(name: str, model: str, args: dict, dp: int, out: Path, rounds: int, step
     rows = []
     for (n, c), r in zip(plans.items(), reports):
         counts = sorted({len(f) for f in c.fsizes})
-        ar = r["allreduce_ms"]
+        ar = r.allreduce_ms
         rows.append((
             name, n + (f" ({report.choice.name})" if n == "umopt" else ""), "/".join(map(str, counts)),
-            f"{r['predicted_iteration_ms']:.1f}", f"{r['measured_iteration_ms']:.1f}", f"{r['measured_over_predicted']:.3f}",
-            " ".join(f"{p:.1f}/{m:.1f}" for p, m in zip(ar["predicted"], ar["measured"])),
+            f"{r.predicted_iteration_ms:.1f}", f"{r.measured_iteration_ms:.1f}", f"{r.measured_over_predicted:.3f}",
+            " ".join(f"{p:.1f}/{m:.1f}" for p, m in zip(ar.predicted, ar.measured)),
         ))
     return rows
 

@@ -75,8 +75,8 @@ def one(name: str, model: str, args: dict, out: Path, rounds: int, steps: int, t
     res = launch([*paths, "--steps", str(steps), "--warmup", "2", "--rounds", str(rounds), "--report", str(out / (name + "_{name}_report.json"))], quiet=True)
     ran = dict(zip(runs, res.reports))
     rep = {k: ran[same[k]] for k in plans}
-    pred = {k: r["predicted_iteration_ms"] for k, r in rep.items()}
-    meas = {k: r["measured_iteration_ms"] for k, r in rep.items()}
+    pred = {k: r.predicted_iteration_ms for k, r in rep.items()}
+    meas = {k: r.measured_iteration_ms for k, r in rep.items()}
     best_eq = min(("gpipe_equal", "1f1b_equal"), key=lambda k: meas[k])
     best_eq_pred = min(pred["gpipe_equal"], pred["1f1b_equal"])
     row = {
@@ -86,7 +86,7 @@ def one(name: str, model: str, args: dict, out: Path, rounds: int, steps: int, t
         "pred_gain": best_eq_pred / pred["pick"] - 1,
         "meas_gain": meas[best_eq] / meas["pick"] - 1,
         "ratios": {k: meas[k] / pred[k] for k in rep},
-        "aa": ran["again"]["measured_iteration_ms"] / ran[same[again]]["measured_iteration_ms"],
+        "aa": ran["again"].measured_iteration_ms / ran[same[again]].measured_iteration_ms,
         "profile_s": profile_s,
         "probes": (getattr(prof, "meta", None) or {}).get("probes", {}).get("ran", False),
         "noise": (getattr(prof, "meta", None) or {}).get("noise", {}).get("median_spread"),

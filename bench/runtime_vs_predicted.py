@@ -113,7 +113,7 @@ def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print, c
             )
             return statistics.median(json.loads(out.read_text())["step_ms"])
         path = {"equal": "equal.json", "equal_div": "equal_div.json", "umopt": "umopt.json"}[kind]
-        return launch([str(tmp / path), *common, "--report", str(tmp / f"r_{kind}.json")], quiet=True).report["measured_iteration_ms"]
+        return launch([str(tmp / path), *common, "--report", str(tmp / f"r_{kind}.json")], quiet=True).report.measured_iteration_ms
 
     kinds = ["equal", "equal_div", "pipelining", "umopt"]
     for i in range(args.rounds):

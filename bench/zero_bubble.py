@@ -81,12 +81,12 @@ def measure(B: int, rounds: int, steps: int, time_limit: float) -> list[tuple]:
             save_schedule(make_schedule(prof, B, False, ops, tl, {"name": name, "status": "feasible", "seconds": 0.0}, {}), str(out / f"{name}.json"))
             paths.append(str(out / f"{name}.json"))
         reports = launch([*paths, "--steps", str(steps), "--warmup", "2", "--rounds", str(rounds), "--report", str(out / "{name}_report.json")], quiet=True).reports
-        meas = {n: r["measured_iteration_ms"] for n, r in zip(plans, reports)}
+        meas = {n: r.measured_iteration_ms for n, r in zip(plans, reports)}
         rows = []
         for (name, ops), r in zip(plans.items(), reports):
             rows.append((
-                name, "yes" if any(op.kind == "W" for st in ops for op in st) else "no", f"{r['predicted_iteration_ms']:.1f}",
-                f"{r['measured_iteration_ms']:.1f}", f"{r['measured_over_predicted']:.3f}",
+                name, "yes" if any(op.kind == "W" for st in ops for op in st) else "no", f"{r.predicted_iteration_ms:.1f}",
+                f"{r.measured_iteration_ms:.1f}", f"{r.measured_over_predicted:.3f}",
                 f"{meas['1f1b_equal'] / meas[name]:.3f}", f"{meas['zbh1_equal'] / meas[name]:.3f}" if "zbh1_equal" in meas else "-",
             ))
         return rows

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import click
 from rich.console import Console
@@ -22,6 +22,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from umopt.errors import UmoptError
+
+if TYPE_CHECKING:
+    from umopt.formats.report import RunReport
 
 __all__ = ["main", "cli"]
 
@@ -408,35 +411,35 @@ def run(argv) -> None:
         _print_turns(result.reports)
         return
     r = result.report
-    table = Table(title=f"{r['schedule']}: {r['stages']} stages, minibatch {r['minibatch']}, {r['backend']}, {r['steps']} steps")
+    table = Table(title=f"{r.schedule}: {r.stages} stages, minibatch {r.minibatch}, {r.backend}, {r.steps} steps")
     for col in ("", "iteration ms", "stage busy ms"):
         table.add_column(col, justify="right")
-    table.add_row("predicted", f"{r['predicted_iteration_ms']:.2f}", " ".join(f"{x:.1f}" for x in r["busy_ms"]["predicted"]))
-    table.add_row("measured (median)", f"{r['measured_iteration_ms']:.2f}", " ".join(f"{x:.1f}" for x in r["busy_ms"]["measured"]))
-    if "allreduce_ms" in r:
-        ar = r["allreduce_ms"]
-        table.add_row("all-reduce pred / meas", "", " ".join(f"{p:.1f}/{m:.1f}" for p, m in zip(ar["predicted"], ar["measured"])))
+    table.add_row("predicted", f"{r.predicted_iteration_ms:.2f}", " ".join(f"{x:.1f}" for x in r.busy_ms.predicted))
+    table.add_row("measured (median)", f"{r.measured_iteration_ms:.2f}", " ".join(f"{x:.1f}" for x in r.busy_ms.measured))
+    if r.allreduce_ms is not None:
+        ar = r.allreduce_ms
+        table.add_row("all-reduce pred / meas", "", " ".join(f"{p:.1f}/{m:.1f}" for p, m in zip(ar.predicted, ar.measured)))
     out.print(table)
-    out.print(f"measured / predicted = {r['measured_over_predicted']:.3f}; losses per step: " + " ".join(f"{x:.4f}" for x in r["losses"]))
+    out.print(f"measured / predicted = {r.measured_over_predicted:.3f}; losses per step: " + " ".join(f"{x:.4f}" for x in r.losses))
 
 
-def _print_turns(reports: list[dict]) -> None:
+def _print_turns(reports: list[RunReport]) -> None:
     """Schedules that took turns on the same processes, side by side; speedups over the first."""
     first = reports[0]
-    table = Table(title=f"{first['stages']} stages, {first['backend']}, {first['rounds']} rounds of turns, {first['steps']} measured steps each: speedups over {Path(first['schedule']).name}")
+    table = Table(title=f"{first.stages} stages, {first.backend}, {first.rounds} rounds of turns, {first.steps} measured steps each: speedups over {Path(first.schedule).name}")
     table.add_column("schedule", no_wrap=True)
     for col in ("pred ms", "meas ms", "meas / pred", "meas x", "pred x"):
         table.add_column(col, justify="right", no_wrap=True)
     for r in reports:
         table.add_row(
-            Path(r["schedule"]).name, f"{r['predicted_iteration_ms']:.2f}", f"{r['measured_iteration_ms']:.2f}", f"{r['measured_over_predicted']:.3f}",
-            f"{first['measured_iteration_ms'] / r['measured_iteration_ms']:.3f}x", f"{first['predicted_iteration_ms'] / r['predicted_iteration_ms']:.3f}x",
+            Path(r.schedule).name, f"{r.predicted_iteration_ms:.2f}", f"{r.measured_iteration_ms:.2f}", f"{r.measured_over_predicted:.3f}",
+            f"{first.measured_iteration_ms / r.measured_iteration_ms:.3f}x", f"{first.predicted_iteration_ms / r.predicted_iteration_ms:.3f}x",
         )
     out.print(table)
-    d = first.get("decision")
+    d = first.decision
     if d:
-        state = "decided" if d["decided"] else f"not decided at {100 * d['confidence_asked']:.0f}% when the turns ended"
-        out.print(f"keep {d['winner']}: {d['reason']} ({state})", markup=False, highlight=False)
+        state = "decided" if d.decided else f"not decided at {100 * d.confidence_asked:.0f}% when the turns ended"
+        out.print(f"keep {d.winner}: {d.reason} ({state})", markup=False, highlight=False)
 
 
 @cli.command()
@@ -545,12 +548,13 @@ def calibrate(profile_path, reports, output) -> None:
     """Scale PROFILE's op times to what runs measured (their --report files)."""
     from umopt.calibrate import calibrate as fit
     from umopt.calibrate import size_ratios
-    from umopt.fileio import check_writable, read_json
+    from umopt.fileio import check_writable
     from umopt.formats.profile import load_profile, save_profile
+    from umopt.formats.report import load_report
 
     check_writable(output)
     profile = load_profile(profile_path)
-    loaded = [read_json(r) for r in reports]
+    loaded = [load_report(r) for r in reports]
     calibrated = fit(profile, loaded, list(reports))
     table = Table(title="measured / profiled, by chunk size (median over ops)")
     for col in ("stage", "kind", "ratios"):

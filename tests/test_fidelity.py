@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from umopt.choice import choose, complexity
 from umopt.costmodel import CostTables
+from umopt.formats.report import RunReport
 from umopt import noise
 from umopt.noise import drift_figure, drift_warning, monotone_fit, noise_figure, noisy_warning, round_speeds, run_warnings, summarize, uneven_devices_warning
 from umopt.problem import Problem
@@ -47,10 +48,10 @@ def test_the_noise_warning_fires_on_a_noisy_series_and_not_on_a_quiet_one():
         assert (noisy_warning("entries", median_spread) is not None) == fires
         assert p90 >= median_spread
     # a run: far off its prediction, and scattered steps
-    report = {"schedule": "s.json", "measured_over_predicted": 1.3, "step_ms": list(10 * (1 + 0.5 * rng.random(12)))}
+    report = RunReport(schedule="s.json", measured_over_predicted=1.3, step_ms=list(10 * (1 + 0.5 * rng.random(12))))
     lines = run_warnings(report)
     assert len(lines) == 2 and "1.30x its prediction" in lines[0] and "umopt calibrate" in lines[0]
-    assert run_warnings({"measured_over_predicted": 1.05, "step_ms": [10.0, 10.1, 9.9, 10.0]}) == []
+    assert run_warnings(RunReport(measured_over_predicted=1.05, step_ms=[10.0, 10.1, 9.9, 10.0])) == []
 
 
 def test_round_speeds_take_out_a_drift_that_all_sizes_saw():
@@ -82,7 +83,7 @@ def test_devices_of_unequal_speed_and_a_busy_machine_are_said(monkeypatch):
     line = uneven_devices_warning([1.12, 1.65], "cpu")
     assert line is not None and "1.12 to 1.65 ms" in line and "47% apart" in line and "cores" in line
     assert uneven_devices_warning([1.12, 1.18], "cuda") is None and uneven_devices_warning([1.0], "cpu") is None
-    ran = run_warnings({"schedule": "s.json", "backend": "gloo", "measured_over_predicted": 1.0, "reference_ms": [1.0, 1.3]})
+    ran = run_warnings(RunReport(schedule="s.json", backend="gloo", measured_over_predicted=1.0, reference_ms=[1.0, 1.3]))
     assert len(ran) == 1 and "30% apart) while s.json ran" in ran[0]
     monkeypatch.setattr(noise.os, "cpu_count", lambda: 4)
     monkeypatch.setattr(noise, "busy_cores", lambda seconds=0.5: 2.6)
@@ -164,8 +165,8 @@ def test_run_ratios_are_measured_over_the_profiles_prediction():
     reports = []
     for k, (_, c) in enumerate(cands):
         predicted = simulate(problem.tables, c.ops(), 32).iteration_ms
-        reports.append({"minibatch": 32, "recompute": False, "measured_iteration_ms": predicted * (1 + 0.1 * k),
-                        "ops": [[[kind, lo, hi, 0.0, 0.0] for kind, lo, hi in st] for st in c.ops()]})
+        reports.append(RunReport(minibatch=32, recompute=False, measured_iteration_ms=predicted * (1 + 0.1 * k),
+                                 ops=[[(kind, lo, hi, 0.0, 0.0) for kind, lo, hi in st] for st in c.ops()]))
     assert run_ratios(prof, reports) == pytest.approx([1.0, 1.1, 1.2])
 
 

@@ -22,6 +22,7 @@ from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.synthetic import synthetic_profile
 from umopt.devices import numerics
 from umopt.formats.profile import load_profile
+from umopt.formats.report import RunReport
 from umopt.zoo import build_model
 
 MLP = {"layers": 6, "width": 24, "in_features": 12, "num_classes": 5}
@@ -225,7 +226,7 @@ def test_a_run_says_when_its_numerics_differ_from_the_profiles_and_refuses_float
     save_profile(timed, tmp_path / "timed.json")
     path, _ = write_schedule(tmp_path, load_profile(tmp_path / "timed.json"), "gpipe", False, 3)
     report = launch([path, "--steps", "1", "--warmup", "0"], quiet=True).report
-    assert report["numerics_differ"] == [f"matmul_tf32: profiled {not now['matmul_tf32']}, now {now['matmul_tf32']}"]
+    assert report.numerics_differ == [f"matmul_tf32: profiled {not now['matmul_tf32']}, now {now['matmul_tf32']}"]
     assert any("other numerics than its profile was timed under" in w for w in run_warnings(report))
     half = profile.model_copy(update={"device": profile.device.model_copy(update={"dtype": "float16"})})
     save_profile(half, tmp_path / "half.json")
@@ -284,7 +285,7 @@ def test_two_data_parallel_replicas_of_the_pipeline_train_as_one_process_on_the_
     path, _ = write_schedule(tmp_path, profile, "1f1b", False, 9)
     report = launch([path, "--dp", "2", "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True).report
     # the schedule was solved for one pipeline and the profile knows no all-reduce speed: said so
-    assert report["dp"] == 2 and report["allreduce"] is None and len(report["allreduce_ms"]["measured"]) == 2
+    assert report.dp == 2 and report.allreduce is None and len(report.allreduce_ms.measured) == 2
     assert any("leaves out their all-reduce" in w for w in run_warnings(report))
     got = {}
     for s in range(2):
@@ -328,8 +329,8 @@ def test_a_run_on_more_ranks_than_cores_is_blamed_on_that_not_on_another_job(mon
     import umopt.noise as noise
 
     monkeypatch.setattr(noise.os, "cpu_count", lambda: 2)
-    report = {"schedule": "s.json", "measured_over_predicted": 2.6, "backend": "gloo", "stages": 8, "dp": 1}
+    report = RunReport(schedule="s.json", measured_over_predicted=2.6, backend="gloo", stages=8, dp=1)
     (line,) = run_warnings(report)
     assert "8 ranks on 2 cores" in line and "another job" not in line
-    (line,) = run_warnings({**report, "stages": 2})
+    (line,) = run_warnings(report.model_copy(update={"stages": 2}))
     assert "another job on the machine" in line

@@ -20,7 +20,7 @@ def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
     stdout = capsys.readouterr().out
     for name in ("gpipe_equal", "1f1b_equal", "umopt"):
         assert name in stdout
-        report = json.loads((out / f"report_{name}.json").read_text())
+        report = json.loads((out / f"report_{name}.json").read_text())  # the file, as JSON
         assert report["measured_iteration_ms"] > 0 and report["predicted_iteration_ms"] > 0
         assert (out / f"measured_{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "profile.json").exists() and (out / "umopt.json").exists()

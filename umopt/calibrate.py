@@ -31,62 +31,27 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Annotated, Literal, Optional
+from typing import Optional, Sequence
 
 import numpy as np
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    ValidationError,
-)
 
 from .errors import UmoptError
-from .formats.profile import AllReduceProfile, Profile, pydantic_error_line
-from .limits import MAX_MINIBATCH, MAX_MS
+from .formats.profile import AllReduceProfile, Profile
+from .formats.report import RunReport, as_report
 from .noise import monotone_fit
 
 __all__ = ["calibrate", "size_ratios", "fit_overheads", "Overheads", "run_ratios"]
 
 
-_Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
-
-
-class _RunReport(BaseModel):
-    """What calibration reads of a report of ``umopt run`` (the rest is free)."""
-
-    model_config = ConfigDict(extra="allow")
-    measured_iteration_ms: Annotated[StrictFloat | StrictInt, Field(gt=0, le=MAX_MS, allow_inf_nan=False)]
-    recompute: StrictBool = False
-    allreduce: Optional[AllReduceProfile] = None
-    # per stage, with data-parallel replicas: its all-reduce's measured and predicted ms
-    allreduce_ms: Optional[dict[Literal["measured", "predicted"], list[Annotated[StrictFloat | StrictInt, _Ms]]]] = None
-    minibatch: Optional[Annotated[StrictInt, Field(ge=1, le=MAX_MINIBATCH)]] = None
-    # per stage: [kind, lo, hi, measured ms, predicted ms]
-    ops: list[list[tuple[Literal["F", "B", "W"], StrictInt, StrictInt, Annotated[StrictFloat | StrictInt, _Ms], Annotated[StrictFloat | StrictInt, _Ms]]]]
-
-
-def _check_report(rep, name: str, profile: Profile) -> None:
+def _check_report(rep: RunReport, name: str, profile: Profile) -> None:
     from .costmodel import CostTables
 
-    if not isinstance(rep, dict) or "measured_iteration_ms" not in rep:
-        raise UmoptError(f"{name}: not a report of umopt run")
-    if rep.get("ops") is None:
+    if rep.ops is None:
         raise UmoptError(f"{name}: no per-op times (written by an older umopt run; run it again)")
-    if not isinstance(rep["ops"], list) or len(rep["ops"]) != profile.num_stages:
-        raise UmoptError(f"{name}: has {len(rep['ops']) if isinstance(rep['ops'], list) else 'no'} stages, the profile {profile.num_stages}")
-    try:
-        checked = _RunReport.model_validate(rep)
-    except ValidationError as exc:
-        loc = exc.errors()[0]["loc"]
-        if len(loc) >= 3 and loc[0] == "ops" and isinstance(rep["ops"][loc[1]], list):
-            raise UmoptError(f"{name}: stage {loc[1]} has a malformed op entry {str(rep['ops'][loc[1]][loc[2]])[:80]}") from None
-        raise UmoptError(f"{name}: {pydantic_error_line(exc)}") from None
-    tables = CostTables.from_profile(profile, checked.recompute)
-    for s, stage_ops in enumerate(checked.ops):
+    if len(rep.ops) != profile.num_stages:
+        raise UmoptError(f"{name}: has {len(rep.ops)} stages, the profile {profile.num_stages}")
+    tables = CostTables.from_profile(profile, rep.recompute)
+    for s, stage_ops in enumerate(rep.ops):
         split = any(op[0] == "W" for op in stage_ops)
         if split and tables.bwd_input is None:
             raise UmoptError(f"{name}: ran W ops, but the profile has no backward_input_ms / backward_weight_ms")
@@ -100,16 +65,16 @@ def _check_report(rep, name: str, profile: Profile) -> None:
                 raise UmoptError(f"{name}: was not measured against this profile (stage {s} {kind}({lo},{hi}) predicted {predicted:.4f} ms, the profile says {expected:.4f})")
 
 
-def _allreduce(rep: dict, profile: Profile) -> Optional[AllReduceProfile]:
+def _allreduce(rep: RunReport, profile: Profile) -> Optional[AllReduceProfile]:
     """The all-reduce of a run of data-parallel replicas (None: one pipeline): the profile's, fitted,
     where it has one, else what the run was predicted with; for the run's replicas."""
-    if not rep.get("allreduce"):
+    if not rep.allreduce:
         return None
-    ran = AllReduceProfile.model_validate(rep["allreduce"])
+    ran = rep.allreduce
     return (profile.allreduce or ran).model_copy(update={"replicas": ran.replicas})
 
 
-def fit_allreduce(profile: Profile, reports: list[dict]) -> Optional[AllReduceProfile]:
+def fit_allreduce(profile: Profile, reports: list[RunReport]) -> Optional[AllReduceProfile]:
     """The profile's all-reduce with its latency fitted to the runs of data-parallel replicas
     (the median over stages and runs of measured minus bandwidth term: what the replicas'
     skew and the machine add to every all-reduce); None where no report ran replicas."""
@@ -119,25 +84,25 @@ def fit_allreduce(profile: Profile, reports: list[dict]) -> Optional[AllReducePr
     base = None
     for rep in reports:
         ar = _allreduce(rep, profile)
-        if ar is None or not rep.get("allreduce_ms"):
+        if ar is None or not rep.allreduce_ms:
             continue
         base = base or ar
         bandwidth_only = ar.model_copy(update={"latency_ms": 0.0})
-        extra += [m - allreduce_ms(bandwidth_only, st.param_bytes or 0) for m, st in zip(rep["allreduce_ms"]["measured"], profile.stages)]
+        extra += [m - allreduce_ms(bandwidth_only, st.param_bytes or 0) for m, st in zip(rep.allreduce_ms.measured, profile.stages)]
     if base is None:
         return None
     return base.model_copy(update={"latency_ms": max(0.0, float(np.median(extra)))})
 
 
-def size_ratios(reports: list[dict], num_stages: int) -> dict[tuple[int, str], dict[int, float]]:
+def size_ratios(reports: list[RunReport], num_stages: int) -> dict[tuple[int, str], dict[int, float]]:
     """``{(stage, "F"|"B"): {size: median measured / predicted}}`` over every op of every report."""
     samples: dict[tuple[int, str, int], list[float]] = defaultdict(list)
     for rep in reports:
-        for s, ops in enumerate(rep["ops"]):
+        for s, ops in enumerate(rep.ops or []):
             split = any(op[0] == "W" for op in ops)
             for kind, lo, hi, measured, predicted in ops:
                 # a B with recompute, or split from its W, is not the profile's backward
-                if kind == "W" or (kind == "B" and (rep.get("recompute") or split)):
+                if kind == "W" or (kind == "B" and (rep.recompute or split)):
                     continue
                 if predicted > 0:
                     samples[(s, kind, hi - lo)].append(measured / predicted)
@@ -147,12 +112,13 @@ def size_ratios(reports: list[dict], num_stages: int) -> dict[tuple[int, str], d
     return dict(out)
 
 
-def calibrate(profile: Profile, reports: list[dict], names: list[str]) -> Profile:
+def calibrate(profile: Profile, reports: Sequence[RunReport | dict], names: list[str]) -> Profile:
     """A copy of ``profile`` fitted to the reports' measurements.
 
     Every report must come from a run of a schedule for this very profile: each op's predicted
     duration in the report must be the profile's (else it was measured against another one).
     """
+    reports = [as_report(rep, name) for rep, name in zip(reports, names)]  # files read as JSON, or typed already
     for rep, name in zip(reports, names):
         _check_report(rep, name, profile)
     ratios = size_ratios(reports, profile.num_stages)
@@ -217,12 +183,12 @@ class Overheads:
         return profile.model_copy(update={"stages": stages, "links": links})
 
 
-def _report_ops(rep: dict) -> tuple[list, int]:
-    ops = [[(kind, int(lo), int(hi)) for kind, lo, hi, *_ in stage] for stage in rep["ops"]]
-    return ops, int(rep.get("minibatch") or max(hi for stage in ops for _, _, hi in stage))
+def _report_ops(rep: RunReport) -> tuple[list, int]:
+    ops = [[(kind, int(lo), int(hi)) for kind, lo, hi, *_ in stage] for stage in rep.ops or []]
+    return ops, int(rep.minibatch or max(hi for stage in ops for _, _, hi in stage))
 
 
-def fit_overheads(profile: Profile, reports: list[dict]) -> Overheads:
+def fit_overheads(profile: Profile, reports: list[RunReport]) -> Overheads:
     """The per-op, per-message and per-iteration costs that make the simulator's iteration times
     of the reports' op lists fit their measured ones (least squares of the relative error).
 
@@ -235,7 +201,7 @@ def fit_overheads(profile: Profile, reports: list[dict]) -> Overheads:
 
     if not reports:
         return Overheads(0.0, 0.0, 0.0, 0.0)
-    runs = [(_report_ops(rep), float(rep["measured_iteration_ms"]), (bool(rep.get("recompute")), _allreduce(rep, profile))) for rep in reports]
+    runs = [(_report_ops(rep), float(rep.measured_iteration_ms), (rep.recompute, _allreduce(rep, profile))) for rep in reports]
     measured = np.array([m for _, m, _ in runs])
     weight = 1.0 / measured**2
 
@@ -277,15 +243,15 @@ def fit_overheads(profile: Profile, reports: list[dict]) -> Overheads:
     return Overheads(x[0], x[1], step, float(np.sqrt(err / len(runs))))
 
 
-def run_ratios(profile: Profile, reports: list[dict]) -> list[float]:
+def run_ratios(profile: Profile, reports: list[RunReport]) -> list[float]:
     """Each report's measured iteration over what ``profile`` predicts for its op list: what a
     fit leaves, run by run."""
     from .costmodel import CostTables, simulate
 
     out = []
     for rep in reports:
-        (ops, B), rc = _report_ops(rep), (bool(rep.get("recompute")), _allreduce(rep, profile))
-        out.append(float(rep["measured_iteration_ms"]) / simulate(CostTables.from_profile(profile, *rc), ops, B, record=False).iteration_ms)
+        (ops, B), rc = _report_ops(rep), (rep.recompute, _allreduce(rep, profile))
+        out.append(float(rep.measured_iteration_ms) / simulate(CostTables.from_profile(profile, *rc), ops, B, record=False).iteration_ms)
     return out
 
 

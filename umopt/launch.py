@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import UmoptError
+from .formats.report import RunReport, load_report
 from .runtime import preflight
 
 __all__ = ["RunFailed", "Interrupted", "RunResult", "launch", "STOP_GRACE_S"]
@@ -54,11 +55,11 @@ class Interrupted(UmoptError):
 
 @dataclass
 class RunResult:
-    reports: list[dict]  # one per schedule, in the order given
+    reports: list[RunReport]  # one per schedule, in the order given
     report_paths: list[str]  # where they were written ("" where --report was not given)
 
     @property
-    def report(self) -> dict:
+    def report(self) -> RunReport:
         return self.reports[0]
 
 
@@ -91,7 +92,7 @@ def launch(argv: list[str], *, timeout_s: Optional[float] = None, quiet: bool = 
             codes, on_their_own = _supervise(world, argv, env, None if not quiet else out, out, timeout_s, progress)
         if any(c != 0 for c in codes.values()):
             raise RunFailed(_root_cause(Path(tmp), world, S, codes, on_their_own, log))
-        reports = [json.loads(Path(p).read_text()) for p in paths]
+        reports = [load_report(p) for p in paths]
         return RunResult(reports, paths if cfg.args.report else [""] * len(paths))
 
 

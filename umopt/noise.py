@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .formats.report import RunReport
+
 __all__ = [
     "NOISY_SPREAD",
     "OFF_PREDICTION",
@@ -213,40 +215,39 @@ def load_warning(cores_used: int) -> Optional[str]:
     return f"{load:.1f} of the machine's {cores} cores were busy before measuring: other jobs will slow and scatter the timings"
 
 
-def run_warnings(report: dict) -> list[str]:
+def run_warnings(report: RunReport) -> list[str]:
     """What a run's report says the user should know: a run far off its prediction (and what to
     do), and steps too scattered to trust."""
     out = []
-    name = report.get("schedule", "the schedule")
-    if int(report.get("dp") or 1) > 1 and not report.get("allreduce"):
+    name = report.schedule or "the schedule"
+    if report.dp > 1 and not report.allreduce:
         out.append(
-            f"{name} ran with {report['dp']} data-parallel replicas but its prediction leaves out their all-reduce (no speed known): "
-            f"solve with --dp {report['dp']} (and --dp-gbps, or a profile made with --dp {report['dp']})"
+            f"{name} ran with {report.dp} data-parallel replicas but its prediction leaves out their all-reduce (no speed known): "
+            f"solve with --dp {report.dp} (and --dp-gbps, or a profile made with --dp {report.dp})"
         )
-    ratio = float(report["measured_over_predicted"])
-    ranks, cores = int(report.get("stages") or 1) * int(report.get("dp") or 1), os.cpu_count() or 1
-    if abs(ratio - 1) > OFF_PREDICTION and report.get("backend") == "gloo" and ranks > cores:
+    ratio = report.measured_over_predicted
+    ranks, cores = (report.stages or 1) * report.dp, os.cpu_count() or 1
+    if ratio is not None and abs(ratio - 1) > OFF_PREDICTION and report.backend == "gloo" and ranks > cores:
         out.append(
             f"{name} measured {ratio:.2f}x its prediction: {ranks} ranks on {cores} cores share them, where the profile timed "
             "each stage on a core of its own; run with a core per rank (or fewer stages) to compare with the prediction"
         )
-    elif abs(ratio - 1) > OFF_PREDICTION:
+    elif ratio is not None and abs(ratio - 1) > OFF_PREDICTION:
         out.append(
             f"{name} measured {ratio:.2f}x its prediction: the profile does not describe this run (another job on the machine, "
             "another machine, or a profile without the runtime's costs); profile again here (its probe runs fit the runtime) "
             "or fit it to this run: umopt calibrate PROFILE REPORT -o PROFILE2"
         )
-    uneven = uneven_devices_warning(report.get("reference_ms") or [], "cuda" if report.get("backend") == "nccl" else "cpu", f"while {name} ran")
+    uneven = uneven_devices_warning(report.reference_ms, "cuda" if report.backend == "nccl" else "cpu", f"while {name} ran")
     if uneven:
         out.append(uneven)
-    if report.get("numerics_differ"):
+    if report.numerics_differ:
         out.append(
-            f"{name} ran with other numerics than its profile was timed under ({'; '.join(report['numerics_differ'])}): "
+            f"{name} ran with other numerics than its profile was timed under ({'; '.join(report.numerics_differ)}): "
             "its prediction may not hold; profile under the settings you train with"
         )
-    steps = report.get("step_ms") or []
-    if len(steps) >= 4:
-        s = summarize(steps)
+    if len(report.step_ms) >= 4:
+        s = summarize(report.step_ms)
         line = noisy_warning(f"{name}'s steps", s.spread)
         if line:
             out.append(line)

@@ -19,8 +19,8 @@ from typing import Optional
 import numpy as np
 
 from .calibrate import calibrate, run_ratios
-from .fileio import read_json
 from .formats.profile import Profile
+from .formats.report import load_report
 from .formats.schedule import make_schedule, save_schedule
 from .launch import RunFailed, launch
 from .problem import Candidate, Problem
@@ -88,7 +88,7 @@ def fit_to_probes(profile: Profile, minibatch: int, out: Path, **kw) -> Profile:
     reports = probe_runs(profile, minibatch, out, **kw)
     if not reports:
         return profile
-    runs = [read_json(r) for r in reports]
+    runs = [load_report(r) for r in reports]
     fitted = calibrate(profile, runs, [Path(r).name for r in reports])
     # what the fit leaves per order: on a CPU an op after one of the other kind runs slower,
     # which the model (a time per kind and size) cannot hold and 1F1B meets at every step

@@ -50,9 +50,11 @@ from .costmodel import CostTables, Span, Timeline, simulate
 from .decide import Decision, decide, is_equal
 from .devices import TensorSpec, boundary_tensors, check_trainable, numerics, numerics_differences, rank_device, reference_ms, to_device
 from .errors import UmoptError, first_line
-from .fileio import check_writable, write_atomic, write_json
+from .fileio import check_writable, write_atomic
 from .noise import run_warnings
 from .formats.profile import AllReduceProfile, Profile, load_profile
+from .formats.report import Decision as ReportDecision
+from .formats.report import MeasuredPredicted, RunReport, save_report
 from .formats.schedule import Schedule, check_against_profile, load_schedule
 from .pipeline import Pipeline, StepTimer
 from .zoo import ModelParts, build_model, import_object
@@ -531,42 +533,40 @@ def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list, rounds
     tables = CostTables.from_profile(cfg.profile, schedule.recompute, allreduce)
     pred_tl = simulate(tables, schedule.op_lists(), schedule.minibatch)
     predicted = pred_tl.iteration_ms  # the simulator's, not what the file says
-    report = {
-        "schedule": str(args.schedule[k]),
-        "profile": cfg.profile.path,
-        "backend": args.backend,
-        "stages": cfg.num_stages,
-        "dp": args.dp,
-        # what the prediction took each stage's all-reduce to cost (null: one pipeline, or left out)
-        "allreduce": allreduce.model_dump() if allreduce else None,
-        "minibatch": schedule.minibatch,
-        "recompute": schedule.recompute,
-        "steps": len(step_ms),  # measured, over all rounds
-        "warmup": args.warmup,
-        "rounds": rounds,  # played (with --decide, until decided or out of budget)
-        "round_ms": _round_medians(step_ms, args.steps),  # this schedule's median step in each round
-        # with --decide: which schedule the paired test over rounds keeps, and how sure it is
-        "decision": None if decision is None else {
-            "winner": decision.winner, "reference": decision.reference, "confidence": decision.confidence,
-            "decided": decision.decided, "confidence_asked": args.decide, "reason": decision.reason,
-        },
-        "schedules_in_turn": len(cfg.schedules),  # the schedules that took turns with it on the same processes
-        "measured_iteration_ms": measured,
-        "predicted_iteration_ms": predicted,
-        "measured_over_predicted": measured / predicted,
-        "step_ms": step_ms,
-        "busy_ms": {"measured": tl.busy_ms, "predicted": pred_tl.busy_ms},
-        **({"allreduce_ms": {"measured": tl.allreduce_ms, "predicted": pred_tl.allreduce_ms}} if args.dp > 1 else {}),
+    report = RunReport(
+        schedule=str(args.schedule[k]),
+        profile=cfg.profile.path,
+        backend=args.backend,
+        stages=cfg.num_stages,
+        dp=args.dp,
+        allreduce=allreduce,  # what the prediction took each stage's all-reduce to cost (None: one pipeline, or left out)
+        minibatch=schedule.minibatch,
+        recompute=schedule.recompute,
+        steps=len(step_ms),
+        warmup=args.warmup,
+        rounds=rounds,
+        round_ms=_round_medians(step_ms, args.steps),
+        schedules_in_turn=len(cfg.schedules),  # the schedules that took turns with it on the same processes
+        measured_iteration_ms=measured,
+        predicted_iteration_ms=predicted,
+        measured_over_predicted=measured / predicted,
+        step_ms=step_ms,
+        busy_ms=MeasuredPredicted(measured=tl.busy_ms, predicted=pred_tl.busy_ms),
+        allreduce_ms=MeasuredPredicted(measured=tl.allreduce_ms, predicted=pred_tl.allreduce_ms) if args.dp > 1 else None,
         # per stage, every op with its median measured duration and the profile's: what
         # `umopt calibrate` fits a profile to
-        "ops": [
-            [[kind, lo, hi, ms, sp.end - sp.start] for (kind, lo, hi, ms), sp in zip(rec["op_ms"], pred)]
+        ops=[
+            [(kind, lo, hi, ms, sp.end - sp.start) for (kind, lo, hi, ms), sp in zip(rec["op_ms"], pred)]
             for rec, pred in zip(per_rank, pred_tl.spans)
         ],
-        "losses": per_rank[-1]["losses"],
-        "reference_ms": [rec["reference_ms"] for rec in per_rank],
-        "numerics_differ": sorted({d for rec in per_rank for d in rec.get("numerics_differ", [])}),
-    }
+        losses=per_rank[-1]["losses"],
+        reference_ms=[rec["reference_ms"] for rec in per_rank],
+        numerics_differ=sorted({d for rec in per_rank for d in rec.get("numerics_differ", [])}),
+        decision=None if decision is None else ReportDecision(
+            winner=decision.winner, reference=decision.reference, confidence=decision.confidence,
+            decided=decision.decided, confidence_asked=args.decide, reason=decision.reason,
+        ),
+    )
     report_path, trace_path, plot_path = (cfg.output(t, k) for t in (args.report, args.trace, args.plot))
     _log.info("%s: measured %.2f ms, predicted %.2f ms (measured / predicted %.3f) over %d steps%s", Path(args.schedule[k]).stem, measured,
               predicted, measured / predicted, len(step_ms), f"; report {report_path}" if args.report else "")
@@ -575,7 +575,7 @@ def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list, rounds
     for line in run_warnings(report):
         _log.warning(line)
     if report_path:
-        write_json(report_path, report)
+        save_report(report, report_path)
     panels = [("predicted", pred_tl), ("measured (last step)", tl)]
     if trace_path:
         from .trace import write_trace

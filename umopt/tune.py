@@ -190,8 +190,8 @@ def tune(
     )
     rows = []
     for name, path, r, rep in zip(names, paths, result.reports, result.report_paths):
-        rows.append(TuneRow(name, _chunks(plans[name].ops()), r["predicted_iteration_ms"], r["measured_iteration_ms"], r["round_ms"], path, rep, str(out / f"measured_{name}.png")))
-        off = r["measured_over_predicted"] - 1
+        rows.append(TuneRow(name, _chunks(plans[name].ops()), r.predicted_iteration_ms, r.measured_iteration_ms, r.round_ms, path, rep, str(out / f"measured_{name}.png")))
+        off = r.measured_over_predicted - 1
         if abs(off) > OFF_PREDICTION:
             warnings.append(f"{name} measured {100 * off:+.0f}% off its prediction")
     decision = pick(rows, confidence)  # the runtime's own, recomputed from the reports

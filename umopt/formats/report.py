@@ -1,0 +1,100 @@
+"""The run report (``umopt run --report``): what a run measured, beside what the profile predicted.
+
+The runtime writes it; ``umopt run`` and ``umopt tune`` print it, ``umopt calibrate`` fits a
+profile to it, :func:`umopt.noise.run_warnings` reads what went wrong from it. Reports written by
+older versions lack some fields: they load with those empty, and what needs them says so
+(calibrate needs ``ops``). docs/formats.md lists the fields.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
+
+from ..errors import UmoptError
+from ..fileio import read_json, write_json
+from ..limits import MAX_MINIBATCH, MAX_MS
+from .profile import AllReduceProfile, pydantic_error_line
+
+__all__ = ["Decision", "MeasuredPredicted", "OpTiming", "RunReport", "as_report", "load_report", "save_report"]
+
+_Ms = Annotated[StrictFloat | StrictInt, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
+
+# one op of a stage: [kind, lo, hi, measured median ms, the profile's ms]
+OpTiming = tuple[Literal["F", "B", "W"], StrictInt, StrictInt, _Ms, _Ms]
+
+
+class MeasuredPredicted(BaseModel):
+    """Per stage: what the run measured and what the profile predicted."""
+
+    measured: list[_Ms]
+    predicted: list[_Ms]
+
+
+class Decision(BaseModel):
+    """``umopt run --decide``: which schedule the paired test over rounds keeps (umopt.decide)."""
+
+    winner: str
+    reference: str
+    confidence: float
+    decided: bool
+    confidence_asked: float
+    reason: str
+
+
+class RunReport(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    # what ran
+    schedule: str = ""
+    profile: Optional[str] = None
+    backend: str = ""
+    stages: Optional[StrictInt] = None
+    dp: StrictInt = 1
+    allreduce: Optional[AllReduceProfile] = None  # what the prediction took the replicas' all-reduce to cost
+    minibatch: Optional[Annotated[StrictInt, Field(ge=1, le=MAX_MINIBATCH)]] = None
+    recompute: StrictBool = False
+    steps: StrictInt = 0  # measured, over all rounds
+    warmup: StrictInt = 0
+    rounds: StrictInt = 1  # played (with --decide, until decided or out of budget)
+    schedules_in_turn: StrictInt = 1
+    # what it measured
+    measured_iteration_ms: Optional[Annotated[StrictFloat | StrictInt, Field(gt=0, le=MAX_MS, allow_inf_nan=False)]] = None
+    predicted_iteration_ms: Optional[float] = None  # the simulator's, for this run's profile
+    measured_over_predicted: Optional[float] = None
+    step_ms: list[float] = []
+    round_ms: list[float] = []  # the median step of each round
+    busy_ms: Optional[MeasuredPredicted] = None
+    allreduce_ms: Optional[MeasuredPredicted] = None  # with data-parallel replicas
+    ops: Optional[list[list[OpTiming]]] = None  # per stage, every op: what `umopt calibrate` fits
+    losses: list[float] = []
+    reference_ms: list[float] = []  # a fixed matmul's median time on each stage's device
+    numerics_differ: list[str] = []  # TF32 / cuDNN settings other than the profile's
+    decision: Optional[Decision] = None
+
+
+def as_report(raw: Any, name: str) -> RunReport:
+    """A report read from JSON (or already typed), checked; ``name`` heads its one-line errors."""
+    if isinstance(raw, RunReport):
+        return raw
+    if not isinstance(raw, dict) or "measured_iteration_ms" not in raw:
+        raise UmoptError(f"{name}: not a report of umopt run")
+    try:
+        return RunReport.model_validate(raw)
+    except ValidationError as exc:
+        loc = exc.errors()[0]["loc"]
+        ops = raw.get("ops")
+        if len(loc) >= 3 and loc[0] == "ops" and isinstance(ops, list) and isinstance(ops[loc[1]], list):
+            raise UmoptError(f"{name}: stage {loc[1]} has a malformed op entry {str(ops[loc[1]][loc[2]])[:80]}") from None
+        raise UmoptError(f"{name}: {pydantic_error_line(exc)}") from None
+
+
+def load_report(path: str | os.PathLike) -> RunReport:
+    """A report file, checked; one-line errors."""
+    return as_report(read_json(path), str(path))
+
+
+def save_report(report: RunReport, path: str | os.PathLike) -> None:
+    write_json(path, report.model_dump(mode="json", exclude_none=False))
