@@ -46,6 +46,8 @@ __all__ = ["calibrate", "size_ratios", "fit_overheads", "Overheads", "run_ratios
 def _check_report(rep: RunReport, name: str, profile: Profile) -> None:
     from .costmodel import CostTables
 
+    if rep.measured_iteration_ms is None:
+        raise UmoptError(f"{name}: measured_iteration_ms is null: not a report of a finished run")
     if rep.ops is None:
         raise UmoptError(f"{name}: no per-op times (written by an older umopt run; run it again)")
     if len(rep.ops) != profile.num_stages:
