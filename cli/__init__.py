@@ -80,8 +80,7 @@ def _log_to(console: Console, level: int) -> None:
     logger = logging.getLogger("umopt")
     logger.setLevel(level)
     if not any(isinstance(h, _ConsoleHandler) for h in logger.handlers):
-        logger.addHandler(_ConsoleHandler(console))
-    logger.propagate = False
+        logger.addHandler(_ConsoleHandler(console))  # (and on to the root's handlers, where a host program set some)
 
 
 class _ConsoleHandler(logging.Handler):
