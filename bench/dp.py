@@ -55,11 +55,11 @@ def one(name: str, model: str, args: dict, dp: int, out: Path, rounds: int, step
     prof = profile_in_pipeline(ProfileOptions(model=model, model_args=args, stages=2, max_size=B, dp=dp), probe_minibatch=B)
     save_profile(prof, out / f"{name}.json")
     prof = load_profile(out / f"{name}.json")
-    probes = (prof.model_extra.get("meta") or {}).get("probes", {})
-    if not probes.get("ran"):
+    probes = prof.meta.probes
+    if not (probes and probes.ran):
         # what a user does then: run equal schedules of several chunk sizes with the replicas
         # (the probe schedules) and calibrate the profile on their reports
-        say(f"{name}: no probe runs ({probes.get('why')}); calibrating on the probe schedules run with --dp {dp} instead")
+        say(f"{name}: no probe runs ({probes.why if probes else 'not recorded'}); calibrating on the probe schedules run with --dp {dp} instead")
         prof = fit_to_probes(prof, B, out / f"{name}_probes", steps=steps, warmup=2, rounds=rounds)
         save_profile(prof, out / f"{name}_calibrated.json")
         prof = load_profile(out / f"{name}_calibrated.json")

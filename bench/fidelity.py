@@ -88,8 +88,8 @@ def one(name: str, model: str, args: dict, out: Path, rounds: int, steps: int, t
         "ratios": {k: meas[k] / pred[k] for k in rep},
         "aa": ran["again"].measured_iteration_ms / ran[same[again]].measured_iteration_ms,
         "profile_s": profile_s,
-        "probes": (getattr(prof, "meta", None) or {}).get("probes", {}).get("ran", False),
-        "noise": (getattr(prof, "meta", None) or {}).get("noise", {}).get("median_spread"),
+        "probes": bool(prof.meta.probes and prof.meta.probes.ran),
+        "noise": prof.meta.noise.median_spread if prof.meta.noise else None,
     }
     say(f"{name}: pick {row['pick']}, predicted gain {100 * row['pred_gain']:.1f}%, measured {100 * row['meas_gain']:.1f}%, "
         f"m/p {', '.join(f'{k} {v:.3f}' for k, v in row['ratios'].items())}, A/A {row['aa']:.3f}")
@@ -108,7 +108,7 @@ def repeatability(out: Path) -> tuple[float, float, list[dict]]:
         raw += list(abs(x - y) / ((x + y) / 2))
         y = y / np.median(y / x)
         shape += list(abs(x - y) / ((x + y) / 2))
-    return float(np.percentile(raw, 90)), float(np.percentile(shape, 90)), [p.meta["noise"] for p in (a, b)]
+    return float(np.percentile(raw, 90)), float(np.percentile(shape, 90)), [p.meta.noise for p in (a, b)]
 
 
 def vgg_profile_seconds() -> float:
@@ -149,8 +149,8 @@ def main() -> None:
         "where the predicted gain is 5% or more, the measured gain is a median "
         + (f"{100 * share:.0f}% of it (target: at least 60%)" if share is not None else "- of it (no model predicted 5%)"),
         f"two profiles of gpt-small-vocab: 90th-percentile difference per entry {100 * rep:.1f}% (target: at most 10%); "
-        f"{100 * rep_shape:.1f}% after each stage's level; drift per stage {' and '.join(str(n.get('drift')) for n in rep_noise)}, "
-        f"matmul ms per stage {' and '.join(str(n.get('reference_ms')) for n in rep_noise)}",
+        f"{100 * rep_shape:.1f}% after each stage's level; drift per stage {' and '.join(str(n.drift if n else None) for n in rep_noise)}, "
+        f"matmul ms per stage {' and '.join(str(n.reference_ms if n else None) for n in rep_noise)}",
         f"A/A (the predicted-best equal schedule run twice in turns): {min(r['aa'] for r in rows):.3f}-{max(r['aa'] for r in rows):.3f}",
         f"VGG16, image 32, 4 stages, sizes 1..64: profiled in {vgg_s:.0f} s (target: under 60 s)",
     ]

@@ -59,8 +59,8 @@ def main() -> None:
     console.print(
         f"with the profile's level taken out: median {100 * np.median(balance):.1f}%, 90th percentile {100 * np.percentile(balance, 90):.1f}%; "
         f"with each stage's level taken out: median {100 * np.median(shape):.1f}%, 90th percentile {100 * np.percentile(shape, 90):.1f}%; "
-        f"what each profile said of the machine: drift per stage {a.meta['noise']['drift']} and {b.meta['noise']['drift']}, "
-        f"matmul ms per stage {a.meta['noise']['reference_ms']} and {b.meta['noise']['reference_ms']}"
+        f"what each profile said of the machine: drift per stage {a.meta.noise.drift} and {b.meta.noise.drift}, "
+        f"matmul ms per stage {a.meta.noise.reference_ms} and {b.meta.noise.reference_ms}"
     )
 
 

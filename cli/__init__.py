@@ -368,18 +368,16 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
     if prof.allreduce:
         ar = prof.allreduce
         out.print(f"all-reduce among {ar.replicas}: {ar.latency_ms:.3f} ms + {8 * ar.bus_bytes_per_ms / 1e6:.2f} Gbit/s bus bandwidth (measured)")
-    meta = prof.model_extra.get("meta") or {}
-    probed = meta.get("probes", {})
-    if probed.get("ran"):
-        cal = meta["calibration"]
+    probed, cal = prof.meta.probes, prof.meta.calibration
+    if probed and probed.ran and cal:
         out.print(
-            f"fitted to {probed['schedules']} probe runs of the runtime: {cal['op_overhead_ms']:.3f} ms per op, "
-            f"{cal['message_overhead_ms']:.3f} ms per message, {cal['step_overhead_ms']:+.2f} ms per iteration; "
-            f"predictions within {100 * cal['residual_rms']:.1f}% (rms) of those runs"
+            f"fitted to {probed.schedules} probe runs of the runtime: {cal.op_overhead_ms:.3f} ms per op, "
+            f"{cal.message_overhead_ms:.3f} ms per message, {cal.step_overhead_ms:+.2f} ms per iteration; "
+            f"predictions within {100 * (cal.residual_rms or 0.0):.1f}% (rms) of those runs"
         )
     elif probed:
-        out.print(f"note: no probe runs ({probed['why']}): predictions do not include the runtime's own costs")
-    for line in meta.get("warnings", []):
+        out.print(f"note: no probe runs ({probed.why}): predictions do not include the runtime's own costs")
+    for line in prof.meta.warnings:
         err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     out.print(f"wrote {output}")
 
@@ -561,10 +559,10 @@ def calibrate(profile_path, reports, output) -> None:
     for (s, kind), seen in sorted(size_ratios(loaded, profile.num_stages).items()):
         table.add_row(str(s), kind, "  ".join(f"{b}: {r:.2f}" for b, r in seen.items()))
     out.print(table)
-    cal = calibrated.meta["calibration"]
+    cal = calibrated.meta.calibration
     out.print(
-        f"the runtime's own costs: {cal['op_overhead_ms']:.3f} ms per op, {cal['message_overhead_ms']:.3f} ms per message, "
-        f"{cal['step_overhead_ms']:+.2f} ms per iteration; predictions within {100 * cal['residual_rms']:.1f}% (rms) of these runs"
+        f"the runtime's own costs: {cal.op_overhead_ms:.3f} ms per op, {cal.message_overhead_ms:.3f} ms per message, "
+        f"{cal.step_overhead_ms:+.2f} ms per iteration; predictions within {100 * (cal.residual_rms or 0.0):.1f}% (rms) of these runs"
     )
     save_profile(calibrated, output)
     out.print(f"wrote {output}")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, two_stage_profile
+from umopt.formats.profile import ProfileMeta
 from umopt.calibrate import Overheads, calibrate
 from umopt.problem import Candidate
 from umopt.synthetic import synthetic_profile
@@ -42,10 +43,10 @@ def test_each_size_is_scaled_by_its_measured_ratio():
     # stage 1 ran only size-2 chunks: their ratio holds for every size
     assert s1.forward_ms == pytest.approx([1.2 * v for v in prof.stages[1].forward_ms])
     assert s1.backward_ms == pytest.approx([0.8 * v for v in prof.stages[1].backward_ms])
-    assert cal.meta["calibration"]["ratios"]["stage1.F"] == {"2": 1.2}
+    assert cal.meta.model_dump()["calibration"]["ratios"]["stage1.F"] == {"2": 1.2}
     # what probe runs measured over the profile's earlier fit does not survive a new one
-    probed = prof.model_copy(update={"meta": {"probes": {"ran": True, "order_ratio": {"gpipe": 0.9, "1f1b": 1.1}, "measured_over_fitted": {"probe_gpipe_b2": 0.9}}}})
-    assert calibrate(probed, [rep], ["r.json"]).meta["probes"] == {"ran": True}
+    probed = prof.model_copy(update={"meta": ProfileMeta.model_validate({"probes": {"ran": True, "order_ratio": {"gpipe": 0.9, "1f1b": 1.1}, "measured_over_fitted": {"probe_gpipe_b2": 0.9}}})})
+    assert calibrate(probed, [rep], ["r.json"]).meta.model_dump()["probes"] == {"ran": True}
     # the calibrated profile predicts the measured op times of the run it was fitted to
     tl = simulate(CostTables.from_profile(cal), OPS, 2)
     for s in range(2):
@@ -84,8 +85,8 @@ def test_what_the_op_times_miss_becomes_a_step_overhead():
     cal = calibrate(prof, others, ["a.json", "b.json", "c.json"])
     w = 1 / (op_scaled + extra) ** 2
     step = float((w * extra).sum() / w.sum())
-    assert cal.meta["calibration"]["step_overhead_ms"] == pytest.approx(step, abs=1e-4)
-    assert cal.meta["calibration"]["op_overhead_ms"] == 0.0
+    assert cal.meta.model_dump()["calibration"]["step_overhead_ms"] == pytest.approx(step, abs=1e-4)
+    assert cal.meta.model_dump()["calibration"]["op_overhead_ms"] == 0.0
     assert [st.optimizer_ms for st in cal.stages] == pytest.approx([st.optimizer_ms + step for st in prof.stages], abs=1e-4)
 
 
@@ -109,7 +110,7 @@ def test_the_runtime_costs_per_op_and_per_iteration_are_fitted_back():
     more: the fit finds both, and charges the messages nothing the runs did not show."""
     prof = synthetic_profile(3, max_size=8, seed=4)
     reports = _runs_measured_as(prof, Overheads(0.3, 0.0, 2.0, 0.0).apply(prof), 3)
-    fit = calibrate(prof, reports, [f"r{k}" for k in range(len(reports))]).meta["calibration"]
+    fit = calibrate(prof, reports, [f"r{k}" for k in range(len(reports))]).meta.model_dump()["calibration"]
     assert fit["op_overhead_ms"] == pytest.approx(0.3, abs=0.02)
     assert fit["message_overhead_ms"] == pytest.approx(0.0, abs=0.02)
     assert fit["step_overhead_ms"] == pytest.approx(2.0, abs=0.15)
@@ -120,7 +121,7 @@ def test_a_cost_per_message_is_fitted_where_the_links_bind():
     prof = synthetic_profile(2, max_size=8, seed=4, latency_ms=0.5, bytes_per_ms=2e5)
     reports = _runs_measured_as(prof, Overheads(0.0, 0.6, 0.0, 0.0).apply(prof), 2)
     cal = calibrate(prof, reports, [f"r{k}" for k in range(len(reports))])
-    fit = cal.meta["calibration"]
+    fit = cal.meta.model_dump()["calibration"]
     assert fit["message_overhead_ms"] > 0.3 and fit["residual_rms"] < 0.01
     assert cal.links[0].message_overhead_ms == pytest.approx(fit["message_overhead_ms"], abs=1e-5)
 

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from umopt.formats.profile import ProfileMeta
 from umopt.choice import choose, complexity
 from umopt.costmodel import CostTables
 from umopt.formats.report import RunReport
@@ -95,7 +96,7 @@ def test_devices_of_unequal_speed_and_a_busy_machine_are_said(monkeypatch):
 def _problem_with_spread(spread: float, rms: float):
     prof = synthetic_profile(2, max_size=16, seed=3, latency_ms=0.05, bytes_per_ms=1e6)
     stages = [s.model_copy(update={"forward_iqr_ms": [spread * v for v in s.forward_ms], "backward_iqr_ms": [spread * v for v in s.backward_ms]}) for s in prof.stages]
-    prof = prof.model_copy(update={"stages": stages, "meta": {"calibration": {"residual_rms": rms}}})
+    prof = prof.model_copy(update={"stages": stages, "meta": ProfileMeta.model_validate({"calibration": {"residual_rms": rms}})})
     return prof, Problem(CostTables.from_profile(prof), 32)
 
 
@@ -147,12 +148,12 @@ def test_where_the_model_cannot_tell_gpipe_from_1f1b_the_probe_runs_decide():
     order = {"gpipe_equal": "gpipe", "1f1b_equal": "1f1b"}
     ratio = {order[faster]: 1.2, order[slower]: 0.98}
     assert times[slower] * 0.98 < times[faster] * 1.2  # (the probes outweigh the prediction's difference)
-    probed = prof.model_copy(update={"meta": {**prof.meta, "probes": {"ran": True, "order_ratio": ratio}}})
+    probed = prof.model_copy(update={"meta": ProfileMeta.model_validate({**prof.meta.model_dump(), "probes": {"ran": True, "order_ratio": ratio}})})
     c = choose(probed, problem, cands, equal=("gpipe_equal", "1f1b_equal"))
     assert c.name == slower and f"{slower} over {faster}" in c.reason and f"{order[faster]} 1.20x" in c.reason
     assert c.gain == pytest.approx(times[faster] / times["umopt auto"] - 1)  # the gain stays the model's
     # probes that agree with the model change nothing
-    level = prof.model_copy(update={"meta": {**prof.meta, "probes": {"ran": True, "order_ratio": {"gpipe": 1.0, "1f1b": 1.0}}}})
+    level = prof.model_copy(update={"meta": ProfileMeta.model_validate({**prof.meta.model_dump(), "probes": {"ran": True, "order_ratio": {"gpipe": 1.0, "1f1b": 1.0}}})})
     assert choose(level, problem, cands, equal=("gpipe_equal", "1f1b_equal")).name == faster
 
 

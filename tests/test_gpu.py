@@ -50,7 +50,7 @@ def test_bfloat16_gpt_profile_counts_the_float32_residual_stream():
                        split=[0, 2, 4], sizes=[1, 2], device="cuda", dtype="bfloat16", link_latency_ms=0.01, link_gbps=400)
     )
     assert prof.stages[0].output_bytes_per_sample == 16 * 64 * 4
-    assert prof.memory_limit_bytes is not None and "no --memory-limit given" in prof.model_extra["meta"]["memory_limit"]
+    assert prof.memory_limit_bytes is not None and "no --memory-limit given" in prof.meta.model_dump()["memory_limit"]
 
 
 def test_the_reference_matmul_measures_the_gpu_not_launch_gaps():

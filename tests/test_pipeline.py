@@ -153,7 +153,7 @@ def test_a_users_own_stages_profiled_solved_and_trained(tmp_path):
     assert prof.num_stages == 2 and prof.model.name == "user" and prof.sizes == [1, 2, 4, 8]
     assert prof.stages[0].output_bytes_per_sample == prof.stages[1].input_bytes_per_sample == pipeline_user.D * 4
     assert all(v > 0 for st in prof.stages for v in st.forward_ms + st.backward_ms)
-    assert prof.model_extra["meta"]["probes"]["ran"] is False
+    assert prof.meta.model_dump()["probes"]["ran"] is False
     save_profile(prof, tmp_path / "profile.json")
     report = solve(load_profile(tmp_path / "profile.json"), B, time_limit=1.0)
     save(report.schedule, str(tmp_path / "schedule.json"))

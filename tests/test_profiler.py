@@ -43,7 +43,7 @@ def test_small_mlp_profile_is_complete_and_sane(tmp_path, capsys):
     for st in prof.stages:
         assert st.param_bytes == sum(p.numel() * 4 for m in mlp.layers[st.layers[0] : st.layers[1]] for p in m.parameters())
     assert prof.links[0].latency_ms == 0.05 and prof.links[0].bytes_per_ms == pytest.approx(10e9 / 8 / 1e3)
-    meta = prof.model_extra["meta"]
+    meta = prof.meta.model_dump()
     assert meta["torch"] == torch.__version__ and "umopt profile" in meta["command"] and meta["date"]
     # every entry keeps its spread, the curves never fall with the chunk size, and the profile
     # ends fitted to probe runs of the runtime (a core per stage here)

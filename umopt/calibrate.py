@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .errors import UmoptError
-from .formats.profile import AllReduceProfile, Profile
+from .formats.profile import AllReduceProfile, CalibrationMeta, Profile
 from .formats.report import RunReport, as_report
 from .noise import monotone_fit
 
@@ -150,20 +150,19 @@ def calibrate(profile: Profile, reports: Sequence[RunReport | dict], names: list
         scaled = scaled.model_copy(update={"allreduce": allreduce})
     fit = fit_overheads(scaled, reports)
     fitted = fit.apply(scaled)
-    meta = dict(getattr(profile, "meta", None) or {})
-    if isinstance(meta.get("probes"), dict):
-        # what the probe runs measured over the old fit does not hold for this one
-        meta["probes"] = {k: v for k, v in meta["probes"].items() if k not in ("order_ratio", "measured_over_fitted")}
-    meta["calibration"] = {
-        "reports": names,
-        "ratios": {f"stage{s}.{kind}": {str(b): round(r, 4) for b, r in seen.items()} for (s, kind), seen in ratios.items()},
-        "op_overhead_ms": round(fit.op_ms, 5),
-        "message_overhead_ms": round(fit.message_ms, 5),
-        "step_overhead_ms": round(fit.step_ms, 4),
-        "residual_rms": round(fit.residual_rms, 5),
+    probes = profile.meta.probes
+    if probes is not None:  # what the probe runs measured over the old fit does not hold for this one
+        probes = probes.model_copy(update={"order_ratio": {}, "measured_over_fitted": {}})
+    calibration = CalibrationMeta(
+        reports=names,
+        ratios={f"stage{s}.{kind}": {str(b): round(r, 4) for b, r in seen.items()} for (s, kind), seen in ratios.items()},
+        op_overhead_ms=round(fit.op_ms, 5),
+        message_overhead_ms=round(fit.message_ms, 5),
+        step_overhead_ms=round(fit.step_ms, 4),
+        residual_rms=round(fit.residual_rms, 5),
         **({"allreduce_latency_ms": round(allreduce.latency_ms, 4)} if allreduce is not None else {}),
-    }
-    return fitted.model_copy(update={"meta": meta})
+    )
+    return fitted.model_copy(update={"meta": profile.meta.model_copy(update={"probes": probes, "calibration": calibration})})
 
 
 @dataclass(frozen=True)

@@ -87,8 +87,8 @@ def gain_uncertainty(profile: Profile, problem: Problem, best: Candidate, refere
         ob, orf = best.ops(), reference.ops()
         gains = [simulate(t, orf, problem.minibatch, record=False).iteration_ms / simulate(t, ob, problem.minibatch, record=False).iteration_ms for t in tables]
         var += float(np.var(gains))
-    calibration = (getattr(profile, "meta", None) or {}).get("calibration") or {}
-    rms = float(calibration.get("residual_rms", 0.0))
+    calibration = profile.meta.calibration
+    rms = float(calibration.residual_rms or 0.0) if calibration else 0.0
     # two predictions each off by about rms: their ratio by up to sqrt(2) times that
     return float(np.sqrt(var + 2 * rms**2))
 
@@ -96,7 +96,7 @@ def gain_uncertainty(profile: Profile, problem: Problem, best: Candidate, refere
 def order_ratios(profile: Profile) -> dict[str, float]:
     """Per order ("gpipe", "1f1b"): the geometric mean of measured / predicted over the profile's
     probe runs of that order, after the fit (empty where no probes ran)."""
-    return dict(((getattr(profile, "meta", None) or {}).get("probes") or {}).get("order_ratio") or {})
+    return dict(profile.meta.probes.order_ratio) if profile.meta.probes else {}
 
 
 # the order each equal schedule runs in, to read its probe runs' ratio by

@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 
 from .calibrate import calibrate, run_ratios
-from .formats.profile import Profile
+from .formats.profile import ProbesMeta, Profile
 from .formats.report import load_report
 from .formats.schedule import make_schedule, save_schedule
 from .launch import RunFailed, launch
@@ -94,12 +94,11 @@ def fit_to_probes(profile: Profile, minibatch: int, out: Path, **kw) -> Profile:
     # which the model (a time per kind and size) cannot hold and 1F1B meets at every step
     left = dict(zip((Path(r).name.removesuffix("_report.json") for r in reports), run_ratios(fitted, runs)))
     by_order = {o: [v for k, v in left.items() if k.startswith(f"probe_{o}_")] for o in ("gpipe", "1f1b")}
-    meta = dict(getattr(fitted, "meta", None) or {})
-    meta["probes"] = {"ran": True, "minibatch": minibatch, "schedules": len(reports), "measured": {
+    probes = ProbesMeta(ran=True, minibatch=minibatch, schedules=len(reports), measured={
         "forward_ms": [st.forward_ms for st in profile.stages], "backward_ms": [st.backward_ms for st in profile.stages]},
-        "measured_over_fitted": {k: round(v, 4) for k, v in left.items()},
-        "order_ratio": {o: round(float(np.exp(np.mean(np.log(v)))), 4) for o, v in by_order.items() if v}}
-    return fitted.model_copy(update={"meta": meta})
+        measured_over_fitted={k: round(v, 4) for k, v in left.items()},
+        order_ratio={o: round(float(np.exp(np.mean(np.log(v)))), 4) for o, v in by_order.items() if v})
+    return fitted.model_copy(update={"meta": fitted.meta.model_copy(update={"probes": probes})})
 
 
 def profile_in_pipeline(opts, *, probes: bool = True, probe_minibatch: int = PROBE_MINIBATCH, progress=None, argv=None, say=lambda _m: None) -> Profile:
@@ -115,16 +114,15 @@ def profile_in_pipeline(opts, *, probes: bool = True, probe_minibatch: int = PRO
     if why is None and min(probe_minibatch, profile.max_size) < 2:
         why = "the largest chunk size measured is 1"
     if why is not None:
-        meta = dict(getattr(profile, "meta", None) or {})
-        meta["probes"] = {"ran": False, "why": why}
-        return profile.model_copy(update={"meta": meta})
+        return profile.model_copy(update={"meta": profile.meta.model_copy(update={"probes": ProbesMeta(ran=False, why=why)})})
     say(f"probe runs of equal schedules (minibatch {probe_minibatch}) through the runtime, to fit the profile to it")
     with tempfile.TemporaryDirectory(prefix="umopt-probes-") as tmp:
         save_profile(profile, Path(tmp) / "measured.json")
         try:
             return fit_to_probes(load_profile(Path(tmp) / "measured.json"), probe_minibatch, Path(tmp) / "probes")
         except RunFailed as exc:  # the measured profile stands; the user hears why it is not fitted
-            meta = dict(getattr(profile, "meta", None) or {})
-            meta["probes"] = {"ran": False, "why": f"the probe runs failed: {exc}"}
-            meta.setdefault("warnings", []).append(f"the probe runs failed ({exc}); the profile is as measured, without the runtime's own costs")
+            meta = profile.meta.model_copy(update={
+                "probes": ProbesMeta(ran=False, why=f"the probe runs failed: {exc}"),
+                "warnings": [*profile.meta.warnings, f"the probe runs failed ({exc}); the profile is as measured, without the runtime's own costs"],
+            })
             return profile.model_copy(update={"meta": meta})

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .errors import UmoptError, first_line
-from .formats.profile import PROFILE_FORMAT, Profile, default_sizes
+from .formats.profile import PROFILE_FORMAT, ProbesMeta, Profile, default_sizes
 from .devices import TensorSpec, autocast, boundary_tensors, check_trainable, default_memory_limit, numerics, reference_ms
 from .noise import Summary, drift_figure, drift_warning, uneven_devices_warning, load_warning, monotone_fit, noise_figure, noisy_warning, round_speeds, summarize
 from .splitbackward import backward_input
@@ -726,11 +726,10 @@ def profile_stages(
         link_gbps=link_gbps, memory_limit_bytes=memory_limit_bytes, concurrent=False,
     )
     prof = _profile_model(opts, progress, ["umopt.profile_stages"], parts=parts)
-    meta = dict(prof.model_extra.get("meta") or {})
-    meta["probes"] = {"ran": False, "why": "stages given as modules: the runtime cannot rebuild them (fit with umopt calibrate to your own runs' reports)"}
-    for line in meta.get("warnings", []):  # as the CLI prints them
+    why = "stages given as modules: the runtime cannot rebuild them (fit with umopt calibrate to your own runs' reports)"
+    for line in prof.meta.warnings:  # as the CLI prints them
         logging.getLogger("umopt").warning(line)
-    return Profile.model_validate({**prof.model_dump(mode="json"), "meta": meta})
+    return prof.model_copy(update={"meta": prof.meta.model_copy(update={"probes": ProbesMeta(ran=False, why=why)})})
 
 
 def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: Optional[list[str]], parts: Optional[ModelParts] = None) -> Profile:

@@ -147,7 +147,7 @@ def tune(
     prof = _profile(opts, probes, min(minibatch, 32) if minibatch >= 4 else minibatch)
     save_profile(prof, out / "profile.json")
     prof = load_profile(out / "profile.json")
-    warnings = list((getattr(prof, "meta", None) or {}).get("warnings", []))
+    warnings = list(prof.meta.warnings)
     say(f"solving for minibatch {minibatch} ({time_limit:g} s)")
     report = solve(prof, minibatch, time_limit=time_limit, seed=seed, zero_bubble=zero_bubble)
     problem = make_problem(prof, minibatch, False)

@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    model_serializer,
     model_validator,
 )
 
@@ -36,6 +37,10 @@ __all__ = [
     "LinkProfile",
     "AllReduceProfile",
     "Profile",
+    "ProfileMeta",
+    "NoiseMeta",
+    "ProbesMeta",
+    "CalibrationMeta",
     "bundled_profiles",
     "resolve_profile_path",
     "load_profile",
@@ -113,6 +118,66 @@ class DeviceInfo(_Strict):
     numerics: Optional[dict[str, Union[bool, str]]] = None
 
 
+class _Meta(BaseModel):
+    # what a profile says of how it was made: free-form beyond the fields umopt reads, and left
+    # out of the file where empty
+    model_config = ConfigDict(extra="allow")
+
+    @model_serializer(mode="wrap")
+    def _without_empty(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None and v != [] and v != {}}
+
+
+class NoiseMeta(_Meta):
+    """How noisy the machine was while profiling (umopt.noise)."""
+
+    median_spread: Optional[float] = None  # the median interquartile spread over entries
+    p90_spread: Optional[float] = None
+    max_repeats: Optional[int] = None
+    drift: list[float] = []  # per stage: how much the machine's speed changed between rounds
+    reference_ms: list[float] = []  # per stage: a fixed matmul's median time
+
+
+class ProbesMeta(_Meta):
+    """The probe runs of the runtime the profile was fitted to (umopt.probes)."""
+
+    ran: bool = False
+    why: Optional[str] = None  # where they did not run
+    minibatch: Optional[int] = None
+    schedules: Optional[int] = None
+    measured: Optional[dict[str, Any]] = None  # the op times before the fit
+    measured_over_fitted: dict[str, float] = {}  # per probe schedule, what the fit left
+    order_ratio: dict[str, float] = {}  # per order, the geometric mean of measured / fitted
+
+
+class CalibrationMeta(_Meta):
+    """What ``umopt calibrate`` (or the probes) fitted the profile to (umopt.calibrate)."""
+
+    reports: list[str] = []
+    ratios: dict[str, dict[str, float]] = {}  # "stage1.F": {size: measured / profiled}
+    op_overhead_ms: float = 0.0
+    message_overhead_ms: float = 0.0
+    step_overhead_ms: float = 0.0
+    residual_rms: Optional[float] = None
+
+
+class ProfileMeta(_Meta):
+    """``meta``: how the profile was made; no number of the cost model comes from here."""
+
+    torch: Optional[str] = None
+    date: Optional[str] = None
+    command: Optional[str] = None
+    optimizer: Optional[str] = None
+    warmup: Optional[int] = None
+    repeats: Optional[int] = None
+    stages_timed_concurrently: Optional[bool] = None
+    memory_limit: Optional[str] = None  # where the memory limit came from
+    noise: Optional[NoiseMeta] = None
+    warnings: list[str] = []
+    probes: Optional[ProbesMeta] = None
+    calibration: Optional[CalibrationMeta] = None
+
+
 class Profile(_Strict):
     format: Literal["umopt-profile/1"]
     model: ModelInfo
@@ -122,6 +187,7 @@ class Profile(_Strict):
     links: list[LinkProfile]
     memory_limit_bytes: Optional[Annotated[int, Field(gt=0, le=MAX_BYTES)]] = None
     allreduce: Optional[AllReduceProfile] = None
+    meta: ProfileMeta = Field(default_factory=ProfileMeta, strict=False)
 
     _path: Optional[str] = PrivateAttr(default=None)
     _sha256: Optional[str] = PrivateAttr(default=None)
