@@ -42,42 +42,92 @@ COLUMNS = ("model", "schedule", "chunks", "pred ms", "meas ms", "meas / pred", "
 
 def _save(prof, problem, cand, name: str, out: Path, dp) -> str:
     path = out / f"{name}.json"
-    save_schedule(make_schedule(prof, B, False, cand.ops(), cand.simulate(problem), {"name": name, "status": "feasible", "seconds": 0.0}, {}, dp), str(path))
+    save_schedule(
+        make_schedule(
+            prof,
+            B,
+            False,
+            cand.ops(),
+            cand.simulate(problem),
+            {"name": name, "status": "feasible", "seconds": 0.0},
+            {},
+            dp,
+        ),
+        str(path),
+    )
     return str(path)
 
 
 def _run(paths: list[str], dp: int, steps: int, warmup: int, rounds: int, out: Path, tag: str) -> list[dict]:
-    return launch([*paths, "--dp", str(dp), "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds),
-                   "--report", str(out / f"{tag}_{{name}}_report.json")], quiet=True).reports
+    return launch(
+        [
+            *paths,
+            "--dp",
+            str(dp),
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--rounds",
+            str(rounds),
+            "--report",
+            str(out / f"{tag}_{{name}}_report.json"),
+        ],
+        quiet=True,
+    ).reports
 
 
-def one(name: str, model: str, args: dict, dp: int, out: Path, rounds: int, steps: int, time_limit: float, say=print) -> list[tuple]:
-    prof = profile_in_pipeline(ProfileOptions(model=model, model_args=args, stages=2, max_size=B, dp=dp), probe_minibatch=B)
+def one(
+    name: str,
+    model: str,
+    args: dict,
+    dp: int,
+    out: Path,
+    rounds: int,
+    steps: int,
+    time_limit: float,
+    say=print,
+) -> list[tuple]:
+    prof = profile_in_pipeline(
+        ProfileOptions(model=model, model_args=args, stages=2, max_size=B, dp=dp), probe_minibatch=B
+    )
     save_profile(prof, out / f"{name}.json")
     prof = load_profile(out / f"{name}.json")
     probes = prof.meta.probes
     if not (probes and probes.ran):
         # what a user does then: run equal schedules of several chunk sizes with the replicas
         # (the probe schedules) and calibrate the profile on their reports
-        say(f"{name}: no probe runs ({probes.why if probes else 'not recorded'}); calibrating on the probe schedules run with --dp {dp} instead")
+        say(
+            f"{name}: no probe runs ({probes.why if probes else 'not recorded'}); calibrating on the probe schedules run with --dp {dp} instead"
+        )
         prof = fit_to_probes(prof, B, out / f"{name}_probes", steps=steps, warmup=2, rounds=rounds)
         save_profile(prof, out / f"{name}_calibrated.json")
         prof = load_profile(out / f"{name}_calibrated.json")
     allreduce = allreduce_for(prof, dp)
     report = solve(prof, B, time_limit=time_limit, seed=0, dp=allreduce)
     problem = make_problem(prof, B, False, allreduce)
-    plans = {"umopt": report.choice.candidate, "gpipe_equal": report.gpipe.candidate, "1f1b_equal": report.onef1b.candidate}
+    plans = {
+        "umopt": report.choice.candidate,
+        "gpipe_equal": report.gpipe.candidate,
+        "1f1b_equal": report.onef1b.candidate,
+    }
     paths = [_save(prof, problem, c, n, out, allreduce) for n, c in plans.items()]
     reports = _run(paths, dp, steps, 2, rounds, out, "run")
     rows = []
     for (n, c), r in zip(plans.items(), reports):
         counts = sorted({len(f) for f in c.fsizes})
         ar = r.allreduce_ms
-        rows.append((
-            name, n + (f" ({report.choice.name})" if n == "umopt" else ""), "/".join(map(str, counts)),
-            f"{r.predicted_iteration_ms:.1f}", f"{r.measured_iteration_ms:.1f}", f"{r.measured_over_predicted:.3f}",
-            " ".join(f"{p:.1f}/{m:.1f}" for p, m in zip(ar.predicted, ar.measured)),
-        ))
+        rows.append(
+            (
+                name,
+                n + (f" ({report.choice.name})" if n == "umopt" else ""),
+                "/".join(map(str, counts)),
+                f"{r.predicted_iteration_ms:.1f}",
+                f"{r.measured_iteration_ms:.1f}",
+                f"{r.measured_over_predicted:.3f}",
+                " ".join(f"{p:.1f}/{m:.1f}" for p, m in zip(ar.predicted, ar.measured)),
+            )
+        )
     return rows
 
 
@@ -96,9 +146,15 @@ def main() -> None:
         for name in a.models.split(","):
             model, args = MODELS[name]
             console.print(f"{name}: profile, solve with --dp {a.dp}, run in turns")
-            rows += one(name, model, args, a.dp, Path(tmp), a.rounds, a.steps, a.time_limit, say=console.print)
+            rows += one(
+                name, model, args, a.dp, Path(tmp), a.rounds, a.steps, a.time_limit, say=console.print
+            )
     ratios = [float(r[5]) for r in rows]
-    verdict = f"measured / predicted {min(ratios):.3f}..{max(ratios):.3f}: " + ("within 15% for every schedule" if all(abs(x - 1) <= 0.15 for x in ratios) else "NOT within 15% for every schedule")
+    verdict = f"measured / predicted {min(ratios):.3f}..{max(ratios):.3f}: " + (
+        "within 15% for every schedule"
+        if all(abs(x - 1) <= 0.15 for x in ratios)
+        else "NOT within 15% for every schedule"
+    )
     if a.markdown:
         print("| " + " | ".join(COLUMNS) + " |")
         print("|" + "---|" * len(COLUMNS))
@@ -106,7 +162,9 @@ def main() -> None:
             print("| " + " | ".join(r) + " |")
         print(f"\n{verdict}")
         return
-    table = Table(title=f"2 stages x --dp {a.dp} replicas on CPU, minibatch {B} per pipeline, {a.rounds} rounds of turns")
+    table = Table(
+        title=f"2 stages x --dp {a.dp} replicas on CPU, minibatch {B} per pipeline, {a.rounds} rounds of turns"
+    )
     for c in COLUMNS:
         table.add_column(c, justify="left" if c in ("model", "schedule") else "right")
     for r in rows:

@@ -15,11 +15,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from umopt import vectorized
 from umopt.costmodel import CostTables, simulate
 from umopt.partition import ends_to_sizes, equal_sizes, gpipe_ops, repair_ends, sizes_to_ends
-from umopt.synthetic import synthetic_profile
-from umopt import vectorized
 from umopt.population_sim import evaluate_1f1b, evaluate_gpipe
+from umopt.synthetic import synthetic_profile
 
 
 def population(rng, P, S, B, mx, m_range):
@@ -44,11 +44,30 @@ def best_of(fn, n=3):
 def main() -> None:
     rng = np.random.default_rng(0)
     table = Table(title="schedules scored per second (best of 3)")
-    cols = ("S", "B", "P", "chunks/stage (max)", "GPipe", "GPipe incl. mask->sizes", "GPipe, numpy", "1F1B", "1F1B, numpy", "reference simulator")
+    cols = (
+        "S",
+        "B",
+        "P",
+        "chunks/stage (max)",
+        "GPipe",
+        "GPipe incl. mask->sizes",
+        "GPipe, numpy",
+        "1F1B",
+        "1F1B, numpy",
+        "reference simulator",
+    )
     for col in cols:
         table.add_column(col, justify="right")
     # P = 128: the GA's population, what it scores each generation
-    for S, B, P, m_range in [(4, 32, 128, (4, 17)), (4, 32, 1024, (4, 17)), (4, 64, 2048, (4, 33)), (8, 128, 2048, (8, 33)), (8, 256, 128, (8, 33)), (8, 256, 2048, (8, 33)), (8, 256, 4096, (8, 33))]:
+    for S, B, P, m_range in [
+        (4, 32, 128, (4, 17)),
+        (4, 32, 1024, (4, 17)),
+        (4, 64, 2048, (4, 33)),
+        (8, 128, 2048, (8, 33)),
+        (8, 256, 128, (8, 33)),
+        (8, 256, 2048, (8, 33)),
+        (8, 256, 4096, (8, 33)),
+    ]:
         tables = CostTables.from_profile(synthetic_profile(S, max_size=64, seed=1))
         ends = population(rng, P, S, B, 64, m_range)
         sizes = ends_to_sizes(ends)
@@ -64,10 +83,20 @@ def main() -> None:
             vectorized._compiled = compiled
         n_ref = 20
         parts = [[[int(x) for x in sizes[p, s] if x] for s in range(S)] for p in range(n_ref)]
-        t_ref = best_of(lambda: [simulate(tables, [gpipe_ops(f, f) for f in pp], B, record=False) for pp in parts], 1)
+        t_ref = best_of(
+            lambda: [simulate(tables, [gpipe_ops(f, f) for f in pp], B, record=False) for pp in parts], 1
+        )
         table.add_row(
-            str(S), str(B), str(P), str(sizes.shape[2]),
-            f"{P / t_g:,.0f}", f"{P / t_gc:,.0f}", f"{P / t_gpy:,.0f}", f"{P / t_1:,.0f}", f"{P / t_1py:,.0f}", f"{n_ref / t_ref:,.0f}",
+            str(S),
+            str(B),
+            str(P),
+            str(sizes.shape[2]),
+            f"{P / t_g:,.0f}",
+            f"{P / t_gc:,.0f}",
+            f"{P / t_gpy:,.0f}",
+            f"{P / t_1:,.0f}",
+            f"{P / t_1py:,.0f}",
+            f"{n_ref / t_ref:,.0f}",
         )
     Console(width=170).print(table)
 

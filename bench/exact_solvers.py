@@ -31,11 +31,17 @@ from rich.table import Table
 from umopt.baselines import gpipe_equal, onef1b_equal
 from umopt.bounds import Scope, fast_bound_ms, pair_bound_ms, spec_bound
 from umopt.formats.profile import load_profile
+from umopt.partition import backwards_in_sample_order
 from umopt.solve import make_problem
 from umopt.solvers import SOLVERS
-from umopt.partition import backwards_in_sample_order
 
-CASES = [("gpt-sim", 32), ("gpt-cpu", 32), ("vgg16-cpu", 32), ("transformer8-sim", 128), ("transformer8-sim", 256)]
+CASES = [
+    ("gpt-sim", 32),
+    ("gpt-cpu", 32),
+    ("vgg16-cpu", 32),
+    ("transformer8-sim", 128),
+    ("transformer8-sim", 256),
+]
 # (label, solver, order)
 RUNS = [
     ("dp", "dp", "auto"),
@@ -92,7 +98,9 @@ def run(time_limit: float, cases=CASES, say=print) -> list[dict]:
                 "fast_seconds": fast_s,
                 "bound": bound,
                 # the fast one, or auto's pairs of the 1F1B family where it ran them
-                "bound_1f1b": max([bound, in_order, *(r["bound_1f1b"] for r in results if r["bound_1f1b"] is not None)]),
+                "bound_1f1b": max(
+                    [bound, in_order, *(r["bound_1f1b"] for r in results if r["bound_1f1b"] is not None)]
+                ),
                 "results": results,
             }
         )
@@ -104,7 +112,15 @@ def table(rows: list[dict], time_limit: float) -> Table:
         title=f"iteration ms / gap to the best any-order bound (to the 1F1B-order bound, for 1F1B-order schedules) / seconds; "
         f"every solver gets {time_limit:g} s"
     )
-    for col in ("profile", "S", "B", "spec bound", "best bound", "1F1B bound", *[label for label, _, _ in RUNS]):
+    for col in (
+        "profile",
+        "S",
+        "B",
+        "spec bound",
+        "best bound",
+        "1F1B bound",
+        *[label for label, _, _ in RUNS],
+    ):
         tab.add_column(col, justify="right")
     for row in rows:
         cells = []
@@ -114,7 +130,13 @@ def table(rows: list[dict], time_limit: float) -> Table:
             in_order = f" ({100 * (r['it'] / row['bound_1f1b'] - 1):.1f}%)" if r["in_order"] else ""
             cells.append(f"{r['it']:.1f} / {gap:.1f}%{in_order}{mark} / {r['seconds']:.0f}s")
         tab.add_row(
-            row["profile"], str(row["S"]), str(row["B"]), f"{row['spec_bound']:.1f}", f"{row['bound']:.1f}", f"{row['bound_1f1b']:.1f}", *cells
+            row["profile"],
+            str(row["S"]),
+            str(row["B"]),
+            f"{row['spec_bound']:.1f}",
+            f"{row['bound']:.1f}",
+            f"{row['bound_1f1b']:.1f}",
+            *cells,
         )
     return tab
 
@@ -125,26 +147,49 @@ def table(rows: list[dict], time_limit: float) -> Table:
 SMALL_CASES = [(name, B) for name in ("gpt-sim", "gpt-cpu", "vgg16-cpu") for B in (6, 8, 12)]
 
 
-def run_small(ga_time: float, exact_time: float, pair_time: float = 20.0, cases=SMALL_CASES, say=print) -> Table:
+def run_small(
+    ga_time: float, exact_time: float, pair_time: float = 20.0, cases=SMALL_CASES, say=print
+) -> Table:
     tab = Table(
         title=f"S=4, small B: the proven optimum (cpsat, free order, up to {exact_time:g} s) against the fast bound, "
         f"the pair bound ({pair_time:g} s) and the GA ({ga_time:g} s, seed 0); gaps are to the optimum, or to the best "
         "schedule found where it is not proven"
     )
-    for col in ("profile", "B", "optimum", "cpsat s", "fast bound", "gap", "pair bound", "gap", "1F1B bound", "ga", "ga gap", "best equal"):
+    for col in (
+        "profile",
+        "B",
+        "optimum",
+        "cpsat s",
+        "fast bound",
+        "gap",
+        "pair bound",
+        "gap",
+        "1F1B bound",
+        "ga",
+        "ga gap",
+        "best equal",
+    ):
         tab.add_column(col, justify="right")
     for name, B in cases:
         problem = make_problem(load_profile(name), B, recompute=False)
         t0 = time.perf_counter()
         cp = SOLVERS["cpsat"](problem, time_limit=exact_time, seed=0, order="auto")
         cp_s = time.perf_counter() - t0
-        ga = SOLVERS["ga"](problem, time_limit=ga_time, seed=0, order="auto").candidate.simulate(problem).iteration_ms
+        ga = (
+            SOLVERS["ga"](problem, time_limit=ga_time, seed=0, order="auto")
+            .candidate.simulate(problem)
+            .iteration_ms
+        )
         best = min(cp.candidate.simulate(problem).iteration_ms, ga)
         fast, in_order = fast_bound_ms(problem), fast_bound_ms(problem, Scope.IN_ORDER)
         pair = pair_bound_ms(problem, pair_time, best)
-        equal = min(r.iteration_ms for r in (gpipe_equal(problem), onef1b_equal(problem)) if r.candidate is not None)
+        equal = min(
+            r.iteration_ms for r in (gpipe_equal(problem), onef1b_equal(problem)) if r.candidate is not None
+        )
         proven = cp.status == "optimal"
-        say(f"{name} B={B}: cpsat {best:.2f} ({cp.status}, {cp_s:.0f} s), ga {ga:.2f}, bounds {fast:.2f} / {pair:.2f}")
+        say(
+            f"{name} B={B}: cpsat {best:.2f} ({cp.status}, {cp_s:.0f} s), ga {ga:.2f}, bounds {fast:.2f} / {pair:.2f}"
+        )
         gap = lambda v, ref: f"{100 * (v / ref - 1):.1f}%"  # noqa: E731
         tab.add_row(
             name,
@@ -185,17 +230,37 @@ def run_pairs(ga_time: float, pair_times=(15.0, 60.0), cases=PAIR_CASES, say=pri
         fast, fast_io = fast_bound_ms(problem), fast_bound_ms(problem, Scope.IN_ORDER)
         pairs = [pair_bound_ms(problem, t, ga, max_cells=None) for t in pair_times]
         pairs_io = [pair_bound_ms(problem, t, ga, max_cells=None, scope="1f1b order") for t in pair_times]
-        say(f"{name} B={B}: ga {ga:.2f}, bounds {fast:.2f} / " + " / ".join(f"{v:.2f}" for v in pairs + [fast_io] + pairs_io))
+        say(
+            f"{name} B={B}: ga {ga:.2f}, bounds {fast:.2f} / "
+            + " / ".join(f"{v:.2f}" for v in pairs + [fast_io] + pairs_io)
+        )
         gap = lambda v: f"{100 * (ga / v - 1):.1f}%"  # noqa: E731
         # a GPipe-order schedule is not of the 1F1B family: no gap to its bounds
         gap_io = gap if backwards_in_sample_order(res.candidate.ops()) else (lambda v: "n/a")  # noqa: E731
-        row = [name, str(B), f"{ga:.2f}", f"{fast:.2f}", gap(fast), *(c for v in pairs for c in (f"{v:.2f}", gap(v)))]
+        row = [
+            name,
+            str(B),
+            f"{ga:.2f}",
+            f"{fast:.2f}",
+            gap(fast),
+            *(c for v in pairs for c in (f"{v:.2f}", gap(v))),
+        ]
         row += [f"{fast_io:.2f}", gap_io(fast_io), *(c for v in pairs_io for c in (f"{v:.2f}", gap_io(v)))]
         tab.add_row(*row)
     return tab
 
 
-BOUND_CASES = [("gpt-sim", 8), ("vgg16-cpu", 8), ("gpt-sim", 12), ("gpt-cpu", 12), ("vgg16-cpu", 12), ("gpt-sim", 16), ("gpt-cpu", 16), ("vgg16-cpu", 16), *CASES]
+BOUND_CASES = [
+    ("gpt-sim", 8),
+    ("vgg16-cpu", 8),
+    ("gpt-sim", 12),
+    ("gpt-cpu", 12),
+    ("vgg16-cpu", 12),
+    ("gpt-sim", 16),
+    ("gpt-cpu", 16),
+    ("vgg16-cpu", 16),
+    *CASES,
+]
 
 
 def run_bounds(cases=BOUND_CASES, seconds: float = 60.0, say=print) -> Table:
@@ -210,8 +275,19 @@ def run_bounds(cases=BOUND_CASES, seconds: float = 60.0, say=print) -> Table:
     from umopt.bounds.stage_cuts import stage_bound
     from umopt.bounds.untied import untied_bound
 
-    tab = Table(title="lower bounds, ms (seconds): all but the last hold for every schedule, the last within the 1F1B family")
-    for col in ("profile", "S", "B", "stage cuts", "untied", "pair program", "tied pair program", "1F1B family"):
+    tab = Table(
+        title="lower bounds, ms (seconds): all but the last hold for every schedule, the last within the 1F1B family"
+    )
+    for col in (
+        "profile",
+        "S",
+        "B",
+        "stage cuts",
+        "untied",
+        "pair program",
+        "tied pair program",
+        "1F1B family",
+    ):
         tab.add_column(col, justify="right")
     for name, B in cases:
         problem = make_problem(load_profile(name), B, recompute=False)
@@ -226,11 +302,36 @@ def run_bounds(cases=BOUND_CASES, seconds: float = 60.0, say=print) -> Table:
         t3 = t4 = time.perf_counter()
         # its seconds: until its last lift (it goes on asking above that until done or out of time)
         lifted = [t4]
-        program = pair_program_bound(F, G, L, B, untied, seconds, lambda _: lifted.append(time.perf_counter()), passes=[UNTIED]) if B <= 32 else None
+        program = (
+            pair_program_bound(
+                F, G, L, B, untied, seconds, lambda _: lifted.append(time.perf_counter()), passes=[UNTIED]
+            )
+            if B <= 32
+            else None
+        )
         t5 = time.perf_counter()
         tied_lifts = [t5]
-        tied = pair_program_bound(F, G, L, B, program, seconds, lambda _: tied_lifts.append(time.perf_counter()), passes=PASSES[1:]) if B <= 32 else None
-        pairs = ((cuts, t1 - t0), (untied, t2 - t1), (program, lifted[-1] - t4), (tied, tied_lifts[-1] - t5), (in_order, t3 - t2))
+        tied = (
+            pair_program_bound(
+                F,
+                G,
+                L,
+                B,
+                program,
+                seconds,
+                lambda _: tied_lifts.append(time.perf_counter()),
+                passes=PASSES[1:],
+            )
+            if B <= 32
+            else None
+        )
+        pairs = (
+            (cuts, t1 - t0),
+            (untied, t2 - t1),
+            (program, lifted[-1] - t4),
+            (tied, tied_lifts[-1] - t5),
+            (in_order, t3 - t2),
+        )
         cells = [f"{v / 1000 + opt:.2f} ({dt:.1f} s)" if v is not None else "-" for v, dt in pairs]
         say(f"{name} B={B}: " + ", ".join(cells))
         tab.add_row(name, str(problem.num_stages), str(B), *cells)
@@ -243,9 +344,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the first case only")
     ap.add_argument("--s4", action="store_true", help="the S=4 cases only (about 21 minutes)")
     ap.add_argument("--s8", action="store_true", help="the S=8 cases only")
-    ap.add_argument("--small", action="store_true", help="only S=4, B=6, 8 and 12: the proven optimum (or best found) against the bounds")
-    ap.add_argument("--pairs", action="store_true", help="only S=4, B=16 and 32: the pair bound given 15 s and 60 s")
-    ap.add_argument("--bounds", action="store_true", help="the fast bounds alone (stage cuts, untied, pair program untied and tied, each within --time-limit, 1F1B family), 10-15 minutes at 30 s")
+    ap.add_argument(
+        "--small",
+        action="store_true",
+        help="only S=4, B=6, 8 and 12: the proven optimum (or best found) against the bounds",
+    )
+    ap.add_argument(
+        "--pairs", action="store_true", help="only S=4, B=16 and 32: the pair bound given 15 s and 60 s"
+    )
+    ap.add_argument(
+        "--bounds",
+        action="store_true",
+        help="the fast bounds alone (stage cuts, untied, pair program untied and tied, each within --time-limit, 1F1B family), 10-15 minutes at 30 s",
+    )
     args = ap.parse_args()
     console = Console(width=260)
     if args.bounds:
@@ -257,7 +368,13 @@ def main() -> None:
     if args.small:
         console.print(run_small(ga_time=20.0, exact_time=2 * args.time_limit))
         return
-    cases = CASES[:1] if args.quick else [c for c in CASES if (c[0] == "transformer8-sim") == args.s8] if args.s4 or args.s8 else CASES
+    cases = (
+        CASES[:1]
+        if args.quick
+        else [c for c in CASES if (c[0] == "transformer8-sim") == args.s8]
+        if args.s4 or args.s8
+        else CASES
+    )
     rows = run(args.time_limit, cases)
     console.print(table(rows, args.time_limit))
     for row in rows:

@@ -44,15 +44,27 @@ def _setup(folder: Path) -> tuple[str, object]:
     """A 3-stage mlp profile (synthetic costs, the zoo's model) and a 1F1B schedule for it."""
     prof = synthetic_profile(S, max_size=8, seed=1, bytes_per_sample=MLP["width"] * 4)
     cuts = np.linspace(0, MLP["layers"], S + 1).round().astype(int).tolist()
-    prof = prof.model_copy(update={
-        "model": prof.model.model_copy(update={"name": "mlp", "args": dict(MLP)}),
-        "stages": [st.model_copy(update={"layers": [cuts[s], cuts[s + 1]]}) for s, st in enumerate(prof.stages)],
-    })
+    prof = prof.model_copy(
+        update={
+            "model": prof.model.model_copy(update={"name": "mlp", "args": dict(MLP)}),
+            "stages": [
+                st.model_copy(update={"layers": [cuts[s], cuts[s + 1]]}) for s, st in enumerate(prof.stages)
+            ],
+        }
+    )
     save_profile(prof, folder / "profile.json")
     prof = load_profile(folder / "profile.json")
     problem = make_problem(prof, B, False)
     cand = Candidate.uniform([8, 8, 8], S, "1f1b")
-    sched = make_schedule(prof, B, False, cand.ops(), cand.simulate(problem), {"name": "bench", "status": "feasible", "seconds": 0.0}, {})
+    sched = make_schedule(
+        prof,
+        B,
+        False,
+        cand.ops(),
+        cand.simulate(problem),
+        {"name": "bench", "status": "feasible", "seconds": 0.0},
+        {},
+    )
     save_schedule(sched, str(folder / "s.json"))
     return str(folder / "s.json"), prof
 
@@ -66,7 +78,11 @@ def _detached() -> None:
 def _start(argv: list[str], temp: Path, env: dict | None = None) -> subprocess.Popen:
     full = dict(os.environ, TMPDIR=str(temp), **(env or {}))
     return subprocess.Popen(
-        [sys.executable, "-m", "umopt.cli", *argv], env=full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "umopt.cli", *argv],
+        env=full,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         preexec_fn=_detached,
     )
 
@@ -124,11 +140,28 @@ def _resumable(ck: Path, prof, held: int) -> str:
     return f"yes (step {step})" if step >= held else f"lost steps {step + 1}..{held}"
 
 
-def _live_fault(name: str, path: str, prof, work: Path, hit, expect_rank: str, env: dict | None = None) -> list[str]:
+def _live_fault(
+    name: str, path: str, prof, work: Path, hit, expect_rank: str, env: dict | None = None
+) -> list[str]:
     """Start a long run, let it complete a checkpoint set, then ``hit(proc)``; measure."""
     ck, temp = work / f"ck-{name}", work / f"tmp-{name}"
     temp.mkdir()
-    proc = _start(["run", path, "--steps", "100000", "--warmup", "0", "--checkpoint", str(ck), "--checkpoint-every", "1"], temp, env)
+    proc = _start(
+        [
+            "run",
+            path,
+            "--steps",
+            "100000",
+            "--warmup",
+            "0",
+            "--checkpoint",
+            str(ck),
+            "--checkpoint-every",
+            "1",
+        ],
+        temp,
+        env,
+    )
     held = _wait_for_step(ck, 2, proc)
     t0 = time.monotonic()
     hit(proc)
@@ -138,7 +171,16 @@ def _live_fault(name: str, path: str, prof, work: Path, hit, expect_rank: str, e
     named = _named(err)
     left = list(temp.glob("umopt-run-*"))  # the launcher's own (torch leaves its cache folder there too)
     ok = total < TARGET_S and (expect_rank == named) and "yes" in _resumable(ck, prof, held)
-    return [name, f"{total:.2f}", str(proc.returncode), named, expect_rank, _resumable(ck, prof, held), "yes" if not left else f"{len(left)} left", "ok" if ok else "MISSED"]
+    return [
+        name,
+        f"{total:.2f}",
+        str(proc.returncode),
+        named,
+        expect_rank,
+        _resumable(ck, prof, held),
+        "yes" if not left else f"{len(left)} left",
+        "ok" if ok else "MISSED",
+    ]
 
 
 def _resume_fault(name: str, path: str, prof, work: Path, spoil) -> list[str]:
@@ -153,7 +195,16 @@ def _resume_fault(name: str, path: str, prof, work: Path, spoil) -> list[str]:
     _, err = proc.communicate(timeout=120)
     total = time.monotonic() - t0 + _gone(proc.pid)
     refused = proc.returncode == 2 and "does not match its hash" in err
-    return [name, f"{total:.2f}", str(proc.returncode), "-", "-", "refused" if refused else err.strip()[-40:], "yes", "ok" if refused else "MISSED"]
+    return [
+        name,
+        f"{total:.2f}",
+        str(proc.returncode),
+        "-",
+        "-",
+        "refused" if refused else err.strip()[-40:],
+        "yes",
+        "ok" if refused else "MISSED",
+    ]
 
 
 def main() -> None:
@@ -169,11 +220,36 @@ def main() -> None:
 
         for k in range(S):
             rows.append(_live_fault(f"kill -9 rank {k}", path, prof, work, kill_rank(k), str(k)))
-        rows.append(_live_fault("SIGINT to umopt run", path, prof, work, lambda p: os.kill(p.pid, signal.SIGINT), "-"))
-        rows.append(_live_fault("SIGTERM to umopt run", path, prof, work, lambda p: os.kill(p.pid, signal.SIGTERM), "-"))
-        rows.append(_live_fault("SIGKILL to umopt run (the launcher)", path, prof, work, lambda p: os.kill(p.pid, signal.SIGKILL), "-"))
+        rows.append(
+            _live_fault("SIGINT to umopt run", path, prof, work, lambda p: os.kill(p.pid, signal.SIGINT), "-")
+        )
+        rows.append(
+            _live_fault(
+                "SIGTERM to umopt run", path, prof, work, lambda p: os.kill(p.pid, signal.SIGTERM), "-"
+            )
+        )
+        rows.append(
+            _live_fault(
+                "SIGKILL to umopt run (the launcher)",
+                path,
+                prof,
+                work,
+                lambda p: os.kill(p.pid, signal.SIGKILL),
+                "-",
+            )
+        )
         # rank 1 cannot write a file over 1 KiB from its step 3 on: its checkpoint of step 4 fails
-        rows.append(_live_fault("full disk on rank 1's checkpoint", path, prof, work, lambda p: None, "1", env={"UMOPT_FAULT": "1:3:diskfull"}))
+        rows.append(
+            _live_fault(
+                "full disk on rank 1's checkpoint",
+                path,
+                prof,
+                work,
+                lambda p: None,
+                "1",
+                env={"UMOPT_FAULT": "1:3:diskfull"},
+            )
+        )
 
         def corrupt(ck, man):
             f = ck / man["files"][1]["path"]
@@ -193,8 +269,19 @@ def main() -> None:
         rows.append(_resume_fault("corrupted stage file, --resume", path, prof, work, corrupt))
         rows.append(_resume_fault("pickle payload, --resume", path, prof, work, payload))
 
-    table = Table(title=f"faults in a {S}-stage run (gloo, checkpoint set every step): target < {TARGET_S:.0f} s, the right rank, the last set kept")
-    for col in ("fault", "s until all gone", "exit", "named", "expected", "last checkpoint set", "temp folder removed", ""):
+    table = Table(
+        title=f"faults in a {S}-stage run (gloo, checkpoint set every step): target < {TARGET_S:.0f} s, the right rank, the last set kept"
+    )
+    for col in (
+        "fault",
+        "s until all gone",
+        "exit",
+        "named",
+        "expected",
+        "last checkpoint set",
+        "temp folder removed",
+        "",
+    ):
         table.add_column(col, justify="right" if col.startswith("s ") or col == "exit" else "left")
     for row in rows:
         table.add_row(*row)

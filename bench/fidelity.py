@@ -47,32 +47,79 @@ MODELS = {
     "uneven-factory": ("fidelity_models:uneven", {}),
 }
 B = 32
-COLUMNS = ("model", "pick", "chunks", "pred gain", "meas gain", "meas / best equal", "A/A", "m/p pick", "m/p gpipe", "m/p 1f1b", "profile s")
+COLUMNS = (
+    "model",
+    "pick",
+    "chunks",
+    "pred gain",
+    "meas gain",
+    "meas / best equal",
+    "A/A",
+    "m/p pick",
+    "m/p gpipe",
+    "m/p 1f1b",
+    "profile s",
+)
 
 
-def one(name: str, model: str, args: dict, out: Path, rounds: int, steps: int, time_limit: float, say=print) -> dict:
+def one(
+    name: str, model: str, args: dict, out: Path, rounds: int, steps: int, time_limit: float, say=print
+) -> dict:
     t0 = time.perf_counter()
-    prof = profile_in_pipeline(ProfileOptions(model=model, model_args=args, stages=2, max_size=B), probe_minibatch=B)
+    prof = profile_in_pipeline(
+        ProfileOptions(model=model, model_args=args, stages=2, max_size=B), probe_minibatch=B
+    )
     profile_s = time.perf_counter() - t0
     save_profile(prof, out / f"{name}.json")
     prof = load_profile(out / f"{name}.json")
     report = solve(prof, B, time_limit=time_limit, seed=0)
     problem = make_problem(prof, B, False)
-    plans = {"gpipe_equal": report.gpipe.candidate, "1f1b_equal": report.onef1b.candidate, "pick": report.choice.candidate}
+    plans = {
+        "gpipe_equal": report.gpipe.candidate,
+        "1f1b_equal": report.onef1b.candidate,
+        "pick": report.choice.candidate,
+    }
     # a schedule equal to one before it runs once (the same schedule run twice measures the
     # machine's noise, not a difference) ...
     same = {k: next(j for j in plans if plans[j].ops() == c.ops()) for k, c in plans.items()}
     runs = {k: c for k, c in plans.items() if same[k] == k}
     # ... except once on purpose: the predicted-best equal schedule again, as an A/A test of how
     # far two runs of one schedule in turns differ here
-    again = min(("gpipe_equal", "1f1b_equal"), key=lambda k: report.gpipe.iteration_ms if k == "gpipe_equal" else report.onef1b.iteration_ms)
+    again = min(
+        ("gpipe_equal", "1f1b_equal"),
+        key=lambda k: report.gpipe.iteration_ms if k == "gpipe_equal" else report.onef1b.iteration_ms,
+    )
     runs["again"] = plans[same[again]]
     paths = []
     for key, cand in runs.items():
         path = out / f"{name}_{key}.json"
-        save_schedule(make_schedule(prof, B, False, cand.ops(), cand.simulate(problem), {"name": key, "status": "feasible", "seconds": 0.0}, {}), str(path))
+        save_schedule(
+            make_schedule(
+                prof,
+                B,
+                False,
+                cand.ops(),
+                cand.simulate(problem),
+                {"name": key, "status": "feasible", "seconds": 0.0},
+                {},
+            ),
+            str(path),
+        )
         paths.append(str(path))
-    res = launch([*paths, "--steps", str(steps), "--warmup", "2", "--rounds", str(rounds), "--report", str(out / (name + "_{name}_report.json"))], quiet=True)
+    res = launch(
+        [
+            *paths,
+            "--steps",
+            str(steps),
+            "--warmup",
+            "2",
+            "--rounds",
+            str(rounds),
+            "--report",
+            str(out / (name + "_{name}_report.json")),
+        ],
+        quiet=True,
+    )
     ran = dict(zip(runs, res.reports))
     rep = {k: ran[same[k]] for k in plans}
     pred = {k: r.predicted_iteration_ms for k, r in rep.items()}
@@ -91,8 +138,10 @@ def one(name: str, model: str, args: dict, out: Path, rounds: int, steps: int, t
         "probes": bool(prof.meta.probes and prof.meta.probes.ran),
         "noise": prof.meta.noise.median_spread if prof.meta.noise else None,
     }
-    say(f"{name}: pick {row['pick']}, predicted gain {100 * row['pred_gain']:.1f}%, measured {100 * row['meas_gain']:.1f}%, "
-        f"m/p {', '.join(f'{k} {v:.3f}' for k, v in row['ratios'].items())}, A/A {row['aa']:.3f}")
+    say(
+        f"{name}: pick {row['pick']}, predicted gain {100 * row['pred_gain']:.1f}%, measured {100 * row['meas_gain']:.1f}%, "
+        f"m/p {', '.join(f'{k} {v:.3f}' for k, v in row['ratios'].items())}, A/A {row['aa']:.3f}"
+    )
     return row
 
 
@@ -101,7 +150,10 @@ def repeatability(out: Path) -> tuple[float, float, list[dict]]:
     as measured and after each stage's level (the median ratio of its entries) is taken out;
     and what each profile said of the machine."""
     model, args = MODELS["gpt-small-vocab"]
-    a, b = (profile_model(ProfileOptions(model=model, model_args=args, split=[0, 3, 6], max_size=B)) for _ in range(2))
+    a, b = (
+        profile_model(ProfileOptions(model=model, model_args=args, split=[0, 3, 6], max_size=B))
+        for _ in range(2)
+    )
     raw, shape = [], []
     for sa, sb in zip(a.stages, b.stages):
         x, y = np.array(sa.forward_ms + sa.backward_ms), np.array(sb.forward_ms + sb.backward_ms)
@@ -135,8 +187,17 @@ def main() -> None:
     vgg_s = vgg_profile_seconds()
 
     cells = [
-        [r["model"], r["pick"], r["chunks"], f"{100 * r['pred_gain']:+.1f}%", f"{100 * r['meas_gain']:+.1f}%", f"{1 + r['meas_gain']:.3f}", f"{r['aa']:.3f}",
-         *(f"{r['ratios'][k]:.3f}" for k in ("pick", "gpipe_equal", "1f1b_equal")), f"{r['profile_s']:.0f}"]
+        [
+            r["model"],
+            r["pick"],
+            r["chunks"],
+            f"{100 * r['pred_gain']:+.1f}%",
+            f"{100 * r['meas_gain']:+.1f}%",
+            f"{1 + r['meas_gain']:.3f}",
+            f"{r['aa']:.3f}",
+            *(f"{r['ratios'][k]:.3f}" for k in ("pick", "gpipe_equal", "1f1b_equal")),
+            f"{r['profile_s']:.0f}",
+        ]
         for r in rows
     ]
     within = sum(all(0.85 <= v <= 1.15 for v in r["ratios"].values()) for r in rows)
@@ -147,7 +208,11 @@ def main() -> None:
         f"measured / predicted within 0.85-1.15 for every schedule: {within} of {len(rows)} models (target: 5 of 6)",
         f"the pick against the best equal schedule, measured: at worst {worst:.3f}x (target: at least 0.98)",
         "where the predicted gain is 5% or more, the measured gain is a median "
-        + (f"{100 * share:.0f}% of it (target: at least 60%)" if share is not None else "- of it (no model predicted 5%)"),
+        + (
+            f"{100 * share:.0f}% of it (target: at least 60%)"
+            if share is not None
+            else "- of it (no model predicted 5%)"
+        ),
         f"two profiles of gpt-small-vocab: 90th-percentile difference per entry {100 * rep:.1f}% (target: at most 10%); "
         f"{100 * rep_shape:.1f}% after each stage's level; drift per stage {' and '.join(str(n.drift if n else None) for n in rep_noise)}, "
         f"matmul ms per stage {' and '.join(str(n.reference_ms if n else None) for n in rep_noise)}",
@@ -163,7 +228,9 @@ def main() -> None:
         for line in summary:
             print(f"- {line}")
         return
-    table = Table(title=f"2 CPU stages x 1 thread, minibatch {B}, {args.rounds} rounds of {args.steps} steps in turns; gains over the best equal schedule")
+    table = Table(
+        title=f"2 CPU stages x 1 thread, minibatch {B}, {args.rounds} rounds of {args.steps} steps in turns; gains over the best equal schedule"
+    )
     for col in COLUMNS:
         table.add_column(col, justify="right")
     for c in cells:

@@ -11,7 +11,14 @@ def uneven(channels: int = 16, width: int = 64, heavy: int = 768, classes: int =
     layers = [
         nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()),
         nn.Sequential(nn.Linear(channels * 16 * 16, width), nn.ReLU()),
-        nn.Sequential(nn.Linear(width, heavy), nn.ReLU(), nn.Linear(heavy, heavy), nn.ReLU(), nn.Linear(heavy, width), nn.ReLU()),
+        nn.Sequential(
+            nn.Linear(width, heavy),
+            nn.ReLU(),
+            nn.Linear(heavy, heavy),
+            nn.ReLU(),
+            nn.Linear(heavy, width),
+            nn.ReLU(),
+        ),
         nn.Sequential(nn.Linear(width, width), nn.ReLU()),
         nn.Linear(width, classes),
     ]

@@ -44,9 +44,13 @@ def main() -> None:
     if set(got) != set(want):
         print(f"FAIL: the run saved {len(got)} gradients, the model has {len(want)}")
         sys.exit(1)
-    worst = max((float((got[k].float() - want[k]).norm() / max(float(want[k].norm()), 1e-12)), k) for k in want)
+    worst = max(
+        (float((got[k].float() - want[k]).norm() / max(float(want[k].norm()), 1e-12)), k) for k in want
+    )
     ok = worst[0] <= args.rtol
-    print(f"{'PASS' if ok else 'FAIL'}: largest relative difference {worst[0]:.2e} ({worst[1]}), rtol {args.rtol:g}")
+    print(
+        f"{'PASS' if ok else 'FAIL'}: largest relative difference {worst[0]:.2e} ({worst[1]}), rtol {args.rtol:g}"
+    )
     sys.exit(0 if ok else 1)
 
 

@@ -34,21 +34,30 @@ SCHEDULES = {"equal": [[16] * 4, [16] * 4], "unequal": [[4, 12, 16, 16, 16], [8,
 
 def _schedules(work: Path) -> None:
     prof = synthetic_profile(2, max_size=16, seed=1, bytes_per_sample=MLP["width"] * 4)
-    prof = prof.model_copy(update={
-        "model": prof.model.model_copy(update={"name": "mlp", "args": MLP}),
-        "stages": [st.model_copy(update={"layers": [a, b]}) for st, (a, b) in zip(prof.stages, [(0, 3), (3, 6)])],
-    })
+    prof = prof.model_copy(
+        update={
+            "model": prof.model.model_copy(update={"name": "mlp", "args": MLP}),
+            "stages": [
+                st.model_copy(update={"layers": [a, b]}) for st, (a, b) in zip(prof.stages, [(0, 3), (3, 6)])
+            ],
+        }
+    )
     save_profile(prof, work / "p.json")
     prof = load_profile(work / "p.json")
     for name, f in SCHEDULES.items():
         ops = Candidate(f, f, "1f1b").ops()
         tl = simulate(CostTables.from_profile(prof), ops, B)
-        save_schedule(make_schedule(prof, B, False, ops, tl, {"name": name, "status": "feasible", "seconds": 0.0}, {}), str(work / f"{name}.json"))
+        save_schedule(
+            make_schedule(prof, B, False, ops, tl, {"name": name, "status": "feasible", "seconds": 0.0}, {}),
+            str(work / f"{name}.json"),
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline", required=True, help="a checkout of the baseline commit, its extensions built")
+    p.add_argument(
+        "--baseline", required=True, help="a checkout of the baseline commit, its extensions built"
+    )
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
     here = str(Path(__file__).resolve().parents[1])
@@ -59,12 +68,30 @@ def main() -> None:
         for tree in ("baseline", "this tree") if rnd % 2 == 0 else ("this tree", "baseline"):
             env = dict(os.environ, PYTHONPATH=args.baseline if tree == "baseline" else here)
             subprocess.run(
-                [sys.executable, "-m", "umopt.cli", "run", *(str(work / f"{n}.json") for n in SCHEDULES), "--steps", "15", "--warmup", "3",
-                 "--report", str(work / "r_{name}.json")],
-                env=env, check=True, capture_output=True, cwd=str(work),
+                [
+                    sys.executable,
+                    "-m",
+                    "umopt.cli",
+                    "run",
+                    *(str(work / f"{n}.json") for n in SCHEDULES),
+                    "--steps",
+                    "15",
+                    "--warmup",
+                    "3",
+                    "--report",
+                    str(work / "r_{name}.json"),
+                ],
+                env=env,
+                check=True,
+                capture_output=True,
+                cwd=str(work),
             )
-            ms[tree].append([json.loads((work / f"r_{n}.json").read_text())["measured_iteration_ms"] for n in SCHEDULES])
-    table = Table(title=f"umopt run, this tree against {args.baseline}: median iteration ms over {args.rounds} rounds in turns")
+            ms[tree].append(
+                [json.loads((work / f"r_{n}.json").read_text())["measured_iteration_ms"] for n in SCHEDULES]
+            )
+    table = Table(
+        title=f"umopt run, this tree against {args.baseline}: median iteration ms over {args.rounds} rounds in turns"
+    )
     for col in ("schedule", "baseline ms", "this tree ms", "this / baseline", "round by round"):
         table.add_column(col, justify="right")
     for k, name in enumerate(SCHEDULES):

@@ -37,7 +37,14 @@ class _Autocast(torch.nn.Module):
 
 
 def main() -> None:
-    profile_path, m, steps, warmup, out, minibatch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+    profile_path, m, steps, warmup, out, minibatch = (
+        sys.argv[1],
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        int(sys.argv[4]),
+        sys.argv[5],
+        int(sys.argv[6]),
+    )
     prof = load_profile(profile_path)
     device = init_distributed("nccl" if prof.device.type == "cuda" else "gloo", 60)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -47,7 +54,9 @@ def main() -> None:
     a, b = prof.stages[rank].layers
     module = _Autocast(torch.nn.Sequential(*parts.layers[a:b]), device, prof.device.dtype).to(device)
     stage = PipelineStage(module, rank, world, device)
-    sched = ScheduleGPipe(stage, n_microbatches=m, loss_fn=lambda out, y: parts.loss(out, y) / minibatch, scale_grads=False)
+    sched = ScheduleGPipe(
+        stage, n_microbatches=m, loss_fn=lambda out, y: parts.loss(out, y) / minibatch, scale_grads=False
+    )
     opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
     cuda = device.type == "cuda"
     times = []

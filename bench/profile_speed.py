@@ -36,7 +36,12 @@ def main() -> None:
     for col in ("run", "seconds (incl. link ping-pong)", "split", "stage-0 F ms @1..64"):
         table.add_column(col, justify="right")
     for i, (t, p) in enumerate(runs):
-        table.add_row(str(i + 1), f"{t:.1f}", str(p.model_extra["split"]), " ".join(f"{x:.1f}" for x in p.stages[0].forward_ms))
+        table.add_row(
+            str(i + 1),
+            f"{t:.1f}",
+            str(p.model_extra["split"]),
+            " ".join(f"{x:.1f}" for x in p.stages[0].forward_ms),
+        )
     console = Console(width=160)
     console.print(table)
     rel, shape = [], []

@@ -59,14 +59,19 @@ def speedup(cell: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--time-limit", type=float, default=20.0)
-    ap.add_argument("--rounds", type=int, default=5)  # 3 let this machine's drift decide (171 vs 250 ms rounds)
+    ap.add_argument(
+        "--rounds", type=int, default=5
+    )  # 3 let this machine's drift decide (171 vs 250 ms rounds)
     args = ap.parse_args()
     quality = solver_quality.run(args.time_limit)
     title, runs, summary = runtime_vs_predicted.run(32, args.rounds, 30, args.time_limit)
 
     report = solve(load_profile("vgg16-cpu"), 64, time_limit=args.time_limit, seed=0)
     gantt(
-        [(f"best equal GPipe (M={report.gpipe.microbatches})", report.gpipe_timeline), ("umopt", report.timeline)],
+        [
+            (f"best equal GPipe (M={report.gpipe.microbatches})", report.gpipe_timeline),
+            ("umopt", report.timeline),
+        ],
         ROOT / "docs" / "gantt.png",
         title="vgg16-cpu, 4 stages, minibatch 64 (predicted)",
     )
@@ -82,17 +87,48 @@ def main() -> None:
     eq = next(k for k in meas if k.startswith("umopt runtime, best equal"))
     um = meas["umopt runtime, umopt schedule"]
     paper = md(
-        ("model", "paper: vs GPipe", "paper: vs PipeDream", "umopt: vs best equal GPipe", "umopt: vs best equal 1F1B", "how ours was measured"),
+        (
+            "model",
+            "paper: vs GPipe",
+            "paper: vs PipeDream",
+            "umopt: vs best equal GPipe",
+            "umopt: vs best equal 1F1B",
+            "how ours was measured",
+        ),
         [
-            ("VGG16", "+17.11%", "+7.96%", f"+{100 * (vs_gpipe - 1):.1f}%", f"+{100 * (vs_1f1b - 1):.1f}%", "predicted, vgg16-cpu profile, 4 stages, B=64"),
-            ("GPT", "+13.89% (GPT1-14)", "+11.09%", f"+{100 * (g_gpipe - 1):.1f}%", f"+{100 * (g_1f1b - 1):.1f}%", "predicted, gpt-sim profile, 4 stages, B=64"),
-            ("GPT (small)", "", "", f"+{100 * (meas[eq] / um - 1):.1f}%", "", "measured, umopt run, 2 CPU stages, B=32"),
+            (
+                "VGG16",
+                "+17.11%",
+                "+7.96%",
+                f"+{100 * (vs_gpipe - 1):.1f}%",
+                f"+{100 * (vs_1f1b - 1):.1f}%",
+                "predicted, vgg16-cpu profile, 4 stages, B=64",
+            ),
+            (
+                "GPT",
+                "+13.89% (GPT1-14)",
+                "+11.09%",
+                f"+{100 * (g_gpipe - 1):.1f}%",
+                f"+{100 * (g_1f1b - 1):.1f}%",
+                "predicted, gpt-sim profile, 4 stages, B=64",
+            ),
+            (
+                "GPT (small)",
+                "",
+                "",
+                f"+{100 * (meas[eq] / um - 1):.1f}%",
+                "",
+                "measured, umopt run, 2 CPU stages, B=32",
+            ),
         ],
     )
     gaps_gp = [speedup(r[auto]) for r in quality]
     gaps_of = [speedup(r[auto]) / speedup(r[of]) for r in quality]
     shows = WHAT_IT_SHOWS.format(
-        gp_lo=100 * (min(gaps_gp) - 1), gp_hi=100 * (max(gaps_gp) - 1), of_lo=100 * (min(gaps_of) - 1), of_hi=100 * (max(gaps_of) - 1)
+        gp_lo=100 * (min(gaps_gp) - 1),
+        gp_hi=100 * (max(gaps_gp) - 1),
+        of_lo=100 * (min(gaps_of) - 1),
+        of_hi=100 * (max(gaps_of) - 1),
     )
     block = f"""{START}
 _Written by `python bench/results.py --time-limit {args.time_limit:g} --rounds {args.rounds}` (solvers get {args.time_limit:g} s each)._
@@ -134,12 +170,17 @@ And the paper's "PipeDream" is compared here with the best equal 1F1B (PipeDream
 
     # README: one summary table, the solver table's headline columns
     cols = ("profile", "B", "best equal GPipe", "best equal 1F1B", "umopt (x GPipe)", "bound", "gap")
-    rows = [[r[0], r[1], r[2].split(" ")[0], r[of].split(" ")[0], r[auto], r[COL("bound")], r[COL("auto gap")]] for r in quality]
+    rows = [
+        [r[0], r[1], r[2].split(" ")[0], r[of].split(" ")[0], r[auto], r[COL("bound")], r[COL("auto gap")]]
+        for r in quality
+    ]
     summary_block = f"""{START}
 {md(cols, rows)}
 {END}"""
     readme = (ROOT / "README.md").read_text()
-    (ROOT / "README.md").write_text(readme[: readme.index(START)] + summary_block + readme[readme.index(END) + len(END) :])
+    (ROOT / "README.md").write_text(
+        readme[: readme.index(START)] + summary_block + readme[readme.index(END) + len(END) :]
+    )
     print("docs/results.md, README.md's results table and docs/gantt.png rewritten")
 
 

@@ -33,13 +33,13 @@ from rich.table import Table
 
 from umopt.baselines import gpipe_equal
 from umopt.costmodel import simulate
-from umopt.launch import launch
-from umopt.problem import Candidate
 from umopt.formats.profile import load_profile, save_profile
-from umopt.profiler import ProfileOptions, profile_model
 from umopt.formats.schedule import make_schedule, save_schedule
-from umopt.solve import make_problem, solve
+from umopt.launch import launch
 from umopt.probes import fit_to_probes
+from umopt.problem import Candidate
+from umopt.profiler import ProfileOptions, profile_model
+from umopt.solve import make_problem, solve
 
 GPT = {"layers": 4, "d_model": 128, "heads": 4, "vocab": 2048, "seq_len": 64}
 
@@ -53,10 +53,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--calibration-steps", type=int, default=10)
     ap.add_argument("--time-limit", type=float, default=20.0)
-    ap.add_argument("--no-calibrate", action="store_true", help="solve and predict with the profile as measured")
+    ap.add_argument(
+        "--no-calibrate", action="store_true", help="solve and predict with the profile as measured"
+    )
     args = ap.parse_args()
     title, rows, summary = run(
-        args.minibatch, args.rounds, args.steps, args.time_limit, calibrate=not args.no_calibrate, calibration_steps=args.calibration_steps
+        args.minibatch,
+        args.rounds,
+        args.steps,
+        args.time_limit,
+        calibrate=not args.no_calibrate,
+        calibration_steps=args.calibration_steps,
     )
     console = Console(width=150)
     table = Table(title=title)
@@ -68,10 +75,25 @@ def main() -> None:
     console.print(summary)
 
 
-COLUMNS = ("schedule", "predicted ms (profile as measured)", "predicted ms", "measured ms", "measured / predicted", "rounds (ms)")
+COLUMNS = (
+    "schedule",
+    "predicted ms (profile as measured)",
+    "predicted ms",
+    "measured ms",
+    "measured / predicted",
+    "rounds (ms)",
+)
 
 
-def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print, calibrate: bool = True, calibration_steps: int = 10):
+def run(
+    minibatch: int,
+    rounds: int,
+    steps: int,
+    time_limit: float,
+    say=print,
+    calibrate: bool = True,
+    calibration_steps: int = 10,
+):
     """(title, rows, summary line) of the side-by-side runs."""
     args = argparse.Namespace(minibatch=minibatch, rounds=rounds, steps=steps, time_limit=time_limit)
     tmp = Path(tempfile.mkdtemp(prefix="umopt-bench-"))
@@ -80,7 +102,10 @@ def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print, c
     measured = load_profile(tmp / "gpt2_measured.json")
     B = args.minibatch
     if calibrate:  # what `umopt profile` does at its end: probe runs of the runtime, and the fit to them
-        save_profile(fit_to_probes(measured, B, tmp / "probes", steps=calibration_steps // 2, rounds=2), tmp / "gpt2.json")
+        save_profile(
+            fit_to_probes(measured, B, tmp / "probes", steps=calibration_steps // 2, rounds=2),
+            tmp / "gpt2.json",
+        )
     else:
         save_profile(measured, tmp / "gpt2.json")
     prof = load_profile(tmp / "gpt2.json")
@@ -88,32 +113,68 @@ def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print, c
     save_schedule(report.schedule, str(tmp / "umopt.json"))
     problem = make_problem(prof, B, False)
     gp = gpipe_equal(problem)
-    eq = make_schedule(prof, B, False, gp.candidate.ops(), gp.candidate.simulate(problem), {"name": "gpipe_equal", "status": "feasible", "seconds": 0.0}, {})
+    eq = make_schedule(
+        prof,
+        B,
+        False,
+        gp.candidate.ops(),
+        gp.candidate.simulate(problem),
+        {"name": "gpipe_equal", "status": "feasible", "seconds": 0.0},
+        {},
+    )
     save_schedule(eq, str(tmp / "equal.json"))
     # ScheduleGPipe splits inputs and targets differently unless M divides B, so the side-by-side
     # comparison with it uses the best M among B's divisors, in both runtimes
     divisors = [m for m in range(1, B + 1) if B % m == 0 and B // m <= prof.max_size]
-    div = min((Candidate.uniform([B // m] * m, 2) for m in divisors), key=lambda c: c.simulate(problem).iteration_ms)
+    div = min(
+        (Candidate.uniform([B // m] * m, 2) for m in divisors), key=lambda c: c.simulate(problem).iteration_ms
+    )
     m_div = len(div.fsizes[0])
-    eqd = make_schedule(prof, B, False, div.ops(), div.simulate(problem), {"name": "gpipe_equal_divisor", "status": "feasible", "seconds": 0.0}, {})
+    eqd = make_schedule(
+        prof,
+        B,
+        False,
+        div.ops(),
+        div.simulate(problem),
+        {"name": "gpipe_equal_divisor", "status": "feasible", "seconds": 0.0},
+        {},
+    )
     save_schedule(eqd, str(tmp / "equal_div.json"))
-    say(f"profile: {[st.layers for st in prof.stages]}, best equal GPipe M={gp.microbatches}, among divisors M={m_div}, solver: {report.schedule.solver.model_extra.get('winner', '')}")
+    say(
+        f"profile: {[st.layers for st in prof.stages]}, best equal GPipe M={gp.microbatches}, among divisors M={m_div}, solver: {report.schedule.solver.model_extra.get('winner', '')}"
+    )
 
     results: dict[str, list[float]] = {"equal": [], "equal_div": [], "pipelining": [], "umopt": []}
     common = ["--steps", str(args.steps), "--warmup", "2"]
+
     def measure(kind: str) -> float:
         if kind == "pipelining":
             out = tmp / "pipe.json"
             env = dict(os.environ, OMP_NUM_THREADS="1")
             subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 str(Path(__file__).with_name("pipelining_gpipe.py")), str(tmp / "gpt2.json"), str(m_div),
-                 str(args.steps), "2", str(out), str(B)],
-                check=True, env=env, capture_output=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc-per-node=2",
+                    str(Path(__file__).with_name("pipelining_gpipe.py")),
+                    str(tmp / "gpt2.json"),
+                    str(m_div),
+                    str(args.steps),
+                    "2",
+                    str(out),
+                    str(B),
+                ],
+                check=True,
+                env=env,
+                capture_output=True,
             )
             return statistics.median(json.loads(out.read_text())["step_ms"])
         path = {"equal": "equal.json", "equal_div": "equal_div.json", "umopt": "umopt.json"}[kind]
-        return launch([str(tmp / path), *common, "--report", str(tmp / f"r_{kind}.json")], quiet=True).report.measured_iteration_ms
+        return launch(
+            [str(tmp / path), *common, "--report", str(tmp / f"r_{kind}.json")], quiet=True
+        ).report.measured_iteration_ms
 
     kinds = ["equal", "equal_div", "pipelining", "umopt"]
     for i in range(args.rounds):
@@ -122,13 +183,20 @@ def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print, c
         for kind in kinds if i % 2 == 0 else kinds[::-1]:
             results[kind].append(measure(kind))
 
-    pred = {"equal": eq.predicted.iteration_ms, "equal_div": eqd.predicted.iteration_ms, "umopt": report.schedule.predicted.iteration_ms, "pipelining": eqd.predicted.iteration_ms}
+    pred = {
+        "equal": eq.predicted.iteration_ms,
+        "equal_div": eqd.predicted.iteration_ms,
+        "umopt": report.schedule.predicted.iteration_ms,
+        "pipelining": eqd.predicted.iteration_ms,
+    }
     raw_tables = make_problem(measured, B, False).tables
     files = {"equal": eq, "equal_div": eqd, "umopt": report.schedule, "pipelining": eqd}
     raw = {k: simulate(raw_tables, sched.op_lists(), B).iteration_ms for k, sched in files.items()}
     meas = {k: statistics.median(v) for k, v in results.items()}
-    title = (f"GPT (4 layers, d=128, seq 64) on 2 CPU stages x 1 thread, minibatch {B}; medians of {args.rounds} rounds; "
-             + ("predicted with the calibrated profile" if calibrate else "predicted with the profile as measured"))
+    title = (
+        f"GPT (4 layers, d=128, seq 64) on 2 CPU stages x 1 thread, minibatch {B}; medians of {args.rounds} rounds; "
+        + ("predicted with the calibrated profile" if calibrate else "predicted with the profile as measured")
+    )
     rows = []
     names = {
         "equal": f"umopt runtime, best equal GPipe M={gp.microbatches}",
@@ -137,7 +205,16 @@ def run(minibatch: int, rounds: int, steps: int, time_limit: float, say=print, c
         "umopt": "umopt runtime, umopt schedule",
     }
     for k in ("equal", "equal_div", "pipelining", "umopt"):
-        rows.append([names[k], f"{raw[k]:.1f}", f"{pred[k]:.1f}", f"{meas[k]:.1f}", f"{meas[k] / pred[k]:.3f}", " ".join(f"{x:.1f}" for x in results[k])])
+        rows.append(
+            [
+                names[k],
+                f"{raw[k]:.1f}",
+                f"{pred[k]:.1f}",
+                f"{meas[k]:.1f}",
+                f"{meas[k] / pred[k]:.3f}",
+                " ".join(f"{x:.1f}" for x in results[k]),
+            ]
+        )
     margin_pred = pred["equal"] - pred["umopt"]
     margin_meas = meas["equal"] - meas["umopt"]
     summary = (

@@ -17,11 +17,11 @@ from rich.console import Console
 from rich.table import Table
 
 from umopt.baselines import gpipe_equal, onef1b_equal
+from umopt.bounds import Scope, fast_bound_ms
 from umopt.formats.profile import load_profile
+from umopt.partition import backwards_in_sample_order
 from umopt.solve import make_problem
 from umopt.solvers import SOLVERS
-from umopt.bounds import Scope, fast_bound_ms
-from umopt.partition import backwards_in_sample_order
 from umopt.solvers.local import hill_climb
 
 CASES = [
@@ -35,7 +35,24 @@ CASES = [
 ]
 
 
-COLUMNS = ("profile", "B", "gpipe_equal", "1f1b_equal", "hill climb", "dp", "ramp", "greedy", "ga", "auto", "auto order", "auto s", "bound", "auto gap", "1F1B bound", "gap in 1F1B")
+COLUMNS = (
+    "profile",
+    "B",
+    "gpipe_equal",
+    "1f1b_equal",
+    "hill climb",
+    "dp",
+    "ramp",
+    "greedy",
+    "ga",
+    "auto",
+    "auto order",
+    "auto s",
+    "bound",
+    "auto gap",
+    "1F1B bound",
+    "gap in 1F1B",
+)
 
 
 def run(time_limit: float, cases=CASES, say=print) -> list[list[str]]:
@@ -48,7 +65,9 @@ def run(time_limit: float, cases=CASES, say=print) -> list[list[str]]:
         def cell(it: float) -> str:
             return f"{it:.1f} ({gp.iteration_ms / it:.3f}x)"
 
-        climbs = [hill_climb(problem, c, time.perf_counter() + time_limit)[0] for c in (gp.candidate, of.candidate)]
+        climbs = [
+            hill_climb(problem, c, time.perf_counter() + time_limit)[0] for c in (gp.candidate, of.candidate)
+        ]
         climb = min(c.iteration_ms for c in climbs)
         row = [name, str(B), cell(gp.iteration_ms), cell(of.iteration_ms), cell(climb)]
         for solver in ("dp", "ramp", "greedy", "ga", "auto"):

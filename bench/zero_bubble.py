@@ -48,8 +48,18 @@ from umopt.synthetic import synthetic_profile
 from umopt.zerobubble import best_with_weight_ops, search_with_weight_ops, zb_h1, zb_h2
 
 COLUMNS = (
-    "profile", "memory limit MiB", "1F1B equal ms", "ZB-H1 equal ms", "ZB-H2 equal ms", "umopt ms", "umopt + W ms",
-    "x 1F1B", "x ZB-H1", "x ZB-H2", "x umopt", "peak MiB +W",
+    "profile",
+    "memory limit MiB",
+    "1F1B equal ms",
+    "ZB-H1 equal ms",
+    "ZB-H2 equal ms",
+    "umopt ms",
+    "umopt + W ms",
+    "x 1F1B",
+    "x ZB-H1",
+    "x ZB-H2",
+    "x umopt",
+    "peak MiB +W",
 )
 
 
@@ -60,7 +70,13 @@ def measure(B: int, rounds: int, steps: int, time_limit: float) -> list[tuple]:
     with tempfile.TemporaryDirectory(prefix="umopt-zb-") as tmp:
         out = Path(tmp)
         args = {"layers": 4, "d_model": 192, "heads": 4, "vocab": 512, "seq_len": 64}
-        save_profile(profile_in_pipeline(ProfileOptions(model="gpt", model_args=args, stages=2, max_size=B, split_backward=True), probe_minibatch=B), out / "p.json")
+        save_profile(
+            profile_in_pipeline(
+                ProfileOptions(model="gpt", model_args=args, stages=2, max_size=B, split_backward=True),
+                probe_minibatch=B,
+            ),
+            out / "p.json",
+        )
         prof = load_profile(out / "p.json")
         problem = make_problem(prof, B, False)
         plain = solve(prof, B, time_limit=time_limit, seed=0)
@@ -78,17 +94,41 @@ def measure(B: int, rounds: int, steps: int, time_limit: float) -> list[tuple]:
         paths = []
         for name, ops in plans.items():
             tl = simulate(problem.tables, ops, B)
-            save_schedule(make_schedule(prof, B, False, ops, tl, {"name": name, "status": "feasible", "seconds": 0.0}, {}), str(out / f"{name}.json"))
+            save_schedule(
+                make_schedule(
+                    prof, B, False, ops, tl, {"name": name, "status": "feasible", "seconds": 0.0}, {}
+                ),
+                str(out / f"{name}.json"),
+            )
             paths.append(str(out / f"{name}.json"))
-        reports = launch([*paths, "--steps", str(steps), "--warmup", "2", "--rounds", str(rounds), "--report", str(out / "{name}_report.json")], quiet=True).reports
+        reports = launch(
+            [
+                *paths,
+                "--steps",
+                str(steps),
+                "--warmup",
+                "2",
+                "--rounds",
+                str(rounds),
+                "--report",
+                str(out / "{name}_report.json"),
+            ],
+            quiet=True,
+        ).reports
         meas = {n: r.measured_iteration_ms for n, r in zip(plans, reports)}
         rows = []
         for (name, ops), r in zip(plans.items(), reports):
-            rows.append((
-                name, "yes" if any(op.kind == "W" for st in ops for op in st) else "no", f"{r.predicted_iteration_ms:.1f}",
-                f"{r.measured_iteration_ms:.1f}", f"{r.measured_over_predicted:.3f}",
-                f"{meas['1f1b_equal'] / meas[name]:.3f}", f"{meas['zbh1_equal'] / meas[name]:.3f}" if "zbh1_equal" in meas else "-",
-            ))
+            rows.append(
+                (
+                    name,
+                    "yes" if any(op.kind == "W" for st in ops for op in st) else "no",
+                    f"{r.predicted_iteration_ms:.1f}",
+                    f"{r.measured_iteration_ms:.1f}",
+                    f"{r.measured_over_predicted:.3f}",
+                    f"{meas['1f1b_equal'] / meas[name]:.3f}",
+                    f"{meas['zbh1_equal'] / meas[name]:.3f}" if "zbh1_equal" in meas else "-",
+                )
+            )
         return rows
 
 
@@ -97,7 +137,6 @@ SMALL_COLUMNS = ("S", "B", "seed", "umopt + W ms", "optimum ms", "gap", "proven"
 
 def small(time_limit: float) -> list[tuple]:
 
-
     rows = []
     for S, B, seed in [(2, 4, 1), (2, 6, 3), (3, 4, 2), (3, 6, 5), (4, 6, 4), (4, 8, 6)]:
         prof = synthetic_profile(S, max_size=4, seed=seed)
@@ -105,14 +144,29 @@ def small(time_limit: float) -> list[tuple]:
         plain = solve(prof, B, time_limit=time_limit, seed=0)
         # what solve --zero-bubble does before its exact model: W ops placed in the schedules
         # found, and the GA with W caps started from them
-        seeds = [plain.choice.candidate] + [c for c in (plain.gpipe.candidate, plain.onef1b.candidate, *plain.result.alternatives) if c is not None]
+        seeds = [plain.choice.candidate] + [
+            c
+            for c in (plain.gpipe.candidate, plain.onef1b.candidate, *plain.result.alternatives)
+            if c is not None
+        ]
         heur = min(best_with_weight_ops(problem, c.ops())[1].iteration_ms for c in seeds)
         heur = min(heur, search_with_weight_ops(problem, seeds, time_limit)[1].iteration_ms)
         t0 = time.perf_counter()
         ops, _bound, proven = solve_with_weight_ops(problem, 60)
         sec = time.perf_counter() - t0
         best = simulate(problem.tables, ops, B, record=False).iteration_ms
-        rows.append((str(S), str(B), str(seed), f"{heur:.2f}", f"{best:.2f}", f"{100 * (heur - best) / best:.1f}%", "yes" if proven else "no", f"{sec:.1f}"))
+        rows.append(
+            (
+                str(S),
+                str(B),
+                str(seed),
+                f"{heur:.2f}",
+                f"{best:.2f}",
+                f"{100 * (heur - best) / best:.1f}%",
+                "yes" if proven else "no",
+                f"{sec:.1f}",
+            )
+        )
     return rows
 
 
@@ -137,15 +191,27 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=8.0)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--measure", action="store_true", help="measure on 2 CPU stages instead")
-    ap.add_argument("--small", action="store_true", help="the W placement against the exact model on small instances")
+    ap.add_argument(
+        "--small", action="store_true", help="the W placement against the exact model on small instances"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     a = ap.parse_args()
     if a.small:
-        _print(SMALL_COLUMNS, small(min(a.time_limit, 4.0)), a.markdown, "W placement against the exact optimum with W ops")
+        _print(
+            SMALL_COLUMNS,
+            small(min(a.time_limit, 4.0)),
+            a.markdown,
+            "W placement against the exact optimum with W ops",
+        )
         return
     if a.measure:
-        _print(MEASURE_COLUMNS, measure(a.minibatch, a.rounds, a.steps, a.time_limit), a.markdown, f"measured on 2 CPU stages, minibatch {a.minibatch}")
+        _print(
+            MEASURE_COLUMNS,
+            measure(a.minibatch, a.rounds, a.steps, a.time_limit),
+            a.markdown,
+            f"measured on 2 CPU stages, minibatch {a.minibatch}",
+        )
         return
     rows = []
     for name in bundled_profiles():
@@ -161,12 +227,28 @@ def main() -> None:
             it = zb.timeline.iteration_ms
             x = lambda base: "-" if base is None else f"{base / it:.3f}"  # noqa: E731
             ms = lambda base: "-" if base is None else f"{base:.2f}"  # noqa: E731
-            rows.append((
-                name, f"{memory} {limit / 2**20:.0f}", ms(zb.onef1b.iteration_ms), ms(zb.zbh1.iteration_ms), ms(zb.zbh2.iteration_ms),
-                f"{plain.timeline.iteration_ms:.2f}", f"{it:.2f}", x(zb.onef1b.iteration_ms), x(zb.zbh1.iteration_ms), x(zb.zbh2.iteration_ms),
-                x(plain.timeline.iteration_ms), f"{max(zb.timeline.peak_memory_bytes) / 2**20:.0f}",
-            ))
-    _print(COLUMNS, rows, a.markdown, f"predicted ms per iteration, minibatch {a.minibatch}, within the memory limit (MiB)")
+            rows.append(
+                (
+                    name,
+                    f"{memory} {limit / 2**20:.0f}",
+                    ms(zb.onef1b.iteration_ms),
+                    ms(zb.zbh1.iteration_ms),
+                    ms(zb.zbh2.iteration_ms),
+                    f"{plain.timeline.iteration_ms:.2f}",
+                    f"{it:.2f}",
+                    x(zb.onef1b.iteration_ms),
+                    x(zb.zbh1.iteration_ms),
+                    x(zb.zbh2.iteration_ms),
+                    x(plain.timeline.iteration_ms),
+                    f"{max(zb.timeline.peak_memory_bytes) / 2**20:.0f}",
+                )
+            )
+    _print(
+        COLUMNS,
+        rows,
+        a.markdown,
+        f"predicted ms per iteration, minibatch {a.minibatch}, within the memory limit (MiB)",
+    )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,18 @@ class _Bytes(click.ParamType):
     """A byte count: 17179869184, 16GiB, 16GB, 512MiB, 1.5e9."""
 
     name = "bytes"
-    _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    _UNITS = {
+        "": 1,
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+    }
 
     def convert(self, value, param, ctx):
         if isinstance(value, int):
@@ -58,7 +69,12 @@ BYTES = _Bytes()
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="umopt")
-@click.option("-v", "--verbose", is_flag=True, help="Say more: what each step does (and every rank's log under umopt run).")
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Say more: what each step does (and every rank's log under umopt run).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="Say less: no progress, only results, warnings and errors.")
 def cli(verbose: bool, quiet: bool) -> None:
     """umopt: unequal per-stage microbatch partitions for pipeline-parallel training.
@@ -80,7 +96,9 @@ def _log_to(console: Console, level: int) -> None:
     logger = logging.getLogger("umopt")
     logger.setLevel(level)
     if not any(isinstance(h, _ConsoleHandler) for h in logger.handlers):
-        logger.addHandler(_ConsoleHandler(console))  # (and on to the root's handlers, where a host program set some)
+        logger.addHandler(
+            _ConsoleHandler(console)
+        )  # (and on to the root's handlers, where a host program set some)
 
 
 class _ConsoleHandler(logging.Handler):
@@ -90,7 +108,9 @@ class _ConsoleHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         kind = "warning: " if record.levelno >= logging.WARNING else ""
-        self.console.print(f"umopt: {kind}{record.getMessage()}", markup=False, highlight=False, soft_wrap=True)
+        self.console.print(
+            f"umopt: {kind}{record.getMessage()}", markup=False, highlight=False, soft_wrap=True
+        )
 
 
 _VERBOSITY = {"level": logging.INFO}
@@ -114,13 +134,26 @@ class _Lines:
     def add_task(self, description: str, total: Optional[float] = None) -> int:
         return 0
 
-    def update(self, task: int, completed: Optional[float] = None, total: Optional[float] = None, description: Optional[str] = None) -> None:
+    def update(
+        self,
+        task: int,
+        completed: Optional[float] = None,
+        total: Optional[float] = None,
+        description: Optional[str] = None,
+    ) -> None:
         now = time.monotonic()
         what = description or self.last_what
-        if now - self.last_t < (self.every if what == self.last_what else 1.0):  # a new phase, unless the last line is under a second old
+        if now - self.last_t < (
+            self.every if what == self.last_what else 1.0
+        ):  # a new phase, unless the last line is under a second old
             return
         share = f" ({completed:g}/{total:g})" if completed is not None and total else ""
-        err.print(f"umopt {self.label}: {what}{share} [{now - self.start:.0f} s]", markup=False, highlight=False, soft_wrap=True)
+        err.print(
+            f"umopt {self.label}: {what}{share} [{now - self.start:.0f} s]",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         self.last_what, self.last_t = what, now
 
 
@@ -153,18 +186,82 @@ def _ms(x: Optional[float]) -> str:
 @click.argument("profile_path", metavar="PROFILE")
 @click.option("-B", "--minibatch", type=int, required=True, help="Samples per iteration (per pipeline).")
 @click.option("--recompute", is_flag=True, help="Recompute activations in backward; B chunks become free.")
-@click.option("--solver", type=click.Choice(["auto", "ga", "greedy", "dp", "ramp", "equal", "cpsat", "milp"]), default="auto", show_default=True)
-@click.option("--order", type=click.Choice(["auto", "gpipe", "1f1b"]), default="auto", show_default=True, help="Op order: GPipe, 1F1B, or auto (the GA tries both; cpsat/milp order each stage freely).")
+@click.option(
+    "--solver",
+    type=click.Choice(["auto", "ga", "greedy", "dp", "ramp", "equal", "cpsat", "milp"]),
+    default="auto",
+    show_default=True,
+)
+@click.option(
+    "--order",
+    type=click.Choice(["auto", "gpipe", "1f1b"]),
+    default="auto",
+    show_default=True,
+    help="Op order: GPipe, 1F1B, or auto (the GA tries both; cpsat/milp order each stage freely).",
+)
 @click.option("--time-limit", type=float, default=20.0, show_default=True, help="Seconds of search.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed (the search is timed: the same seed gives the same result for the same amount of work, not always on a busier machine).")
-@click.option("--memory-limit", type=BYTES, default=None, help="Bytes per stage (16GiB, 512MB or a number); overrides the profile's limit.")
-@click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel replicas of the pipeline: each stage all-reduces its gradients among them after its last op.")
-@click.option("--dp-gbps", type=float, default=None, help="Bus bandwidth of that all-reduce, Gbit/s (default: what `umopt profile --dp N` measured).")
-@click.option("--zero-bubble", is_flag=True, help="Split each backward: W ops (weight gradients) placed to fill bubbles; compares with the best equal ZB-H1 and ZB-H2.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Schedule file to write.")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Gantt chart PNG: best equal GPipe above, this schedule below.")
-@click.option("--trace", type=click.Path(dir_okay=False), default=None, help="Chrome-trace JSON of the predicted timelines (Perfetto).")
-def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, memory_limit, dp, dp_gbps, zero_bubble, output, plot, trace) -> None:
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Random seed (the search is timed: the same seed gives the same result for the same amount of work, not always on a busier machine).",
+)
+@click.option(
+    "--memory-limit",
+    type=BYTES,
+    default=None,
+    help="Bytes per stage (16GiB, 512MB or a number); overrides the profile's limit.",
+)
+@click.option(
+    "--dp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Data-parallel replicas of the pipeline: each stage all-reduces its gradients among them after its last op.",
+)
+@click.option(
+    "--dp-gbps",
+    type=float,
+    default=None,
+    help="Bus bandwidth of that all-reduce, Gbit/s (default: what `umopt profile --dp N` measured).",
+)
+@click.option(
+    "--zero-bubble",
+    is_flag=True,
+    help="Split each backward: W ops (weight gradients) placed to fill bubbles; compares with the best equal ZB-H1 and ZB-H2.",
+)
+@click.option(
+    "-o", "--output", type=click.Path(dir_okay=False), required=True, help="Schedule file to write."
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Gantt chart PNG: best equal GPipe above, this schedule below.",
+)
+@click.option(
+    "--trace",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Chrome-trace JSON of the predicted timelines (Perfetto).",
+)
+def solve(
+    profile_path,
+    minibatch,
+    recompute,
+    solver,
+    order,
+    time_limit,
+    seed,
+    memory_limit,
+    dp,
+    dp_gbps,
+    zero_bubble,
+    output,
+    plot,
+    trace,
+) -> None:
     """Search unequal per-stage partitions for PROFILE (a path or a bundled profile's name)."""
     from umopt.fileio import check_writable
     from umopt.formats.profile import load_profile
@@ -184,10 +281,29 @@ def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, m
         task = bar.add_task("", total=1.0)
 
         def progress(frac: float, best: float) -> None:
-            bar.update(task, completed=frac, description=f"best {best:.3f} ms" if math.isfinite(best) else "searching")
+            bar.update(
+                task,
+                completed=frac,
+                description=f"best {best:.3f} ms" if math.isfinite(best) else "searching",
+            )
 
-        report = run_solve(profile, minibatch, recompute=recompute, solver=solver, time_limit=time_limit, seed=seed, progress=progress, order=order, dp=allreduce, zero_bubble=zero_bubble)
-    panels = [(f"best equal GPipe (M={report.gpipe.microbatches})", report.gpipe_timeline)] if report.gpipe_timeline else []
+        report = run_solve(
+            profile,
+            minibatch,
+            recompute=recompute,
+            solver=solver,
+            time_limit=time_limit,
+            seed=seed,
+            progress=progress,
+            order=order,
+            dp=allreduce,
+            zero_bubble=zero_bubble,
+        )
+    panels = (
+        [(f"best equal GPipe (M={report.gpipe.microbatches})", report.gpipe_timeline)]
+        if report.gpipe_timeline
+        else []
+    )
     panels.append((f"umopt ({solver})", report.timeline))
     if plot:
         from umopt.plot import gantt
@@ -203,7 +319,8 @@ def solve(profile_path, minibatch, recompute, solver, order, time_limit, seed, m
         out.print(
             f"chunks are at most {profile.max_size} samples: the profile was measured up to {profile.max_size} (umopt profile --max-size, "
             f"or profile_stages' sample batch); profile to {min(minibatch, 2 * profile.max_size)} or more if larger chunks may run faster per sample",
-            markup=False, highlight=False,
+            markup=False,
+            highlight=False,
         )
     written = [output] + [p for p in (plot, trace) if p]
     out.print(f"wrote {', '.join(written)}")
@@ -216,8 +333,13 @@ def _print_report(report) -> None:
     tl = report.timeline
     dp = report.schedule.dp
     table = Table(
-        title=f"minibatch {report.schedule.minibatch}, {len(tl.spans)} stages" + (", recompute" if report.schedule.recompute else "")
-        + (f", x{dp.replicas} data-parallel (all-reduce {min(tl.allreduce_ms):.2f}-{max(tl.allreduce_ms):.2f} ms per stage)" if dp else "")
+        title=f"minibatch {report.schedule.minibatch}, {len(tl.spans)} stages"
+        + (", recompute" if report.schedule.recompute else "")
+        + (
+            f", x{dp.replicas} data-parallel (all-reduce {min(tl.allreduce_ms):.2f}-{max(tl.allreduce_ms):.2f} ms per stage)"
+            if dp
+            else ""
+        )
     )
     table.add_column("schedule", no_wrap=True)
     for col in ("chunks", "ms", "x gpipe", "x 1f1b", "gap", "bubble"):
@@ -234,15 +356,34 @@ def _print_report(report) -> None:
         bound = None if cand is None else bound_for(cand.ops(), cand.order, bounds)
         gap = None if it is None or not bound else (it - bound) / bound
         table.add_row(
-            name, chunks, _ms(it),
-            "-" if sg is None else f"{sg:.3f}", "-" if so is None else f"{so:.3f}",
-            "-" if gap is None else f"{100 * gap:.1f}%", "-" if bubble is None else f"{100 * bubble:.1f}%",
+            name,
+            chunks,
+            _ms(it),
+            "-" if sg is None else f"{sg:.3f}",
+            "-" if so is None else f"{so:.3f}",
+            "-" if gap is None else f"{100 * gap:.1f}%",
+            "-" if bubble is None else f"{100 * bubble:.1f}%",
         )
 
     gt, ot = report.gpipe_timeline, report.onef1b_timeline
-    row("GPipe equal", str(report.gpipe.microbatches or "-"), report.gpipe.candidate, report.gpipe.iteration_ms, gt.bubble_fraction if gt else None)
-    row("1F1B equal", str(report.onef1b.microbatches or "-"), report.onef1b.candidate, report.onef1b.iteration_ms, ot.bubble_fraction if ot else None)
-    for name, zb, zt in (("ZB-H1 equal", report.zbh1, report.zbh1_timeline), ("ZB-H2 equal", report.zbh2, report.zbh2_timeline)):
+    row(
+        "GPipe equal",
+        str(report.gpipe.microbatches or "-"),
+        report.gpipe.candidate,
+        report.gpipe.iteration_ms,
+        gt.bubble_fraction if gt else None,
+    )
+    row(
+        "1F1B equal",
+        str(report.onef1b.microbatches or "-"),
+        report.onef1b.candidate,
+        report.onef1b.iteration_ms,
+        ot.bubble_fraction if ot else None,
+    )
+    for name, zb, zt in (
+        ("ZB-H1 equal", report.zbh1, report.zbh1_timeline),
+        ("ZB-H2 equal", report.zbh2, report.zbh2_timeline),
+    ):
         if zb is not None:
             row(name, str(zb.microbatches or "-"), None, zb.iteration_ms, zt.bubble_fraction if zt else None)
     counts = sorted({len([o for o in st.ops if o[0] == "F"]) for st in report.schedule.stages})
@@ -254,21 +395,45 @@ def _print_report(report) -> None:
     if has_w:
         umopt_name += " + W"
     # (the bounds hold for schedules without W ops: no gap for one with them)
-    row(umopt_name, str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}", None if has_w else report.choice.candidate, tl.iteration_ms, tl.bubble_fraction)
+    row(
+        umopt_name,
+        str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}",
+        None if has_w else report.choice.candidate,
+        tl.iteration_ms,
+        tl.bubble_fraction,
+    )
     table.add_row("lower bound", "", _ms(solver.lower_bound_ms), "", "", "", "")
     out.print(table)
-    covers = {Scope.ANY: "every schedule", Scope.IN_ORDER: "1F1B-order schedules", Scope.GPIPE: "GPipe-order schedules"}[scope]
+    covers = {
+        Scope.ANY: "every schedule",
+        Scope.IN_ORDER: "1F1B-order schedules",
+        Scope.GPIPE: "GPipe-order schedules",
+    }[scope]
     out.print(
         f"solver {solver.name}: {solver.status}, {solver.seconds:.1f} s, {report.result.evaluated} schedules scored; "
-        f"the bound holds for {covers}" + (" without W ops" if has_w else "" if scope == Scope.ANY else " (the others' gap is to the one for every schedule)")
+        f"the bound holds for {covers}"
+        + (
+            " without W ops"
+            if has_w
+            else ""
+            if scope == Scope.ANY
+            else " (the others' gap is to the one for every schedule)"
+        )
     )
     lb_w = solver.model_extra.get("lower_bound_w_ms")
     if lb_w is not None:
-        out.print(f"among schedules with a W op per B chunk the best possible is at least {lb_w:.2f} ms (CP-SAT): this one is within {100 * (tl.iteration_ms - lb_w) / lb_w:.1f}% of it")
-    for name, zb, zt in (("ZB-H1", report.zbh1, report.zbh1_timeline), ("ZB-H2", report.zbh2, report.zbh2_timeline)):
+        out.print(
+            f"among schedules with a W op per B chunk the best possible is at least {lb_w:.2f} ms (CP-SAT): this one is within {100 * (tl.iteration_ms - lb_w) / lb_w:.1f}% of it"
+        )
+    for name, zb, zt in (
+        ("ZB-H1", report.zbh1, report.zbh1_timeline),
+        ("ZB-H2", report.zbh2, report.zbh2_timeline),
+    ):
         if zb is not None and zb.iteration_ms:
             peak = f", its peak memory {max(zt.peak_memory_bytes) / 2**20:.0f} MiB against {max(tl.peak_memory_bytes) / 2**20:.0f}"
-            out.print(f"against the best equal {name} (M={zb.microbatches}{peak}): {zb.iteration_ms / tl.iteration_ms:.3f}x")
+            out.print(
+                f"against the best equal {name} (M={zb.microbatches}{peak}): {zb.iteration_ms / tl.iteration_ms:.3f}x"
+            )
     lb_1f1b = solver.model_extra.get("lower_bound_1f1b_ms")
     if lb_1f1b is not None and scope != Scope.IN_ORDER and not has_w:
         out.print(
@@ -295,30 +460,118 @@ def _int_list(value: Optional[str], what: str) -> Optional[list[int]]:
 
 @cli.command()
 @click.option("--model", required=True, help="vgg16, gpt, mlp, or package.module:factory for your own.")
-@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Model argument, repeatable (e.g. layers=8).")
-@click.option("--stages", type=int, default=None, help="Number of stages, balanced by measured per-layer time.")
+@click.option(
+    "--model-arg",
+    "model_args",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Model argument, repeatable (e.g. layers=8).",
+)
+@click.option(
+    "--stages", type=int, default=None, help="Number of stages, balanced by measured per-layer time."
+)
 @click.option("--split", default=None, help="Stage cut points instead, e.g. 0,7,17,27.")
-@click.option("--sizes", default=None, help="Chunk sizes to measure, ascending from 1 (default: powers of two).")
-@click.option("--max-size", type=int, default=64, show_default=True, help="Largest chunk size for the default sizes.")
+@click.option(
+    "--sizes", default=None, help="Chunk sizes to measure, ascending from 1 (default: powers of two)."
+)
+@click.option(
+    "--max-size", type=int, default=64, show_default=True, help="Largest chunk size for the default sizes."
+)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True, help="Autocast dtype.")
-@click.option("--threads", type=int, default=1, show_default=True, help="CPU intra-op threads (one rank per core in the runtime).")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default="float32",
+    show_default=True,
+    help="Autocast dtype.",
+)
+@click.option(
+    "--threads",
+    type=int,
+    default=1,
+    show_default=True,
+    help="CPU intra-op threads (one rank per core in the runtime).",
+)
 @click.option("--warmup", type=int, default=1, show_default=True)
-@click.option("--repeats", type=int, default=5, show_default=True, help="Timed repeats per entry; the median is kept.")
+@click.option(
+    "--repeats", type=int, default=5, show_default=True, help="Timed repeats per entry; the median is kept."
+)
 @click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="sgd", show_default=True)
-@click.option("--link-latency-ms", type=float, default=None, help="Give the link instead of measuring it (needed with one GPU).")
-@click.option("--link-gbps", type=float, default=None, help="Link bandwidth in Gbit/s, with --link-latency-ms.")
-@click.option("--memory-limit", type=BYTES, default=None, help="Bytes per stage (16GiB, 512MB or a number) to record as the profile's memory limit.")
-@click.option("--trace", "trace_dir", type=click.Path(file_okay=False), default=None, help="Write a torch.profiler trace per stage here.")
+@click.option(
+    "--link-latency-ms",
+    type=float,
+    default=None,
+    help="Give the link instead of measuring it (needed with one GPU).",
+)
+@click.option(
+    "--link-gbps", type=float, default=None, help="Link bandwidth in Gbit/s, with --link-latency-ms."
+)
+@click.option(
+    "--memory-limit",
+    type=BYTES,
+    default=None,
+    help="Bytes per stage (16GiB, 512MB or a number) to record as the profile's memory limit.",
+)
+@click.option(
+    "--trace",
+    "trace_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Write a torch.profiler trace per stage here.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed the model is built with.")
-@click.option("--concurrent/--sequential", default=None, help="Time all stages at once, one process each, as they run (default on CPU when the cores suffice).")
-@click.option("--probes/--no-probes", default=True, show_default=True, help="End with probe runs of the real runtime and fit the profile to them (where there is a core or GPU per stage).")
-@click.option("--probe-minibatch", type=int, default=32, show_default=True, help="Minibatch of the probe runs.")
-@click.option("--split-backward", is_flag=True, help="Also time each backward's input and weight gradients apart (what solve --zero-bubble needs; about a quarter more time).")
-@click.option("--dp", type=int, default=1, show_default=True, help="Also measure the gradient all-reduce among this many data-parallel replicas (processes; GPUs 0..N-1 on CUDA).")
+@click.option(
+    "--concurrent/--sequential",
+    default=None,
+    help="Time all stages at once, one process each, as they run (default on CPU when the cores suffice).",
+)
+@click.option(
+    "--probes/--no-probes",
+    default=True,
+    show_default=True,
+    help="End with probe runs of the real runtime and fit the profile to them (where there is a core or GPU per stage).",
+)
+@click.option(
+    "--probe-minibatch", type=int, default=32, show_default=True, help="Minibatch of the probe runs."
+)
+@click.option(
+    "--split-backward",
+    is_flag=True,
+    help="Also time each backward's input and weight gradients apart (what solve --zero-bubble needs; about a quarter more time).",
+)
+@click.option(
+    "--dp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Also measure the gradient all-reduce among this many data-parallel replicas (processes; GPUs 0..N-1 on CUDA).",
+)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Profile file to write.")
-def profile(model, model_args, stages, split, sizes, max_size, device, dtype, threads, warmup, repeats, optimizer,
-            link_latency_ms, link_gbps, memory_limit, trace_dir, seed, concurrent, probes, probe_minibatch, split_backward, dp, output) -> None:
+def profile(
+    model,
+    model_args,
+    stages,
+    split,
+    sizes,
+    max_size,
+    device,
+    dtype,
+    threads,
+    warmup,
+    repeats,
+    optimizer,
+    link_latency_ms,
+    link_gbps,
+    memory_limit,
+    trace_dir,
+    seed,
+    concurrent,
+    probes,
+    probe_minibatch,
+    split_backward,
+    dp,
+    output,
+) -> None:
     """Measure each stage's forward/backward time per chunk size, its memory and the links."""
     _require_torch()
     from umopt.fileio import check_writable
@@ -335,10 +588,26 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
         raise UmoptError(f"--probe-minibatch must be at least 2, got {probe_minibatch}")
     check_writable(output)
     opts = ProfileOptions(
-        model=model, model_args=parse_model_args(list(model_args)), stages=stages, split=_int_list(split, "--split"),
-        sizes=_int_list(sizes, "--sizes"), max_size=max_size, device=device, dtype=dtype, threads=threads,
-        warmup=warmup, repeats=repeats, optimizer=optimizer, link_latency_ms=link_latency_ms, link_gbps=link_gbps,
-        memory_limit_bytes=memory_limit, trace_dir=trace_dir, seed=seed, concurrent=concurrent, dp=dp, split_backward=split_backward,
+        model=model,
+        model_args=parse_model_args(list(model_args)),
+        stages=stages,
+        split=_int_list(split, "--split"),
+        sizes=_int_list(sizes, "--sizes"),
+        max_size=max_size,
+        device=device,
+        dtype=dtype,
+        threads=threads,
+        warmup=warmup,
+        repeats=repeats,
+        optimizer=optimizer,
+        link_latency_ms=link_latency_ms,
+        link_gbps=link_gbps,
+        memory_limit_bytes=memory_limit,
+        trace_dir=trace_dir,
+        seed=seed,
+        concurrent=concurrent,
+        dp=dp,
+        split_backward=split_backward,
     )
     with _progress_bar("profile") as bar:
         task = bar.add_task("", total=None)
@@ -349,25 +618,44 @@ def profile(model, model_args, stages, split, sizes, max_size, device, dtype, th
         ctx_obj = click.get_current_context().obj or {}
         argv = ctx_obj.get("argv", ["umopt", *sys.argv[1:]])
         prof = profile_in_pipeline(
-            opts, probes=probes, probe_minibatch=probe_minibatch, progress=progress, argv=argv, say=lambda m: bar.update(task, description=m)
+            opts,
+            probes=probes,
+            probe_minibatch=probe_minibatch,
+            progress=progress,
+            argv=argv,
+            say=lambda m: bar.update(task, description=m),
         )
     save_profile(prof, output)
     table = Table(title=f"{model} on {prof.device.type} ({prof.device.name}), {prof.num_stages} stages")
-    for col in ("stage", "layers", f"F ms @1..{prof.max_size}", f"B ms @1..{prof.max_size}", "stash/sample", "sends/sample"):
+    for col in (
+        "stage",
+        "layers",
+        f"F ms @1..{prof.max_size}",
+        f"B ms @1..{prof.max_size}",
+        "stash/sample",
+        "sends/sample",
+    ):
         table.add_column(col, justify="right")
     for s, st in enumerate(prof.stages):
         table.add_row(
-            str(s), f"{st.layers[0]}-{st.layers[1]}",
-            f"{st.forward_ms[0]:.2f}..{st.forward_ms[-1]:.2f}", f"{st.backward_ms[0]:.2f}..{st.backward_ms[-1]:.2f}",
-            f"{st.stash_bytes_per_sample / 1024:.1f} KiB", f"{st.output_bytes_per_sample / 1024:.1f} KiB",
+            str(s),
+            f"{st.layers[0]}-{st.layers[1]}",
+            f"{st.forward_ms[0]:.2f}..{st.forward_ms[-1]:.2f}",
+            f"{st.backward_ms[0]:.2f}..{st.backward_ms[-1]:.2f}",
+            f"{st.stash_bytes_per_sample / 1024:.1f} KiB",
+            f"{st.output_bytes_per_sample / 1024:.1f} KiB",
         )
     out.print(table)
     if prof.links:
         ln = prof.links[0]
-        out.print(f"links: {ln.latency_ms:.3f} ms + {8 * ln.bytes_per_ms / 1e6:.2f} Gbit/s ({ln.model_extra.get('source', '')})")
+        out.print(
+            f"links: {ln.latency_ms:.3f} ms + {8 * ln.bytes_per_ms / 1e6:.2f} Gbit/s ({ln.model_extra.get('source', '')})"
+        )
     if prof.allreduce:
         ar = prof.allreduce
-        out.print(f"all-reduce among {ar.replicas}: {ar.latency_ms:.3f} ms + {8 * ar.bus_bytes_per_ms / 1e6:.2f} Gbit/s bus bandwidth (measured)")
+        out.print(
+            f"all-reduce among {ar.replicas}: {ar.latency_ms:.3f} ms + {8 * ar.bus_bytes_per_ms / 1e6:.2f} Gbit/s bus bandwidth (measured)"
+        )
     probed, cal = prof.meta.probes, prof.meta.calibration
     if probed and probed.ran and cal:
         out.print(
@@ -408,79 +696,202 @@ def run(argv) -> None:
         _print_turns(result.reports)
         return
     r = result.report
-    table = Table(title=f"{r.schedule}: {r.stages} stages, minibatch {r.minibatch}, {r.backend}, {r.steps} steps")
+    table = Table(
+        title=f"{r.schedule}: {r.stages} stages, minibatch {r.minibatch}, {r.backend}, {r.steps} steps"
+    )
     for col in ("", "iteration ms", "stage busy ms"):
         table.add_column(col, justify="right")
-    table.add_row("predicted", f"{r.predicted_iteration_ms:.2f}", " ".join(f"{x:.1f}" for x in r.busy_ms.predicted))
-    table.add_row("measured (median)", f"{r.measured_iteration_ms:.2f}", " ".join(f"{x:.1f}" for x in r.busy_ms.measured))
+    table.add_row(
+        "predicted", f"{r.predicted_iteration_ms:.2f}", " ".join(f"{x:.1f}" for x in r.busy_ms.predicted)
+    )
+    table.add_row(
+        "measured (median)",
+        f"{r.measured_iteration_ms:.2f}",
+        " ".join(f"{x:.1f}" for x in r.busy_ms.measured),
+    )
     if r.allreduce_ms is not None:
         ar = r.allreduce_ms
-        table.add_row("all-reduce pred / meas", "", " ".join(f"{p:.1f}/{m:.1f}" for p, m in zip(ar.predicted, ar.measured)))
+        table.add_row(
+            "all-reduce pred / meas",
+            "",
+            " ".join(f"{p:.1f}/{m:.1f}" for p, m in zip(ar.predicted, ar.measured)),
+        )
     out.print(table)
-    out.print(f"measured / predicted = {r.measured_over_predicted:.3f}; losses per step: " + " ".join(f"{x:.4f}" for x in r.losses))
+    out.print(
+        f"measured / predicted = {r.measured_over_predicted:.3f}; losses per step: "
+        + " ".join(f"{x:.4f}" for x in r.losses)
+    )
 
 
 def _print_turns(reports: list[RunReport]) -> None:
     """Schedules that took turns on the same processes, side by side; speedups over the first."""
     first = reports[0]
-    table = Table(title=f"{first.stages} stages, {first.backend}, {first.rounds} rounds of turns, {first.steps} measured steps each: speedups over {Path(first.schedule).name}")
+    table = Table(
+        title=f"{first.stages} stages, {first.backend}, {first.rounds} rounds of turns, {first.steps} measured steps each: speedups over {Path(first.schedule).name}"
+    )
     table.add_column("schedule", no_wrap=True)
     for col in ("pred ms", "meas ms", "meas / pred", "meas x", "pred x"):
         table.add_column(col, justify="right", no_wrap=True)
     for r in reports:
         table.add_row(
-            Path(r.schedule).name, f"{r.predicted_iteration_ms:.2f}", f"{r.measured_iteration_ms:.2f}", f"{r.measured_over_predicted:.3f}",
-            f"{first.measured_iteration_ms / r.measured_iteration_ms:.3f}x", f"{first.predicted_iteration_ms / r.predicted_iteration_ms:.3f}x",
+            Path(r.schedule).name,
+            f"{r.predicted_iteration_ms:.2f}",
+            f"{r.measured_iteration_ms:.2f}",
+            f"{r.measured_over_predicted:.3f}",
+            f"{first.measured_iteration_ms / r.measured_iteration_ms:.3f}x",
+            f"{first.predicted_iteration_ms / r.predicted_iteration_ms:.3f}x",
         )
     out.print(table)
     d = first.decision
     if d:
-        state = "decided" if d.decided else f"not decided at {100 * d.confidence_asked:.0f}% when the turns ended"
+        state = (
+            "decided" if d.decided else f"not decided at {100 * d.confidence_asked:.0f}% when the turns ended"
+        )
         out.print(f"keep {d.winner}: {d.reason} ({state})", markup=False, highlight=False)
 
 
 @cli.command()
-@click.option("--model", default=None, help="vgg16, gpt, mlp or package.module:factory (default: a small GPT).")
-@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Model argument, repeatable.")
+@click.option(
+    "--model", default=None, help="vgg16, gpt, mlp or package.module:factory (default: a small GPT)."
+)
+@click.option(
+    "--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Model argument, repeatable."
+)
 @click.option("--stages", type=int, default=None, help="Pipeline stages (default 2).")
 @click.option("--minibatch", "-B", type=int, default=None, help="Samples per iteration (default 32).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--steps", type=int, default=2, show_default=True, help="Measured iterations of each schedule in each round, as in umopt run.")
-@click.option("--rounds", type=int, default=4, show_default=True, help="Turns the schedules take on the same processes, at least.")
-@click.option("--confidence", type=click.FloatRange(0.5, 1, min_open=True, max_open=True), default=0.95, show_default=True, help="Take turns until the paired test over rounds decides at this confidence.")
-@click.option("--budget", type=click.FloatRange(0, min_open=True), default=120.0, show_default=True, help="Seconds of turns after which no round starts; the pick is then made at the confidence reached.")
+@click.option(
+    "--steps",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Measured iterations of each schedule in each round, as in umopt run.",
+)
+@click.option(
+    "--rounds",
+    type=int,
+    default=4,
+    show_default=True,
+    help="Turns the schedules take on the same processes, at least.",
+)
+@click.option(
+    "--confidence",
+    type=click.FloatRange(0.5, 1, min_open=True, max_open=True),
+    default=0.95,
+    show_default=True,
+    help="Take turns until the paired test over rounds decides at this confidence.",
+)
+@click.option(
+    "--budget",
+    type=click.FloatRange(0, min_open=True),
+    default=120.0,
+    show_default=True,
+    help="Seconds of turns after which no round starts; the pick is then made at the confidence reached.",
+)
 @click.option("--time-limit", type=float, default=10.0, show_default=True, help="Seconds of search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="umopt-tune", show_default=True)
-@click.option("--probes/--no-probes", default=True, show_default=True, help="Fit the profile to probe runs of the runtime before solving (where there is a core or GPU per stage).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True, help="Autocast dtype, as in umopt profile.")
-@click.option("--link-latency-ms", type=float, default=None, help="Give the links instead of measuring them, as in umopt profile.")
-@click.option("--link-gbps", type=float, default=None, help="Link bandwidth in Gbit/s, with --link-latency-ms.")
-@click.option("--zero-bubble", is_flag=True, help="Profile the backward split too, and measure umopt's W schedule and the best equal ZB-H1 beside the others.")
-def tune(model, model_args, stages, minibatch, device, steps, rounds, confidence, budget, time_limit, out_dir, probes, dtype, link_latency_ms, link_gbps, zero_bubble) -> None:
+@click.option(
+    "--probes/--no-probes",
+    default=True,
+    show_default=True,
+    help="Fit the profile to probe runs of the runtime before solving (where there is a core or GPU per stage).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default="float32",
+    show_default=True,
+    help="Autocast dtype, as in umopt profile.",
+)
+@click.option(
+    "--link-latency-ms",
+    type=float,
+    default=None,
+    help="Give the links instead of measuring them, as in umopt profile.",
+)
+@click.option(
+    "--link-gbps", type=float, default=None, help="Link bandwidth in Gbit/s, with --link-latency-ms."
+)
+@click.option(
+    "--zero-bubble",
+    is_flag=True,
+    help="Profile the backward split too, and measure umopt's W schedule and the best equal ZB-H1 beside the others.",
+)
+def tune(
+    model,
+    model_args,
+    stages,
+    minibatch,
+    device,
+    steps,
+    rounds,
+    confidence,
+    budget,
+    time_limit,
+    out_dir,
+    probes,
+    dtype,
+    link_latency_ms,
+    link_gbps,
+    zero_bubble,
+) -> None:
     """Profile, solve, run the candidates in turns and recommend what measured fastest."""
     _require_torch()
     from umopt.tune import DEFAULT
     from umopt.tune import tune as run_tune
     from umopt.zoo import parse_model_args
 
-    args = parse_model_args(list(model_args)) if model else (parse_model_args(list(model_args)) or DEFAULT["model_args"])
-    result = run_tune(
-        model or DEFAULT["model"], args, stages or DEFAULT["stages"], minibatch or DEFAULT["minibatch"],
-        device=device, steps=steps, rounds=rounds, confidence=confidence, budget=budget, out_dir=out_dir, time_limit=time_limit, probes=probes,
-        dtype=dtype, link_latency_ms=link_latency_ms, link_gbps=link_gbps, zero_bubble=zero_bubble, say=lambda m: err.print(f"umopt tune: {m}", markup=False),
+    args = (
+        parse_model_args(list(model_args))
+        if model
+        else (parse_model_args(list(model_args)) or DEFAULT["model_args"])
     )
-    table = Table(title=f"{model or DEFAULT['model']}, {stages or DEFAULT['stages']} stages, minibatch {minibatch or DEFAULT['minibatch']}: speedups over equal GPipe")
+    result = run_tune(
+        model or DEFAULT["model"],
+        args,
+        stages or DEFAULT["stages"],
+        minibatch or DEFAULT["minibatch"],
+        device=device,
+        steps=steps,
+        rounds=rounds,
+        confidence=confidence,
+        budget=budget,
+        out_dir=out_dir,
+        time_limit=time_limit,
+        probes=probes,
+        dtype=dtype,
+        link_latency_ms=link_latency_ms,
+        link_gbps=link_gbps,
+        zero_bubble=zero_bubble,
+        say=lambda m: err.print(f"umopt tune: {m}", markup=False),
+    )
+    table = Table(
+        title=f"{model or DEFAULT['model']}, {stages or DEFAULT['stages']} stages, minibatch {minibatch or DEFAULT['minibatch']}: speedups over equal GPipe"
+    )
     table.add_column("schedule", no_wrap=True)
     for col in ("chunks", "pred ms", "meas ms", "meas x", "pred x"):
         table.add_column(col, justify="right", no_wrap=True)
     for row in result.rows:
         mark = " *" if row.name == result.recommended else ""
-        table.add_row(row.name + mark, row.chunks, f"{row.predicted_ms:.2f}", f"{row.measured_ms:.2f}", f"{result.speedup(row):.3f}x", f"{result.speedup(row, False):.3f}x")
+        table.add_row(
+            row.name + mark,
+            row.chunks,
+            f"{row.predicted_ms:.2f}",
+            f"{row.measured_ms:.2f}",
+            f"{result.speedup(row):.3f}x",
+            f"{result.speedup(row, False):.3f}x",
+        )
     out.print(table)
     state = "" if result.decided else "; not decided when the budget ended (more --budget or --steps decides)"
-    out.print(f"recommended (*): {result.recommended}, {result.reason}{state}; written as {result.out_dir}/recommended.json", markup=False, highlight=False)
+    out.print(
+        f"recommended (*): {result.recommended}, {result.reason}{state}; written as {result.out_dir}/recommended.json",
+        markup=False,
+        highlight=False,
+    )
     umopt_row = result.row("umopt")
-    out.print(f"umopt's schedule is within {100 * (umopt_row.predicted_ms - result.lower_bound_ms) / result.lower_bound_ms:.1f}% of the lower bound ({result.lower_bound_ms:.2f} ms, not proven tight)")
+    out.print(
+        f"umopt's schedule is within {100 * (umopt_row.predicted_ms - result.lower_bound_ms) / result.lower_bound_ms:.1f}% of the lower bound ({result.lower_bound_ms:.2f} ms, not proven tight)"
+    )
     for line in result.warnings:
         err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     out.print(f"wrote {len(result.files)} files to {result.out_dir}/")
@@ -491,17 +902,30 @@ def _require_torch() -> None:
     try:
         import torch
     except ImportError:
-        raise UmoptError("torch is not installed: pip install torch==2.13.0 (CPU) or the CUDA build for your driver") from None
+        raise UmoptError(
+            "torch is not installed: pip install torch==2.13.0 (CPU) or the CUDA build for your driver"
+        ) from None
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     if (major, minor) < (2, 2):
-        raise UmoptError(f"torch {torch.__version__} is too old (umopt needs 2.2 or newer): pip install -U 'torch>=2.2'")
+        raise UmoptError(
+            f"torch {torch.__version__} is too old (umopt needs 2.2 or newer): pip install -U 'torch>=2.2'"
+        )
 
 
 @cli.command()
 @click.argument("schedule_path", metavar="SCHEDULE")
-@click.option("--profile", "profile_path", default=None, help="Profile to check against (default: the one the schedule names).")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Gantt chart PNG of the schedule.")
-@click.option("--trace", type=click.Path(dir_okay=False), default=None, help="Chrome-trace JSON of the schedule.")
+@click.option(
+    "--profile",
+    "profile_path",
+    default=None,
+    help="Profile to check against (default: the one the schedule names).",
+)
+@click.option(
+    "--plot", type=click.Path(dir_okay=False), default=None, help="Gantt chart PNG of the schedule."
+)
+@click.option(
+    "--trace", type=click.Path(dir_okay=False), default=None, help="Chrome-trace JSON of the schedule."
+)
 def show(schedule_path, profile_path, plot, trace) -> None:
     """Validate SCHEDULE against its profile, re-simulate it and print its numbers."""
     from umopt.fileio import check_writable
@@ -523,9 +947,16 @@ def show(schedule_path, profile_path, plot, trace) -> None:
         table.add_column(col, justify="right")
     for s, st in enumerate(schedule.stages):
         sizes = [[hi - lo for k, lo, hi in st.ops if k == kind] for kind in kinds]  # in the order they run
-        table.add_row(str(s), *(_sizes(x) for x in sizes), f"{tl.busy_ms[s]:.3f}", f"{tl.peak_memory_bytes[s] / 2**20:.1f} MiB")
+        table.add_row(
+            str(s),
+            *(_sizes(x) for x in sizes),
+            f"{tl.busy_ms[s]:.3f}",
+            f"{tl.peak_memory_bytes[s] / 2**20:.1f} MiB",
+        )
     out.print(table)
-    out.print(f"iteration {tl.iteration_ms:.3f} ms (file says {schedule.predicted.iteration_ms:.3f}), bubble {100 * tl.bubble_fraction:.1f}%")
+    out.print(
+        f"iteration {tl.iteration_ms:.3f} ms (file says {schedule.predicted.iteration_ms:.3f}), bubble {100 * tl.bubble_fraction:.1f}%"
+    )
     panels = [(schedule_path, tl)]
     if plot:
         from umopt.plot import gantt
@@ -540,7 +971,9 @@ def show(schedule_path, profile_path, plot, trace) -> None:
 @cli.command()
 @click.argument("profile_path", metavar="PROFILE")
 @click.argument("reports", nargs=-1, required=True, metavar="REPORT...")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Calibrated profile to write.")
+@click.option(
+    "-o", "--output", type=click.Path(dir_okay=False), required=True, help="Calibrated profile to write."
+)
 def calibrate(profile_path, reports, output) -> None:
     """Scale PROFILE's op times to what runs measured (their --report files)."""
     from umopt.calibrate import calibrate as fit
@@ -575,7 +1008,14 @@ def _sizes(sizes: list[int]) -> str:
 
 @cli.command()
 @click.argument("schedule_path", metavar="SCHEDULE")
-@click.option("--format", "fmt", type=click.Choice(["torch-csv"]), default="torch-csv", show_default=True, help="torch-csv: torch.distributed.pipelining's action CSV (_PipelineScheduleRuntime._load_csv).")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["torch-csv"]),
+    default="torch-csv",
+    show_default=True,
+    help="torch-csv: torch.distributed.pipelining's action CSV (_PipelineScheduleRuntime._load_csv).",
+)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="File to write.")
 def export(schedule_path, fmt, output) -> None:
     """Write SCHEDULE in another runtime's format (equal partitions only; the op order is kept)."""
@@ -599,7 +1039,9 @@ def list_profiles() -> None:
         table.add_column(col)
     for name in bundled_profiles():
         p = load_profile(name)
-        table.add_row(name, p.model.name, f"{p.device.type} {p.device.name}", str(p.num_stages), f"1..{p.max_size}")
+        table.add_row(
+            name, p.model.name, f"{p.device.type} {p.device.name}", str(p.num_stages), f"1..{p.max_size}"
+        )
     out.print(table)
 
 

@@ -51,7 +51,9 @@ def batch(data: torch.Tensor, step: int, n: int, seq: int) -> tuple[torch.Tensor
 class Block(nn.Module):
     def __init__(self, d: int, heads: int):
         super().__init__()
-        self.layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.layer = nn.TransformerEncoderLayer(
+            d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True
+        )
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         mask = nn.Transformer.generate_square_subsequent_mask(h.shape[1], device=h.device)
@@ -79,7 +81,11 @@ class Head(nn.Module):
 def stages(cfg: dict) -> list[nn.Module]:
     """The model cut into ``cfg["stages"]`` stages of consecutive layers, the same weights on every rank."""
     torch.manual_seed(0)
-    layers = [Embed(cfg["vocab"], cfg["d"], cfg["seq"])] + [Block(cfg["d"], cfg["heads"]) for _ in range(cfg["layers"])] + [Head(cfg["d"], cfg["vocab"])]
+    layers = (
+        [Embed(cfg["vocab"], cfg["d"], cfg["seq"])]
+        + [Block(cfg["d"], cfg["heads"]) for _ in range(cfg["layers"])]
+        + [Head(cfg["d"], cfg["vocab"])]
+    )
     cuts = [round(i * len(layers) / cfg["stages"]) for i in range(cfg["stages"] + 1)]
     return [nn.Sequential(*layers[a:b]) for a, b in zip(cuts, cuts[1:])]
 
@@ -99,20 +105,46 @@ def prepare(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data, vocab = load_text(args.text)
-    cfg = {"vocab": vocab, "d": args.d, "heads": 4, "layers": args.layers, "seq": args.seq, "stages": args.stages, "text": args.text}
+    cfg = {
+        "vocab": vocab,
+        "d": args.d,
+        "heads": 4,
+        "layers": args.layers,
+        "seq": args.seq,
+        "stages": args.stages,
+        "text": args.text,
+    }
     (out / "model.json").write_text(json.dumps(cfg))
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= args.minibatch]
-    profile = umopt.profile_stages(stages(cfg), batch(data, 0, sizes[-1], args.seq), loss_fn, name="examples/train_text.py", sizes=sizes)
+    profile = umopt.profile_stages(
+        stages(cfg), batch(data, 0, sizes[-1], args.seq), loss_fn, name="examples/train_text.py", sizes=sizes
+    )
     save_profile(profile, out / "profile.json")
     profile = load_profile(out / "profile.json")
     report = solve(profile, args.minibatch, time_limit=args.time_limit)
     save_schedule(report.schedule, str(out / "umopt.json"))
     problem = make_problem(profile, args.minibatch, False)
-    best = min((b for b in (gpipe_equal(problem), onef1b_equal(problem)) if b.candidate is not None), key=lambda b: b.iteration_ms)
+    best = min(
+        (b for b in (gpipe_equal(problem), onef1b_equal(problem)) if b.candidate is not None),
+        key=lambda b: b.iteration_ms,
+    )
     tl = best.candidate.simulate(problem)
-    save_schedule(make_schedule(profile, args.minibatch, False, best.candidate.ops(), tl, {"name": best.name, "status": "feasible", "seconds": 0.0}, {}), str(out / "equal.json"))
-    print(f"umopt's schedule: predicted {report.timeline.iteration_ms:.2f} ms ({report.schedule.solver.model_extra.get('recommended')}); "
-          f"best equal ({best.name}, M={best.microbatches}): {best.iteration_ms:.2f} ms; wrote {out}/")
+    save_schedule(
+        make_schedule(
+            profile,
+            args.minibatch,
+            False,
+            best.candidate.ops(),
+            tl,
+            {"name": best.name, "status": "feasible", "seconds": 0.0},
+            {},
+        ),
+        str(out / "equal.json"),
+    )
+    print(
+        f"umopt's schedule: predicted {report.timeline.iteration_ms:.2f} ms ({report.schedule.solver.model_extra.get('recommended')}); "
+        f"best equal ({best.name}, M={best.microbatches}): {best.iteration_ms:.2f} ms; wrote {out}/"
+    )
 
 
 def train(args: argparse.Namespace) -> None:
@@ -125,7 +157,9 @@ def train(args: argparse.Namespace) -> None:
     data, _ = load_text(cfg["text"])
     stage = stages(cfg)[rank]
     first, last = rank == 0, rank == cfg["stages"] - 1
-    pipes = {name: umopt.Pipeline(stage, str(out / f"{name}.json"), loss_fn=loss_fn) for name in ("umopt", "equal")}
+    pipes = {
+        name: umopt.Pipeline(stage, str(out / f"{name}.json"), loss_fn=loss_fn) for name in ("umopt", "equal")
+    }
     B = pipes["umopt"].schedule.minibatch
     opt = torch.optim.AdamW(stage.parameters(), lr=args.lr)
     ms: dict[str, list[float]] = {name: [] for name in pipes}
@@ -159,12 +193,16 @@ def main() -> None:
     pre.add_argument("--d", type=int, default=128)
     pre.add_argument("--seq", type=int, default=64)
     pre.add_argument("--time-limit", type=float, default=10.0)
-    pre.add_argument("--text", nargs="*", default=[], help="text files (default: this repository's documents)")
+    pre.add_argument(
+        "--text", nargs="*", default=[], help="text files (default: this repository's documents)"
+    )
     pre.add_argument("--out", default="run")
     tr = sub.add_parser("train", help="train under torchrun, one process per stage")
     tr.add_argument("--out", default="run")
     tr.add_argument("--steps", type=int, default=300)
-    tr.add_argument("--turn", type=int, default=10, help="steps each schedule runs before the other takes over")
+    tr.add_argument(
+        "--turn", type=int, default=10, help="steps each schedule runs before the other takes over"
+    )
     tr.add_argument("--every", type=int, default=20, help="print the loss every so many steps")
     tr.add_argument("--lr", type=float, default=3e-3)
     args = p.parse_args()

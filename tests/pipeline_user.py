@@ -92,8 +92,15 @@ def model(case: str) -> list[nn.Module]:
     if case.startswith("tokens"):
         return [Embed(), Logits()]
     if case == "mlp3":
-        return [nn.Sequential(nn.Linear(D, D), nn.Tanh()), nn.Sequential(nn.Linear(D, D), nn.Tanh()), nn.Linear(D, 1)]
-    return [nn.Sequential(nn.Linear(D, D), nn.Tanh()), nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 1))]
+        return [
+            nn.Sequential(nn.Linear(D, D), nn.Tanh()),
+            nn.Sequential(nn.Linear(D, D), nn.Tanh()),
+            nn.Linear(D, 1),
+        ]
+    return [
+        nn.Sequential(nn.Linear(D, D), nn.Tanh()),
+        nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 1)),
+    ]
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +123,9 @@ def reference(case: str, steps: int) -> list[dict[str, torch.Tensor]]:
         with torch.no_grad():
             x, y = token_batch(steps)
             eval_loss = loss_fn(stages[1](stages[0](x)), y)
-        return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in stages] + [{"eval_loss": eval_loss}]
+        return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in stages] + [
+            {"eval_loss": eval_loss}
+        ]
     for step in range(steps):
         x, y = batch(step)
         h = stages[0](x)
@@ -146,7 +155,10 @@ def main() -> None:
         pipe.step(x) if rank == 0 else pipe.step(targets=y) if rank == world - 1 else pipe.step()
         opt.step()
         opt.zero_grad()
-    torch.save({**stage.state_dict(), **({"groups_used": groups_used} if groups_used else {})}, os.path.join(out, f"stage{rank}.pt"))
+    torch.save(
+        {**stage.state_dict(), **({"groups_used": groups_used} if groups_used else {})},
+        os.path.join(out, f"stage{rank}.pt"),
+    )
     dist.destroy_process_group()
 
 
@@ -162,7 +174,9 @@ def tokens_main(case: str, rank: int, schedule: str, out: str, steps: int) -> No
     x, y = token_batch(steps)
     before = {k: v.clone() for k, v in stage.state_dict().items()}
     got = pipe.eval_step(x) if rank == 0 else pipe.eval_step(target=y, outputs=True)
-    assert all(torch.equal(before[k], v) for k, v in stage.state_dict().items()) and all(p.grad is None for p in stage.parameters())
+    assert all(torch.equal(before[k], v) for k, v in stage.state_dict().items()) and all(
+        p.grad is None for p in stage.parameters()
+    )
     extra = {}
     if rank == 1:
         loss, logits = got
@@ -213,18 +227,26 @@ def _spy_on_messages() -> list:
     return seen
 
 
-
-
 def torch_main() -> None:
     """The same loop on torch.distributed.pipelining's runtime, the schedule an exported CSV."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-    plan, microbatches, store, out, steps = sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], int(sys.argv[6])
+    plan, microbatches, store, out, steps = (
+        sys.argv[2],
+        int(sys.argv[3]),
+        sys.argv[4],
+        sys.argv[5],
+        int(sys.argv[6]),
+    )
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     stage = model("mlp")[rank]
-    runtime = _PipelineScheduleRuntime([PipelineStage(stage, rank, 2, torch.device("cpu"))], n_microbatches=microbatches, loss_fn=nn.MSELoss())
+    runtime = _PipelineScheduleRuntime(
+        [PipelineStage(stage, rank, 2, torch.device("cpu"))],
+        n_microbatches=microbatches,
+        loss_fn=nn.MSELoss(),
+    )
     runtime._load_csv(plan)
     opt = torch.optim.AdamW(stage.parameters(), lr=0.01)
     for step in range(steps):

@@ -6,14 +6,14 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import run_cli, two_stage_profile
-from umopt.formats.profile import ProfileMeta
+
 from umopt.calibrate import Overheads, calibrate
-from umopt.problem import Candidate
-from umopt.synthetic import synthetic_profile
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
+from umopt.formats.profile import ProfileMeta
+from umopt.problem import Candidate
+from umopt.synthetic import synthetic_profile
 
 
 def _report(profile, ops, factor):
@@ -24,7 +24,10 @@ def _report(profile, ops, factor):
         "measured_iteration_ms": 1.0,
         "recompute": False,
         "ops": [
-            [[sp.kind, sp.lo, sp.hi, factor[s][sp.kind] * (sp.end - sp.start), sp.end - sp.start] for sp in tl.spans[s]]
+            [
+                [sp.kind, sp.lo, sp.hi, factor[s][sp.kind] * (sp.end - sp.start), sp.end - sp.start]
+                for sp in tl.spans[s]
+            ]
             for s in range(len(ops))
         ],
     }
@@ -39,13 +42,27 @@ def test_each_size_is_scaled_by_its_measured_ratio():
     cal = calibrate(prof, [rep], ["r.json"])
     s0, s1 = cal.stages
     assert s0.forward_ms == pytest.approx(prof.stages[0].forward_ms)
-    assert s0.backward_ms == pytest.approx([1.5 * v for v in prof.stages[0].backward_ms])  # size 1 seen, size 2 nearest
+    assert s0.backward_ms == pytest.approx(
+        [1.5 * v for v in prof.stages[0].backward_ms]
+    )  # size 1 seen, size 2 nearest
     # stage 1 ran only size-2 chunks: their ratio holds for every size
     assert s1.forward_ms == pytest.approx([1.2 * v for v in prof.stages[1].forward_ms])
     assert s1.backward_ms == pytest.approx([0.8 * v for v in prof.stages[1].backward_ms])
     assert cal.meta.model_dump()["calibration"]["ratios"]["stage1.F"] == {"2": 1.2}
     # what probe runs measured over the profile's earlier fit does not survive a new one
-    probed = prof.model_copy(update={"meta": ProfileMeta.model_validate({"probes": {"ran": True, "order_ratio": {"gpipe": 0.9, "1f1b": 1.1}, "measured_over_fitted": {"probe_gpipe_b2": 0.9}}})})
+    probed = prof.model_copy(
+        update={
+            "meta": ProfileMeta.model_validate(
+                {
+                    "probes": {
+                        "ran": True,
+                        "order_ratio": {"gpipe": 0.9, "1f1b": 1.1},
+                        "measured_over_fitted": {"probe_gpipe_b2": 0.9},
+                    }
+                }
+            )
+        }
+    )
     assert calibrate(probed, [rep], ["r.json"]).meta.model_dump()["probes"] == {"ran": True}
     # the calibrated profile predicts the measured op times of the run it was fitted to
     tl = simulate(CostTables.from_profile(cal), OPS, 2)
@@ -57,13 +74,30 @@ def test_split_backwards_move_with_the_backward_and_w_reports_are_read():
     """A profile with the B/W split: its parts scale with the backward's ratio; a run with W ops
     (whose B ops are input gradients) is checked against the split and adds no backward ratio."""
     split = two_stage_profile()
-    split = split.model_copy(update={"stages": [st.model_copy(update={
-        "backward_input_ms": [0.6 * v for v in st.backward_ms], "backward_weight_ms": [0.4 * v for v in st.backward_ms]}) for st in split.stages]})
+    split = split.model_copy(
+        update={
+            "stages": [
+                st.model_copy(
+                    update={
+                        "backward_input_ms": [0.6 * v for v in st.backward_ms],
+                        "backward_weight_ms": [0.4 * v for v in st.backward_ms],
+                    }
+                )
+                for st in split.stages
+            ]
+        }
+    )
     cal = calibrate(split, [_report(split, OPS, [{"F": 1.0, "B": 1.5}, {"F": 1.0, "B": 1.0}])], ["r.json"])
-    assert cal.stages[0].backward_input_ms == pytest.approx([1.5 * 0.6 * v for v in split.stages[0].backward_ms])
-    assert cal.stages[0].backward_weight_ms == pytest.approx([1.5 * 0.4 * v for v in split.stages[0].backward_ms])
+    assert cal.stages[0].backward_input_ms == pytest.approx(
+        [1.5 * 0.6 * v for v in split.stages[0].backward_ms]
+    )
+    assert cal.stages[0].backward_weight_ms == pytest.approx(
+        [1.5 * 0.4 * v for v in split.stages[0].backward_ms]
+    )
     with_w = [OPS[0], [("F", 0, 2), ("B", 0, 2), ("W", 0, 2)]]
-    cal = calibrate(split, [_report(split, with_w, [{"F": 1.0, "B": 1.0}, {"F": 1.0, "B": 2.0, "W": 2.0}])], ["w.json"])
+    cal = calibrate(
+        split, [_report(split, with_w, [{"F": 1.0, "B": 1.0}, {"F": 1.0, "B": 2.0, "W": 2.0}])], ["w.json"]
+    )
     assert cal.stages[1].backward_ms == pytest.approx(split.stages[1].backward_ms)
     # a stage with W ops whose B was predicted as the whole backward: not this profile's run
     rep = _report(split, with_w, [{"F": 1.0, "B": 1.0, "W": 1.0}] * 2)
@@ -78,7 +112,14 @@ def test_what_the_op_times_miss_becomes_a_step_overhead():
     prof = two_stage_profile()
     rep = _report(prof, OPS, [{"F": 1.2, "B": 0.9}] * 2)
     cal0 = calibrate(prof, [rep], ["r.json"])  # op times scaled; its overhead undone below
-    op_only = cal0.model_copy(update={"stages": [a.model_copy(update={"optimizer_ms": b.optimizer_ms}) for a, b in zip(cal0.stages, prof.stages)]})
+    op_only = cal0.model_copy(
+        update={
+            "stages": [
+                a.model_copy(update={"optimizer_ms": b.optimizer_ms})
+                for a, b in zip(cal0.stages, prof.stages)
+            ]
+        }
+    )
     op_scaled = simulate(CostTables.from_profile(op_only), OPS, 2).iteration_ms
     extra = np.array([2.0, 3.0, 8.0])
     others = [dict(rep, measured_iteration_ms=op_scaled + e) for e in extra]
@@ -87,7 +128,9 @@ def test_what_the_op_times_miss_becomes_a_step_overhead():
     step = float((w * extra).sum() / w.sum())
     assert cal.meta.model_dump()["calibration"]["step_overhead_ms"] == pytest.approx(step, abs=1e-4)
     assert cal.meta.model_dump()["calibration"]["op_overhead_ms"] == 0.0
-    assert [st.optimizer_ms for st in cal.stages] == pytest.approx([st.optimizer_ms + step for st in prof.stages], abs=1e-4)
+    assert [st.optimizer_ms for st in cal.stages] == pytest.approx(
+        [st.optimizer_ms + step for st in prof.stages], abs=1e-4
+    )
 
 
 def _runs_measured_as(prof, truth, S: int) -> list[dict]:
@@ -98,10 +141,17 @@ def _runs_measured_as(prof, truth, S: int) -> list[dict]:
         for order in ("gpipe", "1f1b"):
             ops = Candidate.uniform(sizes, S, order).ops()
             tl = simulate(CostTables.from_profile(prof), ops, 16)
-            reports.append({
-                "measured_iteration_ms": simulate(CostTables.from_profile(truth), ops, 16).iteration_ms, "minibatch": 16, "recompute": False,
-                "ops": [[[sp.kind, sp.lo, sp.hi, sp.end - sp.start, sp.end - sp.start] for sp in tl.spans[s]] for s in range(S)],
-            })
+            reports.append(
+                {
+                    "measured_iteration_ms": simulate(CostTables.from_profile(truth), ops, 16).iteration_ms,
+                    "minibatch": 16,
+                    "recompute": False,
+                    "ops": [
+                        [[sp.kind, sp.lo, sp.hi, sp.end - sp.start, sp.end - sp.start] for sp in tl.spans[s]]
+                        for s in range(S)
+                    ],
+                }
+            )
     return reports
 
 
@@ -127,18 +177,39 @@ def test_a_cost_per_message_is_fitted_where_the_links_bind():
 
 
 def test_ratios_between_seen_sizes_are_interpolated_in_log_size():
-    prof = two_stage_profile(sizes=[1, 2, 4], stages=[
-        {**st, "forward_ms": [1.0, 2.0, 4.0], "backward_ms": [1.0, 2.0, 4.0]} for st in two_stage_profile().model_dump()["stages"]
-    ])
-    ops = [[("F", 0, 1), ("F", 1, 5), ("B", 1, 5), ("B", 0, 1)], [("F", 0, 1), ("F", 1, 5), ("B", 1, 5), ("B", 0, 1)]]
+    prof = two_stage_profile(
+        sizes=[1, 2, 4],
+        stages=[
+            {**st, "forward_ms": [1.0, 2.0, 4.0], "backward_ms": [1.0, 2.0, 4.0]}
+            for st in two_stage_profile().model_dump()["stages"]
+        ],
+    )
+    ops = [
+        [("F", 0, 1), ("F", 1, 5), ("B", 1, 5), ("B", 0, 1)],
+        [("F", 0, 1), ("F", 1, 5), ("B", 1, 5), ("B", 0, 1)],
+    ]
     tables = CostTables.from_profile(prof)
     tl = simulate(tables, ops, 5)
-    rep = {"measured_iteration_ms": 1.0, "ops": [
-        [[sp.kind, sp.lo, sp.hi, (1.0 if sp.hi - sp.lo == 1 else 2.0) * (sp.end - sp.start), sp.end - sp.start] for sp in tl.spans[s]]
-        for s in range(2)
-    ]}
+    rep = {
+        "measured_iteration_ms": 1.0,
+        "ops": [
+            [
+                [
+                    sp.kind,
+                    sp.lo,
+                    sp.hi,
+                    (1.0 if sp.hi - sp.lo == 1 else 2.0) * (sp.end - sp.start),
+                    sp.end - sp.start,
+                ]
+                for sp in tl.spans[s]
+            ]
+            for s in range(2)
+        ],
+    }
     cal = calibrate(prof, [rep], ["r.json"])
-    assert cal.stages[0].forward_ms == pytest.approx([1.0, 1.5 * 2.0, 2.0 * 4.0])  # size 2 sits halfway in log size
+    assert cal.stages[0].forward_ms == pytest.approx(
+        [1.0, 1.5 * 2.0, 2.0 * 4.0]
+    )  # size 2 sits halfway in log size
 
 
 def test_reports_from_elsewhere_or_malformed_are_refused(profile_file, tmp_path, capsys):

@@ -10,19 +10,35 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli as run
+from conftest import two_stage_profile
 
 from umopt.costmodel import CostTables, simulate
 from umopt.formats.profile import load_profile
 from umopt.formats.schedule import load_schedule
-
-from conftest import run_cli as run, two_stage_profile
 
 
 def test_solve_bundled_profile_by_name_writes_a_consistent_schedule(tmp_path, capsys):
     out = tmp_path / "s.json"
     png = tmp_path / "s.png"
     trace = tmp_path / "t.json"
-    code, stdout, _ = run(["solve", "gpt-sim", "-B", "16", "--time-limit", "1", "-o", str(out), "--plot", str(png), "--trace", str(trace)], capsys)
+    code, stdout, _ = run(
+        [
+            "solve",
+            "gpt-sim",
+            "-B",
+            "16",
+            "--time-limit",
+            "1",
+            "-o",
+            str(out),
+            "--plot",
+            str(png),
+            "--trace",
+            str(trace),
+        ],
+        capsys,
+    )
     assert code == 0, stdout
     assert "GPipe equal" in stdout and "lower bound" in stdout
     sched = load_schedule(str(out))
@@ -41,16 +57,45 @@ def test_solve_bundled_profile_by_name_writes_a_consistent_schedule(tmp_path, ca
 
 def test_solve_for_data_parallel_replicas_records_and_predicts_their_allreduce(tmp_path, capsys):
     out = tmp_path / "s.json"
-    code, _, err = run(["solve", "gpt-sim", "-B", "16", "--dp", "2", "--time-limit", "1", "-o", str(out)], capsys)
-    assert code == 2 and "no all-reduce speed" in err and "--dp-gbps" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(
+        ["solve", "gpt-sim", "-B", "16", "--dp", "2", "--time-limit", "1", "-o", str(out)], capsys
+    )
+    assert (
+        code == 2
+        and "no all-reduce speed" in err
+        and "--dp-gbps" in err
+        and len(err.strip().splitlines()) == 1
+    )
     assert not out.exists()
-    code, stdout, _ = run(["solve", "gpt-sim", "-B", "16", "--dp", "4", "--dp-gbps", "8", "--time-limit", "1", "-o", str(out), "--plot", str(tmp_path / "s.png")], capsys)
+    code, stdout, _ = run(
+        [
+            "solve",
+            "gpt-sim",
+            "-B",
+            "16",
+            "--dp",
+            "4",
+            "--dp-gbps",
+            "8",
+            "--time-limit",
+            "1",
+            "-o",
+            str(out),
+            "--plot",
+            str(tmp_path / "s.png"),
+        ],
+        capsys,
+    )
     assert code == 0 and "x4 data-parallel" in stdout
     sched = load_schedule(str(out))
     prof = load_profile("gpt-sim")
     assert sched.dp.replicas == 4 and sched.dp.bus_bytes_per_ms == 1e6
     tl = simulate(CostTables.from_profile(prof, False, sched.dp), sched.op_lists(), 16)
-    assert sched.predicted.iteration_ms == tl.iteration_ms > simulate(CostTables.from_profile(prof), sched.op_lists(), 16).iteration_ms
+    assert (
+        sched.predicted.iteration_ms
+        == tl.iteration_ms
+        > simulate(CostTables.from_profile(prof), sched.op_lists(), 16).iteration_ms
+    )
     code, stdout, _ = run(["show", str(out)], capsys)
     assert code == 0 and f"iteration {tl.iteration_ms:.3f} ms (file says {tl.iteration_ms:.3f})" in stdout
 
@@ -58,10 +103,18 @@ def test_solve_for_data_parallel_replicas_records_and_predicts_their_allreduce(t
 @pytest.mark.parametrize("command", [[shutil.which("umopt") or "umopt"], [sys.executable, "-m", "umopt.cli"]])
 def test_console_entry_points_run_and_fail_cleanly(command, tmp_path):
     out = tmp_path / "s.json"
-    proc = subprocess.run(command + ["solve", "gpt-sim", "-B", "8", "--solver", "equal", "-o", str(out)], capture_output=True, text=True)
+    proc = subprocess.run(
+        command + ["solve", "gpt-sim", "-B", "8", "--solver", "equal", "-o", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert out.exists()
-    proc = subprocess.run(command + ["solve", str(tmp_path / "none.json"), "-B", "8", "-o", str(out)], capture_output=True, text=True)
+    proc = subprocess.run(
+        command + ["solve", str(tmp_path / "none.json"), "-B", "8", "-o", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"umopt: error: {tmp_path / 'none.json'}: no such file")
@@ -84,7 +137,9 @@ def _bad_profiles():
         "2 stages need 1 links, got 2": edit(lambda d: d["links"].append(d["links"][0])),
         "sizes must start at 1": edit(lambda d: d.update(sizes=[2, 4])),
         "sizes must be strictly ascending": edit(lambda d: d.update(sizes=[1, 1])),
-        "stages[1].backward_ms has 3 values for 2 sizes": edit(lambda d: d["stages"][1]["backward_ms"].append(1.0)),
+        "stages[1].backward_ms has 3 values for 2 sizes": edit(
+            lambda d: d["stages"][1]["backward_ms"].append(1.0)
+        ),
         "stages[0].static_bytes": edit(lambda d: d["stages"][0].update(static_bytes=-5)),
         "a profile must be a JSON object": [1, 2, 3],
     }
@@ -96,7 +151,9 @@ def test_bad_profile_is_one_line_exit_2_and_nothing_written(expected, tmp_path, 
     path = tmp_path / "bad.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data))
     out = tmp_path / "s.json"
-    code, _, err = run(["solve", str(path), "-B", "4", "-o", str(out), "--plot", str(tmp_path / "p.png")], capsys)
+    code, _, err = run(
+        ["solve", str(path), "-B", "4", "-o", str(out), "--plot", str(tmp_path / "p.png")], capsys
+    )
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("umopt: error: ") and str(path) in lines[0], err
@@ -108,11 +165,28 @@ def test_bad_profile_is_one_line_exit_2_and_nothing_written(expected, tmp_path, 
 def test_1f1b_with_recompute_gives_each_stage_its_own_backward_chunks(tmp_path, capsys):
     # Megatron-style 1F1B with activation recomputation: the backward partitions are free
     from umopt.costmodel import CostTables, simulate
-    from umopt.partition import onef1b_schedule, partitions_from_ops
     from umopt.formats.profile import load_profile
+    from umopt.partition import onef1b_schedule, partitions_from_ops
 
     out = tmp_path / "s.json"
-    code, _, err = run(["solve", "gpt-sim", "-B", "16", "--order", "1f1b", "--recompute", "--solver", "ga", "--time-limit", "2", "-o", str(out)], capsys)
+    code, _, err = run(
+        [
+            "solve",
+            "gpt-sim",
+            "-B",
+            "16",
+            "--order",
+            "1f1b",
+            "--recompute",
+            "--solver",
+            "ga",
+            "--time-limit",
+            "2",
+            "-o",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0, err
     sched = load_schedule(str(out))
     ops = sched.op_lists()
@@ -131,7 +205,10 @@ def test_1f1b_with_recompute_gives_each_stage_its_own_backward_chunks(tmp_path, 
         (["solve", "gpt-sim", "-B", "8", "--time-limit", "0"], "--time-limit must be a positive number"),
         (["solve", "gpt-sim", "-B", "8", "--time-limit", "nan"], "--time-limit must be a positive number"),
         (["solve", "gpt-sim", "-B", "100000"], "over umopt's limit of 8192 samples"),
-        (["solve", "gpt-sim", "-B", "8", "--plot", "/proc/no/such.png"], "/proc/no/such.png: cannot write there"),
+        (
+            ["solve", "gpt-sim", "-B", "8", "--plot", "/proc/no/such.png"],
+            "/proc/no/such.png: cannot write there",
+        ),
     ],
 )
 def test_bad_arguments(args, expected, tmp_path, capsys):
@@ -153,14 +230,16 @@ def _schedule(tmp_path, capsys, profile_path):
     [
         (lambda s: s["stages"][0]["ops"].pop(), "B ops miss sample"),
         (lambda s: s["stages"][1].update(ops=[["F", 0, 1], ["B", 0, 1]]), "F ops cover samples 0..0"),
-        (lambda s: s["stages"][0]["ops"].__setitem__(0, ["X", 0, 1]), "expected [\"F\"|\"B\"|\"W\", lo, hi]"),
+        (lambda s: s["stages"][0]["ops"].__setitem__(0, ["X", 0, 1]), 'expected ["F"|"B"|"W", lo, hi]'),
         (lambda s: s.update(format="umopt-schedule/9"), "format is 'umopt-schedule/9'"),
         (lambda s: s.pop("predicted"), "predicted: missing field"),
         (lambda s: s["stages"].pop(), "schedule has 1 stages but profile"),
         (lambda s: s["profile"].update(sha256="0" * 64), "made for another profile"),
         (
-            lambda s: s["stages"].__setitem__(0, {"ops": [["F", 0, 1], ["B", 0, 1], ["F", 1, 2], ["B", 1, 2]]})
-            or s["stages"].__setitem__(1, {"ops": [["F", 0, 2], ["B", 0, 2]]}),
+            lambda s: (
+                s["stages"].__setitem__(0, {"ops": [["F", 0, 1], ["B", 0, 1], ["F", 1, 2], ["B", 1, 2]]})
+                or s["stages"].__setitem__(1, {"ops": [["F", 0, 2], ["B", 0, 2]]})
+            ),
             "deadlocks",
         ),
     ],
@@ -188,7 +267,9 @@ def test_order_option_restricts_the_search(order, tmp_path, capsys):
     from umopt.partition import gpipe_ops, onef1b_schedule, partitions_from_ops
 
     out = tmp_path / "s.json"
-    code, _, err = run(["solve", "gpt-sim", "-B", "16", "--order", order, "--time-limit", "1", "-o", str(out)], capsys)
+    code, _, err = run(
+        ["solve", "gpt-sim", "-B", "16", "--order", order, "--time-limit", "1", "-o", str(out)], capsys
+    )
     assert code == 0, err
     sched = load_schedule(str(out))
     ops = sched.op_lists()
@@ -198,14 +279,19 @@ def test_order_option_restricts_the_search(order, tmp_path, capsys):
     else:
         assert ops == onef1b_schedule([f for f, _ in parts], [b for _, b in parts])
         # the bound is the 1F1B family's, tighter than the any-order one and below the schedule
+        from umopt.bounds import fast_bound_ms
         from umopt.formats.profile import load_profile
         from umopt.solve import make_problem
-        from umopt.bounds import fast_bound_ms
 
         extra = sched.solver.model_extra
         assert extra["bound_scope"] == "1f1b order"
         any_order = fast_bound_ms(make_problem(load_profile("gpt-sim"), 16, recompute=False))
-        assert any_order < sched.solver.lower_bound_ms == extra["lower_bound_1f1b_ms"] <= sched.predicted.iteration_ms
+        assert (
+            any_order
+            < sched.solver.lower_bound_ms
+            == extra["lower_bound_1f1b_ms"]
+            <= sched.predicted.iteration_ms
+        )
     assert sched.solver.model_extra["order"] == order
 
 
@@ -246,9 +332,17 @@ def test_a_schedule_read_from_another_folder_finds_its_profile_beside_it(tmp_pat
 
 def test_zero_bubble_schedule_is_written_and_shown(tmp_path, capsys):
     out = tmp_path / "zb.json"
-    code, stdout, err = run(["solve", "transformer8-sim", "-B", "16", "--zero-bubble", "--time-limit", "2", "-o", str(out)], capsys)
+    code, stdout, err = run(
+        ["solve", "transformer8-sim", "-B", "16", "--zero-bubble", "--time-limit", "2", "-o", str(out)],
+        capsys,
+    )
     assert code == 0, err
-    assert "ZB-H1 equal" in stdout and "ZB-H2 equal" in stdout and "against the best equal ZB-H1" in stdout and "without W ops" in stdout
+    assert (
+        "ZB-H1 equal" in stdout
+        and "ZB-H2 equal" in stdout
+        and "against the best equal ZB-H1" in stdout
+        and "without W ops" in stdout
+    )
     sched = load_schedule(str(out))
     assert any(op[0] == "W" for st in sched.stages for op in st.ops)
     assert set(sched.baselines) == {"gpipe_equal", "1f1b_equal", "zbh1_equal", "zbh2_equal"}
@@ -258,9 +352,26 @@ def test_zero_bubble_schedule_is_written_and_shown(tmp_path, capsys):
 
 def test_memory_limits_take_units_and_errors_print_text_as_written(tmp_path, capsys):
     out = tmp_path / "s.json"
-    code, _, err = run(["solve", "gpt-sim", "-B", "8", "--solver", "equal", "--memory-limit", "64GiB", "-o", str(out)], capsys)
+    code, _, err = run(
+        ["solve", "gpt-sim", "-B", "8", "--solver", "equal", "--memory-limit", "64GiB", "-o", str(out)],
+        capsys,
+    )
     assert code == 0, err
-    code, _, err = run(["solve", "gpt-sim", "-B", "8", "--solver", "equal", "--memory-limit", "1KiB", "-o", str(tmp_path / "t.json")], capsys)
+    code, _, err = run(
+        [
+            "solve",
+            "gpt-sim",
+            "-B",
+            "8",
+            "--solver",
+            "equal",
+            "--memory-limit",
+            "1KiB",
+            "-o",
+            str(tmp_path / "t.json"),
+        ],
+        capsys,
+    )
     assert code == 2 and "1024" in err and not (tmp_path / "t.json").exists()
     code, _, err = run(["solve", "gpt-sim", "-B", "8", "--memory-limit", "lots", "-o", str(out)], capsys)
     assert code == 2 and "is not a byte count" in err
@@ -286,7 +397,13 @@ def test_a_schedule_finds_its_profile_from_any_folder_and_after_a_move(tmp_path,
     assert Path(load_schedule("work/out/s.json").profile.path).resolve() == (work / "prof.json").resolve()
     moved = tmp_path / "moved"
     shutil.move(str(work), moved)
-    assert Path(load_schedule(str(moved / "out/s.json")).profile.path).resolve() == (moved / "prof.json").resolve()
+    assert (
+        Path(load_schedule(str(moved / "out/s.json")).profile.path).resolve()
+        == (moved / "prof.json").resolve()
+    )
     (moved / "prof.json").rename(moved / "out" / "renamed.json")  # found beside the schedule by its hash
     assert Path(load_schedule(str(moved / "out/s.json")).profile.path).name == "renamed.json"
-    assert load_profile(load_schedule(str(moved / "bundled.json")).profile.path).sha256 == load_profile("gpt-sim").sha256
+    assert (
+        load_profile(load_schedule(str(moved / "bundled.json")).profile.path).sha256
+        == load_profile("gpt-sim").sha256
+    )

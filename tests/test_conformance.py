@@ -92,12 +92,34 @@ def _partition(rng, total: int, mx: int) -> list[int]:
 def make_case(case: Case) -> tuple[Problem, Candidate]:
     """The problem (tables in whole microseconds) and a random schedule of the case's kind."""
     rng = np.random.default_rng(case.seed)
-    prof = synthetic_profile(case.S, max_size=case.mx, seed=case.seed, latency_ms=0.05, bytes_per_ms=float(rng.uniform(1e4, 1e6)),
-                             op_overhead_ms=case.overhead, message_overhead_ms=case.overhead / 2, param_bytes=list(rng.integers(1 << 20, 1 << 26, case.S)))
-    dp = AllReduceProfile(replicas=case.replicas, latency_ms=0.2, bus_bytes_per_ms=float(rng.uniform(1e5, 1e6))) if case.replicas > 1 else None
+    prof = synthetic_profile(
+        case.S,
+        max_size=case.mx,
+        seed=case.seed,
+        latency_ms=0.05,
+        bytes_per_ms=float(rng.uniform(1e4, 1e6)),
+        op_overhead_ms=case.overhead,
+        message_overhead_ms=case.overhead / 2,
+        param_bytes=list(rng.integers(1 << 20, 1 << 26, case.S)),
+    )
+    dp = (
+        AllReduceProfile(
+            replicas=case.replicas, latency_ms=0.2, bus_bytes_per_ms=float(rng.uniform(1e5, 1e6))
+        )
+        if case.replicas > 1
+        else None
+    )
     t = CostTables.from_profile(prof, case.recompute, dp)
-    t = dataclasses.replace(t, fwd=_us(t.fwd), bwd=_us(t.bwd), link=_us(t.link), allreduce_ms=_us(t.allreduce_ms),
-                            bwd_input=_us(t.bwd_input), bwd_weight=_us(t.bwd_weight), optimizer_ms=round(t.optimizer_ms, 3))
+    t = dataclasses.replace(
+        t,
+        fwd=_us(t.fwd),
+        bwd=_us(t.bwd),
+        link=_us(t.link),
+        allreduce_ms=_us(t.allreduce_ms),
+        bwd_input=_us(t.bwd_input),
+        bwd_weight=_us(t.bwd_weight),
+        optimizer_ms=round(t.optimizer_ms, 3),
+    )
     S, B = case.S, case.B
     fs = [_partition(rng, B, case.mx) for _ in range(S)]
     bs = [_partition(rng, B, case.mx) for _ in range(S)] if case.recompute else fs
@@ -177,7 +199,11 @@ def _chunks(parts: list[int]) -> list[tuple[int, int]]:
 
 def _durations(problem: Problem, s: int, weights: bool) -> dict[str, np.ndarray]:
     t = problem.tables
-    return {"F": t.fwd[s], "B": (t.bwd_input if weights else t.bwd)[s], "W": t.bwd_weight[s] if weights else None}
+    return {
+        "F": t.fwd[s],
+        "B": (t.bwd_input if weights else t.bwd)[s],
+        "W": t.bwd_weight[s] if weights else None,
+    }
 
 
 def _cpsat(order: str) -> Callable:
@@ -197,7 +223,9 @@ def _cpsat(order: str) -> Callable:
             m, x, y, makespan = cpsat.build_gpipe_model(problem, horizon)
             starts = None
         else:
-            m, x, y, fstart, bstart, makespan, wstart = cpsat.build_free_model(problem, horizon, weights=weights)
+            m, x, y, fstart, bstart, makespan, wstart = cpsat.build_free_model(
+                problem, horizon, weights=weights
+            )
             starts = {"F": fstart, "B": bstart, "W": wstart}
         ops = cand.ops()
         for s in range(problem.num_stages):
@@ -209,7 +237,10 @@ def _cpsat(order: str) -> Callable:
             if starts is not None:  # each stage's op order as the schedule has it
                 dur = _durations(problem, s, weights)
                 for a, b in zip(ops[s], ops[s][1:]):
-                    m.add(starts[b.kind][s][(b.lo, b.hi)] >= starts[a.kind][s][(a.lo, a.hi)] + cpsat._us(dur[a.kind][a.hi - a.lo]))
+                    m.add(
+                        starts[b.kind][s][(b.lo, b.hi)]
+                        >= starts[a.kind][s][(a.lo, a.hi)] + cpsat._us(dur[a.kind][a.hi - a.lo])
+                    )
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = 60
         solver.parameters.num_workers = 2
@@ -251,7 +282,9 @@ def _milp(order: str) -> Callable:
             if starts is not None:
                 dur = _durations(problem, s, False)
                 for a, b in zip(ops[s], ops[s][1:]):
-                    lp += starts[b.kind][s][(b.lo, b.hi)] >= starts[a.kind][s][(a.lo, a.hi)] + float(dur[a.kind][a.hi - a.lo])
+                    lp += starts[b.kind][s][(b.lo, b.hi)] >= starts[a.kind][s][(a.lo, a.hi)] + float(
+                        dur[a.kind][a.hi - a.lo]
+                    )
         lp.solve(milp._solver(60, warm=False))
         if pulp.LpStatus[lp.status] == "Infeasible":
             return None
@@ -299,6 +332,9 @@ def test_a_deadlocking_order_is_an_error_in_the_simulator():
     from umopt.costmodel import Op
 
     problem, _ = make_case(Case(2, 4, 4, "gpipe"))
-    ops = [[Op("F", 0, 4), Op("B", 0, 4)], [Op("B", 0, 4), Op("F", 0, 4)]]  # stage 1 backwards before its forward
+    ops = [
+        [Op("F", 0, 4), Op("B", 0, 4)],
+        [Op("B", 0, 4), Op("F", 0, 4)],
+    ]  # stage 1 backwards before its forward
     with pytest.raises(UmoptError):
         simulate(problem.tables, ops, 4)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import two_stage_profile
 
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
 from umopt.partition import equal_sizes, gpipe_ops, onef1b_schedule
 from umopt.synthetic import synthetic_profile
-
-from conftest import two_stage_profile
 
 
 def spans(tl, s):
@@ -22,8 +21,18 @@ def test_hand_timeline_two_chunks_with_communication():
     t = CostTables.from_profile(two_stage_profile(comm=True))
     ops = [gpipe_ops([1, 1], [1, 1]), gpipe_ops([1, 1], [1, 1])]
     tl = simulate(t, ops, 2)
-    assert spans(tl, 0) == [("F", 0, 1, 0, 1), ("F", 1, 2, 1, 2), ("B", 1, 2, 5.4, 7.4), ("B", 0, 1, 7.4, 9.4)]
-    assert spans(tl, 1) == [("F", 0, 1, 1.2, 2.2), ("F", 1, 2, 2.2, 3.2), ("B", 1, 2, 3.2, 5.2), ("B", 0, 1, 5.2, 7.2)]
+    assert spans(tl, 0) == [
+        ("F", 0, 1, 0, 1),
+        ("F", 1, 2, 1, 2),
+        ("B", 1, 2, 5.4, 7.4),
+        ("B", 0, 1, 7.4, 9.4),
+    ]
+    assert spans(tl, 1) == [
+        ("F", 0, 1, 1.2, 2.2),
+        ("F", 1, 2, 2.2, 3.2),
+        ("B", 1, 2, 3.2, 5.2),
+        ("B", 0, 1, 5.2, 7.2),
+    ]
     assert tl.iteration_ms == pytest.approx(9.4 + 0.5)  # plus the slowest optimizer step
     assert tl.busy_ms == pytest.approx([6.0, 6.0])
     assert tl.peak_memory_bytes == [1000 + 2 * 100, 2000 + 2 * 200]
@@ -43,7 +52,12 @@ def test_hand_timeline_unequal_per_stage_partitions():
     t = CostTables.from_profile(two_stage_profile(comm=True))
     tl = simulate(t, [gpipe_ops([2], [2]), gpipe_ops([1, 1], [1, 1])], 2)
     assert spans(tl, 0) == [("F", 0, 2, 0, 1.5), ("B", 0, 2, 8.0, 11.0)]
-    assert spans(tl, 1) == [("F", 0, 1, 1.8, 2.8), ("F", 1, 2, 2.8, 3.8), ("B", 1, 2, 3.8, 5.8), ("B", 0, 1, 5.8, 7.8)]
+    assert spans(tl, 1) == [
+        ("F", 0, 1, 1.8, 2.8),
+        ("F", 1, 2, 2.8, 3.8),
+        ("B", 1, 2, 3.8, 5.8),
+        ("B", 0, 1, 5.8, 7.8),
+    ]
     assert tl.iteration_ms == pytest.approx(11.5)
 
 
@@ -78,8 +92,17 @@ def test_linear_interpolation_between_measured_sizes():
 @pytest.mark.parametrize("S,M", [(1, 1), (2, 4), (4, 4), (3, 7), (8, 16)])
 def test_uniform_gpipe_is_m_plus_s_minus_1_times_f_plus_g(S, M):
     f, g = 1.5, 2.75
-    prof = synthetic_profile(S, max_size=8, overhead_ms=[f] * S, per_sample_ms=[0.0] * S, latency_ms=0.0, bytes_per_sample=0)
-    prof = prof.model_copy(update={"stages": [st.model_copy(update={"backward_ms": [g] * len(prof.sizes), "optimizer_ms": 0.0}) for st in prof.stages]})
+    prof = synthetic_profile(
+        S, max_size=8, overhead_ms=[f] * S, per_sample_ms=[0.0] * S, latency_ms=0.0, bytes_per_sample=0
+    )
+    prof = prof.model_copy(
+        update={
+            "stages": [
+                st.model_copy(update={"backward_ms": [g] * len(prof.sizes), "optimizer_ms": 0.0})
+                for st in prof.stages
+            ]
+        }
+    )
     t = CostTables.from_profile(prof)
     parts = equal_sizes(2 * M, M)
     tl = simulate(t, [gpipe_ops(parts, parts)] * S, 2 * M)
@@ -91,8 +114,26 @@ def test_uniform_gpipe_is_m_plus_s_minus_1_times_f_plus_g(S, M):
 
 def test_textbook_1f1b_order():
     first, last = onef1b_schedule([[1] * 4] * 2, [[1] * 4] * 2)
-    assert first == [("F", 0, 1), ("F", 1, 2), ("B", 0, 1), ("F", 2, 3), ("B", 1, 2), ("F", 3, 4), ("B", 2, 3), ("B", 3, 4)]
-    assert last == [("F", 0, 1), ("B", 0, 1), ("F", 1, 2), ("B", 1, 2), ("F", 2, 3), ("B", 2, 3), ("F", 3, 4), ("B", 3, 4)]
+    assert first == [
+        ("F", 0, 1),
+        ("F", 1, 2),
+        ("B", 0, 1),
+        ("F", 2, 3),
+        ("B", 1, 2),
+        ("F", 3, 4),
+        ("B", 2, 3),
+        ("B", 3, 4),
+    ]
+    assert last == [
+        ("F", 0, 1),
+        ("B", 0, 1),
+        ("F", 1, 2),
+        ("B", 1, 2),
+        ("F", 2, 3),
+        ("B", 2, 3),
+        ("F", 3, 4),
+        ("B", 3, 4),
+    ]
     s0 = onef1b_schedule([[2] * 4] * 4, [[2] * 4] * 4)[0]
     assert [k for k, _, _ in s0] == list("FFFFBBBB")  # 3 warm-up forwards, then 1F1B with 4 chunks
 
@@ -150,7 +191,16 @@ def test_old_profiles_load_and_the_new_fields_round_trip(tmp_path):
     assert all(ln.message_overhead_ms == 0.0 for ln in old.links)
     new = old.model_copy(
         update={
-            "stages": [st.model_copy(update={"op_overhead_ms": 0.5, "forward_iqr_ms": [0.1] * len(old.sizes), "backward_iqr_ms": [0.2] * len(old.sizes)}) for st in old.stages],
+            "stages": [
+                st.model_copy(
+                    update={
+                        "op_overhead_ms": 0.5,
+                        "forward_iqr_ms": [0.1] * len(old.sizes),
+                        "backward_iqr_ms": [0.2] * len(old.sizes),
+                    }
+                )
+                for st in old.stages
+            ],
             "links": [ln.model_copy(update={"message_overhead_ms": 0.05}) for ln in old.links],
         }
     )
@@ -173,26 +223,44 @@ def test_w_ops_cost_the_weight_gradients_and_hold_memory_until_they_run():
     f, bi, bw = t.fwd[0, 2], t.bwd_input[0, 2], t.bwd_weight[0, 2]
     assert bi + bw == pytest.approx(t.bwd[0, 2])  # the synthetic split: 60% input, 40% weights
     early = [[Op("F", 0, 2), Op("B", 0, 2), Op("W", 0, 2), Op("F", 2, 4), Op("B", 2, 4), Op("W", 2, 4)]]
-    late = [[Op("F", 0, 2), Op("B", 0, 2), Op("F", 2, 4), Op("B", 2, 4), Op("W", 0, 4)]]  # one W over two B chunks
+    late = [
+        [Op("F", 0, 2), Op("B", 0, 2), Op("F", 2, 4), Op("B", 2, 4), Op("W", 0, 4)]
+    ]  # one W over two B chunks
     unsplit = [[Op("F", 0, 2), Op("B", 0, 2), Op("F", 2, 4), Op("B", 2, 4)]]
     for ops in (early, late):
         tl = simulate(t, ops, 4)
         assert tl.iteration_ms == pytest.approx(2 * (f + bi + bw) + t.optimizer_ms)
         w = [sp for sp in tl.spans[0] if sp.kind == "W"]
-        assert all(sp.start >= max(b.end for b in tl.spans[0] if b.kind == "B" and sp.lo <= b.lo and b.hi <= sp.hi) for sp in w)
+        assert all(
+            sp.start >= max(b.end for b in tl.spans[0] if b.kind == "B" and sp.lo <= b.lo and b.hi <= sp.hi)
+            for sp in w
+        )
     stash = int(t.stash_bytes[0])
     # what a sample keeps for backward goes with its W: deferring W holds two chunks, as no B op does
-    assert simulate(t, early, 4).peak_memory_bytes[0] == simulate(t, unsplit, 4).peak_memory_bytes[0] == t.static_bytes[0] + 2 * stash
+    assert (
+        simulate(t, early, 4).peak_memory_bytes[0]
+        == simulate(t, unsplit, 4).peak_memory_bytes[0]
+        == t.static_bytes[0] + 2 * stash
+    )
     assert simulate(t, late, 4).peak_memory_bytes[0] == t.static_bytes[0] + 4 * stash
 
 
 @pytest.mark.parametrize(
     "stage0,why",
     [
-        ([("F", 0, 4), ("F", 4, 8), ("B", 0, 4), ("W", 0, 8), ("B", 4, 8)], "is not whole B chunks that ran before it"),
-        ([("F", 0, 4), ("F", 4, 8), ("B", 0, 4), ("B", 4, 8), ("W", 0, 2), ("W", 2, 8)], "is not whole B chunks"),
+        (
+            [("F", 0, 4), ("F", 4, 8), ("B", 0, 4), ("W", 0, 8), ("B", 4, 8)],
+            "is not whole B chunks that ran before it",
+        ),
+        (
+            [("F", 0, 4), ("F", 4, 8), ("B", 0, 4), ("B", 4, 8), ("W", 0, 2), ("W", 2, 8)],
+            "is not whole B chunks",
+        ),
         ([("F", 0, 4), ("F", 4, 8), ("B", 0, 4), ("B", 4, 8), ("W", 0, 4)], "W ops miss sample 4"),
-        ([("F", 0, 4), ("F", 4, 8), ("B", 0, 4), ("B", 4, 8), ("W", 0, 4), ("W", 0, 4), ("W", 4, 8)], "a W op already covered"),
+        (
+            [("F", 0, 4), ("F", 4, 8), ("B", 0, 4), ("B", 4, 8), ("W", 0, 4), ("W", 0, 4), ("W", 4, 8)],
+            "a W op already covered",
+        ),
     ],
 )
 def test_invalid_w_ops_are_refused(stage0, why):
@@ -253,7 +321,13 @@ def _unit_profile(S: int, f: float, b: float, w: float):
 
     d = synthetic_profile(S, max_size=1, seed=0, latency_ms=0.0, bytes_per_ms=1e15).model_dump()
     for st in d["stages"]:
-        st.update(forward_ms=[f], backward_ms=[b + w], backward_input_ms=[b], backward_weight_ms=[w], optimizer_ms=0.0)
+        st.update(
+            forward_ms=[f],
+            backward_ms=[b + w],
+            backward_input_ms=[b],
+            backward_weight_ms=[w],
+            optimizer_ms=0.0,
+        )
     return Profile.model_validate(d)
 
 
@@ -270,10 +344,16 @@ def test_zb_h1_and_h2_are_the_papers(f, b, w):
 
     S, M = 4, 8
     problem = Problem(CostTables.from_profile(_unit_profile(S, f, b, w)), M)
-    assert onef1b_equal(problem).iteration_ms == pytest.approx(M * (f + b + w) + (S - 1) * (f + b + w), abs=1e-6)
+    assert onef1b_equal(problem).iteration_ms == pytest.approx(
+        M * (f + b + w) + (S - 1) * (f + b + w), abs=1e-6
+    )
     m, ops, tl = zb_h1(problem)
-    assert m == M and tl.iteration_ms == pytest.approx(M * (f + b + w) + (S - 1) * max(f + b - w, f), abs=1e-6)
-    assert max(tl.peak_memory_bytes) <= max(simulate(problem.tables, onef1b_equal(problem).candidate.ops(), M).peak_memory_bytes)
+    assert m == M and tl.iteration_ms == pytest.approx(
+        M * (f + b + w) + (S - 1) * max(f + b - w, f), abs=1e-6
+    )
+    assert max(tl.peak_memory_bytes) <= max(
+        simulate(problem.tables, onef1b_equal(problem).candidate.ops(), M).peak_memory_bytes
+    )
     if f == b == w:
         text = [" ".join(f"{k}{lo + 1}" for k, lo, _ in st) for st in ops]
         assert text[0] == "F1 F2 F3 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 F8 B5 W5 B6 W6 B7 W7 B8 W8"
@@ -301,7 +381,9 @@ def test_exact_zero_bubble_model_bounds_every_w_schedule_and_reaches_its_bound()
         for _ in range(40):
             parts = []
             for _s in range(S):
-                cuts = sorted(rng.choice(np.arange(1, B), size=int(rng.integers(0, B - 1)), replace=False).tolist())
+                cuts = sorted(
+                    rng.choice(np.arange(1, B), size=int(rng.integers(0, B - 1)), replace=False).tolist()
+                )
                 sizes = np.diff([0, *cuts, B]).tolist()
                 parts.append(sizes if max(sizes) <= 4 else [1] * B)
             fb = Candidate(parts, parts, "1f1b", warmup=rng.integers(0, B + 1, S).tolist()).ops()
@@ -339,7 +421,9 @@ def test_exact_zero_bubble_model_keeps_to_the_memory_limit(recompute):
     within = 0
     for _ in range(100):
         sizes = [partitions[int(rng.integers(len(partitions)))] for _s in range(S)]
-        cand = Candidate(sizes, sizes, "1f1b", warmup=rng.integers(0, 2, S).tolist(), wcap=rng.integers(0, 3, S).tolist())
+        cand = Candidate(
+            sizes, sizes, "1f1b", warmup=rng.integers(0, 2, S).tolist(), wcap=rng.integers(0, 3, S).tolist()
+        )
         got = simulate(problem.tables, cand.ops(), B)
         if max(got.peak_memory_bytes) <= limit:
             within += 1

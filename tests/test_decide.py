@@ -23,7 +23,10 @@ def test_a_faster_schedule_wins_only_at_the_stated_confidence():
     # in turns the drift meets both alike, so 4.6% shows through a shared +-15% drift
     ref = rounds(100.0, 6, 0.15, seed=0)
     fast = [r / 1.046 * (1 + e) for r, e in zip(ref, np.random.default_rng(1).uniform(-0.01, 0.01, 6))]
-    d = decide({"gpipe_equal": ref, "1f1b_equal": [r * 1.1 for r in ref], "umopt": fast}, ["gpipe_equal", "1f1b_equal"])
+    d = decide(
+        {"gpipe_equal": ref, "1f1b_equal": [r * 1.1 for r in ref], "umopt": fast},
+        ["gpipe_equal", "1f1b_equal"],
+    )
     assert d.winner == "umopt" and d.reference == "gpipe_equal" and d.decided and d.confidence > 0.99
     assert re.search(r"4\.\d% faster than gpipe_equal over 6 paired rounds, at >99.9% confidence", d.reason)
     # the case: 4.6% faster overall, but slower in 2 of 4 rounds: not at 95%, so not decided,
@@ -47,15 +50,17 @@ def test_a_schedule_no_faster_is_decided_against_when_the_rounds_are_tight():
 
 
 def test_an_equal_schedule_is_one_with_every_chunk_one_size():
-    assert is_equal([[("F", 0, 4), ("F", 4, 8), ("B", 0, 4), ("B", 4, 8)], [("F", 0, 4), ("F", 4, 8), ("W", 0, 4)]])
+    assert is_equal(
+        [[("F", 0, 4), ("F", 4, 8), ("B", 0, 4), ("B", 4, 8)], [("F", 0, 4), ("F", 4, 8), ("W", 0, 4)]]
+    )
     assert not is_equal([[("F", 0, 4), ("F", 4, 8)], [("F", 0, 2), ("F", 2, 8)]])
 
 
 @pytest.mark.parametrize("slow,winner", [("eq", "un"), ("un", "eq")])
 def test_a_run_takes_turns_until_the_faster_schedule_is_decided(tmp_path, monkeypatch, capsys, slow, winner):
     from test_runtime import B, mlp_profile
-
     from umopt.cli import main
+
     from umopt.costmodel import CostTables, simulate
     from umopt.formats.schedule import make_schedule, save_schedule
     from umopt.problem import Candidate
@@ -64,13 +69,45 @@ def test_a_run_takes_turns_until_the_faster_schedule_is_decided(tmp_path, monkey
     tables = CostTables.from_profile(profile, False)
     for name, parts in (("eq", [[4, 4, 4]] * 2), ("un", [[2, 4, 6], [6, 4, 2]])):
         ops = Candidate(parts, parts, "1f1b").ops()
-        save_schedule(make_schedule(profile, B, False, ops, simulate(tables, ops, B), {"name": name, "status": "feasible", "seconds": 0.0}, {}), str(tmp_path / f"{name}.json"))
-    monkeypatch.setenv("UMOPT_FAULT_SLOWER", f"{slow}:40")  # 40 ms a step on top of a few: decided in a few rounds
-    main(["run", str(tmp_path / "eq.json"), str(tmp_path / "un.json"), "--steps", "1", "--warmup", "1", "--rounds", "2",
-          "--decide", "0.95", "--max-rounds", "12", "--report", str(tmp_path / "r_{name}.json")])
+        save_schedule(
+            make_schedule(
+                profile,
+                B,
+                False,
+                ops,
+                simulate(tables, ops, B),
+                {"name": name, "status": "feasible", "seconds": 0.0},
+                {},
+            ),
+            str(tmp_path / f"{name}.json"),
+        )
+    monkeypatch.setenv(
+        "UMOPT_FAULT_SLOWER", f"{slow}:40"
+    )  # 40 ms a step on top of a few: decided in a few rounds
+    main(
+        [
+            "run",
+            str(tmp_path / "eq.json"),
+            str(tmp_path / "un.json"),
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--rounds",
+            "2",
+            "--decide",
+            "0.95",
+            "--max-rounds",
+            "12",
+            "--report",
+            str(tmp_path / "r_{name}.json"),
+        ]
+    )
     reports = {n: json.loads((tmp_path / f"r_{n}.json").read_text()) for n in ("eq", "un")}
     d = reports["eq"]["decision"]
-    assert d == reports["un"]["decision"] and d["winner"] == winner and d["decided"] and d["confidence"] >= 0.95
+    assert (
+        d == reports["un"]["decision"] and d["winner"] == winner and d["decided"] and d["confidence"] >= 0.95
+    )
     assert 2 <= reports["eq"]["rounds"] < 12 and len(reports["eq"]["round_ms"]) == reports["eq"]["rounds"]
     assert f"keep {winner}:" in capsys.readouterr().out
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli, zoo_sim_profile
+from test_runtime import MLP, B, write_schedule
 
 from umopt import devices
 from umopt.errors import UmoptError
@@ -19,9 +21,6 @@ from umopt.launch import launch
 from umopt.profiler import ProfileOptions, check_profile_options, link_plan, pingpong_sizes, profile_model
 from umopt.runtime import build_stage, init_distributed
 from umopt.zoo import build_model
-
-from conftest import run_cli, zoo_sim_profile
-from test_runtime import B, MLP, write_schedule
 
 GPT = {"layers": 2, "d_model": 32, "heads": 2, "vocab": 64, "seq_len": 8}
 
@@ -34,12 +33,23 @@ def test_stage_set_up_runs_on_the_stage_device(tmp_path):
     for s in (0, 1):
         setup = build_stage(gpt, s, meta)
         assert all(p.device == meta for p in setup.module.parameters())
-        assert setup.input == (devices.TensorSpec((8,), torch.int64) if s == 0 else devices.TensorSpec((8, 32), torch.float32))
-        assert setup.output == (devices.TensorSpec((8, 32), torch.float32) if s == 0 else devices.TensorSpec((8, 64), torch.float32))
+        assert setup.input == (
+            devices.TensorSpec((8,), torch.int64) if s == 0 else devices.TensorSpec((8, 32), torch.float32)
+        )
+        assert setup.output == (
+            devices.TensorSpec((8, 32), torch.float32)
+            if s == 0
+            else devices.TensorSpec((8, 64), torch.float32)
+        )
     mlp = zoo_sim_profile(tmp_path / "mlp.json", "mlp", MLP, [0, 2, 4, 6])
     setup = build_stage(mlp, 2, meta)
     assert setup.input.shape == (MLP["width"],) and setup.output.shape == (MLP["num_classes"],)
-    assert list(dict(setup.module.named_parameters())) == ["layers.4.0.weight", "layers.4.0.bias", "layers.5.weight", "layers.5.bias"]
+    assert list(dict(setup.module.named_parameters())) == [
+        "layers.4.0.weight",
+        "layers.4.0.bias",
+        "layers.5.weight",
+        "layers.5.bias",
+    ]
 
 
 def test_edges_carry_the_dtype_autocast_produces(tmp_path):
@@ -86,7 +96,15 @@ def test_a_bfloat16_profile_runs_under_autocast(tmp_path):
 
 
 def test_the_profiler_counts_link_bytes_in_the_dtype_that_crosses():
-    quick = dict(sizes=[1, 2], repeats=1, warmup=0, link_latency_ms=0.0, link_gbps=1.0, dtype="bfloat16", concurrent=False)
+    quick = dict(
+        sizes=[1, 2],
+        repeats=1,
+        warmup=0,
+        link_latency_ms=0.0,
+        link_gbps=1.0,
+        dtype="bfloat16",
+        concurrent=False,
+    )
     gpt = profile_model(ProfileOptions(model="gpt", model_args=GPT, split=[0, 2, 4], **quick))
     assert gpt.stages[0].output_bytes_per_sample == 8 * 32 * 4  # the residual stream: float32
     mlp = profile_model(ProfileOptions(model="mlp", model_args=MLP, split=[0, 3, 6], **quick))
@@ -97,7 +115,11 @@ def test_nccl_ranks_set_their_gpu_before_joining(monkeypatch):
     calls = []
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
-    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend, **kw: calls.append(("init", backend, kw.get("device_id"))))
+    monkeypatch.setattr(
+        torch.distributed,
+        "init_process_group",
+        lambda backend, **kw: calls.append(("init", backend, kw.get("device_id"))),
+    )
     assert init_distributed("nccl", 60) == torch.device("cuda", 3)
     assert calls == [("set_device", torch.device("cuda", 3)), ("init", "nccl", torch.device("cuda", 3))]
     calls.clear()
@@ -109,7 +131,9 @@ def test_only_the_first_and_last_stage_load_data(tmp_path, monkeypatch):
     prof = zoo_sim_profile(tmp_path / "p.json", "mlp", MLP, [0, 2, 4, 6])
     path, _ = write_schedule(tmp_path, prof, "gpipe", False, 4)
     monkeypatch.setenv("UMOPT_DATA_LOG", str(tmp_path / "data"))
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv(
+        "PYTHONPATH", str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    )
     launch([path, "--steps", "1", "--warmup", "0", "--data", "userzoo:mlp_data"], quiet=True)
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["rank0", "rank2"]
 
@@ -128,12 +152,16 @@ def gpus(monkeypatch):
 def test_cuda_profiles_that_cannot_finish_are_refused_before_any_timing(gpus):
     gpus(1)
     opts = dict(model="gpt", model_args=GPT, stages=2, device="cuda")
-    with pytest.raises(UmoptError, match="one GPU: the links between 2 stages cannot be measured; give --link-latency-ms"):
+    with pytest.raises(
+        UmoptError, match="one GPU: the links between 2 stages cannot be measured; give --link-latency-ms"
+    ):
         check_profile_options(ProfileOptions(**opts))
     given = dict(opts, link_latency_ms=0.01, link_gbps=400.0)
     check_profile_options(ProfileOptions(**given))
     check_profile_options(ProfileOptions(**dict(opts, stages=1)))
-    with pytest.raises(UmoptError, match="--concurrent on CUDA times each stage on its own GPU: 2 stages, 1 GPUs"):
+    with pytest.raises(
+        UmoptError, match="--concurrent on CUDA times each stage on its own GPU: 2 stages, 1 GPUs"
+    ):
         check_profile_options(ProfileOptions(**given, concurrent=True))
     gpus(2)
     check_profile_options(ProfileOptions(**opts, concurrent=True))
@@ -147,8 +175,26 @@ def test_tune_on_cuda_takes_link_options_and_checks_the_gpus_first(gpus, tmp_pat
     out = tmp_path / "t"
     code, _, err = run_cli(["tune", "--device", "cuda", "--out", str(out)], capsys)
     assert code == 2 and "one GPU: the links between 2 stages cannot be measured" in err
-    code, _, err = run_cli(["tune", "--device", "cuda", "--dtype", "bfloat16", "--link-latency-ms", "0.01", "--link-gbps", "400", "--out", str(out)], capsys)
-    assert code == 2 and "umopt tune runs each stage on its own GPU: 2 stages, 1 GPU(s) here (use --stages 1)" in err
+    code, _, err = run_cli(
+        [
+            "tune",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "--link-latency-ms",
+            "0.01",
+            "--link-gbps",
+            "400",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
+    assert (
+        code == 2
+        and "umopt tune runs each stage on its own GPU: 2 stages, 1 GPU(s) here (use --stages 1)" in err
+    )
     assert not out.exists()
 
 
@@ -199,5 +245,8 @@ def test_a_data_module_in_the_current_folder_is_found_and_more_samples_are_refus
     )
     monkeypatch.chdir(tmp_path)
     launch([path, "--steps", "1", "--warmup", "0", "--data", "mydata:ok"], quiet=True)
-    with pytest.raises(RunFailed, match=r"--data mydata:more returned 15 inputs and 15 targets for step 0; the minibatch is 12"):
+    with pytest.raises(
+        RunFailed,
+        match=r"--data mydata:more returned 15 inputs and 15 targets for step 0; the minibatch is 12",
+    ):
         launch([path, "--steps", "1", "--warmup", "0", "--data", "mydata:more"], quiet=True)

@@ -12,14 +12,50 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_text.py"
 
 
 def test_the_text_example_profiles_solves_and_trains(tmp_path):
-    small = ["--stages", "2", "--minibatch", "8", "--layers", "2", "--d", "32", "--seq", "16", "--time-limit", "1", "--out", str(tmp_path)]
-    prep = subprocess.run([sys.executable, str(EXAMPLE), "prepare", *small], capture_output=True, text=True, timeout=300)
+    small = [
+        "--stages",
+        "2",
+        "--minibatch",
+        "8",
+        "--layers",
+        "2",
+        "--d",
+        "32",
+        "--seq",
+        "16",
+        "--time-limit",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    prep = subprocess.run(
+        [sys.executable, str(EXAMPLE), "prepare", *small], capture_output=True, text=True, timeout=300
+    )
     assert prep.returncode == 0, prep.stderr[-2000:]
     assert all((tmp_path / f).exists() for f in ("profile.json", "umopt.json", "equal.json"))
     train = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE), "train",
-         "--out", str(tmp_path), "--steps", "12", "--turn", "3", "--every", "1"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(EXAMPLE),
+            "train",
+            "--out",
+            str(tmp_path),
+            "--steps",
+            "12",
+            "--turn",
+            "3",
+            "--every",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert train.returncode == 0, train.stderr[-2000:]
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", train.stdout)]

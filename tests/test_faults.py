@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_runtime import mlp_profile, write_schedule
+
 from umopt.checkpoint import MANIFEST, read_manifest
 from umopt.errors import UmoptError
 from umopt.launch import RunFailed, launch
@@ -63,7 +63,9 @@ def test_a_checkpoint_carrying_a_pickle_payload_is_refused_without_running_it(ch
 
     manifest["files"][0]["sha256"] = hashlib.sha256(victim.read_bytes()).hexdigest()
     (ck / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(RunFailed, match=r"rank 0 \(stage 0\) failed: UmoptError: --resume: .* is not stage 0's state"):
+    with pytest.raises(
+        RunFailed, match=r"rank 0 \(stage 0\) failed: UmoptError: --resume: .* is not stage 0's state"
+    ):
         launch([path, "--steps", "1", "--warmup", "0", "--checkpoint", str(ck), "--resume"], quiet=True)
     assert not marker.exists()
     assert pickle.dumps(_Payload(marker))  # the payload itself is real
@@ -100,7 +102,10 @@ def test_a_failed_checkpoint_write_keeps_the_last_complete_set(tmp_path, monkeyp
     # the set of step 2 fails on rank 1
     monkeypatch.setenv("UMOPT_FAULT", "1:1:diskfull")
     with pytest.raises(RunFailed, match=r"rank 1 \(stage 1\) failed: OSError"):
-        launch([path, "--steps", "3", "--warmup", "0", "--checkpoint", str(ck), "--checkpoint-every", "1"], quiet=True)
+        launch(
+            [path, "--steps", "3", "--warmup", "0", "--checkpoint", str(ck), "--checkpoint-every", "1"],
+            quiet=True,
+        )
     assert read_manifest(ck, profile, "sgd").step == 1  # every file there, every hash right
 
 
@@ -117,7 +122,10 @@ def test_checkpoint_waits_are_bounded_by_the_io_timeout_not_the_steps(tmp_path, 
     assert read_manifest(tmp_path / "a", profile, "sgd").step == 1
     monkeypatch.setenv("UMOPT_TIMEOUT_S", "60")
     monkeypatch.setenv("UMOPT_IO_TIMEOUT_S", "2")
-    with pytest.raises(RunFailed, match=r"rank 0 \(stage 0\) failed: UmoptError: waiting for every stage's checkpoint file of step 1 \(at most UMOPT_IO_TIMEOUT_S=2 s\)"):
+    with pytest.raises(
+        RunFailed,
+        match=r"rank 0 \(stage 0\) failed: UmoptError: waiting for every stage's checkpoint file of step 1 \(at most UMOPT_IO_TIMEOUT_S=2 s\)",
+    ):
         launch([path, "--steps", "1", "--warmup", "0", "--checkpoint", str(tmp_path / "b")], quiet=True)
 
 
@@ -142,7 +150,11 @@ def _start(argv: list[str], tmp_path: Path) -> subprocess.Popen:
     ``tmp_path``."""
     env = dict(os.environ, TMPDIR=str(tmp_path))
     return subprocess.Popen(
-        [sys.executable, "-m", "umopt.cli", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "umopt.cli", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         preexec_fn=_detached,
     )
 
@@ -163,7 +175,9 @@ def _gone_within(sid: int, seconds: float) -> float:
 def _wait_for_ranks(sid: int, n: int, timeout: float = 60) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        out = subprocess.run(["pgrep", "-s", str(sid), "-f", "umopt.runtime"], capture_output=True, text=True).stdout.split()
+        out = subprocess.run(
+            ["pgrep", "-s", str(sid), "-f", "umopt.runtime"], capture_output=True, text=True
+        ).stdout.split()
         if len(out) >= n:
             time.sleep(4)  # into the steps
             return
@@ -202,8 +216,12 @@ def test_an_interrupted_solve_leaves_no_process_and_no_file(tmp_path):
 def test_the_time_limit_holds_for_the_whole_command_at_large_minibatches(tmp_path, capsys):
     from conftest import run_cli
 
-    run_cli(["solve", "gpt-sim", "-B", "64", "--time-limit", "0.5", "-o", str(tmp_path / "warm.json")], capsys)
+    run_cli(
+        ["solve", "gpt-sim", "-B", "64", "--time-limit", "0.5", "-o", str(tmp_path / "warm.json")], capsys
+    )
     t0 = time.perf_counter()
-    code, _, err = run_cli(["solve", "gpt-sim", "-B", "2048", "--time-limit", "2", "-o", str(tmp_path / "s.json")], capsys)
+    code, _, err = run_cli(
+        ["solve", "gpt-sim", "-B", "2048", "--time-limit", "2", "-o", str(tmp_path / "s.json")], capsys
+    )
     assert code == 0, err
     assert time.perf_counter() - t0 < 4.0

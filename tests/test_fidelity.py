@@ -8,19 +8,32 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from umopt.formats.profile import ProfileMeta
+from umopt import noise
 from umopt.choice import choose, complexity
 from umopt.costmodel import CostTables
+from umopt.formats.profile import ProfileMeta
 from umopt.formats.report import RunReport
-from umopt import noise
-from umopt.noise import drift_figure, drift_warning, monotone_fit, noise_figure, noisy_warning, round_speeds, run_warnings, summarize, uneven_devices_warning
+from umopt.noise import (
+    drift_figure,
+    drift_warning,
+    monotone_fit,
+    noise_figure,
+    noisy_warning,
+    round_speeds,
+    run_warnings,
+    summarize,
+    uneven_devices_warning,
+)
 from umopt.problem import Problem
 from umopt.synthetic import synthetic_profile
 from umopt.tune import TuneRow, pick
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.floats(0.0, 1e4, allow_nan=False), min_size=1, max_size=12), st.lists(st.floats(0.01, 100.0), min_size=12, max_size=12))
+@given(
+    st.lists(st.floats(0.0, 1e4, allow_nan=False), min_size=1, max_size=12),
+    st.lists(st.floats(0.01, 100.0), min_size=12, max_size=12),
+)
 def test_monotone_fit_never_falls_and_never_leaves_the_measured_range(values, weights):
     fit = monotone_fit(values, weights[: len(values)])
     assert len(fit) == len(values)
@@ -49,7 +62,9 @@ def test_the_noise_warning_fires_on_a_noisy_series_and_not_on_a_quiet_one():
         assert (noisy_warning("entries", median_spread) is not None) == fires
         assert p90 >= median_spread
     # a run: far off its prediction, and scattered steps
-    report = RunReport(schedule="s.json", measured_over_predicted=1.3, step_ms=list(10 * (1 + 0.5 * rng.random(12))))
+    report = RunReport(
+        schedule="s.json", measured_over_predicted=1.3, step_ms=list(10 * (1 + 0.5 * rng.random(12)))
+    )
     lines = run_warnings(report)
     assert len(lines) == 2 and "1.30x its prediction" in lines[0] and "umopt calibrate" in lines[0]
     assert run_warnings(RunReport(measured_over_predicted=1.05, step_ms=[10.0, 10.1, 9.9, 10.0])) == []
@@ -83,8 +98,12 @@ def test_round_speeds_take_out_a_drift_that_all_sizes_saw():
 def test_devices_of_unequal_speed_and_a_busy_machine_are_said(monkeypatch):
     line = uneven_devices_warning([1.12, 1.65], "cpu")
     assert line is not None and "1.12 to 1.65 ms" in line and "47% apart" in line and "cores" in line
-    assert uneven_devices_warning([1.12, 1.18], "cuda") is None and uneven_devices_warning([1.0], "cpu") is None
-    ran = run_warnings(RunReport(schedule="s.json", backend="gloo", measured_over_predicted=1.0, reference_ms=[1.0, 1.3]))
+    assert (
+        uneven_devices_warning([1.12, 1.18], "cuda") is None and uneven_devices_warning([1.0], "cpu") is None
+    )
+    ran = run_warnings(
+        RunReport(schedule="s.json", backend="gloo", measured_over_predicted=1.0, reference_ms=[1.0, 1.3])
+    )
     assert len(ran) == 1 and "30% apart) while s.json ran" in ran[0]
     monkeypatch.setattr(noise.os, "cpu_count", lambda: 4)
     monkeypatch.setattr(noise, "busy_cores", lambda seconds=0.5: 2.6)
@@ -95,14 +114,23 @@ def test_devices_of_unequal_speed_and_a_busy_machine_are_said(monkeypatch):
 
 def _problem_with_spread(spread: float, rms: float):
     prof = synthetic_profile(2, max_size=16, seed=3, latency_ms=0.05, bytes_per_ms=1e6)
-    stages = [s.model_copy(update={"forward_iqr_ms": [spread * v for v in s.forward_ms], "backward_iqr_ms": [spread * v for v in s.backward_ms]}) for s in prof.stages]
-    prof = prof.model_copy(update={"stages": stages, "meta": ProfileMeta.model_validate({"calibration": {"residual_rms": rms}})})
+    stages = [
+        s.model_copy(
+            update={
+                "forward_iqr_ms": [spread * v for v in s.forward_ms],
+                "backward_iqr_ms": [spread * v for v in s.backward_ms],
+            }
+        )
+        for s in prof.stages
+    ]
+    prof = prof.model_copy(
+        update={"stages": stages, "meta": ProfileMeta.model_validate({"calibration": {"residual_rms": rms}})}
+    )
     return prof, Problem(CostTables.from_profile(prof), 32)
 
 
 def _candidates(problem):
     from umopt.baselines import gpipe_equal, onef1b_equal
-
     from umopt.solvers import SOLVERS
 
     gp, of = gpipe_equal(problem), onef1b_equal(problem)
@@ -118,7 +146,9 @@ def test_a_schedule_the_profile_cannot_tell_from_the_best_equal_one_is_not_recom
     ref = min(times["gpipe_equal"], times["1f1b_equal"])
     gain = ref / times["umopt auto"] - 1
     assert 0 < gain < 0.2  # the schedule found is ahead, but not by much
-    assert complexity(problem, cands[0][1]) > max(complexity(problem, c) for _, c in cands[1:])  # and it runs more ops
+    assert complexity(problem, cands[0][1]) > max(
+        complexity(problem, c) for _, c in cands[1:]
+    )  # and it runs more ops
     # no stated uncertainty: the fastest predicted, with its gain
     c = choose(prof, problem, cands, equal=("gpipe_equal", "1f1b_equal"))
     assert c.name == "umopt auto" and c.gain == pytest.approx(gain) and c.uncertainty == 0.0
@@ -148,12 +178,27 @@ def test_where_the_model_cannot_tell_gpipe_from_1f1b_the_probe_runs_decide():
     order = {"gpipe_equal": "gpipe", "1f1b_equal": "1f1b"}
     ratio = {order[faster]: 1.2, order[slower]: 0.98}
     assert times[slower] * 0.98 < times[faster] * 1.2  # (the probes outweigh the prediction's difference)
-    probed = prof.model_copy(update={"meta": ProfileMeta.model_validate({**prof.meta.model_dump(), "probes": {"ran": True, "order_ratio": ratio}})})
+    probed = prof.model_copy(
+        update={
+            "meta": ProfileMeta.model_validate(
+                {**prof.meta.model_dump(), "probes": {"ran": True, "order_ratio": ratio}}
+            )
+        }
+    )
     c = choose(probed, problem, cands, equal=("gpipe_equal", "1f1b_equal"))
     assert c.name == slower and f"{slower} over {faster}" in c.reason and f"{order[faster]} 1.20x" in c.reason
     assert c.gain == pytest.approx(times[faster] / times["umopt auto"] - 1)  # the gain stays the model's
     # probes that agree with the model change nothing
-    level = prof.model_copy(update={"meta": ProfileMeta.model_validate({**prof.meta.model_dump(), "probes": {"ran": True, "order_ratio": {"gpipe": 1.0, "1f1b": 1.0}}})})
+    level = prof.model_copy(
+        update={
+            "meta": ProfileMeta.model_validate(
+                {
+                    **prof.meta.model_dump(),
+                    "probes": {"ran": True, "order_ratio": {"gpipe": 1.0, "1f1b": 1.0}},
+                }
+            )
+        }
+    )
     assert choose(level, problem, cands, equal=("gpipe_equal", "1f1b_equal")).name == faster
 
 
@@ -166,8 +211,14 @@ def test_run_ratios_are_measured_over_the_profiles_prediction():
     reports = []
     for k, (_, c) in enumerate(cands):
         predicted = simulate(problem.tables, c.ops(), 32).iteration_ms
-        reports.append(RunReport(minibatch=32, recompute=False, measured_iteration_ms=predicted * (1 + 0.1 * k),
-                                 ops=[[(kind, lo, hi, 0.0, 0.0) for kind, lo, hi in st] for st in c.ops()]))
+        reports.append(
+            RunReport(
+                minibatch=32,
+                recompute=False,
+                measured_iteration_ms=predicted * (1 + 0.1 * k),
+                ops=[[(kind, lo, hi, 0.0, 0.0) for kind, lo, hi in st] for st in c.ops()],
+            )
+        )
     assert run_ratios(prof, reports) == pytest.approx([1.0, 1.1, 1.2])
 
 
@@ -179,7 +230,11 @@ def test_tune_recommends_what_measured_fastest_and_never_worse_than_the_best_equ
     gp, of = _row("gpipe_equal", [110, 112, 111, 113]), _row("1f1b_equal", [105, 104, 106, 105])
     # faster in every round, by about as much: recommended at a stated confidence
     d = pick([gp, of, _row("umopt", [100, 101, 99, 100])])
-    assert d.winner == "umopt" and "faster than 1f1b_equal over 4 paired rounds" in d.reason and d.confidence >= 0.95
+    assert (
+        d.winner == "umopt"
+        and "faster than 1f1b_equal over 4 paired rounds" in d.reason
+        and d.confidence >= 0.95
+    )
     # faster overall but only in two rounds of four: not at 95%
     d = pick([gp, of, _row("umopt", [100, 108, 99, 107])])
     assert d.winner == "1f1b_equal" and not d.decided

@@ -84,7 +84,11 @@ def _bundled(name):
     return load_profile(name).model_dump(mode="json")
 
 
-FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 @FUZZ
@@ -93,7 +97,10 @@ def test_solve_never_crashes_on_a_mutated_profile(tmp_path, capsys, doc, minibat
     path, out = tmp_path / "p.json", tmp_path / "s.json"
     path.write_text(json.dumps(doc))
     out.unlink(missing_ok=True)
-    code = _within_budget(["solve", str(path), "-B", str(minibatch), "--solver", "ga", "--time-limit", "0.2", "-o", str(out)], capsys)
+    code = _within_budget(
+        ["solve", str(path), "-B", str(minibatch), "--solver", "ga", "--time-limit", "0.2", "-o", str(out)],
+        capsys,
+    )
     assert out.exists() == (code == 0)  # nothing half-written
 
 
@@ -104,7 +111,15 @@ def _schedule_doc(tmp_path):
 
     problem = make_problem(prof, 8, False)
     cand = gpipe_equal(problem).candidate
-    sched = make_schedule(prof, 8, False, cand.ops(), cand.simulate(problem), {"name": "equal", "status": "feasible", "seconds": 0.0}, {})
+    sched = make_schedule(
+        prof,
+        8,
+        False,
+        cand.ops(),
+        cand.simulate(problem),
+        {"name": "equal", "status": "feasible", "seconds": 0.0},
+        {},
+    )
     save_schedule(sched, tmp_path / "seed.json")
     return json.loads((tmp_path / "seed.json").read_text())
 
@@ -131,7 +146,10 @@ def _report_doc():
         "measured_iteration_ms": tl.iteration_ms * 1.1,
         "recompute": False,
         "minibatch": 2,
-        "ops": [[[sp.kind, sp.lo, sp.hi, 1.1 * (sp.end - sp.start), sp.end - sp.start] for sp in tl.spans[s]] for s in range(2)],
+        "ops": [
+            [[sp.kind, sp.lo, sp.hi, 1.1 * (sp.end - sp.start), sp.end - sp.start] for sp in tl.spans[s]]
+            for s in range(2)
+        ],
     }
 
 

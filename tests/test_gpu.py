@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import zoo_sim_profile
+from test_runtime import MLP, B, write_schedule
 
 from umopt.launch import launch
 from umopt.profiler import ProfileOptions, profile_model
 from umopt.zoo import build_model
-
-from conftest import zoo_sim_profile
-from test_runtime import B, MLP, write_schedule
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
@@ -35,7 +34,10 @@ def test_nccl_run_gradients_match_one_process(tmp_path, S):
         pytest.skip(f"needs {S} GPUs")
     prof = zoo_sim_profile(tmp_path / "p.json", "mlp", MLP, [0, 6] if S == 1 else [0, 3, 6])
     path, _ = write_schedule(tmp_path, prof, "1f1b", False, 3)
-    launch([path, "--backend", "nccl", "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True)
+    launch(
+        [path, "--backend", "nccl", "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")],
+        quiet=True,
+    )
     got = {}
     for s in range(S):
         got.update(torch.load(tmp_path / "g" / f"grads_stage{s}.pt"))
@@ -46,11 +48,22 @@ def test_nccl_run_gradients_match_one_process(tmp_path, S):
 
 def test_bfloat16_gpt_profile_counts_the_float32_residual_stream():
     prof = profile_model(
-        ProfileOptions(model="gpt", model_args={"layers": 2, "d_model": 64, "heads": 2, "vocab": 128, "seq_len": 16},
-                       split=[0, 2, 4], sizes=[1, 2], device="cuda", dtype="bfloat16", link_latency_ms=0.01, link_gbps=400)
+        ProfileOptions(
+            model="gpt",
+            model_args={"layers": 2, "d_model": 64, "heads": 2, "vocab": 128, "seq_len": 16},
+            split=[0, 2, 4],
+            sizes=[1, 2],
+            device="cuda",
+            dtype="bfloat16",
+            link_latency_ms=0.01,
+            link_gbps=400,
+        )
     )
     assert prof.stages[0].output_bytes_per_sample == 16 * 64 * 4
-    assert prof.memory_limit_bytes is not None and "no --memory-limit given" in prof.meta.model_dump()["memory_limit"]
+    assert (
+        prof.memory_limit_bytes is not None
+        and "no --memory-limit given" in prof.meta.model_dump()["memory_limit"]
+    )
 
 
 def test_the_reference_matmul_measures_the_gpu_not_launch_gaps():

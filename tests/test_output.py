@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from umopt.cli import main
 
 
@@ -35,15 +34,34 @@ def test_run_shows_its_steps_as_lines_and_torchrun_ranks_speak_for_themselves(tm
 
     profile = mlp_profile(tmp_path, 2)
     path, _ = write_schedule(tmp_path, profile, "1f1b", False, 6)
-    monkeypatch.setenv("UMOPT_FAULT_SLOWER", "s:400")  # steps long enough to be shown (a line a second at most)
+    monkeypatch.setenv(
+        "UMOPT_FAULT_SLOWER", "s:400"
+    )  # steps long enough to be shown (a line a second at most)
     main(["run", path, "--steps", "4", "--warmup", "1"])
     monkeypatch.delenv("UMOPT_FAULT_SLOWER")
     err = capsys.readouterr().err
     assert "umopt run: " in err and "round 1, s" in err, err
     # under torchrun nothing of umopt's launcher is there: rank 0 says what it does, prefixed
     ran = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "umopt.runtime", path, "--steps", "2", "--warmup", "1"],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "umopt.runtime",
+            path,
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
     )
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert "[rank 0] umopt: 2 ranks (2 stages x 1 replicas), gloo on cpu" in ran.stderr

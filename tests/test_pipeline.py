@@ -36,19 +36,34 @@ def _save(tmp_path: Path, ops, recompute: bool) -> str:
     save_profile(synthetic_profile(len(ops), max_size=8, seed=3), tmp_path / "profile.json")
     prof = load_profile(tmp_path / "profile.json")
     tl = simulate(CostTables.from_profile(prof, recompute), ops, B)
-    sched = make_schedule(prof, B, recompute, ops, tl, {"name": "test", "status": "feasible", "seconds": 0.0}, {})
+    sched = make_schedule(
+        prof, B, recompute, ops, tl, {"name": "test", "status": "feasible", "seconds": 0.0}, {}
+    )
     path = tmp_path / "schedule.json"
     save_schedule(sched, str(path))
     return str(path)
 
 
-def _run(tmp_path: Path, case: str, schedule: str, steps: int = 3, extra: tuple = (), ranks: int = 2) -> list[dict]:
+def _run(
+    tmp_path: Path, case: str, schedule: str, steps: int = 3, extra: tuple = (), ranks: int = 2
+) -> list[dict]:
     out = tmp_path / "out"
     out.mkdir()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "pipeline_user.py"), case, schedule, *extra, str(tmp_path / "store"), str(out), str(steps)],
-            env=dict(os.environ, RANK=str(r), OMP_NUM_THREADS="1"), stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                str(HERE / "pipeline_user.py"),
+                case,
+                schedule,
+                *extra,
+                str(tmp_path / "store"),
+                str(out),
+                str(steps),
+            ],
+            env=dict(os.environ, RANK=str(r), OMP_NUM_THREADS="1"),
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for r in range(ranks)
     ]
@@ -78,7 +93,14 @@ def test_each_link_has_a_process_group_of_its_own(tmp_path):
     [
         ("mlp", [[3, 5, 4], [6, 6]], "gpipe", False, None, None),
         ("mlp", [[2, 2, 8], [1, 4, 7]], "1f1b", False, [3, 0], None),  # unequal, per-stage warm-ups
-        ("mlp", [[4, 8], [5, 7]], "1f1b", True, None, [[6, 6], [2, 3, 7]]),  # recompute: B chunks of their own
+        (
+            "mlp",
+            [[4, 8], [5, 7]],
+            "1f1b",
+            True,
+            None,
+            [[6, 6], [2, 3, 7]],
+        ),  # recompute: B chunks of their own
         ("tuple", [[5, 7], [3, 3, 6]], "1f1b", False, None, None),  # a float and an integer tensor cross
         ("tuple", [[6, 6], [8, 4]], "gpipe", True, None, [[4, 8], [1, 11 - 3, 3]]),
     ],
@@ -118,11 +140,21 @@ def _with_w(ops, rng, max_size: int = 8):
     [
         ("mlp", [[2, 2, 8], [1, 4, 7]], "1f1b", False, [3, 0], None, 0),
         ("mlp", [[3, 5, 4], [6, 6]], "gpipe", False, None, None, 1),
-        ("mlp", [[4, 8], [5, 7]], "1f1b", True, None, [[6, 6], [2, 3, 7]], 2),  # recompute, then the weights later
+        (
+            "mlp",
+            [[4, 8], [5, 7]],
+            "1f1b",
+            True,
+            None,
+            [[6, 6], [2, 3, 7]],
+            2,
+        ),  # recompute, then the weights later
         ("tuple", [[5, 7], [3, 3, 6]], "1f1b", False, None, None, 3),
     ],
 )
-def test_weight_gradients_split_off_into_w_ops_train_as_one_process(tmp_path, case, fsizes, order, recompute, warmup, bsizes, seed):
+def test_weight_gradients_split_off_into_w_ops_train_as_one_process(
+    tmp_path, case, fsizes, order, recompute, warmup, bsizes, seed
+):
     """Zero-bubble ops: B computes the input gradient (sent on at once), W the weight gradient
     later, W ops spanning one or two B chunks at random places after them."""
     import numpy as np
@@ -131,9 +163,16 @@ def test_weight_gradients_split_off_into_w_ops_train_as_one_process(tmp_path, ca
     tmp_path.mkdir(exist_ok=True)
     save_profile(prof, tmp_path / "profile.json")
     prof = load_profile(tmp_path / "profile.json")
-    ops = _with_w(Candidate(fsizes, bsizes or fsizes, order, warmup=warmup).ops(), np.random.default_rng(seed))
+    ops = _with_w(
+        Candidate(fsizes, bsizes or fsizes, order, warmup=warmup).ops(), np.random.default_rng(seed)
+    )
     tl = simulate(CostTables.from_profile(prof, recompute), ops, B)
-    save_schedule(make_schedule(prof, B, recompute, ops, tl, {"name": "test", "status": "feasible", "seconds": 0.0}, {}), str(tmp_path / "schedule.json"))
+    save_schedule(
+        make_schedule(
+            prof, B, recompute, ops, tl, {"name": "test", "status": "feasible", "seconds": 0.0}, {}
+        ),
+        str(tmp_path / "schedule.json"),
+    )
     got = _run(tmp_path, case, str(tmp_path / "schedule.json"))
     want = pipeline_user.reference(case, steps=3)
     for g, w in zip(got, want):
@@ -149,9 +188,19 @@ def test_a_users_own_stages_profiled_solved_and_trained(tmp_path):
     from umopt.solve import solve
 
     x, y = pipeline_user.batch(0)
-    prof = umopt.profile_stages(pipeline_user.model("mlp"), (x, y), nn.MSELoss(), sizes=[1, 2, 4, 8], repeats=2, link_latency_ms=0.05, link_gbps=10)
+    prof = umopt.profile_stages(
+        pipeline_user.model("mlp"),
+        (x, y),
+        nn.MSELoss(),
+        sizes=[1, 2, 4, 8],
+        repeats=2,
+        link_latency_ms=0.05,
+        link_gbps=10,
+    )
     assert prof.num_stages == 2 and prof.model.name == "user" and prof.sizes == [1, 2, 4, 8]
-    assert prof.stages[0].output_bytes_per_sample == prof.stages[1].input_bytes_per_sample == pipeline_user.D * 4
+    assert (
+        prof.stages[0].output_bytes_per_sample == prof.stages[1].input_bytes_per_sample == pipeline_user.D * 4
+    )
     assert all(v > 0 for st in prof.stages for v in st.forward_ms + st.backward_ms)
     assert prof.meta.model_dump()["probes"]["ran"] is False
     save_profile(prof, tmp_path / "profile.json")
@@ -182,16 +231,27 @@ def test_an_exported_schedule_runs_on_torchs_runtime_as_one_process(tmp_path, ca
     ops = Candidate([[4, 4, 4]] * 2, [[4, 4, 4]] * 2, "1f1b", wcap=[8, 0]).ops()
     ops[0] = [op for op in ops[0] if op.kind != "W" or op.lo == 0] + [Op("W", 4, 12)]
     plan = tmp_path / "zb" / "plan.csv"
-    code, _, err = run_cli(["export", _save(tmp_path / "zb", ops, False), "--format", "torch-csv", "-o", str(plan)], capsys)
+    code, _, err = run_cli(
+        ["export", _save(tmp_path / "zb", ops, False), "--format", "torch-csv", "-o", str(plan)], capsys
+    )
     assert code == 0, err
-    assert plan.read_text().splitlines() == ["0F0,0F1,0I0,0W0,0F2,0I1,0I2,0W1,0W2", "1F0,1I0,1W0,1F1,1I1,1W1,1F2,1I2,1W2"]
+    assert plan.read_text().splitlines() == [
+        "0F0,0F1,0I0,0W0,0F2,0I1,0I2,0W1,0W2",
+        "1F0,1I0,1W0,1F1,1I1,1W1,1F2,1I2,1W2",
+    ]
     got = _run(tmp_path / "zb", "torch", str(plan), extra=("3",))
     for g, w in zip(got, want):
         for k in w:
             torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)
     for bad, why in (
-        (_schedule(tmp_path / "a", [[3, 5, 4], [3, 5, 4]], "gpipe", False), "torch splits the minibatch into equal microbatches"),
-        (_schedule(tmp_path / "b", [[4, 4, 4], [6, 6]], "gpipe", False), "stage 1 splits the minibatch as [6, 6]"),
+        (
+            _schedule(tmp_path / "a", [[3, 5, 4], [3, 5, 4]], "gpipe", False),
+            "torch splits the minibatch into equal microbatches",
+        ),
+        (
+            _schedule(tmp_path / "b", [[4, 4, 4], [6, 6]], "gpipe", False),
+            "stage 1 splits the minibatch as [6, 6]",
+        ),
         (_schedule(tmp_path / "c", [[4, 4, 4], [4, 4, 4]], "gpipe", True), "cannot recompute"),
     ):
         code, _, err = run_cli(["export", bad, "-o", str(tmp_path / "x.csv")], capsys)
@@ -210,7 +270,9 @@ def test_an_exported_schedule_runs_on_torchs_runtime_as_one_process(tmp_path, ca
     ],
     ids=["gpipe", "1f1b", "recompute", "w"],
 )
-def test_token_normalized_losses_train_and_evaluate_as_one_process(tmp_path, loss, fsizes, order, recompute, bsizes, with_w):
+def test_token_normalized_losses_train_and_evaluate_as_one_process(
+    tmp_path, loss, fsizes, order, recompute, bsizes, with_w
+):
     """nn.CrossEntropyLoss with ignored targets (a chunk of them all ignored), class weights and
     label smoothing, passed as it is: parameters after two steps and eval_step's loss equal one
     process's (rtol 1e-5). Weighting each chunk by its share of samples gave 5-210% errors."""
@@ -235,7 +297,9 @@ def test_a_step_that_fails_on_one_rank_fails_every_rank_at_once(tmp_path):
     first, last = got[0]["said"], got[1]["said"]
     assert last[0] == "ValueError: a bad batch" and "stage 1 failed: ValueError: a bad batch" in first[0]
     for said in (first, last):
-        assert len(said) == 2 and said[1].startswith("PipelineBroken: this pipeline cannot step again: stage 1 failed: ValueError")
+        assert len(said) == 2 and said[1].startswith(
+            "PipelineBroken: this pipeline cannot step again: stage 1 failed: ValueError"
+        )
     assert max(g["seconds"] for g in got) < 10
 
 

@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
-from umopt.formats.schedule import validate_ops
-from umopt.problem import Candidate
 from umopt.formats.profile import AllReduceProfile
+from umopt.formats.schedule import validate_ops
 from umopt.partition import ends_to_sizes, gpipe_ops, onef1b_schedule, repair_ends, sizes_to_ends
-from umopt.synthetic import synthetic_profile
 from umopt.population_sim import evaluate_1f1b, evaluate_gpipe
+from umopt.problem import Candidate
+from umopt.synthetic import synthetic_profile
 
 
 def _random_population(rng, P, S, B, mx, density):
@@ -34,11 +34,21 @@ def _random_population(rng, P, S, B, mx, density):
     replicas=st.sampled_from([1, 1, 2, 8]),
     seed=st.integers(0, 2**31),
 )
-def test_vectorized_equals_reference(S, B, mx, recompute, density, latency, bandwidth, overhead, replicas, seed):
+def test_vectorized_equals_reference(
+    S, B, mx, recompute, density, latency, bandwidth, overhead, replicas, seed
+):
     rng = np.random.default_rng(seed)
     # the runtime's own costs per op and per message (fitted to runs) count as the ops' and messages'
-    prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=latency, bytes_per_ms=bandwidth, op_overhead_ms=overhead, message_overhead_ms=overhead / 2,
-                             param_bytes=list(rng.integers(0, 1 << 24, S)))
+    prof = synthetic_profile(
+        S,
+        max_size=mx,
+        seed=seed % 1000,
+        latency_ms=latency,
+        bytes_per_ms=bandwidth,
+        op_overhead_ms=overhead,
+        message_overhead_ms=overhead / 2,
+        param_bytes=list(rng.integers(0, 1 << 24, S)),
+    )
     tables = CostTables.from_profile(prof, recompute, _allreduce(replicas, rng))
     P = 6  # 60 examples x 6 individuals = 360 random schedules
     fe = _random_population(rng, P, S, B, mx, density)
@@ -64,22 +74,36 @@ def test_vectorized_equals_reference(S, B, mx, recompute, density, latency, band
     replicas=st.sampled_from([1, 1, 2, 8]),
     seed=st.integers(0, 2**31),
 )
-def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth, own_backward, overhead, replicas, seed):
+def test_vectorized_1f1b_equals_reference(
+    S, B, mx, density, latency, bandwidth, own_backward, overhead, replicas, seed
+):
     rng = np.random.default_rng(seed)
-    prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=latency, bytes_per_ms=bandwidth, op_overhead_ms=overhead, message_overhead_ms=overhead / 2,
-                             param_bytes=list(rng.integers(0, 1 << 24, S)))
+    prof = synthetic_profile(
+        S,
+        max_size=mx,
+        seed=seed % 1000,
+        latency_ms=latency,
+        bytes_per_ms=bandwidth,
+        op_overhead_ms=overhead,
+        message_overhead_ms=overhead / 2,
+        param_bytes=list(rng.integers(0, 1 << 24, S)),
+    )
     # with recompute a stage's B chunks are free: then half the time a second partition of its own
     tables = CostTables.from_profile(prof, own_backward or seed % 3 == 0, _allreduce(replicas, rng))
     fs = ends_to_sizes(_random_population(rng, 6, S, B, mx, density))
     bs = ends_to_sizes(_random_population(rng, 6, S, B, mx, rng.random())) if own_backward else fs
     # PipeDream-flush's warm-ups for the first half, random per-stage ones (up to all forwards first) for the rest
-    warm = np.where(np.arange(6)[:, None] < 3, np.arange(S - 1, -1, -1)[None, :], rng.integers(0, B + 1, (6, S)))
+    warm = np.where(
+        np.arange(6)[:, None] < 3, np.arange(S - 1, -1, -1)[None, :], rng.integers(0, B + 1, (6, S))
+    )
     score = evaluate_1f1b(tables, fs, warm, bs if own_backward else None)
     _assert_same_in_numpy(score, evaluate_1f1b, tables, fs, warm, bs if own_backward else None)
     for p in range(6):
         fparts = [[int(x) for x in fs[p, s] if x] for s in range(S)]
         bparts = [[int(x) for x in bs[p, s] if x] for s in range(S)]
-        _assert_equals_reference(score, p, simulate(tables, onef1b_schedule(fparts, bparts, list(warm[p])), B))  # raises if it deadlocked
+        _assert_equals_reference(
+            score, p, simulate(tables, onef1b_schedule(fparts, bparts, list(warm[p])), B)
+        )  # raises if it deadlocked
 
 
 @settings(max_examples=80, deadline=None)
@@ -96,27 +120,47 @@ def test_vectorized_1f1b_equals_reference(S, B, mx, density, latency, bandwidth,
     replicas=st.sampled_from([1, 1, 2]),
     seed=st.integers(0, 2**31),
 )
-def test_split_evaluator_equals_reference(S, B, mx, density, onef1b, recompute, own_backward, overhead, weight_share, replicas, seed):
+def test_split_evaluator_equals_reference(
+    S, B, mx, density, onef1b, recompute, own_backward, overhead, weight_share, replicas, seed
+):
     """W ops (zero bubble) placed by each stage's cap, in both orders: the evaluator equals the
     reference simulator on the op lists Candidate.ops builds, deadlocks and memory included."""
     rng = np.random.default_rng(seed)
-    prof = synthetic_profile(S, max_size=mx, seed=seed % 1000, latency_ms=float(rng.uniform(0, 2)), bytes_per_ms=float(rng.uniform(1e3, 1e7)),
-                             op_overhead_ms=overhead, message_overhead_ms=overhead / 2, param_bytes=list(rng.integers(0, 1 << 24, S)), weight_share=weight_share)
+    prof = synthetic_profile(
+        S,
+        max_size=mx,
+        seed=seed % 1000,
+        latency_ms=float(rng.uniform(0, 2)),
+        bytes_per_ms=float(rng.uniform(1e3, 1e7)),
+        op_overhead_ms=overhead,
+        message_overhead_ms=overhead / 2,
+        param_bytes=list(rng.integers(0, 1 << 24, S)),
+        weight_share=weight_share,
+    )
     own_backward = own_backward and recompute
     tables = CostTables.from_profile(prof, recompute, _allreduce(replicas, rng))
     P = 6
     fs = ends_to_sizes(_random_population(rng, P, S, B, mx, density))
     bs = ends_to_sizes(_random_population(rng, P, S, B, mx, rng.random())) if own_backward else fs
-    warm = np.where(np.arange(P)[:, None] < 3, np.arange(S - 1, -1, -1)[None, :], rng.integers(0, B + 1, (P, S)))
+    warm = np.where(
+        np.arange(P)[:, None] < 3, np.arange(S - 1, -1, -1)[None, :], rng.integers(0, B + 1, (P, S))
+    )
     # per stage: no W ops, every W at the end, or a random cap
-    wcap = np.where(rng.random((P, S)) < 0.2, -1, np.where(rng.random((P, S)) < 0.3, B, rng.integers(0, B + 1, (P, S))))
+    wcap = np.where(
+        rng.random((P, S)) < 0.2, -1, np.where(rng.random((P, S)) < 0.3, B, rng.integers(0, B + 1, (P, S)))
+    )
     if onef1b:
         score = evaluate_1f1b(tables, fs, warm, bs if own_backward else None, wcap=wcap)
     else:
         score = evaluate_gpipe(tables, fs, bs if own_backward else None, wcap=wcap)
     for p in range(P):
-        cand = Candidate([[int(x) for x in fs[p, s] if x] for s in range(S)], [[int(x) for x in bs[p, s] if x] for s in range(S)],
-                         "1f1b" if onef1b else "gpipe", warmup=[int(w) for w in warm[p]], wcap=[int(c) for c in wcap[p]])
+        cand = Candidate(
+            [[int(x) for x in fs[p, s] if x] for s in range(S)],
+            [[int(x) for x in bs[p, s] if x] for s in range(S)],
+            "1f1b" if onef1b else "gpipe",
+            warmup=[int(w) for w in warm[p]],
+            wcap=[int(c) for c in wcap[p]],
+        )
         ops = cand.ops()
         validate_ops(ops, B, mx, recompute)  # a valid schedule (deadlock aside)
         try:
@@ -133,7 +177,9 @@ def test_split_evaluator_without_the_compiled_module():
 
     rng = np.random.default_rng(3)
     S, B, mx = 4, 24, 8
-    tables = CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=3, op_overhead_ms=0.2), recompute=False)
+    tables = CostTables.from_profile(
+        synthetic_profile(S, max_size=mx, seed=3, op_overhead_ms=0.2), recompute=False
+    )
     fs = ends_to_sizes(_random_population(rng, 8, S, B, mx, 0.3))
     wcap = rng.integers(-1, B + 1, (8, S))
     got = [evaluate_1f1b(tables, fs, None, None, wcap=wcap), evaluate_gpipe(tables, fs, None, wcap=wcap)]
@@ -160,7 +206,9 @@ def _allreduce(replicas: int, rng) -> AllReduceProfile | None:
     """Data-parallel replicas whose all-reduce takes a random share of an iteration (None: one)."""
     if replicas == 1:
         return None
-    return AllReduceProfile(replicas=replicas, latency_ms=float(rng.uniform(0, 1)), bus_bytes_per_ms=float(rng.uniform(1e5, 1e7)))
+    return AllReduceProfile(
+        replicas=replicas, latency_ms=float(rng.uniform(0, 1)), bus_bytes_per_ms=float(rng.uniform(1e5, 1e7))
+    )
 
 
 def _assert_same_in_numpy(score, evaluate, *args):

@@ -5,22 +5,46 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli as run
 from torch import nn
 
+from umopt.devices import numerics
 from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile
-from umopt.devices import numerics
-from umopt.profiler import ProfileOptions, _Stage, balanced_split, measure_allreduce, measure_link, profile_model, stash_bytes
+from umopt.profiler import (
+    ProfileOptions,
+    _Stage,
+    balanced_split,
+    measure_allreduce,
+    measure_link,
+    profile_model,
+    stash_bytes,
+)
 from umopt.zoo import build_model
-
-from conftest import run_cli as run
 
 FAST_LINK = ["--link-latency-ms", "0.05", "--link-gbps", "10"]
 
 
 def test_small_mlp_profile_is_complete_and_sane(tmp_path, capsys):
     out = tmp_path / "mlp.json"
-    code, stdout, err = run(["profile", "--model", "mlp", "--model-arg", "layers=4", "--stages", "2", "--max-size", "8", "--split-backward", *FAST_LINK, "-o", str(out)], capsys)
+    code, stdout, err = run(
+        [
+            "profile",
+            "--model",
+            "mlp",
+            "--model-arg",
+            "layers=4",
+            "--stages",
+            "2",
+            "--max-size",
+            "8",
+            "--split-backward",
+            *FAST_LINK,
+            "-o",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0, err
     prof = load_profile(str(out))
     assert prof.sizes == [1, 2, 4, 8] and prof.num_stages == 2
@@ -41,7 +65,9 @@ def test_small_mlp_profile_is_complete_and_sane(tmp_path, capsys):
     # the gradients data-parallel replicas would all-reduce: the stage's parameters
     mlp = build_model("mlp", {"layers": 4}, seed=0)
     for st in prof.stages:
-        assert st.param_bytes == sum(p.numel() * 4 for m in mlp.layers[st.layers[0] : st.layers[1]] for p in m.parameters())
+        assert st.param_bytes == sum(
+            p.numel() * 4 for m in mlp.layers[st.layers[0] : st.layers[1]] for p in m.parameters()
+        )
     assert prof.links[0].latency_ms == 0.05 and prof.links[0].bytes_per_ms == pytest.approx(10e9 / 8 / 1e3)
     meta = prof.meta.model_dump()
     assert meta["torch"] == torch.__version__ and "umopt profile" in meta["command"] and meta["date"]
@@ -49,7 +75,9 @@ def test_small_mlp_profile_is_complete_and_sane(tmp_path, capsys):
     # ends fitted to probe runs of the runtime (a core per stage here)
     for st in prof.stages:
         assert len(st.forward_iqr_ms) == len(prof.sizes) and all(q >= 0 for q in st.backward_iqr_ms)
-        assert all(a <= b for a, b in zip(st.forward_ms, st.forward_ms[1:])) and all(a <= b for a, b in zip(st.backward_ms, st.backward_ms[1:]))
+        assert all(a <= b for a, b in zip(st.forward_ms, st.forward_ms[1:])) and all(
+            a <= b for a, b in zip(st.backward_ms, st.backward_ms[1:])
+        )
     assert 0 <= meta["noise"]["median_spread"] <= meta["noise"]["p90_spread"]
     assert meta["probes"]["ran"] and meta["probes"]["schedules"] >= 2
     # what the fit leaves, run by run and per order, and what the profile said of the machine
@@ -57,10 +85,14 @@ def test_small_mlp_profile_is_complete_and_sane(tmp_path, capsys):
     assert len(left) == meta["probes"]["schedules"] and all(v > 0 for v in left.values())
     assert set(meta["probes"]["order_ratio"]) == {"gpipe", "1f1b"}
     assert len(meta["noise"]["drift"]) == len(meta["noise"]["reference_ms"]) == prof.num_stages
-    assert meta["calibration"]["residual_rms"] >= 0 and prof.stages[0].op_overhead_ms == pytest.approx(meta["calibration"]["op_overhead_ms"], abs=1e-5)
+    assert meta["calibration"]["residual_rms"] >= 0 and prof.stages[0].op_overhead_ms == pytest.approx(
+        meta["calibration"]["op_overhead_ms"], abs=1e-5
+    )
     assert "fitted to" in stdout and "probe runs of the runtime" in stdout
     # and it is usable straight away
-    code, _, err = run(["solve", str(out), "-B", "16", "--time-limit", "1", "-o", str(tmp_path / "s.json")], capsys)
+    code, _, err = run(
+        ["solve", str(out), "-B", "16", "--time-limit", "1", "-o", str(tmp_path / "s.json")], capsys
+    )
     assert code == 0, err
 
 
@@ -87,7 +119,11 @@ def test_balanced_split_minimises_the_slowest_stage():
 
 
 def test_balanced_split_beats_equal_layers_on_an_uneven_user_model():
-    prof = profile_model(ProfileOptions(model="userzoo:uneven", stages=2, max_size=8, link_latency_ms=0.0, link_gbps=1.0, repeats=5))
+    prof = profile_model(
+        ProfileOptions(
+            model="userzoo:uneven", stages=2, max_size=8, link_latency_ms=0.0, link_gbps=1.0, repeats=5
+        )
+    )
     layer_ms = prof.model_extra["layer_ms"]
     assert len(layer_ms) == 5
     assert np.argmax(layer_ms) == 1  # the heavy layer was measured as the heavy one
@@ -110,7 +146,9 @@ def test_user_factory_by_import_path():
 
 
 def test_given_split_is_used(tmp_path):
-    prof = profile_model(ProfileOptions(model="mlp", split=[0, 1, 4], max_size=2, link_latency_ms=0.1, link_gbps=1.0))
+    prof = profile_model(
+        ProfileOptions(model="mlp", split=[0, 1, 4], max_size=2, link_latency_ms=0.1, link_gbps=1.0)
+    )
     assert [st.layers for st in prof.stages] == [[0, 1], [1, 4]]
 
 
@@ -121,14 +159,23 @@ def test_given_split_is_used(tmp_path):
         (["--model", "mlp", "--stages", "2", "--sizes", "2,4"], "--sizes must start at 1"),
         (["--model", "mlp", "--stages", "2", "--sizes", "1,4,2"], "--sizes must be strictly ascending"),
         (["--model", "mlp", "--stages", "9"], "--stages 9: more stages than the model mlp has layers (4)"),
-        (["--model", "mlp", "--stages", "2", "--device", "cuda"], "--device cuda asked for, but torch sees no CUDA device"),
+        (
+            ["--model", "mlp", "--stages", "2", "--device", "cuda"],
+            "--device cuda asked for, but torch sees no CUDA device",
+        ),
         (["--model", "no_such_module:factory", "--stages", "2"], "cannot import it"),
-        (["--model", "userzoo:broken", "--stages", "2"], "the factory must return (layers, make_batch, loss)"),
+        (
+            ["--model", "userzoo:broken", "--stages", "2"],
+            "the factory must return (layers, make_batch, loss)",
+        ),
         (["--model", "mlp", "--model-arg", "depth", "--stages", "2"], "expected key=value"),
         (["--model", "mlp", "--model-arg", "depth=3", "--stages", "2"], "bad arguments"),
         (["--model", "mlp", "--split", "0,2,9"], "--split must rise strictly from 0 to the model's 4 layers"),
         (["--model", "mlp"], "give --stages S or --split"),
-        (["--model", "mlp", "--stages", "2", "--link-gbps", "10"], "give both --link-latency-ms and --link-gbps"),
+        (
+            ["--model", "mlp", "--stages", "2", "--link-gbps", "10"],
+            "give both --link-latency-ms and --link-gbps",
+        ),
     ],
 )
 def test_bad_profile_arguments(args, expected, tmp_path, capsys):
@@ -176,9 +223,17 @@ def test_allreduce_among_gloo_processes():
 def test_float16_is_refused_for_training_with_the_way_out(tmp_path, capsys):
     """No loss scaling in the runtime: float16 would flush small gradients to zero, silently."""
     out = tmp_path / "p.json"
-    code, _, err = run(["profile", "--model", "mlp", "--stages", "2", "--dtype", "float16", *FAST_LINK, "-o", str(out)], capsys)
+    code, _, err = run(
+        ["profile", "--model", "mlp", "--stages", "2", "--dtype", "float16", *FAST_LINK, "-o", str(out)],
+        capsys,
+    )
     (line,) = err.strip().splitlines()
-    assert code == 2 and "float16 training needs loss scaling" in line and "bfloat16" in line and not out.exists()
+    assert (
+        code == 2
+        and "float16 training needs loss scaling" in line
+        and "bfloat16" in line
+        and not out.exists()
+    )
 
 
 def test_profile_stages_in_a_script_without_a_main_guard_says_what_to_add(tmp_path):
@@ -191,5 +246,7 @@ def test_profile_stages_in_a_script_without_a_main_guard_says_what_to_add(tmp_pa
         "try:\n    umopt.profile_stages([nn.Linear(4, 4), nn.Linear(4, 1)], (torch.randn(8, 4), torch.randn(8, 1)), nn.MSELoss(), sizes=[1, 2])\n"
         "except UmoptError as e:\n    print('umopt:', e)\n"
     )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
     assert 'put its code under `if __name__ == "__main__":`' in done.stdout, done.stdout + done.stderr[-2000:]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import click
 import pytest
-
 from umopt.cli import cli
+
 from umopt.runtime import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -12,17 +11,15 @@ import pytest
 import torch
 
 from umopt.costmodel import CostTables
-from umopt.errors import UmoptError
-from umopt.noise import run_warnings
-from umopt.launch import RunFailed
-from umopt.launch import launch
-from umopt.problem import Candidate
-from umopt.formats.profile import save_profile
-from umopt.formats.schedule import make_schedule, save_schedule
-from umopt.synthetic import synthetic_profile
 from umopt.devices import numerics
-from umopt.formats.profile import load_profile
+from umopt.errors import UmoptError
+from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.report import RunReport
+from umopt.formats.schedule import make_schedule, save_schedule
+from umopt.launch import RunFailed, launch
+from umopt.noise import run_warnings
+from umopt.problem import Candidate
+from umopt.synthetic import synthetic_profile
 from umopt.zoo import build_model
 
 MLP = {"layers": 6, "width": 24, "in_features": 12, "num_classes": 5}
@@ -36,7 +33,9 @@ def mlp_profile(tmp_path, S):
     prof = prof.model_copy(
         update={
             "model": prof.model.model_copy(update={"name": "mlp", "args": dict(MLP)}),
-            "stages": [st.model_copy(update={"layers": [cuts[s], cuts[s + 1]]}) for s, st in enumerate(prof.stages)],
+            "stages": [
+                st.model_copy(update={"layers": [cuts[s], cuts[s + 1]]}) for s, st in enumerate(prof.stages)
+            ],
         }
     )
     path = tmp_path / f"mlp{S}.json"
@@ -74,7 +73,9 @@ def write_schedule(tmp_path, profile, order, recompute, seed, name="s.json"):
 
     ops = cand.ops()
     tl = simulate(tables, ops, B)
-    sched = make_schedule(profile, B, recompute, ops, tl, {"name": "test", "status": "feasible", "seconds": 0.0}, {})
+    sched = make_schedule(
+        profile, B, recompute, ops, tl, {"name": "test", "status": "feasible", "seconds": 0.0}, {}
+    )
     path = tmp_path / name
     save_schedule(sched, str(path))
     return str(path), cand
@@ -119,15 +120,34 @@ def test_gradients_equal_single_process(tmp_path, S, order, recompute, seed):
 def test_three_steps_and_resume_match_single_process_training(tmp_path):
     profile = mlp_profile(tmp_path, 3)
     path, _ = write_schedule(tmp_path, profile, "1f1b", False, 7)
-    launch([path, "--steps", "2", "--warmup", "0", "--lr", "0.05", "--checkpoint", str(tmp_path / "ck")], quiet=True)
-    launch([path, "--steps", "1", "--warmup", "0", "--lr", "0.05", "--checkpoint", str(tmp_path / "ck"), "--resume"], quiet=True)
+    launch(
+        [path, "--steps", "2", "--warmup", "0", "--lr", "0.05", "--checkpoint", str(tmp_path / "ck")],
+        quiet=True,
+    )
+    launch(
+        [
+            path,
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--lr",
+            "0.05",
+            "--checkpoint",
+            str(tmp_path / "ck"),
+            "--resume",
+        ],
+        quiet=True,
+    )
     want = reference(steps=3, lr=0.05)
     got = {}
     for s in range(3):
         state = checkpoint_state(tmp_path / "ck", s)
         assert state["step"] == 3
         got.update(state["model"])
-    got = {"layers." + k.removeprefix("layers.") if not k.startswith("layers.") else k: v for k, v in got.items()}
+    got = {
+        "layers." + k.removeprefix("layers.") if not k.startswith("layers.") else k: v for k, v in got.items()
+    }
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
 
@@ -141,7 +161,25 @@ def test_schedules_take_turns_and_train_one_model(tmp_path, capsys):
     a, _ = write_schedule(tmp_path, profile, "gpipe", False, 1, name="a.json")
     b, _ = write_schedule(tmp_path, profile, "1f1b", False, 2, name="b.json")
     ck = tmp_path / "ck"
-    main(["run", a, b, "--steps", "1", "--warmup", "1", "--rounds", "2", "--lr", "0.05", "--checkpoint", str(ck), "--report", str(tmp_path / "r_{name}.json")])
+    main(
+        [
+            "run",
+            a,
+            b,
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--rounds",
+            "2",
+            "--lr",
+            "0.05",
+            "--checkpoint",
+            str(ck),
+            "--report",
+            str(tmp_path / "r_{name}.json"),
+        ]
+    )
     stdout = capsys.readouterr().out
     assert "speedups over" in stdout and "a.json" in stdout and "b.json" in stdout
     import json
@@ -210,7 +248,9 @@ def test_a_rank_failing_in_the_middle_of_a_step_is_named_at_once(tmp_path, monke
     monkeypatch.setenv("UMOPT_FAULT", "1:1:midstep")
     monkeypatch.setenv("UMOPT_TIMEOUT_S", "300")  # a wait that timed out would not end within the bound below
     t0 = time.perf_counter()
-    with pytest.raises(RunFailed, match=r"rank 1 \(stage 1\) failed: RuntimeError: injected fault in the middle of step 1"):
+    with pytest.raises(
+        RunFailed, match=r"rank 1 \(stage 1\) failed: RuntimeError: injected fault in the middle of step 1"
+    ):
         launch([path, "--steps", "5", "--warmup", "0"], quiet=True)
     assert time.perf_counter() - t0 < 10
     time.sleep(0.5)
@@ -222,15 +262,25 @@ def test_a_run_says_when_its_numerics_differ_from_the_profiles_and_refuses_float
     the difference and the run's warnings say so; a float16 profile is refused before any process."""
     profile = mlp_profile(tmp_path, 2)
     now = numerics()
-    timed = profile.model_copy(update={"device": profile.device.model_copy(update={"numerics": {**now, "matmul_tf32": not now["matmul_tf32"]}})})
+    timed = profile.model_copy(
+        update={
+            "device": profile.device.model_copy(
+                update={"numerics": {**now, "matmul_tf32": not now["matmul_tf32"]}}
+            )
+        }
+    )
     save_profile(timed, tmp_path / "timed.json")
     path, _ = write_schedule(tmp_path, load_profile(tmp_path / "timed.json"), "gpipe", False, 3)
     report = launch([path, "--steps", "1", "--warmup", "0"], quiet=True).report
-    assert report.numerics_differ == [f"matmul_tf32: profiled {not now['matmul_tf32']}, now {now['matmul_tf32']}"]
+    assert report.numerics_differ == [
+        f"matmul_tf32: profiled {not now['matmul_tf32']}, now {now['matmul_tf32']}"
+    ]
     assert any("other numerics than its profile was timed under" in w for w in run_warnings(report))
     half = profile.model_copy(update={"device": profile.device.model_copy(update={"dtype": "float16"})})
     save_profile(half, tmp_path / "half.json")
-    path, _ = write_schedule(tmp_path, load_profile(tmp_path / "half.json"), "gpipe", False, 3, name="s16.json")
+    path, _ = write_schedule(
+        tmp_path, load_profile(tmp_path / "half.json"), "gpipe", False, 3, name="s16.json"
+    )
     with pytest.raises(UmoptError, match="float16 training needs loss scaling .* use bfloat16"):
         launch([path])
 
@@ -251,19 +301,36 @@ def test_run_command_reports_and_refuses_bad_input(tmp_path, capsys):
     profile = mlp_profile(tmp_path, 2)
     path, _ = write_schedule(tmp_path, profile, "1f1b", False, 6)
     report, trace, png = tmp_path / "r.json", tmp_path / "t.json", tmp_path / "m.png"
-    argv = ["run", path, "--steps", "2", "--warmup", "1", "--report", str(report), "--trace", str(trace), "--plot", str(png)]
+    argv = [
+        "run",
+        path,
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--report",
+        str(report),
+        "--trace",
+        str(trace),
+        "--plot",
+        str(png),
+    ]
     main(argv)
     assert "measured / predicted" in capsys.readouterr().out
     import json
 
     r = json.loads(report.read_text())
     assert r["measured_iteration_ms"] > 0 and r["predicted_iteration_ms"] > 0
-    assert r["measured_over_predicted"] == pytest.approx(r["measured_iteration_ms"] / r["predicted_iteration_ms"])
+    assert r["measured_over_predicted"] == pytest.approx(
+        r["measured_iteration_ms"] / r["predicted_iteration_ms"]
+    )
     assert len(r["step_ms"]) == 2 and len(r["busy_ms"]["measured"]) == 2
     # every op's median time beside its prediction, which `umopt calibrate` fits the profile to
     from umopt.formats.schedule import load_schedule
 
-    assert [[tuple(op[:3]) for op in st] for st in r["ops"]] == [[tuple(op) for op in st.ops] for st in load_schedule(path).stages]
+    assert [[tuple(op[:3]) for op in st] for st in r["ops"]] == [
+        [tuple(op) for op in st.ops] for st in load_schedule(path).stages
+    ]
     assert all(op[3] > 0 and op[4] > 0 for st in r["ops"] for op in st)
     capsys.readouterr()
     main(["calibrate", profile.path, str(report), "-o", str(tmp_path / "cal.json")])
@@ -283,7 +350,9 @@ def test_two_data_parallel_replicas_of_the_pipeline_train_as_one_process_on_the_
     global minibatch, each stage's gradients averaged over the replicas."""
     profile = mlp_profile(tmp_path, 2)
     path, _ = write_schedule(tmp_path, profile, "1f1b", False, 9)
-    report = launch([path, "--dp", "2", "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True).report
+    report = launch(
+        [path, "--dp", "2", "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True
+    ).report
     # the schedule was solved for one pipeline and the profile knows no all-reduce speed: said so
     assert report.dp == 2 and report.allreduce is None and len(report.allreduce_ms.measured) == 2
     assert any("leaves out their all-reduce" in w for w in run_warnings(report))
@@ -314,7 +383,18 @@ def test_zero_bubble_schedules_on_three_stages_give_single_process_gradients(tmp
     ops, tl = best_with_weight_ops(problem, cand.ops())
     assert all(any(op.kind == "W" for op in st) for st in ops)
     path = tmp_path / "w.json"
-    save_schedule(make_schedule(profile, B, recompute, ops, simulate(problem.tables, ops, B), {"name": "w", "status": "feasible", "seconds": 0.0}, {}), str(path))
+    save_schedule(
+        make_schedule(
+            profile,
+            B,
+            recompute,
+            ops,
+            simulate(problem.tables, ops, B),
+            {"name": "w", "status": "feasible", "seconds": 0.0},
+            {},
+        ),
+        str(path),
+    )
     launch([str(path), "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True)
     got = {}
     for s in range(3):

@@ -12,19 +12,30 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from umopt.baselines import gpipe_equal, onef1b_equal
-from umopt.bounds import fast, fast_bound_ms, heads, in_order, pair_bound_ms, pair_program, pairs, spec_bound, stage_cuts, untied
+from umopt.bounds import (
+    fast,
+    fast_bound_ms,
+    heads,
+    in_order,
+    pair_bound_ms,
+    pair_program,
+    pairs,
+    spec_bound,
+    stage_cuts,
+    untied,
+)
 from umopt.bounds.fast import min_work
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
-from umopt.partition import backwards_in_sample_order, chunks, equal_sizes
-from umopt.problem import Candidate, Problem, pack, ticking
 from umopt.formats.profile import AllReduceProfile, load_profile
+from umopt.partition import backwards_in_sample_order, chunks, equal_sizes
+from umopt.population_sim import evaluate_1f1b
+from umopt.problem import Candidate, Problem, pack, ticking
 from umopt.solvers import SOLVERS
 from umopt.solvers.dp import shared_partition
 from umopt.solvers.local import aligned_moves, hill_climb, iterated_climb
 from umopt.solvers.ramp import ramped_partitions
 from umopt.synthetic import synthetic_profile
-from umopt.population_sim import evaluate_1f1b
 
 
 def compositions(n, mx):
@@ -46,7 +57,10 @@ def brute_force(problem: Problem, warmups: bool = True) -> float:
     per_stage = list(itertools.product(parts, parts)) if problem.recompute else [(p, p) for p in parts]
     best = np.inf
     for combo in itertools.product(per_stage, repeat=S):
-        best = min(best, Candidate([f for f, _ in combo], [b for _, b in combo], "gpipe").simulate(problem).iteration_ms)
+        best = min(
+            best,
+            Candidate([f for f, _ in combo], [b for _, b in combo], "gpipe").simulate(problem).iteration_ms,
+        )
     frows, brows, wus = [], [], []
     for combo in itertools.product(per_stage, repeat=S):
         ranges = [range(len(f) + 1) for f, _ in combo] if warmups else [[S - 1 - s] for s in range(S)]
@@ -92,7 +106,9 @@ def test_every_solver_gives_a_valid_schedule_never_below_the_bound(S, B, recompu
 
 
 def test_auto_beats_equal_on_heterogeneous_stages():
-    prof = synthetic_profile(4, max_size=64, overhead_ms=[0.2, 3.0, 0.2, 2.0], per_sample_ms=[0.8, 0.2, 0.8, 0.3])
+    prof = synthetic_profile(
+        4, max_size=64, overhead_ms=[0.2, 3.0, 0.2, 2.0], per_sample_ms=[0.8, 0.2, 0.8, 0.3]
+    )
     problem = Problem(CostTables.from_profile(prof), 64)
     res = SOLVERS["auto"](problem, time_limit=3, seed=0)
     assert res.candidate.simulate(problem).iteration_ms < 0.97 * gpipe_equal(problem).iteration_ms
@@ -129,7 +145,11 @@ def test_ramped_partitions_cover_the_minibatch_within_the_largest_size(B, mx):
     # worse than the best equal schedule
     assert {tuple(equal_sizes(B, n)) for n in counts} <= {tuple(p) for p in parts}
     if B >= 16 and mx >= 8:  # and ramps: 1, 2, 4 up and down around chunks of 8
-        assert [1, 2, 4] + [8] * ((B - 14) // 8) + ([(B - 14) % 8] if (B - 14) % 8 else []) + [4, 2, 1] in parts
+        assert [1, 2, 4] + [8] * ((B - 14) // 8) + ([(B - 14) % 8] if (B - 14) % 8 else []) + [
+            4,
+            2,
+            1,
+        ] in parts
 
 
 def test_ramp_beats_equal_chunks_on_a_deep_pipeline():
@@ -185,8 +205,18 @@ def _microsecond_profile(S, seed):
     prof = synthetic_profile(S, max_size=4, seed=seed)
     return prof.model_copy(
         update={
-            "stages": [st.model_copy(update={"forward_ms": [round(v, 3) for v in st.forward_ms], "backward_ms": [round(v, 3) for v in st.backward_ms]}) for st in prof.stages],
-            "links": [ln.model_copy(update={"latency_ms": 0.3, "bytes_per_ms": 65536 * 1000.0}) for ln in prof.links],
+            "stages": [
+                st.model_copy(
+                    update={
+                        "forward_ms": [round(v, 3) for v in st.forward_ms],
+                        "backward_ms": [round(v, 3) for v in st.backward_ms],
+                    }
+                )
+                for st in prof.stages
+            ],
+            "links": [
+                ln.model_copy(update={"latency_ms": 0.3, "bytes_per_ms": 65536 * 1000.0}) for ln in prof.links
+            ],
         }
     )
 
@@ -201,7 +231,10 @@ def brute_force_gpipe(problem: Problem) -> float:
 
 
 @pytest.mark.parametrize("solver", ["cpsat", "milp"])
-@pytest.mark.parametrize("S,B,recompute,seed", [(2, 5, False, 1), (3, 5, False, 2), (2, 6, False, 3), (2, 4, True, 4), (3, 3, True, 5)])
+@pytest.mark.parametrize(
+    "S,B,recompute,seed",
+    [(2, 5, False, 1), (3, 5, False, 2), (2, 6, False, 3), (2, 4, True, 4), (3, 3, True, 5)],
+)
 def test_exact_models_prove_the_brute_force_gpipe_optimum(solver, S, B, recompute, seed):
     problem = Problem(CostTables.from_profile(_microsecond_profile(S, seed), recompute), B)
     best = brute_force_gpipe(problem)
@@ -246,7 +279,9 @@ def brute_force_any_order(problem: Problem) -> float:
 
 
 @pytest.mark.parametrize("solver", ["cpsat", "milp"])
-@pytest.mark.parametrize("S,B,recompute,seed", [(2, 3, False, 1), (2, 4, False, 3), (2, 3, True, 4), (3, 3, False, 2)])
+@pytest.mark.parametrize(
+    "S,B,recompute,seed", [(2, 3, False, 1), (2, 4, False, 3), (2, 3, True, 4), (3, 3, False, 2)]
+)
 def test_exact_models_prove_the_brute_force_optimum_over_every_order(solver, S, B, recompute, seed):
     problem = Problem(CostTables.from_profile(_microsecond_profile(S, seed), recompute), B)
     best = brute_force_any_order(problem)
@@ -263,19 +298,36 @@ def test_exact_models_prove_the_optimum_with_a_data_parallel_allreduce(solver):
     backwards. Found by brute force: the best schedule knowing that is 7% ahead of the best one
     without it (25.37 vs 27.32 ms, all-reduce included); the exact models must find the former."""
     prof = _microsecond_profile(2, 3)
-    prof = prof.model_copy(update={"stages": [st.model_copy(update={"param_bytes": 8_000_000 * s}) for s, st in enumerate(prof.stages)]})
+    prof = prof.model_copy(
+        update={
+            "stages": [
+                st.model_copy(update={"param_bytes": 8_000_000 * s}) for s, st in enumerate(prof.stages)
+            ]
+        }
+    )
     dp = AllReduceProfile(replicas=2, latency_ms=0.0, bus_bytes_per_ms=1e6)
     problem = Problem(CostTables.from_profile(prof, False, dp), 4)
     assert list(problem.tables.allreduce_ms) == [0.0, 8.0]
     best = brute_force_any_order(problem)
-    unaware = SOLVERS[solver](Problem(CostTables.from_profile(prof, False), 4), time_limit=20, seed=0, order="auto").candidate
+    unaware = SOLVERS[solver](
+        Problem(CostTables.from_profile(prof, False), 4), time_limit=20, seed=0, order="auto"
+    ).candidate
     res = SOLVERS[solver](problem, time_limit=20, seed=0, order="auto")
     assert res.status == "optimal"
-    assert res.candidate.simulate(problem).iteration_ms == pytest.approx(best, abs=1e-6) == pytest.approx(25.372625, abs=1e-6)
+    assert (
+        res.candidate.simulate(problem).iteration_ms
+        == pytest.approx(best, abs=1e-6)
+        == pytest.approx(25.372625, abs=1e-6)
+    )
     assert unaware.simulate(problem).iteration_ms > best + 1.0
     assert res.lower_bound_ms <= best + 1e-9
     # the spec's bound counts the last stage's all-reduce after its own work: above the one without
-    assert spec_bound(Problem(CostTables.from_profile(prof, False), 4)) < spec_bound(problem) <= fast_bound_ms(problem) <= best + 1e-9
+    assert (
+        spec_bound(Problem(CostTables.from_profile(prof, False), 4))
+        < spec_bound(problem)
+        <= fast_bound_ms(problem)
+        <= best + 1e-9
+    )
 
 
 def test_solve_with_data_parallel_replicas_predicts_their_allreduce():
@@ -292,7 +344,9 @@ def test_solve_with_data_parallel_replicas_predicts_their_allreduce():
     np.testing.assert_allclose(tables.allreduce_ms, want)
     tl = simulate(tables, report.schedule.op_lists(), 32)
     assert report.schedule.predicted.iteration_ms == pytest.approx(tl.iteration_ms)
-    assert tl.iteration_ms == pytest.approx(max(f + a for f, a in zip(tl.finish_ms, want)) + tables.optimizer_ms)
+    assert tl.iteration_ms == pytest.approx(
+        max(f + a for f, a in zip(tl.finish_ms, want)) + tables.optimizer_ms
+    )
     # the equal baselines pay the all-reduce too
     assert report.gpipe.iteration_ms == pytest.approx(gpipe_equal(Problem(tables, 32)).iteration_ms)
     assert report.gpipe.iteration_ms > gpipe_equal(Problem(CostTables.from_profile(prof), 32)).iteration_ms
@@ -310,10 +364,23 @@ def test_free_order_beats_both_textbook_orders_when_they_waste_time():
     assert res.candidate.iteration_ms == pytest.approx(best, abs=1e-2)
     assert res.candidate.iteration_ms < brute_force(problem, warmups=False) - 1.0
     assert res.candidate.order == "free"
-    ga = SOLVERS["ga"](problem, time_limit=10, seed=0, stall_generations=60, max_restarts=2, polish_kicks=50).candidate
+    ga = SOLVERS["ga"](
+        problem, time_limit=10, seed=0, stall_generations=60, max_restarts=2, polish_kicks=50
+    ).candidate
     assert ga.simulate(problem).iteration_ms == pytest.approx(best, abs=1e-9)
     # and PipeDream-flush's order (--order 1f1b) is what it says
-    assert SOLVERS["ga"](problem, time_limit=10, seed=0, order="1f1b", stall_generations=60, max_restarts=0, polish_kicks=50).candidate.warmup is None
+    assert (
+        SOLVERS["ga"](
+            problem,
+            time_limit=10,
+            seed=0,
+            order="1f1b",
+            stall_generations=60,
+            max_restarts=0,
+            polish_kicks=50,
+        ).candidate.warmup
+        is None
+    )
 
 
 @pytest.mark.parametrize("solver", ["cpsat", "milp"])
@@ -327,7 +394,11 @@ def test_exact_bounds_never_exceed_any_schedule_found(solver, seed):
         res = SOLVERS[solver](problem, time_limit=3, seed=0, order=order)
         orders = ("gpipe",) if order == "gpipe" else ("gpipe", "1f1b")
         found = [res.candidate.simulate(problem).iteration_ms, gpipe_equal(problem).iteration_ms]
-        found.append(SOLVERS["ga"](problem, time_limit=1, seed=1, orders=orders).candidate.simulate(problem).iteration_ms)
+        found.append(
+            SOLVERS["ga"](problem, time_limit=1, seed=1, orders=orders)
+            .candidate.simulate(problem)
+            .iteration_ms
+        )
         if order == "auto":
             found.append(onef1b_equal(problem).iteration_ms)
         assert res.lower_bound_ms <= min(found) + 1e-9, order
@@ -342,7 +413,12 @@ def test_exact_bounds_never_exceed_any_schedule_found(solver, seed):
     seed=st.integers(0, 10_000),
 )
 def test_fast_bound_never_exceeds_any_schedule(S, B, mx, recompute, seed):
-    problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5), recompute), B)
+    problem = Problem(
+        CostTables.from_profile(
+            synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5), recompute
+        ),
+        B,
+    )
     bound = fast_bound_ms(problem)
     rng = np.random.default_rng(seed)
     for _ in range(10):  # random partitions in both orders, and the equal baselines
@@ -356,7 +432,9 @@ def test_fast_bound_never_exceeds_any_schedule(S, B, mx, recompute, seed):
     assert bound <= gpipe_equal(problem).iteration_ms + 1e-9
 
 
-@pytest.mark.parametrize("S,B,recompute,seed", [(2, 4, False, 3), (3, 3, False, 2), (2, 3, True, 4), (2, 4, False, 0)])
+@pytest.mark.parametrize(
+    "S,B,recompute,seed", [(2, 4, False, 3), (3, 3, False, 2), (2, 3, True, 4), (2, 4, False, 0)]
+)
 def test_fast_bound_never_exceeds_the_optimum_over_every_order(S, B, recompute, seed):
     prof = synthetic_profile(S, max_size=4, seed=seed, latency_ms=0.3, bytes_per_ms=2e5)
     problem = Problem(CostTables.from_profile(prof, recompute), B)
@@ -378,20 +456,41 @@ def test_pair_bound_lifts_the_stage_cuts_and_never_exceeds_the_optimum(S, B, see
 @settings(max_examples=12, deadline=None)
 @given(S=st.integers(2, 4), B=st.integers(2, 8), mx=st.sampled_from([2, 4, 8]), seed=st.integers(0, 10_000))
 def test_pair_bound_never_exceeds_any_schedule(S, B, mx, seed):
-    problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5)), B)
+    problem = Problem(
+        CostTables.from_profile(
+            synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5)
+        ),
+        B,
+    )
     bound = pair_bound_ms(problem, 2)
     assert bound >= fast_bound_ms(problem)
     rng = np.random.default_rng(seed)
     for _ in range(10):  # random partitions in both orders, with random 1F1B warm-ups too
         fs = [_random_partition(rng, B, problem.max_size) for _ in range(S)]
         warm = [int(w) for w in rng.integers(0, B + 1, S)]
-        for cand in (Candidate(fs, fs, "gpipe"), Candidate(fs, fs, "1f1b"), Candidate(fs, fs, "1f1b", warmup=warm)):
+        for cand in (
+            Candidate(fs, fs, "gpipe"),
+            Candidate(fs, fs, "1f1b"),
+            Candidate(fs, fs, "1f1b", warmup=warm),
+        ):
             assert bound <= cand.simulate(problem).iteration_ms + 1e-9
-    assert bound <= min(r.iteration_ms for r in (gpipe_equal(problem), onef1b_equal(problem)) if r.candidate is not None) + 1e-9
+    assert (
+        bound
+        <= min(
+            r.iteration_ms for r in (gpipe_equal(problem), onef1b_equal(problem)) if r.candidate is not None
+        )
+        + 1e-9
+    )
 
 
 @settings(max_examples=15, deadline=None)
-@given(S=st.integers(2, 4), B=st.integers(2, 9), mx=st.sampled_from([2, 4, 8]), slack=st.floats(0.95, 1.3), seed=st.integers(0, 10_000))
+@given(
+    S=st.integers(2, 4),
+    B=st.integers(2, 9),
+    mx=st.sampled_from([2, 4, 8]),
+    slack=st.floats(0.95, 1.3),
+    seed=st.integers(0, 10_000),
+)
 def test_usable_chunks_are_those_of_the_partitions_meeting_the_stage_cuts(S, B, mx, slack, seed):
     # brute force: a partition meets the cuts when _reachable passes with only its chunks allowed
     problem = _synthetic_problem(S, B, mx, seed, 0.2, 1e5)
@@ -400,7 +499,11 @@ def test_usable_chunks_are_those_of_the_partitions_meeting_the_stage_cuts(S, B, 
     T = int(slack * stage_cuts.stage_bound(F, G, L, B, False))
     for s in range(S):
         cut, KG = stage_cuts._chunk_cut(h, F, G, s, B, False), heads.least_work(G[s], B)
-        want = _chunks_of_partitions(B, problem.max_size, lambda chunks: stage_cuts._reachable(T, h, F, G, s, _only(cut, chunks), KG, B, False))
+        want = _chunks_of_partitions(
+            B,
+            problem.max_size,
+            lambda chunks: stage_cuts._reachable(T, h, F, G, s, _only(cut, chunks), KG, B, False),
+        )
         assert (stage_cuts.usable_chunks(T, h, F, G, s, B) == want).all()
 
 
@@ -440,7 +543,9 @@ def test_ticking_moves_the_bar_while_a_solver_cannot_report():
 def test_exact_solvers_move_the_bar_and_end_it_at_the_schedule_found(solver):
     problem = Problem(CostTables.from_profile(synthetic_profile(3, max_size=4, seed=1)), 12)
     calls = []
-    res = SOLVERS[solver](problem, time_limit=3, seed=0, progress=lambda frac, best: calls.append((frac, best)))
+    res = SOLVERS[solver](
+        problem, time_limit=3, seed=0, progress=lambda frac, best: calls.append((frac, best))
+    )
     assert len(calls) >= 3 and calls[-1] == (1.0, res.candidate.iteration_ms)
     assert all(0 <= f <= 1 for f, _ in calls)
 
@@ -450,14 +555,55 @@ def test_pair_bound_sees_what_the_last_stage_partition_costs_the_stage_above():
     # their gradients. Under the proven optimum (this schedule, found by `umopt solve vgg16-cpu -B 8
     # --solver cpsat --time-limit 60`) and far above the stage cuts (139.00 ms)
     problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 8)
-    optimum = Candidate.from_ops([
-        [("F", 0, 1), ("F", 1, 2), ("F", 2, 4), ("F", 4, 5), ("F", 5, 6), ("F", 6, 7), ("F", 7, 8),
-         ("B", 4, 5), ("B", 5, 6), ("B", 2, 4), ("B", 0, 1), ("B", 1, 2), ("B", 6, 7), ("B", 7, 8)],
-        [("F", 0, 1), ("F", 1, 2), ("F", 2, 4), ("F", 4, 6), ("F", 6, 7), ("F", 7, 8),
-         ("B", 4, 6), ("B", 2, 4), ("B", 0, 1), ("B", 1, 2), ("B", 6, 7), ("B", 7, 8)],
-        [("F", 0, 2), ("F", 2, 6), ("F", 6, 7), ("F", 7, 8), ("B", 2, 6), ("B", 0, 2), ("B", 6, 7), ("B", 7, 8)],
-        [("F", 0, 6), ("B", 0, 6), ("F", 6, 8), ("B", 6, 8)],
-    ]).simulate(problem).iteration_ms
+    optimum = (
+        Candidate.from_ops(
+            [
+                [
+                    ("F", 0, 1),
+                    ("F", 1, 2),
+                    ("F", 2, 4),
+                    ("F", 4, 5),
+                    ("F", 5, 6),
+                    ("F", 6, 7),
+                    ("F", 7, 8),
+                    ("B", 4, 5),
+                    ("B", 5, 6),
+                    ("B", 2, 4),
+                    ("B", 0, 1),
+                    ("B", 1, 2),
+                    ("B", 6, 7),
+                    ("B", 7, 8),
+                ],
+                [
+                    ("F", 0, 1),
+                    ("F", 1, 2),
+                    ("F", 2, 4),
+                    ("F", 4, 6),
+                    ("F", 6, 7),
+                    ("F", 7, 8),
+                    ("B", 4, 6),
+                    ("B", 2, 4),
+                    ("B", 0, 1),
+                    ("B", 1, 2),
+                    ("B", 6, 7),
+                    ("B", 7, 8),
+                ],
+                [
+                    ("F", 0, 2),
+                    ("F", 2, 6),
+                    ("F", 6, 7),
+                    ("F", 7, 8),
+                    ("B", 2, 6),
+                    ("B", 0, 2),
+                    ("B", 6, 7),
+                    ("B", 7, 8),
+                ],
+                [("F", 0, 6), ("B", 0, 6), ("F", 6, 8), ("B", 6, 8)],
+            ]
+        )
+        .simulate(problem)
+        .iteration_ms
+    )
     assert optimum == pytest.approx(158.00, abs=0.01)
     fast, pair = fast_bound_ms(problem), pair_bound_ms(problem, 20)
     # the stage cuts see 139.00 ms, the untied stage programs 146.96, the untied pair 157.41
@@ -467,7 +613,11 @@ def test_pair_bound_sees_what_the_last_stage_partition_costs_the_stage_above():
 def _stage_cuts_ms(problem) -> float:
     """The any-order bound without the untied one (what the pair bound was first built to lift)."""
     F, G, L = heads.int_tables(problem)
-    return max(spec_bound(problem), stage_cuts.stage_bound(F, G, L, problem.minibatch, problem.recompute) / 1000 + problem.tables.optimizer_ms)
+    return max(
+        spec_bound(problem),
+        stage_cuts.stage_bound(F, G, L, problem.minibatch, problem.recompute) / 1000
+        + problem.tables.optimizer_ms,
+    )
 
 
 def _random_partition(rng, B, mx):
@@ -542,7 +692,11 @@ def _fake_beside(monkeypatch, **kw):
     import umopt.solvers.auto as auto
 
     _FakeBeside.made = []
-    monkeypatch.setattr(auto, "Beside", lambda job, problem, on_bound=None, **params: _FakeBeside(job, problem, on_bound, **kw, **params))
+    monkeypatch.setattr(
+        auto,
+        "Beside",
+        lambda job, problem, on_bound=None, **params: _FakeBeside(job, problem, on_bound, **kw, **params),
+    )
     return _FakeBeside.made
 
 
@@ -558,9 +712,16 @@ def test_auto_reports_the_pair_bound_where_the_exact_model_does_not_run(monkeypa
     # family, so both are reported
     [job] = made
     assert job.job.__name__ == "pairs_job" and job.ended == "wait"
-    assert job.params["any_seconds"] == pytest.approx(2 * job.params["family_seconds"]) and job.params["any_seconds"] + job.params["family_seconds"] >= 1.5
-    assert job.offers == sorted(job.offers, reverse=True) and job.offers[-1] == pytest.approx(res.candidate.iteration_ms)
-    assert res.lower_bound_ms == 170.0 and res.extra["bound_scope"] == "any order" and res.status == "feasible"
+    assert (
+        job.params["any_seconds"] == pytest.approx(2 * job.params["family_seconds"])
+        and job.params["any_seconds"] + job.params["family_seconds"] >= 1.5
+    )
+    assert job.offers == sorted(job.offers, reverse=True) and job.offers[-1] == pytest.approx(
+        res.candidate.iteration_ms
+    )
+    assert (
+        res.lower_bound_ms == 170.0 and res.extra["bound_scope"] == "any order" and res.status == "feasible"
+    )
     assert res.extra["lower_bound_1f1b_ms"] == 175.0
     # a bound that meets the schedule found proves it optimal (never reported above it)
     made = _fake_beside(monkeypatch, proved={"any order": 1e9, "1f1b order": 1e9})
@@ -599,7 +760,16 @@ def test_ga_stops_when_asked_and_bounds_beside_end_at_once():
     from umopt.bounds import Beside, pairs_job
 
     seen = []
-    job = Beside(pairs_job, problem, lambda scope, ms: seen.append((scope, ms)), any_seconds=60, family_seconds=0, seed=0, max_cells=1024, workers=1)
+    job = Beside(
+        pairs_job,
+        problem,
+        lambda scope, ms: seen.append((scope, ms)),
+        any_seconds=60,
+        family_seconds=0,
+        seed=0,
+        max_cells=1024,
+        workers=1,
+    )
     while not seen and time.perf_counter() - t0 < 30:  # the program's first lift
         time.sleep(0.1)
     t1 = time.perf_counter()
@@ -608,7 +778,9 @@ def test_ga_stops_when_asked_and_bounds_beside_end_at_once():
     assert time.perf_counter() - t1 < 2
     assert proved["any order"] >= fast_bound_ms(problem) - 1e-9
     time.sleep(0.5)
-    left = subprocess.run(["pgrep", "-f", "umopt.bounds.beside"], capture_output=True, text=True).stdout.split()
+    left = subprocess.run(
+        ["pgrep", "-f", "umopt.bounds.beside"], capture_output=True, text=True
+    ).stdout.split()
     assert left == []
 
 
@@ -622,7 +794,12 @@ def test_1f1b_bound_never_exceeds_the_optimum_among_in_order_backwards(S, B, see
     # brute force over every partition and every interleaving whose B ops run in sample order
     prof = synthetic_profile(S, max_size=4, seed=seed, latency_ms=0.3, bytes_per_ms=2e5)
     problem = Problem(CostTables.from_profile(prof), B)
-    lists = [ops for p in compositions(B, problem.max_size) for ops in stage_orders(p, p) if _b_in_sample_order(ops)]
+    lists = [
+        ops
+        for p in compositions(B, problem.max_size)
+        for ops in stage_orders(p, p)
+        if _b_in_sample_order(ops)
+    ]
     best = np.inf
     for combo in itertools.product(lists, repeat=S):
         try:
@@ -636,7 +813,12 @@ def test_1f1b_bound_never_exceeds_the_optimum_among_in_order_backwards(S, B, see
 def _brute_force_in_order(problem: Problem) -> float:
     """Best schedule over every partition and every interleaving whose B ops run in sample order."""
     B = problem.minibatch
-    lists = [ops for p in compositions(B, problem.max_size) for ops in stage_orders(p, p) if _b_in_sample_order(ops)]
+    lists = [
+        ops
+        for p in compositions(B, problem.max_size)
+        for ops in stage_orders(p, p)
+        if _b_in_sample_order(ops)
+    ]
     best = np.inf
     for combo in itertools.product(lists, repeat=problem.num_stages):
         try:
@@ -679,7 +861,13 @@ def test_in_order_pair_bound_never_exceeds_a_1f1b_schedule(S, B, mx, seed):
 
 
 @settings(max_examples=15, deadline=None)
-@given(S=st.integers(2, 4), B=st.integers(2, 9), mx=st.sampled_from([2, 4, 8]), slack=st.floats(0.98, 1.2), seed=st.integers(0, 10_000))
+@given(
+    S=st.integers(2, 4),
+    B=st.integers(2, 9),
+    mx=st.sampled_from([2, 4, 8]),
+    slack=st.floats(0.98, 1.2),
+    seed=st.integers(0, 10_000),
+)
 def test_in_order_usable_chunks_are_those_of_the_partitions_meeting_both_programs(S, B, mx, slack, seed):
     # brute force: a partition is kept when both the stage cuts' and the in-order program pass
     # with only its chunks allowed
@@ -692,17 +880,27 @@ def test_in_order_usable_chunks_are_those_of_the_partitions_meeting_both_program
         cut, KG = stage_cuts._chunk_cut(h, F, G, s, B, False), heads.least_work(G[s], B)
 
         def passes(chunks):
-            return stage_cuts._reachable(T, h, F, G, s, _only(cut, chunks), KG, B, False) and in_order._in_order_ok(
-                T, h, F, G, io.drain, _only(io.cut[s], chunks), s, B, True
-            )
+            return stage_cuts._reachable(
+                T, h, F, G, s, _only(cut, chunks), KG, B, False
+            ) and in_order._in_order_ok(T, h, F, G, io.drain, _only(io.cut[s], chunks), s, B, True)
 
-        assert (in_order.in_order_usable_chunks(T, h, io, F, G, s, B) == _chunks_of_partitions(B, problem.max_size, passes)).all()
+        assert (
+            in_order.in_order_usable_chunks(T, h, io, F, G, s, B)
+            == _chunks_of_partitions(B, problem.max_size, passes)
+        ).all()
 
 
 @settings(max_examples=25, deadline=None)
-@given(S=st.integers(1, 4), B=st.integers(1, 24), mx=st.sampled_from([2, 4, 8, 16]), seed=st.integers(0, 10_000))
+@given(
+    S=st.integers(1, 4), B=st.integers(1, 24), mx=st.sampled_from([2, 4, 8, 16]), seed=st.integers(0, 10_000)
+)
 def test_1f1b_bound_never_exceeds_a_1f1b_schedule(S, B, mx, seed):
-    problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5)), B)
+    problem = Problem(
+        CostTables.from_profile(
+            synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5)
+        ),
+        B,
+    )
     bound = fast_bound_ms(problem, "1f1b order")
     rng = np.random.default_rng(seed)
     for _ in range(10):
@@ -717,7 +915,7 @@ def test_1f1b_bound_never_exceeds_a_1f1b_schedule(S, B, mx, seed):
 def test_1f1b_bound_is_tighter_where_drains_queue():
     # gpt-sim, B=8: the any-order bound is 44.78 ms against a proven optimum of 47.19 ms (any
     # order, CP-SAT); knowing that later samples drain after a chunk lifts it to 45.79
-    from umopt.formats.profile import AllReduceProfile, load_profile
+    from umopt.formats.profile import load_profile
     from umopt.solve import make_problem
 
     problem = make_problem(load_profile("gpt-sim"), 8, recompute=False)
@@ -763,7 +961,10 @@ def test_climb_neighbours_are_every_schedule_one_move_away(S, B, mx, recompute, 
     key = lambda f, b, w: (tuple(map(tuple, f)), tuple(map(tuple, b)), tuple(w) if order == "1f1b" else ())  # noqa: E731
     want = {key(g, b if recompute else g, cand.warmups) for g in aligned_moves(f, mx)}
     for s in range(S):
-        want |= {key(f[:s] + [new] + f[s + 1 :], b if recompute else f[:s] + [new] + f[s + 1 :], cand.warmups) for new in moves(f[s], mx)}
+        want |= {
+            key(f[:s] + [new] + f[s + 1 :], b if recompute else f[:s] + [new] + f[s + 1 :], cand.warmups)
+            for new in moves(f[s], mx)
+        }
         if recompute:
             want |= {key(f, b[:s] + [new] + b[s + 1 :], cand.warmups) for new in moves(b[s], mx)}
         if order == "1f1b":
@@ -774,7 +975,10 @@ def test_climb_neighbours_are_every_schedule_one_move_away(S, B, mx, recompute, 
     want.discard(key(f, b, cand.warmups))  # an aligned move may change nothing
     fs, bs, wu, _ = _neighbours(problem, cand, free_warmup=True)
     rows = lambda a: [[int(x) for x in r if x] for r in a]  # noqa: E731
-    got = [key(rows(fs[k]), rows(bs[k]) if recompute else rows(fs[k]), [int(x) for x in wu[k]]) for k in range(len(fs))]
+    got = [
+        key(rows(fs[k]), rows(bs[k]) if recompute else rows(fs[k]), [int(x) for x in wu[k]])
+        for k in range(len(fs))
+    ]
     assert set(got) == want
 
 
@@ -804,7 +1008,9 @@ def _synthetic_problem(S, B, mx, seed, latency_ms, bytes_per_ms):
     # its best partition for each prefix and every message at one sample's size
     [(367, 0.3, 1e5, 46.697), (374, 0.05, 1e5, 34.373), (392, 0.05, 2e5, 31.176), (399, 1.0, 1e5, 46.996)],
 )
-def test_drains_through_one_partition_per_stage_lift_the_bound_below_the_optimum(seed, latency_ms, bytes_per_ms, before):
+def test_drains_through_one_partition_per_stage_lift_the_bound_below_the_optimum(
+    seed, latency_ms, bytes_per_ms, before
+):
     problem = _synthetic_problem(3, 3, 4, seed, latency_ms, bytes_per_ms)
     bound = fast_bound_ms(problem)
     assert before + 0.1 < bound <= brute_force_any_order(problem) + 1e-9
@@ -871,7 +1077,9 @@ def _untie(ops: list) -> list:
 @given(S=st.integers(2, 4), B=st.integers(2, 12), mx=st.sampled_from([2, 4, 8]), seed=st.integers(0, 10_000))
 def test_every_schedule_turns_into_an_untied_one_in_sample_order_no_later(S, B, mx, seed):
     # the exchange behind the untied bound (docs/bounds.md)
-    tables = CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5))
+    tables = CostTables.from_profile(
+        synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5)
+    )
     rng = np.random.default_rng(seed)
     ops = [_random_any_order_stage(rng, B, mx) for _ in range(S)]
     try:
@@ -888,12 +1096,23 @@ def test_every_schedule_turns_into_an_untied_one_in_sample_order_no_later(S, B, 
 @pytest.mark.parametrize("S,B,seed", [(2, 4, 2), (2, 4, 14), (3, 3, 1), (3, 3, 6)])
 def test_untied_bound_lifts_the_stage_cuts_and_never_exceeds_the_optimum(S, B, seed):
     # brute force over every partition and order (2, 4, 14: 34.57 -> 38.28 ms, the optimum 38.29)
-    problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=4, seed=seed, latency_ms=0.3, bytes_per_ms=2e5)), B)
+    problem = Problem(
+        CostTables.from_profile(
+            synthetic_profile(S, max_size=4, seed=seed, latency_ms=0.3, bytes_per_ms=2e5)
+        ),
+        B,
+    )
     assert _stage_cuts_ms(problem) + 0.5 < fast_bound_ms(problem) <= brute_force_any_order(problem) + 1e-9
 
 
 @settings(max_examples=12, deadline=None)
-@given(S=st.integers(2, 4), B=st.integers(2, 10), mx=st.sampled_from([2, 4, 8]), slack=st.floats(1.0, 1.2), seed=st.integers(0, 10_000))
+@given(
+    S=st.integers(2, 4),
+    B=st.integers(2, 10),
+    mx=st.sampled_from([2, 4, 8]),
+    slack=st.floats(1.0, 1.2),
+    seed=st.integers(0, 10_000),
+)
 def test_untied_usable_chunks_hold_every_chunk_of_a_schedule_within_the_target(S, B, mx, slack, seed):
     # a schedule meeting T, turned untied: every F and B chunk of it is usable at T
     problem = _synthetic_problem(S, B, mx, seed, 0.2, 1e5)
@@ -905,7 +1124,10 @@ def test_untied_usable_chunks_hold_every_chunk_of_a_schedule_within_the_target(S
         fs = [_random_partition(rng, B, problem.max_size) for _ in range(S)]
         warm = [int(w) for w in rng.integers(0, B + 1, S)]
         cand = Candidate(fs, fs, "1f1b", warmup=warm)
-        T = int(slack * (cand.simulate(problem).iteration_ms - problem.tables.optimizer_ms) * 1000) + 2 * S * B
+        T = (
+            int(slack * (cand.simulate(problem).iteration_ms - problem.tables.optimizer_ms) * 1000)
+            + 2 * S * B
+        )
         for s, st_ops in enumerate(cand.ops()):
             f_use, b_use = untied.untied_usable_chunks(T, h, ut, F, G, s, B)
             assert all((f_use if kind == "F" else b_use)[lo, hi - lo] for kind, lo, hi in st_ops)
@@ -916,7 +1138,10 @@ def _assert_below_random_any_order_schedules(problem: Problem, bound_ms: float, 
     not deadlock all take at least ``bound_ms``."""
     rng = np.random.default_rng(seed)
     for _ in range(20):
-        ops = [_random_any_order_stage(rng, problem.minibatch, problem.max_size) for _ in range(problem.num_stages)]
+        ops = [
+            _random_any_order_stage(rng, problem.minibatch, problem.max_size)
+            for _ in range(problem.num_stages)
+        ]
         try:
             it = simulate(problem.tables, ops, problem.minibatch, record=False).iteration_ms
         except UmoptError:  # the stages' random orders wait on each other
@@ -925,9 +1150,12 @@ def _assert_below_random_any_order_schedules(problem: Problem, bound_ms: float, 
 
 
 @pytest.mark.parametrize(
-    "S,B,seed,latency_ms,bytes_per_ms", [(2, 4, 17, 0.05, 1e5), (3, 3, 12, 0.3, 2e5), (3, 3, 20, 0.05, 1e5), (3, 3, 24, 0.5, 5e4)]
+    "S,B,seed,latency_ms,bytes_per_ms",
+    [(2, 4, 17, 0.05, 1e5), (3, 3, 12, 0.3, 2e5), (3, 3, 20, 0.05, 1e5), (3, 3, 24, 0.5, 5e4)],
 )
-def test_pair_program_lifts_the_untied_bound_and_never_exceeds_the_optimum(S, B, seed, latency_ms, bytes_per_ms):
+def test_pair_program_lifts_the_untied_bound_and_never_exceeds_the_optimum(
+    S, B, seed, latency_ms, bytes_per_ms
+):
     # brute force over every partition and order (3, 3, 12: 29.91 -> 31.13 ms, the optimum 31.15;
     # slow links, 3, 3, 24: 42.69 -> 43.77, the optimum 44.68, where the program without its
     # message queues got 42.95)
@@ -966,9 +1194,20 @@ def test_pair_program_dive_and_program_agree(monkeypatch):
     answers = []
     for dive in (pair_program.DIVE_STATES, 0):
         monkeypatch.setattr(pair_program, "DIVE_STATES", dive)
-        answers.append([pair_program.pair_program_feasible(T, F, G, L, h, ut, 8, s) for s in (1, 2) for T in range(140_000, 156_000, 1_000)])
+        answers.append(
+            [
+                pair_program.pair_program_feasible(T, F, G, L, h, ut, 8, s)
+                for s in (1, 2)
+                for T in range(140_000, 156_000, 1_000)
+            ]
+        )
         # tied (stage 2: untied 145.4, tied 149.3 ms without the optimizer step)
-        answers.append([pair_program.pair_program_feasible(T, F, G, L, h, ut, 8, 2, tie=("sizes", "sizes")) for T in range(144_000, 152_000, 1_000)])
+        answers.append(
+            [
+                pair_program.pair_program_feasible(T, F, G, L, h, ut, 8, 2, tie=("sizes", "sizes"))
+                for T in range(144_000, 152_000, 1_000)
+            ]
+        )
     assert answers[0] == answers[2] and True in answers[0] and False in answers[0]
     assert answers[1] == answers[3] and True in answers[1] and False in answers[1]
 
@@ -980,11 +1219,16 @@ def test_pair_program_waits_for_every_message_on_its_way():
     problem = Problem(CostTables.from_profile(load_profile("gpt-sim")), 8)
     F, G, L = heads.int_tables(problem)
     known = untied.untied_bound(F, G, L, 8, stage_cuts.stage_bound(F, G, L, 8, False))
-    untied_ms = pair_program.pair_program_bound(F, G, L, 8, known, passes=[pair_program.UNTIED]) / 1000 + problem.tables.optimizer_ms
+    untied_ms = (
+        pair_program.pair_program_bound(F, G, L, 8, known, passes=[pair_program.UNTIED]) / 1000
+        + problem.tables.optimizer_ms
+    )
     assert 46.2 < untied_ms < 46.5
 
 
-@pytest.mark.parametrize("name,untied,tied,optimum", [("gpt-sim", 46.36, 47.1, 47.19), ("vgg16-cpu", 153.48, 157.3, 158.00)])
+@pytest.mark.parametrize(
+    "name,untied,tied,optimum", [("gpt-sim", 46.36, 47.1, 47.19), ("vgg16-cpu", 153.48, 157.3, 158.00)]
+)
 def test_tied_pair_program_gives_each_stage_one_partition(name, untied, tied, optimum):
     # untied, the program's best paths forward in small chunks and backward in large ones; tied,
     # a stage's B ops take the sizes of its F ops. S=4, B=8, in the fast bound; the optima are
@@ -1015,13 +1259,17 @@ def test_counted_and_sized_ties_never_exceed_a_schedule_in_any_order(S, B, mx, s
     problem = _synthetic_problem(S, B, mx, seed, 0.2, 1e5)
     F, G, L = heads.int_tables(problem)
     for tie in [("count", "count"), ("sizes", "count")]:
-        program = pair_program.pair_program_bound(F, G, L, B, 0, passes=[tie]) / 1000 + problem.tables.optimizer_ms
+        program = (
+            pair_program.pair_program_bound(F, G, L, B, 0, passes=[tie]) / 1000 + problem.tables.optimizer_ms
+        )
         _assert_below_random_any_order_schedules(problem, program, seed)
 
 
 def test_the_pair_program_is_compiled():
     # setup.py builds it (pybind11, a C++17 compiler); without it umopt runs the Python search
-    assert pair_program.COMPILED, "umopt/bounds/_pair_program.cpp did not build: pip install -e . with a C++ compiler"
+    assert pair_program.COMPILED, (
+        "umopt/bounds/_pair_program.cpp did not build: pip install -e . with a C++ compiler"
+    )
 
 
 @pytest.mark.parametrize("name,B", [("gpt-sim", 6), ("vgg16-cpu", 6), ("gpt-cpu", 5)])
@@ -1033,8 +1281,13 @@ def test_compiled_and_python_pair_programs_agree(name, B):
     for tie in [pair_program.UNTIED, ("none", "count"), ("count", "sizes"), ("sizes", "sizes")]:
         for s in (0, F.shape[0] - 2):
             targets = range(known - known // 50, known + known // 8, max(1, known // 100))
-            python = [pair_program.pair_program_feasible(T, F, G, L, h, ut, B, s, tie=tie, compiled=False) for T in targets]
-            assert python == [pair_program.pair_program_feasible(T, F, G, L, h, ut, B, s, tie=tie) for T in targets], (tie, s)
+            python = [
+                pair_program.pair_program_feasible(T, F, G, L, h, ut, B, s, tie=tie, compiled=False)
+                for T in targets
+            ]
+            assert python == [
+                pair_program.pair_program_feasible(T, F, G, L, h, ut, B, s, tie=tie) for T in targets
+            ], (tie, s)
             if s == F.shape[0] - 2:
                 assert True in python and False in python
 
@@ -1050,8 +1303,15 @@ def test_compiled_and_python_pair_programs_agree(name, B):
 def test_compiled_and_numpy_stage_programs_agree(S, B, mx, recompute, seed):
     # the fast bound's one-stage programs (setup.py builds them; CI has a compiler) give the
     # numpy versions' tables at targets from hopeless to loose, on every stage
-    assert heads.COMPILED, "umopt/bounds/_stage_programs.cpp did not build: pip install -e . with a C++ compiler"
-    problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5), recompute), B)
+    assert heads.COMPILED, (
+        "umopt/bounds/_stage_programs.cpp did not build: pip install -e . with a C++ compiler"
+    )
+    problem = Problem(
+        CostTables.from_profile(
+            synthetic_profile(S, max_size=mx, seed=seed, latency_ms=0.2, bytes_per_ms=1e5), recompute
+        ),
+        B,
+    )
     F, G, L = heads.int_tables(problem)
     h = heads.heads_and_tails(F, G, L, B)
     known = stage_cuts.stage_bound(F, G, L, B, recompute)
@@ -1097,8 +1357,13 @@ def test_pair_program_witness_is_a_path_of_the_relaxation(name, B):
             assert path, (tie, s)
             _assert_relaxed_path(path, F[s : s + 2], G[s : s + 2], L[s], B, T, tie)
             if least is not None:  # the bound (to a two-thousandth) has a path just above, none below
-                assert pair_program.pair_program_feasible(least + least // 2000 + 1, F, G, L, h, ut, B, s, tie=tie, witness=True)
-                assert pair_program.pair_program_feasible(least - 1, F, G, L, h, ut, B, s, tie=tie, witness=True) is None
+                assert pair_program.pair_program_feasible(
+                    least + least // 2000 + 1, F, G, L, h, ut, B, s, tie=tie, witness=True
+                )
+                assert (
+                    pair_program.pair_program_feasible(least - 1, F, G, L, h, ut, B, s, tie=tie, witness=True)
+                    is None
+                )
 
 
 def _assert_relaxed_path(path, F, G, link, B, T, tie) -> None:
@@ -1167,7 +1432,9 @@ def test_pair_program_lifts_vgg16_where_the_pair_models_are_slow():
     problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 16)
     F, G, L = heads.int_tables(problem)
     known = fast.own_bound(problem)
-    program = pair_program.pair_program_bound(F, G, L, 16, known, seconds=20) / 1000 + problem.tables.optimizer_ms
+    program = (
+        pair_program.pair_program_bound(F, G, L, 16, known, seconds=20) / 1000 + problem.tables.optimizer_ms
+    )
     assert 207.0 < program < 211.5
 
 
@@ -1207,7 +1474,9 @@ def test_solve_counts_the_bounds_before_the_solver_within_the_time_limit(monkeyp
     assert 1.0 <= seen[0] <= 4.0 - 1.2  # both bounds (any order, 1F1B family) were counted
     assert report.schedule.solver.name == "recording"
     solve_mod.solve(prof, 12, solver="recording", time_limit=1.0)
-    assert seen[1] == pytest.approx(solve_mod.MIN_SOLVER_SHARE)  # the bounds took more than the limit: the solver's share
+    assert seen[1] == pytest.approx(
+        solve_mod.MIN_SOLVER_SHARE
+    )  # the bounds took more than the limit: the solver's share
 
 
 def test_fast_bounds_run_beside_the_solver_where_they_take_seconds(monkeypatch):
@@ -1223,7 +1492,9 @@ def test_fast_bounds_run_beside_the_solver_where_they_take_seconds(monkeypatch):
 
     monkeypatch.setitem(solve_mod.SOLVERS, "recording", recording)
     prof = synthetic_profile(3, max_size=8, seed=2)
-    here = solve_mod.solve(prof, 12, solver="recording", time_limit=4.0, order="1f1b").schedule.solver.model_dump()
+    here = solve_mod.solve(
+        prof, 12, solver="recording", time_limit=4.0, order="1f1b"
+    ).schedule.solver.model_dump()
     monkeypatch.setattr(solve_mod, "BOUNDS_BESIDE_CELLS", 0)
     monkeypatch.setattr(solve_mod.os, "cpu_count", lambda: 2)
 
@@ -1231,8 +1502,12 @@ def test_fast_bounds_run_beside_the_solver_where_they_take_seconds(monkeypatch):
         raise AssertionError("the bounds ran in this process")
 
     monkeypatch.setattr(solve_mod, "_fast_bounds", not_here)
-    beside = solve_mod.solve(prof, 12, solver="recording", time_limit=4.0, order="1f1b").schedule.solver.model_dump()
-    assert seen[1] >= 4.0 - solve_mod.BESIDE_GRACE_S - 0.2  # only the baselines came before it, and the wait for the bounds after
+    beside = solve_mod.solve(
+        prof, 12, solver="recording", time_limit=4.0, order="1f1b"
+    ).schedule.solver.model_dump()
+    assert (
+        seen[1] >= 4.0 - solve_mod.BESIDE_GRACE_S - 0.2
+    )  # only the baselines came before it, and the wait for the bounds after
     for key in ("lower_bound_ms", "lower_bound_1f1b_ms"):
         assert beside[key] == here[key] is not None
 

@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from umopt.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,8 +14,31 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
     out = tmp_path / "tune"
-    main(["tune", "--model", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32", "--stages", "2",
-          "--minibatch", "8", "--steps", "2", "--rounds", "2", "--budget", "20", "--time-limit", "1", "--out", str(out)])
+    main(
+        [
+            "tune",
+            "--model",
+            "mlp",
+            "--model-arg",
+            "layers=4",
+            "--model-arg",
+            "width=32",
+            "--stages",
+            "2",
+            "--minibatch",
+            "8",
+            "--steps",
+            "2",
+            "--rounds",
+            "2",
+            "--budget",
+            "20",
+            "--time-limit",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     stdout = capsys.readouterr().out
     for name in ("gpipe_equal", "1f1b_equal", "umopt"):
         assert name in stdout
@@ -37,7 +59,11 @@ def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
     report = json.loads((out / "report_gpipe_equal.json").read_text())
     assert report["rounds"] >= 2 and report["decision"]["confidence_asked"] == 0.95
     recommended = json.loads((out / "recommended.json").read_text())
-    ran = [json.loads(p.read_text()) for p in out.glob("*.json") if p.stem in ("gpipe_equal", "1f1b_equal", "umopt", "umopt_best", "ramp")]
+    ran = [
+        json.loads(p.read_text())
+        for p in out.glob("*.json")
+        if p.stem in ("gpipe_equal", "1f1b_equal", "umopt", "umopt_best", "ramp")
+    ]
     assert any(r["stages"] == recommended["stages"] for r in ran)
 
 
@@ -69,8 +95,33 @@ def test_readme_quickstart_is_two_commands_and_ci_runs_the_test_one():
 
 def test_tune_with_zero_bubble_measures_zb_h1_beside_the_others(tmp_path, capsys):
     out = tmp_path / "tune"
-    main(["tune", "--model", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32", "--stages", "2",
-          "--minibatch", "8", "--steps", "2", "--rounds", "2", "--budget", "20", "--time-limit", "1", "--zero-bubble", "--no-probes", "--out", str(out)])
+    main(
+        [
+            "tune",
+            "--model",
+            "mlp",
+            "--model-arg",
+            "layers=4",
+            "--model-arg",
+            "width=32",
+            "--stages",
+            "2",
+            "--minibatch",
+            "8",
+            "--steps",
+            "2",
+            "--rounds",
+            "2",
+            "--budget",
+            "20",
+            "--time-limit",
+            "1",
+            "--zero-bubble",
+            "--no-probes",
+            "--out",
+            str(out),
+        ]
+    )
     stdout = capsys.readouterr().out
     prof = json.loads((out / "profile.json").read_text())
     assert all(st["backward_input_ms"] and st["backward_weight_ms"] for st in prof["stages"])

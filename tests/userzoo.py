@@ -9,7 +9,14 @@ def uneven(width: int = 32, heavy: int = 512):
     """Five layers, one of them far heavier than the rest."""
     layers = [
         nn.Sequential(nn.Linear(16, width), nn.ReLU()),
-        nn.Sequential(nn.Linear(width, heavy), nn.ReLU(), nn.Linear(heavy, heavy), nn.ReLU(), nn.Linear(heavy, width), nn.ReLU()),
+        nn.Sequential(
+            nn.Linear(width, heavy),
+            nn.ReLU(),
+            nn.Linear(heavy, heavy),
+            nn.ReLU(),
+            nn.Linear(heavy, width),
+            nn.ReLU(),
+        ),
         nn.Sequential(nn.Linear(width, width), nn.ReLU()),
         nn.Sequential(nn.Linear(width, width), nn.ReLU()),
         nn.Linear(width, 4),

@@ -76,7 +76,9 @@ def _best_equal(problem: Problem, order: str) -> Baseline:
             n = len(batch)
             it, _ = score(problem, pack([[equal_sizes(B, m)] * S for m in batch]))
             for m, t in zip(batch, it):
-                if t < best_ms or (t == best_ms and best_m is not None and m < best_m):  # ties go to the smaller M
+                if t < best_ms or (
+                    t == best_ms and best_m is not None and m < best_m
+                ):  # ties go to the smaller M
                     best_ms, best_m = float(t), m
             i += n
     if best_m is None or not np.isfinite(best_ms):

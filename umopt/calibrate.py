@@ -56,15 +56,23 @@ def _check_report(rep: RunReport, name: str, profile: Profile) -> None:
     for s, stage_ops in enumerate(rep.ops):
         split = any(op[0] == "W" for op in stage_ops)
         if split and tables.bwd_input is None:
-            raise UmoptError(f"{name}: ran W ops, but the profile has no backward_input_ms / backward_weight_ms")
+            raise UmoptError(
+                f"{name}: ran W ops, but the profile has no backward_input_ms / backward_weight_ms"
+            )
         for kind, lo, hi, _measured, predicted in stage_ops:
             b = hi - lo
             if not 1 <= b <= tables.max_size or lo < 0:
-                raise UmoptError(f"{name}: stage {s} has a malformed op entry {[kind, lo, hi]} (a chunk the profile has no time for)")
-            table = {"F": tables.fwd, "B": tables.bwd_input if split else tables.bwd, "W": tables.bwd_weight}[kind]
+                raise UmoptError(
+                    f"{name}: stage {s} has a malformed op entry {[kind, lo, hi]} (a chunk the profile has no time for)"
+                )
+            table = {"F": tables.fwd, "B": tables.bwd_input if split else tables.bwd, "W": tables.bwd_weight}[
+                kind
+            ]
             expected = float(table[s, b])
             if abs(predicted - expected) > 1e-6 * max(1.0, expected):
-                raise UmoptError(f"{name}: was not measured against this profile (stage {s} {kind}({lo},{hi}) predicted {predicted:.4f} ms, the profile says {expected:.4f})")
+                raise UmoptError(
+                    f"{name}: was not measured against this profile (stage {s} {kind}({lo},{hi}) predicted {predicted:.4f} ms, the profile says {expected:.4f})"
+                )
 
 
 def _allreduce(rep: RunReport, profile: Profile) -> Optional[AllReduceProfile]:
@@ -90,7 +98,10 @@ def fit_allreduce(profile: Profile, reports: list[RunReport]) -> Optional[AllRed
             continue
         base = base or ar
         bandwidth_only = ar.model_copy(update={"latency_ms": 0.0})
-        extra += [m - allreduce_ms(bandwidth_only, st.param_bytes or 0) for m, st in zip(rep.allreduce_ms.measured, profile.stages)]
+        extra += [
+            m - allreduce_ms(bandwidth_only, st.param_bytes or 0)
+            for m, st in zip(rep.allreduce_ms.measured, profile.stages)
+        ]
     if base is None:
         return None
     return base.model_copy(update={"latency_ms": max(0.0, float(np.median(extra)))})
@@ -120,7 +131,9 @@ def calibrate(profile: Profile, reports: Sequence[RunReport | dict], names: list
     Every report must come from a run of a schedule for this very profile: each op's predicted
     duration in the report must be the profile's (else it was measured against another one).
     """
-    reports = [as_report(rep, name) for rep, name in zip(reports, names)]  # files read as JSON, or typed already
+    reports = [
+        as_report(rep, name) for rep, name in zip(reports, names)
+    ]  # files read as JSON, or typed already
     for rep, name in zip(reports, names):
         _check_report(rep, name, profile)
     ratios = size_ratios(reports, profile.num_stages)
@@ -138,11 +151,17 @@ def calibrate(profile: Profile, reports: Sequence[RunReport | dict], names: list
             # scaled curve, like the measured one, may not fall as chunks grow
             scaled = [float(r * (v + st.op_overhead_ms)) for v, r in zip(getattr(st, key), scale)]
             iqr = getattr(st, key.replace("_ms", "_iqr_ms"))
-            weights = None if iqr is None else [1.0 / (q / max(v, 1e-12) + 0.01) ** 2 for q, v in zip(iqr, getattr(st, key))]
+            weights = (
+                None
+                if iqr is None
+                else [1.0 / (q / max(v, 1e-12) + 0.01) ** 2 for q, v in zip(iqr, getattr(st, key))]
+            )
             update[key] = monotone_fit(scaled, weights)
             if kind == "B" and st.backward_input_ms is not None:  # its two parts move with it
                 for part in ("backward_input_ms", "backward_weight_ms"):
-                    update[part] = monotone_fit([float(r * (v + st.op_overhead_ms)) for v, r in zip(getattr(st, part), scale)])
+                    update[part] = monotone_fit(
+                        [float(r * (v + st.op_overhead_ms)) for v, r in zip(getattr(st, part), scale)]
+                    )
         stages.append(st.model_copy(update=update))
     scaled = profile.model_copy(update={"stages": stages})
     allreduce = fit_allreduce(scaled, reports)
@@ -155,14 +174,19 @@ def calibrate(profile: Profile, reports: Sequence[RunReport | dict], names: list
         probes = probes.model_copy(update={"order_ratio": {}, "measured_over_fitted": {}})
     calibration = CalibrationMeta(
         reports=names,
-        ratios={f"stage{s}.{kind}": {str(b): round(r, 4) for b, r in seen.items()} for (s, kind), seen in ratios.items()},
+        ratios={
+            f"stage{s}.{kind}": {str(b): round(r, 4) for b, r in seen.items()}
+            for (s, kind), seen in ratios.items()
+        },
         op_overhead_ms=round(fit.op_ms, 5),
         message_overhead_ms=round(fit.message_ms, 5),
         step_overhead_ms=round(fit.step_ms, 4),
         residual_rms=round(fit.residual_rms, 5),
         **({"allreduce_latency_ms": round(allreduce.latency_ms, 4)} if allreduce is not None else {}),
     )
-    return fitted.model_copy(update={"meta": profile.meta.model_copy(update={"probes": probes, "calibration": calibration})})
+    return fitted.model_copy(
+        update={"meta": profile.meta.model_copy(update={"probes": probes, "calibration": calibration})}
+    )
 
 
 @dataclass(frozen=True)
@@ -177,7 +201,12 @@ class Overheads:
 
     def apply(self, profile: Profile) -> Profile:
         stages = [
-            st.model_copy(update={"op_overhead_ms": self.op_ms, "optimizer_ms": max(0.0, st.optimizer_ms + self.step_ms)})
+            st.model_copy(
+                update={
+                    "op_overhead_ms": self.op_ms,
+                    "optimizer_ms": max(0.0, st.optimizer_ms + self.step_ms),
+                }
+            )
             for st in profile.stages
         ]
         links = [ln.model_copy(update={"message_overhead_ms": self.message_ms}) for ln in profile.links]
@@ -202,13 +231,21 @@ def fit_overheads(profile: Profile, reports: list[RunReport]) -> Overheads:
 
     if not reports:
         return Overheads(0.0, 0.0, 0.0, 0.0)
-    runs = [(_report_ops(rep), float(rep.measured_iteration_ms), (rep.recompute, _allreduce(rep, profile))) for rep in reports]
+    runs = [
+        (_report_ops(rep), float(rep.measured_iteration_ms), (rep.recompute, _allreduce(rep, profile)))
+        for rep in reports
+    ]
     measured = np.array([m for _, m, _ in runs])
     weight = 1.0 / measured**2
 
     def predict(op_ms: float, message_ms: float) -> np.ndarray:
         p = Overheads(op_ms, message_ms, 0.0, 0.0).apply(profile)
-        return np.array([simulate(CostTables.from_profile(p, *rc), ops, B, record=False).iteration_ms for (ops, B), _, rc in runs])
+        return np.array(
+            [
+                simulate(CostTables.from_profile(p, *rc), ops, B, record=False).iteration_ms
+                for (ops, B), _, rc in runs
+            ]
+        )
 
     def step_and_error(op_ms: float, message_ms: float) -> tuple[float, float]:
         res = measured - predict(op_ms, message_ms)
@@ -221,7 +258,9 @@ def fit_overheads(profile: Profile, reports: list[RunReport]) -> Overheads:
     op_hi = float(measured.max()) / max(1, most_ops)
     msg_hi = op_hi if profile.num_stages > 1 else 0.0
     x = [0.0, 0.0]
-    if len({sum(len(st) for st in ops) for (ops, _), _, _ in runs}) > 1:  # op counts differ: they can be told apart
+    if (
+        len({sum(len(st) for st in ops) for (ops, _), _, _ in runs}) > 1
+    ):  # op counts differ: they can be told apart
         for _ in range(3):
             for k, hi in ((0, op_hi), (1, msg_hi)):
                 if hi > 0:
@@ -252,7 +291,10 @@ def run_ratios(profile: Profile, reports: list[RunReport]) -> list[float]:
     out = []
     for rep in reports:
         (ops, B), rc = _report_ops(rep), (rep.recompute, _allreduce(rep, profile))
-        out.append(float(rep.measured_iteration_ms) / simulate(CostTables.from_profile(profile, *rc), ops, B, record=False).iteration_ms)
+        out.append(
+            float(rep.measured_iteration_ms)
+            / simulate(CostTables.from_profile(profile, *rc), ops, B, record=False).iteration_ms
+        )
     return out
 
 

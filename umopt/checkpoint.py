@@ -32,7 +32,17 @@ from .errors import UmoptError
 from .fileio import read_json, write_json
 from .formats.profile import Profile, pydantic_error_line
 
-__all__ = ["MANIFEST", "CHECKPOINT_FORMAT", "Manifest", "stage_file", "model_identity", "file_sha256", "read_manifest", "write_manifest", "remove_stale"]
+__all__ = [
+    "MANIFEST",
+    "CHECKPOINT_FORMAT",
+    "Manifest",
+    "stage_file",
+    "model_identity",
+    "file_sha256",
+    "read_manifest",
+    "write_manifest",
+    "remove_stale",
+]
 
 MANIFEST = "checkpoint.json"
 CHECKPOINT_FORMAT = "umopt-checkpoint/1"
@@ -40,7 +50,9 @@ CHECKPOINT_FORMAT = "umopt-checkpoint/1"
 
 class ManifestFile(BaseModel):
     model_config = ConfigDict(strict=True)
-    path: str = Field(pattern=r"^stage\d+-step\d+-[0-9a-f]+\.pt$")  # a name inside DIR, never a path out of it
+    path: str = Field(
+        pattern=r"^stage\d+-step\d+-[0-9a-f]+\.pt$"
+    )  # a name inside DIR, never a path out of it
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
@@ -77,7 +89,9 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def read_manifest(folder: str | Path, profile: Profile, optimizer: str, *, verify: Optional[list[int]] = None) -> Manifest:
+def read_manifest(
+    folder: str | Path, profile: Profile, optimizer: str, *, verify: Optional[list[int]] = None
+) -> Manifest:
     """The manifest of ``folder``, checked against this run (one-line errors); the files of the
     stages in ``verify`` (default: all) are checked against their hashes."""
     folder = Path(folder)
@@ -100,28 +114,48 @@ def read_manifest(folder: str | Path, profile: Profile, optimizer: str, *, verif
     if man.stages != profile.num_stages or len(man.files) != man.stages:
         raise UmoptError(f"{path}: a checkpoint of {man.stages} stages, this run has {profile.num_stages}")
     if man.model != want:
-        raise UmoptError(f"{path}: a checkpoint of {_describe(man.model)}, this run's profile is {_describe(want)}")
+        raise UmoptError(
+            f"{path}: a checkpoint of {_describe(man.model)}, this run's profile is {_describe(want)}"
+        )
     if man.optimizer != optimizer:
-        raise UmoptError(f"{path}: a checkpoint of the {man.optimizer} optimizer, this run uses {optimizer} (--optimizer)")
+        raise UmoptError(
+            f"{path}: a checkpoint of the {man.optimizer} optimizer, this run uses {optimizer} (--optimizer)"
+        )
     for s, f in enumerate(man.files):
         if f.path != stage_file(s, man.step, man.run):
-            raise UmoptError(f"{path}: stage {s}'s file is {f.path}, expected {stage_file(s, man.step, man.run)}")
+            raise UmoptError(
+                f"{path}: stage {s}'s file is {f.path}, expected {stage_file(s, man.step, man.run)}"
+            )
     for s in range(man.stages) if verify is None else verify:
         f = folder / man.files[s].path
         if not f.is_file():
             raise UmoptError(f"--resume: {f} is missing: the set of step {man.step} is incomplete")
         if file_sha256(f) != man.files[s].sha256:
-            raise UmoptError(f"--resume: {f} does not match its hash in {MANIFEST}: changed or corrupted since it was written")
+            raise UmoptError(
+                f"--resume: {f} does not match its hash in {MANIFEST}: changed or corrupted since it was written"
+            )
     return man
 
 
 def _describe(identity: dict[str, Any]) -> str:
     args = ",".join(f"{k}={v}" for k, v in sorted(identity.get("args", {}).items()))
-    cuts = [lay[0] for lay in identity.get("layers", [])] + [identity["layers"][-1][1]] if identity.get("layers") else []
+    cuts = (
+        [lay[0] for lay in identity.get("layers", [])] + [identity["layers"][-1][1]]
+        if identity.get("layers")
+        else []
+    )
     return f"{identity.get('name')}({args}) seed {identity.get('seed')} cut at {cuts}"
 
 
-def write_manifest(folder: str | Path, step: int, run: str, profile: Profile, optimizer: str, hashes: list[str], schedules: list[dict]) -> None:
+def write_manifest(
+    folder: str | Path,
+    step: int,
+    run: str,
+    profile: Profile,
+    optimizer: str,
+    hashes: list[str],
+    schedules: list[dict],
+) -> None:
     """Make the files of ``step`` (one per stage, hashes in stage order) the folder's set."""
     write_json(
         Path(folder) / MANIFEST,

@@ -18,7 +18,6 @@ schedule is taken as predicted.
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -57,7 +56,9 @@ def complexity(problem: Problem, cand: Candidate) -> int:
     return sum(len(st) for st in ops) + len(tl.messages)
 
 
-def _perturbed_tables(profile: Profile, problem: Problem, rng: np.random.Generator) -> Optional[list[CostTables]]:
+def _perturbed_tables(
+    profile: Profile, problem: Problem, rng: np.random.Generator
+) -> Optional[list[CostTables]]:
     """Tables of profiles whose entries are moved by their spread (None: the profile has none);
     the all-reduces are the problem's."""
     if not any(st.forward_iqr_ms for st in profile.stages):
@@ -71,21 +72,29 @@ def _perturbed_tables(profile: Profile, problem: Problem, rng: np.random.Generat
             for key, iqr in (("forward_ms", st.forward_iqr_ms), ("backward_ms", st.backward_iqr_ms)):
                 if iqr:
                     v = np.asarray(getattr(st, key))
-                    update[key] = list(np.maximum(0.0, v + rng.standard_normal(v.size) * np.asarray(iqr) * scale))
+                    update[key] = list(
+                        np.maximum(0.0, v + rng.standard_normal(v.size) * np.asarray(iqr) * scale)
+                    )
             stages.append(st.model_copy(update=update))
         tables = CostTables.from_profile(profile.model_copy(update={"stages": stages}), problem.recompute)
         out.append(dataclasses.replace(tables, allreduce_ms=problem.tables.allreduce_ms))
     return out
 
 
-def gain_uncertainty(profile: Profile, problem: Problem, best: Candidate, reference: Candidate, seed: int = 0) -> float:
+def gain_uncertainty(
+    profile: Profile, problem: Problem, best: Candidate, reference: Candidate, seed: int = 0
+) -> float:
     """One standard deviation of the relative gain of ``best`` over ``reference``: the profile's
     spread propagated, and the residual of its fit to probe runs."""
     var = 0.0
     tables = _perturbed_tables(profile, problem, np.random.default_rng(seed))
     if tables is not None:
         ob, orf = best.ops(), reference.ops()
-        gains = [simulate(t, orf, problem.minibatch, record=False).iteration_ms / simulate(t, ob, problem.minibatch, record=False).iteration_ms for t in tables]
+        gains = [
+            simulate(t, orf, problem.minibatch, record=False).iteration_ms
+            / simulate(t, ob, problem.minibatch, record=False).iteration_ms
+            for t in tables
+        ]
         var += float(np.var(gains))
     calibration = profile.meta.calibration
     rms = float(calibration.residual_rms or 0.0) if calibration else 0.0
@@ -103,13 +112,21 @@ def order_ratios(profile: Profile) -> dict[str, float]:
 ORDER_OF = {"gpipe_equal": "gpipe", "1f1b_equal": "1f1b"}
 
 
-def choose(profile: Profile, problem: Problem, candidates: Sequence[tuple[str, Candidate]], equal: Sequence[str], seed: int = 0) -> Choice:
+def choose(
+    profile: Profile,
+    problem: Problem,
+    candidates: Sequence[tuple[str, Candidate]],
+    equal: Sequence[str],
+    seed: int = 0,
+) -> Choice:
     """Among ``candidates`` (name, candidate, each within the memory limit), the fastest predicted
     one if it is ahead of the best equal one (``equal`` names the equal schedules) by more than
     the profile's uncertainty; else that best equal schedule. The equal schedules are ranked by
     their predictions times what the probe runs of their order measured over the fitted model:
     where the model cannot tell GPipe from 1F1B, the runtime has."""
-    timed = sorted(((c.simulate(problem).iteration_ms, name, c) for name, c in candidates), key=lambda t: t[0])
+    timed = sorted(
+        ((c.simulate(problem).iteration_ms, name, c) for name, c in candidates), key=lambda t: t[0]
+    )
     best_ms, best_name, best = timed[0]
     ratio = order_ratios(profile)
     by_model = [t for t in timed if t[1] in equal]
@@ -133,9 +150,19 @@ def choose(profile: Profile, problem: Problem, candidates: Sequence[tuple[str, C
     if margin == 0.0:
         return Choice(best_name, best, gain, 0.0, "the profile states no uncertainty: the fastest predicted")
     if gain > margin:
-        return Choice(best_name, best, gain, margin, f"ahead of {eq_name} by more than the profile's uncertainty ({100 * margin:.1f}%)")
+        return Choice(
+            best_name,
+            best,
+            gain,
+            margin,
+            f"ahead of {eq_name} by more than the profile's uncertainty ({100 * margin:.1f}%)",
+        )
     return Choice(
-        ref_name, ref, gain, margin,
+        ref_name,
+        ref,
+        gain,
+        margin,
         f"the best schedule found is predicted {100 * gain:.1f}% faster than {eq_name}, within the profile's uncertainty "
-        f"({100 * margin:.1f}%): {ref_name}, with {complexity(problem, ref)} ops and messages against {complexity(problem, best)}, is recommended" + probes,
+        f"({100 * margin:.1f}%): {ref_name}, with {complexity(problem, ref)} ops and messages against {complexity(problem, best)}, is recommended"
+        + probes,
     )

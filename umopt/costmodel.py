@@ -19,10 +19,12 @@ import numpy as np
 
 from .errors import UmoptError
 from .limits import MAX_MS
+
 if TYPE_CHECKING:  # (the formats import the cost model to check schedules)
     from .formats.profile import AllReduceProfile, Profile
 
 __all__ = ["Op", "CostTables", "Span", "Message", "Timeline", "simulate", "stage_peak_memory", "allreduce_ms"]
+
 
 class Op(NamedTuple):
     """One op of a stage: the forward (``kind`` "F"), backward ("B") or weight gradient ("W") of
@@ -75,7 +77,9 @@ class CostTables:
         return self.fwd.shape[1] - 1
 
     @classmethod
-    def from_profile(cls, profile: Profile, recompute: bool = False, dp: AllReduceProfile | None = None) -> "CostTables":
+    def from_profile(
+        cls, profile: Profile, recompute: bool = False, dp: AllReduceProfile | None = None
+    ) -> "CostTables":
         """The tables of ``profile``; with ``dp`` (replicas and their all-reduce speed), each stage's
         gradient all-reduce among them."""
         sizes = np.asarray(profile.sizes, dtype=float)
@@ -87,8 +91,12 @@ class CostTables:
         bwd = np.array([np.interp(b, sizes, st.backward_ms) for st in profile.stages]) + over
         split = {}
         if all(st.backward_input_ms is not None for st in profile.stages):
-            split["bwd_input"] = np.array([np.interp(b, sizes, st.backward_input_ms) for st in profile.stages]) + over
-            split["bwd_weight"] = np.array([np.interp(b, sizes, st.backward_weight_ms) for st in profile.stages]) + over
+            split["bwd_input"] = (
+                np.array([np.interp(b, sizes, st.backward_input_ms) for st in profile.stages]) + over
+            )
+            split["bwd_weight"] = (
+                np.array([np.interp(b, sizes, st.backward_weight_ms) for st in profile.stages]) + over
+            )
             split["op_overhead"] = over[:, 0].copy()
         if recompute:  # the recomputed forward runs inside the B op: one op, one overhead
             bwd = bwd + fwd - over
@@ -100,16 +108,30 @@ class CostTables:
                 split[key][:, 0] = 0.0
         link = np.array(
             [
-                np.where(b > 0, ln.latency_ms + ln.message_overhead_ms + b * st.output_bytes_per_sample / ln.bytes_per_ms, 0.0)
+                np.where(
+                    b > 0,
+                    ln.latency_ms + ln.message_overhead_ms + b * st.output_bytes_per_sample / ln.bytes_per_ms,
+                    0.0,
+                )
                 for ln, st in zip(profile.links, profile.stages)
             ]
         ).reshape(len(profile.links), len(b))
-        checked = [("an F op of {b} samples on stage {s}", fwd), ("a B op of {b} samples on stage {s}", bwd), ("a message of {b} samples over link {s}", link)]
-        checked += [(f"a {k} op of {{b}} samples on stage {{s}}", split[key]) for k, key in (("B", "bwd_input"), ("W", "bwd_weight")) if key in split]
+        checked = [
+            ("an F op of {b} samples on stage {s}", fwd),
+            ("a B op of {b} samples on stage {s}", bwd),
+            ("a message of {b} samples over link {s}", link),
+        ]
+        checked += [
+            (f"a {k} op of {{b}} samples on stage {{s}}", split[key])
+            for k, key in (("B", "bwd_input"), ("W", "bwd_weight"))
+            if key in split
+        ]
         for what, arr in checked:
             if arr.size and not arr.max() <= MAX_MS:  # not <=: also NaN
                 s, b = np.unravel_index(int(np.argmax(np.where(np.isnan(arr), np.inf, arr))), arr.shape)
-                raise UmoptError(f"{what.format(s=s, b=b)} would take {arr[s, b]:.3g} ms, over umopt's limit of {MAX_MS:.0e} ms")
+                raise UmoptError(
+                    f"{what.format(s=s, b=b)} would take {arr[s, b]:.3g} ms, over umopt's limit of {MAX_MS:.0e} ms"
+                )
             arr.setflags(write=False)
         return cls(
             fwd=fwd,
@@ -140,10 +162,14 @@ def _allreduce_per_stage(profile: Profile, dp: AllReduceProfile | None) -> np.nd
     else:
         missing = [s for s, st in enumerate(profile.stages) if st.param_bytes is None]
         if missing:
-            raise UmoptError(f"stage {missing[0]} of the profile has no param_bytes: its gradient all-reduce cannot be predicted (profile again)")
+            raise UmoptError(
+                f"stage {missing[0]} of the profile has no param_bytes: its gradient all-reduce cannot be predicted (profile again)"
+            )
         out = np.array([allreduce_ms(dp, st.param_bytes) for st in profile.stages])
         if not out.max() <= MAX_MS:
-            raise UmoptError(f"an all-reduce would take {out.max():.3g} ms, over umopt's limit of {MAX_MS:.0e} ms")
+            raise UmoptError(
+                f"an all-reduce would take {out.max():.3g} ms, over umopt's limit of {MAX_MS:.0e} ms"
+            )
     out.setflags(write=False)
     return out
 
@@ -212,7 +238,11 @@ def stage_peak_memory(tables: CostTables, stage: int, ops: Sequence[Op]) -> int:
             stashed += b
         if tables.recompute:
             running = b if kind != "W" else 0  # a W runs on what its B kept (awaiting)
-            mem = tables.static_bytes[s] + stashed * tables.input_bytes[s] + (awaiting + running) * tables.stash_bytes[s]
+            mem = (
+                tables.static_bytes[s]
+                + stashed * tables.input_bytes[s]
+                + (awaiting + running) * tables.stash_bytes[s]
+            )
         else:
             mem = tables.static_bytes[s] + stashed * tables.stash_bytes[s]
         peak = max(peak, int(mem))
@@ -231,7 +261,9 @@ def weight_ms(tables: CostTables, stage: int, b_chunks: Sequence[tuple[int, int]
     return sum(float(tables.bwd_weight[stage, hi - lo]) - over for lo, hi in b_chunks) + over
 
 
-def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int, *, record: bool = True) -> Timeline:
+def simulate(
+    tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int, *, record: bool = True
+) -> Timeline:
     """Play the op lists of all stages under the cost model.
 
     With ``record=False`` the timeline keeps no spans or messages and peak memory is not computed
@@ -245,7 +277,9 @@ def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int, *,
         raise UmoptError(f"schedule has {len(ops)} stages, the profile {S}")
     split = [any(op[0] == "W" for op in stage) for stage in ops]
     if any(split) and tables.bwd_input is None:
-        raise UmoptError("the schedule has W ops but the profile has no backward_input_ms / backward_weight_ms (profile with --split-backward)")
+        raise UmoptError(
+            "the schedule has W ops but the profile has no backward_input_ms / backward_weight_ms (profile with --split-backward)"
+        )
     never = float("inf")  # not sent yet; max() over a chunk then says "not ready" by itself
     # act_at[s][i]: when sample i's activation is ready on stage s (stage 0: at time 0).
     # grad_at[s][i]: when sample i's gradient is ready on stage s (last stage: its F's end there).
@@ -253,7 +287,10 @@ def simulate(tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int, *,
     grad_at = [[never] * minibatch for _ in range(S)]
     fwd_done = [[False] * minibatch for _ in range(S)]
     bwd_done = [[False] * minibatch for _ in range(S)]
-    b_chunks = [sorted((lo, hi) for kind, lo, hi in stage if kind == "B") if split[s] else [] for s, stage in enumerate(ops)]
+    b_chunks = [
+        sorted((lo, hi) for kind, lo, hi in stage if kind == "B") if split[s] else []
+        for s, stage in enumerate(ops)
+    ]
     link_free = {("fwd", s): 0.0 for s in range(S - 1)} | {("bwd", s): 0.0 for s in range(S - 1)}
     clock = [0.0] * S
     busy = [0.0] * S

@@ -55,7 +55,9 @@ class Decision:
     reason: str
 
 
-def compare(name: str, reference_ms: Sequence[float], candidate_ms: Sequence[float], margin: float = MARGIN) -> Comparison:
+def compare(
+    name: str, reference_ms: Sequence[float], candidate_ms: Sequence[float], margin: float = MARGIN
+) -> Comparison:
     """The paired one-sided t test of ``log(reference / candidate)`` over rounds."""
     d = [math.log(r / c) for r, c in zip(reference_ms, candidate_ms)]
     mean = statistics.fmean(d) if d else 0.0
@@ -70,7 +72,12 @@ def compare(name: str, reference_ms: Sequence[float], candidate_ms: Sequence[flo
     return Comparison(name, math.expm1(mean), float(t.cdf(mean / se)), float(t.cdf((bound - mean) / se)))
 
 
-def decide(rounds_ms: Mapping[str, Sequence[float]], equal: Sequence[str], confidence: float = CONFIDENCE, margin: float = MARGIN) -> Decision:
+def decide(
+    rounds_ms: Mapping[str, Sequence[float]],
+    equal: Sequence[str],
+    confidence: float = CONFIDENCE,
+    margin: float = MARGIN,
+) -> Decision:
     """The schedule to keep, from each schedule's median step per round (rounds paired by index)."""
     refs = [n for n in rounds_ms if n in equal]
     if not refs:

@@ -34,7 +34,11 @@ __all__ = [
 ]
 
 # the profile's dtype names and what autocast runs in (None: no autocast)
-DTYPES: dict[str, Optional[torch.dtype]] = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[str, Optional[torch.dtype]] = {
+    "float32": None,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 def check_trainable(dtype: str) -> None:
@@ -65,7 +69,9 @@ def numerics_differences(profiled: Optional[dict], now: dict) -> list[str]:
     ``name: profiled X, now Y`` (none where the profile recorded none)."""
     if not profiled:
         return []
-    return [f"{k}: profiled {profiled[k]}, now {now[k]}" for k in now if k in profiled and profiled[k] != now[k]]
+    return [
+        f"{k}: profiled {profiled[k]}, now {now[k]}" for k in now if k in profiled and profiled[k] != now[k]
+    ]
 
 
 def autocast(device: torch.device, dtype: str) -> ContextManager:
@@ -147,7 +153,10 @@ def default_memory_limit(device: torch.device) -> tuple[int, str]:
     """The memory limit a CUDA profile gets when the user gives none, and a line saying why."""
     props = torch.cuda.get_device_properties(device)
     limit = int(DEFAULT_MEMORY_SHARE * props.total_memory)
-    return limit, f"{DEFAULT_MEMORY_SHARE:.0%} of {props.name}'s {props.total_memory / 2**30:.1f} GiB (no --memory-limit given)"
+    return (
+        limit,
+        f"{DEFAULT_MEMORY_SHARE:.0%} of {props.name}'s {props.total_memory / 2**30:.1f} GiB (no --memory-limit given)",
+    )
 
 
 # the reference work: on a CPU three 256 x 256 float32 matmuls (about a millisecond); on a GPU

@@ -30,7 +30,9 @@ FORMATS = ("torch-csv",)
 def torch_csv(schedule: Schedule) -> str:
     """The schedule as torch's compute-only pipeline CSV (one row per stage/rank)."""
     if schedule.recompute:
-        raise UmoptError("torch-csv: torch's schedules cannot recompute inside a backward as this schedule does")
+        raise UmoptError(
+            "torch-csv: torch's schedules cannot recompute inside a backward as this schedule does"
+        )
     ops = schedule.op_lists()
     parts = [partitions_from_ops(o) for o in ops]
     first = parts[0][0]

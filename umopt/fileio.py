@@ -25,7 +25,9 @@ def read_json(path: str | os.PathLike) -> Any:
     p = Path(path)
     try:
         if p.is_file() and p.stat().st_size > MAX_JSON_BYTES:
-            raise UmoptError(f"{p}: {p.stat().st_size} bytes, over umopt's limit of {MAX_JSON_BYTES} for a JSON file")
+            raise UmoptError(
+                f"{p}: {p.stat().st_size} bytes, over umopt's limit of {MAX_JSON_BYTES} for a JSON file"
+            )
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UmoptError(f"{p}: no such file") from None

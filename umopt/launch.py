@@ -66,7 +66,13 @@ class RunResult:
 ProgressFn = Callable[[int, Optional[int], str], None]  # (steps done, of how many or None, what)
 
 
-def launch(argv: list[str], *, timeout_s: Optional[float] = None, quiet: bool = False, progress: Optional[ProgressFn] = None) -> RunResult:
+def launch(
+    argv: list[str],
+    *,
+    timeout_s: Optional[float] = None,
+    quiet: bool = False,
+    progress: Optional[ProgressFn] = None,
+) -> RunResult:
     cfg = preflight(argv)
     S = cfg.num_stages
     world = S * cfg.args.dp  # dp replicas of the pipeline: rank r runs stage r % S of replica r // S
@@ -83,20 +89,33 @@ def launch(argv: list[str], *, timeout_s: Optional[float] = None, quiet: bool = 
             UMOPT_STATUS_DIR=tmp,
             UMOPT_LAUNCHER_PID=str(os.getpid()),  # a rank that outlives it ends itself
             UMOPT_STORE=str(Path(tmp) / "store"),  # the rendezvous: a file, no port
-            WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
-            GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"), NCCL_SOCKET_IFNAME=env.get("NCCL_SOCKET_IFNAME", "lo"),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            GROUP_RANK="0",
+            GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"),
+            NCCL_SOCKET_IFNAME=env.get("NCCL_SOCKET_IFNAME", "lo"),
         )
         env.setdefault("OMP_NUM_THREADS", str(threads))
         log = Path(tmp) / "ranks.log"
         with open(log, "w") as out:
-            codes, on_their_own = _supervise(world, argv, env, None if not quiet else out, out, timeout_s, progress)
+            codes, on_their_own = _supervise(
+                world, argv, env, None if not quiet else out, out, timeout_s, progress
+            )
         if any(c != 0 for c in codes.values()):
             raise RunFailed(_root_cause(Path(tmp), world, S, codes, on_their_own, log))
         reports = [load_report(p) for p in paths]
         return RunResult(reports, paths if cfg.args.report else [""] * len(paths))
 
 
-def _supervise(n: int, argv: list[str], env: dict, stdout, stderr, timeout_s: Optional[float], progress: Optional[ProgressFn] = None) -> tuple[dict[int, int], set[int]]:
+def _supervise(
+    n: int,
+    argv: list[str],
+    env: dict,
+    stdout,
+    stderr,
+    timeout_s: Optional[float],
+    progress: Optional[ProgressFn] = None,
+) -> tuple[dict[int, int], set[int]]:
     """Start the n ranks in a process group of their own and wait for them. Returns each rank's
     exit status by rank, in the order they ended, and the ranks that ended on their own (before
     any was stopped). On the first bad exit, SIGINT or SIGTERM to this process or the timeout,
@@ -107,8 +126,18 @@ def _supervise(n: int, argv: list[str], env: dict, stdout, stderr, timeout_s: Op
         rank_env = dict(env, RANK=str(r), LOCAL_RANK=str(r))
         # rank 0 leads a new process group, the others join it: one killpg reaches every rank,
         # and a terminal's Ctrl-C reaches only this process, which then stops them all
-        joined = {"process_group": group} if sys.version_info >= (3, 11) else {"preexec_fn": lambda g=group: os.setpgid(0, g)}
-        p = subprocess.Popen([sys.executable, "-m", "umopt.runtime", *argv], env=rank_env, stdout=stdout, stderr=stderr, **joined)
+        joined = (
+            {"process_group": group}
+            if sys.version_info >= (3, 11)
+            else {"preexec_fn": lambda g=group: os.setpgid(0, g)}
+        )
+        p = subprocess.Popen(
+            [sys.executable, "-m", "umopt.runtime", *argv],
+            env=rank_env,
+            stdout=stdout,
+            stderr=stderr,
+            **joined,
+        )
         group = group or p.pid
         procs.append(p)
     got: list[int] = []
@@ -184,7 +213,9 @@ def _exit_words(code: int) -> str:
     return f"exit code {code}"
 
 
-def _root_cause(status_dir: Path, world: int, S: int, codes: dict[int, int], on_their_own: set[int], log: Path) -> str:
+def _root_cause(
+    status_dir: Path, world: int, S: int, codes: dict[int, int], on_their_own: set[int], log: Path
+) -> str:
     """The rank that failed first, with its message.
 
     ``codes`` holds each rank's exit status in the order the ranks ended, ``on_their_own`` the
@@ -199,13 +230,21 @@ def _root_cause(status_dir: Path, world: int, S: int, codes: dict[int, int], on_
     for r in range(world):
         f = status_dir / f"rank{r}"
         try:
-            statuses[r] = json.loads(f.read_text()) if f.exists() else {"state": "never started", "time": 0.0, "message": ""}
+            statuses[r] = (
+                json.loads(f.read_text())
+                if f.exists()
+                else {"state": "never started", "time": 0.0, "message": ""}
+            )
         except ValueError:  # written as the rank died
             statuses[r] = {"state": "started", "time": 0.0, "message": ""}
     failed = sorted((st["time"], r, st["message"]) for r, st in statuses.items() if st["state"] == "failed")
     # a rank that ended badly without a word (killed, crashed) is the cause: the others' failures
     # ("connection closed by peer") are its echo
-    silent = [r for r, c in codes.items() if r in on_their_own and c != 0 and statuses[r]["state"] in ("started", "never started")]
+    silent = [
+        r
+        for r, c in codes.items()
+        if r in on_their_own and c != 0 and statuses[r]["state"] in ("started", "never started")
+    ]
     if silent:
         r = silent[0]
         lines = log.read_text().strip().splitlines()
@@ -218,7 +257,9 @@ def _root_cause(status_dir: Path, world: int, S: int, codes: dict[int, int], on_
     if failed:
         _, r, message = failed[0]
         return f"rank {r} (stage {r % S}) failed: {message}"
-    stopped = sorted((st["time"], r, st["message"]) for r, st in statuses.items() if st["state"] == "terminated")
+    stopped = sorted(
+        (st["time"], r, st["message"]) for r, st in statuses.items() if st["state"] == "terminated"
+    )
     if stopped:
         _, r, why = stopped[0]
         return f"the run was stopped from outside: rank {r} (stage {r % S}) first ({why})"

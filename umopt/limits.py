@@ -58,7 +58,9 @@ def available_memory_bytes() -> Optional[int]:
 def check_problem_size(num_stages: int, minibatch: int) -> None:
     """Refuse, before allocating, a problem beyond umopt's limits or this machine's memory."""
     if minibatch > MAX_MINIBATCH:
-        raise UmoptError(f"minibatch {minibatch} is over umopt's limit of {MAX_MINIBATCH} samples per pipeline per iteration")
+        raise UmoptError(
+            f"minibatch {minibatch} is over umopt's limit of {MAX_MINIBATCH} samples per pipeline per iteration"
+        )
     cells = num_stages * minibatch
     if cells > MAX_CELLS:
         raise UmoptError(

@@ -52,7 +52,9 @@ class ChunkLoss:
         return lambda lo, hi: 1.0 / total
 
 
-def valid_targets(ignore_index: int = -100, weight: Optional[torch.Tensor] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+def valid_targets(
+    ignore_index: int = -100, weight: Optional[torch.Tensor] = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """The normalizer of torch's ``cross_entropy`` / ``nll_loss`` with ``reduction="mean"``: the
     number of targets that are not ``ignore_index`` (with ``weight``: the sum of their classes'
     weights); class-probability targets (floating point, ``(N, C, ...)``) count every position."""
@@ -70,7 +72,11 @@ def valid_targets(ignore_index: int = -100, weight: Optional[torch.Tensor] = Non
     return normalizer
 
 
-def chunk_loss(loss_fn: Callable[[Any, Any], torch.Tensor], reduction: Optional[str] = None, normalizer: Optional[Callable[[Any], Number]] = None) -> ChunkLoss:
+def chunk_loss(
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    reduction: Optional[str] = None,
+    normalizer: Optional[Callable[[Any], Number]] = None,
+) -> ChunkLoss:
     """How ``loss_fn``'s chunks add up (see the module's docstring).
 
     A torch loss module (it has ``reduction``) says itself whether it is a mean or a sum:
@@ -83,10 +89,16 @@ def chunk_loss(loss_fn: Callable[[Any, Any], torch.Tensor], reduction: Optional[
     own = getattr(loss_fn, "reduction", None) if isinstance(loss_fn, nn.Module) else None
     if own is not None:
         if own not in ("mean", "sum"):
-            raise UmoptError(f"loss_fn {loss_fn.__class__.__name__} has reduction={own!r}: umopt needs a scalar loss, 'mean' or 'sum'")
+            raise UmoptError(
+                f"loss_fn {loss_fn.__class__.__name__} has reduction={own!r}: umopt needs a scalar loss, 'mean' or 'sum'"
+            )
         if reduction is not None and reduction != own:
-            raise UmoptError(f"loss_reduction={reduction!r} but loss_fn {loss_fn.__class__.__name__} has reduction={own!r}: leave loss_reduction out for a loss module")
-        if own == "mean" and (normalizer is not None or isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss))):
+            raise UmoptError(
+                f"loss_reduction={reduction!r} but loss_fn {loss_fn.__class__.__name__} has reduction={own!r}: leave loss_reduction out for a loss module"
+            )
+        if own == "mean" and (
+            normalizer is not None or isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss))
+        ):
             summed = copy.copy(loss_fn)  # the module's own settings, summed; the user's module stays as it is
             summed.reduction = "sum"
             if normalizer is None:
@@ -98,6 +110,8 @@ def chunk_loss(loss_fn: Callable[[Any, Any], torch.Tensor], reduction: Optional[
         raise UmoptError(f"loss_reduction must be 'mean' or 'sum', got {reduction!r}")
     if normalizer is not None:
         if reduction != "sum":
-            raise UmoptError("a loss normalizer divides a summed loss: give loss_reduction='sum' with a loss_fn that returns a sum")
+            raise UmoptError(
+                "a loss normalizer divides a summed loss: give loss_reduction='sum' with a loss_fn that returns a sum"
+            )
         return ChunkLoss(loss_fn, "normalized", normalizer)
     return ChunkLoss(loss_fn, "share" if reduction == "mean" else "sum")

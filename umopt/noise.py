@@ -142,7 +142,12 @@ def drift_warning(drift: float, threshold: float = NOISY_SPREAD) -> Optional[str
     )
 
 
-def uneven_devices_warning(reference_ms: Sequence[float], device_type: str, when: str = "while profiling", threshold: float = NOISY_SPREAD) -> Optional[str]:
+def uneven_devices_warning(
+    reference_ms: Sequence[float],
+    device_type: str,
+    when: str = "while profiling",
+    threshold: float = NOISY_SPREAD,
+) -> Optional[str]:
     """One line when the same fixed work took more than ``threshold`` longer on one stage's
     device than on another's while they were timed. (The stages' times are not scaled by it: on
     a shared CPU the matmul's speed did not follow the models' ops, and scaled profiles agreed
@@ -169,7 +174,9 @@ def noise_figure(medians: Sequence[float], iqrs: Sequence[float]) -> tuple[float
         return 0.0, 0.0
     order = np.argsort(s)
     cum = np.cumsum(w[order]) / w.sum()
-    return float(s[order][np.searchsorted(cum, 0.5)]), float(s[order][min(np.searchsorted(cum, 0.9), s.size - 1)])
+    return float(s[order][np.searchsorted(cum, 0.5)]), float(
+        s[order][min(np.searchsorted(cum, 0.9), s.size - 1)]
+    )
 
 
 def noisy_warning(what: str, median_spread: float, threshold: float = NOISY_SPREAD) -> Optional[str]:
@@ -186,6 +193,7 @@ def busy_cores(seconds: float = 0.5) -> Optional[float]:
     """How many cores other work kept busy over the last ``seconds`` (Linux's /proc/stat), or the
     one-minute load average where that cannot be read. The load average lags by a minute: right
     after another measurement it still counts that one."""
+
     def sample() -> tuple[int, int]:
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:]]
@@ -238,7 +246,9 @@ def run_warnings(report: RunReport) -> list[str]:
             "another machine, or a profile without the runtime's costs); profile again here (its probe runs fit the runtime) "
             "or fit it to this run: umopt calibrate PROFILE REPORT -o PROFILE2"
         )
-    uneven = uneven_devices_warning(report.reference_ms, "cuda" if report.backend == "nccl" else "cpu", f"while {name} ran")
+    uneven = uneven_devices_warning(
+        report.reference_ms, "cuda" if report.backend == "nccl" else "cpu", f"while {name} ran"
+    )
     if uneven:
         out.append(uneven)
     if report.numerics_differ:

@@ -86,7 +86,9 @@ def repair_ends(ends: np.ndarray, max_size: int) -> np.ndarray:
     idx = np.arange(B)
     last = np.where(ends, idx, -1)
     # index of the end strictly before each sample (-1 at the start)
-    before = np.maximum.accumulate(np.concatenate([np.full(ends.shape[:-1] + (1,), -1), last[..., :-1]], axis=-1), axis=-1)
+    before = np.maximum.accumulate(
+        np.concatenate([np.full(ends.shape[:-1] + (1,), -1), last[..., :-1]], axis=-1), axis=-1
+    )
     gap = idx - before
     ends |= gap % max_size == 0
     return ends
@@ -195,4 +197,7 @@ def partitions_from_ops(ops: Sequence[Op]) -> tuple[list[int], list[int]]:
 
 def backwards_in_sample_order(ops: Sequence[Sequence[Op]]) -> bool:
     """Does every stage's op list run its B ops in sample order (the 1F1B family, any warm-ups)?"""
-    return all([lo for kind, lo, _ in st if kind == "B"] == sorted(lo for kind, lo, _ in st if kind == "B") for st in ops)
+    return all(
+        [lo for kind, lo, _ in st if kind == "B"] == sorted(lo for kind, lo, _ in st if kind == "B")
+        for st in ops
+    )

@@ -40,9 +40,9 @@ from torch import nn
 from .costmodel import CostTables, Op, simulate
 from .devices import TensorSpec, autocast, check_trainable, numerics, numerics_differences
 from .errors import UmoptError, first_line
-from .losses import ChunkLoss, chunk_loss
 from .formats.profile import Profile, load_profile
 from .formats.schedule import Schedule, check_against_profile, load_schedule
+from .losses import ChunkLoss, chunk_loss
 from .splitbackward import backward_input
 
 __all__ = ["Pipeline", "PipelineBroken", "StepTimer", "link_order", "link_groups", "BUCKET_BYTES"]
@@ -51,6 +51,7 @@ __all__ = ["Pipeline", "PipelineBroken", "StepTimer", "link_order", "link_groups
 class PipelineBroken(UmoptError):
     """A step failed because another rank's step failed first (its words inside), or this
     pipeline can no longer step (see [Note: a failed step breaks the pipeline])."""
+
 
 # gradients all-reduced together across data-parallel replicas, at most (torch DDP's default)
 BUCKET_BYTES = 25 << 20
@@ -83,6 +84,7 @@ def link_groups(pipelines: Sequence[Sequence[int]]) -> dict[tuple[int, int], Any
         if pair not in groups:
             groups[pair] = dist.new_group(list(pair))
     return {pair: groups[pair] for pair in pairs}
+
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -121,7 +123,9 @@ def _break_links(reason: str) -> None:
     except Exception:  # noqa: BLE001 - the links are still dropped below
         pass
     nccl = dist.get_backend() == "nccl"
-    groups = [g for g in _LINKS["groups"].values() if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER]
+    groups = [
+        g for g in _LINKS["groups"].values() if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER
+    ]
     _LINKS["groups"] = {}
     for g in groups:
         try:
@@ -159,7 +163,8 @@ def _warn_numerics(profile: Profile) -> None:
     if differ and line not in _said:
         _said.add(line)
         logging.getLogger("umopt").warning(
-            "this process runs with other numerics than the profile was timed under (%s): its predicted times may not hold", line
+            "this process runs with other numerics than the profile was timed under (%s): its predicted times may not hold",
+            line,
         )
 
 
@@ -217,9 +222,17 @@ def _tensors(x: Any, what: str) -> tuple[torch.Tensor, ...]:
         return (x,)
     if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
         return tuple(x)
-    inner = next((t for t in x if not isinstance(t, torch.Tensor)), None) if isinstance(x, (tuple, list)) else x
-    kind = "a numpy array (make it a tensor: torch.from_numpy)" if type(inner).__module__ == "numpy" else f"a {type(inner).__name__}"
-    raise UmoptError(f"{what} is {kind}: umopt.Pipeline takes a tensor or a tuple of tensors there (dicts are not supported: use a tuple)")
+    inner = (
+        next((t for t in x if not isinstance(t, torch.Tensor)), None) if isinstance(x, (tuple, list)) else x
+    )
+    kind = (
+        "a numpy array (make it a tensor: torch.from_numpy)"
+        if type(inner).__module__ == "numpy"
+        else f"a {type(inner).__name__}"
+    )
+    raise UmoptError(
+        f"{what} is {kind}: umopt.Pipeline takes a tensor or a tuple of tensors there (dicts are not supported: use a tuple)"
+    )
 
 
 def _as_tuple(x: Optional[Tensors]) -> tuple[torch.Tensor, ...]:
@@ -251,7 +264,11 @@ BATCH_STATISTICS = (nn.modules.batchnorm._BatchNorm,)  # BatchNorm1d/2d/3d, Sync
 def batch_statistics_layers(module: nn.Module) -> list[str]:
     """The layers of ``module`` whose output in training depends on the other samples of the
     batch (BatchNorm): chunked, they see a chunk's statistics, not the minibatch's."""
-    return [name or module.__class__.__name__ for name, m in module.named_modules() if isinstance(m, BATCH_STATISTICS)]
+    return [
+        name or module.__class__.__name__
+        for name, m in module.named_modules()
+        if isinstance(m, BATCH_STATISTICS)
+    ]
 
 
 # What broke the links of this process's pipelines, once one step failed (see [Note: a failed step breaks the pipeline])
@@ -317,20 +334,28 @@ class Pipeline:
         on_failure: Optional[Callable[[BaseException], None]] = None,
     ):
         self.schedule = schedule if isinstance(schedule, Schedule) else load_schedule(str(schedule))
-        self.profile = profile if isinstance(profile, Profile) else load_profile(str(profile or self.schedule.profile.path))
+        self.profile = (
+            profile
+            if isinstance(profile, Profile)
+            else load_profile(str(profile or self.schedule.profile.path))
+        )
         check_against_profile(self.schedule, self.profile)
         self.group = group
         S = len(self.schedule.stages)
         self.stage = dist.get_rank(group) if stage is None else stage
         if dist.get_world_size(group) != S:
-            raise UmoptError(f"the schedule has {S} stages but the process group has {dist.get_world_size(group)} ranks")
+            raise UmoptError(
+                f"the schedule has {S} stages but the process group has {dist.get_world_size(group)} ranks"
+            )
         if not 0 <= self.stage < S:
             raise UmoptError(f"stage {self.stage} of a {S}-stage schedule")
         self.first, self.last = self.stage == 0, self.stage == S - 1
         if self.last and loss_fn is None:
             raise UmoptError("the last stage needs loss_fn")
         self.module, self.loss_fn = module, loss_fn
-        self._loss: Optional[ChunkLoss] = chunk_loss(loss_fn, loss_reduction, loss_normalizer) if loss_fn is not None else None
+        self._loss: Optional[ChunkLoss] = (
+            chunk_loss(loss_fn, loss_reduction, loss_normalizer) if loss_fn is not None else None
+        )
         batch_norms = batch_statistics_layers(module)
         if batch_norms:
             line = (
@@ -353,7 +378,10 @@ class Pipeline:
         self.ops: list[Op] = self.schedule.op_lists()[self.stage]
         self._split = any(op.kind == "W" for op in self.ops)  # B: the input gradient only; W: the weights'
         order = link_order(self.profile, self.schedule)
-        self.up, self.down = order.get((self.stage - 1, self.stage), []), order.get((self.stage, self.stage + 1), [])
+        self.up, self.down = (
+            order.get((self.stage - 1, self.stage), []),
+            order.get((self.stage, self.stage + 1), []),
+        )
         ranks = list(range(S)) if group is None else dist.get_process_group_ranks(group)
         self.peer_up = ranks[self.stage - 1] if not self.first else -1
         self.peer_down = ranks[self.stage + 1] if not self.last else -1
@@ -370,7 +398,9 @@ class Pipeline:
         self._pair_down = tuple(sorted((me, self.peer_down))) if not self.last else None
         _watch_for_failures()
         self.input_specs: Optional[list[TensorSpec]] = list(input_specs) if input_specs is not None else None
-        self.output_specs: Optional[list[TensorSpec]] = list(output_specs) if output_specs is not None else None
+        self.output_specs: Optional[list[TensorSpec]] = (
+            list(output_specs) if output_specs is not None else None
+        )
         self._ready = False
         self._act: list[torch.Tensor] = []  # one buffer per received tensor, the whole minibatch
         self._grad: list[torch.Tensor] = []  # one per sent tensor that carries a gradient back
@@ -409,19 +439,31 @@ class Pipeline:
             told: list = [None]
             dist.recv_object_list(told, src=self.peer_up, group=self.link_up)
             if self.input_specs is not None and list(self.input_specs) != list(told[0]):
-                raise UmoptError(f"stage {self.stage} expects {self.input_specs} but stage {self.stage - 1} sends {told[0]}")
+                raise UmoptError(
+                    f"stage {self.stage} expects {self.input_specs} but stage {self.stage - 1} sends {told[0]}"
+                )
             self.input_specs = list(told[0])
         if not self.last:
             if self.output_specs is None:
                 if self.first and not inputs:
-                    raise UmoptError("stage 0 learns what it sends from one forward: pass its inputs to prepare() or step()")
-                sample = tuple(t[:1] for t in inputs) if self.first else tuple(spec.empty(1, self.device).zero_() for spec in self.input_specs)
+                    raise UmoptError(
+                        "stage 0 learns what it sends from one forward: pass its inputs to prepare() or step()"
+                    )
+                sample = (
+                    tuple(t[:1] for t in inputs)
+                    if self.first
+                    else tuple(spec.empty(1, self.device).zero_() for spec in self.input_specs)
+                )
                 out = self._sample_forward(sample)
                 self.output_specs = [TensorSpec.of(t) for t in _tensors(out, f"stage {self.stage}'s output")]
             dist.send_object_list([self.output_specs], dst=self.peer_down, group=self.link_down)
         B = self.schedule.minibatch
         self._act = [spec.empty(B, self.device) for spec in self.input_specs] if not self.first else []
-        self._grad = [spec.empty(B, self.device) for spec in self.output_specs if _grad_carrying(spec)] if not self.last else []
+        self._grad = (
+            [spec.empty(B, self.device) for spec in self.output_specs if _grad_carrying(spec)]
+            if not self.last
+            else []
+        )
         self._ready = True
 
     def prepare(self, inputs: Optional[Tensors] = None) -> None:
@@ -431,7 +473,9 @@ class Pipeline:
             self._guarded(lambda: self._learn_specs(_tensors(inputs, "stage 0's inputs")))
 
     # --- one iteration -----------------------------------------------------------------------
-    def _inputs(self, args: tuple, inputs: Any, targets: Any, target: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    def _inputs(
+        self, args: tuple, inputs: Any, targets: Any, target: Any
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """The inputs and targets of a step, as torch's schedules take them (``step(x)``,
         ``step(target=y)``) or as umopt's (``inputs=``, ``targets=``), checked."""
         if args and inputs is not None:
@@ -442,9 +486,13 @@ class Pipeline:
         xs = _tensors(args[0] if len(args) == 1 else (args or inputs), "stage 0's inputs")
         ys = _tensors(targets if targets is not None else target, "the targets")
         if self.first and (not xs or any(t.shape[0] != B for t in xs)):
-            raise UmoptError(f"stage 0's step needs inputs of {B} samples (the schedule's minibatch), got {[t.shape[0] for t in xs] or 'none'}")
+            raise UmoptError(
+                f"stage 0's step needs inputs of {B} samples (the schedule's minibatch), got {[t.shape[0] for t in xs] or 'none'}"
+            )
         if self.last and (not ys or any(t.shape[0] != B for t in ys)):
-            raise UmoptError(f"the last stage's step needs targets of {B} samples, got {[t.shape[0] for t in ys] or 'none'}")
+            raise UmoptError(
+                f"the last stage's step needs targets of {B} samples, got {[t.shape[0] for t in ys] or 'none'}"
+            )
         if self.first and self._ready:
             for i, (t, spec) in enumerate(zip(xs, self.input_specs)):
                 _check_spec(t, spec, f"stage 0's input {i}")
@@ -456,7 +504,9 @@ class Pipeline:
         assert self._loss is not None
         if self._loss.rule != "normalized":
             return self._loss.scale(ys[0] if len(ys) == 1 else ys, self.schedule.minibatch)
-        total = torch.as_tensor(self._loss.normalizer(ys[0] if len(ys) == 1 else ys), dtype=torch.float32, device=self.device)
+        total = torch.as_tensor(
+            self._loss.normalizer(ys[0] if len(ys) == 1 else ys), dtype=torch.float32, device=self.device
+        )
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             total = total.clone()
             dist.all_reduce(total, group=self.dp_group)
@@ -464,7 +514,11 @@ class Pipeline:
         return lambda lo, hi: 1.0 / total
 
     def step(
-        self, *args: Any, inputs: Optional[Tensors] = None, targets: Optional[Tensors] = None, target: Optional[Tensors] = None,
+        self,
+        *args: Any,
+        inputs: Optional[Tensors] = None,
+        targets: Optional[Tensors] = None,
+        target: Optional[Tensors] = None,
         losses: Optional[list] = None,
     ) -> Optional[torch.Tensor]:
         """Run one iteration's forwards and backwards on this stage; gradients accumulate in the
@@ -480,8 +534,14 @@ class Pipeline:
         """
         return self._guarded(lambda: self._step(*self._inputs(args, inputs, targets, target), losses=losses))
 
-    def eval_step(self, *args: Any, inputs: Optional[Tensors] = None, targets: Optional[Tensors] = None, target: Optional[Tensors] = None,
-                  outputs: bool = False) -> Any:
+    def eval_step(
+        self,
+        *args: Any,
+        inputs: Optional[Tensors] = None,
+        targets: Optional[Tensors] = None,
+        target: Optional[Tensors] = None,
+        outputs: bool = False,
+    ) -> Any:
         """Forwards only, under ``torch.no_grad()``, chunked as the schedule's forwards: nothing is
         stashed and no gradient is touched. Returns, on the last stage, the minibatch's loss
         exactly as one process computes it (with ``outputs=True``: ``(loss, output)``, the last
@@ -499,16 +559,22 @@ class Pipeline:
         except BaseException as exc:
             first = _failure_elsewhere()
             if first and not isinstance(exc, UmoptError):  # this rank's error is the echo of another's
-                exc = PipelineBroken(f"{first} (stage {self.stage} stopped: {exc.__class__.__name__}: {first_line(exc, 160)})")
+                exc = PipelineBroken(
+                    f"{first} (stage {self.stage} stopped: {exc.__class__.__name__}: {first_line(exc, 160)})"
+                )
             if self.on_failure is not None:
                 self.on_failure(exc)  # before the links break: the peers fail at once after that
-            _break_links(first or f"stage {self.stage} failed: {exc.__class__.__name__}: {first_line(exc, 300)}")
+            _break_links(
+                first or f"stage {self.stage} failed: {exc.__class__.__name__}: {first_line(exc, 300)}"
+            )
             if isinstance(exc, PipelineBroken):
                 raise exc from None
             raise
 
-    def _step(self, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...], losses: Optional[list]) -> Optional[torch.Tensor]:
-        B, recompute = self.schedule.minibatch, self.schedule.recompute
+    def _step(
+        self, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...], losses: Optional[list]
+    ) -> Optional[torch.Tensor]:
+        recompute = self.schedule.recompute
         if not self._ready:
             self._learn_specs(xs)
         scale = self._loss_scale(ys) if self.last else None
@@ -523,7 +589,8 @@ class Pipeline:
             if self.first:
                 return tuple(t[lo:hi] for t in xs)
             return tuple(
-                buf[lo:hi].detach().requires_grad_(grad and _grad_carrying(spec)) for buf, spec in zip(self._act, self.input_specs)
+                buf[lo:hi].detach().requires_grad_(grad and _grad_carrying(spec))
+                for buf, spec in zip(self._act, self.input_specs)
             )
 
         def forward(x: tuple[torch.Tensor, ...], lo: int, hi: int):
@@ -559,7 +626,9 @@ class Pipeline:
                     if self.last:
                         roots, grads = [out], None
                     else:
-                        outs = [t for t, spec in zip(_as_tuple(out), self.output_specs) if _grad_carrying(spec)]
+                        outs = [
+                            t for t, spec in zip(_as_tuple(out), self.output_specs) if _grad_carrying(spec)
+                        ]
                         pairs = [(o, g[lo:hi]) for o, g in zip(outs, self._grad) if o.requires_grad]
                         roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
                     if self._split:  # the input gradient now, the weight gradient at this chunk's W
@@ -567,7 +636,15 @@ class Pipeline:
                     elif roots:
                         torch.autograd.backward(roots, grads)
                     if not self.first:
-                        links.send_grads(lo, hi, [t.grad if t.grad is not None else torch.zeros_like(t) for t, spec in zip(x, self.input_specs) if _grad_carrying(spec)])
+                        links.send_grads(
+                            lo,
+                            hi,
+                            [
+                                t.grad if t.grad is not None else torch.zeros_like(t)
+                                for t, spec in zip(x, self.input_specs)
+                                if _grad_carrying(spec)
+                            ],
+                        )
                 else:  # W: the weight gradients of the B chunks in [lo, hi)
                     t0 = mark()
                     for chunk in sorted(c for c in weights_later if lo <= c[0] and c[1] <= hi):
@@ -586,14 +663,20 @@ class Pipeline:
         self.spans = spans
         return loss_sum if self.last else None
 
-    def _chunk_loss(self, out: Any, ys: tuple[torch.Tensor, ...], lo: int, hi: int, scale, losses: Optional[list]) -> torch.Tensor:
+    def _chunk_loss(
+        self, out: Any, ys: tuple[torch.Tensor, ...], lo: int, hi: int, scale, losses: Optional[list]
+    ) -> torch.Tensor:
         """The loss of samples ``[lo, hi)``, counted as its part of the minibatch's (:mod:`umopt.losses`)."""
         assert self._loss is not None
         y = tuple(t[lo:hi] for t in ys)
         y = y[0] if len(y) == 1 else y
         loss = self._loss.fn(out, y)
         if losses is not None:  # the chunk's own loss, as torch's schedules append it
-            own = loss / torch.as_tensor(self._loss.normalizer(y), dtype=torch.float32, device=loss.device) if self._loss.rule == "normalized" else loss
+            own = (
+                loss / torch.as_tensor(self._loss.normalizer(y), dtype=torch.float32, device=loss.device)
+                if self._loss.rule == "normalized"
+                else loss
+            )
             losses.append(own.detach())
         return loss * scale(lo, hi)
 
@@ -601,7 +684,9 @@ class Pipeline:
         """What this stage sends on for a chunk: its output's tensors, checked against the agreed shapes."""
         ts = _tensors(out, f"stage {self.stage}'s output")
         if len(ts) != len(self.output_specs):
-            raise UmoptError(f"stage {self.stage}'s output has {len(ts)} tensors, but had {len(self.output_specs)} at the first step")
+            raise UmoptError(
+                f"stage {self.stage}'s output has {len(ts)} tensors, but had {len(self.output_specs)} at the first step"
+            )
         for i, (t, spec) in enumerate(zip(ts, self.output_specs)):
             _check_spec(t, spec, f"stage {self.stage}'s output {i}")
         return [t.detach() for t in ts]
@@ -611,7 +696,11 @@ class Pipeline:
             self._learn_specs(xs)
         forwards = [op for op in self.ops if op.kind == "F"]
         # forwards only: each link carries activations alone, in the order the stage before runs its forwards
-        links = _Links(self, up=[("act", lo, hi) for _, lo, hi in self._forwards_of(self.stage - 1)], down=[("act", lo, hi) for _, lo, hi in forwards])
+        links = _Links(
+            self,
+            up=[("act", lo, hi) for _, lo, hi in self._forwards_of(self.stage - 1)],
+            down=[("act", lo, hi) for _, lo, hi in forwards],
+        )
         scale = self._loss_scale(ys) if self.last else None
         loss_sum = torch.zeros((), device=self.device)
         kept: dict[int, Any] = {}
@@ -640,7 +729,9 @@ class Pipeline:
             return loss_sum
         parts = [kept[lo] for lo in sorted(kept)]
         first = _tensors(parts[0], "the last stage's output")
-        output = tuple(torch.cat([_tensors(p, "the last stage's output")[i] for p in parts]) for i in range(len(first)))
+        output = tuple(
+            torch.cat([_tensors(p, "the last stage's output")[i] for p in parts]) for i in range(len(first))
+        )
         return loss_sum, output[0] if len(output) == 1 else output
 
     def _forwards_of(self, stage: int) -> list[Op]:
@@ -711,7 +802,9 @@ class _Links:
             base = self.pos[side] * 64  # tags: the message's place in the order, then the tensor
             if (kind == "act") == (side == "up"):  # incoming
                 bufs = p._act if side == "up" else p._grad
-                works = [dist.irecv(buf[lo:hi], src=peer, tag=base + i, group=link) for i, buf in enumerate(bufs)]
+                works = [
+                    dist.irecv(buf[lo:hi], src=peer, tag=base + i, group=link) for i, buf in enumerate(bufs)
+                ]
                 (self.recv_act if side == "up" else self.recv_grad)[(lo, hi)] = works
             else:
                 data = self.ready.pop((kind, lo, hi), None)

@@ -29,33 +29,73 @@ def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: st
 
     S = max(len(tl.spans) for _, tl in panels)
     horizon = max(tl.iteration_ms for _, tl in panels)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 0.9 + 0.45 * S * len(panels) + 0.4), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(12, 0.9 + 0.45 * S * len(panels) + 0.4), sharex=True, squeeze=False
+    )
     for ax, (label, tl) in zip(axes[:, 0], panels):
         for s, spans in enumerate(tl.spans):
             for sp in spans:
                 width = sp.end - sp.start
-                ax.barh(s, width, left=sp.start, height=0.8, color=COLOURS[sp.kind], edgecolor="white", linewidth=0.4)
+                ax.barh(
+                    s,
+                    width,
+                    left=sp.start,
+                    height=0.8,
+                    color=COLOURS[sp.kind],
+                    edgecolor="white",
+                    linewidth=0.4,
+                )
                 if width > horizon / 60:
-                    ax.text(sp.start + width / 2, s, str(sp.hi - sp.lo), ha="center", va="center", fontsize=6, color="white")
+                    ax.text(
+                        sp.start + width / 2,
+                        s,
+                        str(sp.hi - sp.lo),
+                        ha="center",
+                        va="center",
+                        fontsize=6,
+                        color="white",
+                    )
         # each stage's gradient all-reduce among data-parallel replicas, after its last op
         for s, (f, a) in enumerate(zip(tl.finish_ms, tl.allreduce_ms)):
             if a > 0:
                 ax.barh(s, a, left=f, height=0.8, color=ALLREDUCE, edgecolor="white", linewidth=0.4)
         # the optimizer step closes the iteration on every stage
-        ax.barh(range(len(tl.spans)), tl.iteration_ms - tl.makespan_ms, left=tl.makespan_ms, height=0.8, color="#BBBBBB")
+        ax.barh(
+            range(len(tl.spans)),
+            tl.iteration_ms - tl.makespan_ms,
+            left=tl.makespan_ms,
+            height=0.8,
+            color="#BBBBBB",
+        )
         ax.set_yticks(range(len(tl.spans)), [f"stage {s}" for s in range(len(tl.spans))])
         ax.invert_yaxis()
         ax.set_ylim(len(tl.spans) - 0.5, -0.5)
-        ax.set_title(f"{label}: {tl.iteration_ms:.2f} ms per iteration, bubble {100 * tl.bubble_fraction:.1f}%", fontsize=9, loc="left")
+        ax.set_title(
+            f"{label}: {tl.iteration_ms:.2f} ms per iteration, bubble {100 * tl.bubble_fraction:.1f}%",
+            fontsize=9,
+            loc="left",
+        )
         ax.set_xlim(0, horizon * 1.01)
     axes[-1, 0].set_xlabel("time (ms)")
     # above the first panel, right of its title: inside the axes it hid the first stage's ops
-    handles = [Patch(color=COLOURS["F"], label="forward"), Patch(color=COLOURS["B"], label="backward"), Patch(color="#BBBBBB", label="optimizer")]
+    handles = [
+        Patch(color=COLOURS["F"], label="forward"),
+        Patch(color=COLOURS["B"], label="backward"),
+        Patch(color="#BBBBBB", label="optimizer"),
+    ]
     if any(sp.kind == "W" for _, tl in panels for spans in tl.spans for sp in spans):
         handles.insert(2, Patch(color=COLOURS["W"], label="weight gradient"))
     if any(any(a > 0 for a in tl.allreduce_ms) for _, tl in panels):
         handles.insert(2, Patch(color=ALLREDUCE, label="all-reduce"))
-    axes[0, 0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=7, frameon=False, borderaxespad=0.2)
+    axes[0, 0].legend(
+        handles=handles,
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        ncol=3,
+        fontsize=7,
+        frameon=False,
+        borderaxespad=0.2,
+    )
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -109,7 +109,9 @@ class _Partition:
         return self._chunk_of[np.minimum(samples, B - 1) * P + cols].astype(cols.dtype)
 
 
-def evaluate_gpipe(tables: CostTables, fsizes: np.ndarray, bsizes: np.ndarray | None = None, wcap: np.ndarray | None = None) -> PopulationScore:
+def evaluate_gpipe(
+    tables: CostTables, fsizes: np.ndarray, bsizes: np.ndarray | None = None, wcap: np.ndarray | None = None
+) -> PopulationScore:
     """Score P GPipe-order schedules.
 
     ``fsizes``: int array (P, S, K) of forward chunk sizes per stage, zero-padded at the end.
@@ -125,8 +127,12 @@ def evaluate_gpipe(tables: CostTables, fsizes: np.ndarray, bsizes: np.ndarray | 
     P, S, _ = fsizes.shape
     B = int(fsizes[0, 0].sum())
     if _compiled is not None:
-        it, finish, busy, peak = _compiled.evaluate_gpipe(*_one_width(fsizes, bsizes), _compiled_costs(tables, B))
-        return _with_allreduce(tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak))
+        it, finish, busy, peak = _compiled.evaluate_gpipe(
+            *_one_width(fsizes, bsizes), _compiled_costs(tables, B)
+        )
+        return _with_allreduce(
+            tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
+        )
     idx = np.int32 if B * P < 2**31 else np.int64
     cols = np.arange(P, dtype=idx)
     # Chunk-major layout (S, K, P): every scan step is then one contiguous row of the population.
@@ -177,9 +183,15 @@ def evaluate_gpipe(tables: CostTables, fsizes: np.ndarray, bsizes: np.ndarray | 
             arrive = _scan(end + part.pad, link[s - 1][part.sizes], 0.0, reverse=True)
         peak[s] = _gpipe_peak(tables, s, fparts[s].sizes, part.sizes)
 
-    return _with_allreduce(tables, PopulationScore(
-        iteration_ms=finish.max(axis=0) + tables.optimizer_ms, finish_ms=finish.T, busy_ms=busy.T, peak_memory_bytes=peak.T
-    ))
+    return _with_allreduce(
+        tables,
+        PopulationScore(
+            iteration_ms=finish.max(axis=0) + tables.optimizer_ms,
+            finish_ms=finish.T,
+            busy_ms=busy.T,
+            peak_memory_bytes=peak.T,
+        ),
+    )
 
 
 def _one_width(fsizes: np.ndarray, bsizes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -194,7 +206,17 @@ def _compiled_costs(tables: CostTables, minibatch: int):
     """The tables as the compiled evaluators take them (a few microseconds: views of the
     arrays and three short copies)."""
     t = tables
-    return _compiled.Costs(t.fwd, t.bwd, t.link, t.static_bytes, t.stash_bytes, t.input_bytes, t.optimizer_ms, t.recompute, minibatch)
+    return _compiled.Costs(
+        t.fwd,
+        t.bwd,
+        t.link,
+        t.static_bytes,
+        t.stash_bytes,
+        t.input_bytes,
+        t.optimizer_ms,
+        t.recompute,
+        minibatch,
+    )
 
 
 def _gather(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -217,7 +239,11 @@ def _gpipe_peak(tables: CostTables, s: int, f: np.ndarray, b: np.ndarray) -> np.
 
 
 def evaluate_1f1b(
-    tables: CostTables, fsizes: np.ndarray, warmup: np.ndarray | None = None, bsizes: np.ndarray | None = None, wcap: np.ndarray | None = None
+    tables: CostTables,
+    fsizes: np.ndarray,
+    warmup: np.ndarray | None = None,
+    bsizes: np.ndarray | None = None,
+    wcap: np.ndarray | None = None,
 ) -> PopulationScore:
     """Score P schedules in 1F1B order. ``warmup[p, s]``: forwards stage s runs before its first
     backward (default ``S - s - 1``, PipeDream-flush). ``bsizes``: the backward partitions (same
@@ -249,12 +275,18 @@ def evaluate_1f1b(
     if _compiled is not None:
         wu = np.broadcast_to(S - 1 - np.arange(S), (P, S)) if warmup is None else np.asarray(warmup)
         it, finish, busy, peak = _compiled.evaluate_1f1b(fsizes, bsizes, wu, _compiled_costs(tables, B))
-        return _with_allreduce(tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak))
+        return _with_allreduce(
+            tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
+        )
     idx = np.int32 if (2 * S + 4) * K * P < 2**31 else np.int64
     cols = np.arange(P, dtype=idx)
     parts = [_Partition(np.ascontiguousarray(fsizes[:, s].T, dtype=idx), B, cols) for s in range(S)]
     same = bsizes is fsizes or np.array_equal(bsizes, fsizes)
-    bparts = parts if same else [_Partition(np.ascontiguousarray(bsizes[:, s].T, dtype=idx), B, cols) for s in range(S)]
+    bparts = (
+        parts
+        if same
+        else [_Partition(np.ascontiguousarray(bsizes[:, s].T, dtype=idx), B, cols) for s in range(S)]
+    )
     Q = 2 * K
     KP = K * P
     k_col = np.arange(K)[:, None]
@@ -270,10 +302,14 @@ def evaluate_1f1b(
         nb = np.count_nonzero(bp.sizes, axis=0)  # B chunks
         real, breal = k_col < n, k_col < nb
         hi, bhi = p.last + 1, bp.last + 1
-        need = bhi if s == S - 1 else np.maximum(bhi, _gather(forwarded_at_b, bparts[s + 1].chunk_of(bp.last)))
+        need = (
+            bhi if s == S - 1 else np.maximum(bhi, _gather(forwarded_at_b, bparts[s + 1].chunk_of(bp.last)))
+        )
         own = p.chunk_of(need - 1)  # the first F after which the need is met
         warm = np.minimum(S - s - 1 if warmup is None else np.asarray(warmup)[:, s], n)
-        after = np.maximum.accumulate(np.maximum(warm, own) - k_col, axis=0) + k_col  # B_j runs after F number after_j
+        after = (
+            np.maximum.accumulate(np.maximum(warm, own) - k_col, axis=0) + k_col
+        )  # B_j runs after F number after_j
         after = np.minimum(after, n - 1)
         forwarded_at_b = np.where(breal, _gather(hi, after), B)
         b_pos = np.where(breal, after + 1 + k_col, Q - 1)
@@ -348,13 +384,24 @@ def evaluate_1f1b(
     clock, ptr = _play(plans, known, P, Q, S)
     settled = (ptr == nslots).all(axis=0)
     finish = clock
-    busy = np.array([tables.fwd[s][parts[s].sizes].sum(axis=0) + tables.bwd[s][bparts[s].sizes].sum(axis=0) for s in range(S)])
+    busy = np.array(
+        [
+            tables.fwd[s][parts[s].sizes].sum(axis=0) + tables.bwd[s][bparts[s].sizes].sum(axis=0)
+            for s in range(S)
+        ]
+    )
     it = np.where(settled, finish.max(axis=0) + tables.optimizer_ms, np.inf)
-    return _with_allreduce(tables, PopulationScore(iteration_ms=it, finish_ms=finish.T, busy_ms=busy.T, peak_memory_bytes=peak.T))
+    return _with_allreduce(
+        tables, PopulationScore(iteration_ms=it, finish_ms=finish.T, busy_ms=busy.T, peak_memory_bytes=peak.T)
+    )
 
 
 def evaluate_split(
-    tables: CostTables, fsizes: np.ndarray, bsizes: np.ndarray | None, wcap: np.ndarray, warmup: np.ndarray | None = "gpipe"
+    tables: CostTables,
+    fsizes: np.ndarray,
+    bsizes: np.ndarray | None,
+    wcap: np.ndarray,
+    warmup: np.ndarray | None = "gpipe",
 ) -> PopulationScore:
     """Score P schedules whose backward is split into B and W ops (zero bubble): the F/B order of
     GPipe (``warmup`` "gpipe") or of 1F1B with those warm-ups (None: PipeDream-flush's), then on
@@ -376,9 +423,19 @@ def evaluate_split(
     wcap = np.asarray(wcap)
     if _compiled is not None:
         it, finish, busy, peak = _compiled.evaluate_split(
-            fsizes, bsizes, wu, wcap, onef1b, _compiled_costs(tables, B), tables.bwd_input, tables.bwd_weight, tables.op_overhead
+            fsizes,
+            bsizes,
+            wu,
+            wcap,
+            onef1b,
+            _compiled_costs(tables, B),
+            tables.bwd_input,
+            tables.bwd_weight,
+            tables.op_overhead,
         )
-        return _with_allreduce(tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak))
+        return _with_allreduce(
+            tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
+        )
     it, finish, busy, peak = np.full(P, np.inf), np.zeros((P, S)), np.zeros((P, S)), np.zeros((P, S))
     for p in range(P):
         fs = [[int(x) for x in fsizes[p, s] if x] for s in range(S)]
@@ -391,7 +448,9 @@ def evaluate_split(
             continue
         it[p] = max(tl.finish_ms) + tables.optimizer_ms
         finish[p], busy[p], peak[p] = tl.finish_ms, tl.busy_ms, tl.peak_memory_bytes
-    return _with_allreduce(tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak))
+    return _with_allreduce(
+        tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
+    )
 
 
 def _with_allreduce(tables: CostTables, score: PopulationScore) -> PopulationScore:

@@ -25,7 +25,14 @@ from .formats.schedule import make_schedule, save_schedule
 from .launch import RunFailed, launch
 from .problem import Candidate, Problem
 
-__all__ = ["PROBE_SIZES", "PROBE_MINIBATCH", "why_no_probes", "probe_runs", "fit_to_probes", "profile_in_pipeline"]
+__all__ = [
+    "PROBE_SIZES",
+    "PROBE_MINIBATCH",
+    "why_no_probes",
+    "probe_runs",
+    "fit_to_probes",
+    "profile_in_pipeline",
+]
 
 # chunk sizes of the probe schedules: ops of different sizes, and schedules with different
 # numbers of ops, so that per-size op times and per-op costs can be told apart
@@ -45,13 +52,30 @@ def why_no_probes(profile: Profile) -> Optional[str]:
         import torch
 
         gpus = torch.cuda.device_count()
-        return None if gpus >= S else f"{S} ranks need a GPU each, {gpus} here: the fit to the runtime is left out"
+        return (
+            None
+            if gpus >= S
+            else f"{S} ranks need a GPU each, {gpus} here: the fit to the runtime is left out"
+        )
     threads = int(profile.device.model_extra.get("threads", 1))
     cores = os.cpu_count() or 1
-    return None if S * threads <= cores else f"{S} ranks x {threads} threads need {S * threads} cores, {cores} here: the fit to the runtime is left out"
+    return (
+        None
+        if S * threads <= cores
+        else f"{S} ranks x {threads} threads need {S * threads} cores, {cores} here: the fit to the runtime is left out"
+    )
 
 
-def probe_runs(profile: Profile, minibatch: int, out: Path, *, steps: int = 3, warmup: int = 1, rounds: int = 2, sizes=PROBE_SIZES) -> list[str]:
+def probe_runs(
+    profile: Profile,
+    minibatch: int,
+    out: Path,
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    rounds: int = 2,
+    sizes=PROBE_SIZES,
+) -> list[str]:
     """Run each equal GPipe and 1F1B schedule with chunks of ``sizes`` (where the minibatch holds
     two or more and the profile measured them), all in one launch, taking turns; the reports'
     paths. ``profile`` must have been loaded from its file (the runtime reads it there)."""
@@ -70,14 +94,26 @@ def probe_runs(profile: Profile, minibatch: int, out: Path, *, steps: int = 3, w
             cand = Candidate.uniform(chunk_sizes, profile.num_stages, order)
             name = f"probe_{order}_b{b}"
             solver = {"name": name, "status": "feasible", "seconds": 0.0}
-            save_schedule(make_schedule(profile, minibatch, False, cand.ops(), cand.simulate(problem), solver, {}, dp), str(out / f"{name}.json"))
+            save_schedule(
+                make_schedule(profile, minibatch, False, cand.ops(), cand.simulate(problem), solver, {}, dp),
+                str(out / f"{name}.json"),
+            )
             names.append(name)
     if not names:
         return []
     # one launch for all of them: a start costs seconds, more than their steps
     launch(
-        [*(str(out / f"{n}.json") for n in names), "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds),
-         "--report", str(out / "{name}_report.json")],
+        [
+            *(str(out / f"{n}.json") for n in names),
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--rounds",
+            str(rounds),
+            "--report",
+            str(out / "{name}_report.json"),
+        ],
         quiet=True,
     )
     return [str(out / f"{n}_report.json") for n in names]
@@ -94,14 +130,29 @@ def fit_to_probes(profile: Profile, minibatch: int, out: Path, **kw) -> Profile:
     # which the model (a time per kind and size) cannot hold and 1F1B meets at every step
     left = dict(zip((Path(r).name.removesuffix("_report.json") for r in reports), run_ratios(fitted, runs)))
     by_order = {o: [v for k, v in left.items() if k.startswith(f"probe_{o}_")] for o in ("gpipe", "1f1b")}
-    probes = ProbesMeta(ran=True, minibatch=minibatch, schedules=len(reports), measured={
-        "forward_ms": [st.forward_ms for st in profile.stages], "backward_ms": [st.backward_ms for st in profile.stages]},
+    probes = ProbesMeta(
+        ran=True,
+        minibatch=minibatch,
+        schedules=len(reports),
+        measured={
+            "forward_ms": [st.forward_ms for st in profile.stages],
+            "backward_ms": [st.backward_ms for st in profile.stages],
+        },
         measured_over_fitted={k: round(v, 4) for k, v in left.items()},
-        order_ratio={o: round(float(np.exp(np.mean(np.log(v)))), 4) for o, v in by_order.items() if v})
+        order_ratio={o: round(float(np.exp(np.mean(np.log(v)))), 4) for o, v in by_order.items() if v},
+    )
     return fitted.model_copy(update={"meta": fitted.meta.model_copy(update={"probes": probes})})
 
 
-def profile_in_pipeline(opts, *, probes: bool = True, probe_minibatch: int = PROBE_MINIBATCH, progress=None, argv=None, say=lambda _m: None) -> Profile:
+def profile_in_pipeline(
+    opts,
+    *,
+    probes: bool = True,
+    probe_minibatch: int = PROBE_MINIBATCH,
+    progress=None,
+    argv=None,
+    say=lambda _m: None,
+) -> Profile:
     """:func:`umopt.profiler.profile_model`, then, where a core or GPU per stage allows, fitted to
     probe runs of the real runtime (``meta.probes`` says whether they ran, and if not why)."""
     import tempfile
@@ -114,15 +165,26 @@ def profile_in_pipeline(opts, *, probes: bool = True, probe_minibatch: int = PRO
     if why is None and min(probe_minibatch, profile.max_size) < 2:
         why = "the largest chunk size measured is 1"
     if why is not None:
-        return profile.model_copy(update={"meta": profile.meta.model_copy(update={"probes": ProbesMeta(ran=False, why=why)})})
-    say(f"probe runs of equal schedules (minibatch {probe_minibatch}) through the runtime, to fit the profile to it")
+        return profile.model_copy(
+            update={"meta": profile.meta.model_copy(update={"probes": ProbesMeta(ran=False, why=why)})}
+        )
+    say(
+        f"probe runs of equal schedules (minibatch {probe_minibatch}) through the runtime, to fit the profile to it"
+    )
     with tempfile.TemporaryDirectory(prefix="umopt-probes-") as tmp:
         save_profile(profile, Path(tmp) / "measured.json")
         try:
-            return fit_to_probes(load_profile(Path(tmp) / "measured.json"), probe_minibatch, Path(tmp) / "probes")
+            return fit_to_probes(
+                load_profile(Path(tmp) / "measured.json"), probe_minibatch, Path(tmp) / "probes"
+            )
         except RunFailed as exc:  # the measured profile stands; the user hears why it is not fitted
-            meta = profile.meta.model_copy(update={
-                "probes": ProbesMeta(ran=False, why=f"the probe runs failed: {exc}"),
-                "warnings": [*profile.meta.warnings, f"the probe runs failed ({exc}); the profile is as measured, without the runtime's own costs"],
-            })
+            meta = profile.meta.model_copy(
+                update={
+                    "probes": ProbesMeta(ran=False, why=f"the probe runs failed: {exc}"),
+                    "warnings": [
+                        *profile.meta.warnings,
+                        f"the probe runs failed ({exc}); the profile is as measured, without the runtime's own costs",
+                    ],
+                }
+            )
             return profile.model_copy(update={"meta": meta})

@@ -27,7 +27,9 @@ Progress = Callable[[float, float], None]
 
 
 @contextmanager
-def ticking(progress: Optional[Progress], start: float, seconds: float, best: Callable[[], float], every: float = 0.5) -> Iterator[None]:
+def ticking(
+    progress: Optional[Progress], start: float, seconds: float, best: Callable[[], float], every: float = 0.5
+) -> Iterator[None]:
     """Move ``progress`` with the clock while the block runs: every ``every`` seconds, the share
     of ``seconds`` gone since ``start`` (a ``time.perf_counter()``) and ``best()``.
 
@@ -100,7 +102,12 @@ class Candidate:
     def from_ops(cls, ops: Sequence[Sequence[Op]]) -> "Candidate":
         """A free-order candidate from per-stage op lists."""
         parts = [partitions_from_ops(o) for o in ops]
-        return cls([f for f, _ in parts], [b for _, b in parts], "free", explicit_ops=[[Op(*op) for op in o] for o in ops])
+        return cls(
+            [f for f, _ in parts],
+            [b for _, b in parts],
+            "free",
+            explicit_ops=[[Op(*op) for op in o] for o in ops],
+        )
 
     @property
     def warmups(self) -> list[int]:
@@ -157,7 +164,10 @@ def pack(partitions: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
 
 
 def score_gpipe(
-    problem: Problem, fsizes: np.ndarray, bsizes: Optional[np.ndarray] = None, wcap: Optional[np.ndarray] = None
+    problem: Problem,
+    fsizes: np.ndarray,
+    bsizes: Optional[np.ndarray] = None,
+    wcap: Optional[np.ndarray] = None,
 ) -> tuple[np.ndarray, PopulationScore]:
     """Iteration ms of each GPipe-order individual, ``inf`` where it breaks the memory limit;
     ``wcap`` (P, S): W ops placed with those caps (:class:`Candidate`)."""
@@ -165,7 +175,11 @@ def score_gpipe(
 
 
 def score_1f1b(
-    problem: Problem, fsizes: np.ndarray, warmup: Optional[np.ndarray] = None, bsizes: Optional[np.ndarray] = None, wcap: Optional[np.ndarray] = None
+    problem: Problem,
+    fsizes: np.ndarray,
+    warmup: Optional[np.ndarray] = None,
+    bsizes: Optional[np.ndarray] = None,
+    wcap: Optional[np.ndarray] = None,
 ) -> tuple[np.ndarray, PopulationScore]:
     """Iteration ms of each 1F1B-order individual (warm-ups as :func:`umopt.population_sim.evaluate_1f1b`'s),
     ``inf`` where it breaks the memory limit; ``wcap`` as :func:`score_gpipe`'s."""

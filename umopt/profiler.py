@@ -27,10 +27,29 @@ import numpy as np
 import torch
 from torch import nn
 
+from .devices import (
+    TensorSpec,
+    autocast,
+    boundary_tensors,
+    check_trainable,
+    default_memory_limit,
+    numerics,
+    reference_ms,
+)
 from .errors import UmoptError, first_line
 from .formats.profile import PROFILE_FORMAT, ProbesMeta, Profile, default_sizes
-from .devices import TensorSpec, autocast, boundary_tensors, check_trainable, default_memory_limit, numerics, reference_ms
-from .noise import Summary, drift_figure, drift_warning, uneven_devices_warning, load_warning, monotone_fit, noise_figure, noisy_warning, round_speeds, summarize
+from .noise import (
+    Summary,
+    drift_figure,
+    drift_warning,
+    load_warning,
+    monotone_fit,
+    noise_figure,
+    noisy_warning,
+    round_speeds,
+    summarize,
+    uneven_devices_warning,
+)
 from .splitbackward import backward_input
 from .zoo import ModelParts, build_model
 
@@ -200,7 +219,9 @@ class _Timed:
     last: bool
 
 
-def _time_stages(timed: list[_Timed], parts, sizes, device, opts, cast, progress, label, budget_s: float) -> list[_StageTimes]:
+def _time_stages(
+    timed: list[_Timed], parts, sizes, device, opts, cast, progress, label, budget_s: float
+) -> list[_StageTimes]:
     """Each stage's forward and backward times at each size, and with ``opts.split_backward`` the
     backward's input and weight gradients split as W ops run them (:mod:`umopt.splitbackward`,
     after a forward of their own): the median and spread of the repeats, with more repeats (up
@@ -244,7 +265,9 @@ def _time_stages(timed: list[_Timed], parts, sizes, device, opts, cast, progress
     # timed, or tilting the balance toward the stage timed in a slow moment. The order
     # alternates so that no size always follows the largest.
     units = [(j, b) for j in range(len(timed)) for b in sizes]
-    runs: dict[tuple[int, int], dict[int, tuple[float, ...]]] = {u: {} for u in units}  # unit -> round -> times
+    runs: dict[tuple[int, int], dict[int, tuple[float, ...]]] = {
+        u: {} for u in units
+    }  # unit -> round -> times
     for rnd in range(opts.warmup + opts.repeats):
         for u in units if rnd % 2 == 0 else units[::-1]:
             # the split's parts are timed in the first repeats only (they cost a forward and
@@ -255,7 +278,10 @@ def _time_stages(timed: list[_Timed], parts, sizes, device, opts, cast, progress
         reference.append(reference_ms(device))
         if progress:
             progress(len(units) / (opts.warmup + opts.repeats), 0, f"{label} round {rnd + 1}")
-    wide = lambda u: any(summarize([r[k] for r in runs[u].values()]).spread > opts.spread_target for k in range(2))  # noqa: E731
+
+    def wide(u) -> bool:
+        return any(summarize([r[k] for r in runs[u].values()]).spread > opts.spread_target for k in range(2))
+
     rnd = opts.warmup + opts.repeats
     while time.perf_counter() <= deadline:
         # while any entry is wide, every entry below the cap runs again: one timed alone in a
@@ -268,7 +294,9 @@ def _time_stages(timed: list[_Timed], parts, sizes, device, opts, cast, progress
         rnd += 1
     # what every entry saw in a round is the machine's speed then, not the entry's own cost
     rounds = list(range(opts.warmup, rnd))
-    table = np.array([[runs[u][r][k] if r in runs[u] else np.nan for r in rounds] for u in units for k in range(2)])
+    table = np.array(
+        [[runs[u][r][k] if r in runs[u] else np.nan for r in rounds] for u in units for k in range(2)]
+    )
     speed = round_speeds(table, [i for i in range(len(units)) for _ in range(2)])
     out = []
     for j in range(len(timed)):
@@ -283,7 +311,11 @@ def _time_stages(timed: list[_Timed], parts, sizes, device, opts, cast, progress
             for into, e in zip(got_all, got):
                 into.append(e)
         mine = [2 * i + k for i, u in enumerate(units) if u[0] == j for k in range(2)]
-        out.append(_StageTimes(*got_all, drift_figure(table[mine]), statistics.median(reference[opts.warmup:] or reference)))
+        out.append(
+            _StageTimes(
+                *got_all, drift_figure(table[mine]), statistics.median(reference[opts.warmup :] or reference)
+            )
+        )
     return out
 
 
@@ -311,7 +343,7 @@ def _optimizer_step_ms(stage: nn.Module, opts: ProfileOptions, device: torch.dev
     timer = _Timer(device)
     runs = [timer(opt.step)[0] for _ in range(opts.warmup + opts.repeats)]
     stage.zero_grad(set_to_none=True)
-    return statistics.median(runs[opts.warmup:])
+    return statistics.median(runs[opts.warmup :])
 
 
 # --- links ---------------------------------------------------------------------------------------
@@ -323,7 +355,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pingpong_worker(rank: int, port: int, backend: str, sizes: list[int], reps: int, devices: tuple[int, int], out_path: str) -> None:
+def _pingpong_worker(
+    rank: int, port: int, backend: str, sizes: list[int], reps: int, devices: tuple[int, int], out_path: str
+) -> None:
     import json
 
     import torch.distributed as dist
@@ -332,7 +366,9 @@ def _pingpong_worker(rank: int, port: int, backend: str, sizes: list[int], reps:
     device = torch.device("cuda", devices[rank]) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device
+        )
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     results = []
@@ -377,7 +413,9 @@ def pingpong_sizes(backend: str, max_bytes: int) -> list[int]:
     return [1 << k for k in range(10, top + 1, 2)] + ([1 << top] if (top - 10) % 2 else [])
 
 
-def measure_link(backend: str = "gloo", max_bytes: int = 1 << 24, reps: int = 20, devices: tuple[int, int] = (0, 1)) -> tuple[float, float]:
+def measure_link(
+    backend: str = "gloo", max_bytes: int = 1 << 24, reps: int = 20, devices: tuple[int, int] = (0, 1)
+) -> tuple[float, float]:
     """Ping-pong between two processes (under NCCL on GPUs ``devices``); fit one-way time =
     latency + bytes / bandwidth.
 
@@ -386,7 +424,9 @@ def measure_link(backend: str = "gloo", max_bytes: int = 1 << 24, reps: int = 20
     return measure_links(backend, [devices], max_bytes, reps)[devices]
 
 
-def measure_links(backend: str, pairs: list[tuple[int, int]], max_bytes: int = 1 << 24, reps: int = 20) -> dict[tuple[int, int], tuple[float, float]]:
+def measure_links(
+    backend: str, pairs: list[tuple[int, int]], max_bytes: int = 1 << 24, reps: int = 20
+) -> dict[tuple[int, int], tuple[float, float]]:
     """:func:`measure_link` for each pair of devices; pairs that share no device are measured at
     the same time (on 8 GPUs the 7 links take two rounds instead of seven: the links of a running
     pipeline are busy at the same time too). Returns ``(latency_ms, bytes_per_ms)`` per pair."""
@@ -408,7 +448,13 @@ def measure_links(backend: str, pairs: list[tuple[int, int]], max_bytes: int = 1
         for together in rounds:
             paths = {pair: os.path.join(tmp, f"link{pair[0]}-{pair[1]}.json") for pair in together}
             running = [
-                mp.start_processes(_pingpong_worker, args=(_free_port(), backend, sizes, reps, pair, paths[pair]), nprocs=2, start_method="spawn", join=False)
+                mp.start_processes(
+                    _pingpong_worker,
+                    args=(_free_port(), backend, sizes, reps, pair, paths[pair]),
+                    nprocs=2,
+                    start_method="spawn",
+                    join=False,
+                )
                 for pair in together
             ]
             try:
@@ -421,7 +467,7 @@ def measure_links(backend: str, pairs: list[tuple[int, int]], max_bytes: int = 1
                 if getattr(sys.modules.get("__main__"), "__file__", None):
                     raise UmoptError(
                         f"a process measuring a link ended ({first_line(exc)}); the new processes import your script again: "
-                        "put its code under `if __name__ == \"__main__\":`, or give the link (link_latency_ms=, link_gbps=)"
+                        'put its code under `if __name__ == "__main__":`, or give the link (link_latency_ms=, link_gbps=)'
                     ) from None
                 raise
             for pair in together:
@@ -445,7 +491,9 @@ def _fit_link(results: list) -> tuple[float, float]:
 _BACK_TO_BACK = 4
 
 
-def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], reps: int, out_path: str) -> None:
+def _allreduce_worker(
+    rank: int, world: int, port: int, backend: str, sizes: list[int], reps: int, out_path: str
+) -> None:
     import json
 
     import torch.distributed as dist
@@ -456,7 +504,9 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
     if cuda:
         torch.cuda.set_device(device)
         extra["device_id"] = device
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **extra)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **extra
+    )
     results = []
     for nbytes in sizes:
         buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
@@ -481,7 +531,9 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
     dist.destroy_process_group()
 
 
-def measure_allreduce(backend: str, replicas: int, max_bytes: int = 1 << 24, reps: int = 10) -> tuple[float, float]:
+def measure_allreduce(
+    backend: str, replicas: int, max_bytes: int = 1 << 24, reps: int = 10
+) -> tuple[float, float]:
     """All-reduces among ``replicas`` processes (under NCCL on GPUs 0..replicas-1): the latency
     (the smallest one's time) and the bus bandwidth from the largest, as
     :func:`umopt.costmodel.allreduce_ms` takes them: time = latency + 2 (N - 1) / N * bytes / bus.
@@ -494,11 +546,18 @@ def measure_allreduce(backend: str, replicas: int, max_bytes: int = 1 << 24, rep
     import torch.multiprocessing as mp
 
     if backend == "nccl" and torch.cuda.device_count() < replicas:
-        raise UmoptError(f"--dp {replicas}: measuring the all-reduce needs a GPU per replica, {torch.cuda.device_count()} here")
+        raise UmoptError(
+            f"--dp {replicas}: measuring the all-reduce needs a GPU per replica, {torch.cuda.device_count()} here"
+        )
     sizes = pingpong_sizes(backend, max_bytes)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "allreduce.json")
-        mp.start_processes(_allreduce_worker, args=(replicas, _free_port(), backend, sizes, reps, out), nprocs=replicas, start_method="spawn")
+        mp.start_processes(
+            _allreduce_worker,
+            args=(replicas, _free_port(), backend, sizes, reps, out),
+            nprocs=replicas,
+            start_method="spawn",
+        )
         with open(out) as f:
             results = json.load(f)
     x = np.array([r[0] for r in results], dtype=float)
@@ -533,7 +592,9 @@ def check_profile_options(opts: ProfileOptions) -> tuple[list[int], torch.device
     if any(b <= a for a, b in zip(sizes, sizes[1:])):
         raise UmoptError(f"--sizes must be strictly ascending, got {','.join(map(str, sizes))}")
     if opts.device == "cuda" and not torch.cuda.is_available():
-        raise UmoptError("--device cuda asked for, but torch sees no CUDA device (is this a CPU build of torch?)")
+        raise UmoptError(
+            "--device cuda asked for, but torch sees no CUDA device (is this a CPU build of torch?)"
+        )
     if opts.device not in ("cpu", "cuda"):
         raise UmoptError(f"--device must be cpu or cuda, got {opts.device!r}")
     if opts.dtype not in ("float32", "bfloat16", "float16"):
@@ -542,7 +603,9 @@ def check_profile_options(opts: ProfileOptions) -> tuple[list[int], torch.device
     if opts.threads < 1 or opts.repeats < 1 or opts.warmup < 0:
         raise UmoptError("--threads and --repeats must be at least 1, --warmup at least 0")
     if (opts.link_latency_ms is None) != (opts.link_gbps is None):
-        raise UmoptError("give both --link-latency-ms and --link-gbps, or neither (then the link is measured)")
+        raise UmoptError(
+            "give both --link-latency-ms and --link-gbps, or neither (then the link is measured)"
+        )
     if opts.stages is None and opts.split is None:
         raise UmoptError("give --stages S or --split 0,...,L")
     if opts.stages is not None and opts.stages < 1:
@@ -557,7 +620,9 @@ def check_profile_options(opts: ProfileOptions) -> tuple[list[int], torch.device
                 "(NVLink: about 0.01 and 400; PCIe 4: about 0.02 and 200)"
             )
         if opts.concurrent and gpus < S:
-            raise UmoptError(f"--concurrent on CUDA times each stage on its own GPU: {S} stages, {gpus} GPUs here (use --sequential)")
+            raise UmoptError(
+                f"--concurrent on CUDA times each stage on its own GPU: {S} stages, {gpus} GPUs here (use --sequential)"
+            )
     return sizes, torch.device(opts.device)
 
 
@@ -581,7 +646,17 @@ def _timing_worker(s: int, opts: ProfileOptions, cuts: list[int], sizes: list[in
         first, last = s == 0, s == len(cuts) - 2
         stage = _Stage(parts.layers[a:b], parts.loss if last else None).to(device)
         tick = lambda n, _t, what: queue.put(("tick", s, what, n))  # noqa: E731
-        (measured,) = _time_stages([_Timed(stage, bounds[a], first, last)], parts, sizes, device, opts, cast, tick, f"stage {s}", opts.budget_s)
+        (measured,) = _time_stages(
+            [_Timed(stage, bounds[a], first, last)],
+            parts,
+            sizes,
+            device,
+            opts,
+            cast,
+            tick,
+            f"stage {s}",
+            opts.budget_s,
+        )
         opt_ms = _optimizer_step_ms(stage, opts, device)
         queue.put(("done", s, measured, opt_ms))
         # keep this core as busy as in a real run until every stage is timed
@@ -607,7 +682,10 @@ def _time_concurrently(opts: ProfileOptions, cuts: list[int], sizes: list[int], 
     ctx = mp.get_context("spawn")
     queue, stop = ctx.Queue(), ctx.Event()
     S = len(cuts) - 1
-    procs = [ctx.Process(target=_timing_worker, args=(s, opts, cuts, sizes, queue, stop), daemon=True) for s in range(S)]
+    procs = [
+        ctx.Process(target=_timing_worker, args=(s, opts, cuts, sizes, queue, stop), daemon=True)
+        for s in range(S)
+    ]
     for p in procs:
         p.start()
     results: dict[int, tuple] = {}
@@ -618,7 +696,9 @@ def _time_concurrently(opts: ProfileOptions, cuts: list[int], sizes: list[int], 
             except Exception:
                 dead = [s for s, p in enumerate(procs) if not p.is_alive() and s not in results]
                 if dead:
-                    raise UmoptError(f"profiling stage {dead[0]} died (exit code {procs[dead[0]].exitcode})") from None
+                    raise UmoptError(
+                        f"profiling stage {dead[0]} died (exit code {procs[dead[0]].exitcode})"
+                    ) from None
                 continue
             if msg[0] == "tick":
                 tick(msg[3], 0, msg[2])
@@ -656,7 +736,9 @@ def _layer_ms(parts, bounds, device, opts, cast, size) -> list[float]:
     return out
 
 
-def profile_model(opts: ProfileOptions, progress: Optional[ProgressFn] = None, argv: Optional[list[str]] = None) -> Profile:
+def profile_model(
+    opts: ProfileOptions, progress: Optional[ProgressFn] = None, argv: Optional[list[str]] = None
+) -> Profile:
     """Measure the model of ``opts`` and return its profile (not yet written anywhere)."""
     try:
         return _profile_model(opts, progress, argv)
@@ -708,7 +790,9 @@ def profile_stages(
     x_all, y_all = sample
     n = x_all.shape[0]
     if n < 1 or y_all.shape[0] != n:
-        raise UmoptError(f"the sample's inputs and targets must have the same number of samples, got {n} and {y_all.shape[0]}")
+        raise UmoptError(
+            f"the sample's inputs and targets must have the same number of samples, got {n} and {y_all.shape[0]}"
+        )
     if sizes is not None and max(sizes) > n:
         raise UmoptError(f"chunk size {max(sizes)} needs a sample of at least that many samples, got {n}")
 
@@ -721,18 +805,35 @@ def profile_stages(
 
     parts = ModelParts(list(stages), make_batch, summed)
     opts = ProfileOptions(
-        model=name, split=list(range(len(parts.layers) + 1)), sizes=list(sizes) if sizes else None, max_size=min(64, n),
-        device=device, dtype=dtype, threads=threads, repeats=repeats, optimizer=optimizer, link_latency_ms=link_latency_ms,
-        link_gbps=link_gbps, memory_limit_bytes=memory_limit_bytes, concurrent=False,
+        model=name,
+        split=list(range(len(parts.layers) + 1)),
+        sizes=list(sizes) if sizes else None,
+        max_size=min(64, n),
+        device=device,
+        dtype=dtype,
+        threads=threads,
+        repeats=repeats,
+        optimizer=optimizer,
+        link_latency_ms=link_latency_ms,
+        link_gbps=link_gbps,
+        memory_limit_bytes=memory_limit_bytes,
+        concurrent=False,
     )
     prof = _profile_model(opts, progress, ["umopt.profile_stages"], parts=parts)
     why = "stages given as modules: the runtime cannot rebuild them (fit with umopt calibrate to your own runs' reports)"
     for line in prof.meta.warnings:  # as the CLI prints them
         logging.getLogger("umopt").warning(line)
-    return prof.model_copy(update={"meta": prof.meta.model_copy(update={"probes": ProbesMeta(ran=False, why=why)})})
+    return prof.model_copy(
+        update={"meta": prof.meta.model_copy(update={"probes": ProbesMeta(ran=False, why=why)})}
+    )
 
 
-def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: Optional[list[str]], parts: Optional[ModelParts] = None) -> Profile:
+def _profile_model(
+    opts: ProfileOptions,
+    progress: Optional[ProgressFn],
+    argv: Optional[list[str]],
+    parts: Optional[ModelParts] = None,
+) -> Profile:
     sizes, device = check_profile_options(opts)
     parts = parts or build_model(opts.model, opts.model_args, seed=opts.seed)
     L = len(parts.layers)
@@ -746,22 +847,29 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
         try:
             bounds = _boundaries(parts, device, opts.dtype)
         except Exception as exc:  # a user model that does not run is the user's input problem
-            raise UmoptError(f"model {opts.model}: a forward pass of one sample failed ({exc.__class__.__name__}: {exc})") from None
+            raise UmoptError(
+                f"model {opts.model}: a forward pass of one sample failed ({exc.__class__.__name__}: {exc})"
+            ) from None
 
         layer_ms = None
         if opts.split is not None:
             cuts = list(opts.split)
             if cuts[0] != 0 or cuts[-1] != L or any(b <= a for a, b in zip(cuts, cuts[1:])):
-                raise UmoptError(f"--split must rise strictly from 0 to the model's {L} layers, got {','.join(map(str, cuts))}")
+                raise UmoptError(
+                    f"--split must rise strictly from 0 to the model's {L} layers, got {','.join(map(str, cuts))}"
+                )
             if opts.stages is not None and opts.stages != len(cuts) - 1:
                 raise UmoptError(f"--stages {opts.stages} disagrees with --split of {len(cuts) - 1} stages")
         else:
             if opts.stages > L:
-                raise UmoptError(f"--stages {opts.stages}: more stages than the model {opts.model} has layers ({L})")
+                raise UmoptError(
+                    f"--stages {opts.stages}: more stages than the model {opts.model} has layers ({L})"
+                )
             # balance on the sum of two chunk sizes: a split that only fits one size would be
             # noise-prone where layers are close, and stages run many sizes
-            small, large = _layer_ms(parts, bounds, device, opts, cast, min(8, sizes[-1])), _layer_ms(
-                parts, bounds, device, opts, cast, sizes[-1]
+            small, large = (
+                _layer_ms(parts, bounds, device, opts, cast, min(8, sizes[-1])),
+                _layer_ms(parts, bounds, device, opts, cast, sizes[-1]),
             )
             layer_ms = [a + b for a, b in zip(small, large)]
             cuts = balanced_split(layer_ms, opts.stages)
@@ -775,12 +883,37 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
             if progress:
                 progress(done, total, what)
 
-        concurrent = opts.concurrent if opts.concurrent is not None else (device.type == "cpu" and S > 1 and S * opts.threads <= (os.cpu_count() or 1))
-        warnings = [w for w in [load_warning(S * opts.threads if concurrent else opts.threads) if device.type == "cpu" else None] if w]
+        concurrent = (
+            opts.concurrent
+            if opts.concurrent is not None
+            else (device.type == "cpu" and S > 1 and S * opts.threads <= (os.cpu_count() or 1))
+        )
+        warnings = [
+            w
+            for w in [
+                load_warning(S * opts.threads if concurrent else opts.threads)
+                if device.type == "cpu"
+                else None
+            ]
+            if w
+        ]
         timed = _time_concurrently(opts, cuts, sizes, tick) if concurrent else {}
-        modules = [_Stage(parts.layers[a:b], parts.loss if b == L else None).to(device) for a, b in zip(cuts, cuts[1:])]
+        modules = [
+            _Stage(parts.layers[a:b], parts.loss if b == L else None).to(device)
+            for a, b in zip(cuts, cuts[1:])
+        ]
         if not concurrent:
-            together = _time_stages([_Timed(m, bounds[a], a == 0, b == L) for m, a, b in zip(modules, cuts, cuts[1:])], parts, sizes, device, opts, cast, tick, "stages", opts.budget_s)
+            together = _time_stages(
+                [_Timed(m, bounds[a], a == 0, b == L) for m, a, b in zip(modules, cuts, cuts[1:])],
+                parts,
+                sizes,
+                device,
+                opts,
+                cast,
+                tick,
+                "stages",
+                opts.budget_s,
+            )
             timed = {s: (t, _optimizer_step_ms(modules[s], opts, device)) for s, t in enumerate(together)}
         stages = []
         entries: list[Summary] = []
@@ -791,7 +924,12 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
             first, last = s == 0, s == S - 1
             stage = modules[s]
             measured, opt_ms = timed[s]
-            fwd, bwd, bin_, bwt = measured.forward, measured.backward, measured.backward_input, measured.backward_weight
+            fwd, bwd, bin_, bwt = (
+                measured.forward,
+                measured.backward,
+                measured.backward_input,
+                measured.backward_weight,
+            )
             entries += fwd + bwd
             drifts.append(measured.drift)
             references.append(measured.reference_ms)
@@ -799,7 +937,10 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
             x2, y2 = _input(parts, bounds[a], first, lo, device, 0)
             x6, y6 = _input(parts, bounds[a], first, hi, device, 0)
             with cast():
-                stash = (stash_bytes(stage, x6, y6 if last else None) - stash_bytes(stage, x2, y2 if last else None)) // (hi - lo)
+                stash = (
+                    stash_bytes(stage, x6, y6 if last else None)
+                    - stash_bytes(stage, x2, y2 if last else None)
+                ) // (hi - lo)
             nparam = sum(p.numel() * p.element_size() for p in stage.parameters())
             _, nstate = _optimizer(opts.optimizer, [torch.zeros(1, requires_grad=True)])
             in_bytes = TensorSpec.of(bounds[a]).bytes_per_sample
@@ -815,20 +956,38 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
                 "output_bytes_per_sample": int(out_bytes),
                 "stash_bytes_per_sample": int(max(stash, 0)),
                 "static_bytes": int(nparam * (2 + nstate)),
-                "param_bytes": int(sum(p.numel() * p.element_size() for p in stage.parameters() if p.requires_grad)),
+                "param_bytes": int(
+                    sum(p.numel() * p.element_size() for p in stage.parameters() if p.requires_grad)
+                ),
                 "optimizer_ms": opt_ms,
             }
             if device.type == "cuda":
-                entry["cuda_peak_bytes_per_sample"] = _cuda_check(stage, parts, bounds[a], first, last, device, cast)
+                entry["cuda_peak_bytes_per_sample"] = _cuda_check(
+                    stage, parts, bounds[a], first, last, device, cast
+                )
             if opts.trace_dir:
-                _trace_stage(stage, parts, bounds[a], first, last, sizes[-1], device, cast, os.path.join(opts.trace_dir, f"stage{s}.json"))
+                _trace_stage(
+                    stage,
+                    parts,
+                    bounds[a],
+                    first,
+                    last,
+                    sizes[-1],
+                    device,
+                    cast,
+                    os.path.join(opts.trace_dir, f"stage{s}.json"),
+                )
             stages.append(entry)
         # stage 0's input is the model input; every later stage receives what the one before sent
         for s in range(1, S):
             stages[s]["input_bytes_per_sample"] = stages[s - 1]["output_bytes_per_sample"]
 
         if opts.link_latency_ms is not None:
-            given = {"latency_ms": opts.link_latency_ms, "bytes_per_ms": opts.link_gbps * 1e9 / 8 / 1e3, "source": "given"}
+            given = {
+                "latency_ms": opts.link_latency_ms,
+                "bytes_per_ms": opts.link_gbps * 1e9 / 8 / 1e3,
+                "source": "given",
+            }
             links = [dict(given) for _ in range(S - 1)]
         elif S == 1:
             links = []
@@ -836,11 +995,22 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
             backend = "nccl" if device.type == "cuda" else "gloo"
             plan = link_plan(S, device.type, torch.cuda.device_count() if device.type == "cuda" else 0)
             if progress:
-                progress(done, total, f"link ping-pongs ({len(set(plan))} pairs of GPUs)" if backend == "nccl" else "link ping-pong")
+                progress(
+                    done,
+                    total,
+                    f"link ping-pongs ({len(set(plan))} pairs of GPUs)"
+                    if backend == "nccl"
+                    else "link ping-pong",
+                )
             biggest = max(st["output_bytes_per_sample"] for st in stages) * sizes[-1]
             measured = measure_links(backend, plan, max_bytes=max(biggest, 1 << 16))
             links = [
-                {"latency_ms": measured[pair][0], "bytes_per_ms": measured[pair][1], "source": "measured", **({"devices": list(pair)} if backend == "nccl" else {})}
+                {
+                    "latency_ms": measured[pair][0],
+                    "bytes_per_ms": measured[pair][1],
+                    "source": "measured",
+                    **({"devices": list(pair)} if backend == "nccl" else {}),
+                }
                 for pair in plan
             ]
         allreduce = None
@@ -848,7 +1018,9 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
             if progress:
                 progress(done, total, f"all-reduce among {opts.dp} processes")
             biggest = max(st["param_bytes"] for st in stages)
-            allreduce = measure_allreduce("nccl" if device.type == "cuda" else "gloo", opts.dp, max_bytes=max(biggest, 1 << 16))
+            allreduce = measure_allreduce(
+                "nccl" if device.type == "cuda" else "gloo", opts.dp, max_bytes=max(biggest, 1 << 16)
+            )
         median_spread, p90_spread = noise_figure([e.median for e in entries], [e.iqr for e in entries])
         noisy = noisy_warning("profile entries", median_spread)
         if noisy:
@@ -866,12 +1038,22 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
     data = {
         "format": PROFILE_FORMAT,
         "model": {"name": opts.model, "args": opts.model_args, "seed": opts.seed},
-        "device": {"type": device.type, "name": device_name, "dtype": opts.dtype, "threads": opts.threads, "numerics": numerics()},
+        "device": {
+            "type": device.type,
+            "name": device_name,
+            "dtype": opts.dtype,
+            "threads": opts.threads,
+            "numerics": numerics(),
+        },
         "sizes": sizes,
         "stages": stages,
         "links": links,
         "memory_limit_bytes": memory_limit,
-        **({"allreduce": {"replicas": opts.dp, "latency_ms": allreduce[0], "bus_bytes_per_ms": allreduce[1]}} if allreduce else {}),
+        **(
+            {"allreduce": {"replicas": opts.dp, "latency_ms": allreduce[0], "bus_bytes_per_ms": allreduce[1]}}
+            if allreduce
+            else {}
+        ),
         "split": cuts,
         "layer_ms": layer_ms,
         "meta": {
@@ -882,7 +1064,13 @@ def _profile_model(opts: ProfileOptions, progress: Optional[ProgressFn], argv: O
             "warmup": opts.warmup,
             "repeats": opts.repeats,
             "stages_timed_concurrently": bool(timed),
-            "noise": {"median_spread": round(median_spread, 4), "p90_spread": round(p90_spread, 4), "max_repeats": max(e.kept for e in entries), "drift": [round(d, 4) for d in drifts], "reference_ms": [round(r, 4) for r in references]},
+            "noise": {
+                "median_spread": round(median_spread, 4),
+                "p90_spread": round(p90_spread, 4),
+                "max_repeats": max(e.kept for e in entries),
+                "drift": [round(d, 4) for d in drifts],
+                "reference_ms": [round(r, 4) for r in references],
+            },
             "warnings": warnings,
             **({"memory_limit": memory_limit_source} if memory_limit_source else {}),
         },

@@ -48,18 +48,36 @@ from .checkpoint import (
 )
 from .costmodel import CostTables, Span, Timeline, simulate
 from .decide import Decision, decide, is_equal
-from .devices import TensorSpec, boundary_tensors, check_trainable, numerics, numerics_differences, rank_device, reference_ms, to_device
+from .devices import (
+    TensorSpec,
+    boundary_tensors,
+    check_trainable,
+    numerics,
+    numerics_differences,
+    rank_device,
+    reference_ms,
+    to_device,
+)
 from .errors import UmoptError, first_line
 from .fileio import check_writable, write_atomic
-from .noise import run_warnings
 from .formats.profile import AllReduceProfile, Profile, load_profile
 from .formats.report import Decision as ReportDecision
 from .formats.report import MeasuredPredicted, RunReport, save_report
 from .formats.schedule import Schedule, check_against_profile, load_schedule
+from .noise import run_warnings
 from .pipeline import Pipeline, StepTimer
 from .zoo import ModelParts, build_model, import_object
 
-__all__ = ["build_parser", "preflight", "RunConfig", "StageSetup", "build_stage", "init_distributed", "run_rank", "main"]
+__all__ = [
+    "build_parser",
+    "preflight",
+    "RunConfig",
+    "StageSetup",
+    "build_stage",
+    "init_distributed",
+    "run_rank",
+    "main",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,27 +89,68 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("schedule", nargs="+")
     p.add_argument("--profile", default=None, help="profile to use (default: the one the schedule names)")
     p.add_argument("--steps", type=int, default=10, help="measured iterations (of each schedule, each round)")
-    p.add_argument("--warmup", type=int, default=2, help="iterations run first and not measured (of each schedule, in the first round)")
-    p.add_argument("--rounds", type=int, default=1, help="turns each schedule takes; its median is over all of them (with --decide: at least)")
-    p.add_argument("--decide", type=float, default=None, metavar="CONFIDENCE",
-                   help="with several schedules: keep taking turns until the paired test over rounds decides between them at this "
-                   "confidence (e.g. 0.95), --budget ends, or --max-rounds; the decision goes in each report")
-    p.add_argument("--budget", type=float, default=120.0, help="with --decide: seconds of turns after which no round starts (default 120)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="iterations run first and not measured (of each schedule, in the first round)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="turns each schedule takes; its median is over all of them (with --decide: at least)",
+    )
+    p.add_argument(
+        "--decide",
+        type=float,
+        default=None,
+        metavar="CONFIDENCE",
+        help="with several schedules: keep taking turns until the paired test over rounds decides between them at this "
+        "confidence (e.g. 0.95), --budget ends, or --max-rounds; the decision goes in each report",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=120.0,
+        help="with --decide: seconds of turns after which no round starts (default 120)",
+    )
     p.add_argument("--max-rounds", type=int, default=30, help="with --decide: rounds at most (default 30)")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on CUDA profiles, else gloo")
+    p.add_argument(
+        "--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on CUDA profiles, else gloo"
+    )
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.01 for sgd, 1e-3 for adamw)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas of the pipeline, each on its own minibatch of the schedule's size (default: the schedule's, else 1)")
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default: the profile's)")
+    p.add_argument(
+        "--lr", type=float, default=None, help="learning rate (default 0.01 for sgd, 1e-3 for adamw)"
+    )
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=None,
+        help="data-parallel replicas of the pipeline, each on its own minibatch of the schedule's size (default: the schedule's, else 1)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="intra-op threads per rank (default: the profile's)"
+    )
     p.add_argument("--data", default=None, help="package.module:fn, fn(step, minibatch) -> (inputs, targets)")
     each = "; with several schedules a path with {name} in it, the schedule file's name without .json"
     p.add_argument("--report", default=None, help="write report.json here" + each)
-    p.add_argument("--trace", default=None, help="write a Chrome trace of measured and predicted ops here" + each)
+    p.add_argument(
+        "--trace", default=None, help="write a Chrome trace of measured and predicted ops here" + each
+    )
     p.add_argument("--plot", default=None, help="write a Gantt PNG of measured beside predicted here" + each)
-    p.add_argument("--checkpoint", default=None, help="directory: a checkpoint set (a file per stage, then checkpoint.json) after the last step")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="also every N steps (0: only after the last)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="directory: a checkpoint set (a file per stage, then checkpoint.json) after the last step",
+    )
+    p.add_argument(
+        "--checkpoint-every", type=int, default=0, help="also every N steps (0: only after the last)"
+    )
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint's last complete set")
-    p.add_argument("--save-grads", default=None, help="directory: each stage writes its gradients of the last step")
+    p.add_argument(
+        "--save-grads", default=None, help="directory: each stage writes its gradients of the last step"
+    )
     return p
 
 
@@ -125,7 +184,9 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
         except UmoptError as exc:
             raise UmoptError(f"{path}: {exc}") from None
     check_trainable(profile.device.dtype)
-    parts = build_model(profile.model.name, profile.model.args, seed=int(profile.model.model_extra.get("seed", 0)))
+    parts = build_model(
+        profile.model.name, profile.model.args, seed=int(profile.model.model_extra.get("seed", 0))
+    )
     layers_needed = profile.stages[-1].layers[1]
     if layers_needed != len(parts.layers):
         raise UmoptError(
@@ -134,7 +195,9 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
     if args.dp is None:  # the replicas the schedules were solved for
         solved_for = {sc.dp.replicas if sc.dp else 1 for sc in schedules}
         if len(solved_for) > 1:
-            raise UmoptError(f"the schedules were solved for {' and '.join(map(str, sorted(solved_for)))} data-parallel replicas: give --dp")
+            raise UmoptError(
+                f"the schedules were solved for {' and '.join(map(str, sorted(solved_for)))} data-parallel replicas: give --dp"
+            )
         args.dp = solved_for.pop()
     if args.dp < 1:
         raise UmoptError(f"--dp must be at least 1, got {args.dp}")
@@ -143,19 +206,27 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
     if len(schedules) > 1:
         stems = [Path(p).stem for p in args.schedule]
         if len(set(stems)) < len(stems):
-            raise UmoptError(f"two schedules named {next(n for n in stems if stems.count(n) > 1)}.json: their reports would overwrite each other")
+            raise UmoptError(
+                f"two schedules named {next(n for n in stems if stems.count(n) > 1)}.json: their reports would overwrite each other"
+            )
         for opt in ("report", "trace", "plot"):
             if getattr(args, opt) is not None and "{name}" not in getattr(args, opt):
-                raise UmoptError(f"--{opt} with {len(schedules)} schedules needs {{name}} in its path (one file each)")
+                raise UmoptError(
+                    f"--{opt} with {len(schedules)} schedules needs {{name}} in its path (one file each)"
+                )
     if args.decide is not None:
         if not 0.5 < args.decide < 1:
             raise UmoptError(f"--decide is a confidence between 0.5 and 1, got {args.decide:g}")
         if len(schedules) < 2:
             raise UmoptError("--decide needs two schedules or more to decide between")
         if not any(is_equal(sc.op_lists()) for sc in schedules):
-            raise UmoptError("--decide compares with an equal schedule (every chunk one size): give one, e.g. the solve's gpipe_equal")
+            raise UmoptError(
+                "--decide compares with an equal schedule (every chunk one size): give one, e.g. the solve's gpipe_equal"
+            )
         if args.save_grads or args.checkpoint_every:
-            raise UmoptError("--decide runs an unknown number of steps: --save-grads and --checkpoint-every need a known last one")
+            raise UmoptError(
+                "--decide runs an unknown number of steps: --save-grads and --checkpoint-every need a known last one"
+            )
         if args.max_rounds < args.rounds:
             raise UmoptError(f"--max-rounds {args.max_rounds} is less than --rounds {args.rounds}")
     if args.resume and not args.checkpoint:
@@ -167,7 +238,9 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
         read_manifest(args.checkpoint, profile, args.optimizer, verify=verify_stages)
     cfg = RunConfig(schedules, profile, args)
     # every output checked before a process starts, not found unwritable after the run
-    outputs = [cfg.output(t, k) for t in (args.report, args.trace, args.plot) if t for k in range(len(schedules))]
+    outputs = [
+        cfg.output(t, k) for t in (args.report, args.trace, args.plot) if t for k in range(len(schedules))
+    ]
     outputs += [str(Path(args.checkpoint) / MANIFEST)] if args.checkpoint else []
     outputs += [str(Path(args.save_grads) / "grads_stage0.pt")] if args.save_grads else []
     for path in outputs:
@@ -176,7 +249,9 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
         _data_function(args.data)
     backend = args.backend or ("nccl" if profile.device.type == "cuda" else "gloo")
     if backend == "nccl" and torch.cuda.device_count() < S * args.dp and "LOCAL_WORLD_SIZE" not in os.environ:
-        raise UmoptError(f"--backend nccl needs one GPU per stage and replica: {S} stages x {args.dp}, {torch.cuda.device_count()} GPUs here")
+        raise UmoptError(
+            f"--backend nccl needs one GPU per stage and replica: {S} stages x {args.dp}, {torch.cuda.device_count()} GPUs here"
+        )
     args.backend = backend
     return cfg
 
@@ -296,8 +371,18 @@ def build_stage(profile: Profile, s: int, device: torch.device) -> StageSetup:
     parts: ModelParts = build_model(profile.model.name, profile.model.args, seed=seed)
     a, b = profile.stages[s].layers
     module = _StageModule(parts.layers[a:b], a).to(device)
-    edges = boundary_tensors(parts.layers[:b], parts.make_batch(1, 0)[0], device, profile.device.dtype, release_before=a)
-    setup = StageSetup(module, parts.make_batch, parts.loss, TensorSpec.of(edges[a]), TensorSpec.of(edges[b]), device, profile.device.dtype)
+    edges = boundary_tensors(
+        parts.layers[:b], parts.make_batch(1, 0)[0], device, profile.device.dtype, release_before=a
+    )
+    setup = StageSetup(
+        module,
+        parts.make_batch,
+        parts.loss,
+        TensorSpec.of(edges[a]),
+        TensorSpec.of(edges[b]),
+        device,
+        profile.device.dtype,
+    )
     parts.layers.clear()  # the module holds this stage's layers; the others are not this rank's
     return setup
 
@@ -307,7 +392,9 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     S, dp = cfg.num_stages, args.dp
     if world != S * dp:
-        raise UmoptError(f"the schedule has {S} stages x --dp {dp} replicas but {world} processes were started")
+        raise UmoptError(
+            f"the schedule has {S} stages x --dp {dp} replicas but {world} processes were started"
+        )
     replica, s = divmod(rank, S)  # rank r: stage r % S of replica r // S
     pipe_group = dp_group = None
     if dp > 1:  # every rank creates every group, in one order
@@ -321,14 +408,22 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     stage = setup.module
     lr = args.lr if args.lr is not None else (0.01 if args.optimizer == "sgd" else 1e-3)
     params = list(stage.parameters())
-    opt = torch.optim.SGD(params, lr=lr, momentum=0.9) if args.optimizer == "sgd" else torch.optim.AdamW(params, lr=lr)
+    opt = (
+        torch.optim.SGD(params, lr=lr, momentum=0.9)
+        if args.optimizer == "sgd"
+        else torch.optim.AdamW(params, lr=lr)
+    )
     start_step = 0
     if args.resume:
         start_step = _resume(cfg, s, stage, opt, device)
     io_group = dist.new_group(timeout=timedelta(seconds=io_timeout_s()))  # [Note: two timeouts]
     run_id = ""
-    with _waiting("the other ranks to build their stages" + (" and load the checkpoint" if args.resume else ""), io=True):
-        drawn = [secrets.token_hex(4) if rank == 0 else None]  # one name for this run's checkpoint files on every rank
+    with _waiting(
+        "the other ranks to build their stages" + (" and load the checkpoint" if args.resume else ""), io=True
+    ):
+        drawn = [
+            secrets.token_hex(4) if rank == 0 else None
+        ]  # one name for this run's checkpoint files on every rank
         dist.broadcast_object_list(drawn, src=0, group=io_group)
         run_id = str(drawn[0])
 
@@ -338,7 +433,9 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     else:
         data_fn = lambda step, n: setup.make_batch(n, step)  # noqa: E731
 
-    differ = numerics_differences(cfg.profile.device.numerics, numerics())  # as the profile timed its kernels?
+    differ = numerics_differences(
+        cfg.profile.device.numerics, numerics()
+    )  # as the profile timed its kernels?
     timing = StepTimer(device)
     # the zoo's losses are sums over samples: divided by the minibatch, the chunks' losses add up
     # to the minibatch's mean, as in one process
@@ -346,8 +443,18 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     for sched in cfg.schedules:
         B = sched.minibatch
         pipe = Pipeline(
-            stage, sched, s, loss_fn=lambda out, y, B=B: setup.loss(out, y) / B, loss_reduction="sum", profile=cfg.profile,
-            device=device, input_specs=[setup.input], output_specs=[setup.output], timer=timing, group=pipe_group, dp_group=dp_group,
+            stage,
+            sched,
+            s,
+            loss_fn=lambda out, y, B=B: setup.loss(out, y) / B,
+            loss_reduction="sum",
+            profile=cfg.profile,
+            device=device,
+            input_specs=[setup.input],
+            output_specs=[setup.output],
+            timer=timing,
+            group=pipe_group,
+            dp_group=dp_group,
             on_failure=_report_failure,
         )
         pipe.prepare()  # the boundary shapes agreed now, not inside the first timed step
@@ -358,12 +465,28 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     speeds = []  # a fixed matmul's time on this rank's device, each round: do the stages' devices differ?
     names = [Path(p).stem for p in args.schedule]
     if rank == 0:
-        turns = f"{args.rounds} rounds" + (f" or more (until decided at {args.decide:g})" if args.decide else "")
-        _log.info("%d ranks (%d stages x %d replicas), %s on %s: %s, %s of %d warm-up + %d steps each",
-                  world, S, dp, args.backend, device.type, ", ".join(names), turns, args.warmup, args.steps)
+        turns = f"{args.rounds} rounds" + (
+            f" or more (until decided at {args.decide:g})" if args.decide else ""
+        )
+        _log.info(
+            "%d ranks (%d stages x %d replicas), %s on %s: %s, %s of %d warm-up + %d steps each",
+            world,
+            S,
+            dp,
+            args.backend,
+            device.type,
+            ", ".join(names),
+            turns,
+            args.warmup,
+            args.steps,
+        )
     _log.debug("stage %d, layers %s, of replica %d", s, cfg.profile.stages[s].layers, replica)
     predicted = [p.schedule.predicted.iteration_ms for p in plays]
-    progress = _Progress(None if args.decide else len(plays) * (args.warmup + args.rounds * args.steps)) if rank == 0 else None
+    progress = (
+        _Progress(None if args.decide else len(plays) * (args.warmup + args.rounds * args.steps))
+        if rank == 0
+        else None
+    )
     _phase("the steps")
     decision: Optional[Decision] = None
     began = time.monotonic()
@@ -381,7 +504,9 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
                 if first_stage or last_stage:  # the stages between never touch the data
                     x, y = data_fn(it, B * dp)  # the global minibatch: this replica's slice of it
                     if len(x) != B * dp or len(y) != B * dp:  # not cut silently: the user meant other samples
-                        raise UmoptError(f"--data {args.data} returned {len(x)} inputs and {len(y)} targets for step {it}; the minibatch is {B * dp}")
+                        raise UmoptError(
+                            f"--data {args.data} returned {len(x)} inputs and {len(y)} targets for step {it}; the minibatch is {B * dp}"
+                        )
                     x, y = x[replica * B : (replica + 1) * B], y[replica * B : (replica + 1) * B]
                     inputs = to_device(x, device) if first_stage else None
                     targets = to_device(y, device) if last_stage else None
@@ -393,28 +518,49 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
                 spans = list(play.pipe.spans)
                 # the gradients themselves, not copies: neither optimizer as built above changes a
                 # gradient in place, and zero_grad only drops the parameters' references to them
-                grads = {k: p.grad for k, p in stage.named_parameters() if p.grad is not None} if args.save_grads and it == last else None
+                grads = (
+                    {k: p.grad for k, p in stage.named_parameters() if p.grad is not None}
+                    if args.save_grads and it == last
+                    else None
+                )
                 t_opt = timing.mark()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 spans.append(("OPT", 0, 0, t_opt, timing.mark()))
                 elapsed = timing.stop()
-                if grads is not None and replica == 0:  # outside the step's time; the replicas' gradients are equal
+                if (
+                    grads is not None and replica == 0
+                ):  # outside the step's time; the replicas' gradients are equal
                     Path(args.save_grads).mkdir(parents=True, exist_ok=True)
-                    _save_atomic({k: g.detach().cpu() for k, g in grads.items()}, Path(args.save_grads) / f"grads_stage{s}.pt")
+                    _save_atomic(
+                        {k: g.detach().cpu() for k, g in grads.items()},
+                        Path(args.save_grads) / f"grads_stage{s}.pt",
+                    )
                 worst = torch.tensor([elapsed], dtype=torch.float64).to(device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 if last_stage:
                     play.losses.append(float(loss_sum))
                 if turn > 0 or j >= args.warmup:
                     play.step_ms.append(float(worst.item()))
-                    play.spans_last = [(k, lo, hi, timing.ms(t0), timing.ms(t1)) for k, lo, hi, t0, t1 in spans]
+                    play.spans_last = [
+                        (k, lo, hi, timing.ms(t0), timing.ms(t1)) for k, lo, hi, t0, t1 in spans
+                    ]
                     for d, (_, _, _, t0, t1) in zip(play.op_ms, spans[: len(play.ops)]):
                         d.append(timing.ms(t1) - timing.ms(t0))
                 it += 1
                 if progress:
-                    progress.step(f"round {turn + 1}, {names[k]}", float(worst.item()), predicted[k], end_of_round=j == n_steps - 1 and k == len(plays) - 1)
-                if args.checkpoint and args.checkpoint_every and (it - start_step) % args.checkpoint_every == 0 and it <= last:
+                    progress.step(
+                        f"round {turn + 1}, {names[k]}",
+                        float(worst.item()),
+                        predicted[k],
+                        end_of_round=j == n_steps - 1 and k == len(plays) - 1,
+                    )
+                if (
+                    args.checkpoint
+                    and args.checkpoint_every
+                    and (it - start_step) % args.checkpoint_every == 0
+                    and it <= last
+                ):
                     _checkpoint(cfg, s, stage, opt, it, run_id, io_group)
                     _phase("the steps")
         turn += 1
@@ -428,8 +574,16 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     for k, play in enumerate(plays):
         gathered: list = [None] * world
         medians = [[kind, lo, hi, statistics.median(d)] for (kind, lo, hi), d in zip(play.ops, play.op_ms)]
-        mine = {"spans": play.spans_last, "losses": play.losses, "op_ms": medians, "reference_ms": statistics.median(speeds), "numerics_differ": differ}
-        with _waiting("the other ranks' measurements", io=True):  # rank 0 writes the last report, plot and trace meanwhile
+        mine = {
+            "spans": play.spans_last,
+            "losses": play.losses,
+            "op_ms": medians,
+            "reference_ms": statistics.median(speeds),
+            "numerics_differ": differ,
+        }
+        with _waiting(
+            "the other ranks' measurements", io=True
+        ):  # rank 0 writes the last report, plot and trace meanwhile
             dist.all_gather_object(gathered, mine, group=io_group)
         if rank == 0:  # replica 0's stages (the others ran the same ops on their own samples)
             _report(cfg, k, play.step_ms, gathered[:S], turn, decision)
@@ -449,7 +603,9 @@ def _decision(cfg: RunConfig, plays: list) -> Decision:
 
 def _another_round(args: argparse.Namespace, turn: int, spent_s: float, device: torch.device) -> bool:
     """Whether an undecided comparison gets another round: rank 0's clock says, for every rank."""
-    more = torch.tensor([turn < args.max_rounds and spent_s * (turn + 1) / turn <= args.budget], dtype=torch.int32).to(device)
+    more = torch.tensor(
+        [turn < args.max_rounds and spent_s * (turn + 1) / turn <= args.budget], dtype=torch.int32
+    ).to(device)
     dist.broadcast(more, src=0)
     return bool(more.item())
 
@@ -462,10 +618,20 @@ def _save_atomic(obj, path: Path) -> None:
         # much room there was
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
         first = first_line(exc, 120) or exc.__class__.__name__
-        raise OSError(f"cannot write {path} ({free / 2**20:.0f} MiB free there; disk full or a file size limit?): {first}") from None
+        raise OSError(
+            f"cannot write {path} ({free / 2**20:.0f} MiB free there; disk full or a file size limit?): {first}"
+        ) from None
 
 
-def _checkpoint(cfg: RunConfig, s: int, stage: torch.nn.Module, opt: torch.optim.Optimizer, step: int, run_id: str, io_group) -> None:
+def _checkpoint(
+    cfg: RunConfig,
+    s: int,
+    stage: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    step: int,
+    run_id: str,
+    io_group,
+) -> None:
     """This stage's part of the checkpoint set of ``step`` (:mod:`umopt.checkpoint`): its file,
     then, once every stage has written its own, the manifest (rank 0), then the old files go.
     Replica 0 writes (with --dp the replicas' states are equal)."""
@@ -475,20 +641,31 @@ def _checkpoint(cfg: RunConfig, s: int, stage: torch.nn.Module, opt: torch.optim
     writes = dist.get_rank() < cfg.num_stages
     if writes:
         time.sleep(sum(_slow_io_s))
-        _save_atomic({"model": stage.state_dict(), "optimizer": opt.state_dict(), "step": step}, folder / name)
+        _save_atomic(
+            {"model": stage.state_dict(), "optimizer": opt.state_dict(), "step": step}, folder / name
+        )
     hashes: list = [None] * dist.get_world_size()
     with _waiting(f"every stage's checkpoint file of step {step}", io=True):
-        dist.all_gather_object(hashes, file_sha256(folder / name) if writes else None, group=io_group)  # returns once every stage has written
+        dist.all_gather_object(
+            hashes, file_sha256(folder / name) if writes else None, group=io_group
+        )  # returns once every stage has written
     if dist.get_rank() == 0:
-        schedules = [{"path": str(p), "sha256": hashlib.sha256(Path(p).read_bytes()).hexdigest()} for p in cfg.args.schedule]
-        write_manifest(folder, step, run_id, cfg.profile, cfg.args.optimizer, hashes[: cfg.num_stages], schedules)
+        schedules = [
+            {"path": str(p), "sha256": hashlib.sha256(Path(p).read_bytes()).hexdigest()}
+            for p in cfg.args.schedule
+        ]
+        write_manifest(
+            folder, step, run_id, cfg.profile, cfg.args.optimizer, hashes[: cfg.num_stages], schedules
+        )
     with _waiting(f"the checkpoint manifest of step {step}", io=True):
         _barrier(next(stage.parameters()).device, io_group)
     if writes:
         remove_stale(folder, s, name)
 
 
-def _resume(cfg: RunConfig, s: int, stage: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device) -> int:
+def _resume(
+    cfg: RunConfig, s: int, stage: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device
+) -> int:
     """Load this stage's file of the folder's last complete set; the step it was written after."""
     man = read_manifest(cfg.args.checkpoint, cfg.profile, cfg.args.optimizer, verify=[s])
     path = Path(cfg.args.checkpoint) / man.files[s].path
@@ -499,7 +676,9 @@ def _resume(cfg: RunConfig, s: int, stage: torch.nn.Module, opt: torch.optim.Opt
         opt.load_state_dict(state["optimizer"])
     except Exception as exc:  # noqa: BLE001 - whatever the file holds, it is not this stage's state
         first = first_line(exc)
-        raise UmoptError(f"--resume: {path} is not stage {s}'s state ({exc.__class__.__name__}: {first})") from None
+        raise UmoptError(
+            f"--resume: {path} is not stage {s}'s state ({exc.__class__.__name__}: {first})"
+        ) from None
     return man.step
 
 
@@ -513,8 +692,13 @@ def _measured_timeline(per_rank: list) -> Timeline:
     end = max((t1 for rec in per_rank for k, lo, hi, t0, t1 in rec["spans"]), default=0.0)
     finish = [sp[-1].end if sp else 0.0 for sp in spans]
     # the all-reduce span (data-parallel replicas) runs from the stage's last op to its end
-    ar = [max([t1 for k, lo, hi, t0, t1 in rec["spans"] if k == "AR"], default=f) - f for rec, f in zip(per_rank, finish)]
-    return Timeline(iteration_ms=end, busy_ms=busy, peak_memory_bytes=[], spans=spans, finish_ms=finish, allreduce_ms=ar)
+    ar = [
+        max([t1 for k, lo, hi, t0, t1 in rec["spans"] if k == "AR"], default=f) - f
+        for rec, f in zip(per_rank, finish)
+    ]
+    return Timeline(
+        iteration_ms=end, busy_ms=busy, peak_memory_bytes=[], spans=spans, finish_ms=finish, allreduce_ms=ar
+    )
 
 
 def run_allreduce(cfg: RunConfig, schedule: Schedule) -> Optional[AllReduceProfile]:
@@ -525,7 +709,9 @@ def run_allreduce(cfg: RunConfig, schedule: Schedule) -> Optional[AllReduceProfi
     return None if cfg.args.dp <= 1 or speed is None else speed.model_copy(update={"replicas": cfg.args.dp})
 
 
-def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list, rounds: int, decision: Optional[Decision]) -> None:
+def _report(
+    cfg: RunConfig, k: int, step_ms: list[float], per_rank: list, rounds: int, decision: Optional[Decision]
+) -> None:
     args, schedule = cfg.args, cfg.schedules[k]
     measured = statistics.median(step_ms)
     tl = _measured_timeline(per_rank)
@@ -552,7 +738,9 @@ def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list, rounds
         measured_over_predicted=measured / predicted,
         step_ms=step_ms,
         busy_ms=MeasuredPredicted(measured=tl.busy_ms, predicted=pred_tl.busy_ms),
-        allreduce_ms=MeasuredPredicted(measured=tl.allreduce_ms, predicted=pred_tl.allreduce_ms) if args.dp > 1 else None,
+        allreduce_ms=MeasuredPredicted(measured=tl.allreduce_ms, predicted=pred_tl.allreduce_ms)
+        if args.dp > 1
+        else None,
         # per stage, every op with its median measured duration and the profile's: what
         # `umopt calibrate` fits a profile to
         ops=[
@@ -562,16 +750,34 @@ def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list, rounds
         losses=per_rank[-1]["losses"],
         reference_ms=[rec["reference_ms"] for rec in per_rank],
         numerics_differ=sorted({d for rec in per_rank for d in rec.get("numerics_differ", [])}),
-        decision=None if decision is None else ReportDecision(
-            winner=decision.winner, reference=decision.reference, confidence=decision.confidence,
-            decided=decision.decided, confidence_asked=args.decide, reason=decision.reason,
+        decision=None
+        if decision is None
+        else ReportDecision(
+            winner=decision.winner,
+            reference=decision.reference,
+            confidence=decision.confidence,
+            decided=decision.decided,
+            confidence_asked=args.decide,
+            reason=decision.reason,
         ),
     )
     report_path, trace_path, plot_path = (cfg.output(t, k) for t in (args.report, args.trace, args.plot))
-    _log.info("%s: measured %.2f ms, predicted %.2f ms (measured / predicted %.3f) over %d steps%s", Path(args.schedule[k]).stem, measured,
-              predicted, measured / predicted, len(step_ms), f"; report {report_path}" if args.report else "")
+    _log.info(
+        "%s: measured %.2f ms, predicted %.2f ms (measured / predicted %.3f) over %d steps%s",
+        Path(args.schedule[k]).stem,
+        measured,
+        predicted,
+        measured / predicted,
+        len(step_ms),
+        f"; report {report_path}" if args.report else "",
+    )
     if decision is not None and k == len(cfg.schedules) - 1:
-        _log.info("keep %s: %s%s", decision.winner, decision.reason, "" if decision.decided else " (not decided when the turns ended)")
+        _log.info(
+            "keep %s: %s%s",
+            decision.winner,
+            decision.reason,
+            "" if decision.decided else " (not decided when the turns ended)",
+        )
     for line in run_warnings(report):
         _log.warning(line)
     if report_path:
@@ -584,7 +790,11 @@ def _report(cfg: RunConfig, k: int, step_ms: list[float], per_rank: list, rounds
     if plot_path:
         from .plot import gantt
 
-        gantt(panels, plot_path, title=f"{cfg.profile.model.name}: measured {measured:.1f} ms vs predicted {predicted:.1f} ms")
+        gantt(
+            panels,
+            plot_path,
+            title=f"{cfg.profile.model.name}: measured {measured:.1f} ms vs predicted {predicted:.1f} ms",
+        )
 
 
 def init_distributed(backend: str, timeout_s: float) -> torch.device:
@@ -597,7 +807,15 @@ def init_distributed(backend: str, timeout_s: float) -> torch.device:
     device = rank_device(backend)
     # `umopt run` gives its ranks a file store (no port to listen on); torchrun, env:// as usual
     store = os.environ.get("UMOPT_STORE")
-    where = dict(init_method=f"file://{store}", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])) if store else {}
+    where = (
+        dict(
+            init_method=f"file://{store}",
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
+        if store
+        else {}
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device, **where)
@@ -607,7 +825,9 @@ def init_distributed(backend: str, timeout_s: float) -> torch.device:
 
 
 def _barrier(device: torch.device, group=None) -> None:
-    dist.barrier(group=group, device_ids=[device.index]) if device.type == "cuda" else dist.barrier(group=group)
+    dist.barrier(group=group, device_ids=[device.index]) if device.type == "cuda" else dist.barrier(
+        group=group
+    )
 
 
 # [Note: two timeouts]
@@ -661,7 +881,13 @@ class _RankFormatter(logging.Formatter):
         self.rank = rank
 
     def format(self, record: logging.LogRecord) -> str:
-        kind = "warning: " if record.levelno == logging.WARNING else "error: " if record.levelno >= logging.ERROR else ""
+        kind = (
+            "warning: "
+            if record.levelno == logging.WARNING
+            else "error: "
+            if record.levelno >= logging.ERROR
+            else ""
+        )
         return f"[rank {self.rank}] umopt: {kind}{record.getMessage()}"
 
 
@@ -677,7 +903,9 @@ class _Progress:
         self.done += 1
         now = time.monotonic()
         if now - self.t_status >= 1.0 or end_of_round:
-            _status("started", phase="the steps", progress={"done": self.done, "total": self.total, "what": what})
+            _status(
+                "started", phase="the steps", progress={"done": self.done, "total": self.total, "what": what}
+            )
             self.t_status = now
         if now - self.t_log >= self.every or end_of_round:
             of = f"/{self.total}" if self.total else ""
@@ -693,7 +921,9 @@ def _waiting(what: str, io: bool = False):
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - whatever broke the wait, say which wait it was
-        raise UmoptError(f"waiting for {what} (at most {bound}): {exc.__class__.__name__}: {first_line(exc, 300)}") from None
+        raise UmoptError(
+            f"waiting for {what} (at most {bound}): {exc.__class__.__name__}: {first_line(exc, 300)}"
+        ) from None
 
 
 def _exit_on_termination(status: Callable[[str, str], None]) -> None:
@@ -749,7 +979,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     def status(state: str, message: str = "", phase: str = "", progress: Optional[dict] = None) -> None:
         # not into a folder the launcher has removed (it has stopped waiting for this rank)
         if status_dir and Path(status_dir).is_dir():
-            line = json.dumps({"state": state, "time": time.time(), "message": message, "phase": phase, "progress": progress})
+            line = json.dumps(
+                {
+                    "state": state,
+                    "time": time.time(),
+                    "message": message,
+                    "phase": phase,
+                    "progress": progress,
+                }
+            )
             write_atomic(Path(status_dir) / f"rank{rank}", lambda tmp: Path(tmp).write_text(line))
 
     _status = status
@@ -758,7 +996,9 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     _exit_on_termination(status)
     try:
-        cfg = preflight(list(sys.argv[1:] if argv is None else argv), verify_stages=[])  # each rank checks its own file
+        cfg = preflight(
+            list(sys.argv[1:] if argv is None else argv), verify_stages=[]
+        )  # each rank checks its own file
         device = init_distributed(cfg.args.backend, step_timeout_s())
         run_rank(cfg, device)
         dist.destroy_process_group()

@@ -74,17 +74,24 @@ BESIDE_GRACE_S = 0.5
 
 
 def _fast_bounds(problem: Problem, family: bool) -> dict[Scope, Optional[float]]:
-    return {Scope.ANY: fast_bound_ms(problem), Scope.IN_ORDER: fast_bound_ms(problem, Scope.IN_ORDER) if family else None}
+    return {
+        Scope.ANY: fast_bound_ms(problem),
+        Scope.IN_ORDER: fast_bound_ms(problem, Scope.IN_ORDER) if family else None,
+    }
 
 
-def make_problem(profile: Profile, minibatch: int, recompute: bool, dp: Optional[AllReduceProfile] = None) -> Problem:
+def make_problem(
+    profile: Profile, minibatch: int, recompute: bool, dp: Optional[AllReduceProfile] = None
+) -> Problem:
     if minibatch < 1:
         raise UmoptError(f"--minibatch must be at least 1, got {minibatch}")
     check_problem_size(profile.num_stages, minibatch)
     return Problem(CostTables.from_profile(profile, recompute, dp), minibatch)
 
 
-def allreduce_for(profile: Profile, replicas: int, gbps: Optional[float] = None) -> Optional[AllReduceProfile]:
+def allreduce_for(
+    profile: Profile, replicas: int, gbps: Optional[float] = None
+) -> Optional[AllReduceProfile]:
     """The all-reduce ``replicas`` data-parallel pipelines pay per stage (None for one): at ``gbps``
     (bus bandwidth, Gbit/s) where given, else at the speed the profile measured (``umopt profile --dp``)."""
     if replicas < 1:
@@ -95,9 +102,15 @@ def allreduce_for(profile: Profile, replicas: int, gbps: Optional[float] = None)
         return None
     measured = profile.allreduce
     if gbps is not None:
-        return AllReduceProfile(replicas=replicas, latency_ms=measured.latency_ms if measured else 0.0, bus_bytes_per_ms=gbps * 1e9 / 8 / 1e3)
+        return AllReduceProfile(
+            replicas=replicas,
+            latency_ms=measured.latency_ms if measured else 0.0,
+            bus_bytes_per_ms=gbps * 1e9 / 8 / 1e3,
+        )
     if measured is None:
-        raise UmoptError(f"--dp {replicas}: the profile has no all-reduce speed; profile with --dp {replicas} to measure it, or give --dp-gbps")
+        raise UmoptError(
+            f"--dp {replicas}: the profile has no all-reduce speed; profile with --dp {replicas} to measure it, or give --dp-gbps"
+        )
     return measured.model_copy(update={"replicas": replicas})
 
 
@@ -138,7 +151,9 @@ def solve(
         static = problem.tables.static_bytes
         if limit is not None and static.max() > limit:
             s = int(static.argmax())
-            raise UmoptError(f"stage {s}'s static memory alone ({int(static[s])} bytes: weights, gradients, optimizer) is over the memory limit of {limit} bytes")
+            raise UmoptError(
+                f"stage {s}'s static memory alone ({int(static[s])} bytes: weights, gradients, optimizer) is over the memory limit of {limit} bytes"
+            )
         if limit is None:  # every equal schedule took infinitely long: cannot be, with finite tables
             raise UmoptError(f"no equal partition of minibatch {minibatch} could be scored")
         raise UmoptError(
@@ -155,15 +170,24 @@ def solve(
         fast = _fast_bounds(problem, family)
     t0 = time.perf_counter()
     # the whole solve ends within --time-limit: the wait for the bounds beside comes out of it too
-    left = max(MIN_SOLVER_SHARE * time_limit, time_limit - (t0 - started) - (BESIDE_GRACE_S if beside is not None else 0.0))
+    left = max(
+        MIN_SOLVER_SHARE * time_limit,
+        time_limit - (t0 - started) - (BESIDE_GRACE_S if beside is not None else 0.0),
+    )
     left *= 1 - ZERO_BUBBLE_SHARE if zero_bubble else 1.0
     try:
         result = SOLVERS[solver](problem, time_limit=left, seed=seed, progress=progress, order=order)
         if beside is not None:  # what it proved by the time limit (the spec's bound, if nothing)
             got = beside.wait(timeout=max(BESIDE_GRACE_S, started + time_limit - time.perf_counter()))
-            fast = {Scope.ANY: got.get(Scope.ANY.value, spec_bound(problem)), Scope.IN_ORDER: got.get(Scope.IN_ORDER.value) if family else None}
+            fast = {
+                Scope.ANY: got.get(Scope.ANY.value, spec_bound(problem)),
+                Scope.IN_ORDER: got.get(Scope.IN_ORDER.value) if family else None,
+            }
             if Scope.ANY.value not in got:
-                result.extra.setdefault("note", "the fast bounds did not finish within --time-limit, so the bound is the spec's simple one (more time gives a tighter one)")
+                result.extra.setdefault(
+                    "note",
+                    "the fast bounds did not finish within --time-limit, so the bound is the spec's simple one (more time gives a tighter one)",
+                )
     finally:
         if beside is not None:
             beside.close()
@@ -185,20 +209,38 @@ def solve(
     if zero_bubble:
         seconds = ZERO_BUBBLE_SHARE * time_limit
         found_zb = zb_h1(problem, seconds / 16)
-        zbh1 = Baseline("zbh1_equal", found_zb[0] if found_zb else None, found_zb[2].iteration_ms if found_zb else None, None)
+        zbh1 = Baseline(
+            "zbh1_equal",
+            found_zb[0] if found_zb else None,
+            found_zb[2].iteration_ms if found_zb else None,
+            None,
+        )
         zbh1_timeline = found_zb[2] if found_zb else None
         found_zb = zb_h2(problem, seconds / 16)
-        zbh2 = Baseline("zbh2_equal", found_zb[0] if found_zb else None, found_zb[2].iteration_ms if found_zb else None, None)
+        zbh2 = Baseline(
+            "zbh2_equal",
+            found_zb[0] if found_zb else None,
+            found_zb[2].iteration_ms if found_zb else None,
+            None,
+        )
         zbh2_timeline = found_zb[2] if found_zb else None
         # W ops placed in the recommended schedule and in the other schedules the solve found
         # (the best without W ops need not be the best with them), and the GA searching
         # partitions and W placement together from them
-        seeds = [choice.candidate] + [c for c in [*(c for _, c in found), *result.alternatives] if c is not choice.candidate]
-        placed = [w for w in (best_with_weight_ops(problem, c.ops(), seconds / 8 / len(seeds)) for c in seeds) if w is not None]
+        seeds = [choice.candidate] + [
+            c for c in [*(c for _, c in found), *result.alternatives] if c is not choice.candidate
+        ]
+        placed = [
+            w
+            for w in (best_with_weight_ops(problem, c.ops(), seconds / 8 / len(seeds)) for c in seeds)
+            if w is not None
+        ]
         # on small instances the exact model places W ops too, and proves how far from optimal;
         # the GA gets what is left of --time-limit (the steps before can run a little over)
         exact_too = model_terms(problem) <= EXACT_MAX_TERMS
-        left = max(0.1 * seconds, started + time_limit - time.perf_counter() - (seconds / 4 if exact_too else 0.0))
+        left = max(
+            0.1 * seconds, started + time_limit - time.perf_counter() - (seconds / 4 if exact_too else 0.0)
+        )
         searched = search_with_weight_ops(problem, seeds, left, seed, order)
         if searched is not None:
             placed.append(searched)
@@ -213,7 +255,12 @@ def solve(
             note = "with W ops placed; the lower bounds hold for schedules without W ops"
             result.extra["note"] = f"{result.extra['note']}; {note}" if "note" in result.extra else note
     bound, scope, lb_1f1b = reported_bounds(
-        fast, result.lower_bound_ms, result.extra.get("bound_scope"), result.extra.get("lower_bound_1f1b_ms"), ops, order
+        fast,
+        result.lower_bound_ms,
+        result.extra.get("bound_scope"),
+        result.extra.get("lower_bound_1f1b_ms"),
+        ops,
+        order,
     )
     schedule = make_schedule(
         profile,
@@ -235,14 +282,40 @@ def solve(
             **({"bound_scope": scope.value} if scope is not None else {}),
             "schedule_order": cand.order,
             "recommended": choice.name,
-            **({"gain_over_equal": choice.gain, "gain_uncertainty": choice.uncertainty} if choice.gain is not None else {}),
+            **(
+                {"gain_over_equal": choice.gain, "gain_uncertainty": choice.uncertainty}
+                if choice.gain is not None
+                else {}
+            ),
             **({"warmup": cand.warmup} if cand.order == "1f1b" and cand.warmup is not None else {}),
             # with --zero-bubble on a small instance: no schedule with a W op per B chunk is faster
-            **({"lower_bound_w_ms": result.extra["w_lower_bound_ms"]} if "w_lower_bound_ms" in result.extra else {}),
+            **(
+                {"lower_bound_w_ms": result.extra["w_lower_bound_ms"]}
+                if "w_lower_bound_ms" in result.extra
+                else {}
+            ),
         },
-        baselines={"gpipe_equal": _baseline_entry(gp), "1f1b_equal": _baseline_entry(of), **({"zbh1_equal": _baseline_entry(zbh1), "zbh2_equal": _baseline_entry(zbh2)} if zbh1 else {})},
+        baselines={
+            "gpipe_equal": _baseline_entry(gp),
+            "1f1b_equal": _baseline_entry(of),
+            **({"zbh1_equal": _baseline_entry(zbh1), "zbh2_equal": _baseline_entry(zbh2)} if zbh1 else {}),
+        },
         dp=dp,
     )
     gpipe_timeline = gp.candidate.simulate(problem) if gp.candidate is not None else None
     onef1b_timeline = of.candidate.simulate(problem) if of.candidate is not None else None
-    return SolveReport(schedule, timeline, result, choice, gp, of, lb, gpipe_timeline, onef1b_timeline, zbh1, zbh1_timeline, zbh2, zbh2_timeline)
+    return SolveReport(
+        schedule,
+        timeline,
+        result,
+        choice,
+        gp,
+        of,
+        lb,
+        gpipe_timeline,
+        onef1b_timeline,
+        zbh1,
+        zbh1_timeline,
+        zbh2,
+        zbh2_timeline,
+    )

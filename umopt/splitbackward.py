@@ -14,7 +14,12 @@ import torch
 __all__ = ["backward_input"]
 
 
-def backward_input(x: tuple[torch.Tensor, ...], roots: list[torch.Tensor], grads: Optional[list[torch.Tensor]], module: torch.nn.Module) -> Callable[[], None]:
+def backward_input(
+    x: tuple[torch.Tensor, ...],
+    roots: list[torch.Tensor],
+    grads: Optional[list[torch.Tensor]],
+    module: torch.nn.Module,
+) -> Callable[[], None]:
     """The B op of a stage with W ops: the gradients of the inputs ``x`` now (left in their
     ``.grad``, to be sent), keeping what the weight gradients need; returns the W part.
 

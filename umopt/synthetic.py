@@ -59,10 +59,14 @@ def synthetic_profile(
                 "param_bytes": int(param_bytes[s]) if param_bytes is not None else int(1 << 22),
                 # the backward split into the input gradient and the weight gradient (W ops);
                 # in a transformer layer each is about one forward, so half the backward each
-                **({
-                    "backward_input_ms": [round(float(x * (1 - weight_share)), 6) for x in g],
-                    "backward_weight_ms": [round(float(x * weight_share), 6) for x in g],
-                } if weight_share is not None else {}),
+                **(
+                    {
+                        "backward_input_ms": [round(float(x * (1 - weight_share)), 6) for x in g],
+                        "backward_weight_ms": [round(float(x * weight_share), 6) for x in g],
+                    }
+                    if weight_share is not None
+                    else {}
+                ),
                 "optimizer_ms": round(float(0.1 + 0.2 * rng.random()), 6),
                 "op_overhead_ms": op_overhead_ms,
             }
@@ -74,7 +78,14 @@ def synthetic_profile(
             "device": {"type": "sim", "name": "synthetic", "dtype": "float32"},
             "sizes": sizes,
             "stages": stages,
-            "links": [{"latency_ms": latency_ms, "bytes_per_ms": bytes_per_ms, "message_overhead_ms": message_overhead_ms} for _ in range(S - 1)],
+            "links": [
+                {
+                    "latency_ms": latency_ms,
+                    "bytes_per_ms": bytes_per_ms,
+                    "message_overhead_ms": message_overhead_ms,
+                }
+                for _ in range(S - 1)
+            ],
             "memory_limit_bytes": memory_limit_bytes,
         }
     )

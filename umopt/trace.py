@@ -21,7 +21,9 @@ def chrome_trace(panels: Sequence[tuple[str, Timeline]]) -> dict:
         events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label}})
         S = len(tl.spans)
         for s, spans in enumerate(tl.spans):
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": s, "args": {"name": f"stage {s}"}})
+            events.append(
+                {"name": "thread_name", "ph": "M", "pid": pid, "tid": s, "args": {"name": f"stage {s}"}}
+            )
             for sp in spans:
                 events.append(
                     {
@@ -37,7 +39,17 @@ def chrome_trace(panels: Sequence[tuple[str, Timeline]]) -> dict:
                 )
         for s, (f, a) in enumerate(zip(tl.finish_ms, tl.allreduce_ms)):
             if a > 0:  # the stage's gradient all-reduce among data-parallel replicas
-                events.append({"name": "all-reduce", "cat": "comm", "ph": "X", "pid": pid, "tid": s, "ts": f * 1000.0, "dur": a * 1000.0})
+                events.append(
+                    {
+                        "name": "all-reduce",
+                        "cat": "comm",
+                        "ph": "X",
+                        "pid": pid,
+                        "tid": s,
+                        "ts": f * 1000.0,
+                        "dur": a * 1000.0,
+                    }
+                )
         for m in tl.messages:
             tid = S + 2 * m.link + (m.direction == "bwd")
             events.append(
@@ -54,7 +66,15 @@ def chrome_trace(panels: Sequence[tuple[str, Timeline]]) -> dict:
             )
         for ln in range(S - 1):
             for d, name in ((0, "activations"), (1, "gradients")):
-                events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": S + 2 * ln + d, "args": {"name": f"link {ln} {name}"}})
+                events.append(
+                    {
+                        "name": "thread_name",
+                        "ph": "M",
+                        "pid": pid,
+                        "tid": S + 2 * ln + d,
+                        "args": {"name": f"link {ln} {name}"},
+                    }
+                )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

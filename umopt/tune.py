@@ -92,19 +92,25 @@ def _check_runnable(opts: ProfileOptions) -> None:
 
         gpus = torch.cuda.device_count()
         if gpus < (opts.stages or 1):
-            raise UmoptError(f"umopt tune runs each stage on its own GPU: {opts.stages} stages, {gpus} GPU(s) here (use --stages {gpus})")
+            raise UmoptError(
+                f"umopt tune runs each stage on its own GPU: {opts.stages} stages, {gpus} GPU(s) here (use --stages {gpus})"
+            )
 
 
 def _profile(opts: ProfileOptions, probes: bool, probe_minibatch: int) -> Profile:
     """The profile; on CUDA measured in a child process, so that the CUDA context and whatever the
     allocator keeps leave with it and the run's stage 0 finds its GPU as empty as the others."""
     if opts.device != "cuda":
-        return profile_in_pipeline(opts, probes=probes, probe_minibatch=probe_minibatch, argv=["umopt", "tune"])
+        return profile_in_pipeline(
+            opts, probes=probes, probe_minibatch=probe_minibatch, argv=["umopt", "tune"]
+        )
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        return pool.submit(profile_in_pipeline, opts, probes=probes, probe_minibatch=probe_minibatch, argv=["umopt", "tune"]).result()
+        return pool.submit(
+            profile_in_pipeline, opts, probes=probes, probe_minibatch=probe_minibatch, argv=["umopt", "tune"]
+        ).result()
 
 
 def _chunks(ops_lists) -> str:
@@ -136,14 +142,25 @@ def tune(
     say: Callable[[str], None] = lambda _msg: None,
 ) -> TuneResult:
     opts = ProfileOptions(
-        model=model, model_args=model_args, stages=stages, max_size=max_size or min(64, minibatch), device=device, dtype=dtype,
-        seed=seed, link_latency_ms=link_latency_ms, link_gbps=link_gbps, split_backward=zero_bubble,
+        model=model,
+        model_args=model_args,
+        stages=stages,
+        max_size=max_size or min(64, minibatch),
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        link_latency_ms=link_latency_ms,
+        link_gbps=link_gbps,
+        split_backward=zero_bubble,
     )
     _check_runnable(opts)
     out = Path(out_dir)
     check_writable(out / "profile.json")
     out.mkdir(parents=True, exist_ok=True)
-    say(f"profiling {model} on {device}, {stages} stages" + (", then probe runs of the runtime" if probes else ""))
+    say(
+        f"profiling {model} on {device}, {stages} stages"
+        + (", then probe runs of the runtime" if probes else "")
+    )
     prof = _profile(opts, probes, min(minibatch, 32) if minibatch >= 4 else minibatch)
     save_profile(prof, out / "profile.json")
     prof = load_profile(out / "profile.json")
@@ -153,7 +170,15 @@ def tune(
     problem = make_problem(prof, minibatch, False)
 
     def write(name: str, cand: Candidate) -> str:
-        sched = make_schedule(prof, minibatch, False, cand.ops(), cand.simulate(problem), {"name": name, "status": "feasible", "seconds": 0.0}, {})
+        sched = make_schedule(
+            prof,
+            minibatch,
+            False,
+            cand.ops(),
+            cand.simulate(problem),
+            {"name": name, "status": "feasible", "seconds": 0.0},
+            {},
+        )
         path = str(out / f"{name}.json")
         save_schedule(sched, path)
         return path
@@ -171,9 +196,13 @@ def tune(
         plans["umopt_best"] = report.result.candidate  # the fastest predicted, where the choice was simpler
     ramp = SOLVERS["ramp"](problem, order="auto").candidate
     ramp_ms = ramp.simulate(problem).iteration_ms
-    if all(ramp.ops() != c.ops() for c in plans.values()) and ramp_ms < min(c.simulate(problem).iteration_ms for n, c in plans.items() if n in EQUAL):
+    if all(ramp.ops() != c.ops() for c in plans.values()) and ramp_ms < min(
+        c.simulate(problem).iteration_ms for n, c in plans.items() if n in EQUAL
+    ):
         plans["ramp"] = ramp  # one shared partition: a simpler runner-up
-    if zero_bubble:  # W ops where the solve placed them (if they paid in prediction), and the best equal ZB-H1
+    if (
+        zero_bubble
+    ):  # W ops where the solve placed them (if they paid in prediction), and the best equal ZB-H1
         with_w = report.schedule.op_lists()
         if any(op.kind == "W" for st in with_w for op in st):
             plans["umopt_w"] = Candidate.from_ops(with_w)
@@ -182,15 +211,43 @@ def tune(
             plans["zbh1_equal"] = Candidate.from_ops(zb[1])
     names = list(plans)
     paths = [write(n, plans[n]) for n in names]
-    say(f"running {', '.join(names)} in turns, rounds of {steps} steps each, until decided at {100 * confidence:.0f}% confidence (at least {rounds} rounds, at most {budget:g} s)")
+    say(
+        f"running {', '.join(names)} in turns, rounds of {steps} steps each, until decided at {100 * confidence:.0f}% confidence (at least {rounds} rounds, at most {budget:g} s)"
+    )
     result = launch(
-        [*paths, "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds), "--decide", str(confidence), "--budget", str(budget),
-         "--report", str(out / "report_{name}.json"), "--plot", str(out / "measured_{name}.png")],
+        [
+            *paths,
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--rounds",
+            str(rounds),
+            "--decide",
+            str(confidence),
+            "--budget",
+            str(budget),
+            "--report",
+            str(out / "report_{name}.json"),
+            "--plot",
+            str(out / "measured_{name}.png"),
+        ],
         quiet=True,
     )
     rows = []
     for name, path, r, rep in zip(names, paths, result.reports, result.report_paths):
-        rows.append(TuneRow(name, _chunks(plans[name].ops()), r.predicted_iteration_ms, r.measured_iteration_ms, r.round_ms, path, rep, str(out / f"measured_{name}.png")))
+        rows.append(
+            TuneRow(
+                name,
+                _chunks(plans[name].ops()),
+                r.predicted_iteration_ms,
+                r.measured_iteration_ms,
+                r.round_ms,
+                path,
+                rep,
+                str(out / f"measured_{name}.png"),
+            )
+        )
         off = r.measured_over_predicted - 1
         if abs(off) > OFF_PREDICTION:
             warnings.append(f"{name} measured {100 * off:+.0f}% off its prediction")
@@ -200,8 +257,27 @@ def tune(
             shutil.copyfile(out / f"{kind}_{same}.{ext}", out / f"{kind}_umopt.{ext}")
         shutil.copyfile(out / f"{same}.json", out / "umopt.json")
         twin = next(r for r in rows if r.name == same)
-        rows.insert(len(EQUAL), replace(twin, name="umopt", schedule=str(out / "umopt.json"), report=str(out / "report_umopt.json"), plot=str(out / "measured_umopt.png")))
+        rows.insert(
+            len(EQUAL),
+            replace(
+                twin,
+                name="umopt",
+                schedule=str(out / "umopt.json"),
+                report=str(out / "report_umopt.json"),
+                plot=str(out / "measured_umopt.png"),
+            ),
+        )
     recommended = decision.winner
     shutil.copyfile(out / f"{recommended}.json", out / "recommended.json")
     lb = report.schedule.solver.lower_bound_ms or report.lower_bound_ms
-    return TuneResult(rows, lb, str(out), recommended, decision.reason, decision.confidence, decision.decided, warnings, sorted(str(p) for p in out.iterdir()))
+    return TuneResult(
+        rows,
+        lb,
+        str(out),
+        recommended,
+        decision.reason,
+        decision.confidence,
+        decision.decided,
+        warnings,
+        sorted(str(p) for p in out.iterdir()),
+    )

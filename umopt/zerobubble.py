@@ -25,12 +25,23 @@ from .partition import equal_sizes, onef1b_schedule, with_weight_ops
 from .problem import Candidate, Problem
 from .solvers.ga import solve_ga
 
-__all__ = ["with_weight_ops", "fill_bubbles", "climb", "best_with_weight_ops", "search_with_weight_ops", "zb_h1", "zb_h2", "require_split"]
+__all__ = [
+    "with_weight_ops",
+    "fill_bubbles",
+    "climb",
+    "best_with_weight_ops",
+    "search_with_weight_ops",
+    "zb_h1",
+    "zb_h2",
+    "require_split",
+]
 
 
 def require_split(problem: Problem) -> None:
     if problem.tables.bwd_input is None:
-        raise UmoptError("W ops need the profile's backward_input_ms and backward_weight_ms: profile with --split-backward")
+        raise UmoptError(
+            "W ops need the profile's backward_input_ms and backward_weight_ms: profile with --split-backward"
+        )
 
 
 def in_flight_peak(stage_ops: Sequence[Op]) -> int:
@@ -67,7 +78,9 @@ def _moves(tl: Timeline, stage_ops: list[Op], s: int, max_size: int, tables) -> 
     return out
 
 
-def fill_bubbles(problem: Problem, ops: Sequence[Sequence[Op]], deadline: float = float("inf")) -> tuple[list[list[Op]], Timeline]:
+def fill_bubbles(
+    problem: Problem, ops: Sequence[Sequence[Op]], deadline: float = float("inf")
+) -> tuple[list[list[Op]], Timeline]:
     """Move W ops into idle time and merge them while the iteration does not grow (or the
     ``time.perf_counter()`` deadline passes); the new op lists and their timeline."""
     ops = [list(st) for st in ops]
@@ -76,16 +89,23 @@ def fill_bubbles(problem: Problem, ops: Sequence[Sequence[Op]], deadline: float 
     while moved and time.perf_counter() < deadline:
         moved = False
         for s in range(problem.num_stages):
-            for _, trial in sorted(_moves(tl, ops[s], s, problem.max_size, problem.tables), key=lambda m: m[0]):
+            for _, trial in sorted(
+                _moves(tl, ops[s], s, problem.max_size, problem.tables), key=lambda m: m[0]
+            ):
                 cand = ops[:s] + [trial] + ops[s + 1 :]
                 ctl = simulate(problem.tables, cand, problem.minibatch)
-                if ctl.iteration_ms <= tl.iteration_ms + 1e-9 and sum(ctl.finish_ms) < sum(tl.finish_ms) - 1e-9:
+                if (
+                    ctl.iteration_ms <= tl.iteration_ms + 1e-9
+                    and sum(ctl.finish_ms) < sum(tl.finish_ms) - 1e-9
+                ):
                     ops, tl, moved = cand, ctl, True
                     break
     return ops, tl
 
 
-def climb(problem: Problem, ops: Sequence[Sequence[Op]], tl: Timeline, deadline: float = float("inf")) -> tuple[list[list[Op]], Timeline]:
+def climb(
+    problem: Problem, ops: Sequence[Sequence[Op]], tl: Timeline, deadline: float = float("inf")
+) -> tuple[list[list[Op]], Timeline]:
     """Move single W ops to any other place after their B while that shortens the iteration
     within the memory limit (first improvement, stage by stage, until none does or the deadline
     passes): what filling gaps cannot find, as a W that delays one op to let another stage start
@@ -100,7 +120,9 @@ def climb(problem: Problem, ops: Sequence[Sequence[Op]], tl: Timeline, deadline:
                 if op.kind != "W" or time.perf_counter() > deadline:
                     continue
                 rest = st[:i] + st[i + 1 :]
-                after = max(k for k, o in enumerate(rest) if o.kind == "B" and op.lo <= o.lo and o.hi <= op.hi)
+                after = max(
+                    k for k, o in enumerate(rest) if o.kind == "B" and op.lo <= o.lo and o.hi <= op.hi
+                )
                 for j in range(after + 1, len(rest) + 1):
                     if j == i:
                         continue
@@ -119,7 +141,9 @@ def _fits(problem: Problem, tl: Timeline) -> bool:
     return limit is None or max(tl.peak_memory_bytes) <= limit
 
 
-def best_with_weight_ops(problem: Problem, ops: Sequence[Sequence[Op]], seconds: float = 2.0) -> Optional[tuple[list[list[Op]], Timeline]]:
+def best_with_weight_ops(
+    problem: Problem, ops: Sequence[Sequence[Op]], seconds: float = 2.0
+) -> Optional[tuple[list[list[Op]], Timeline]]:
     """The best of ``ops`` with W ops deferred under the schedule's own in-flight peak (its
     memory) and with every W deferred (more memory), bubbles filled, then climbed; None if
     neither fits."""
@@ -135,7 +159,9 @@ def best_with_weight_ops(problem: Problem, ops: Sequence[Sequence[Op]], seconds:
     return None if best is None else climb(problem, *best, deadline)
 
 
-def zb_h1(problem: Problem, seconds: float = 2.0, tries: int = 4) -> Optional[tuple[int, list[list[Op]], Timeline]]:
+def zb_h1(
+    problem: Problem, seconds: float = 2.0, tries: int = 4
+) -> Optional[tuple[int, list[list[Op]], Timeline]]:
     """ZB-H1 on M equal microbatches: PipeDream-flush's F/B order, every stage deferring each W
     while it holds at most S microbatches (1F1B's peak, that of its first stage, as the paper
     keeps it: later stages start their W ops later), bubbles filled; the best M among the
@@ -144,17 +170,23 @@ def zb_h1(problem: Problem, seconds: float = 2.0, tries: int = 4) -> Optional[tu
     return _equal_zero_bubble(problem, seconds, tries, None, lambda s, mb: S * mb)
 
 
-def zb_h2(problem: Problem, seconds: float = 2.0, tries: int = 4) -> Optional[tuple[int, list[list[Op]], Timeline]]:
+def zb_h2(
+    problem: Problem, seconds: float = 2.0, tries: int = 4
+) -> Optional[tuple[int, list[list[Op]], Timeline]]:
     """ZB-H2 on M equal microbatches: stage s runs 2 (S - s) - 1 forwards before its first
     backward (the paper's warm-up, which fills the bubble before it), then F and B in turn, every
     W deferred and moved into the idle time that is left (the tail's B W B W), so that the
     bubbles close at about twice 1F1B's memory (here: samples are held until their W).
     (M, op lists, timeline), or None if none fits the memory limit."""
     S = problem.num_stages
-    return _equal_zero_bubble(problem, seconds, tries, [2 * (S - s) - 2 for s in range(S)], lambda s, mb: None)
+    return _equal_zero_bubble(
+        problem, seconds, tries, [2 * (S - s) - 2 for s in range(S)], lambda s, mb: None
+    )
 
 
-def _equal_zero_bubble(problem: Problem, seconds: float, tries: int, warmup, cap) -> Optional[tuple[int, list[list[Op]], Timeline]]:
+def _equal_zero_bubble(
+    problem: Problem, seconds: float, tries: int, warmup, cap
+) -> Optional[tuple[int, list[list[Op]], Timeline]]:
     """The best M of a zero-bubble schedule on equal microbatches: 1F1B order with ``warmup``
     (None: PipeDream-flush's), W ops deferred under ``cap(stage, microbatch size)``, bubbles
     filled; M among the ``tries`` best of 1F1B without W ops."""
@@ -186,7 +218,9 @@ def search_with_weight_ops(
     require_split(problem)
     deadline = time.perf_counter() + seconds
     ruled = [c for c in seeds if c.order in ("gpipe", "1f1b")]
-    found = solve_ga(problem, time_limit=0.8 * seconds, seed=seed, seeds=ruled, weights=True, order=order).candidate
+    found = solve_ga(
+        problem, time_limit=0.8 * seconds, seed=seed, seeds=ruled, weights=True, order=order
+    ).candidate
     ops = found.ops()
     tl = simulate(problem.tables, ops, problem.minibatch)
     if not _fits(problem, tl):

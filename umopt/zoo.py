@@ -69,7 +69,9 @@ def vgg16(image_size: int = 32, num_classes: int = 10, fc_width: int = 512) -> M
 
     def make_batch(n: int, seed: int = 0) -> Batch:
         g = torch.Generator().manual_seed(seed)
-        return torch.randn(n, 3, image_size, image_size, generator=g), torch.randint(0, num_classes, (n,), generator=g)
+        return torch.randn(n, 3, image_size, image_size, generator=g), torch.randint(
+            0, num_classes, (n,), generator=g
+        )
 
     return ModelParts(layers, make_batch, _sum_cross_entropy)
 
@@ -119,7 +121,9 @@ class Head(nn.Module):
         return self.out(self.ln(x))
 
 
-def gpt(layers: int = 4, d_model: int = 128, heads: int = 4, vocab: int = 1024, seq_len: int = 64) -> ModelParts:
+def gpt(
+    layers: int = 4, d_model: int = 128, heads: int = 4, vocab: int = 1024, seq_len: int = 64
+) -> ModelParts:
     """A GPT-style decoder: the embedding is the first layer, the LM head the last."""
     if d_model % heads:
         raise UmoptError(f"gpt: d_model {d_model} is not divisible by heads {heads}")
@@ -129,7 +133,10 @@ def gpt(layers: int = 4, d_model: int = 128, heads: int = 4, vocab: int = 1024, 
     for m in mods:
         for name, p in m.named_parameters():
             if p.dim() >= 2:
-                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * layers) if name.endswith(("proj.weight", "fc2.weight")) else 1))
+                nn.init.normal_(
+                    p,
+                    std=0.02 / (math.sqrt(2 * layers) if name.endswith(("proj.weight", "fc2.weight")) else 1),
+                )
 
     def make_batch(n: int, seed: int = 0) -> Batch:
         g = torch.Generator().manual_seed(seed)
@@ -191,7 +198,9 @@ def import_object(spec: str, what: str) -> Any:
     try:
         return getattr(importlib.import_module(mod_name), attr)
     except Exception as exc:  # noqa: BLE001 - the user's module may raise anything while importing
-        raise UmoptError(f"{what} {spec}: cannot import it ({exc.__class__.__name__}: {first_line(exc)})") from None
+        raise UmoptError(
+            f"{what} {spec}: cannot import it ({exc.__class__.__name__}: {first_line(exc)})"
+        ) from None
 
 
 def build_model(name: str, args: dict[str, Any] | None = None, seed: int = 0) -> ModelParts:
@@ -217,11 +226,19 @@ def build_model(name: str, args: dict[str, Any] | None = None, seed: int = 0) ->
     try:
         parts = factory(**args)
     except Exception as exc:  # noqa: BLE001 - the user's factory may raise anything
-        raise UmoptError(f"model {name}{args or ''}: the factory raised {exc.__class__.__name__}: {first_line(exc)}") from None
+        raise UmoptError(
+            f"model {name}{args or ''}: the factory raised {exc.__class__.__name__}: {first_line(exc)}"
+        ) from None
     if isinstance(parts, tuple) and len(parts) == 3:
         parts = ModelParts(list(parts[0]), parts[1], parts[2])
-    if not isinstance(parts, ModelParts) or not parts.layers or not all(isinstance(m, nn.Module) for m in parts.layers):
-        raise UmoptError(f"model {name}: the factory must return (layers, make_batch, loss) with a non-empty list of nn.Module")
+    if (
+        not isinstance(parts, ModelParts)
+        or not parts.layers
+        or not all(isinstance(m, nn.Module) for m in parts.layers)
+    ):
+        raise UmoptError(
+            f"model {name}: the factory must return (layers, make_batch, loss) with a non-empty list of nn.Module"
+        )
     if not callable(parts.make_batch) or not callable(parts.loss):
         raise UmoptError(f"model {name}: make_batch and loss must be callables")
     return parts

@@ -44,7 +44,9 @@ class Beside:
     Use it as a context manager, or call :meth:`close`: the child must not outlive its use.
     """
 
-    def __init__(self, job: Job, problem: Problem, on_bound: Optional[Callable[[str, float], None]] = None, **params):
+    def __init__(
+        self, job: Job, problem: Problem, on_bound: Optional[Callable[[str, float], None]] = None, **params
+    ):
         if not job.__module__.startswith(__package__ + "."):
             raise ValueError(f"{job.__qualname__} is not a job of {__package__}")
         self.latest: dict[str, float] = {}
@@ -52,7 +54,10 @@ class Beside:
         self._on_bound = on_bound
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "umopt.bounds.beside"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            [sys.executable, "-m", "umopt.bounds.beside"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         t = problem.tables
         header = {
@@ -72,7 +77,9 @@ class Beside:
             self.proc.stdin.flush()
         except BrokenPipeError:  # it died at start: the error is in its stderr, read by wait()
             pass
-        self._reader = threading.Thread(target=self._read, name=f"umopt-beside-{job.__qualname__}", daemon=True)
+        self._reader = threading.Thread(
+            target=self._read, name=f"umopt-beside-{job.__qualname__}", daemon=True
+        )
         self._reader.start()
 
     def _read(self) -> None:
@@ -109,7 +116,9 @@ class Beside:
         self._reader.join()
         if self.proc.returncode != 0 and not self.finished:
             err = self.proc.stderr.read().decode(errors="replace").strip().splitlines()
-            raise RuntimeError(f"a bound beside the solver failed: {err[-1] if err else f'exit code {self.proc.returncode}'}")
+            raise RuntimeError(
+                f"a bound beside the solver failed: {err[-1] if err else f'exit code {self.proc.returncode}'}"
+            )
         return self.bounds()
 
     def stop(self) -> dict[str, float]:
@@ -147,8 +156,16 @@ def _child() -> None:
     data = io.BytesIO(stdin.read(header["nbytes"]))
     arrays = {name: np.load(data, allow_pickle=False) for name in _ARRAYS}
     tables = CostTables(
-        arrays["fwd"], arrays["bwd"], arrays["link"], header["optimizer_ms"], header["recompute"],
-        arrays["static_bytes"], arrays["stash_bytes"], arrays["input_bytes"], header["memory_limit"], arrays["allreduce_ms"],
+        arrays["fwd"],
+        arrays["bwd"],
+        arrays["link"],
+        header["optimizer_ms"],
+        header["recompute"],
+        arrays["static_bytes"],
+        arrays["stash_bytes"],
+        arrays["input_bytes"],
+        header["memory_limit"],
+        arrays["allreduce_ms"],
     )
     problem = Problem(tables, header["minibatch"])
     module, name = header["job"]

@@ -41,7 +41,9 @@ def min_work(cost: np.ndarray, total: int) -> float:
             grid = np.full(rows * b, np.inf)
             grid[: total + 1] = best
             steps = np.arange(rows)[:, None] * cost[b]
-            via = (np.minimum.accumulate(grid.reshape(rows, b) - steps, axis=0) + steps).reshape(-1)[: total + 1]
+            via = (np.minimum.accumulate(grid.reshape(rows, b) - steps, axis=0) + steps).reshape(-1)[
+                : total + 1
+            ]
             best = np.minimum(best, via)
         return float(best[total])
     sizes = np.arange(1, mx + 1)
@@ -89,13 +91,21 @@ def own_bound(problem: Problem, scope: Scope = Scope.ANY) -> int:
     if scope not in (Scope.ANY, Scope.IN_ORDER):
         raise ValueError(f"no fast bound for {scope.value!r} schedules")
     F, G, L = int_tables(problem)
-    return _own_bound(F.tobytes(), G.tobytes(), L.tobytes(), F.shape, problem.minibatch, problem.recompute, scope)
+    return _own_bound(
+        F.tobytes(), G.tobytes(), L.tobytes(), F.shape, problem.minibatch, problem.recompute, scope
+    )
 
 
 @functools.lru_cache(maxsize=16)
-def _own_bound(Fb: bytes, Gb: bytes, Lb: bytes, shape: tuple, minibatch: int, recompute: bool, scope: Scope) -> int:
+def _own_bound(
+    Fb: bytes, Gb: bytes, Lb: bytes, shape: tuple, minibatch: int, recompute: bool, scope: Scope
+) -> int:
     F, G = (np.frombuffer(x, dtype=np.int64).reshape(shape) for x in (Fb, Gb))
-    L = np.frombuffer(Lb, dtype=np.int64).reshape(shape[0] - 1, shape[1]) if shape[0] > 1 else np.zeros((0, shape[1]), dtype=np.int64)
+    L = (
+        np.frombuffer(Lb, dtype=np.int64).reshape(shape[0] - 1, shape[1])
+        if shape[0] > 1
+        else np.zeros((0, shape[1]), dtype=np.int64)
+    )
     if scope == Scope.IN_ORDER:  # every schedule's bound holds for that family too: computed once
         own = _own_bound(Fb, Gb, Lb, shape, minibatch, recompute, Scope.ANY)
         return own if recompute else max(own, sample_order_bound(F, G, L, minibatch))

@@ -27,7 +27,9 @@ try:  # two_chains and the stage cuts' suffix program compiled (setup.py); where
     from . import _stage_programs as stage_programs
 except ImportError:  # pragma: no cover - depends on the install
     stage_programs = None
-if stage_programs is not None and getattr(stage_programs, "VERSION", None) != _STAGE_PROGRAMS_VERSION:  # pragma: no cover
+if (
+    stage_programs is not None and getattr(stage_programs, "VERSION", None) != _STAGE_PROGRAMS_VERSION
+):  # pragma: no cover
     stage_programs = None  # an editable install whose rebuild failed keeps the module it built before
 
 # whether the one-stage programs run compiled
@@ -145,7 +147,9 @@ def heads_and_tails(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int)
     # partition both delays its first samples (large chunks) and costs work (small ones), and
     # messages carry their chunk's size. Neither walk contains the other, so both count.
     for s in range(1, S):
-        tail[s, 1:] = np.maximum(tail[s, 1:], chain(L[s - 1], [(G[r], L[r - 1] if r else None) for r in range(s - 1, -1, -1)]))
+        tail[s, 1:] = np.maximum(
+            tail[s, 1:], chain(L[s - 1], [(G[r], L[r - 1] if r else None) for r in range(s - 1, -1, -1)])
+        )
     for s in range(S - 1):
         up = [(F[r], L[r]) for r in range(s + 1, S - 1)]
         down = [(G[r], L[r - 1]) for r in range(S - 2, s, -1)]
@@ -203,7 +207,17 @@ def least_true(ok, lo: int, hi: int, tol: int = 0) -> int:
 
 
 def linear_cuts(
-    problem, heads: Heads, s: int, chunks, x: dict, y: dict, fdur: dict, bdur: dict, later_f: list, later_b: list, gpipe: bool
+    problem,
+    heads: Heads,
+    s: int,
+    chunks,
+    x: dict,
+    y: dict,
+    fdur: dict,
+    bdur: dict,
+    later_f: list,
+    later_b: list,
+    gpipe: bool,
 ):
     """Linear cuts ``makespan >= sum(coef * var) + rest`` on stage s, in the tables' units.
 
@@ -224,7 +238,10 @@ def linear_cuts(
     for i in range(problem.minibatch):
         holding = [c for c in chunks if c[0] <= i < c[1]]
         if not problem.recompute:
-            yield [(int(rel[c[1]] + fdur[c] + turn[size[c]] + bdur[c] + tail[size[c]]), x[c]) for c in holding], 0
+            yield (
+                [(int(rel[c[1]] + fdur[c] + turn[size[c]] + bdur[c] + tail[size[c]]), x[c]) for c in holding],
+                0,
+            )
         else:
             yield [(int(rel[c[1]] + fdur[c] + bdur[c] + tail[size[c]]), y[c]) for c in holding], 0
         terms = [(int(rel[c[1]]), x[c]) for c in holding]
@@ -265,7 +282,9 @@ def drains(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int) -> np.nd
         done = in_order_done(avail, mono[0])
         # D[s, b, m] = all b + m samples done on stage 0
         idx = np.clip(b[:, None] + np.arange(B + 1)[None, :], 0, B)
-        D[s, 1:, :] = np.where(b[:, None] + np.arange(B + 1)[None, :] <= B, np.take_along_axis(done, idx, axis=1), 0)
+        D[s, 1:, :] = np.where(
+            b[:, None] + np.arange(B + 1)[None, :] <= B, np.take_along_axis(done, idx, axis=1), 0
+        )
     return D
 
 

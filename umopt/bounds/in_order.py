@@ -16,10 +16,18 @@ import numpy as np
 from .heads import BIG, Heads, drains, heads_and_tails, keep_undominated, least_true
 from .stage_cuts import usable_chunks
 
-__all__ = ["sample_order_bound", "InOrderHeads", "in_order_heads", "in_order_usable_chunks", "gradient_releases"]
+__all__ = [
+    "sample_order_bound",
+    "InOrderHeads",
+    "in_order_heads",
+    "in_order_usable_chunks",
+    "gradient_releases",
+]
 
 
-def sample_order_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, pareto_max: int = 64) -> int:
+def sample_order_bound(
+    F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, pareto_max: int = 64
+) -> int:
     """A lower bound on the makespan of every schedule whose stages run B ops in sample order.
 
     For each stage and target ``T``, a dynamic program over its partition (chunks in sample
@@ -40,7 +48,10 @@ def sample_order_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: i
         if best and all(_in_order_ok(best, h, F, G, D, cut[s], s, B, pareto) for pareto in programs):
             continue  # this stage's bound is no higher
         # every partition meets every bound at this T (each A_k, E_k is at most it minus a drain)
-        top = int(h.release[s, B] + grel[s, B] + (F[s, 1:] + G[s, 1:]).max() * B + h.turn[s].max() + D[s].max()) + 1
+        top = (
+            int(h.release[s, B] + grel[s, B] + (F[s, 1:] + G[s, 1:]).max() * B + h.turn[s].max() + D[s].max())
+            + 1
+        )
         lo_T = best
         for pareto in programs:  # the pairs' program starts from the single chains' bound, which is lower
             lo_T = least_true(lambda T: _in_order_ok(T, h, F, G, D, cut[s], s, B, pareto), lo_T, top)
@@ -73,7 +84,9 @@ def in_order_heads(F: np.ndarray, G: np.ndarray, L: np.ndarray, h: Heads, miniba
     return InOrderHeads(drains(F, G, L, B), grel, cut)
 
 
-def in_order_usable_chunks(T: int, h: Heads, io: InOrderHeads, F: np.ndarray, G: np.ndarray, s: int, B: int) -> np.ndarray:
+def in_order_usable_chunks(
+    T: int, h: Heads, io: InOrderHeads, F: np.ndarray, G: np.ndarray, s: int, B: int
+) -> np.ndarray:
     """:func:`usable_chunks` among schedules whose stages run B ops in sample order: also a
     partition meeting :func:`sample_order_bound`'s program (every undominated ``(A, E)``) within
     ``T``. From the first chunk up, the undominated pairs reachable at each sample; from the last
@@ -109,7 +122,11 @@ def in_order_usable_chunks(T: int, h: Heads, io: InOrderHeads, F: np.ndarray, G:
     for lo in range(B):
         for b in range(1, min(mx, B - lo) + 1):
             if fits(lo, b):
-                ends = [(a2, e2) for a2, e2 in (step(lo, b, a, e) for a, e in ahead[lo]) if e2 + int(D[b, B - lo - b]) <= T]
+                ends = [
+                    (a2, e2)
+                    for a2, e2 in (step(lo, b, a, e) for a, e in ahead[lo])
+                    if e2 + int(D[b, B - lo - b]) <= T
+                ]
                 use[lo, b] = any(a2 <= -na and e2 <= -ne for a2, e2 in ends for na, ne in behind[lo + b])
     return use & usable_chunks(T, h, F, G, s, B)
 
@@ -144,7 +161,15 @@ def gradient_releases(F: np.ndarray, G: np.ndarray, L: np.ndarray, h: Heads, min
 
 
 def _in_order_ok(
-    T: int, h: Heads, F: np.ndarray, G: np.ndarray, D: np.ndarray, cut: np.ndarray, s: int, B: int, pareto: bool
+    T: int,
+    h: Heads,
+    F: np.ndarray,
+    G: np.ndarray,
+    D: np.ndarray,
+    cut: np.ndarray,
+    s: int,
+    B: int,
+    pareto: bool,
 ) -> bool:
     """Has stage s a partition meeting the three bounds of :func:`sample_order_bound` within T?
     ``cut[lo, b]``: the chunk cut's end of the B op of chunk [lo, lo + b)."""
@@ -172,7 +197,9 @@ def _in_order_ok(
     return bool(_in_order_fronts(T, h, F, G, D, cut, s, B)[B])
 
 
-def _in_order_fronts(T: int, h: Heads, F: np.ndarray, G: np.ndarray, D: np.ndarray, cut: np.ndarray, s: int, B: int) -> list:
+def _in_order_fronts(
+    T: int, h: Heads, F: np.ndarray, G: np.ndarray, D: np.ndarray, cut: np.ndarray, s: int, B: int
+) -> list:
     """``fronts[n]``: every undominated ``(A, E)`` of :func:`_in_order_ok`'s program over the
     partitions of samples ``0..n-1`` meeting its bounds within T (empty: none)."""
     big = np.iinfo(np.int64).max // 4

@@ -30,13 +30,20 @@ import time
 from typing import Callable, Optional
 
 import numpy as np
+
 from .. import stoppable
 from .heads import Heads, heads_and_tails
 from .in_order import InOrderHeads, in_order_heads, in_order_usable_chunks, sample_order_bound
 from .stage_cuts import stage_bound, usable_chunks
 from .untied import UntiedHeads, untied_heads, untied_usable_chunks
 
-__all__ = ["PAIR_MAX_CELLS", "IN_ORDER_MAX_CELLS", "build_pair_model", "build_untied_pair_model", "pair_bound"]
+__all__ = [
+    "PAIR_MAX_CELLS",
+    "IN_ORDER_MAX_CELLS",
+    "build_pair_model",
+    "build_untied_pair_model",
+    "pair_bound",
+]
 
 # B x max size up to which the any-order pair models search: beyond, CP-SAT proves too little
 # of them within a solve's time to be worth the cores
@@ -63,6 +70,7 @@ def build_pair_model(
     (:func:`.in_order.in_order_heads`), the model of the 1F1B family instead: both stages run
     their B ops in sample order, and a last stage runs each chunk's B right after its F."""
     from ortools.sat.python import cp_model  # imported where used: it pulls in pandas
+
     B, S = minibatch, F.shape[0]
     m = cp_model.CpModel()
     H = horizon
@@ -78,12 +86,17 @@ def build_pair_model(
     makespan = m.new_int_var(lower, H, "makespan")
     # per stage: x (chunk used), F and B start/end of each chunk
     x = [{c: m.new_bool_var(f"x{r}_{c[0]}_{c[1]}") for c in chunks[k]} for k, r in enumerate((s, s + 1))]
-    fs = [{c: m.new_int_var(int(h.release[r, c[1]]), H, f"fs{r}_{c[0]}_{c[1]}") for c in chunks[k]} for k, r in enumerate((s, s + 1))]
+    fs = [
+        {c: m.new_int_var(int(h.release[r, c[1]]), H, f"fs{r}_{c[0]}_{c[1]}") for c in chunks[k]}
+        for k, r in enumerate((s, s + 1))
+    ]
     fe = [{c: m.new_int_var(0, H, "") for c in chunks[k]} for k in (0, 1)]
     bs = [{c: m.new_int_var(0, H, "") for c in chunks[k]} for k in (0, 1)]
     be = [{c: m.new_int_var(0, H, "") for c in chunks[k]} for k in (0, 1)]
     fdone = [[m.new_int_var(0, H, "") for _ in range(B)] for _ in (s, s + 1)]  # end of the F holding sample i
-    bdone = [[m.new_int_var(0, H, "") for _ in range(B)] for _ in (s, s + 1)] if io is not None else []  # of the B (in order)
+    bdone = (
+        [[m.new_int_var(0, H, "") for _ in range(B)] for _ in (s, s + 1)] if io is not None else []
+    )  # of the B (in order)
     arrive = [m.new_int_var(0, H, "") for _ in range(B)]  # activations of sample i on s + 1
     grad = [m.new_int_var(0, H, "") for _ in range(B)]  # gradients of sample i back on s
 
@@ -164,6 +177,7 @@ def build_untied_pair_model(
     order, turns into one of these no later, so the model's least makespan bounds them all.
     Returns (model, makespan)."""
     from ortools.sat.python import cp_model
+
     B, S = minibatch, F.shape[0]
     mx = F.shape[1] - 1
     m = cp_model.CpModel()
@@ -182,7 +196,10 @@ def build_untied_pair_model(
     makespan = m.new_int_var(lower, H, "makespan")
     xf = [{c: m.new_bool_var(f"xf{r}_{c[0]}_{c[1]}") for c in fchunks[k]} for k, r in enumerate((s, s + 1))]
     xb = [{c: m.new_bool_var(f"xb{r}_{c[0]}_{c[1]}") for c in bchunks[k]} for k, r in enumerate((s, s + 1))]
-    fs = [{c: m.new_int_var(int(h.release[r, c[1]]), H, f"fs{r}_{c[0]}_{c[1]}") for c in fchunks[k]} for k, r in enumerate((s, s + 1))]
+    fs = [
+        {c: m.new_int_var(int(h.release[r, c[1]]), H, f"fs{r}_{c[0]}_{c[1]}") for c in fchunks[k]}
+        for k, r in enumerate((s, s + 1))
+    ]
     bs = [{c: m.new_int_var(0, H, "") for c in bchunks[k]} for k in (0, 1)]
     fdone = [[m.new_int_var(0, H, "") for _ in range(B)] for _ in (0, 1)]  # F of sample i ended
     bdone = [[m.new_int_var(0, H, "") for _ in range(B)] for _ in (0, 1)]  # B of sample i ended
@@ -201,7 +218,10 @@ def build_untied_pair_model(
                 if k == 1:
                     m.add(back[i] >= back[i - 1])
         for b in range(1, mx + 1):  # the B sizes are a permutation of the F sizes
-            m.add(sum(v for c, v in xf[k].items() if c[1] - c[0] == b) == sum(v for c, v in xb[k].items() if c[1] - c[0] == b))
+            m.add(
+                sum(v for c, v in xf[k].items() if c[1] - c[0] == b)
+                == sum(v for c, v in xb[k].items() if c[1] - c[0] == b)
+            )
         intervals = []
         for (lo, hi), on in xf[k].items():
             b = hi - lo
@@ -210,7 +230,9 @@ def build_untied_pair_model(
             if lo > 0:
                 m.add(fs[k][lo, hi] >= fdone[k][lo - 1]).only_enforce_if(on)
             if k == 1 and r < S - 1:  # its samples go down and come back, the last one last
-                m.add(back[hi - 1] >= fs[k][lo, hi] + int(F[r, b]) + int(ut.turn_last[r, b])).only_enforce_if(on)
+                m.add(back[hi - 1] >= fs[k][lo, hi] + int(F[r, b]) + int(ut.turn_last[r, b])).only_enforce_if(
+                    on
+                )
         for (lo, hi), on in xb[k].items():
             b = hi - lo
             start, end = bs[k][lo, hi], bs[k][lo, hi] + int(G[r, b])
@@ -288,7 +310,12 @@ def pair_bound(
     # a schedule of every pair: one sample per chunk, all F ops of both stages, then all B ops,
     # one op and one message at a time (a horizon too low would only make the bound higher: the
     # model's "no schedule within it" is proven, so it holds)
-    safe = int(h.release.max() + 2 * B * ((F[:, 1] + G[:, 1]).max() + L[:, 1].max()) + 2 * h.turn.max() + h.tail.max())
+    safe = int(
+        h.release.max()
+        + 2 * B * ((F[:, 1] + G[:, 1]).max() + L[:, 1].max())
+        + 2 * h.turn.max()
+        + h.tail.max()
+    )
     upper_now = upper if callable(upper) else (lambda: upper)  # noqa: E731
 
     def tightened(horizon: int) -> int:
@@ -304,11 +331,17 @@ def pair_bound(
     # the better one counts.
     near = best + best // 100
     # (past PAIR_MAX_CELLS the free-order model proves nothing in a minute: the untied one alone)
-    models = [io] if in_order else [untied_heads(F, G, L, h, B)] + ([None] if B * (F.shape[1] - 1) <= PAIR_MAX_CELLS else [])
+    models = (
+        [io]
+        if in_order
+        else [untied_heads(F, G, L, h, B)] + ([None] if B * (F.shape[1] - 1) <= PAIR_MAX_CELLS else [])
+    )
     if in_order:
         usable = [int(in_order_usable_chunks(near, h, io, F, G, r, B).sum()) for r in range(S)]
     else:  # the untied model's (its F and B chunks)
-        usable = [sum(int(u.sum()) for u in untied_usable_chunks(near, h, models[0], F, G, r, B)) for r in range(S)]
+        usable = [
+            sum(int(u.sum()) for u in untied_usable_chunks(near, h, models[0], F, G, r, B)) for r in range(S)
+        ]
     order = sorted(range(S - 1), key=lambda s: sorted(usable[s : s + 2]))
     # per (pair, model): no schedule of it below lo; one within hi; the next probe's step (None:
     # not searched yet)
@@ -316,18 +349,37 @@ def pair_bound(
     while time.perf_counter() < deadline:
         # a better schedule found meanwhile is a schedule of every pair's model
         horizon = tightened(horizon)
-        state = {key: (lo, hi if hi is None else min(hi, horizon), step) for key, (lo, hi, step) in state.items()}
+        state = {
+            key: (lo, hi if hi is None else min(hi, horizon), step) for key, (lo, hi, step) in state.items()
+        }
         open_ = [key for key, (lo, hi, _) in state.items() if hi is None or max(lo, best) < hi]
         if not open_:
             break
         lead = [key for key in open_ if key[0] == open_[0][0]]
         rest = len(open_) - len(lead)
-        weight = {key: (3 / (4 * len(lead)) if key in lead else 1 / (4 * rest)) if rest else 1.0 for key in open_}
+        weight = {
+            key: (3 / (4 * len(lead)) if key in lead else 1 / (4 * rest)) if rest else 1.0 for key in open_
+        }
         for i, (s, k) in enumerate(open_):
             left = deadline - time.perf_counter()
             share = left * weight[s, k] / sum(weight[key] for key in open_[i:])
             tick = (lambda lo: report(max(best, lo))) if report else None  # noqa: E731
-            lo, hi, step = _narrow(F, G, L, h, models[k], B, s, max(best, state[s, k][0]), *state[s, k][1:], horizon, share, seed, tick, workers)
+            lo, hi, step = _narrow(
+                F,
+                G,
+                L,
+                h,
+                models[k],
+                B,
+                s,
+                max(best, state[s, k][0]),
+                *state[s, k][1:],
+                horizon,
+                share,
+                seed,
+                tick,
+                workers,
+            )
             state[s, k], best = (lo, hi, step), max(best, lo)
             if report:  # (the ticks inside report the bound before each probe, this the one after)
                 report(best)
@@ -361,6 +413,7 @@ def _narrow(
     one that it cannot settle in a third of the time left is retried a quarter as far; what time is
     left after that minimises again, between what is proven and what was found."""
     from ortools.sat.python import cp_model
+
     deadline = time.perf_counter() + budget
 
     def solve(T: int, seconds: float, objective: bool):

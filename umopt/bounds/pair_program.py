@@ -49,12 +49,15 @@ except ImportError:  # pragma: no cover - depends on the install
     _compiled = None
 if _compiled is not None and getattr(_compiled, "VERSION", None) != _COMPILED_VERSION:  # pragma: no cover
     # an editable install whose rebuild failed keeps the module it built before
-    warnings.warn("umopt: the compiled pair program is out of date (pip install -e . rebuilds it); running it in Python", stacklevel=1)
+    warnings.warn(
+        "umopt: the compiled pair program is out of date (pip install -e . rebuilds it); running it in Python",
+        stacklevel=1,
+    )
     _compiled = None
 
-from .heads import Heads, heads_and_tails, least_true, least_work
-from .stage_cuts import usable_chunks
-from .untied import UntiedHeads, untied_heads, untied_latest, untied_limits, untied_usable_chunks
+from .heads import Heads, heads_and_tails, least_true, least_work  # noqa: E402  (after the compiled module's check)
+from .stage_cuts import usable_chunks  # noqa: E402
+from .untied import UntiedHeads, untied_heads, untied_latest, untied_limits, untied_usable_chunks  # noqa: E402
 
 __all__ = ["pair_program_feasible", "pair_program_bound", "Tie", "UNTIED", "PASSES", "COMPILED"]
 
@@ -125,7 +128,12 @@ def pair_program_feasible(
         f_use &= usable_chunks(T, h, F, G, r, B)
         if not f_use.any():
             return False
-        sizes.append([[[c for c in range(1, mx + 1) if lo + c <= B and use[lo, c]] for lo in range(B)] for use in (f_use, b_use)])
+        sizes.append(
+            [
+                [[c for c in range(1, mx + 1) if lo + c <= B and use[lo, c]] for lo in range(B)]
+                for use in (f_use, b_use)
+            ]
+        )
     limits = [untied_limits(h, ut, F, G, r, B) for r in (U, W)]
     rel = [lim[0].tolist() for lim in limits]  # F ops ending at sample n start no earlier
     ready = [lim[1].tolist() for lim in limits]  # B ops ending at sample n start no earlier
@@ -151,7 +159,19 @@ def pair_program_feasible(
                     use[k, kind, lo, sizes[k][kind][lo]] = 1
         left = -1.0 if deadline is None else max(0.0, deadline - time.perf_counter())
         arrays = (rel, ready, after_f, after_b, latest, dur_f, dur_b, link, todo, owed, last_tail)
-        met = _compiled.feasible(T, B, mx, modes[0], modes[1], use, *(np.array(x, dtype=np.int64) for x in arrays), DIVE_STATES, left, MAX_LABELS, witness)
+        met = _compiled.feasible(
+            T,
+            B,
+            mx,
+            modes[0],
+            modes[1],
+            use,
+            *(np.array(x, dtype=np.int64) for x in arrays),
+            DIVE_STATES,
+            left,
+            MAX_LABELS,
+            witness,
+        )
         if witness:
             met, path = met
         if met == -1:
@@ -167,7 +187,11 @@ def pair_program_feasible(
     def fits(k: int, free: int, pending: tuple[int, ...], forwarded: int, open_: int) -> bool:
         if modes[k] == _NONE:
             return True
-        owes = owed[k][open_][pending[0] if pending else 0] if modes[k] == _COUNT else sum(dur_b[k][c] for c in pending)
+        owes = (
+            owed[k][open_][pending[0] if pending else 0]
+            if modes[k] == _COUNT
+            else sum(dur_b[k][c] for c in pending)
+        )
         return free + owes + todo[k][B - forwarded] + last_tail[k] <= T
 
     def moves(key: Key, label: Label):
@@ -184,7 +208,10 @@ def pair_program_feasible(
                 nW = max(tW, start)
                 nU = _push(pU, c, modes[0])
                 if fits(0, end, nU, a + c, a + c - b):
-                    yield (a + c, b, f, g, nU, pW), (end, nW, _trim(qa + ((a, arrive),), nW, f), _trim(qg, end, b))
+                    yield (
+                        (a + c, b, f, g, nU, pW),
+                        (end, nW, _trim(qa + ((a, arrive),), nW, f), _trim(qg, end, b)),
+                    )
         for c in sizes[0][1][b] if b < g else ():  # B on U, after W's B of its samples
             if b + c > g:
                 break
@@ -219,7 +246,10 @@ def pair_program_feasible(
                 nU = max(tU, start)
                 nW = _pop(pW, c, modes[1])
                 if fits(1, end, nW, f, f - g - c):
-                    yield (a, b, f, g + c, pU, nW), (nU, end, _trim(qa, end, f), _trim(qg + ((g, arrive),), nU, b))
+                    yield (
+                        (a, b, f, g + c, pU, nW),
+                        (nU, end, _trim(qa, end, f), _trim(qg + ((g, arrive),), nU, b)),
+                    )
 
     # --- a dive first: depth first, the op that leaves both stages free earliest first ---------
     # Where T is loose a path to the end is found at once; a label no better than one already

@@ -18,11 +18,20 @@ from ..problem import Problem
 from .beside import Beside
 from .fast import FAST_PROGRAM_CELLS, fast_bound_ms, own_bound, spec_bound
 from .heads import int_tables
-from .pair_program import pair_program_bound
 from .pair_models import PAIR_MAX_CELLS, pair_bound
+from .pair_program import pair_program_bound
 from .scope import Scope
 
-__all__ = ["PAIR_SHARE", "PROGRAM_SHARE", "pair_bound_runs", "pair_bound_ms", "program_within", "start_bound_ms", "program_job", "pairs_job"]
+__all__ = [
+    "PAIR_SHARE",
+    "PROGRAM_SHARE",
+    "pair_bound_runs",
+    "pair_bound_ms",
+    "program_within",
+    "start_bound_ms",
+    "program_job",
+    "pairs_job",
+]
 
 # of an exact solver's time limit, what its starting bound gets (cpsat and milp start from it)
 PAIR_SHARE = 0.25
@@ -71,11 +80,24 @@ def pair_bound_ms(
         if report:
             report(fast)
     left = time_limit - (time.perf_counter() - t0)
-    own = pair_bound(*tables, problem.minibatch, left, upper, seed, tick, max_cells, scope == Scope.IN_ORDER, known, workers)
+    own = pair_bound(
+        *tables,
+        problem.minibatch,
+        left,
+        upper,
+        seed,
+        tick,
+        max_cells,
+        scope == Scope.IN_ORDER,
+        known,
+        workers,
+    )
     return max(fast, own / 1000 + opt)
 
 
-def program_within(problem: Problem, known: int, seconds: float, report: Optional[Callable[[int], None]] = None) -> int:
+def program_within(
+    problem: Problem, known: int, seconds: float, report: Optional[Callable[[int], None]] = None
+) -> int:
     """The pair program from ``known``: the best it proves within ``seconds``, never below
     ``known`` (units of :func:`.heads.int_tables`); ``report(bound)`` as it proves them. Small
     instances have it in the fast bound already; larger ones run it beside, stopped at the time
@@ -105,17 +127,48 @@ def program_job(problem: Problem, emit, upper, *, known: int, seconds: float) ->
     """:class:`.beside.Beside`'s job for :func:`program_within`: the pair program from ``known``
     for ``seconds``, each bound as proven, in the units of :func:`.heads.int_tables`."""
     F, G, L = int_tables(problem)
-    emit(Scope.ANY.value, pair_program_bound(F, G, L, problem.minibatch, known, seconds, lambda b: emit(Scope.ANY.value, b)))
+    emit(
+        Scope.ANY.value,
+        pair_program_bound(F, G, L, problem.minibatch, known, seconds, lambda b: emit(Scope.ANY.value, b)),
+    )
 
 
-def pairs_job(problem: Problem, emit, upper, *, any_seconds: float, family_seconds: float, seed: int, max_cells: int, workers: int) -> None:
+def pairs_job(
+    problem: Problem,
+    emit,
+    upper,
+    *,
+    any_seconds: float,
+    family_seconds: float,
+    seed: int,
+    max_cells: int,
+    workers: int,
+) -> None:
     """:class:`.beside.Beside`'s job for a search that runs the pair bounds beside it (``auto``):
     of every schedule for ``any_seconds``, then of the 1F1B family's for ``family_seconds``; in
     ms, as proven."""
     found = 0.0
     if any_seconds > 0:
-        found = pair_bound_ms(problem, any_seconds, upper, seed, lambda ms: emit(Scope.ANY.value, ms), max_cells, Scope.ANY, workers)
+        found = pair_bound_ms(
+            problem,
+            any_seconds,
+            upper,
+            seed,
+            lambda ms: emit(Scope.ANY.value, ms),
+            max_cells,
+            Scope.ANY,
+            workers,
+        )
         emit(Scope.ANY.value, found)
     if family_seconds > 0:
-        family = pair_bound_ms(problem, family_seconds, upper, seed, lambda ms: emit(Scope.IN_ORDER.value, ms), max_cells, Scope.IN_ORDER, workers)
+        family = pair_bound_ms(
+            problem,
+            family_seconds,
+            upper,
+            seed,
+            lambda ms: emit(Scope.IN_ORDER.value, ms),
+            max_cells,
+            Scope.IN_ORDER,
+            workers,
+        )
         emit(Scope.IN_ORDER.value, max(family, found))  # a bound on every schedule bounds the family's too

@@ -38,7 +38,9 @@ def scope_of(value: Optional[str]) -> Scope:
     return Scope.ANY if value is None else Scope(value)
 
 
-def bound_for(ops: Sequence[Sequence[Op]], order: str, bounds: dict[Scope, Optional[float]]) -> Optional[float]:
+def bound_for(
+    ops: Sequence[Sequence[Op]], order: str, bounds: dict[Scope, Optional[float]]
+) -> Optional[float]:
     """The highest of ``bounds`` whose scope covers the schedule (None: none does)."""
     valid = [b for scope, b in bounds.items() if b is not None and scope.covers(ops, order)]
     return max(valid, default=None)

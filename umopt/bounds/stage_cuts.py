@@ -34,7 +34,9 @@ def stage_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, rec
     cuts = [_chunk_cut(h, F, G, s, B, recompute) for s in range(S)]
     KG = [least_work(G[s], B) for s in range(S)]
     top = int(max(h.release[s, B] + (F[s, 1] + G[s, 1]) * B + h.turn.max() + h.tail.max() for s in range(S)))
-    lo_T = least_true(lambda T: all(_reachable(T, h, F, G, s, cuts[s], KG[s], B, recompute) for s in range(S)), 0, top)
+    lo_T = least_true(
+        lambda T: all(_reachable(T, h, F, G, s, cuts[s], KG[s], B, recompute) for s in range(S)), 0, top
+    )
     if recompute or B * (F.shape[1] - 1) > LARGE_CHUNKS_MAX_CELLS:
         return lo_T
     for s in range(S - 1, -1, -1):  # the last stages bind most often
@@ -55,7 +57,9 @@ def stage_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, rec
 LARGE_CHUNKS_MAX_CELLS = 1024
 
 
-def _large_chunks_ok(T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, cut: np.ndarray, B: int, c: int) -> bool:
+def _large_chunks_ok(
+    T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, cut: np.ndarray, B: int, c: int
+) -> bool:
     """Has stage s a partition meeting :func:`_reachable`'s cuts and the large-chunk cut for ``c``?
 
     The large-chunk cut: from the release of a chunk of at least ``c`` samples, the stage runs
@@ -117,7 +121,15 @@ def _chunk_cut(h: Heads, F: np.ndarray, G: np.ndarray, s: int, B: int, recompute
 
 
 def _reachable(
-    T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, cut: np.ndarray, KG: np.ndarray, B: int, recompute: bool
+    T: int,
+    h: Heads,
+    F: np.ndarray,
+    G: np.ndarray,
+    s: int,
+    cut: np.ndarray,
+    KG: np.ndarray,
+    B: int,
+    recompute: bool,
 ) -> bool:
     """Has stage s a partition whose chunk and suffix cuts all stay within ``T``?"""
     W, _, _ = _suffix_work(T, h, F, G, s, cut, KG, B, recompute)
@@ -213,5 +225,7 @@ def usable_chunks(T: int, h: Heads, F: np.ndarray, G: np.ndarray, s: int, B: int
             if cut_ok[lo, b]:
                 state = np.minimum(level_of[b], every)
                 work = own[b] + W[hi]
-                use[lo, b] = bool(((W[hi] < big) & (rel[hi] + work + levels[state] <= T) & (work <= A[lo, state])).any())
+                use[lo, b] = bool(
+                    ((W[hi] < big) & (rel[hi] + work + levels[state] <= T) & (work <= A[lo, state])).any()
+                )
     return use

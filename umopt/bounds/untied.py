@@ -20,7 +20,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .heads import BIG, Heads, chain, drains, heads_and_tails, least_true, least_work, round_trip, stage_programs
+from .heads import (
+    BIG,
+    Heads,
+    chain,
+    drains,
+    heads_and_tails,
+    least_true,
+    least_work,
+    round_trip,
+    stage_programs,
+)
 
 __all__ = [
     "UntiedHeads",
@@ -69,7 +79,9 @@ def untied_heads(F: np.ndarray, G: np.ndarray, L: np.ndarray, h: Heads, minibatc
     for s in range(S - 1):
         up = [(F[r], L[r]) for r in range(s + 1, S - 1)]
         down = [(G[r], L[r - 1]) for r in range(S - 2, s, -1)]
-        last[s, 1:] = np.maximum(last[s, 1:], chain(L[s], [*up, (F[S - 1], None), (G[S - 1], L[S - 2] if S > 1 else None), *down]))
+        last[s, 1:] = np.maximum(
+            last[s, 1:], chain(L[s], [*up, (F[S - 1], None), (G[S - 1], L[S - 2] if S > 1 else None), *down])
+        )
     grel = np.zeros((S, B + 1), dtype=np.int64)
     gready = np.zeros((S, B + 1), dtype=np.int64)
     for r in range(S - 1, -1, -1):
@@ -91,7 +103,16 @@ def untied_heads(F: np.ndarray, G: np.ndarray, L: np.ndarray, h: Heads, minibatc
             A[n] = (rel[j + 1] + KF[r][n - j] + KG[r][n - j]).max()
         # and the stage's two chains exactly (:func:`two_chains` with no deadline): the least
         # end of a state with n samples backwarded
-        t = two_chains(big, F[r], G[r], rel, ready, np.zeros(mx + 1, dtype=np.int64), np.zeros((mx + 1, B + 1), dtype=np.int64), B)
+        t = two_chains(
+            big,
+            F[r],
+            G[r],
+            rel,
+            ready,
+            np.zeros(mx + 1, dtype=np.int64),
+            np.zeros((mx + 1, B + 1), dtype=np.int64),
+            B,
+        )
         E = np.maximum(E, t.min(axis=0))
         done = np.minimum.accumulate(np.maximum(A, E)[::-1])[::-1]  # the chunk holding n - 1 may end later
         grel[r - 1, 1:] = done[1:] + lmin[r - 1]
@@ -114,9 +135,21 @@ def untied_bound(F: np.ndarray, G: np.ndarray, L: np.ndarray, minibatch: int, kn
     for s, h, ut, ends in untied_stages(F, G, L, B):
         if best and two_chains(best, F[s], G[s], *ends, B) is not None:
             continue  # this stage's bound is no higher
-        top = int(h.release[s, B] + ut.grad_ready[s, B] + (F[s, 1:] + G[s, 1:]).max() * B + ends[2].max(initial=0) + ends[3][ends[3] < BIG // 4].max(initial=0)) + 1
+        top = (
+            int(
+                h.release[s, B]
+                + ut.grad_ready[s, B]
+                + (F[s, 1:] + G[s, 1:]).max() * B
+                + ends[2].max(initial=0)
+                + ends[3][ends[3] < BIG // 4].max(initial=0)
+            )
+            + 1
+        )
         # to a ten-thousandth: each step is a program over (B + 1)^2 / 2 states
-        best = max(best, least_true(lambda T: two_chains(T, F[s], G[s], *ends, B) is not None, best, top, best // 10_000))
+        best = max(
+            best,
+            least_true(lambda T: two_chains(T, F[s], G[s], *ends, B) is not None, best, top, best // 10_000),
+        )
     return best
 
 
@@ -186,7 +219,9 @@ def two_chains(
     return t if t[B, B] < big else None
 
 
-def untied_latest(T: int, h: Heads, ut: UntiedHeads, F: np.ndarray, G: np.ndarray, s: int, B: int) -> np.ndarray:
+def untied_latest(
+    T: int, h: Heads, ut: UntiedHeads, F: np.ndarray, G: np.ndarray, s: int, B: int
+) -> np.ndarray:
     """``late[i, j]``: the latest end of stage s's state (i forwarded, j backwarded) in
     :func:`two_chains`'s program from which (B, B) is still reached meeting ``T``; a large
     negative number where none is."""
@@ -204,14 +239,18 @@ def untied_latest(T: int, h: Heads, ut: UntiedHeads, F: np.ndarray, G: np.ndarra
         ok = k & (rel[np.clip(i + b, 0, B)] + F[s, b] <= nxt)
         cand = np.where(ok, nxt - F[s, b], -big).max(axis=1)
         k = j + b <= i  # a B chunk [j, j + b) next
-        nxt = np.minimum(late[i, np.clip(j + b, 0, B)], T - after_b[np.broadcast_to(b, (len(i), mx)), np.clip(j + b, 0, B)])
+        nxt = np.minimum(
+            late[i, np.clip(j + b, 0, B)], T - after_b[np.broadcast_to(b, (len(i), mx)), np.clip(j + b, 0, B)]
+        )
         ok = k & (ready[np.clip(j + b, 0, B)] + G[s, b] <= nxt)
         cand = np.maximum(cand, np.where(ok, nxt - G[s, b], -big).max(axis=1))
         late[i[:, 0], j[:, 0]] = cand
     return late
 
 
-def untied_usable_chunks(T: int, h: Heads, ut: UntiedHeads, F: np.ndarray, G: np.ndarray, s: int, B: int) -> tuple[np.ndarray, np.ndarray]:
+def untied_usable_chunks(
+    T: int, h: Heads, ut: UntiedHeads, F: np.ndarray, G: np.ndarray, s: int, B: int
+) -> tuple[np.ndarray, np.ndarray]:
     """``(f_use, b_use)``, each ``[lo, b]``: the F and the B chunks of stage s that some run of
     :func:`two_chains`'s program meeting ``T`` holds (a state reached in time from the start
     from which the end is still reached in time, through that chunk). All False where none meets it."""
@@ -228,10 +267,14 @@ def untied_usable_chunks(T: int, h: Heads, ut: UntiedHeads, F: np.ndarray, G: np
         for bb in range(1, min(mx, B - i) + 1):  # F [i, i + bb) from some (i, j), j <= i
             js = np.arange(i + 1)
             end = np.maximum(t[i, js], rel[i + bb]) + F[s, bb]
-            f_use[i, bb] = bool(((t[i, js] < big) & (end <= np.minimum(late[i + bb, js], T - after_f[bb]))).any())
+            f_use[i, bb] = bool(
+                ((t[i, js] < big) & (end <= np.minimum(late[i + bb, js], T - after_f[bb]))).any()
+            )
     for j in range(B):
         for bb in range(1, min(mx, B - j) + 1):  # B [j, j + bb) from some (i, j), i >= j + bb
             i = np.arange(j + bb, B + 1)
             end = np.maximum(t[i, j], ready[j + bb]) + G[s, bb]
-            b_use[j, bb] = bool(((t[i, j] < big) & (end <= np.minimum(late[i, j + bb], T - after_b[bb, j + bb]))).any())
+            b_use[j, bb] = bool(
+                ((t[i, j] < big) & (end <= np.minimum(late[i, j + bb], T - after_b[bb, j + bb]))).any()
+            )
     return f_use[:B], b_use[:B]

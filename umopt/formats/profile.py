@@ -202,8 +202,17 @@ class Profile(_Strict):
         n = len(sizes)
         for s, st in enumerate(self.stages):
             if (st.backward_input_ms is None) != (st.backward_weight_ms is None):
-                raise ValueError(f"stages[{s}] has one of backward_input_ms and backward_weight_ms without the other")
-            for key in ("forward_ms", "backward_ms", "forward_iqr_ms", "backward_iqr_ms", "backward_input_ms", "backward_weight_ms"):
+                raise ValueError(
+                    f"stages[{s}] has one of backward_input_ms and backward_weight_ms without the other"
+                )
+            for key in (
+                "forward_ms",
+                "backward_ms",
+                "forward_iqr_ms",
+                "backward_iqr_ms",
+                "backward_input_ms",
+                "backward_weight_ms",
+            ):
                 values = getattr(st, key)
                 if values is not None and len(values) != n:
                     raise ValueError(f"stages[{s}].{key} has {len(values)} values for {n} sizes")
@@ -211,14 +220,21 @@ class Profile(_Strict):
                 raise ValueError(f"stages[{s}].layers {st.layers} is an empty range")
             if s > 0 and st.layers[0] != self.stages[s - 1].layers[1]:
                 raise ValueError(f"stages[{s}].layers does not start where stage {s - 1} ends")
-            if s + 1 < len(self.stages) and st.output_bytes_per_sample != self.stages[s + 1].input_bytes_per_sample:
+            if (
+                s + 1 < len(self.stages)
+                and st.output_bytes_per_sample != self.stages[s + 1].input_bytes_per_sample
+            ):
                 raise ValueError(
                     f"stages[{s}].output_bytes_per_sample differs from stages[{s + 1}].input_bytes_per_sample"
                 )
         if len(self.stages) * sizes[-1] > MAX_CELLS:
-            raise ValueError(f"{len(self.stages)} stages x chunk size {sizes[-1]} is over umopt's limit of {MAX_CELLS} cells")
+            raise ValueError(
+                f"{len(self.stages)} stages x chunk size {sizes[-1]} is over umopt's limit of {MAX_CELLS} cells"
+            )
         if len(self.links) != len(self.stages) - 1:
-            raise ValueError(f"{len(self.stages)} stages need {len(self.stages) - 1} links, got {len(self.links)}")
+            raise ValueError(
+                f"{len(self.stages)} stages need {len(self.stages) - 1} links, got {len(self.links)}"
+            )
         return self
 
     # --- convenience -------------------------------------------------------------------------
@@ -270,7 +286,9 @@ def pydantic_error_line(exc: ValidationError) -> str:
         msg = "missing field"
     elif err["type"] == "less_than_equal":
         shown = repr(err.get("input"))
-        msg = f"{shown if len(shown) <= 24 else shown[:20] + '...'} is over umopt's limit of {err['ctx']['le']}"
+        msg = (
+            f"{shown if len(shown) <= 24 else shown[:20] + '...'} is over umopt's limit of {err['ctx']['le']}"
+        )
     elif err["type"] == "literal_error" and where == "format":
         msg = f"format is {err.get('input')!r}, expected {PROFILE_FORMAT!r}"
     return f"{where}: {msg}" if where else msg

@@ -18,7 +18,15 @@ from ..fileio import read_json, write_json
 from ..limits import MAX_MINIBATCH, MAX_MS
 from .profile import AllReduceProfile, pydantic_error_line
 
-__all__ = ["Decision", "MeasuredPredicted", "OpTiming", "RunReport", "as_report", "load_report", "save_report"]
+__all__ = [
+    "Decision",
+    "MeasuredPredicted",
+    "OpTiming",
+    "RunReport",
+    "as_report",
+    "load_report",
+    "save_report",
+]
 
 _Ms = Annotated[StrictFloat | StrictInt, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
 
@@ -61,7 +69,9 @@ class RunReport(BaseModel):
     rounds: StrictInt = 1  # played (with --decide, until decided or out of budget)
     schedules_in_turn: StrictInt = 1
     # what it measured
-    measured_iteration_ms: Optional[Annotated[StrictFloat | StrictInt, Field(gt=0, le=MAX_MS, allow_inf_nan=False)]] = None
+    measured_iteration_ms: Optional[
+        Annotated[StrictFloat | StrictInt, Field(gt=0, le=MAX_MS, allow_inf_nan=False)]
+    ] = None
     predicted_iteration_ms: Optional[float] = None  # the simulator's, for this run's profile
     measured_over_predicted: Optional[float] = None
     step_ms: list[float] = []
@@ -87,7 +97,9 @@ def as_report(raw: Any, name: str) -> RunReport:
         loc = exc.errors()[0]["loc"]
         ops = raw.get("ops")
         if len(loc) >= 3 and loc[0] == "ops" and isinstance(ops, list) and isinstance(ops[loc[1]], list):
-            raise UmoptError(f"{name}: stage {loc[1]} has a malformed op entry {str(ops[loc[1]][loc[2]])[:80]}") from None
+            raise UmoptError(
+                f"{name}: stage {loc[1]} has a malformed op entry {str(ops[loc[1]][loc[2]])[:80]}"
+            ) from None
         raise UmoptError(f"{name}: {pydantic_error_line(exc)}") from None
 
 

@@ -55,7 +55,9 @@ class StageOps(_Strict):
     def _op_shape(cls, ops: list[list[Any]]) -> list[list[Any]]:
         for i, (kind, lo, hi) in enumerate(ops):
             if kind not in ("F", "B", "W") or type(lo) is not int or type(hi) is not int:
-                raise ValueError(f"op {i} is {[kind, lo, hi]!r}, expected [\"F\"|\"B\"|\"W\", lo, hi] with integer lo, hi")
+                raise ValueError(
+                    f'op {i} is {[kind, lo, hi]!r}, expected ["F"|"B"|"W", lo, hi] with integer lo, hi'
+                )
         return ops
 
 
@@ -113,13 +115,17 @@ def validate_ops(ops: Sequence[Sequence[Op]], minibatch: int, max_size: int, rec
             if not (0 <= lo < hi <= B):
                 raise UmoptError(f"{where}: {kind}({lo},{hi}) is not a chunk of samples 0..{B - 1}")
             if hi - lo > max_size:
-                raise UmoptError(f"{where}: {kind}({lo},{hi}) has {hi - lo} samples, the profile measured at most {max_size}")
+                raise UmoptError(
+                    f"{where}: {kind}({lo},{hi}) has {hi - lo} samples, the profile measured at most {max_size}"
+                )
             if kind == "W":
                 _check_w(where, lo, hi, b_ranges, w_ranges)
                 continue
             if kind == "F":
                 if lo != expect:
-                    raise UmoptError(f"{where}: F({lo},{hi}) out of order, expected a chunk starting at sample {expect}")
+                    raise UmoptError(
+                        f"{where}: F({lo},{hi}) out of order, expected a chunk starting at sample {expect}"
+                    )
                 expect = hi
                 f_ranges.add((lo, hi))
             else:
@@ -129,7 +135,9 @@ def validate_ops(ops: Sequence[Sequence[Op]], minibatch: int, max_size: int, rec
                 if (k > 0 and b_ranges[k - 1][1] > lo) or (k < len(b_ranges) and b_ranges[k][0] < hi):
                     raise UmoptError(f"{where}: B({lo},{hi}) covers samples a B op already covered")
                 if not recompute and (lo, hi) not in f_ranges:
-                    raise UmoptError(f"{where}: B({lo},{hi}) is not one F chunk; without recompute B must reuse F chunks")
+                    raise UmoptError(
+                        f"{where}: B({lo},{hi}) is not one F chunk; without recompute B must reuse F chunks"
+                    )
                 b_ranges.insert(k, (lo, hi))
         if expect != B:
             raise UmoptError(f"{where}: F ops cover samples 0..{expect - 1}, not the minibatch 0..{B - 1}")
@@ -138,7 +146,9 @@ def validate_ops(ops: Sequence[Sequence[Op]], minibatch: int, max_size: int, rec
             raise UmoptError(f"{where}: B ops miss sample {end}")
         end = _covered(w_ranges)
         if w_ranges and end != B:
-            raise UmoptError(f"{where}: W ops miss sample {end} (a stage with W ops needs the weight gradient of every sample)")
+            raise UmoptError(
+                f"{where}: W ops miss sample {end} (a stage with W ops needs the weight gradient of every sample)"
+            )
 
 
 def _covered(ranges: list[tuple[int, int]]) -> int:
@@ -151,7 +161,9 @@ def _covered(ranges: list[tuple[int, int]]) -> int:
     return end
 
 
-def _check_w(where: str, lo: int, hi: int, b_ranges: list[tuple[int, int]], w_ranges: list[tuple[int, int]]) -> None:
+def _check_w(
+    where: str, lo: int, hi: int, b_ranges: list[tuple[int, int]], w_ranges: list[tuple[int, int]]
+) -> None:
     """A W op: whole B chunks that ran before it on the stage, each taken by one W only."""
     k = bisect.bisect_left(b_ranges, (lo, -1))
     end = lo
@@ -159,7 +171,9 @@ def _check_w(where: str, lo: int, hi: int, b_ranges: list[tuple[int, int]], w_ra
         end = b_ranges[k][1]
         k += 1
     if end != hi:
-        raise UmoptError(f"{where}: W({lo},{hi}) is not whole B chunks that ran before it (a weight gradient follows its samples' B)")
+        raise UmoptError(
+            f"{where}: W({lo},{hi}) is not whole B chunks that ran before it (a weight gradient follows its samples' B)"
+        )
     j = bisect.bisect_left(w_ranges, (lo, hi))
     if (j > 0 and w_ranges[j - 1][1] > lo) or (j < len(w_ranges) and w_ranges[j][0] < hi):
         raise UmoptError(f"{where}: W({lo},{hi}) covers samples a W op already covered")
@@ -173,9 +187,13 @@ def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: 
     over the profile's memory limit is refused with a one-line :class:`UmoptError`.
     """
     if len(schedule.stages) != profile.num_stages:
-        raise UmoptError(f"schedule has {len(schedule.stages)} stages but profile {profile.path} has {profile.num_stages}")
+        raise UmoptError(
+            f"schedule has {len(schedule.stages)} stages but profile {profile.path} has {profile.num_stages}"
+        )
     if strict_hash and schedule.profile.sha256 != profile.sha256:
-        raise UmoptError(f"schedule was made for another profile (sha256 {schedule.profile.sha256[:12]}..., this one {profile.sha256[:12]}...)")
+        raise UmoptError(
+            f"schedule was made for another profile (sha256 {schedule.profile.sha256[:12]}..., this one {profile.sha256[:12]}...)"
+        )
     ops = schedule.op_lists()
     validate_ops(ops, schedule.minibatch, profile.max_size, schedule.recompute)
     tables = CostTables.from_profile(profile, schedule.recompute, schedule.dp)
@@ -184,7 +202,9 @@ def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: 
     if limit is not None:
         for s, peak in enumerate(timeline.peak_memory_bytes):
             if peak > limit:
-                raise UmoptError(f"stage {s} needs {peak} bytes at its peak, over the memory limit of {limit}")
+                raise UmoptError(
+                    f"stage {s} needs {peak} bytes at its peak, over the memory limit of {limit}"
+                )
     return timeline
 
 
@@ -249,10 +269,15 @@ def _find_profile(schedule_path: Path, named: str, sha256: str) -> Optional[Path
         for c in candidates:
             if c.is_file():
                 return c
-    nearby = sorted(schedule_path.parent.glob("*.json"))[:200] + [Path(str(resources.files("umopt.profiles") / f"{n}.json")) for n in bundled_profiles()]
+    nearby = sorted(schedule_path.parent.glob("*.json"))[:200] + [
+        Path(str(resources.files("umopt.profiles") / f"{n}.json")) for n in bundled_profiles()
+    ]
     for c in nearby:
         try:
-            if c.resolve() != schedule_path.resolve() and hashlib.sha256(c.read_bytes()).hexdigest() == sha256:
+            if (
+                c.resolve() != schedule_path.resolve()
+                and hashlib.sha256(c.read_bytes()).hexdigest() == sha256
+            ):
                 return c
         except OSError:
             continue

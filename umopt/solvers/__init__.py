@@ -27,4 +27,14 @@ SOLVERS = {
     "milp": solve_milp,
 }
 
-__all__ = ["SOLVERS", "solve_auto", "solve_ga", "solve_greedy", "solve_dp", "solve_ramp", "solve_equal", "solve_cpsat", "solve_milp"]
+__all__ = [
+    "SOLVERS",
+    "solve_auto",
+    "solve_ga",
+    "solve_greedy",
+    "solve_dp",
+    "solve_ramp",
+    "solve_equal",
+    "solve_cpsat",
+    "solve_milp",
+]

@@ -38,7 +38,13 @@ __all__ = ["solve_auto"]
 
 
 def solve_auto(
-    problem: Problem, *, time_limit: float = 20.0, seed: int = 0, progress: Optional[Progress] = None, order: str = "auto", **_
+    problem: Problem,
+    *,
+    time_limit: float = 20.0,
+    seed: int = 0,
+    progress: Optional[Progress] = None,
+    order: str = "auto",
+    **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
     fast = []
@@ -95,19 +101,39 @@ def solve_auto(
     if beside_runs:
         any_time = ANY_ORDER_SHARE * ga_time if order == "auto" else 0.0
         beside = Beside(
-            pairs_job, problem, on_bound, any_seconds=any_time, family_seconds=ga_time - any_time, seed=seed,
-            max_cells=IN_ORDER_MAX_CELLS, workers=max(1, (os.cpu_count() or 1) - 1),
+            pairs_job,
+            problem,
+            on_bound,
+            any_seconds=any_time,
+            family_seconds=ga_time - any_time,
+            seed=seed,
+            max_cells=IN_ORDER_MAX_CELLS,
+            workers=max(1, (os.cpu_count() or 1) - 1),
         )
         # a horizon for its models: the best fast schedule within the memory limit, if any
-        first = min((r.candidate.iteration_ms for r in fast if r.candidate.iteration_ms < float("inf")), default=None)
+        first = min(
+            (r.candidate.iteration_ms for r in fast if r.candidate.iteration_ms < float("inf")), default=None
+        )
         if first is not None:
             stop(first)
     try:
-        ga = solve_ga(problem, time_limit=ga_time, seed=seed, progress=progress, seeds=seeds, order=order, stop=stop if beside_runs else None)
+        ga = solve_ga(
+            problem,
+            time_limit=ga_time,
+            seed=seed,
+            progress=progress,
+            seeds=seeds,
+            order=order,
+            stop=stop if beside_runs else None,
+        )
         ga.candidate.iteration_ms = ga.candidate.simulate(problem).iteration_ms
         if beside is not None:
             stop(ga.candidate.iteration_ms)  # a bound proven after the GA's last look ends the pairs too
-            proved = beside.stop() if proven.is_set() else beside.wait(timeout=max(0.0, t0 + time_limit - time.perf_counter()))
+            proved = (
+                beside.stop()
+                if proven.is_set()
+                else beside.wait(timeout=max(0.0, t0 + time_limit - time.perf_counter()))
+            )
             if Scope.ANY.value in proved:
                 side["any"] = proved[Scope.ANY.value]
             if proved:  # a bound on every schedule bounds that family's too
@@ -124,9 +150,18 @@ def solve_auto(
         cp_time = max(EXACT_SHARE * left, time_limit - (time.perf_counter() - t0))
 
         def share(_frac: float, best: float) -> None:  # the bar goes on from where the GA left it
-            progress(min(1.0, (time.perf_counter() - t0) / time_limit), min(best, start.candidate.iteration_ms))
+            progress(
+                min(1.0, (time.perf_counter() - t0) / time_limit), min(best, start.candidate.iteration_ms)
+            )
 
-        cp = solve_cpsat(problem, time_limit=cp_time, seed=seed, hint=start.candidate, order=order, progress=share if progress else None)
+        cp = solve_cpsat(
+            problem,
+            time_limit=cp_time,
+            seed=seed,
+            hint=start.candidate,
+            order=order,
+            progress=share if progress else None,
+        )
         results.append(cp)
         # the model searched every schedule auto may return (any order, or GPipe order under
         # --order gpipe), so its proof and bound are auto's
@@ -152,7 +187,9 @@ def solve_auto(
         seconds=time.perf_counter() - t0,
         evaluated=sum(r.evaluated for r in results),
         extra={"winner": best.name, "tried": {r.name: r.candidate.iteration_ms for r in results}, **extra},
-        alternatives=[r.candidate for r in results if r is not best and r.candidate.iteration_ms < float("inf")],
+        alternatives=[
+            r.candidate for r in results if r is not best and r.candidate.iteration_ms < float("inf")
+        ],
     )
 
 

@@ -36,6 +36,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Optional
 
+from .. import stoppable
 from ..bounds import (
     Heads,
     Scope,
@@ -44,7 +45,6 @@ from ..bounds import (
     linear_cuts,
     start_bound_ms,
 )
-from .. import stoppable
 from ..costmodel import Op, simulate
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
@@ -70,6 +70,7 @@ def _us(ms: float) -> int:
 def build_gpipe_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = None):
     """The CP-SAT model; returns (model, x, y, makespan) with x[s][(lo, hi)] booleans."""
     from ortools.sat.python import cp_model  # imported where used: it pulls in pandas
+
     t = problem.tables
     S, B = problem.num_stages, problem.minibatch
     chunks = candidate_chunks(problem)
@@ -80,7 +81,11 @@ def build_gpipe_model(problem: Problem, horizon_us: int, hint: Optional[Candidat
 
     # --- variables ---------------------------------------------------------------------------
     x = [{c: m.new_bool_var(f"x{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
-    y = x if not problem.recompute else [{c: m.new_bool_var(f"y{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
+    y = (
+        x
+        if not problem.recompute
+        else [{c: m.new_bool_var(f"y{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
+    )
     fstart = [{c: m.new_int_var(0, H, "") for c in chunks} for s in range(S)]
     bstart = [{c: m.new_int_var(0, H, "") for c in chunks} for s in range(S)]
     fend = [[m.new_int_var(0, H, "") for _ in range(B)] for s in range(S)]
@@ -99,8 +104,12 @@ def build_gpipe_model(problem: Problem, horizon_us: int, hint: Optional[Candidat
             for c in chunks:
                 if not chunk_fits(problem, s, *c):
                     m.add(part[c] == 0)
-        ends = [_as_bool(m, sum(x[s][c] for c in chunks if c[1] - 1 == i)) for i in range(B)]  # an F chunk ends at i
-        starts = [_as_bool(m, sum(y[s][c] for c in chunks if c[0] == i)) for i in range(B)]  # a B chunk starts at i
+        ends = [
+            _as_bool(m, sum(x[s][c] for c in chunks if c[1] - 1 == i)) for i in range(B)
+        ]  # an F chunk ends at i
+        starts = [
+            _as_bool(m, sum(y[s][c] for c in chunks if c[0] == i)) for i in range(B)
+        ]  # a B chunk starts at i
         for c in chunks:
             lo, hi = c
             b = hi - lo
@@ -146,7 +155,9 @@ def build_gpipe_model(problem: Problem, horizon_us: int, hint: Optional[Candidat
         fd = {c: _us(t.fwd[s, c[1] - c[0]]) for c in chunks}
         bd = {c: _us(t.bwd[s, c[1] - c[0]]) for c in chunks}
         later_f, later_b = _later_work(m, chunks, B, x[s], y[s], fd, bd, H)
-        for terms, rest in linear_cuts(problem, heads, s, chunks, x[s], y[s], fd, bd, later_f, later_b, gpipe=True):
+        for terms, rest in linear_cuts(
+            problem, heads, s, chunks, x[s], y[s], fd, bd, later_f, later_b, gpipe=True
+        ):
             m.add(makespan >= sum(a * v for a, v in terms) + rest)
 
     # --- objective -----------------------------------------------------------------------------
@@ -163,7 +174,9 @@ def build_gpipe_model(problem: Problem, horizon_us: int, hint: Optional[Candidat
     return m, x, y, makespan
 
 
-def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = None, weights: bool = False):
+def build_free_model(
+    problem: Problem, horizon_us: int, hint: Optional[Candidate] = None, weights: bool = False
+):
     """The free-order CP-SAT model; returns (model, x, y, fstart, bstart, makespan, wstart).
 
     With ``weights`` every stage's backward is split (zero bubble): a B op is the input gradient
@@ -180,6 +193,7 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
     is re-scored by the simulator, which does keep send order.
     """
     from ortools.sat.python import cp_model
+
     t = problem.tables
     S, B = problem.num_stages, problem.minibatch
     chunks = candidate_chunks(problem)
@@ -191,20 +205,38 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
 
     # --- variables ---------------------------------------------------------------------------
     x = [{c: m.new_bool_var(f"x{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
-    y = x if not problem.recompute else [{c: m.new_bool_var(f"y{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
+    y = (
+        x
+        if not problem.recompute
+        else [{c: m.new_bool_var(f"y{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
+    )
     fstart = [{c: m.new_int_var(0, H, "") for c in chunks} for s in range(S)]
     bstart = [{c: m.new_int_var(0, H, "") for c in chunks} for s in range(S)]
     fdur = [{c: _us(t.fwd[s, c[1] - c[0]]) for c in chunks} for s in range(S)]
     bdur = [{c: _us((t.bwd_input if weights else t.bwd)[s, c[1] - c[0]]) for c in chunks} for s in range(S)]
-    fint = [{c: m.new_optional_fixed_size_interval_var(fstart[s][c], fdur[s][c], x[s][c], "") for c in chunks} for s in range(S)]
-    bint = [{c: m.new_optional_fixed_size_interval_var(bstart[s][c], bdur[s][c], y[s][c], "") for c in chunks} for s in range(S)]
+    fint = [
+        {c: m.new_optional_fixed_size_interval_var(fstart[s][c], fdur[s][c], x[s][c], "") for c in chunks}
+        for s in range(S)
+    ]
+    bint = [
+        {c: m.new_optional_fixed_size_interval_var(bstart[s][c], bdur[s][c], y[s][c], "") for c in chunks}
+        for s in range(S)
+    ]
     wstart = [{c: m.new_int_var(0, H, "") for c in chunks} if weights else {} for s in range(S)]
     wdur = [{c: _us(t.bwd_weight[s, c[1] - c[0]]) for c in chunks} if weights else {} for s in range(S)]
-    wint = [{c: m.new_optional_fixed_size_interval_var(wstart[s][c], wdur[s][c], y[s][c], "") for c in wstart[s]} for s in range(S)]
+    wint = [
+        {c: m.new_optional_fixed_size_interval_var(wstart[s][c], wdur[s][c], y[s][c], "") for c in wstart[s]}
+        for s in range(S)
+    ]
     # gradient message of B chunk c on stage s (s > 0), over link s-1
     gsend = [{c: m.new_int_var(0, H, "") for c in chunks} if s > 0 else {} for s in range(S)]
     gint = [
-        {c: m.new_optional_fixed_size_interval_var(gsend[s][c], _us(t.link[s - 1, c[1] - c[0]]), y[s][c], "") for c in chunks}
+        {
+            c: m.new_optional_fixed_size_interval_var(
+                gsend[s][c], _us(t.link[s - 1, c[1] - c[0]]), y[s][c], ""
+            )
+            for c in chunks
+        }
         if s > 0
         else {}
         for s in range(S)
@@ -245,7 +277,20 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
                 m.add(wstart[s][c] >= bstart[s][c] + bdur[s][c]).only_enforce_if(bon)
                 m.add(makespan >= wstart[s][c] + wdur[s][c] + _us(t.allreduce_ms[s])).only_enforce_if(bon)
             else:
-                _add_heads(m, problem, heads, s, c, on, bon, fstart[s][c], bstart[s][c], fdur[s][c], bdur[s][c], makespan)
+                _add_heads(
+                    m,
+                    problem,
+                    heads,
+                    s,
+                    c,
+                    on,
+                    bon,
+                    fstart[s][c],
+                    bstart[s][c],
+                    fdur[s][c],
+                    bdur[s][c],
+                    makespan,
+                )
             # activation messages: one at a time, in F order (= sample order)
             if s + 1 < S:
                 link = _us(t.link[s, hi - lo])
@@ -269,7 +314,9 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
             continue
         # redundant cuts: they give the LP relaxation what each chunk size costs (see .bounds)
         later_f, later_b = _later_work(m, chunks, B, x[s], y[s], fdur[s], bdur[s], H)
-        for terms, rest in linear_cuts(problem, heads, s, chunks, x[s], y[s], fdur[s], bdur[s], later_f, later_b, gpipe=False):
+        for terms, rest in linear_cuts(
+            problem, heads, s, chunks, x[s], y[s], fdur[s], bdur[s], later_f, later_b, gpipe=False
+        ):
             m.add(makespan >= sum(a * v for a, v in terms) + rest)
 
     # --- objective -----------------------------------------------------------------------------
@@ -280,7 +327,9 @@ def build_free_model(problem: Problem, horizon_us: int, hint: Optional[Candidate
     return m, x, y, fstart, bstart, makespan, wstart
 
 
-def _add_memory(m, problem: Problem, s: int, chunks, x, y, fstart, bstart, fdur, bdur, wend: Optional[dict] = None) -> None:
+def _add_memory(
+    m, problem: Problem, s: int, chunks, x, y, fstart, bstart, fdur, bdur, wend: Optional[dict] = None
+) -> None:
     """The spec's memory model as a reservoir: stash grows when an F starts and shrinks when its
     B ends (with recompute: inputs are kept, the running chunk's stash only while it runs). With
     W ops (``wend``: each B chunk's W end) a sample's memory goes when its W ends, and with
@@ -298,11 +347,19 @@ def _add_memory(m, problem: Problem, s: int, chunks, x, y, fstart, bstart, fdur,
     for c in chunks:
         b = c[1] - c[0]
         if wend is not None:
-            event(fstart[c], b * (t.input_bytes[s] + t.stash_bytes[s] if problem.recompute else t.stash_bytes[s]), x[c])
+            event(
+                fstart[c],
+                b * (t.input_bytes[s] + t.stash_bytes[s] if problem.recompute else t.stash_bytes[s]),
+                x[c],
+            )
             if problem.recompute:
                 event(fstart[c] + fdur[c], -b * t.stash_bytes[s], x[c])
                 event(bstart[c], b * t.stash_bytes[s], y[c])
-            event(wend[c], -b * (t.input_bytes[s] + t.stash_bytes[s] if problem.recompute else t.stash_bytes[s]), y[c])
+            event(
+                wend[c],
+                -b * (t.input_bytes[s] + t.stash_bytes[s] if problem.recompute else t.stash_bytes[s]),
+                y[c],
+            )
         elif not problem.recompute:
             event(fstart[c], b * t.stash_bytes[s], x[c])
             event(bstart[c] + bdur[c], -b * t.stash_bytes[s], y[c])
@@ -345,7 +402,9 @@ def _later_work(m, chunks, B: int, x: dict, y: dict, fdur: dict, bdur: dict, H: 
     return later_f, later_b
 
 
-def _add_heads(m, problem: Problem, heads: Heads, s: int, c, on, bon, fstart, bstart, fdur: int, bdur: int, makespan) -> None:
+def _add_heads(
+    m, problem: Problem, heads: Heads, s: int, c, on, bon, fstart, bstart, fdur: int, bdur: int, makespan
+) -> None:
     """Redundant release, turnaround and tail constraints of one chunk (see :mod:`umopt.bounds.heads`)."""
     lo, hi = c
     b = hi - lo
@@ -381,13 +440,20 @@ def solve_cpsat(
     **_,
 ) -> SolverResult:
     """``order="gpipe"``: the GPipe-order model; "auto": the free-order model (any op order)."""
-    return with_clock(progress, time_limit, lambda found: _solve_cpsat(problem, time_limit, seed, hint, order, found))
+    return with_clock(
+        progress, time_limit, lambda found: _solve_cpsat(problem, time_limit, seed, hint, order, found)
+    )
 
 
-def _solve_cpsat(problem: Problem, time_limit: float, seed: int, hint: Optional[Candidate], order: str, found: list) -> SolverResult:
+def _solve_cpsat(
+    problem: Problem, time_limit: float, seed: int, hint: Optional[Candidate], order: str, found: list
+) -> SolverResult:
     from ortools.sat.python import cp_model
+
     t0 = time.perf_counter()
-    base, time_limit, warm_scored, skipped = start_or_skip(problem, "cpsat", time_limit, seed, hint, order, t0)
+    base, time_limit, warm_scored, skipped = start_or_skip(
+        problem, "cpsat", time_limit, seed, hint, order, t0
+    )
     if skipped:
         return skipped
     found[0] = base.iteration_ms
@@ -401,7 +467,10 @@ def _solve_cpsat(problem: Problem, time_limit: float, seed: int, hint: Optional[
     else:
         model, x, y, fstart, bstart, makespan, _ = build_free_model(problem, horizon, base)
     # on small instances two adjacent stages at a time, solved exactly, lift the bound (pairs.py)
-    lb_ms = start_bound_ms(problem, order, time_limit - (time.perf_counter() - t_model), base.iteration_ms, seed) - opt
+    lb_ms = (
+        start_bound_ms(problem, order, time_limit - (time.perf_counter() - t_model), base.iteration_ms, seed)
+        - opt
+    )
     # the bound, in the model's floored microseconds (one microsecond of slack per op)
     model.add(makespan >= max(0, _us(lb_ms) - n_ops))
 
@@ -417,11 +486,15 @@ def _solve_cpsat(problem: Problem, time_limit: float, seed: int, hint: Optional[
             bs = [_partition(solver.boolean_value, y[s]) for s in range(S)]
             cand = Candidate(fs, bs, "gpipe")
         else:
-            cand = Candidate.from_ops([_ops_by_start(solver, x[s], y[s], fstart[s], bstart[s]) for s in range(S)])
+            cand = Candidate.from_ops(
+                [_ops_by_start(solver, x[s], y[s], fstart[s], bstart[s]) for s in range(S)]
+            )
     elif status == cp_model.UNKNOWN:  # no time to complete even the warm start: keep it
         cand = base
     else:
-        raise UmoptError(f"cpsat: the model is {solver.status_name(status)} (no schedule fits the memory limit)")
+        raise UmoptError(
+            f"cpsat: the model is {solver.status_name(status)} (no schedule fits the memory limit)"
+        )
     cand.iteration_ms = cand.simulate(problem).iteration_ms
     if base.iteration_ms < cand.iteration_ms:  # the relaxed link order can re-score worse than the start
         cand = base
@@ -436,11 +509,16 @@ def _solve_cpsat(problem: Problem, time_limit: float, seed: int, hint: Optional[
         lower_bound_ms=min(bound, cand.iteration_ms),
         seconds=time.perf_counter() - t0,
         evaluated=warm_scored,
-        extra={"bound_scope": (Scope.GPIPE if order == "gpipe" else Scope.ANY).value, "cp_status": solver.status_name(status)},
+        extra={
+            "bound_scope": (Scope.GPIPE if order == "gpipe" else Scope.ANY).value,
+            "cp_status": solver.status_name(status),
+        },
     )
 
 
-def _ops_by_start(solver: cp_model.CpSolver, x: dict, y: dict, fstart: dict, bstart: dict, wstart: Optional[dict] = None) -> list:
+def _ops_by_start(
+    solver: cp_model.CpSolver, x: dict, y: dict, fstart: dict, bstart: dict, wstart: Optional[dict] = None
+) -> list:
     """One stage's op list in the order the solver timed it (F, B, W on a tie: each needs the one before)."""
     timed = [(solver.value(fstart[c]), 0, Op("F", *c)) for c in x if solver.boolean_value(x[c])]
     timed += [(solver.value(bstart[c]), 1, Op("B", *c)) for c in y if solver.boolean_value(y[c])]
@@ -454,7 +532,9 @@ def gpipe_ops_all(sizes: list[int], num_stages: int) -> list[list[Op]]:
     return [gpipe_ops(sizes, sizes) for _ in range(num_stages)]
 
 
-def solve_with_weight_ops(problem: Problem, time_limit: float, seed: int = 0) -> Optional[tuple[list[list[Op]], float, bool]]:
+def solve_with_weight_ops(
+    problem: Problem, time_limit: float, seed: int = 0
+) -> Optional[tuple[list[list[Op]], float, bool]]:
     """The free-order model with a W op per B chunk (zero bubble), on a small instance, within the
     memory limit: (op lists, bound in ms, proven optimal among such schedules), or None if it
     found nothing in ``time_limit``. The op lists are re-scored by the simulator."""
@@ -471,10 +551,17 @@ def solve_with_weight_ops(problem: Problem, time_limit: float, seed: int = 0) ->
     ones = [1] * problem.minibatch
     S = problem.num_stages
     if problem.memory_limit is None:
-        plain = [[op for b in st for op in ([b, Op("W", b.lo, b.hi)] if b.kind == "B" else [b])] for st in gpipe_ops_all(ones, S)]
+        plain = [
+            [op for b in st for op in ([b, Op("W", b.lo, b.hi)] if b.kind == "B" else [b])]
+            for st in gpipe_ops_all(ones, S)
+        ]
     else:
         plain = [with_weight_ops(st, 0) for st in onef1b_schedule([ones] * S, [ones] * S, [0] * S)]
-    horizon = _us(simulate(t, plain, problem.minibatch, record=False).iteration_ms) + 4 * problem.num_stages * problem.minibatch + 1
+    horizon = (
+        _us(simulate(t, plain, problem.minibatch, record=False).iteration_ms)
+        + 4 * problem.num_stages * problem.minibatch
+        + 1
+    )
     model, x, y, fstart, bstart, makespan, wstart = build_free_model(problem, horizon, weights=True)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.1, time_limit)
@@ -483,6 +570,8 @@ def solve_with_weight_ops(problem: Problem, time_limit: float, seed: int = 0) ->
     status = stoppable.solve(solver, model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-    ops = [_ops_by_start(solver, x[s], y[s], fstart[s], bstart[s], wstart[s]) for s in range(problem.num_stages)]
+    ops = [
+        _ops_by_start(solver, x[s], y[s], fstart[s], bstart[s], wstart[s]) for s in range(problem.num_stages)
+    ]
     bound = solver.best_objective_bound / 1000 + t.optimizer_ms
     return ops, bound, status == cp_model.OPTIMAL

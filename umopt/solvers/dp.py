@@ -40,7 +40,9 @@ def shared_partition(problem: Problem) -> list[int]:
     cost = (t.fwd + t.bwd)[:, 1 : mx + 1].max(axis=0)  # t(b) for b = 1..mx
     cost = np.where(_fits(problem), cost, np.inf)
     if not np.isfinite(cost).any():
-        raise UmoptError("dp: no GPipe schedule fits the memory limit (try --recompute or a smaller minibatch)")
+        raise UmoptError(
+            "dp: no GPipe schedule fits the memory limit (try --recompute or a smaller minibatch)"
+        )
     caps = np.unique(cost[np.isfinite(cost)])
     # best[c, n]: least sum of t over partitions of n samples with every t(b) <= caps[c]
     best = np.full((len(caps), B + 1), np.inf)
@@ -62,7 +64,15 @@ def shared_partition(problem: Problem) -> list[int]:
     return sorted(parts, reverse=True)
 
 
-def solve_dp(problem: Problem, *, time_limit: float = 0.0, seed: int = 0, progress: Optional[Progress] = None, order: str = "auto", **_) -> SolverResult:
+def solve_dp(
+    problem: Problem,
+    *,
+    time_limit: float = 0.0,
+    seed: int = 0,
+    progress: Optional[Progress] = None,
+    order: str = "auto",
+    **_,
+) -> SolverResult:
     t0 = time.perf_counter()
     S = problem.num_stages
     sizes = shared_partition(problem)

@@ -13,7 +13,13 @@ __all__ = ["solve_equal"]
 
 
 def solve_equal(
-    problem: Problem, *, time_limit: float = 0.0, seed: int = 0, progress: Optional[Progress] = None, order: str = "auto", **_
+    problem: Problem,
+    *,
+    time_limit: float = 0.0,
+    seed: int = 0,
+    progress: Optional[Progress] = None,
+    order: str = "auto",
+    **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
     makers = {"gpipe": [gpipe_equal], "1f1b": [onef1b_equal]}.get(order, [gpipe_equal, onef1b_equal])
@@ -21,4 +27,6 @@ def solve_equal(
     if not options:
         raise UmoptError("no equal partition fits the memory limit")
     best = min(options, key=lambda b: b.iteration_ms)
-    return SolverResult("equal", best.candidate, "feasible", seconds=time.perf_counter() - t0, evaluated=len(options))
+    return SolverResult(
+        "equal", best.candidate, "feasible", seconds=time.perf_counter() - t0, evaluated=len(options)
+    )

@@ -11,10 +11,23 @@ from ..baselines import gpipe_equal
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult, ticking
 
-__all__ = ["MAX_MODEL_TERMS", "candidate_chunks", "chunk_fits", "chunk_set", "chunks_ending_at", "model_terms", "model_too_large", "start_or_skip", "warm_start", "with_clock"]
+__all__ = [
+    "MAX_MODEL_TERMS",
+    "candidate_chunks",
+    "chunk_fits",
+    "chunk_set",
+    "chunks_ending_at",
+    "model_terms",
+    "model_too_large",
+    "start_or_skip",
+    "warm_start",
+    "with_clock",
+]
 
 
-def with_clock(progress: Optional[Progress], time_limit: float, solve: Callable[[list], SolverResult]) -> SolverResult:
+def with_clock(
+    progress: Optional[Progress], time_limit: float, solve: Callable[[list], SolverResult]
+) -> SolverResult:
     """``solve(found)``, with the bar moving by the clock meanwhile (the solver keeps ``found[0]``,
     the best iteration ms so far, up to date) and ending at the schedule it returns."""
     found = [float("inf")]
@@ -77,7 +90,13 @@ def model_too_large(problem: Problem) -> Optional[str]:
 
 
 def warm_start(
-    problem: Problem, name: str, time_limit: float, seed: int, hint: Optional[Candidate], order: str, share: float = 0.3
+    problem: Problem,
+    name: str,
+    time_limit: float,
+    seed: int,
+    hint: Optional[Candidate],
+    order: str,
+    share: float = 0.3,
 ) -> tuple[Candidate, float, int]:
     """(start, time left, schedules scored): the caller's hint, else the GA's best schedule found in
     ``share`` of the time. With ``order="gpipe"`` the start is a GPipe-order schedule; with "auto" (the
@@ -87,7 +106,9 @@ def warm_start(
     )
 
     if order == "1f1b":
-        raise UmoptError(f"{name} does not model the 1F1B rule; use --order auto (its free order includes 1F1B) or gpipe")
+        raise UmoptError(
+            f"{name} does not model the 1F1B rule; use --order auto (its free order includes 1F1B) or gpipe"
+        )
     scored = 0
     if hint is None:
         orders = ("gpipe",) if order == "gpipe" else ("gpipe", "1f1b")
@@ -101,7 +122,13 @@ def warm_start(
 
 
 def start_or_skip(
-    problem: Problem, name: str, time_limit: float, seed: int, hint: Optional[Candidate], order: str, t0: float
+    problem: Problem,
+    name: str,
+    time_limit: float,
+    seed: int,
+    hint: Optional[Candidate],
+    order: str,
+    t0: float,
 ) -> tuple[Candidate, float, int, Optional[SolverResult]]:
     """The exact solvers' common start: (warm start, time left, schedules scored, result), where
     ``result`` is set when the model is too large to build: then the GA had the whole time and
@@ -109,7 +136,9 @@ def start_or_skip(
     from ..bounds import Scope, fast_bound_ms
 
     too_large = model_too_large(problem)
-    base, left, scored = warm_start(problem, name, time_limit, seed, hint, order, share=1.0 if too_large else 0.3)
+    base, left, scored = warm_start(
+        problem, name, time_limit, seed, hint, order, share=1.0 if too_large else 0.3
+    )
     base.iteration_ms = base.simulate(problem).iteration_ms
     if not too_large:
         return base, left, scored, None

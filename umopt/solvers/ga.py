@@ -52,7 +52,9 @@ def _textbook(S: int) -> np.ndarray:
     return np.array(pipedream_warmup(S))
 
 
-def _to_ends(problem: Problem, cands: Sequence[Candidate]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _to_ends(
+    problem: Problem, cands: Sequence[Candidate]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     B = problem.minibatch
     fe = np.array([[sizes_to_ends(p, B) for p in c.fsizes] for c in cands])
     be = np.array([[sizes_to_ends(p, B) for p in c.bsizes] for c in cands])
@@ -60,7 +62,9 @@ def _to_ends(problem: Problem, cands: Sequence[Candidate]) -> tuple[np.ndarray, 
     return fe, be, np.array([c.order == "1f1b" for c in cands]), wu
 
 
-def _to_candidate(fe: np.ndarray, be: np.ndarray, onef1b: bool, warmup: np.ndarray, wcap: Optional[np.ndarray] = None) -> Candidate:
+def _to_candidate(
+    fe: np.ndarray, be: np.ndarray, onef1b: bool, warmup: np.ndarray, wcap: Optional[np.ndarray] = None
+) -> Candidate:
     """One individual's (S, B) end masks (and warm-ups, in 1F1B order; W caps with W ops) as a candidate."""
     fs = [[int(x) for x in row if x] for row in ends_to_sizes(fe)]
     bs = [[int(x) for x in row if x] for row in ends_to_sizes(be)]
@@ -78,13 +82,25 @@ class _Scorer:
         self.problem = problem
         self.count = 0
 
-    def __call__(self, fe: np.ndarray, be: np.ndarray, onef1b: np.ndarray, warmup: np.ndarray, wcap: Optional[np.ndarray] = None) -> np.ndarray:
+    def __call__(
+        self,
+        fe: np.ndarray,
+        be: np.ndarray,
+        onef1b: np.ndarray,
+        warmup: np.ndarray,
+        wcap: Optional[np.ndarray] = None,
+    ) -> np.ndarray:
         self.count += fe.shape[0]
         fit = np.empty(fe.shape[0])
         g = ~onef1b
         if g.any():
             wc = None if wcap is None else wcap[g]
-            it, sc = score_gpipe(self.problem, ends_to_sizes(fe[g]), ends_to_sizes(be[g]) if self.problem.recompute else None, wc)
+            it, sc = score_gpipe(
+                self.problem,
+                ends_to_sizes(fe[g]),
+                ends_to_sizes(be[g]) if self.problem.recompute else None,
+                wc,
+            )
             fit[g] = it + 1e-7 * sc.finish_ms.mean(axis=1)
         if onef1b.any():
             bs = ends_to_sizes(be[onef1b]) if self.problem.recompute else None
@@ -95,13 +111,28 @@ class _Scorer:
 
 
 def _polish(
-    problem: Problem, fe: np.ndarray, be: np.ndarray, onef1b: bool, warmup: np.ndarray, wcap: Optional[np.ndarray], deadline: float, free_warmup: bool
+    problem: Problem,
+    fe: np.ndarray,
+    be: np.ndarray,
+    onef1b: bool,
+    warmup: np.ndarray,
+    wcap: Optional[np.ndarray],
+    deadline: float,
+    free_warmup: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray], int]:
-    cand, n = hill_climb(problem, _to_candidate(fe, be, onef1b, warmup, wcap), deadline, free_warmup=free_warmup)
+    cand, n = hill_climb(
+        problem, _to_candidate(fe, be, onef1b, warmup, wcap), deadline, free_warmup=free_warmup
+    )
     B = problem.minibatch
     wu = np.array(cand.warmups)
     wc = None if cand.wcap is None else np.array(cand.wcap)
-    return np.array([sizes_to_ends(p, B) for p in cand.fsizes]), np.array([sizes_to_ends(p, B) for p in cand.bsizes]), wu, wc, n
+    return (
+        np.array([sizes_to_ends(p, B) for p in cand.fsizes]),
+        np.array([sizes_to_ends(p, B) for p in cand.bsizes]),
+        wu,
+        wc,
+        n,
+    )
 
 
 def _equal_rows(rng: np.random.Generator, n: int, problem: Problem) -> np.ndarray:
@@ -189,7 +220,9 @@ def _initial_caps(rng: np.random.Generator, fe: np.ndarray, onef1b: np.ndarray) 
     return np.where(pick == 0, np.minimum(zb, B), np.where(pick == 1, B, rng.integers(0, B + 1, (P, S))))
 
 
-def _mutate_caps(rng: np.random.Generator, wcap: np.ndarray, minibatch: int, max_size: int, rate: float) -> None:
+def _mutate_caps(
+    rng: np.random.Generator, wcap: np.ndarray, minibatch: int, max_size: int, rate: float
+) -> None:
     """Mutate (P, S) W caps in place, about ``rate`` mutations per individual: up to a chunk's
     worth more or fewer, halved or doubled, every W at the end, now and then the stage's backward
     whole (-1); a whole one is split again with a random cap by any other mutation."""
@@ -201,7 +234,11 @@ def _mutate_caps(rng: np.random.Generator, wcap: np.ndarray, minibatch: int, max
     cur = wcap[who, st]
     kind = rng.choice(6, size=n, p=[0.3, 0.3, 0.1, 0.1, 0.15, 0.05])
     step = rng.integers(1, max_size + 1, n)
-    new = np.select([kind == 0, kind == 1, kind == 2, kind == 3, kind == 4], [cur + step, cur - step, cur // 2, 2 * cur + 1, np.full(n, minibatch)], -1)
+    new = np.select(
+        [kind == 0, kind == 1, kind == 2, kind == 3, kind == 4],
+        [cur + step, cur - step, cur // 2, 2 * cur + 1, np.full(n, minibatch)],
+        -1,
+    )
     new = np.where((cur < 0) & (kind != 5), rng.integers(0, minibatch + 1, n), new)
     wcap[who, st] = np.where(kind == 5, -1, np.clip(new, 0, minibatch))
 
@@ -243,21 +280,41 @@ class _Population:
         return self.fe if self.be_own is None else self.be_own
 
     @classmethod
-    def scored(cls, scorer: "_Scorer", fe, be, onef1b, warmup, recompute: bool, wcap: Optional[np.ndarray] = None) -> "_Population":
+    def scored(
+        cls, scorer: "_Scorer", fe, be, onef1b, warmup, recompute: bool, wcap: Optional[np.ndarray] = None
+    ) -> "_Population":
         return cls(fe, be if recompute else None, onef1b, warmup, scorer(fe, be, onef1b, warmup, wcap), wcap)
 
     def take(self, idx: np.ndarray) -> "_Population":
         pick = lambda a: None if a is None else a[idx]  # noqa: E731
-        return _Population(self.fe[idx], pick(self.be_own), self.onef1b[idx], self.warmup[idx], self.fit[idx], pick(self.wcap))
+        return _Population(
+            self.fe[idx],
+            pick(self.be_own),
+            self.onef1b[idx],
+            self.warmup[idx],
+            self.fit[idx],
+            pick(self.wcap),
+        )
 
     def __add__(self, other: "_Population") -> "_Population":
         cat = lambda a, b: None if a is None else np.concatenate([a, b])  # noqa: E731
         return _Population(
-            cat(self.fe, other.fe), cat(self.be_own, other.be_own), cat(self.onef1b, other.onef1b), cat(self.warmup, other.warmup), cat(self.fit, other.fit), cat(self.wcap, other.wcap)
+            cat(self.fe, other.fe),
+            cat(self.be_own, other.be_own),
+            cat(self.onef1b, other.onef1b),
+            cat(self.warmup, other.warmup),
+            cat(self.fit, other.fit),
+            cat(self.wcap, other.wcap),
         )
 
     def candidate(self, k: int) -> Candidate:
-        return _to_candidate(self.fe[k], self.be[k], bool(self.onef1b[k]), self.warmup[k], None if self.wcap is None else self.wcap[k])
+        return _to_candidate(
+            self.fe[k],
+            self.be[k],
+            bool(self.onef1b[k]),
+            self.warmup[k],
+            None if self.wcap is None else self.wcap[k],
+        )
 
 
 def solve_ga(
@@ -345,20 +402,34 @@ def solve_ga(
             stall = 0
             kept = pop.take(_elite(pop.fit, pop.onef1b, elite))
             fresh = P - elite
-            new_f = np.concatenate([kept.fe[rng.integers(0, elite, fresh // 2)], _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B)])
+            new_f = np.concatenate(
+                [
+                    kept.fe[rng.integers(0, elite, fresh // 2)],
+                    _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B),
+                ]
+            )
             _mutate(rng, new_f, problem, 4.0)
             new_b = new_f
             if rec:
-                new_b = np.concatenate([kept.be[rng.integers(0, elite, fresh // 2)], _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B)])
+                new_b = np.concatenate(
+                    [
+                        kept.be[rng.integers(0, elite, fresh // 2)],
+                        _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B),
+                    ]
+                )
                 _mutate(rng, new_b, problem, 4.0)
             pick = rng.integers(0, elite, fresh // 2)
-            new_o = np.concatenate([kept.onef1b[pick], use_1f1b & ((not use_gpipe) | (rng.random(fresh - fresh // 2) < 0.5))])
+            new_o = np.concatenate(
+                [kept.onef1b[pick], use_1f1b & ((not use_gpipe) | (rng.random(fresh - fresh // 2) < 0.5))]
+            )
             new_w = np.concatenate([kept.warmup[pick], np.tile(_textbook(S), (fresh - fresh // 2, 1))])
             if free_warmup:
                 _mutate_warmup(rng, new_w, new_f, 2.0)
             new_c = None
             if weights:
-                new_c = np.concatenate([kept.wcap[pick], _initial_caps(rng, new_f[fresh // 2 :], new_o[fresh // 2 :])])
+                new_c = np.concatenate(
+                    [kept.wcap[pick], _initial_caps(rng, new_f[fresh // 2 :], new_o[fresh // 2 :])]
+                )
                 _mutate_caps(rng, new_c, B, mx, 2.0)
             pop = kept + _Population.scored(scorer, new_f, new_b, new_o, new_w, rec, new_c)
         gen += 1
@@ -393,14 +464,23 @@ def solve_ga(
         if weights:
             child_c = np.where(rng.random((nchild, S)) < 0.5, pop.wcap[parents[0]], pop.wcap[parents[1]])
             _mutate_caps(rng, child_c, B, mx, 0.3)
-        pop = pop.take(elite_idx) + _Population.scored(scorer, child_f, child_b, child_o, child_w, rec, child_c)
+        pop = pop.take(elite_idx) + _Population.scored(
+            scorer, child_f, child_b, child_o, child_w, rec, child_c
+        )
 
         # memetic step: every so often polish the best individual by local search
         if gen % 50 == 0:
             k = int(np.argmin(pop.fit))
             own_c = None if pop.wcap is None else pop.wcap[k]
             pf, pb, pw, pc, n = _polish(
-                problem, pop.fe[k], pop.be[k], bool(pop.onef1b[k]), pop.warmup[k], own_c, min(deadline, time.perf_counter() + 0.05 * time_limit), free_warmup
+                problem,
+                pop.fe[k],
+                pop.be[k],
+                bool(pop.onef1b[k]),
+                pop.warmup[k],
+                own_c,
+                min(deadline, time.perf_counter() + 0.05 * time_limit),
+                free_warmup,
             )
             polished += n
             pop.fe[k] = pf
@@ -410,7 +490,13 @@ def solve_ga(
             if pc is not None:
                 pop.wcap[k] = pc
             one = slice(k, k + 1)
-            pop.fit[k] = scorer(pop.fe[one], pop.be[one], pop.onef1b[one], pop.warmup[one], None if pop.wcap is None else pop.wcap[one])[0]
+            pop.fit[k] = scorer(
+                pop.fe[one],
+                pop.be[one],
+                pop.onef1b[one],
+                pop.warmup[one],
+                None if pop.wcap is None else pop.wcap[one],
+            )[0]
 
         now_best = float(pop.fit.min())
         if now_best < best_fit - 1e-9:
@@ -427,7 +513,9 @@ def solve_ga(
     # and the runner-up order's best is often a few moves away from beating the leader
     end = max(deadline, time.perf_counter()) + polish_share * time_limit
     ob, fit = pop.onef1b, pop.fit
-    leaders = [int(np.flatnonzero(ob == o)[np.argmin(fit[ob == o])]) for o in (False, True) if (ob == o).any()]
+    leaders = [
+        int(np.flatnonzero(ob == o)[np.argmin(fit[ob == o])]) for o in (False, True) if (ob == o).any()
+    ]
     leaders.sort(key=lambda i: fit[i])
     cand, n = None, 0
     shown = [best_fit, last_report]
@@ -442,7 +530,14 @@ def solve_ga(
         share = (end - time.perf_counter()) * (1.0 if j == len(leaders) - 1 else 0.75)
         start = pop.candidate(k)
         c, m = iterated_climb(
-            problem, start, time.perf_counter() + share, seed=seed + j, free_warmup=free_warmup, max_kicks=polish_kicks, report=report, stop=stop
+            problem,
+            start,
+            time.perf_counter() + share,
+            seed=seed + j,
+            free_warmup=free_warmup,
+            max_kicks=polish_kicks,
+            report=report,
+            stop=stop,
         )
         n += m
         if cand is None or c.iteration_ms < cand.iteration_ms - 1e-9:

@@ -33,7 +33,14 @@ def _family(problem: Problem) -> list[list[int]]:
 
 
 def solve_greedy(
-    problem: Problem, *, time_limit: float = 10.0, seed: int = 0, progress: Optional[Progress] = None, max_sweeps: int = 20, order: str = "auto", **_
+    problem: Problem,
+    *,
+    time_limit: float = 10.0,
+    seed: int = 0,
+    progress: Optional[Progress] = None,
+    max_sweeps: int = 20,
+    order: str = "auto",
+    **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
     start = gpipe_equal(problem)

@@ -87,11 +87,20 @@ def _cap_moves(cap: int, chunk: int, minibatch: int) -> list[int]:
     halved, doubled, every W at the end, the backward whole (-1) and back."""
     if cap < 0:
         return [0, minibatch]
-    out = {max(0, cap - chunk), min(minibatch, cap + chunk), cap // 2, min(minibatch, 2 * cap + 1), minibatch, -1}
+    out = {
+        max(0, cap - chunk),
+        min(minibatch, cap + chunk),
+        cap // 2,
+        min(minibatch, 2 * cap + 1),
+        minibatch,
+        -1,
+    }
     return sorted(out - {cap})
 
 
-def _neighbours(problem: Problem, cand: Candidate, free_warmup: bool = False) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray, Optional[np.ndarray]]:
+def _neighbours(
+    problem: Problem, cand: Candidate, free_warmup: bool = False
+) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray, Optional[np.ndarray]]:
     """Every schedule one move from ``cand`` (GPipe or 1F1B order), as arrays: ``(fsizes (N, S,
     K), bsizes or None without recompute, warm-ups (N, S), W caps (N, S) or None without W
     ops)``: :func:`moves` on each stage's partition (and with recompute its backward one),
@@ -153,11 +162,19 @@ def _neighbours(problem: Problem, cand: Candidate, free_warmup: bool = False) ->
     cap = max(1, _NEIGHBOUR_CELLS // (S * B * (2 if problem.recompute else 1)))
     if N > cap:  # on the largest instances a step looks at an even spread of the moves, in bounded memory
         keep = np.linspace(0, N - 1, cap).round().astype(int)
-        side, stage_rows, clear, put, moved_w, new_w = ([x[i] for i in keep] for x in (side, stage_rows, clear, put, moved_w, new_w))
+        side, stage_rows, clear, put, moved_w, new_w = (
+            [x[i] for i in keep] for x in (side, stage_rows, clear, put, moved_w, new_w)
+        )
         N = cap
-    masks = [np.repeat(fmask[None], N, axis=0)] + ([np.repeat(bmask[None], N, axis=0)] if problem.recompute else [])
+    masks = [np.repeat(fmask[None], N, axis=0)] + (
+        [np.repeat(bmask[None], N, axis=0)] if problem.recompute else []
+    )
     rows = np.repeat(np.arange(N), [len(g) for g in stage_rows])
-    st = np.concatenate([np.asarray(g, dtype=np.int64) for g in stage_rows]) if len(rows) else np.zeros(0, dtype=np.int64)
+    st = (
+        np.concatenate([np.asarray(g, dtype=np.int64) for g in stage_rows])
+        if len(rows)
+        else np.zeros(0, dtype=np.int64)
+    )
     sd, cl, pt = (np.asarray(x)[rows] for x in (side, clear, put))
     for k, m in enumerate(masks):
         on = sd == k
@@ -180,7 +197,12 @@ def _neighbours(problem: Problem, cand: Candidate, free_warmup: bool = False) ->
     ok = fs.max(axis=(1, 2)) <= mx
     if bs is not None:
         ok &= bs.max(axis=(1, 2)) <= mx
-    ok &= (masks[0] != fmask).any(axis=(1, 2)) | (ws >= 0) | (ws < -1) | ((masks[1] != bmask).any(axis=(1, 2)) if bs is not None else False)
+    ok &= (
+        (masks[0] != fmask).any(axis=(1, 2))
+        | (ws >= 0)
+        | (ws < -1)
+        | ((masks[1] != bmask).any(axis=(1, 2)) if bs is not None else False)
+    )
     return fs[ok], (bs[ok] if bs is not None else None), wu[ok], (wc[ok] if wc is not None else None)
 
 
@@ -202,7 +224,9 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
     tie = np.empty(len(cands))
     for i, c in enumerate(cands):
         ops = c.ops()
-        if limit is not None and any(stage_peak_memory(problem.tables, s, o) > limit for s, o in enumerate(ops)):
+        if limit is not None and any(
+            stage_peak_memory(problem.tables, s, o) > limit for s, o in enumerate(ops)
+        ):
             it[i] = tie[i] = np.inf
             continue
         tl = simulate(problem.tables, ops, problem.minibatch, record=False)
@@ -260,7 +284,9 @@ def hill_climb(
     return cand, scored
 
 
-def _kick(rng: np.random.Generator, problem: Problem, cand: Candidate, n_moves: int, free_warmup: bool) -> Candidate:
+def _kick(
+    rng: np.random.Generator, problem: Problem, cand: Candidate, n_moves: int, free_warmup: bool
+) -> Candidate:
     """``cand`` after ``n_moves`` random moves, each on a random stage's forward partition (with
     recompute, as often its backward one), in 1F1B order its warm-up, with W ops its W cap."""
     mx, S, B = problem.max_size, problem.num_stages, problem.minibatch

@@ -52,7 +52,8 @@ def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = 
     fstart = [{c: time_var(f"fs_{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
     bstart = [{c: time_var(f"bs_{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
     fend, bend, fmsg, bmsg, arrive, garrive = (
-        [[time_var(f"{n}_{s}_{i}") for i in range(B)] for s in range(S)] for n in ("fe", "be", "fm", "bm", "ar", "ga")
+        [[time_var(f"{n}_{s}_{i}") for i in range(B)] for s in range(S)]
+        for n in ("fe", "be", "fm", "bm", "ar", "ga")
     )
     makespan = time_var("makespan")
 
@@ -120,7 +121,9 @@ def order_pairs(problem: Problem, chunks) -> list[tuple[tuple, tuple]]:
     come after a B (its samples are later than all the B's), and two disjoint B chunks. Every
     other pair is ordered by the F chain or by "B after the F of its samples"."""
     pairs = [(("F", c), ("B", d)) for c in chunks for d in chunks if c[0] >= d[1]]
-    pairs += [(("B", c), ("B", d)) for c in chunks for d in chunks if c < d and (c[1] <= d[0] or d[1] <= c[0])]
+    pairs += [
+        (("B", c), ("B", d)) for c in chunks for d in chunks if c < d and (c[1] <= d[0] or d[1] <= c[0])
+    ]
     return pairs
 
 
@@ -165,7 +168,8 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
     gsend = [{c: time_var(f"gs_{s}_{c[0]}_{c[1]}") for c in chunks} for s in range(S)]
     z = [{p: lp.add_variable(f"z_{s}_{k}", cat="Binary") for k, p in enumerate(pairs)} for s in range(S)]
     fend, fdone, fmsg, arrive, garrive = (
-        [[time_var(f"{n}_{s}_{i}") for i in range(B)] for s in range(S)] for n in ("fe", "fd", "fm", "ar", "ga")
+        [[time_var(f"{n}_{s}_{i}") for i in range(B)] for s in range(S)]
+        for n in ("fe", "fd", "fm", "ar", "ga")
     )
     makespan = time_var("makespan")
 
@@ -175,7 +179,9 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
             for i in range(B):
                 lp += pulp.lpSum(part[c] for c in chunks if c[0] <= i < c[1]) == 1, f"cover_{name}_{s}_{i}"
         ends = [pulp.lpSum(x[s][c] for c in chunks if c[1] - 1 == i) for i in range(B)]
-        dur = {("F", c): float(t.fwd[s, c[1] - c[0]]) for c in chunks} | {("B", c): float(t.bwd[s, c[1] - c[0]]) for c in chunks}
+        dur = {("F", c): float(t.fwd[s, c[1] - c[0]]) for c in chunks} | {
+            ("B", c): float(t.bwd[s, c[1] - c[0]]) for c in chunks
+        }
         start = {("F", c): fstart[s][c] for c in chunks} | {("B", c): bstart[s][c] for c in chunks}
         used = {("F", c): x[s][c] for c in chunks} | {("B", c): y[s][c] for c in chunks}
         for c in chunks:
@@ -214,7 +220,10 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
             lp += start[u] >= start[v] + dur[v] - M * first - both
             if s > 0 and u[0] == v[0] == "B":  # their gradient messages, in the same order
                 cu, cv = u[1], v[1]
-                lp += gsend[s][cv] >= gsend[s][cu] + float(t.link[s - 1, cu[1] - cu[0]]) - M * (1 - first) - both
+                lp += (
+                    gsend[s][cv]
+                    >= gsend[s][cu] + float(t.link[s - 1, cu[1] - cu[0]]) - M * (1 - first) - both
+                )
                 lp += gsend[s][cu] >= gsend[s][cv] + float(t.link[s - 1, cv[1] - cv[0]]) - M * first - both
         _add_cuts(lp, problem, heads, s, chunks, x[s], y[s], F, G, makespan, gpipe=False)
 
@@ -226,7 +235,9 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
     return lp, x, y, fstart, bstart, makespan
 
 
-def _add_cuts(lp, problem: Problem, heads, s: int, chunks, x: dict, y: dict, F, G, makespan, gpipe: bool) -> None:
+def _add_cuts(
+    lp, problem: Problem, heads, s: int, chunks, x: dict, y: dict, F, G, makespan, gpipe: bool
+) -> None:
     """The linear cuts of :func:`umopt.bounds.linear_cuts` (microseconds, turned into ms)."""
     fd = {c: int(F[s, c[1] - c[0]]) for c in chunks}
     bd = {c: int(G[s, c[1] - c[0]]) for c in chunks}
@@ -271,7 +282,9 @@ def _solver(time_limit: float, warm: bool):
     threads = max(1, os.cpu_count() or 1)
     if engine() == "HiGHS":
         return pulp.HiGHS(msg=False, timeLimit=time_limit, threads=threads)
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit))), threads=threads, warmStart=warm)
+    return pulp.PULP_CBC_CMD(
+        msg=False, timeLimit=max(1, int(round(time_limit))), threads=threads, warmStart=warm
+    )
 
 
 def solve_milp(
@@ -286,10 +299,14 @@ def solve_milp(
 ) -> SolverResult:
     """``order="gpipe"``: the GPipe-order model; "auto": the free-order model where it is small
     enough and no memory limit is set, else the GPipe-order one (``extra["note"]`` says so)."""
-    return with_clock(progress, time_limit, lambda found: _solve_milp(problem, time_limit, seed, hint, order, found))
+    return with_clock(
+        progress, time_limit, lambda found: _solve_milp(problem, time_limit, seed, hint, order, found)
+    )
 
 
-def _solve_milp(problem: Problem, time_limit: float, seed: int, hint: Optional[Candidate], order: str, found: list) -> SolverResult:
+def _solve_milp(
+    problem: Problem, time_limit: float, seed: int, hint: Optional[Candidate], order: str, found: list
+) -> SolverResult:
     t0 = time.perf_counter()
     note = None
     if order != "gpipe":

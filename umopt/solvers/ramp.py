@@ -60,12 +60,20 @@ def ramped_partitions(minibatch: int, max_size: int, equal_counts: Sequence[int]
 
 
 def solve_ramp(
-    problem: Problem, *, time_limit: float = 0.0, seed: int = 0, progress: Optional[Progress] = None, order: str = "auto", **_
+    problem: Problem,
+    *,
+    time_limit: float = 0.0,
+    seed: int = 0,
+    progress: Optional[Progress] = None,
+    order: str = "auto",
+    **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
     S = problem.num_stages
     # the best equal partitions stand in for all of them (the baselines have scored them all)
-    equal = [b.microbatches for b in (gpipe_equal(problem), onef1b_equal(problem)) if b.microbatches is not None]
+    equal = [
+        b.microbatches for b in (gpipe_equal(problem), onef1b_equal(problem)) if b.microbatches is not None
+    ]
     parts = ramped_partitions(problem.minibatch, problem.max_size, equal)
     packed = pack([[p] * S for p in parts])
     scored: list[tuple[float, Candidate]] = []
@@ -79,7 +87,9 @@ def solve_ramp(
         scored.append((float(it[k]), Candidate.uniform(parts[k], S, "1f1b")))
     ms, cand = min(scored, key=lambda x: x[0])
     if not np.isfinite(ms):
-        raise UmoptError("ramp: no ramped schedule fits the memory limit (try --recompute or a smaller minibatch)")
+        raise UmoptError(
+            "ramp: no ramped schedule fits the memory limit (try --recompute or a smaller minibatch)"
+        )
     cand.iteration_ms = cand.simulate(problem).iteration_ms
     evaluated = len(parts) * len(scored)
     return SolverResult("ramp", cand, "feasible", seconds=time.perf_counter() - t0, evaluated=evaluated)
