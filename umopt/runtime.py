@@ -951,6 +951,8 @@ def _exit_on_termination(status: Callable[[str, str], None]) -> None:
             got = os.read(r, 64) if ready else b""
             for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
                 if int(sig) in got:
+                    if _reported:  # it failed first and was stopped while leaving: keep "failed"
+                        os._exit(1)
                     status("terminated", signal.Signals(sig).name)
                     os._exit(code)
             if os.getppid() != parent:
