@@ -696,8 +696,11 @@ def run(argv) -> None:
         _print_turns(result.reports)
         return
     r = result.report
+    if r.selection is not None:
+        _print_selection(r.selection)
+    kept = f" ({r.selection.winner})" if r.selection is not None else ""
     table = Table(
-        title=f"{r.schedule}: {r.stages} stages, minibatch {r.minibatch}, {r.backend}, {r.steps} steps"
+        title=f"{r.schedule}{kept}: {r.stages} stages, minibatch {r.minibatch}, {r.backend}, {r.steps} steps"
     )
     for col in ("", "iteration ms", "stage busy ms"):
         table.add_column(col, justify="right")
@@ -721,6 +724,23 @@ def run(argv) -> None:
         f"measured / predicted = {r.measured_over_predicted:.3f}; losses per step: "
         + " ".join(f"{x:.4f}" for x in r.losses)
     )
+
+
+def _print_selection(sel) -> None:
+    """The schedule file's pick and candidates as they took turns over the first steps."""
+    table = Table(title=f"the first {sel.steps} steps: the schedule file's pick and candidates in turns")
+    table.add_column("schedule", no_wrap=True)
+    for col in ("equal", "pred ms", "meas ms", "steps"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for c in sel.candidates:
+        mark = " *" if c.name == sel.winner else ""
+        meas = "-" if c.measured_ms is None else f"{c.measured_ms:.2f}"
+        table.add_row(c.name + mark, "yes" if c.equal else "no", f"{c.predicted_ms:.2f}", meas, str(c.steps))
+    out.print(table)
+    cost = f"; measuring cost {sel.cost_ms:.0f} ms beyond the winner's pace" if sel.steps else ""
+    out.print(f"kept (*) {sel.winner}: {sel.reason}{cost}", markup=False, highlight=False)
+    if sel.note:
+        err.print(f"umopt: note: {sel.note}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _print_turns(reports: list[RunReport]) -> None:
@@ -957,6 +977,14 @@ def show(schedule_path, profile_path, plot, trace) -> None:
     out.print(
         f"iteration {tl.iteration_ms:.3f} ms (file says {schedule.predicted.iteration_ms:.3f}), bubble {100 * tl.bubble_fraction:.1f}%"
     )
+    if schedule.candidates:
+        rivals = ", ".join(
+            f"{c.name} ({'equal, ' if c.equal else ''}{c.predicted_iteration_ms:.3f} ms)"
+            for c in schedule.candidates
+        )
+        out.print(
+            f"measured beside it over the first steps of umopt run: {rivals}", markup=False, highlight=False
+        )
     panels = [(schedule_path, tl)]
     if plot:
         from umopt.plot import gantt

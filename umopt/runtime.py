@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,7 @@ from .errors import UmoptError, first_line
 from .fileio import check_writable, write_atomic
 from .formats.profile import AllReduceProfile, Profile, load_profile
 from .formats.report import Decision as ReportDecision
-from .formats.report import MeasuredPredicted, RunReport, save_report
+from .formats.report import MeasuredPredicted, RunReport, Selection, SelectionEntry, save_report
 from .formats.schedule import Schedule, check_against_profile, load_schedule
 from .noise import run_warnings
 from .pipeline import Pipeline, StepTimer
@@ -116,6 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --decide: seconds of turns after which no round starts (default 120)",
     )
     p.add_argument("--max-rounds", type=int, default=30, help="with --decide: rounds at most (default 30)")
+    p.add_argument(
+        "--no-select",
+        dest="select",
+        action="store_false",
+        help="run the schedule file's pick alone, not its candidates in turns over the first steps",
+    )
+    p.add_argument(
+        "--select-steps",
+        type=int,
+        default=None,
+        help="steps at most that a schedule with candidates spends measuring them in turns (they train too; "
+        "default a quarter of --steps, at most 60)",
+    )
     p.add_argument(
         "--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on CUDA profiles, else gloo"
     )
@@ -214,6 +227,8 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
                 raise UmoptError(
                     f"--{opt} with {len(schedules)} schedules needs {{name}} in its path (one file each)"
                 )
+    if args.select_steps is not None and args.select_steps < 0:
+        raise UmoptError(f"--select-steps must be at least 0, got {args.select_steps}")
     if args.decide is not None:
         if not 0.5 < args.decide < 1:
             raise UmoptError(f"--decide is a confidence between 0.5 and 1, got {args.decide:g}")
@@ -332,6 +347,8 @@ class _Play:
     """One schedule as this rank plays it (a :class:`umopt.pipeline.Pipeline`), and what it measured."""
 
     pipe: Pipeline
+    name: str = ""  # the schedule file's stem, or a candidate's name
+    path: str = ""  # the schedule file it came from
     step_ms: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     spans_last: list = field(default_factory=list)
@@ -387,7 +404,40 @@ def build_stage(profile: Profile, s: int, device: torch.device) -> StageSetup:
     return setup
 
 
-def run_rank(cfg: RunConfig, device: torch.device) -> None:
+@dataclass
+class _Rank:
+    """What one rank holds for the run: its place in the pipelines, its stage and optimizer, its data."""
+
+    cfg: RunConfig
+    device: torch.device
+    rank: int
+    world: int
+    replica: int
+    s: int  # its stage
+    stage: torch.nn.Module
+    opt: torch.optim.Optimizer
+    setup: StageSetup
+    data_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    timing: StepTimer
+    io_group: Any
+    run_id: str
+    start_step: int
+    pipe_group: Any = None
+    dp_group: Any = None
+    speeds: list[float] = field(
+        default_factory=list
+    )  # a fixed matmul's time on this rank's device, each round
+
+    @property
+    def first(self) -> bool:
+        return self.s == 0
+
+    @property
+    def last(self) -> bool:
+        return self.s == self.cfg.num_stages - 1
+
+
+def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
     args = cfg.args
     rank, world = dist.get_rank(), dist.get_world_size()
     S, dp = cfg.num_stages, args.dp
@@ -401,192 +451,227 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
         pipes = [dist.new_group([k * S + j for j in range(S)]) for k in range(dp)]
         stage_groups = [dist.new_group([k * S + j for k in range(dp)]) for j in range(S)]
         pipe_group, dp_group = pipes[replica], stage_groups[s]
-    first_stage, last_stage = s == 0, s == S - 1
     if device.type == "cpu":
         torch.set_num_threads(args.threads or int(cfg.profile.device.model_extra.get("threads", 1)))
     setup = build_stage(cfg.profile, s, device)
-    stage = setup.module
     lr = args.lr if args.lr is not None else (0.01 if args.optimizer == "sgd" else 1e-3)
-    params = list(stage.parameters())
-    opt = (
-        torch.optim.SGD(params, lr=lr, momentum=0.9)
-        if args.optimizer == "sgd"
-        else torch.optim.AdamW(params, lr=lr)
-    )
-    start_step = 0
-    if args.resume:
-        start_step = _resume(cfg, s, stage, opt, device)
+    params = list(setup.module.parameters())
+    sgd = args.optimizer == "sgd"
+    opt = torch.optim.SGD(params, lr=lr, momentum=0.9) if sgd else torch.optim.AdamW(params, lr=lr)
+    start_step = _resume(cfg, s, setup.module, opt, device) if args.resume else 0
     io_group = dist.new_group(timeout=timedelta(seconds=io_timeout_s()))  # [Note: two timeouts]
-    run_id = ""
-    with _waiting(
-        "the other ranks to build their stages" + (" and load the checkpoint" if args.resume else ""), io=True
-    ):
-        drawn = [
-            secrets.token_hex(4) if rank == 0 else None
-        ]  # one name for this run's checkpoint files on every rank
+    waiting = "the other ranks to build their stages" + (" and load the checkpoint" if args.resume else "")
+    with _waiting(waiting, io=True):
+        drawn = [secrets.token_hex(4) if rank == 0 else None]  # one name for this run's checkpoint files
         dist.broadcast_object_list(drawn, src=0, group=io_group)
-        run_id = str(drawn[0])
-
-    data_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
     if args.data:
         data_fn = _data_function(args.data)
     else:
         data_fn = lambda step, n: setup.make_batch(n, step)  # noqa: E731
+    return _Rank(
+        cfg,
+        device,
+        rank,
+        world,
+        replica,
+        s,
+        setup.module,
+        opt,
+        setup,
+        data_fn,
+        StepTimer(device),
+        io_group,
+        str(drawn[0]),
+        start_step,
+        pipe_group,
+        dp_group,
+    )
 
-    differ = numerics_differences(
-        cfg.profile.device.numerics, numerics()
-    )  # as the profile timed its kernels?
-    timing = StepTimer(device)
-    # the zoo's losses are sums over samples: divided by the minibatch, the chunks' losses add up
-    # to the minibatch's mean, as in one process
+
+def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]]) -> list[_Play]:
+    """A Pipeline for each (name, report path, schedule), over the same stage module. The zoo's
+    losses are sums over samples: divided by the minibatch, the chunks' losses add up to the
+    minibatch's mean, as in one process."""
     plays = []
-    for sched in cfg.schedules:
+    for name, path, sched in entries:
         B = sched.minibatch
         pipe = Pipeline(
-            stage,
+            rk.stage,
             sched,
-            s,
-            loss_fn=lambda out, y, B=B: setup.loss(out, y) / B,
+            rk.s,
+            loss_fn=lambda out, y, B=B: rk.setup.loss(out, y) / B,
             loss_reduction="sum",
-            profile=cfg.profile,
-            device=device,
-            input_specs=[setup.input],
-            output_specs=[setup.output],
-            timer=timing,
-            group=pipe_group,
-            dp_group=dp_group,
+            profile=rk.cfg.profile,
+            device=rk.device,
+            input_specs=[rk.setup.input],
+            output_specs=[rk.setup.output],
+            timer=rk.timing,
+            group=rk.pipe_group,
+            dp_group=rk.dp_group,
             on_failure=_report_failure,
         )
         pipe.prepare()  # the boundary shapes agreed now, not inside the first timed step
-        plays.append(_Play(pipe, op_ms=[[] for _ in pipe.ops], slower_s=_slower_s(args.schedule[len(plays)])))
-    it = start_step
-    last = start_step + len(plays) * (args.warmup + args.rounds * args.steps) - 1  # without --decide
-    # the schedules take turns, so that whatever drifts on the machine meets each alike
-    speeds = []  # a fixed matmul's time on this rank's device, each round: do the stages' devices differ?
-    names = [Path(p).stem for p in args.schedule]
-    if rank == 0:
-        turns = f"{args.rounds} rounds" + (
-            f" or more (until decided at {args.decide:g})" if args.decide else ""
+        plays.append(_Play(pipe, name, path, op_ms=[[] for _ in pipe.ops], slower_s=_slower_s(name)))
+    return plays
+
+
+def _step(rk: _Rank, play: _Play, it: int, measured: bool, save_grads: bool) -> float:
+    """Step ``it`` of the run with ``play``'s schedule, then the optimizer; the slowest rank's
+    time of it (every rank gets the same), recorded in ``play`` where ``measured``."""
+    args, B, dp = rk.cfg.args, play.schedule.minibatch, rk.cfg.args.dp
+    _fault(rk.rank, it - rk.start_step, rk.stage)
+    inputs = targets = None
+    if rk.first or rk.last:  # the stages between never touch the data
+        x, y = rk.data_fn(it, B * dp)  # the global minibatch: this replica's slice of it
+        if len(x) != B * dp or len(y) != B * dp:  # not cut silently: the user meant other samples
+            raise UmoptError(
+                f"--data {args.data} returned {len(x)} inputs and {len(y)} targets for step {it}; the minibatch is {B * dp}"
+            )
+        x, y = x[rk.replica * B : (rk.replica + 1) * B], y[rk.replica * B : (rk.replica + 1) * B]
+        inputs = to_device(x, rk.device) if rk.first else None
+        targets = to_device(y, rk.device) if rk.last else None
+    _barrier(rk.device)
+    timing = rk.timing
+    timing.start()
+    if rk.rank == 0 and play.slower_s:
+        time.sleep(play.slower_s)
+    loss_sum = play.pipe.step(inputs, targets=targets)
+    spans = list(play.pipe.spans)
+    # the gradients themselves, not copies: neither optimizer as built changes a gradient in
+    # place, and zero_grad only drops the parameters' references to them
+    grads = {k: p.grad for k, p in rk.stage.named_parameters() if p.grad is not None} if save_grads else None
+    t_opt = timing.mark()
+    rk.opt.step()
+    rk.opt.zero_grad(set_to_none=True)
+    spans.append(("OPT", 0, 0, t_opt, timing.mark()))
+    elapsed = timing.stop()
+    if grads is not None and rk.replica == 0:  # outside the step's time; the replicas' gradients are equal
+        Path(args.save_grads).mkdir(parents=True, exist_ok=True)
+        _save_atomic(
+            {k: g.detach().cpu() for k, g in grads.items()}, Path(args.save_grads) / f"grads_stage{rk.s}.pt"
         )
-        _log.info(
-            "%d ranks (%d stages x %d replicas), %s on %s: %s, %s of %d warm-up + %d steps each",
-            world,
-            S,
-            dp,
-            args.backend,
-            device.type,
-            ", ".join(names),
-            turns,
-            args.warmup,
-            args.steps,
-        )
-    _log.debug("stage %d, layers %s, of replica %d", s, cfg.profile.stages[s].layers, replica)
-    predicted = [p.schedule.predicted.iteration_ms for p in plays]
-    progress = (
-        _Progress(None if args.decide else len(plays) * (args.warmup + args.rounds * args.steps))
-        if rank == 0
-        else None
-    )
-    _phase("the steps")
+    worst = torch.tensor([elapsed], dtype=torch.float64).to(rk.device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    ms = float(worst.item())
+    if rk.last:
+        play.losses.append(float(loss_sum))
+    if measured:
+        play.step_ms.append(ms)
+        play.spans_last = [(k, lo, hi, timing.ms(t0), timing.ms(t1)) for k, lo, hi, t0, t1 in spans]
+        for d, (_, _, _, t0, t1) in zip(play.op_ms, spans[: len(play.ops)]):
+            d.append(timing.ms(t1) - timing.ms(t0))
+    return ms
+
+
+class _Steps:
+    """The run's step counter: each step's checkpoint (--checkpoint-every) and progress follow it."""
+
+    def __init__(self, rk: _Rank, total: int, progress: Optional[_Progress]):
+        self.rk, self.it, self.last, self.progress = rk, rk.start_step, rk.start_step + total - 1, progress
+
+    def play(self, play: _Play, measured: bool, end_of_round: bool) -> float:
+        rk, args = self.rk, self.rk.cfg.args
+        ms = _step(rk, play, self.it, measured, bool(args.save_grads) and self.it == self.last)
+        self.it += 1
+        if self.progress:
+            self.progress.step(
+                f"round {len(rk.speeds)}, {play.name}", ms, play.schedule.predicted.iteration_ms, end_of_round
+            )
+        every = args.checkpoint_every
+        if args.checkpoint and every and (self.it - rk.start_step) % every == 0 and self.it <= self.last:
+            _checkpoint(rk.cfg, rk.s, rk.stage, rk.opt, self.it, rk.run_id, rk.io_group)
+            _phase("the steps")
+        return ms
+
+
+def _turns(rk: _Rank, plays: list[_Play], steps: _Steps) -> tuple[int, Optional[Decision]]:
+    """The schedules given take turns, --rounds times (with --decide until decided), so that
+    whatever drifts on the machine meets each alike. Returns the rounds played and the decision."""
+    args = rk.cfg.args
     decision: Optional[Decision] = None
     began = time.monotonic()
     turn = 0
     while turn < args.rounds or (decision is not None and not decision.decided):
-        if turn >= args.rounds and not _another_round(args, turn, time.monotonic() - began, device):
+        if turn >= args.rounds and not _another_round(args, turn, time.monotonic() - began, rk.device):
             break
-        speeds.append(reference_ms(device))
+        rk.speeds.append(reference_ms(rk.device))
         for k, play in enumerate(plays):
-            n_steps = (args.warmup if turn == 0 else 0) + args.steps
-            for j in range(n_steps):
-                _fault(rank, it - start_step, stage)
-                B = play.schedule.minibatch
-                inputs = targets = None
-                if first_stage or last_stage:  # the stages between never touch the data
-                    x, y = data_fn(it, B * dp)  # the global minibatch: this replica's slice of it
-                    if len(x) != B * dp or len(y) != B * dp:  # not cut silently: the user meant other samples
-                        raise UmoptError(
-                            f"--data {args.data} returned {len(x)} inputs and {len(y)} targets for step {it}; the minibatch is {B * dp}"
-                        )
-                    x, y = x[replica * B : (replica + 1) * B], y[replica * B : (replica + 1) * B]
-                    inputs = to_device(x, device) if first_stage else None
-                    targets = to_device(y, device) if last_stage else None
-                _barrier(device)
-                timing.start()
-                if rank == 0 and play.slower_s:
-                    time.sleep(play.slower_s)
-                loss_sum = play.pipe.step(inputs, targets=targets)
-                spans = list(play.pipe.spans)
-                # the gradients themselves, not copies: neither optimizer as built above changes a
-                # gradient in place, and zero_grad only drops the parameters' references to them
-                grads = (
-                    {k: p.grad for k, p in stage.named_parameters() if p.grad is not None}
-                    if args.save_grads and it == last
-                    else None
+            n = (args.warmup if turn == 0 else 0) + args.steps
+            for j in range(n):
+                steps.play(
+                    play,
+                    measured=turn > 0 or j >= args.warmup,
+                    end_of_round=j == n - 1 and k == len(plays) - 1,
                 )
-                t_opt = timing.mark()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                spans.append(("OPT", 0, 0, t_opt, timing.mark()))
-                elapsed = timing.stop()
-                if (
-                    grads is not None and replica == 0
-                ):  # outside the step's time; the replicas' gradients are equal
-                    Path(args.save_grads).mkdir(parents=True, exist_ok=True)
-                    _save_atomic(
-                        {k: g.detach().cpu() for k, g in grads.items()},
-                        Path(args.save_grads) / f"grads_stage{s}.pt",
-                    )
-                worst = torch.tensor([elapsed], dtype=torch.float64).to(device)
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                if last_stage:
-                    play.losses.append(float(loss_sum))
-                if turn > 0 or j >= args.warmup:
-                    play.step_ms.append(float(worst.item()))
-                    play.spans_last = [
-                        (k, lo, hi, timing.ms(t0), timing.ms(t1)) for k, lo, hi, t0, t1 in spans
-                    ]
-                    for d, (_, _, _, t0, t1) in zip(play.op_ms, spans[: len(play.ops)]):
-                        d.append(timing.ms(t1) - timing.ms(t0))
-                it += 1
-                if progress:
-                    progress.step(
-                        f"round {turn + 1}, {names[k]}",
-                        float(worst.item()),
-                        predicted[k],
-                        end_of_round=j == n_steps - 1 and k == len(plays) - 1,
-                    )
-                if (
-                    args.checkpoint
-                    and args.checkpoint_every
-                    and (it - start_step) % args.checkpoint_every == 0
-                    and it <= last
-                ):
-                    _checkpoint(cfg, s, stage, opt, it, run_id, io_group)
-                    _phase("the steps")
         turn += 1
         if args.decide is not None:  # every rank has the same step times (all-reduced), so the same decision
-            decision = _decision(cfg, plays)
+            decision = _decision(plays, args.steps, args.decide)
+    return turn, decision
 
+
+def run_rank(cfg: RunConfig, device: torch.device) -> None:
+    args = cfg.args
+    rk = _set_up(cfg, device)
+    sched = cfg.schedules[0]
+    selecting = _selects(cfg)
+    budget = _select_budget(args, 1 + len(sched.candidates)) if selecting else 0
+    if selecting:  # [Note: selection while training]
+        pick = sched.solver.model_extra.get("recommended") or "pick"
+        entries = [(pick, args.schedule[0], sched)]
+        if budget:  # the candidates' Pipelines only where they will play
+            entries += [
+                (c.name, args.schedule[0], sched.candidate_schedule(k))
+                for k, c in enumerate(sched.candidates)
+            ]
+    else:
+        entries = [(Path(p).stem, p, sc) for p, sc in zip(args.schedule, cfg.schedules)]
+    plays = _plays(rk, entries)
+    total = (
+        len(plays) * (args.warmup + args.rounds * args.steps)
+        if not selecting
+        else len(plays) * args.warmup + args.steps
+    )
+    if rk.rank == 0:
+        _log.info(
+            "%d ranks (%d stages x %d replicas), %s on %s: %s",
+            rk.world,
+            cfg.num_stages,
+            args.dp,
+            args.backend,
+            device.type,
+            ", ".join(p.name for p in plays),
+        )
+    steps = _Steps(rk, total, _Progress(None if args.decide else total) if rk.rank == 0 else None)
+    _phase("the steps")
+    selection = None
+    if selecting:
+        winner, selection = _select(rk, plays, steps, budget, [c.name for c in sched.candidates])
+        for _ in range(args.steps - selection.steps):  # the rest of the run: the winner alone
+            steps.play(winner, measured=True, end_of_round=False)
+        reported, rounds, decision = [winner], 1, None
+    else:
+        rounds, decision = _turns(rk, plays, steps)
+        reported = plays
     if args.checkpoint:
-        _checkpoint(cfg, s, stage, opt, it, run_id, io_group)
-
+        _checkpoint(cfg, rk.s, rk.stage, rk.opt, steps.it, rk.run_id, rk.io_group)
     _phase("the report")
-    for k, play in enumerate(plays):
-        gathered: list = [None] * world
+    differ = numerics_differences(
+        cfg.profile.device.numerics, numerics()
+    )  # as the profile timed its kernels?
+    for play in reported:
+        gathered: list = [None] * rk.world
         medians = [[kind, lo, hi, statistics.median(d)] for (kind, lo, hi), d in zip(play.ops, play.op_ms)]
         mine = {
             "spans": play.spans_last,
             "losses": play.losses,
             "op_ms": medians,
-            "reference_ms": statistics.median(speeds),
+            "reference_ms": statistics.median(rk.speeds),
             "numerics_differ": differ,
         }
-        with _waiting(
-            "the other ranks' measurements", io=True
-        ):  # rank 0 writes the last report, plot and trace meanwhile
-            dist.all_gather_object(gathered, mine, group=io_group)
-        if rank == 0:  # replica 0's stages (the others ran the same ops on their own samples)
-            _report(cfg, k, play.step_ms, gathered[:S], turn, decision)
+        with _waiting("the other ranks' measurements", io=True):  # rank 0 writes the last report meanwhile
+            dist.all_gather_object(gathered, mine, group=rk.io_group)
+        if rk.rank == 0:  # replica 0's stages (the others ran the same ops on their own samples)
+            _report(cfg, play, gathered[: cfg.num_stages], rounds, decision, selection)
 
 
 def _round_medians(step_ms: list[float], steps: int) -> list[float]:
@@ -594,11 +679,129 @@ def _round_medians(step_ms: list[float], steps: int) -> list[float]:
     return [statistics.median(step_ms[k : k + steps]) for k in range(0, len(step_ms), steps)]
 
 
-def _decision(cfg: RunConfig, plays: list) -> Decision:
-    names = [Path(p).stem for p in cfg.args.schedule]
-    rounds = {n: _round_medians(play.step_ms, cfg.args.steps) for n, play in zip(names, plays)}
-    equal = [n for n, sc in zip(names, cfg.schedules) if is_equal(sc.op_lists())]
-    return decide(rounds, equal, confidence=cfg.args.decide)
+def _decision(plays: list[_Play], steps: int, confidence: float) -> Decision:
+    rounds = {p.name: _round_medians(p.step_ms, steps) for p in plays}
+    # the equal schedules are the reference; with none among them, the first (the solve's pick)
+    equal = [p.name for p in plays if is_equal(p.schedule.op_lists())] or [plays[0].name]
+    return decide(rounds, equal, confidence=confidence)
+
+
+# [Note: selection while training]
+# Every schedule of a profile gives one process's gradients, so the schedules a solve could not
+# tell apart (its pick and the file's `candidates`) can take turns over the first steps of a
+# real run, on the real machine, without changing the training at all. One step each per round,
+# the paired test of umopt.decide after each round from the third on; the rounds stop when it
+# has decided or the budget of measuring steps (--select-steps) is spent, and the winner plays
+# the rest. Every rank has the same (all-reduced) step times, but rank 0 alone decides and
+# tells the others, so no rank can go on with another schedule than its neighbours. Only one
+# schedule's activations are alive at a time (a step ends with its backwards), and the boundary
+# buffers of every Pipeline are the size of the minibatch, so measuring costs no more memory
+# than the largest candidate; what it costs in time is reported (`selection.cost_ms`).
+MIN_SELECT_ROUNDS = 3
+SELECT_SHARE = 0.25  # of the run's steps at most, by default, and at most SELECT_MAX_STEPS
+SELECT_MAX_STEPS = 60
+
+
+def _selects(cfg: RunConfig) -> bool:
+    args = cfg.args
+    return (
+        args.select
+        and len(cfg.schedules) == 1
+        and bool(cfg.schedules[0].candidates)
+        and args.decide is None
+        and args.rounds == 1
+    )
+
+
+def _select_budget(args: argparse.Namespace, n: int) -> int:
+    """Steps that may be spent measuring ``n`` schedules in turns (0: too few for a decision)."""
+    budget = (
+        args.select_steps
+        if args.select_steps is not None
+        else min(SELECT_MAX_STEPS, int(SELECT_SHARE * args.steps))
+    )
+    budget = min(budget, args.steps)
+    return budget if budget >= MIN_SELECT_ROUNDS * n else 0
+
+
+def _select(
+    rk: _Rank, plays: list[_Play], steps: _Steps, budget: int, rivals: list[str]
+) -> tuple[_Play, Selection]:
+    """[Note: selection while training]: the winner, and what was measured to choose it."""
+    args = rk.cfg.args
+    for k, play in enumerate(plays):  # warm-ups, not measured
+        for j in range(args.warmup):
+            steps.play(play, measured=False, end_of_round=False)
+    decision, rounds, winner = None, 0, 0
+    while budget and (rounds + 1) * len(plays) <= budget:
+        rk.speeds.append(reference_ms(rk.device))
+        for k, play in enumerate(plays):
+            steps.play(play, measured=True, end_of_round=k == len(plays) - 1)
+        rounds += 1
+        if rounds < MIN_SELECT_ROUNDS:
+            continue
+        decision = _decision(plays, 1, 0.95)
+        said = torch.tensor(
+            [decision.decided, [p.name for p in plays].index(decision.winner)] if rk.rank == 0 else [0, 0],
+            dtype=torch.int64,
+        ).to(rk.device)
+        dist.broadcast(said, src=0)  # rank 0's call, for every rank
+        winner = int(said[1].item())
+        if bool(said[0].item()):
+            break
+    if not rk.speeds:
+        rk.speeds.append(reference_ms(rk.device))
+    chosen = plays[winner]
+    record = _selection_record(plays, chosen, decision, rounds, args, len(rivals))
+    if rounds * len(plays) < args.steps:  # the winner's figures are those of the steps after selection
+        chosen.step_ms, chosen.op_ms = [], [[] for _ in chosen.ops]
+    if rk.rank == 0:
+        _log.info("selected %s: %s", chosen.name, record.reason)
+    return chosen, record
+
+
+def _selection_record(
+    plays: list[_Play], chosen: _Play, decision: Optional[Decision], rounds: int, args, rivals: int
+) -> Selection:
+    spent = rounds * len(plays)
+    medians = {p.name: statistics.median(p.step_ms) if p.step_ms else None for p in plays}
+    won = medians[chosen.name]
+    cost = sum(ms - won for p in plays for ms in p.step_ms) if won is not None else 0.0
+    if decision is None:
+        reason = (
+            f"not measured: {args.steps} steps leave too few to measure {MIN_SELECT_ROUNDS} rounds of {1 + rivals} "
+            f"schedules (--select-steps {MIN_SELECT_ROUNDS * (1 + rivals)} or more measures them)"
+        )
+    else:
+        reason = decision.reason + ("" if decision.decided else f"; not decided within {spent} steps")
+    note = None
+    if decision is not None and chosen is not plays[0]:
+        gain = medians[plays[0].name] / won - 1
+        note = (
+            f"{chosen.name} measured {100 * gain:.1f}% faster than the solve's pick {plays[0].name}: the profile does not "
+            "describe this run as well as it could; fit it to this report: umopt calibrate PROFILE REPORT -o PROFILE2"
+        )
+    return Selection(
+        pick=plays[0].name,
+        winner=chosen.name,
+        reference=decision.reference if decision else plays[0].name,
+        confidence=decision.confidence if decision else 0.0,
+        decided=bool(decision and decision.decided),
+        steps=spent,
+        cost_ms=cost,
+        reason=reason,
+        note=note,
+        candidates=[
+            SelectionEntry(
+                name=p.name,
+                equal=is_equal(p.schedule.op_lists()),
+                predicted_ms=p.schedule.predicted.iteration_ms,
+                measured_ms=medians[p.name],
+                steps=len(p.step_ms),
+            )
+            for p in plays
+        ],
+    )
 
 
 def _another_round(args: argparse.Namespace, turn: int, spent_s: float, device: torch.device) -> bool:
@@ -710,9 +913,15 @@ def run_allreduce(cfg: RunConfig, schedule: Schedule) -> Optional[AllReduceProfi
 
 
 def _report(
-    cfg: RunConfig, k: int, step_ms: list[float], per_rank: list, rounds: int, decision: Optional[Decision]
+    cfg: RunConfig,
+    play: _Play,
+    per_rank: list,
+    rounds: int,
+    decision: Optional[Decision],
+    selection: Optional[Selection],
 ) -> None:
-    args, schedule = cfg.args, cfg.schedules[k]
+    args, schedule, step_ms = cfg.args, play.schedule, play.step_ms
+    k = args.schedule.index(play.path)
     measured = statistics.median(step_ms)
     tl = _measured_timeline(per_rank)
     allreduce = run_allreduce(cfg, schedule)
@@ -720,7 +929,7 @@ def _report(
     pred_tl = simulate(tables, schedule.op_lists(), schedule.minibatch)
     predicted = pred_tl.iteration_ms  # the simulator's, not what the file says
     report = RunReport(
-        schedule=str(args.schedule[k]),
+        schedule=str(play.path),
         profile=cfg.profile.path,
         backend=args.backend,
         stages=cfg.num_stages,
@@ -760,11 +969,12 @@ def _report(
             confidence_asked=args.decide,
             reason=decision.reason,
         ),
+        selection=selection,
     )
     report_path, trace_path, plot_path = (cfg.output(t, k) for t in (args.report, args.trace, args.plot))
     _log.info(
         "%s: measured %.2f ms, predicted %.2f ms (measured / predicted %.3f) over %d steps%s",
-        Path(args.schedule[k]).stem,
+        play.name,
         measured,
         predicted,
         measured / predicted,

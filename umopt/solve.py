@@ -17,7 +17,8 @@ from typing import Optional
 from .baselines import Baseline, gpipe_equal, onef1b_equal
 from .bounds import Beside, Scope, fast_bound_ms, fast_job, reported_bounds, spec_bound
 from .choice import Choice, choose
-from .costmodel import CostTables, Timeline, simulate
+from .costmodel import CostTables, Op, Timeline, simulate
+from .decide import is_equal
 from .errors import UmoptError
 from .formats.profile import AllReduceProfile, Profile
 from .formats.schedule import Schedule, make_schedule, validate_ops
@@ -112,6 +113,31 @@ def allreduce_for(
             f"--dp {replicas}: the profile has no all-reduce speed; profile with --dp {replicas} to measure it, or give --dp-gbps"
         )
     return measured.model_copy(update={"replicas": replicas})
+
+
+def _candidates(problem: Problem, pick: list[list[Op]], rivals: list[tuple[str, Candidate]]) -> list[dict]:
+    """The schedules ``umopt run`` measures beside the pick while training: the best equal GPipe
+    and 1F1B, the search's best where the pick fell back from it, with W ops the pick without
+    them and the best equal ZB-H1; each once, the pick itself left out, each within the memory
+    limit (they were all checked against it)."""
+    seen = [pick]
+    out = []
+    for name, cand in rivals:
+        ops = cand.ops()
+        if ops in seen:
+            continue
+        seen.append(ops)
+        out.append(
+            {
+                "name": name,
+                "equal": is_equal(ops),
+                "stages": [{"ops": [list(op) for op in st]} for st in ops],
+                "predicted_iteration_ms": simulate(
+                    problem.tables, ops, problem.minibatch, record=False
+                ).iteration_ms,
+            }
+        )
+    return out
 
 
 def _baseline_entry(b: Baseline) -> dict:
@@ -213,7 +239,7 @@ def solve(
             "zbh1_equal",
             found_zb[0] if found_zb else None,
             found_zb[2].iteration_ms if found_zb else None,
-            None,
+            Candidate.from_ops(found_zb[1]) if found_zb else None,
         )
         zbh1_timeline = found_zb[2] if found_zb else None
         found_zb = zb_h2(problem, seconds / 16)
@@ -254,6 +280,12 @@ def solve(
             ops, timeline = with_w
             note = "with W ops placed; the lower bounds hold for schedules without W ops"
             result.extra["note"] = f"{result.extra['note']}; {note}" if "note" in result.extra else note
+    rivals = [("umopt", found[0][1]), *((n, c) for n, c in found[1:])]
+    if zero_bubble:
+        rivals.append(("umopt_without_w", choice.candidate))
+        if zbh1 is not None and zbh1.candidate is not None:
+            rivals.append(("zbh1_equal", zbh1.candidate))
+    candidates = _candidates(problem, ops, rivals)
     bound, scope, lb_1f1b = reported_bounds(
         fast,
         result.lower_bound_ms,
@@ -301,6 +333,7 @@ def solve(
             **({"zbh1_equal": _baseline_entry(zbh1), "zbh2_equal": _baseline_entry(zbh2)} if zbh1 else {}),
         },
         dp=dp,
+        candidates=candidates,
     )
     gpipe_timeline = gp.candidate.simulate(problem) if gp.candidate is not None else None
     onef1b_timeline = of.candidate.simulate(problem) if of.candidate is not None else None

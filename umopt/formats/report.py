@@ -52,6 +52,30 @@ class Decision(BaseModel):
     reason: str
 
 
+class SelectionEntry(BaseModel):
+    name: str
+    equal: bool
+    predicted_ms: float
+    measured_ms: Optional[float]  # its median step while the schedules took turns
+    steps: int
+
+
+class Selection(BaseModel):
+    """A schedule file's pick and candidates measured in turns over the first steps of the run;
+    the winner played the rest ([Note: selection while training] in umopt/runtime.py)."""
+
+    pick: str  # the solve's recommendation
+    winner: str
+    reference: str  # the equal schedule the others were tested against
+    confidence: float
+    decided: bool
+    steps: int  # spent measuring (they trained too)
+    cost_ms: float  # what those steps took beyond the winner's pace
+    reason: str
+    note: Optional[str] = None  # where the winner is not the pick: what that says of the profile
+    candidates: list[SelectionEntry]
+
+
 class RunReport(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -83,6 +107,7 @@ class RunReport(BaseModel):
     reference_ms: list[float] = []  # a fixed matmul's median time on each stage's device
     numerics_differ: list[str] = []  # TF32 / cuDNN settings other than the profile's
     decision: Optional[Decision] = None
+    selection: Optional[Selection] = None
 
 
 def as_report(raw: Any, name: str) -> RunReport:

@@ -28,6 +28,7 @@ from .profile import AllReduceProfile, Profile, load_model_file
 __all__ = [
     "SCHEDULE_FORMAT",
     "Schedule",
+    "ScheduleCandidate",
     "validate_ops",
     "load_schedule",
     "save_schedule",
@@ -83,6 +84,20 @@ class Baseline(_Strict):
     iteration_ms: Optional[Ms]
 
 
+class ScheduleCandidate(_Strict):
+    """Another schedule of the same profile and minibatch that the solve could not tell apart
+    from its pick within the profile's uncertainty: ``umopt run`` measures them in turns over
+    the first steps and keeps the fastest ([Note: selection while training])."""
+
+    name: str
+    equal: bool  # every chunk one size: what other tools run
+    stages: Annotated[list[StageOps], Len(1, MAX_STAGES)]
+    predicted_iteration_ms: Ms
+
+    def op_lists(self) -> list[list[Op]]:
+        return [[Op(k, lo, hi) for k, lo, hi in st.ops] for st in self.stages]
+
+
 class Schedule(_Strict):
     format: Literal["umopt-schedule/1"]
     profile: ProfileRef
@@ -94,9 +109,24 @@ class Schedule(_Strict):
     baselines: dict[str, Baseline]
     # data-parallel replicas the prediction includes the gradient all-reduce of (None: one pipeline)
     dp: Optional[AllReduceProfile] = None
+    # the pick's rivals, measured while training (absent in files written before, and by hand)
+    candidates: list[ScheduleCandidate] = []
 
     def op_lists(self) -> list[list[Op]]:
         return [[Op(k, lo, hi) for k, lo, hi in st.ops] for st in self.stages]
+
+    def candidate_schedule(self, k: int) -> "Schedule":
+        """Candidate ``k`` as a schedule of its own (same profile, minibatch, recompute, dp)."""
+        c = self.candidates[k]
+        return self.model_copy(
+            update={
+                "stages": c.stages,
+                "predicted": Predicted(
+                    iteration_ms=c.predicted_iteration_ms, busy_ms=[], peak_memory_bytes=[]
+                ),
+                "candidates": [],
+            }
+        )
 
 
 def validate_ops(ops: Sequence[Sequence[Op]], minibatch: int, max_size: int, recompute: bool) -> None:
@@ -199,13 +229,32 @@ def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: 
     tables = CostTables.from_profile(profile, schedule.recompute, schedule.dp)
     timeline = simulate(tables, ops, schedule.minibatch)
     limit = profile.memory_limit_bytes
-    if limit is not None:
-        for s, peak in enumerate(timeline.peak_memory_bytes):
-            if peak > limit:
-                raise UmoptError(
-                    f"stage {s} needs {peak} bytes at its peak, over the memory limit of {limit}"
-                )
+    for name, tl in [("", timeline)] + [
+        (f"candidate {c.name}: ", _candidate_timeline(c, schedule, profile, tables))
+        for c in schedule.candidates
+    ]:
+        if limit is not None:
+            for s, peak in enumerate(tl.peak_memory_bytes):
+                if peak > limit:
+                    raise UmoptError(
+                        f"{name}stage {s} needs {peak} bytes at its peak, over the memory limit of {limit}"
+                    )
     return timeline
+
+
+def _candidate_timeline(
+    c: ScheduleCandidate, schedule: Schedule, profile: Profile, tables: CostTables
+) -> Timeline:
+    if len(c.stages) != len(schedule.stages):
+        raise UmoptError(
+            f"candidate {c.name} has {len(c.stages)} stages, the schedule {len(schedule.stages)}"
+        )
+    ops = c.op_lists()
+    try:
+        validate_ops(ops, schedule.minibatch, profile.max_size, schedule.recompute)
+        return simulate(tables, ops, schedule.minibatch)
+    except UmoptError as exc:
+        raise UmoptError(f"candidate {c.name}: {exc}") from None
 
 
 def make_schedule(
@@ -217,6 +266,7 @@ def make_schedule(
     solver: dict,
     baselines: dict,
     dp: Optional[AllReduceProfile] = None,
+    candidates: Sequence[dict] = (),
 ) -> Schedule:
     """The schedule file's content for ``ops``, with the cost model's ``timeline`` of exactly them."""
     return Schedule.model_validate(
@@ -235,6 +285,7 @@ def make_schedule(
             "solver": solver,
             "baselines": baselines,
             **({"dp": dp.model_dump()} if dp is not None else {}),
+            "candidates": list(candidates),
         }
     )
 

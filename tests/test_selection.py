@@ -1,0 +1,117 @@
+"""Selection while training ([Note: selection while training]): a schedule file carries the
+schedules its solve could not tell apart from its pick, and `umopt run` measures them in turns
+over the first steps and keeps the fastest, without changing the training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from umopt.cli import main
+
+from umopt.costmodel import CostTables, simulate
+from umopt.decide import is_equal
+from umopt.formats.schedule import check_against_profile, load_schedule, make_schedule, save_schedule
+from umopt.problem import Candidate
+
+
+def test_solve_writes_the_pick_and_its_rivals(tmp_path, capsys):
+    main(["solve", "gpt-sim", "-B", "16", "--time-limit", "2", "-o", str(tmp_path / "s.json")])
+    sched = load_schedule(str(tmp_path / "s.json"))
+    names = [c.name for c in sched.candidates]
+    # the best equal GPipe and 1F1B are always there (unless the pick is one of them), each once
+    assert {"gpipe_equal", "1f1b_equal"} - {sched.solver.model_extra["recommended"]} <= set(names)
+    assert len(names) == len(set(names)) and all(c.op_lists() != sched.op_lists() for c in sched.candidates)
+    from umopt.formats.profile import load_profile
+
+    profile = load_profile(sched.profile.path)
+    check_against_profile(sched, profile)  # every candidate valid, within the memory limit
+    tables = CostTables.from_profile(profile, False)
+    for c in sched.candidates:
+        assert c.equal == is_equal(c.op_lists())
+        assert c.predicted_iteration_ms == pytest.approx(simulate(tables, c.op_lists(), 16).iteration_ms)
+
+
+def _with_candidate(tmp_path, profile, B):
+    """A schedule file whose pick is unequal and whose one candidate is the equal 1F1B."""
+    tables = CostTables.from_profile(profile, False)
+    un = Candidate([[2, 4, 6], [6, 4, 2]], [[2, 4, 6], [6, 4, 2]], "1f1b").ops()
+    eq = Candidate([[4, 4, 4]] * 2, [[4, 4, 4]] * 2, "1f1b").ops()
+    cand = {
+        "name": "eq",
+        "equal": True,
+        "stages": [{"ops": [list(op) for op in st]} for st in eq],
+        "predicted_iteration_ms": simulate(tables, eq, B).iteration_ms,
+    }
+    solver = {"name": "test", "status": "feasible", "seconds": 0.0, "recommended": "un"}
+    sched = make_schedule(profile, B, False, un, simulate(tables, un, B), solver, {}, candidates=[cand])
+    path = tmp_path / "s.json"
+    save_schedule(sched, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("slow,winner", [("un", "eq"), ("eq", "un")])
+def test_run_keeps_the_faster_schedule_and_trains_as_one_process(tmp_path, monkeypatch, capsys, slow, winner):
+    from test_runtime import B, checkpoint_state, mlp_profile, reference
+
+    profile = mlp_profile(tmp_path, 2)
+    path = _with_candidate(tmp_path, profile, B)
+    monkeypatch.setenv("UMOPT_FAULT_SLOWER", f"{slow}:40")  # 40 ms a step on top of a few
+    ck = tmp_path / "ck"
+    main(
+        [
+            "run",
+            path,
+            "--steps",
+            "12",
+            "--select-steps",
+            "9",
+            "--warmup",
+            "1",
+            "--lr",
+            "0.05",
+            "--checkpoint",
+            str(ck),
+            "--report",
+            str(tmp_path / "r.json"),
+        ]
+    )
+    stdout = capsys.readouterr().out
+    report = json.loads((tmp_path / "r.json").read_text())
+    sel = report["selection"]
+    assert sel["pick"] == "un" and sel["winner"] == winner and sel["decided"] and sel["confidence"] >= 0.95
+    assert (
+        sel["steps"] <= 9 and sel["steps"] % 2 == 0 and [c["name"] for c in sel["candidates"]] == ["un", "eq"]
+    )
+    # the report is the winner's, over the steps after selection
+    assert report["steps"] == 12 - sel["steps"]
+    kept = load_schedule(path) if winner == "un" else load_schedule(path).candidate_schedule(0)
+    assert [[tuple(op[:3]) for op in st] for st in report["ops"]] == [
+        [tuple(op) for op in st] for st in kept.op_lists()
+    ]
+    assert f"kept (*) {winner}" in stdout
+    if winner == "eq":  # the pick lost: the report says what that means for the profile
+        assert "umopt calibrate" in sel["note"]
+    # two warm-ups, the turns and the winner's steps: 14 SGD steps on batches 0..13, as one process
+    want = reference(steps=14, lr=0.05)
+    got = {}
+    for s in range(2):
+        state = checkpoint_state(ck, s)
+        assert state["step"] == 14
+        got.update(state["model"])
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_run_says_when_too_few_steps_allow_no_selection_and_no_select_runs_the_pick(tmp_path, capsys):
+    from test_runtime import B, mlp_profile
+
+    profile = mlp_profile(tmp_path, 2)
+    path = _with_candidate(tmp_path, profile, B)
+    main(["run", path, "--steps", "4", "--warmup", "0", "--report", str(tmp_path / "r.json")])
+    sel = json.loads((tmp_path / "r.json").read_text())["selection"]
+    assert sel["winner"] == "un" and sel["steps"] == 0 and "--select-steps 6 or more" in sel["reason"]
+    main(["run", path, "--steps", "2", "--warmup", "0", "--no-select", "--report", str(tmp_path / "r.json")])
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["selection"] is None and report["steps"] == 2
