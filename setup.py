@@ -12,8 +12,26 @@ from setuptools import setup
 
 setup(
     ext_modules=[
-        Pybind11Extension("umopt.bounds._pair_program", ["umopt/bounds/_pair_program.cpp"], cxx_std=17, extra_compile_args=["-O2"], optional=True),
-        Pybind11Extension("umopt._population_sim", ["umopt/_population_sim.cpp"], cxx_std=17, extra_compile_args=["-O2"], optional=True),
-        Pybind11Extension("umopt.bounds._stage_programs", ["umopt/bounds/_stage_programs.cpp"], cxx_std=17, extra_compile_args=["-O2"], optional=True),
+        Pybind11Extension(
+            "umopt.bounds._pair_program",
+            ["umopt/bounds/_pair_program.cpp"],
+            cxx_std=17,
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
+        Pybind11Extension(
+            "umopt._population_sim",
+            ["umopt/_population_sim.cpp"],
+            cxx_std=17,
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
+        Pybind11Extension(
+            "umopt.bounds._stage_programs",
+            ["umopt/bounds/_stage_programs.cpp"],
+            cxx_std=17,
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
     ]
 )
