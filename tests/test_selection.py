@@ -115,3 +115,25 @@ def test_run_says_when_too_few_steps_allow_no_selection_and_no_select_runs_the_p
     main(["run", path, "--steps", "2", "--warmup", "0", "--no-select", "--report", str(tmp_path / "r.json")])
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["selection"] is None and report["steps"] == 2
+
+
+def test_a_schedule_found_slower_stops_taking_turns_and_measuring_stops_at_its_cost():
+    from types import SimpleNamespace
+
+    from umopt.decide import decide
+    from umopt.runtime import SELECT_COST, _keep_measuring
+
+    def plays(*series):
+        return [SimpleNamespace(name=n, step_ms=list(ms)) for n, ms in series]
+
+    # c is 30% slower in every round: it stops; a and b cannot be told apart yet: they go on
+    ps = plays(
+        ("a", [10.0, 10.2, 9.9, 10.1]), ("b", [10.1, 10.0, 10.2, 9.9]), ("c", [13.0, 13.1, 12.9, 13.2])
+    )
+    d = decide({p.name: p.step_ms for p in ps}, ["a", "b", "c"])
+    stop, left = _keep_measuring(ps, [0, 1, 2], d, run_steps=1000)
+    assert left == [0, 1]
+    # the same turns in a short run: they have already cost more than SELECT_COST of it
+    cost = sum(ms - 10.05 for p in ps for ms in p.step_ms)
+    stop, _ = _keep_measuring(ps, [0, 1, 2], d, run_steps=int(cost / (SELECT_COST * 10.05)) - 1)
+    assert stop

@@ -47,7 +47,7 @@ from .checkpoint import (
     write_manifest,
 )
 from .costmodel import CostTables, Span, Timeline, simulate
-from .decide import Decision, decide, is_equal
+from .decide import Decision, compare, decide, is_equal
 from .devices import (
     TensorSpec,
     boundary_tensors,
@@ -690,16 +690,19 @@ def _decision(plays: list[_Play], steps: int, confidence: float) -> Decision:
 # Every schedule of a profile gives one process's gradients, so the schedules a solve could not
 # tell apart (its pick and the file's `candidates`) can take turns over the first steps of a
 # real run, on the real machine, without changing the training at all. One step each per round,
-# the paired test of umopt.decide after each round from the third on; the rounds stop when it
-# has decided or the budget of measuring steps (--select-steps) is spent, and the winner plays
-# the rest. Every rank has the same (all-reduced) step times, but rank 0 alone decides and
-# tells the others, so no rank can go on with another schedule than its neighbours. Only one
-# schedule's activations are alive at a time (a step ends with its backwards), and the boundary
-# buffers of every Pipeline are the size of the minibatch, so measuring costs no more memory
-# than the largest candidate; what it costs in time is reported (`selection.cost_ms`).
+# the paired test of umopt.decide after each round from the third on. A schedule the test finds
+# slower than the fastest so far stops taking turns (it only costs time), and measuring stops
+# when the test has decided, when what the turns cost beyond the fastest one's pace reaches
+# SELECT_COST of the run, or when the steps allowed for it (--select-steps) are spent; the
+# winner plays the rest. Every rank has the same (all-reduced) step times, but rank 0 alone
+# decides and tells the others, so no rank can go on with another schedule than its neighbours.
+# Only one schedule's activations are alive at a time (a step ends with its backwards); what
+# measuring cost in time is reported (`selection.cost_ms`).
 MIN_SELECT_ROUNDS = 3
 SELECT_SHARE = 0.25  # of the run's steps at most, by default, and at most SELECT_MAX_STEPS
 SELECT_MAX_STEPS = 60
+SELECT_CONFIDENCE = 0.95
+SELECT_COST = 0.03  # of the run's time at the fastest schedule's pace: measuring stops there
 
 
 def _selects(cfg: RunConfig) -> bool:
@@ -729,41 +732,66 @@ def _select(
 ) -> tuple[_Play, Selection]:
     """[Note: selection while training]: the winner, and what was measured to choose it."""
     args = rk.cfg.args
-    for k, play in enumerate(plays):  # warm-ups, not measured
-        for j in range(args.warmup):
+    for play in plays:  # warm-ups, not measured
+        for _ in range(args.warmup):
             steps.play(play, measured=False, end_of_round=False)
-    decision, rounds, winner = None, 0, 0
-    while budget and (rounds + 1) * len(plays) <= budget:
+    decision, rounds, winner, spent = None, 0, 0, 0
+    active = list(range(len(plays)))
+    while budget and spent + len(active) <= budget:
         rk.speeds.append(reference_ms(rk.device))
-        for k, play in enumerate(plays):
-            steps.play(play, measured=True, end_of_round=k == len(plays) - 1)
+        for n, k in enumerate(active):
+            steps.play(plays[k], measured=True, end_of_round=n == len(active) - 1)
+        spent += len(active)
         rounds += 1
         if rounds < MIN_SELECT_ROUNDS:
             continue
-        decision = _decision(plays, 1, 0.95)
-        said = torch.tensor(
-            [decision.decided, [p.name for p in plays].index(decision.winner)] if rk.rank == 0 else [0, 0],
-            dtype=torch.int64,
-        ).to(rk.device)
-        dist.broadcast(said, src=0)  # rank 0's call, for every rank
+        decision = _decision(plays, 1, SELECT_CONFIDENCE)
+        said = torch.zeros(3, dtype=torch.int64)
+        if rk.rank == 0:  # rank 0's call, for every rank
+            stop, left = _keep_measuring(plays, active, decision, args.steps)
+            said = torch.tensor(
+                [stop, [p.name for p in plays].index(decision.winner), sum(1 << k for k in left)]
+            )
+        said = said.to(rk.device)
+        dist.broadcast(said, src=0)
         winner = int(said[1].item())
+        active = [k for k in range(len(plays)) if int(said[2].item()) >> k & 1]
         if bool(said[0].item()):
             break
     if not rk.speeds:
         rk.speeds.append(reference_ms(rk.device))
     chosen = plays[winner]
-    record = _selection_record(plays, chosen, decision, rounds, args, len(rivals))
-    if rounds * len(plays) < args.steps:  # the winner's figures are those of the steps after selection
+    record = _selection_record(plays, chosen, decision, spent, args, len(rivals))
+    if spent < args.steps:  # the winner's figures are those of the steps after selection
         chosen.step_ms, chosen.op_ms = [], [[] for _ in chosen.ops]
     if rk.rank == 0:
         _log.info("selected %s: %s", chosen.name, record.reason)
     return chosen, record
 
 
+def _keep_measuring(
+    plays: list[_Play], active: list[int], decision: Decision, run_steps: int
+) -> tuple[bool, list[int]]:
+    """Whether selection stops now, and the schedules that go on taking turns if not: a schedule
+    the test finds slower than the fastest so far (at the same confidence) stops playing, and
+    measuring stops once it has cost SELECT_COST of the run at the fastest one's pace."""
+    medians = {k: statistics.median(plays[k].step_ms) for k in active}
+    lead = min(active, key=medians.get)
+    left = [
+        k
+        for k in active
+        if k == lead
+        or compare(plays[k].name, plays[lead].step_ms, plays[k].step_ms).faster > 1 - SELECT_CONFIDENCE
+    ]
+    pace = medians[lead]
+    cost = sum(ms - pace for p in plays for ms in p.step_ms)
+    stop = decision.decided or len(left) < 2 or cost >= SELECT_COST * run_steps * pace
+    return stop, left
+
+
 def _selection_record(
-    plays: list[_Play], chosen: _Play, decision: Optional[Decision], rounds: int, args, rivals: int
+    plays: list[_Play], chosen: _Play, decision: Optional[Decision], spent: int, args, rivals: int
 ) -> Selection:
-    spent = rounds * len(plays)
     medians = {p.name: statistics.median(p.step_ms) if p.step_ms else None for p in plays}
     won = medians[chosen.name]
     cost = sum(ms - won for p in plays for ms in p.step_ms) if won is not None else 0.0
