@@ -121,7 +121,8 @@ def test_a_schedule_found_slower_stops_taking_turns_and_measuring_stops_at_its_c
     from types import SimpleNamespace
 
     from umopt.decide import decide
-    from umopt.runtime import SELECT_COST, _keep_measuring
+    from umopt.selection import SELECT_COST
+    from umopt.selection import keep_measuring as _keep_measuring
 
     def plays(*series):
         return [SimpleNamespace(name=n, step_ms=list(ms)) for n, ms in series]

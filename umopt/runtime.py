@@ -47,7 +47,7 @@ from .checkpoint import (
     write_manifest,
 )
 from .costmodel import CostTables, Span, Timeline, simulate
-from .decide import Decision, compare, decide, is_equal
+from .decide import Decision, decide, is_equal
 from .devices import (
     TensorSpec,
     boundary_tensors,
@@ -62,10 +62,11 @@ from .errors import UmoptError, first_line
 from .fileio import check_writable, write_atomic
 from .formats.profile import AllReduceProfile, Profile, load_profile
 from .formats.report import Decision as ReportDecision
-from .formats.report import MeasuredPredicted, RunReport, Selection, SelectionEntry, save_report
+from .formats.report import MeasuredPredicted, RunReport, Selection, save_report
 from .formats.schedule import Schedule, check_against_profile, load_schedule
 from .noise import run_warnings
 from .pipeline import Pipeline, StepTimer
+from .selection import MIN_SELECT_ROUNDS, decide_turns, keep_measuring, select_budget, selection_record
 from .zoo import ModelParts, build_model, import_object
 
 __all__ = [
@@ -614,8 +615,8 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     rk = _set_up(cfg, device)
     sched = cfg.schedules[0]
     selecting = _selects(cfg)
-    budget = _select_budget(args, 1 + len(sched.candidates)) if selecting else 0
-    if selecting:  # [Note: selection while training]
+    budget = select_budget(args.steps, args.select_steps, 1 + len(sched.candidates)) if selecting else 0
+    if selecting:  # [Note: selection while training] (umopt/selection.py)
         pick = sched.solver.model_extra.get("recommended") or "pick"
         entries = [(pick, args.schedule[0], sched)]
         if budget:  # the candidates' Pipelines only where they will play
@@ -686,25 +687,6 @@ def _decision(plays: list[_Play], steps: int, confidence: float) -> Decision:
     return decide(rounds, equal, confidence=confidence)
 
 
-# [Note: selection while training]
-# Every schedule of a profile gives one process's gradients, so the schedules a solve could not
-# tell apart (its pick and the file's `candidates`) can take turns over the first steps of a
-# real run, on the real machine, without changing the training at all. One step each per round,
-# the paired test of umopt.decide after each round from the third on. A schedule the test finds
-# slower than the fastest so far stops taking turns (it only costs time), and measuring stops
-# when the test has decided, when what the turns cost beyond the fastest one's pace reaches
-# SELECT_COST of the run, or when the steps allowed for it (--select-steps) are spent; the
-# winner plays the rest. Every rank has the same (all-reduced) step times, but rank 0 alone
-# decides and tells the others, so no rank can go on with another schedule than its neighbours.
-# Only one schedule's activations are alive at a time (a step ends with its backwards); what
-# measuring cost in time is reported (`selection.cost_ms`).
-MIN_SELECT_ROUNDS = 3
-SELECT_SHARE = 0.25  # of the run's steps at most, by default, and at most SELECT_MAX_STEPS
-SELECT_MAX_STEPS = 60
-SELECT_CONFIDENCE = 0.95
-SELECT_COST = 0.03  # of the run's time at the fastest schedule's pace: measuring stops there
-
-
 def _selects(cfg: RunConfig) -> bool:
     args = cfg.args
     return (
@@ -714,17 +696,6 @@ def _selects(cfg: RunConfig) -> bool:
         and args.decide is None
         and args.rounds == 1
     )
-
-
-def _select_budget(args: argparse.Namespace, n: int) -> int:
-    """Steps that may be spent measuring ``n`` schedules in turns (0: too few for a decision)."""
-    budget = (
-        args.select_steps
-        if args.select_steps is not None
-        else min(SELECT_MAX_STEPS, int(SELECT_SHARE * args.steps))
-    )
-    budget = min(budget, args.steps)
-    return budget if budget >= MIN_SELECT_ROUNDS * n else 0
 
 
 def _select(
@@ -745,10 +716,10 @@ def _select(
         rounds += 1
         if rounds < MIN_SELECT_ROUNDS:
             continue
-        decision = _decision(plays, 1, SELECT_CONFIDENCE)
+        decision = decide_turns(plays)
         said = torch.zeros(3, dtype=torch.int64)
         if rk.rank == 0:  # rank 0's call, for every rank
-            stop, left = _keep_measuring(plays, active, decision, args.steps)
+            stop, left = keep_measuring(plays, active, decision, args.steps)
             said = torch.tensor(
                 [stop, [p.name for p in plays].index(decision.winner), sum(1 << k for k in left)]
             )
@@ -761,75 +732,12 @@ def _select(
     if not rk.speeds:
         rk.speeds.append(reference_ms(rk.device))
     chosen = plays[winner]
-    record = _selection_record(plays, chosen, decision, spent, args, len(rivals))
+    record = selection_record(plays, chosen, decision, spent, args.steps, len(rivals))
     if spent < args.steps:  # the winner's figures are those of the steps after selection
         chosen.step_ms, chosen.op_ms = [], [[] for _ in chosen.ops]
     if rk.rank == 0:
         _log.info("selected %s: %s", chosen.name, record.reason)
     return chosen, record
-
-
-def _keep_measuring(
-    plays: list[_Play], active: list[int], decision: Decision, run_steps: int
-) -> tuple[bool, list[int]]:
-    """Whether selection stops now, and the schedules that go on taking turns if not: a schedule
-    the test finds slower than the fastest so far (at the same confidence) stops playing, and
-    measuring stops once it has cost SELECT_COST of the run at the fastest one's pace."""
-    medians = {k: statistics.median(plays[k].step_ms) for k in active}
-    lead = min(active, key=medians.get)
-    left = [
-        k
-        for k in active
-        if k == lead
-        or compare(plays[k].name, plays[lead].step_ms, plays[k].step_ms).faster > 1 - SELECT_CONFIDENCE
-    ]
-    pace = medians[lead]
-    cost = sum(ms - pace for p in plays for ms in p.step_ms)
-    stop = decision.decided or len(left) < 2 or cost >= SELECT_COST * run_steps * pace
-    return stop, left
-
-
-def _selection_record(
-    plays: list[_Play], chosen: _Play, decision: Optional[Decision], spent: int, args, rivals: int
-) -> Selection:
-    medians = {p.name: statistics.median(p.step_ms) if p.step_ms else None for p in plays}
-    won = medians[chosen.name]
-    cost = sum(ms - won for p in plays for ms in p.step_ms) if won is not None else 0.0
-    if decision is None:
-        reason = (
-            f"not measured: {args.steps} steps leave too few to measure {MIN_SELECT_ROUNDS} rounds of {1 + rivals} "
-            f"schedules (--select-steps {MIN_SELECT_ROUNDS * (1 + rivals)} or more measures them)"
-        )
-    else:
-        reason = decision.reason + ("" if decision.decided else f"; not decided within {spent} steps")
-    note = None
-    if decision is not None and chosen is not plays[0]:
-        gain = medians[plays[0].name] / won - 1
-        note = (
-            f"{chosen.name} measured {100 * gain:.1f}% faster than the solve's pick {plays[0].name}: the profile does not "
-            "describe this run as well as it could; fit it to this report: umopt calibrate PROFILE REPORT -o PROFILE2"
-        )
-    return Selection(
-        pick=plays[0].name,
-        winner=chosen.name,
-        reference=decision.reference if decision else plays[0].name,
-        confidence=decision.confidence if decision else 0.0,
-        decided=bool(decision and decision.decided),
-        steps=spent,
-        cost_ms=cost,
-        reason=reason,
-        note=note,
-        candidates=[
-            SelectionEntry(
-                name=p.name,
-                equal=is_equal(p.schedule.op_lists()),
-                predicted_ms=p.schedule.predicted.iteration_ms,
-                measured_ms=medians[p.name],
-                steps=len(p.step_ms),
-            )
-            for p in plays
-        ],
-    )
 
 
 def _another_round(args: argparse.Namespace, turn: int, spent_s: float, device: torch.device) -> bool:
