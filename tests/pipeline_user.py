@@ -8,6 +8,8 @@ CASE "mlp3" runs three stages and records, for every message, the process group 
 CASE "tokens-LOSS" is a token model under nn.CrossEntropyLoss with LOSS one of "ignore", "weight",
 "smooth": padded targets (-100), one chunk of them all ignored; it also checks eval_step.
 CASE "catch" raises in the last stage's loss at step 1; the user catches it and steps again.
+CASE "select" is "mlp" with a schedule file that has candidates: the Pipeline measures them in
+turns over the first steps and keeps one (``selected``).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def model(case: str) -> list[nn.Module]:
             nn.Sequential(nn.Linear(D, D), nn.Tanh()),
             nn.Linear(D, 1),
         ]
-    return [
+    return [  # "mlp", "select", "catch"
         nn.Sequential(nn.Linear(D, D), nn.Tanh()),
         nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 1)),
     ]
@@ -148,15 +150,17 @@ def main() -> None:
     if case == "catch":
         return catch_main(rank, schedule, out)
     stage = model(case)[rank]  # the user's own module for this stage
-    pipe = umopt.Pipeline(stage, schedule, loss_fn=nn.MSELoss())
+    select = {"select_steps": 9} if case == "select" else {}  # the schedule file has candidates
+    pipe = umopt.Pipeline(stage, schedule, loss_fn=nn.MSELoss(), **select)
     opt = torch.optim.AdamW(stage.parameters(), lr=0.01)
     for step in range(steps):
         x, y = batch(step)
         pipe.step(x) if rank == 0 else pipe.step(targets=y) if rank == world - 1 else pipe.step()
         opt.step()
         opt.zero_grad()
+    chosen = {"selected": pipe.selected, "selection_steps": pipe.selection.steps} if case == "select" else {}
     torch.save(
-        {**stage.state_dict(), **({"groups_used": groups_used} if groups_used else {})},
+        {**stage.state_dict(), **({"groups_used": groups_used} if groups_used else {}), **chosen},
         os.path.join(out, f"stage{rank}.pt"),
     )
     dist.destroy_process_group()

@@ -111,7 +111,7 @@ def test_run_says_when_too_few_steps_allow_no_selection_and_no_select_runs_the_p
     path = _with_candidate(tmp_path, profile, B)
     main(["run", path, "--steps", "4", "--warmup", "0", "--report", str(tmp_path / "r.json")])
     sel = json.loads((tmp_path / "r.json").read_text())["selection"]
-    assert sel["winner"] == "un" and sel["steps"] == 0 and "--select-steps 6 or more" in sel["reason"]
+    assert sel["winner"] == "un" and sel["steps"] == 0 and "select_steps= 6 or more" in sel["reason"]
     main(["run", path, "--steps", "2", "--warmup", "0", "--no-select", "--report", str(tmp_path / "r.json")])
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["selection"] is None and report["steps"] == 2
@@ -138,3 +138,41 @@ def test_a_schedule_found_slower_stops_taking_turns_and_measuring_stops_at_its_c
     cost = sum(ms - 10.05 for p in ps for ms in p.step_ms)
     stop, _ = _keep_measuring(ps, [0, 1, 2], d, run_steps=int(cost / (SELECT_COST * 10.05)) - 1)
     assert stop
+
+
+def test_a_users_pipeline_selects_too_and_trains_as_one_process(tmp_path):
+    """umopt.Pipeline in a user's own loop, on a schedule file with candidates: the ranks agree on
+    one schedule within the steps allowed, and 14 steps train exactly as one process."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import pipeline_user
+    from test_pipeline import _run, _save
+
+    ops = Candidate([[4, 8], [2, 4, 6]], [[4, 8], [2, 4, 6]], "1f1b").ops()
+    path = _save(tmp_path, ops, False)
+    sched = load_schedule(path)
+    from umopt.formats.profile import load_profile
+
+    tables = CostTables.from_profile(load_profile(sched.profile.path), False)
+    rivals = []
+    for name, order in (("gpipe_equal", "gpipe"), ("1f1b_equal", "1f1b")):
+        eq = Candidate([[4, 4, 4]] * 2, [[4, 4, 4]] * 2, order).ops()
+        rivals.append(
+            {
+                "name": name,
+                "equal": True,
+                "stages": [{"ops": [list(op) for op in st]} for st in eq],
+                "predicted_iteration_ms": simulate(tables, eq, 12).iteration_ms,
+            }
+        )
+    with_rivals = sched.model_validate({**sched.model_dump(), "candidates": rivals})
+    save_schedule(with_rivals, path)
+    got = _run(tmp_path, "select", path, steps=14)
+    assert got[0]["selected"] == got[1]["selected"] in ("pick", "gpipe_equal", "1f1b_equal")
+    assert got[0]["selection_steps"] <= 9
+    want = pipeline_user.reference("mlp", steps=14)
+    for g, w in zip(got, want):
+        for k in w:
+            torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)

@@ -102,9 +102,9 @@ def decide(
             f"(closest: {top.name}, {100 * top.gain:+.1f}%, {_percent(top.faster)} confidence)"
         )
     else:
-        reason = f"no schedule but equal ones over {rounds} paired rounds"
+        reason = f"equal schedules only, over {rounds} paired rounds"
     for n, c in zip((n for n in refs if n != ref), peers):
-        reason += f"; {100 * c.gain:.1f}% faster than {n} at {_percent(c.faster)} confidence"
+        reason += f"; {ref} {100 * c.gain:.1f}% faster than {n} at {_percent(c.faster)} confidence"
     return Decision(ref, ref, sure, decided, rounds, comps, reason)
 
 

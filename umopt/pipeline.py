@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -38,14 +39,25 @@ import torch.distributed as dist
 from torch import nn
 
 from .costmodel import CostTables, Op, simulate
+from .decide import Decision
 from .devices import TensorSpec, autocast, check_trainable, numerics, numerics_differences
 from .errors import UmoptError, first_line
 from .formats.profile import Profile, load_profile
+from .formats.report import Selection
 from .formats.schedule import Schedule, check_against_profile, load_schedule
 from .losses import ChunkLoss, chunk_loss
+from .selection import (
+    MIN_SELECT_ROUNDS,
+    SELECT_MAX_STEPS,
+    decide_turns,
+    keep_measuring,
+    select_budget,
+    selection_record,
+    winner_of,
+)
 from .splitbackward import backward_input
 
-__all__ = ["Pipeline", "PipelineBroken", "StepTimer", "link_order", "link_groups", "BUCKET_BYTES"]
+__all__ = ["Pipeline", "PipelineBroken", "StepTimer", "link_order", "link_groups", "share_buffers", "BUCKET_BYTES"]
 
 
 class PipelineBroken(UmoptError):
@@ -308,6 +320,14 @@ class Pipeline:
             process's) instead of warning.
         on_failure: called with a failed step's exception before the links break (the runtime
             writes its status there, so that the rank that failed first is the one named).
+        select: where the schedule file has candidates (``umopt solve`` writes them), measure
+            them and its pick in turns over the first steps and keep the fastest (see [Note:
+            selection while training] in umopt/selection.py); every schedule gives the same
+            gradients, so training is unchanged. ``selected`` names the winner once chosen,
+            ``selection`` says what was measured.
+        select_steps: steps at most spent measuring (default: a quarter of ``steps``, at most 60).
+        steps: how many steps the run has, if known: measuring then also stops once it has cost
+            3% of the run.
 
     Constructing a Pipeline is collective: every rank of the world takes part in making the
     links' process groups (see [Note: one process group per link]).
@@ -332,6 +352,9 @@ class Pipeline:
         dp_group: Optional[dist.ProcessGroup] = None,
         strict: bool = False,
         on_failure: Optional[Callable[[BaseException], None]] = None,
+        select: bool = True,
+        select_steps: Optional[int] = None,
+        steps: Optional[int] = None,
     ):
         self.schedule = schedule if isinstance(schedule, Schedule) else load_schedule(str(schedule))
         self.profile = (
@@ -404,6 +427,31 @@ class Pipeline:
         self._ready = False
         self._act: list[torch.Tensor] = []  # one buffer per received tensor, the whole minibatch
         self._grad: list[torch.Tensor] = []  # one per sent tensor that carries a gradient back
+        self.selected: Optional[str] = None  # the schedule kept, once chosen
+        self.selection: Optional[Selection] = None
+        self._turns: Optional[_Turns] = None
+        if select and self.schedule.candidates:
+            kwargs = dict(
+                loss_fn=loss_fn,
+                loss_reduction=loss_reduction,
+                loss_normalizer=loss_normalizer,
+                profile=self.profile,
+                group=group,
+                device=self.device,
+                input_specs=input_specs,
+                output_specs=output_specs,
+                dtype=dtype,
+                timer=timer,
+                dp_group=dp_group,
+                strict=strict,
+                on_failure=on_failure,
+                select=False,
+            )
+            rivals = [
+                Pipeline(module, self.schedule.candidate_schedule(k), self.stage, **kwargs)
+                for k in range(len(self.schedule.candidates))
+            ]
+            self._turns = _Turns(self, rivals, select_steps, steps)
 
     @property
     def link_up(self):
@@ -532,7 +580,10 @@ class Pipeline:
         again, and makes the other ranks' steps fail at once instead of waiting (see [Note: a
         failed step breaks the pipeline]).
         """
-        return self._guarded(lambda: self._step(*self._inputs(args, inputs, targets, target), losses=losses))
+        if self._turns is not None and self.selected is None:
+            return self._turns.step(args, inputs, targets, target, losses)
+        play = self._turns.winner if self._turns is not None else self
+        return play._guarded(lambda: play._step(*play._inputs(args, inputs, targets, target), losses=losses))
 
     def eval_step(
         self,
@@ -547,7 +598,8 @@ class Pipeline:
         exactly as one process computes it (with ``outputs=True``: ``(loss, output)``, the last
         stage's output of the whole minibatch), None elsewhere. Train or eval mode is the
         module's own, as in one process (call ``module.eval()`` for dropout)."""
-        return self._guarded(lambda: self._eval(*self._inputs(args, inputs, targets, target), keep=outputs))
+        play = self._turns.winner if self._turns is not None else self
+        return play._guarded(lambda: play._eval(*play._inputs(args, inputs, targets, target), keep=outputs))
 
     def _guarded(self, run: Callable[[], Any]) -> Any:
         """Run ``run`` unless a step has failed; if it raises, break the links (see [Note: a
@@ -856,3 +908,106 @@ class _Links:
         self.recv_grad.clear()
         self.pending_sends.clear()
         self.ready.clear()
+
+
+def share_buffers(pipes: Sequence[Pipeline]) -> None:
+    """Let Pipelines of one stage whose boundaries agree use the first one's receive buffers: their
+    steps never overlap, so selection costs no more buffer memory than one schedule."""
+    first = pipes[0]
+    for p in pipes[1:]:
+        if (
+            p._ready
+            and first._ready
+            and (p.input_specs, p.output_specs) == (first.input_specs, first.output_specs)
+        ):
+            p._act, p._grad = first._act, first._grad
+
+
+@dataclass
+class _Turn:
+    name: str
+    pipe: Pipeline
+    step_ms: list[float] = field(default_factory=list)
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.pipe.schedule
+
+
+class _Turns:
+    """A Pipeline's pick and candidates taking turns over the first steps, one step each per
+    round after a first round that learns shapes and warms up (see [Note: selection while
+    training] in umopt/selection.py). The group's rank 0 decides and tells the others."""
+
+    def __init__(
+        self, owner: Pipeline, rivals: list[Pipeline], select_steps: Optional[int], run_steps: Optional[int]
+    ):
+        sched = owner.schedule
+        pick = sched.solver.model_extra.get("recommended") or "pick"
+        self.owner, self.run_steps = owner, run_steps
+        self.turns = [_Turn(pick, owner)] + [_Turn(c.name, p) for c, p in zip(sched.candidates, rivals)]
+        n = len(self.turns)
+        self.budget = (
+            select_budget(run_steps, select_steps, n)
+            if run_steps is not None
+            else max(select_steps if select_steps is not None else SELECT_MAX_STEPS, MIN_SELECT_ROUNDS * n)
+        )
+        self.active = list(range(n))
+        self.queue: list[int] = list(self.active)
+        self.warming = True  # the first round: each learns its shapes, unmeasured
+        self.rounds = self.spent = 0
+        self.decision: Optional[Decision] = None
+        self.winner: Pipeline = owner
+        if self.budget == 0:
+            self._finish(0)
+
+    def step(self, args, inputs, targets, target, losses) -> Optional[torch.Tensor]:
+        k = self.queue.pop(0)
+        play = self.turns[k].pipe
+        group, device = self.owner.group, self.owner.device
+        dist.barrier(group=group)
+        timer = StepTimer(device)
+        timer.start()
+        out = play._guarded(lambda: play._step(*play._inputs(args, inputs, targets, target), losses=losses))
+        worst = torch.tensor([timer.stop()], dtype=torch.float64, device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+        if not self.warming:
+            self.turns[k].step_ms.append(float(worst.item()))
+            self.spent += 1
+        if not self.queue:
+            self._end_of_round()
+        return out
+
+    def _end_of_round(self) -> None:
+        if self.warming:
+            self.warming = False
+            share_buffers([t.pipe for t in self.turns])
+        else:
+            self.rounds += 1
+        if self.rounds >= MIN_SELECT_ROUNDS:
+            self.decision = decide_turns(self.turns)
+            said = torch.zeros(3, dtype=torch.int64)
+            group = self.owner.group
+            if dist.get_rank(group) == 0:
+                stop, left = keep_measuring(self.turns, self.active, self.decision, self.run_steps)
+                stop = stop or self.spent + len(left) > self.budget
+                said = torch.tensor([stop, winner_of(self.turns, self.decision), sum(1 << k for k in left)])
+            said = said.to(self.owner.device)
+            dist.broadcast(said, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+            self.active = [k for k in range(len(self.turns)) if int(said[2].item()) >> k & 1]
+            if bool(said[0].item()):
+                return self._finish(int(said[1].item()))
+        elif self.spent + len(self.active) > self.budget:
+            return self._finish(0)
+        self.queue = list(self.active)
+
+    def _finish(self, k: int) -> None:
+        self.winner = self.turns[k].pipe
+        self.owner.selected = self.turns[k].name
+        self.owner.selection = selection_record(
+            self.turns, self.turns[k], self.decision, self.spent, self.run_steps, len(self.turns) - 1
+        )
+        if dist.get_rank(self.owner.group) == 0:
+            logging.getLogger("umopt").info(
+                "selected %s: %s", self.owner.selected, self.owner.selection.reason
+            )

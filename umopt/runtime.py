@@ -65,8 +65,15 @@ from .formats.report import Decision as ReportDecision
 from .formats.report import MeasuredPredicted, RunReport, Selection, save_report
 from .formats.schedule import Schedule, check_against_profile, load_schedule
 from .noise import run_warnings
-from .pipeline import Pipeline, StepTimer
-from .selection import MIN_SELECT_ROUNDS, decide_turns, keep_measuring, select_budget, selection_record
+from .pipeline import Pipeline, StepTimer, share_buffers
+from .selection import (
+    MIN_SELECT_ROUNDS,
+    decide_turns,
+    keep_measuring,
+    select_budget,
+    selection_record,
+    winner_of,
+)
 from .zoo import ModelParts, build_model, import_object
 
 __all__ = [
@@ -513,6 +520,7 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]]) -> list[_Play]:
         )
         pipe.prepare()  # the boundary shapes agreed now, not inside the first timed step
         plays.append(_Play(pipe, name, path, op_ms=[[] for _ in pipe.ops], slower_s=_slower_s(name)))
+    share_buffers([p.pipe for p in plays])
     return plays
 
 
@@ -720,9 +728,7 @@ def _select(
         said = torch.zeros(3, dtype=torch.int64)
         if rk.rank == 0:  # rank 0's call, for every rank
             stop, left = keep_measuring(plays, active, decision, args.steps)
-            said = torch.tensor(
-                [stop, [p.name for p in plays].index(decision.winner), sum(1 << k for k in left)]
-            )
+            said = torch.tensor([stop, winner_of(plays, decision), sum(1 << k for k in left)])
         said = said.to(rk.device)
         dist.broadcast(said, src=0)
         winner = int(said[1].item())

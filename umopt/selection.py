@@ -24,6 +24,7 @@ __all__ = [
     "Turn",
     "decide_turns",
     "keep_measuring",
+    "winner_of",
     "select_budget",
     "selection_record",
 ]
@@ -73,6 +74,16 @@ def decide_turns(turns: Sequence[Turn]) -> Decision:
     return decide(rounds, equal, confidence=SELECT_CONFIDENCE)
 
 
+def winner_of(turns: Sequence[Turn], decision: Decision) -> int:
+    """The schedule to keep: the test's winner where it decided or where it is faster than the
+    solve's pick (the first) at the test's confidence; else the pick, as predicted: where the
+    measurement cannot tell, the prediction is the better guess."""
+    w = [t.name for t in turns].index(decision.winner)
+    if decision.decided or w == 0:
+        return w
+    return w if compare(turns[w].name, turns[0].step_ms, turns[w].step_ms).faster >= SELECT_CONFIDENCE else 0
+
+
 def keep_measuring(
     plays: Sequence[Turn], active: list[int], decision: Decision, run_steps: Optional[int]
 ) -> tuple[bool, list[int]]:
@@ -110,11 +121,17 @@ def selection_record(
     cost = sum(ms - won for p in plays for ms in p.step_ms) if won is not None else 0.0
     if decision is None:
         reason = (
-            f"not measured: {run_steps} steps leave too few to measure {MIN_SELECT_ROUNDS} rounds of {1 + rivals} "
-            f"schedules (--select-steps {MIN_SELECT_ROUNDS * (1 + rivals)} or more measures them)"
+            f"not measured: too few steps allowed to measure {MIN_SELECT_ROUNDS} rounds of {1 + rivals} schedules "
+            f"(--select-steps or select_steps= {MIN_SELECT_ROUNDS * (1 + rivals)} or more measures them)"
         )
     else:
-        reason = decision.reason + ("" if decision.decided else f"; not decided within {spent} steps")
+        reason = decision.reason
+        if not decision.decided:
+            reason += f"; not decided within {spent} steps" + (
+                ", so the solve's pick is kept"
+                if chosen is plays[0] and decision.winner != chosen.name
+                else ""
+            )
     note = None
     if decision is not None and chosen is not plays[0]:
         gain = medians[plays[0].name] / won - 1
