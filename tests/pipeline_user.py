@@ -150,7 +150,7 @@ def main() -> None:
     if case == "catch":
         return catch_main(rank, schedule, out)
     stage = model(case)[rank]  # the user's own module for this stage
-    select = {"select_steps": 9} if case == "select" else {}  # the schedule file has candidates
+    select = {"select_steps": 18} if case == "select" else {}  # the schedule file has candidates
     pipe = umopt.Pipeline(stage, schedule, loss_fn=nn.MSELoss(), **select)
     opt = torch.optim.AdamW(stage.parameters(), lr=0.01)
     for step in range(steps):

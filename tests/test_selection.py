@@ -64,9 +64,9 @@ def test_run_keeps_the_faster_schedule_and_trains_as_one_process(tmp_path, monke
             "run",
             path,
             "--steps",
-            "12",
+            "16",
             "--select-steps",
-            "9",
+            "12",
             "--warmup",
             "1",
             "--lr",
@@ -82,10 +82,12 @@ def test_run_keeps_the_faster_schedule_and_trains_as_one_process(tmp_path, monke
     sel = report["selection"]
     assert sel["pick"] == "un" and sel["winner"] == winner and sel["decided"] and sel["confidence"] >= 0.95
     assert (
-        sel["steps"] <= 9 and sel["steps"] % 2 == 0 and [c["name"] for c in sel["candidates"]] == ["un", "eq"]
+        sel["steps"] <= 12
+        and sel["steps"] % 4 == 0
+        and [c["name"] for c in sel["candidates"]] == ["un", "eq"]
     )
     # the report is the winner's, over the steps after selection
-    assert report["steps"] == 12 - sel["steps"]
+    assert report["steps"] == 16 - sel["steps"]
     kept = load_schedule(path) if winner == "un" else load_schedule(path).candidate_schedule(0)
     assert [[tuple(op[:3]) for op in st] for st in report["ops"]] == [
         [tuple(op) for op in st] for st in kept.op_lists()
@@ -93,12 +95,12 @@ def test_run_keeps_the_faster_schedule_and_trains_as_one_process(tmp_path, monke
     assert f"kept (*) {winner}" in stdout
     if winner == "eq":  # the pick lost: the report says what that means for the profile
         assert "umopt calibrate" in sel["note"]
-    # two warm-ups, the turns and the winner's steps: 14 SGD steps on batches 0..13, as one process
-    want = reference(steps=14, lr=0.05)
+    # two warm-ups, the turns and the winner's steps: 18 SGD steps on batches 0..17, as one process
+    want = reference(steps=18, lr=0.05)
     got = {}
     for s in range(2):
         state = checkpoint_state(ck, s)
-        assert state["step"] == 14
+        assert state["step"] == 18
         got.update(state["model"])
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
@@ -111,7 +113,7 @@ def test_run_says_when_too_few_steps_allow_no_selection_and_no_select_runs_the_p
     path = _with_candidate(tmp_path, profile, B)
     main(["run", path, "--steps", "4", "--warmup", "0", "--report", str(tmp_path / "r.json")])
     sel = json.loads((tmp_path / "r.json").read_text())["selection"]
-    assert sel["winner"] == "un" and sel["steps"] == 0 and "select_steps= 6 or more" in sel["reason"]
+    assert sel["winner"] == "un" and sel["steps"] == 0 and "select_steps= 12 or more" in sel["reason"]
     main(["run", path, "--steps", "2", "--warmup", "0", "--no-select", "--report", str(tmp_path / "r.json")])
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["selection"] is None and report["steps"] == 2
@@ -125,7 +127,7 @@ def test_a_schedule_found_slower_stops_taking_turns_and_measuring_stops_at_its_c
     from umopt.selection import keep_measuring as _keep_measuring
 
     def plays(*series):
-        return [SimpleNamespace(name=n, step_ms=list(ms)) for n, ms in series]
+        return [SimpleNamespace(name=n, step_ms=list(ms), turn_ms=list(ms)) for n, ms in series]
 
     # c is 30% slower in every round: it stops; a and b cannot be told apart yet: they go on
     ps = plays(
@@ -142,7 +144,7 @@ def test_a_schedule_found_slower_stops_taking_turns_and_measuring_stops_at_its_c
 
 def test_a_users_pipeline_selects_too_and_trains_as_one_process(tmp_path):
     """umopt.Pipeline in a user's own loop, on a schedule file with candidates: the ranks agree on
-    one schedule within the steps allowed, and 14 steps train exactly as one process."""
+    one schedule within the steps allowed, and 30 steps train exactly as one process."""
     import sys
     from pathlib import Path
 
@@ -169,10 +171,10 @@ def test_a_users_pipeline_selects_too_and_trains_as_one_process(tmp_path):
         )
     with_rivals = sched.model_validate({**sched.model_dump(), "candidates": rivals})
     save_schedule(with_rivals, path)
-    got = _run(tmp_path, "select", path, steps=14)
+    got = _run(tmp_path, "select", path, steps=30)
     assert got[0]["selected"] == got[1]["selected"] in ("pick", "gpipe_equal", "1f1b_equal")
-    assert got[0]["selection_steps"] <= 9
-    want = pipeline_user.reference("mlp", steps=14)
+    assert got[0]["selection_steps"] <= 18
+    want = pipeline_user.reference("mlp", steps=30)
     for g, w in zip(got, want):
         for k in w:
             torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)

@@ -49,6 +49,7 @@ from .losses import ChunkLoss, chunk_loss
 from .selection import (
     MIN_SELECT_ROUNDS,
     SELECT_MAX_STEPS,
+    TURN_STEPS,
     decide_turns,
     keep_measuring,
     select_budget,
@@ -57,7 +58,15 @@ from .selection import (
 )
 from .splitbackward import backward_input
 
-__all__ = ["Pipeline", "PipelineBroken", "StepTimer", "link_order", "link_groups", "share_buffers", "BUCKET_BYTES"]
+__all__ = [
+    "Pipeline",
+    "PipelineBroken",
+    "StepTimer",
+    "link_order",
+    "link_groups",
+    "share_buffers",
+    "BUCKET_BYTES",
+]
 
 
 class PipelineBroken(UmoptError):
@@ -928,6 +937,7 @@ class _Turn:
     name: str
     pipe: Pipeline
     step_ms: list[float] = field(default_factory=list)
+    turn_ms: list[float] = field(default_factory=list)
 
     @property
     def schedule(self) -> Schedule:
@@ -935,9 +945,9 @@ class _Turn:
 
 
 class _Turns:
-    """A Pipeline's pick and candidates taking turns over the first steps, one step each per
-    round after a first round that learns shapes and warms up (see [Note: selection while
-    training] in umopt/selection.py). The group's rank 0 decides and tells the others."""
+    """A Pipeline's pick and candidates taking turns over the first steps, TURN_STEPS each per
+    round (the last measured) after a first round that learns shapes (see [Note: selection
+    while training] in umopt/selection.py). The group's rank 0 decides and tells the others."""
 
     def __init__(
         self, owner: Pipeline, rivals: list[Pipeline], select_steps: Optional[int], run_steps: Optional[int]
@@ -950,11 +960,14 @@ class _Turns:
         self.budget = (
             select_budget(run_steps, select_steps, n)
             if run_steps is not None
-            else max(select_steps if select_steps is not None else SELECT_MAX_STEPS, MIN_SELECT_ROUNDS * n)
+            else max(
+                select_steps if select_steps is not None else SELECT_MAX_STEPS,
+                MIN_SELECT_ROUNDS * TURN_STEPS * n,
+            )
         )
         self.active = list(range(n))
-        self.queue: list[int] = list(self.active)
-        self.warming = True  # the first round: each learns its shapes, unmeasured
+        self.queue: list[tuple[int, int]] = [(k, TURN_STEPS - 1) for k in self.active]
+        self.warming = True  # the first round: a step each, to learn its shapes, unmeasured
         self.rounds = self.spent = 0
         self.decision: Optional[Decision] = None
         self.winner: Pipeline = owner
@@ -962,7 +975,7 @@ class _Turns:
             self._finish(0)
 
     def step(self, args, inputs, targets, target, losses) -> Optional[torch.Tensor]:
-        k = self.queue.pop(0)
+        k, j = self.queue.pop(0)  # the turn's first step follows another schedule's: not measured
         play = self.turns[k].pipe
         group, device = self.owner.group, self.owner.device
         dist.barrier(group=group)
@@ -972,7 +985,9 @@ class _Turns:
         worst = torch.tensor([timer.stop()], dtype=torch.float64, device=device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
         if not self.warming:
-            self.turns[k].step_ms.append(float(worst.item()))
+            self.turns[k].turn_ms.append(float(worst.item()))
+            if j == TURN_STEPS - 1:
+                self.turns[k].step_ms.append(float(worst.item()))
             self.spent += 1
         if not self.queue:
             self._end_of_round()
@@ -990,16 +1005,16 @@ class _Turns:
             group = self.owner.group
             if dist.get_rank(group) == 0:
                 stop, left = keep_measuring(self.turns, self.active, self.decision, self.run_steps)
-                stop = stop or self.spent + len(left) > self.budget
+                stop = stop or self.spent + TURN_STEPS * len(left) > self.budget
                 said = torch.tensor([stop, winner_of(self.turns, self.decision), sum(1 << k for k in left)])
             said = said.to(self.owner.device)
             dist.broadcast(said, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
             self.active = [k for k in range(len(self.turns)) if int(said[2].item()) >> k & 1]
             if bool(said[0].item()):
                 return self._finish(int(said[1].item()))
-        elif self.spent + len(self.active) > self.budget:
+        elif self.spent + TURN_STEPS * len(self.active) > self.budget:
             return self._finish(0)
-        self.queue = list(self.active)
+        self.queue = [(k, j) for k in self.active for j in range(TURN_STEPS)]
 
     def _finish(self, k: int) -> None:
         self.winner = self.turns[k].pipe

@@ -68,6 +68,7 @@ from .noise import run_warnings
 from .pipeline import Pipeline, StepTimer, share_buffers
 from .selection import (
     MIN_SELECT_ROUNDS,
+    TURN_STEPS,
     decide_turns,
     keep_measuring,
     select_budget,
@@ -362,6 +363,7 @@ class _Play:
     spans_last: list = field(default_factory=list)
     op_ms: list[list[float]] = field(default_factory=list)  # each op's duration in every measured step
     slower_s: float = 0.0  # injected (UMOPT_FAULT_SLOWER)
+    turn_ms: list[float] = field(default_factory=list)  # selection: every step of its turns
 
     @property
     def schedule(self) -> Schedule:
@@ -716,11 +718,14 @@ def _select(
             steps.play(play, measured=False, end_of_round=False)
     decision, rounds, winner, spent = None, 0, 0, 0
     active = list(range(len(plays)))
-    while budget and spent + len(active) <= budget:
+    while budget and spent + TURN_STEPS * len(active) <= budget:
         rk.speeds.append(reference_ms(rk.device))
         for n, k in enumerate(active):
-            steps.play(plays[k], measured=True, end_of_round=n == len(active) - 1)
-        spent += len(active)
+            for j in range(TURN_STEPS):  # the first step of a turn follows another schedule's: not measured
+                last = j == TURN_STEPS - 1
+                ms = steps.play(plays[k], measured=last, end_of_round=last and n == len(active) - 1)
+                plays[k].turn_ms.append(ms)
+        spent += TURN_STEPS * len(active)
         rounds += 1
         if rounds < MIN_SELECT_ROUNDS:
             continue

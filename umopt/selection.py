@@ -21,6 +21,7 @@ __all__ = [
     "SELECT_COST",
     "SELECT_MAX_STEPS",
     "SELECT_SHARE",
+    "TURN_STEPS",
     "Turn",
     "decide_turns",
     "keep_measuring",
@@ -32,7 +33,8 @@ __all__ = [
 
 class Turn(Protocol):
     name: str
-    step_ms: list[float]
+    step_ms: list[float]  # the measured step of each turn
+    turn_ms: list[float]  # every step of its turns, the first (unmeasured) one too: what they cost
 
     @property
     def schedule(self) -> Schedule: ...
@@ -41,8 +43,10 @@ class Turn(Protocol):
 # [Note: selection while training]
 # Every schedule of a profile gives one process's gradients, so the schedules a solve could not
 # tell apart (its pick and the file's `candidates`) can take turns over the first steps of a
-# real run, on the real machine, without changing the training at all. One step each per round,
-# the paired test of umopt.decide after each round from the third on. A schedule the test finds
+# real run, on the real machine, without changing the training at all. A turn is TURN_STEPS
+# steps of one schedule, the last measured (the first follows another schedule's step and runs
+# slower than that schedule would alone); each round a turn each, the paired test of
+# umopt.decide after each round from the third on. A schedule the test finds
 # slower than the fastest so far stops taking turns (it only costs time), and measuring stops
 # when the test has decided, when what the turns cost beyond the fastest one's pace reaches
 # SELECT_COST of the run, or when the steps allowed for it (--select-steps) are spent; the
@@ -51,6 +55,10 @@ class Turn(Protocol):
 # Only one schedule's activations are alive at a time (a step ends with its backwards); what
 # measuring cost in time is reported (`selection.cost_ms`).
 MIN_SELECT_ROUNDS = 3
+# steps in a turn: the first follows another schedule's step (other memory to allocate, other
+# messages in flight: measured on CPUs, a schedule's step after another's ran up to 2x slower
+# than in a run of its own) and is not measured; the second is
+TURN_STEPS = 2
 SELECT_SHARE = 0.25  # of the run's steps at most, by default, and at most SELECT_MAX_STEPS
 SELECT_MAX_STEPS = 60
 SELECT_CONFIDENCE = 0.95
@@ -63,7 +71,7 @@ def select_budget(run_steps: int, select_steps: Optional[int], n: int) -> int:
         select_steps if select_steps is not None else min(SELECT_MAX_STEPS, int(SELECT_SHARE * run_steps))
     )
     budget = min(budget, run_steps)
-    return budget if budget >= MIN_SELECT_ROUNDS * n else 0
+    return budget if budget >= MIN_SELECT_ROUNDS * TURN_STEPS * n else 0
 
 
 def decide_turns(turns: Sequence[Turn]) -> Decision:
@@ -99,7 +107,7 @@ def keep_measuring(
         or compare(plays[k].name, plays[lead].step_ms, plays[k].step_ms).faster > 1 - SELECT_CONFIDENCE
     ]
     pace = medians[lead]
-    cost = sum(ms - pace for p in plays for ms in p.step_ms)
+    cost = sum(ms - pace for p in plays for ms in p.turn_ms)
     stop = (
         decision.decided
         or len(left) < 2
@@ -118,11 +126,11 @@ def selection_record(
 ) -> Selection:
     medians = {p.name: statistics.median(p.step_ms) if p.step_ms else None for p in plays}
     won = medians[chosen.name]
-    cost = sum(ms - won for p in plays for ms in p.step_ms) if won is not None else 0.0
+    cost = sum(ms - won for p in plays for ms in p.turn_ms) if won is not None else 0.0
     if decision is None:
         reason = (
             f"not measured: too few steps allowed to measure {MIN_SELECT_ROUNDS} rounds of {1 + rivals} schedules "
-            f"(--select-steps or select_steps= {MIN_SELECT_ROUNDS * (1 + rivals)} or more measures them)"
+            f"(--select-steps or select_steps= {MIN_SELECT_ROUNDS * TURN_STEPS * (1 + rivals)} or more measures them)"
         )
     else:
         reason = decision.reason
@@ -155,7 +163,7 @@ def selection_record(
                 equal=is_equal(p.schedule.op_lists()),
                 predicted_ms=p.schedule.predicted.iteration_ms,
                 measured_ms=medians[p.name],
-                steps=len(p.step_ms),
+                steps=len(p.turn_ms),
             )
             for p in plays
         ],
