@@ -519,6 +519,7 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]]) -> list[_Play]:
             group=rk.pipe_group,
             dp_group=rk.dp_group,
             on_failure=_report_failure,
+            select=False,  # the runtime's own turns choose (_select)
         )
         pipe.prepare()  # the boundary shapes agreed now, not inside the first timed step
         plays.append(_Play(pipe, name, path, op_ms=[[] for _ in pipe.ops], slower_s=_slower_s(name)))
@@ -748,6 +749,8 @@ def _select(
         chosen.step_ms, chosen.op_ms = [], [[] for _ in chosen.ops]
     if rk.rank == 0:
         _log.info("selected %s: %s", chosen.name, record.reason)
+        for p in plays:
+            _log.debug("%s: turns %s", p.name, " ".join(f"{ms:.2f}" for ms in p.turn_ms))
     return chosen, record
 
 
