@@ -187,7 +187,7 @@ def main() -> None:
         )
     for c in cells:
         table.add_row(*c)
-    out_console = Console()
+    out_console = Console(width=max(Console().width, 160))  # the table whole, in a log too
     out_console.print(table)
     for line in summary:
         out_console.print(line, markup=False)
