@@ -44,8 +44,8 @@ class Turn(Protocol):
 # Every schedule of a profile gives one process's gradients, so the schedules a solve could not
 # tell apart (its pick and the file's `candidates`) can take turns over the first steps of a
 # real run, on the real machine, without changing the training at all. A turn is TURN_STEPS
-# steps of one schedule, the last measured (the first follows another schedule's step and runs
-# slower than that schedule would alone); each round a turn each, the paired test of
+# steps of one schedule, the last measured (the first follows another schedule's step and may
+# run slower than that schedule would alone); each round a turn each, the paired test of
 # umopt.decide after each round from the third on. A schedule the test finds
 # slower than the fastest so far stops taking turns (it only costs time), and measuring stops
 # when the test has decided, when what the turns cost beyond the fastest one's pace reaches
@@ -56,8 +56,8 @@ class Turn(Protocol):
 # measuring cost in time is reported (`selection.cost_ms`).
 MIN_SELECT_ROUNDS = 3
 # steps in a turn: the first follows another schedule's step (other memory to allocate, other
-# messages in flight: measured on CPUs, a schedule's step after another's ran up to 2x slower
-# than in a run of its own) and is not measured; the second is
+# messages in flight: on mlp-narrow's CPU stages GPipe's first step of a turn took 1.3x its
+# second, 1F1B's about the same) and is not measured; the second is
 TURN_STEPS = 2
 SELECT_SHARE = 0.25  # of the run's steps at most, by default, and at most SELECT_MAX_STEPS
 SELECT_MAX_STEPS = 60
