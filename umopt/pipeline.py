@@ -978,7 +978,10 @@ class _Turns:
         k, j = self.queue.pop(0)  # the turn's first step follows another schedule's: not measured
         play = self.turns[k].pipe
         group, device = self.owner.group, self.owner.device
-        dist.barrier(group=group)
+        if device.type == "cuda":  # NCCL's barrier on this rank's own GPU, not on GPU 0
+            dist.barrier(group=group, device_ids=[device.index])
+        else:
+            dist.barrier(group=group)
         timer = StepTimer(device)
         timer.start()
         out = play._guarded(lambda: play._step(*play._inputs(args, inputs, targets, target), losses=losses))
