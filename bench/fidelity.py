@@ -28,8 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
+from tables import print_table  # a sibling script (bench/ is on the path of a script run from it)
 
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
@@ -219,26 +218,8 @@ def main() -> None:
         f"A/A (the predicted-best equal schedule run twice in turns): {min(r['aa'] for r in rows):.3f}-{max(r['aa'] for r in rows):.3f}",
         f"VGG16, image 32, 4 stages, sizes 1..64: profiled in {vgg_s:.0f} s (target: under 60 s)",
     ]
-    if args.markdown:
-        print("| " + " | ".join(COLUMNS) + " |")
-        print("|" + "|".join("---:" for _ in COLUMNS) + "|")
-        for c in cells:
-            print("| " + " | ".join(c) + " |")
-        print()
-        for line in summary:
-            print(f"- {line}")
-        return
-    table = Table(
-        title=f"2 CPU stages x 1 thread, minibatch {B}, {args.rounds} rounds of {args.steps} steps in turns; gains over the best equal schedule"
-    )
-    for col in COLUMNS:
-        table.add_column(col, justify="right")
-    for c in cells:
-        table.add_row(*c)
-    console = Console(width=160)
-    console.print(table)
-    for line in summary:
-        console.print(line)
+    title = f"2 CPU stages x 1 thread, minibatch {B}, {args.rounds} rounds of {args.steps} steps in turns; gains over the best equal schedule"
+    print_table(title, COLUMNS, cells, summary, args.markdown, left=("model", "pick"))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import tempfile
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import load_schedule, save_schedule
@@ -35,6 +34,7 @@ from umopt.solve import solve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import MODELS  # noqa: E402  (a sibling script)
+from tables import print_table  # noqa: E402
 
 HELD_OUT = {  # shapes nobody tuned umopt to
     "mlp-deep": ("mlp", {"layers": 12, "width": 384, "in_features": 128, "num_classes": 100}),
@@ -169,28 +169,8 @@ def main() -> None:
         f"runs below 1 - their A/A spread: {len(below)} of {len(rows)} (target: none)",
         f"measuring cost, share of a {args.steps}-step run: at most {100 * max(r['cost'] for r in rows):.1f}% (target: at most 5%)",
     ]
-    if args.markdown:
-        print("| " + " | ".join(COLUMNS) + " |")
-        print("|" + "---|" * len(COLUMNS))
-        for c in cells:
-            print("| " + " | ".join(c) + " |")
-        print()
-        for line in summary:
-            print(f"- {line}")
-        return
-    table = Table(
-        title=f"selection while training: {args.runs} runs of {args.steps} steps, minibatch {B}, 2 CPU stages"
-    )
-    for col in COLUMNS:
-        table.add_column(
-            col, justify="right" if col not in ("model", "pick", "kept") else "left", no_wrap=True
-        )
-    for c in cells:
-        table.add_row(*c)
-    out_console = Console(width=max(Console().width, 160))  # the table whole, in a log too
-    out_console.print(table)
-    for line in summary:
-        out_console.print(line, markup=False)
+    title = f"selection while training: {args.runs} runs of {args.steps} steps, minibatch {B}, 2 CPU stages"
+    print_table(title, COLUMNS, cells, summary, args.markdown, left=("model", "pick", "kept"))
 
 
 if __name__ == "__main__":

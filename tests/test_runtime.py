@@ -53,6 +53,19 @@ def checkpoint_state(folder, s):
     return torch.load(folder / manifest["files"][s]["path"], weights_only=True)
 
 
+def assert_trained_as_one_process(folder, steps, lr, stages=2):
+    """The last checkpoint set in ``folder`` holds the model one process has after ``steps``
+    SGD steps at ``lr`` (see :func:`reference`)."""
+    want = reference(steps=steps, lr=lr)
+    got = {}
+    for s in range(stages):
+        state = checkpoint_state(folder, s)
+        assert state["step"] == steps
+        got.update(state["model"])
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
 def random_partition(rng, total, mx):
     parts = []
     while total:
@@ -189,14 +202,7 @@ def test_schedules_take_turns_and_train_one_model(tmp_path, capsys):
         assert r["schedule"].endswith(f"{name}.json") and r["rounds"] == 2 and r["schedules_in_turn"] == 2
         assert len(r["step_ms"]) == 2 and len(r["losses"]) == 3  # a warm-up and a step in each of two rounds
     # a: steps 0, 1; b: 2, 3; a: 4; b: 5 -- six SGD steps on batches 0..5
-    want = reference(steps=6, lr=0.05)
-    got = {}
-    for s in range(2):
-        state = checkpoint_state(ck, s)
-        assert state["step"] == 6
-        got.update(state["model"])
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert_trained_as_one_process(ck, steps=6, lr=0.05)
     with pytest.raises(UmoptError, match=r"--report with 2 schedules needs \{name\}"):
         launch([a, b, "--report", str(tmp_path / "r.json")])
     with pytest.raises(UmoptError, match="two schedules named a.json"):

@@ -53,7 +53,7 @@ def _with_candidate(tmp_path, profile, B):
 
 @pytest.mark.parametrize("slow,winner", [("un", "eq"), ("eq", "un")])
 def test_run_keeps_the_faster_schedule_and_trains_as_one_process(tmp_path, monkeypatch, capsys, slow, winner):
-    from test_runtime import B, checkpoint_state, mlp_profile, reference
+    from test_runtime import B, assert_trained_as_one_process, mlp_profile
 
     profile = mlp_profile(tmp_path, 2)
     path = _with_candidate(tmp_path, profile, B)
@@ -96,14 +96,7 @@ def test_run_keeps_the_faster_schedule_and_trains_as_one_process(tmp_path, monke
     if winner == "eq":  # the pick lost: the report says what that means for the profile
         assert "umopt calibrate" in sel["note"]
     # two warm-ups, the turns and the winner's steps: 18 SGD steps on batches 0..17, as one process
-    want = reference(steps=18, lr=0.05)
-    got = {}
-    for s in range(2):
-        state = checkpoint_state(ck, s)
-        assert state["step"] == 18
-        got.update(state["model"])
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert_trained_as_one_process(ck, steps=18, lr=0.05)
 
 
 def test_run_says_when_too_few_steps_allow_no_selection_and_no_select_runs_the_pick(tmp_path, capsys):
