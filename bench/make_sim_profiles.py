@@ -3,7 +3,8 @@
     python bench/make_sim_profiles.py
 
 They let ``umopt solve`` work without a profiler run and keep the examples and tests
-reproducible. Their shapes are chosen to look like real pipelines: a GPT whose last stage carries
+reproducible. Each stage is twelve equal layers (``layers``), so a rank's share can be cut into
+2, 3 or 4 chunks of several chunks per rank. Their shapes are chosen to look like real pipelines: a GPT whose last stage carries
 the LM head, and an 8-stage transformer with per-call overheads that differ between stages.
 """
 
@@ -26,6 +27,7 @@ PROFILES = {
         bytes_per_sample=512 * 768 * 4,
         bytes_per_ms=5e6,
         name="gpt-sim",
+        layers_per_stage=12,
     ),
     # 8 stages, mixed overheads: some stages want big chunks, some small.
     "transformer8-sim": dict(
@@ -38,6 +40,7 @@ PROFILES = {
         bytes_per_sample=256 * 1024 * 2,
         bytes_per_ms=1e7,
         name="transformer8-sim",
+        layers_per_stage=12,
     ),
 }
 

@@ -23,7 +23,19 @@ from .limits import MAX_MS
 if TYPE_CHECKING:  # (the formats import the cost model to check schedules)
     from .formats.profile import AllReduceProfile, Profile
 
-__all__ = ["Op", "CostTables", "Span", "Message", "Timeline", "simulate", "stage_peak_memory", "allreduce_ms"]
+__all__ = [
+    "Op",
+    "ChunkOp",
+    "Chunking",
+    "CostTables",
+    "Span",
+    "Message",
+    "Timeline",
+    "simulate",
+    "stage_peak_memory",
+    "rank_peak_memory",
+    "allreduce_ms",
+]
 
 
 class Op(NamedTuple):
@@ -42,6 +54,43 @@ class Op(NamedTuple):
         return self.hi - self.lo
 
 
+class ChunkOp(NamedTuple):
+    """An op of a rank that holds several model chunks: as :class:`Op`, on virtual stage
+    ``stage`` (``["F", lo, hi, stage]`` in schedule files). On a one-chunk pipeline a rank's
+    plain :class:`Op` runs on the virtual stage of the rank's own index."""
+
+    kind: str
+    lo: int
+    hi: int
+    stage: int
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+
+class Chunking(NamedTuple):
+    """How a multi-chunk pipeline cuts the model: virtual stage ``j`` holds the profile's layers
+    ``layers[j]`` (contiguous, in model order) and runs on rank ``ranks[j]`` (docs/formats.md,
+    "Several chunks per rank")."""
+
+    layers: tuple[tuple[int, int], ...]
+    ranks: tuple[int, ...]
+
+    @property
+    def num_virtual(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_ranks(self) -> int:
+        return max(self.ranks) + 1
+
+
+def op_stage(op: Sequence, rank: int) -> int:
+    """The virtual stage an op of ``rank`` runs on."""
+    return op[3] if len(op) == 4 else rank
+
+
 @dataclass(frozen=True)
 class CostTables:
     """Per-size costs of one profile, indexed by chunk size ``b`` (index 0 is an empty chunk).
@@ -49,9 +98,13 @@ class CostTables:
     ``fwd[s, b]`` and ``bwd[s, b]`` are the durations of an F and a B op of ``b`` samples on stage
     ``s``; with ``recompute`` a B op re-runs the forward, so ``bwd`` already includes it.
     ``link[s, b]`` is the time of a ``b``-sample message over link ``s`` (either direction).
-    ``allreduce_ms[s]`` is the all-reduce of stage ``s``'s gradients among its data-parallel
+    ``allreduce_ms[r]`` is the all-reduce of rank ``r``'s gradients among its data-parallel
     replicas, after its last op (zeros for one pipeline). ``bwd_input`` and ``bwd_weight`` are the
     B and W ops of a stage whose backward is split (None where the profile has no split).
+
+    With several chunks per rank (``ranks`` set), every per-stage table is per *virtual* stage,
+    ``ranks[j]`` is the rank virtual stage ``j`` runs on, and ``link[j]`` is the message from
+    virtual stage ``j`` to ``j + 1`` over their ranks' link (zero on one rank).
     """
 
     fwd: np.ndarray
@@ -67,10 +120,25 @@ class CostTables:
     bwd_input: np.ndarray | None = None
     bwd_weight: np.ndarray | None = None  # one B chunk's weight gradient as a W op
     op_overhead: np.ndarray | None = None  # (S,) the runtime's cost per op, inside every entry above
+    ranks: tuple[int, ...] | None = None  # the rank of each virtual stage (None: stage s on rank s)
 
     @property
     def num_stages(self) -> int:
+        """Stages of the cost tables: virtual stages where several chunks share a rank."""
         return self.fwd.shape[0]
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_stages if self.ranks is None else max(self.ranks) + 1
+
+    def rank_of(self, stage: int) -> int:
+        return stage if self.ranks is None else self.ranks[stage]
+
+    def channel(self, boundary: int, direction: str) -> tuple[int, int]:
+        """The (sender, receiver) ranks of a message across ``boundary`` (virtual stage
+        ``boundary`` to ``boundary + 1``): messages between one pair, one way, queue on it."""
+        a, b = self.rank_of(boundary), self.rank_of(boundary + 1)
+        return (a, b) if direction == "fwd" else (b, a)
 
     @property
     def max_size(self) -> int:
@@ -78,24 +146,34 @@ class CostTables:
 
     @classmethod
     def from_profile(
-        cls, profile: Profile, recompute: bool = False, dp: AllReduceProfile | None = None
+        cls,
+        profile: Profile,
+        recompute: bool = False,
+        dp: AllReduceProfile | None = None,
+        chunks: Chunking | None = None,
     ) -> "CostTables":
-        """The tables of ``profile``; with ``dp`` (replicas and their all-reduce speed), each stage's
-        gradient all-reduce among them."""
+        """The tables of ``profile``; with ``dp`` (replicas and their all-reduce speed), each rank's
+        gradient all-reduce among them; with ``chunks``, per virtual stage, summed from the
+        profile's per-layer entries (:func:`umopt.chunks.virtual_stages`)."""
         sizes = np.asarray(profile.sizes, dtype=float)
         b = np.arange(profile.max_size + 1, dtype=float)
+        if chunks is None:
+            stages, links, ranks = profile.stages, profile.links, None
+        else:
+            from .chunks import virtual_stages  # (it reads the profile's layers)
+
+            stages, links = virtual_stages(profile, chunks)
+            ranks = tuple(chunks.ranks)
         # an op costs its compute and the runtime's own cost per op; a message its transfer and
         # the runtime's cost per message (both 0 unless fitted to runs: docs/formats.md)
-        over = np.array([[st.op_overhead_ms] for st in profile.stages])
-        fwd = np.array([np.interp(b, sizes, st.forward_ms) for st in profile.stages]) + over
-        bwd = np.array([np.interp(b, sizes, st.backward_ms) for st in profile.stages]) + over
+        over = np.array([[st.op_overhead_ms] for st in stages])
+        fwd = np.array([np.interp(b, sizes, st.forward_ms) for st in stages]) + over
+        bwd = np.array([np.interp(b, sizes, st.backward_ms) for st in stages]) + over
         split = {}
-        if all(st.backward_input_ms is not None for st in profile.stages):
-            split["bwd_input"] = (
-                np.array([np.interp(b, sizes, st.backward_input_ms) for st in profile.stages]) + over
-            )
+        if all(st.backward_input_ms is not None for st in stages):
+            split["bwd_input"] = np.array([np.interp(b, sizes, st.backward_input_ms) for st in stages]) + over
             split["bwd_weight"] = (
-                np.array([np.interp(b, sizes, st.backward_weight_ms) for st in profile.stages]) + over
+                np.array([np.interp(b, sizes, st.backward_weight_ms) for st in stages]) + over
             )
             split["op_overhead"] = over[:, 0].copy()
         if recompute:  # the recomputed forward runs inside the B op: one op, one overhead
@@ -113,9 +191,11 @@ class CostTables:
                     ln.latency_ms + ln.message_overhead_ms + b * st.output_bytes_per_sample / ln.bytes_per_ms,
                     0.0,
                 )
-                for ln, st in zip(profile.links, profile.stages)
+                if ln is not None
+                else np.zeros(len(b))  # two virtual stages on one rank: no message
+                for ln, st in zip(links, stages)
             ]
-        ).reshape(len(profile.links), len(b))
+        ).reshape(len(links), len(b))
         checked = [
             ("an F op of {b} samples on stage {s}", fwd),
             ("a B op of {b} samples on stage {s}", bwd),
@@ -139,11 +219,12 @@ class CostTables:
             link=link,
             optimizer_ms=max(st.optimizer_ms for st in profile.stages),
             recompute=recompute,
-            static_bytes=np.array([st.static_bytes for st in profile.stages], dtype=np.int64),
-            stash_bytes=np.array([st.stash_bytes_per_sample for st in profile.stages], dtype=np.int64),
-            input_bytes=np.array([st.input_bytes_per_sample for st in profile.stages], dtype=np.int64),
+            static_bytes=np.array([st.static_bytes for st in stages], dtype=np.int64),
+            stash_bytes=np.array([st.stash_bytes_per_sample for st in stages], dtype=np.int64),
+            input_bytes=np.array([st.input_bytes_per_sample for st in stages], dtype=np.int64),
             memory_limit=profile.memory_limit_bytes,
-            allreduce_ms=_allreduce_per_stage(profile, dp),
+            allreduce_ms=_allreduce_per_rank(stages, ranks, dp),
+            ranks=ranks,
             **split,
         )
 
@@ -155,17 +236,24 @@ def allreduce_ms(dp: AllReduceProfile, nbytes: float) -> float:
     return 0.0 if n <= 1 else dp.latency_ms + 2 * (n - 1) / n * nbytes / dp.bus_bytes_per_ms
 
 
-def _allreduce_per_stage(profile: Profile, dp: AllReduceProfile | None) -> np.ndarray:
-    S = profile.num_stages
+def _allreduce_per_rank(
+    stages: Sequence, ranks: Sequence[int] | None, dp: AllReduceProfile | None
+) -> np.ndarray:
+    """Each rank's gradient all-reduce: one, over the gradients of every chunk it holds."""
+    ranks = list(ranks) if ranks is not None else list(range(len(stages)))
+    R = max(ranks) + 1
     if dp is None or dp.replicas <= 1:
-        out = np.zeros(S)
+        out = np.zeros(R)
     else:
-        missing = [s for s, st in enumerate(profile.stages) if st.param_bytes is None]
+        missing = [s for s, st in enumerate(stages) if st.param_bytes is None]
         if missing:
             raise UmoptError(
                 f"stage {missing[0]} of the profile has no param_bytes: its gradient all-reduce cannot be predicted (profile again)"
             )
-        out = np.array([allreduce_ms(dp, st.param_bytes) for st in profile.stages])
+        held = np.zeros(R)
+        for st, r in zip(stages, ranks):
+            held[r] += st.param_bytes
+        out = np.array([allreduce_ms(dp, float(x)) for x in held])
         if not out.max() <= MAX_MS:
             raise UmoptError(
                 f"an all-reduce would take {out.max():.3g} ms, over umopt's limit of {MAX_MS:.0e} ms"
@@ -176,7 +264,8 @@ def _allreduce_per_stage(profile: Profile, dp: AllReduceProfile | None) -> np.nd
 
 @dataclass(frozen=True)
 class Span:
-    """One op as it runs on a stage."""
+    """One op as it runs on a rank (``stage``; ``chunk``: its virtual stage, the rank's own
+    index on a one-chunk pipeline)."""
 
     stage: int
     kind: str
@@ -184,11 +273,13 @@ class Span:
     hi: int
     start: float
     end: float
+    chunk: int = -1
 
 
 @dataclass(frozen=True)
 class Message:
-    """One message on a link: ``direction`` is "fwd" (activations) or "bwd" (gradients)."""
+    """One message across a stage boundary (``link``: virtual stage ``link`` to ``link + 1``):
+    ``direction`` is "fwd" (activations) or "bwd" (gradients)."""
 
     link: int
     direction: str
@@ -222,35 +313,51 @@ class Timeline:
 
 
 def stage_peak_memory(tables: CostTables, stage: int, ops: Sequence[Op]) -> int:
-    """Peak bytes of one stage over its op list (the spec's memory model; it does not depend on time).
+    """Peak bytes of one stage of a one-chunk pipeline over its op list (see :func:`rank_peak_memory`)."""
+    return rank_peak_memory(tables, stage, ops)
 
-    On a stage with W ops, what a sample keeps for backward is released by its W, not its B
+
+def rank_peak_memory(tables: CostTables, rank: int, ops: Sequence[Op | ChunkOp]) -> int:
+    """Peak bytes of one rank over its op list (the spec's memory model; it does not depend on time).
+
+    A rank holds the static bytes of every chunk on it and what each chunk keeps for backward.
+    On a chunk with W ops, what a sample keeps for backward is released by its W, not its B
     (the weight gradient needs the layers' inputs and output gradients); with recompute, the
     activations its B recomputed are kept until its W too."""
-    s = stage
-    release = "W" if any(op[0] == "W" for op in ops) else "B"
-    stashed = 0  # samples forwarded and not yet released
-    awaiting = 0  # with recompute and W ops: samples whose B recomputed activations their W needs
-    peak = int(tables.static_bytes[s])
-    for kind, lo, hi in ops:
+    chunks = sorted({op_stage(op, rank) for op in ops}) or [rank]
+    release = {j: "B" for j in chunks}
+    for op in ops:
+        if op[0] == "W":
+            release[op_stage(op, rank)] = "W"
+    stashed = dict.fromkeys(chunks, 0)  # samples forwarded and not yet released
+    awaiting = dict.fromkeys(
+        chunks, 0
+    )  # with recompute and W ops: samples whose B recomputed activations their W needs
+    static = sum(int(tables.static_bytes[j]) for j in chunks)
+    held = dict.fromkeys(chunks, 0)  # each chunk's bytes beyond its static ones
+    peak = static
+    for op in ops:
+        kind, lo, hi = op[0], op[1], op[2]
+        j = op_stage(op, rank)
         b = hi - lo
         if kind == "F":
-            stashed += b
+            stashed[j] += b
         if tables.recompute:
             running = b if kind != "W" else 0  # a W runs on what its B kept (awaiting)
-            mem = (
-                tables.static_bytes[s]
-                + stashed * tables.input_bytes[s]
-                + (awaiting + running) * tables.stash_bytes[s]
-            )
+            mine = stashed[j] * tables.input_bytes[j] + (awaiting[j] + running) * tables.stash_bytes[j]
         else:
-            mem = tables.static_bytes[s] + stashed * tables.stash_bytes[s]
-        peak = max(peak, int(mem))
-        if kind == release:
-            stashed -= b
-            awaiting -= b if kind == "W" and tables.recompute else 0
-        elif kind == "B" and release == "W" and tables.recompute:
-            awaiting += b
+            mine = stashed[j] * tables.stash_bytes[j]
+        peak = max(peak, int(static + sum(held.values()) - held[j] + mine))
+        if kind == release[j]:
+            stashed[j] -= b
+            awaiting[j] -= b if kind == "W" and tables.recompute else 0
+        elif kind == "B" and release[j] == "W" and tables.recompute:
+            awaiting[j] += b
+        held[j] = int(
+            stashed[j] * tables.input_bytes[j] + awaiting[j] * tables.stash_bytes[j]
+            if tables.recompute
+            else stashed[j] * tables.stash_bytes[j]
+        )
     return peak
 
 
@@ -262,47 +369,57 @@ def weight_ms(tables: CostTables, stage: int, b_chunks: Sequence[tuple[int, int]
 
 
 def simulate(
-    tables: CostTables, ops: Sequence[Sequence[Op]], minibatch: int, *, record: bool = True
+    tables: CostTables, ops: Sequence[Sequence[Op | ChunkOp]], minibatch: int, *, record: bool = True
 ) -> Timeline:
-    """Play the op lists of all stages under the cost model.
+    """Play the op lists of all ranks under the cost model.
 
+    ``ops[r]`` is rank ``r``'s ops in the order it runs them: :class:`Op` on a one-chunk pipeline,
+    :class:`ChunkOp` (naming the virtual stage) where ``tables`` place several chunks per rank.
     With ``record=False`` the timeline keeps no spans or messages and peak memory is not computed
     (searches that only need times run faster); every time is the same either way.
 
-    Raises :class:`UmoptError` if the schedule deadlocks (some stage waits forever), a B op
+    Raises :class:`UmoptError` if the schedule deadlocks (some rank waits forever), a B op
     comes before the F of its samples on its stage, or a W op before their B.
     """
-    S = tables.num_stages
-    if len(ops) != S:
-        raise UmoptError(f"schedule has {len(ops)} stages, the profile {S}")
-    split = [any(op[0] == "W" for op in stage) for stage in ops]
+    S, R = tables.num_stages, tables.num_ranks
+    if len(ops) != R:
+        raise UmoptError(f"schedule has {len(ops)} stages, the profile {R}")
+    split = [False] * S
+    for r, rank_ops in enumerate(ops):
+        for op in rank_ops:
+            if op[0] == "W":
+                split[op_stage(op, r)] = True
     if any(split) and tables.bwd_input is None:
         raise UmoptError(
             "the schedule has W ops but the profile has no backward_input_ms / backward_weight_ms (profile with --split-backward)"
         )
     never = float("inf")  # not sent yet; max() over a chunk then says "not ready" by itself
-    # act_at[s][i]: when sample i's activation is ready on stage s (stage 0: at time 0).
-    # grad_at[s][i]: when sample i's gradient is ready on stage s (last stage: its F's end there).
+    # act_at[j][i]: when sample i's activation is ready on stage j (stage 0: at time 0).
+    # grad_at[j][i]: when sample i's gradient is ready on stage j (last stage: its F's end there).
     act_at = [[0.0] * minibatch] + [[never] * minibatch for _ in range(S - 1)]
     grad_at = [[never] * minibatch for _ in range(S)]
     fwd_done = [[False] * minibatch for _ in range(S)]
     bwd_done = [[False] * minibatch for _ in range(S)]
-    b_chunks = [
-        sorted((lo, hi) for kind, lo, hi in stage if kind == "B") if split[s] else []
-        for s, stage in enumerate(ops)
-    ]
-    link_free = {("fwd", s): 0.0 for s in range(S - 1)} | {("bwd", s): 0.0 for s in range(S - 1)}
-    clock = [0.0] * S
-    busy = [0.0] * S
-    ptr = [0] * S
-    spans: list[list[Span]] = [[] for _ in range(S)]
+    b_chunks: list[list[tuple[int, int]]] = [[] for _ in range(S)]
+    for r, rank_ops in enumerate(ops):
+        for op in rank_ops:
+            if op[0] == "B" and split[op_stage(op, r)]:
+                b_chunks[op_stage(op, r)].append((op[1], op[2]))
+    for c in b_chunks:
+        c.sort()
+    link_free: dict[tuple[int, int], float] = {}
+    clock = [0.0] * R
+    busy = [0.0] * R
+    ptr = [0] * R
+    spans: list[list[Span]] = [[] for _ in range(R)]
     messages: list[Message] = []
     fwd, bwd, link = tables.fwd, tables.bwd, tables.link
 
     def send(direction: str, ln: int, lo: int, hi: int, sent: float, dest: list[float]) -> None:
-        start = max(sent, link_free[(direction, ln)])
+        ch = tables.channel(ln, direction)
+        start = max(sent, link_free.get(ch, 0.0))
         end = start + float(link[ln, hi - lo])
-        link_free[(direction, ln)] = end
+        link_free[ch] = end
         dest[lo:hi] = [end] * (hi - lo)
         if record:
             messages.append(Message(ln, direction, lo, hi, sent, start, end))
@@ -310,10 +427,14 @@ def simulate(
     progress = True
     while progress:
         progress = False
-        for s in range(S):
-            todo = ops[s]
-            while ptr[s] < len(todo):
-                kind, lo, hi = todo[ptr[s]]
+        for r in range(R):
+            todo = ops[r]
+            while ptr[r] < len(todo):
+                op = todo[ptr[r]]
+                kind, lo, hi = op[0], op[1], op[2]
+                s = op_stage(op, r)
+                if not 0 <= s < S or tables.rank_of(s) != r:
+                    raise UmoptError(f"rank {r}: {kind}({lo},{hi}) names stage {s}, which is not on rank {r}")
                 if kind == "F":
                     ready = max(act_at[s][lo:hi])
                     dur = float(fwd[s, hi - lo])
@@ -329,12 +450,12 @@ def simulate(
                     dur = weight_ms(tables, s, [c for c in b_chunks[s] if lo <= c[0] and c[1] <= hi])
                 if ready == never:  # an input has not been sent yet
                     break
-                start = max(clock[s], ready)
+                start = max(clock[r], ready)
                 end = start + dur
-                clock[s] = end
-                busy[s] += dur
+                clock[r] = end
+                busy[r] += dur
                 if record:
-                    spans[s].append(Span(s, kind, lo, hi, start, end))
+                    spans[r].append(Span(r, kind, lo, hi, start, end, s))
                 if kind == "F":
                     fwd_done[s][lo:hi] = [True] * (hi - lo)
                     if s + 1 < S:
@@ -345,18 +466,20 @@ def simulate(
                     bwd_done[s][lo:hi] = [True] * (hi - lo)
                     if s > 0:
                         send("bwd", s - 1, lo, hi, end, grad_at[s - 1])
-                ptr[s] += 1
+                ptr[r] += 1
                 progress = True
-    stuck = [s for s in range(S) if ptr[s] < len(ops[s])]
+    stuck = [r for r in range(R) if ptr[r] < len(ops[r])]
     if stuck:
-        s = stuck[0]
-        kind, lo, hi = ops[s][ptr[s]]
-        raise UmoptError(f"schedule deadlocks: stage {s} waits forever at {kind}({lo},{hi})")
+        r = stuck[0]
+        op = ops[r][ptr[r]]
+        where = f"stage {r}" if len(op) == 3 else f"rank {r}"
+        chunk = "" if len(op) == 3 else f" of stage {op[3]}"
+        raise UmoptError(f"schedule deadlocks: {where} waits forever at {op[0]}({op[1]},{op[2]}){chunk}")
     ar = [float(a) for a in tables.allreduce_ms]
     return Timeline(
         iteration_ms=max(c + a for c, a in zip(clock, ar)) + tables.optimizer_ms,
         busy_ms=busy,
-        peak_memory_bytes=[stage_peak_memory(tables, s, ops[s]) for s in range(S)] if record else [],
+        peak_memory_bytes=[rank_peak_memory(tables, r, ops[r]) for r in range(R)] if record else [],
         spans=spans,
         messages=messages,
         finish_ms=clock,

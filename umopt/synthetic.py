@@ -35,7 +35,11 @@ def synthetic_profile(
     message_overhead_ms: float = 0.0,
     param_bytes: Sequence[int] | None = None,
     weight_share: float | None = 0.5,
+    layers_per_stage: int = 1,
 ) -> Profile:
+    """With ``layers_per_stage`` > 1, each stage is that many equal layers, listed in the
+    profile's ``layers`` (so a rank's layers can be cut into several chunks); the stages' entries
+    are the same either way."""
     rng = np.random.default_rng(seed)
     S = num_stages
     over = np.asarray(overhead_ms if overhead_ms is not None else rng.uniform(0.2, 3.0, S), dtype=float)
@@ -48,7 +52,7 @@ def synthetic_profile(
         g = backward_ratio * f * rng.uniform(0.9, 1.1)
         stages.append(
             {
-                "layers": [s, s + 1],
+                "layers": [s * layers_per_stage, (s + 1) * layers_per_stage],
                 "forward_ms": [round(float(x), 6) for x in f],
                 "backward_ms": [round(float(x), 6) for x in g],
                 "input_bytes_per_sample": 0 if s == 0 else bytes_per_sample,
@@ -87,5 +91,39 @@ def synthetic_profile(
                 for _ in range(S - 1)
             ],
             "memory_limit_bytes": memory_limit_bytes,
+            **({"layers": _layers(stages, layers_per_stage)} if layers_per_stage > 1 else {}),
         }
     )
+
+
+def _layers(stages: list[dict], n: int) -> list[dict]:
+    """Each stage's entry as ``n`` equal layers (the activations between them as big as the
+    stage's output)."""
+
+    def part(values: list[float]) -> list[float]:
+        return [round(x / n, 6) for x in values]
+
+    out = []
+    for s, st in enumerate(stages):
+        inner = st["output_bytes_per_sample"] or st["input_bytes_per_sample"]
+        for k in range(n):
+            out.append(
+                {
+                    "forward_ms": part(st["forward_ms"]),
+                    "backward_ms": part(st["backward_ms"]),
+                    **(
+                        {
+                            "backward_input_ms": part(st["backward_input_ms"]),
+                            "backward_weight_ms": part(st["backward_weight_ms"]),
+                        }
+                        if "backward_input_ms" in st
+                        else {}
+                    ),
+                    "input_bytes_per_sample": st["input_bytes_per_sample"] if k == 0 else inner,
+                    "output_bytes_per_sample": st["output_bytes_per_sample"] if k == n - 1 else inner,
+                    "stash_bytes_per_sample": st["stash_bytes_per_sample"] // n,
+                    "static_bytes": st["static_bytes"] // n,
+                    "param_bytes": st["param_bytes"] // n,
+                }
+            )
+    return out

@@ -34,6 +34,7 @@ from ..limits import MAX_BYTES, MAX_CELLS, MAX_MINIBATCH, MAX_MS, MAX_STAGES
 __all__ = [
     "PROFILE_FORMAT",
     "StageProfile",
+    "LayerProfile",
     "LinkProfile",
     "AllReduceProfile",
     "Profile",
@@ -82,6 +83,21 @@ class StageProfile(_Strict):
     param_bytes: Optional[NonNegInt] = None
     # the backward split into the input gradient (a B op where the stage has W ops) and the
     # weight gradient (a W op), one value per size each (None: not measured)
+    backward_input_ms: Optional[list[NonNegFloat]] = None
+    backward_weight_ms: Optional[list[NonNegFloat]] = None
+
+
+class LayerProfile(_Strict):
+    """One layer (or block) of the model, timed on its own: what a virtual stage of several
+    chunks per rank is summed from (docs/formats.md, "Several chunks per rank")."""
+
+    forward_ms: list[NonNegFloat]
+    backward_ms: list[NonNegFloat]
+    input_bytes_per_sample: NonNegInt
+    output_bytes_per_sample: NonNegInt
+    stash_bytes_per_sample: NonNegInt
+    static_bytes: NonNegInt
+    param_bytes: Optional[NonNegInt] = None
     backward_input_ms: Optional[list[NonNegFloat]] = None
     backward_weight_ms: Optional[list[NonNegFloat]] = None
 
@@ -185,6 +201,12 @@ class Profile(_Strict):
     sizes: Annotated[list[Annotated[int, Field(ge=1, le=MAX_MINIBATCH)]], Len(1)]
     stages: Annotated[list[StageProfile], Len(1, MAX_STAGES)]
     links: list[LinkProfile]
+    # the link from the last rank back to the first, which looped placement of several chunks
+    # per rank uses (None: not measured; the slowest of ``links`` stands in)
+    wrap_link: Optional[LinkProfile] = None
+    # per model layer (index = the layer numbers of ``stages[s].layers``), where the model was
+    # profiled finely enough to cut a rank's layers into several chunks (None: not profiled so)
+    layers: Optional[list[LayerProfile]] = None
     memory_limit_bytes: Optional[Annotated[int, Field(gt=0, le=MAX_BYTES)]] = None
     allreduce: Optional[AllReduceProfile] = None
     meta: ProfileMeta = Field(default_factory=ProfileMeta, strict=False)
@@ -227,6 +249,8 @@ class Profile(_Strict):
                 raise ValueError(
                     f"stages[{s}].output_bytes_per_sample differs from stages[{s + 1}].input_bytes_per_sample"
                 )
+        if self.layers is not None:
+            _check_layers(self.layers, self.stages, n)
         if len(self.stages) * sizes[-1] > MAX_CELLS:
             raise ValueError(
                 f"{len(self.stages)} stages x chunk size {sizes[-1]} is over umopt's limit of {MAX_CELLS} cells"
@@ -238,6 +262,10 @@ class Profile(_Strict):
         return self
 
     # --- convenience -------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].layers[1]
+
     @property
     def num_stages(self) -> int:
         return len(self.stages)
@@ -264,6 +292,27 @@ class Profile(_Strict):
         other = self.model_copy(update={"memory_limit_bytes": limit})
         other._path, other._sha256 = self._path, self._sha256
         return other
+
+
+def _check_layers(layers: list[LayerProfile], stages: list[StageProfile], n: int) -> None:
+    if stages[0].layers[0] != 0 or len(layers) != stages[-1].layers[1]:
+        raise ValueError(
+            f"layers has {len(layers)} entries; the stages cover layers "
+            f"{stages[0].layers[0]}..{stages[-1].layers[1] - 1} (layers needs one entry per layer from 0)"
+        )
+    for i, ly in enumerate(layers):
+        if (ly.backward_input_ms is None) != (ly.backward_weight_ms is None):
+            raise ValueError(
+                f"layers[{i}] has one of backward_input_ms and backward_weight_ms without the other"
+            )
+        for key in ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms"):
+            values = getattr(ly, key)
+            if values is not None and len(values) != n:
+                raise ValueError(f"layers[{i}].{key} has {len(values)} values for {n} sizes")
+        if i > 0 and ly.input_bytes_per_sample != layers[i - 1].output_bytes_per_sample:
+            raise ValueError(
+                f"layers[{i}].input_bytes_per_sample differs from layers[{i - 1}].output_bytes_per_sample"
+            )
 
 
 def default_sizes(max_size: int) -> list[int]:

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Optional, Sequence
 from annotated_types import Len
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..costmodel import CostTables, Op, Timeline, simulate
+from ..costmodel import Chunking, ChunkOp, CostTables, Op, Timeline, simulate
 from ..errors import UmoptError
 from ..fileio import write_json
 from ..limits import MAX_MINIBATCH, MAX_STAGES
@@ -29,11 +29,13 @@ __all__ = [
     "SCHEDULE_FORMAT",
     "Schedule",
     "ScheduleCandidate",
+    "ChunksSpec",
     "validate_ops",
     "load_schedule",
     "save_schedule",
     "make_schedule",
     "check_against_profile",
+    "require_one_chunk",
 ]
 
 SCHEDULE_FORMAT = "umopt-schedule/1"
@@ -49,17 +51,39 @@ class ProfileRef(_Strict):
 
 
 class StageOps(_Strict):
-    ops: list[Annotated[list[Any], Len(3, 3)]]
+    # [kind, lo, hi], or [kind, lo, hi, virtual stage] where ranks hold several chunks
+    ops: list[Annotated[list[Any], Len(3, 4)]]
 
     @field_validator("ops")
     @classmethod
     def _op_shape(cls, ops: list[list[Any]]) -> list[list[Any]]:
-        for i, (kind, lo, hi) in enumerate(ops):
-            if kind not in ("F", "B", "W") or type(lo) is not int or type(hi) is not int:
+        for i, op in enumerate(ops):
+            kind, lo, hi = op[:3]
+            if (
+                kind not in ("F", "B", "W")
+                or type(lo) is not int
+                or type(hi) is not int
+                or (len(op) == 4 and type(op[3]) is not int)
+            ):
                 raise ValueError(
-                    f'op {i} is {[kind, lo, hi]!r}, expected ["F"|"B"|"W", lo, hi] with integer lo, hi'
+                    f'op {i} is {op!r}, expected ["F"|"B"|"W", lo, hi] (or with a virtual stage after) with integers'
                 )
         return ops
+
+    def op_list(self) -> list:
+        return [Op(*op) if len(op) == 3 else ChunkOp(*op) for op in self.ops]
+
+
+class ChunksSpec(_Strict):
+    """Several chunks per rank: virtual stage j holds the profile's layers ``layers[j]`` and runs
+    on rank ``ranks[j]`` (docs/formats.md, "Several chunks per rank")."""
+
+    layers: list[Annotated[list[int], Len(2, 2)]]
+    ranks: list[int]
+    placement: str = "custom"  # "looped", "vshape" or "custom": what the ranks follow
+
+    def chunking(self) -> Chunking:
+        return Chunking(tuple(tuple(x) for x in self.layers), tuple(self.ranks))
 
 
 Ms = Annotated[float, Field(allow_inf_nan=False)]
@@ -93,9 +117,13 @@ class ScheduleCandidate(_Strict):
     equal: bool  # every chunk one size: what other tools run
     stages: Annotated[list[StageOps], Len(1, MAX_STAGES)]
     predicted_iteration_ms: Ms
+    chunks: Optional[ChunksSpec] = None  # its own (None: one chunk per rank)
 
     def op_lists(self) -> list[list[Op]]:
-        return [[Op(k, lo, hi) for k, lo, hi in st.ops] for st in self.stages]
+        return [st.op_list() for st in self.stages]
+
+    def chunking(self) -> Optional[Chunking]:
+        return None if self.chunks is None else self.chunks.chunking()
 
 
 class Schedule(_Strict):
@@ -111,9 +139,14 @@ class Schedule(_Strict):
     dp: Optional[AllReduceProfile] = None
     # the pick's rivals, measured while training (absent in files written before, and by hand)
     candidates: list[ScheduleCandidate] = []
+    # several chunks per rank (absent: one chunk per rank, stage s on rank s)
+    chunks: Optional[ChunksSpec] = None
 
     def op_lists(self) -> list[list[Op]]:
-        return [[Op(k, lo, hi) for k, lo, hi in st.ops] for st in self.stages]
+        return [st.op_list() for st in self.stages]
+
+    def chunking(self) -> Optional[Chunking]:
+        return None if self.chunks is None else self.chunks.chunking()
 
     def candidate_schedule(self, k: int) -> "Schedule":
         """Candidate ``k`` as a schedule of its own (same profile, minibatch, recompute, dp)."""
@@ -121,6 +154,7 @@ class Schedule(_Strict):
         return self.model_copy(
             update={
                 "stages": c.stages,
+                "chunks": c.chunks,
                 "predicted": Predicted(
                     iteration_ms=c.predicted_iteration_ms, busy_ms=[], peak_memory_bytes=[]
                 ),
@@ -129,56 +163,88 @@ class Schedule(_Strict):
         )
 
 
-def validate_ops(ops: Sequence[Sequence[Op]], minibatch: int, max_size: int, recompute: bool) -> None:
+def validate_ops(
+    ops: Sequence[Sequence[Op | ChunkOp]],
+    minibatch: int,
+    max_size: int,
+    recompute: bool,
+    chunks: Optional[Chunking] = None,
+) -> None:
     """Raise :class:`UmoptError` unless the op lists form a valid schedule (deadlock aside).
 
-    Deadlock is found by :func:`umopt.costmodel.simulate`, which every caller runs next.
+    ``ops[r]`` is rank ``r``'s list; with ``chunks``, each op names its virtual stage, which must
+    be on that rank, and every virtual stage is checked as a stage of its own. Deadlock is found
+    by :func:`umopt.costmodel.simulate`, which every caller runs next.
     """
-    B = minibatch
-    for s, stage_ops in enumerate(ops):
-        where = f"stage {s}"
-        expect = 0  # F ops run in sample order: samples [0, expect) have had their forward
-        f_ranges: set[tuple[int, int]] = set()
-        b_ranges: list[tuple[int, int]] = []  # sorted and disjoint: intervals, not a flag per sample
-        w_ranges: list[tuple[int, int]] = []
-        for kind, lo, hi in stage_ops:
-            if not (0 <= lo < hi <= B):
-                raise UmoptError(f"{where}: {kind}({lo},{hi}) is not a chunk of samples 0..{B - 1}")
-            if hi - lo > max_size:
+    if chunks is None:
+        for s, stage_ops in enumerate(ops):
+            if any(len(op) == 4 and op[3] != s for op in stage_ops):
                 raise UmoptError(
-                    f"{where}: {kind}({lo},{hi}) has {hi - lo} samples, the profile measured at most {max_size}"
+                    f"stage {s}: an op names another stage, but the schedule has one chunk per rank"
                 )
-            if kind == "W":
-                _check_w(where, lo, hi, b_ranges, w_ranges)
-                continue
-            if kind == "F":
-                if lo != expect:
-                    raise UmoptError(
-                        f"{where}: F({lo},{hi}) out of order, expected a chunk starting at sample {expect}"
-                    )
-                expect = hi
-                f_ranges.add((lo, hi))
-            else:
-                if hi > expect:
-                    raise UmoptError(f"{where}: B({lo},{hi}) comes before the F of its samples")
-                k = bisect.bisect_left(b_ranges, (lo, hi))
-                if (k > 0 and b_ranges[k - 1][1] > lo) or (k < len(b_ranges) and b_ranges[k][0] < hi):
-                    raise UmoptError(f"{where}: B({lo},{hi}) covers samples a B op already covered")
-                if not recompute and (lo, hi) not in f_ranges:
-                    raise UmoptError(
-                        f"{where}: B({lo},{hi}) is not one F chunk; without recompute B must reuse F chunks"
-                    )
-                b_ranges.insert(k, (lo, hi))
-        if expect != B:
-            raise UmoptError(f"{where}: F ops cover samples 0..{expect - 1}, not the minibatch 0..{B - 1}")
-        end = _covered(b_ranges)
-        if end != B:
-            raise UmoptError(f"{where}: B ops miss sample {end}")
-        end = _covered(w_ranges)
-        if w_ranges and end != B:
+            _validate_stage(f"stage {s}", [op[:3] for op in stage_ops], minibatch, max_size, recompute)
+        return
+    per_stage: list[list] = [[] for _ in chunks.ranks]
+    for r, rank_ops in enumerate(ops):
+        for op in rank_ops:
+            if len(op) != 4:
+                raise UmoptError(
+                    f"rank {r}: op {list(op)!r} names no virtual stage (the schedule has several chunks per rank)"
+                )
+            j = op[3]
+            if not 0 <= j < len(chunks.ranks) or chunks.ranks[j] != r:
+                raise UmoptError(
+                    f"rank {r}: {op[0]}({op[1]},{op[2]}) names virtual stage {j}, which is not on rank {r}"
+                )
+            per_stage[j].append(op[:3])
+    for j, stage_ops in enumerate(per_stage):
+        _validate_stage(f"virtual stage {j}", stage_ops, minibatch, max_size, recompute)
+
+
+def _validate_stage(where: str, stage_ops: Sequence, minibatch: int, max_size: int, recompute: bool) -> None:
+    B = minibatch
+    expect = 0  # F ops run in sample order: samples [0, expect) have had their forward
+    f_ranges: set[tuple[int, int]] = set()
+    b_ranges: list[tuple[int, int]] = []  # sorted and disjoint: intervals, not a flag per sample
+    w_ranges: list[tuple[int, int]] = []
+    for kind, lo, hi in stage_ops:
+        if not (0 <= lo < hi <= B):
+            raise UmoptError(f"{where}: {kind}({lo},{hi}) is not a chunk of samples 0..{B - 1}")
+        if hi - lo > max_size:
             raise UmoptError(
-                f"{where}: W ops miss sample {end} (a stage with W ops needs the weight gradient of every sample)"
+                f"{where}: {kind}({lo},{hi}) has {hi - lo} samples, the profile measured at most {max_size}"
             )
+        if kind == "W":
+            _check_w(where, lo, hi, b_ranges, w_ranges)
+            continue
+        if kind == "F":
+            if lo != expect:
+                raise UmoptError(
+                    f"{where}: F({lo},{hi}) out of order, expected a chunk starting at sample {expect}"
+                )
+            expect = hi
+            f_ranges.add((lo, hi))
+        else:
+            if hi > expect:
+                raise UmoptError(f"{where}: B({lo},{hi}) comes before the F of its samples")
+            k = bisect.bisect_left(b_ranges, (lo, hi))
+            if (k > 0 and b_ranges[k - 1][1] > lo) or (k < len(b_ranges) and b_ranges[k][0] < hi):
+                raise UmoptError(f"{where}: B({lo},{hi}) covers samples a B op already covered")
+            if not recompute and (lo, hi) not in f_ranges:
+                raise UmoptError(
+                    f"{where}: B({lo},{hi}) is not one F chunk; without recompute B must reuse F chunks"
+                )
+            b_ranges.insert(k, (lo, hi))
+    if expect != B:
+        raise UmoptError(f"{where}: F ops cover samples 0..{expect - 1}, not the minibatch 0..{B - 1}")
+    end = _covered(b_ranges)
+    if end != B:
+        raise UmoptError(f"{where}: B ops miss sample {end}")
+    end = _covered(w_ranges)
+    if w_ranges and end != B:
+        raise UmoptError(
+            f"{where}: W ops miss sample {end} (a stage with W ops needs the weight gradient of every sample)"
+        )
 
 
 def _covered(ranges: list[tuple[int, int]]) -> int:
@@ -220,13 +286,14 @@ def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: 
         raise UmoptError(
             f"schedule has {len(schedule.stages)} stages but profile {profile.path} has {profile.num_stages}"
         )
+    chunks = schedule.chunking()
     if strict_hash and schedule.profile.sha256 != profile.sha256:
         raise UmoptError(
             f"schedule was made for another profile (sha256 {schedule.profile.sha256[:12]}..., this one {profile.sha256[:12]}...)"
         )
     ops = schedule.op_lists()
-    validate_ops(ops, schedule.minibatch, profile.max_size, schedule.recompute)
-    tables = CostTables.from_profile(profile, schedule.recompute, schedule.dp)
+    tables = CostTables.from_profile(profile, schedule.recompute, schedule.dp, chunks)
+    validate_ops(ops, schedule.minibatch, profile.max_size, schedule.recompute, chunks)
     timeline = simulate(tables, ops, schedule.minibatch)
     limit = profile.memory_limit_bytes
     for name, tl in [("", timeline)] + [
@@ -237,9 +304,18 @@ def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: 
             for s, peak in enumerate(tl.peak_memory_bytes):
                 if peak > limit:
                     raise UmoptError(
-                        f"{name}stage {s} needs {peak} bytes at its peak, over the memory limit of {limit}"
+                        f"{name}{'rank' if chunks else 'stage'} {s} needs {peak} bytes at its peak, over the memory limit of {limit}"
                     )
     return timeline
+
+
+def require_one_chunk(schedule: Schedule, where: str) -> None:
+    """Refuse, in one line, a schedule with several chunks per rank where only one is played."""
+    if schedule.chunks is not None:
+        raise UmoptError(
+            f"{where} puts {len(schedule.chunks.ranks) // len(schedule.stages)} chunks on each rank; "
+            "the runtime plays one chunk per rank so far (solve without --chunks to run it)"
+        )
 
 
 def _candidate_timeline(
@@ -251,7 +327,9 @@ def _candidate_timeline(
         )
     ops = c.op_lists()
     try:
-        validate_ops(ops, schedule.minibatch, profile.max_size, schedule.recompute)
+        if c.chunking() != schedule.chunking():
+            tables = CostTables.from_profile(profile, schedule.recompute, schedule.dp, c.chunking())
+        validate_ops(ops, schedule.minibatch, profile.max_size, schedule.recompute, c.chunking())
         return simulate(tables, ops, schedule.minibatch)
     except UmoptError as exc:
         raise UmoptError(f"candidate {c.name}: {exc}") from None
@@ -267,6 +345,7 @@ def make_schedule(
     baselines: dict,
     dp: Optional[AllReduceProfile] = None,
     candidates: Sequence[dict] = (),
+    chunks: Optional[dict] = None,
 ) -> Schedule:
     """The schedule file's content for ``ops``, with the cost model's ``timeline`` of exactly them."""
     return Schedule.model_validate(
@@ -286,6 +365,7 @@ def make_schedule(
             "baselines": baselines,
             **({"dp": dp.model_dump()} if dp is not None else {}),
             "candidates": list(candidates),
+            **({"chunks": chunks} if chunks is not None else {}),
         }
     )
 

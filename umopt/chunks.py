@@ -1,0 +1,185 @@
+"""Several model chunks per rank: where each virtual stage runs and which layers it holds.
+
+A pipeline of S ranks with v chunks each has V = v x S virtual stages, contiguous layer ranges in
+model order (docs/formats.md, "Several chunks per rank"). *Looped* placement (Megatron's
+interleaved 1F1B, torch's ``ScheduleInterleaved1F1B``) puts virtual stage j on rank j mod S;
+*V-shaped* placement (torch's ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``) zig-zags, so
+rank r holds j = r and j = 2S - 1 - r (and so on for more chunks), and the hand-off at the turn is
+local. A virtual stage's costs are the sums of its layers' entries in the profile; its rank's
+per-op overhead is added once per op.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .costmodel import Chunking
+from .errors import UmoptError
+from .formats.profile import LinkProfile, Profile, StageProfile
+
+__all__ = [
+    "PLACEMENTS",
+    "placement",
+    "chunking",
+    "balanced_cut",
+    "stage_cut",
+    "check_chunking",
+    "virtual_stages",
+]
+
+PLACEMENTS = ("looped", "vshape")
+
+
+def placement(name: str, num_ranks: int, chunks: int) -> tuple[int, ...]:
+    """The rank of each of the ``chunks x num_ranks`` virtual stages under ``name``."""
+    S, v = num_ranks, chunks
+    if name == "looped":
+        return tuple(j % S for j in range(v * S))
+    if name == "vshape":  # zig-zag: even rounds go down the ranks, odd rounds come back up
+        return tuple(j % S if (j // S) % 2 == 0 else S - 1 - j % S for j in range(v * S))
+    raise UmoptError(f"unknown placement {name!r} (one of {', '.join(PLACEMENTS)})")
+
+
+def _layer_cost(profile: Profile) -> np.ndarray:
+    """Each layer's forward and backward at the profile's middle size: what a cut balances."""
+    k = len(profile.sizes) // 2
+    return np.array([ly.forward_ms[k] + ly.backward_ms[k] for ly in _layers(profile)])
+
+
+def _layers(profile: Profile):
+    if profile.layers is None:
+        raise UmoptError(
+            "the profile has no per-layer entries, so a rank's layers cannot be cut into chunks "
+            "(profile with --chunks, or use one chunk per rank)"
+        )
+    return profile.layers
+
+
+def _min_max_cut(cost: np.ndarray, parts: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of ``cost`` in ``parts`` pieces minimising the costliest piece."""
+    L, V = len(cost), parts
+    prefix = np.concatenate([[0.0], np.cumsum(cost)])
+    # best[k][i]: the least costliest piece cutting [0, i) into k pieces; arg[k][i]: the last cut
+    best = np.full((V + 1, L + 1), np.inf)
+    arg = np.zeros((V + 1, L + 1), dtype=int)
+    best[0][0] = 0.0
+    for k in range(1, V + 1):
+        for i in range(k, L - (V - k) + 1):
+            cand = np.maximum(best[k - 1][k - 1 : i], prefix[i] - prefix[k - 1 : i])
+            a = int(np.argmin(cand))
+            best[k][i], arg[k][i] = cand[a], a + k - 1
+    cuts, i = [], L
+    for k in range(V, 0, -1):
+        cuts.append((int(arg[k][i]), i))
+        i = int(arg[k][i])
+    return cuts[::-1]
+
+
+def balanced_cut(profile: Profile, num_virtual: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous layer ranges for ``num_virtual`` virtual stages that minimise the costliest one
+    (forward and backward at the profile's middle size), ignoring the profile's stage split."""
+    cost = _layer_cost(profile)
+    if num_virtual > len(cost):
+        raise UmoptError(
+            f"{num_virtual} virtual stages need at least {num_virtual} layers, the profile has {len(cost)}"
+        )
+    return tuple(_min_max_cut(cost, num_virtual))
+
+
+def stage_cut(profile: Profile, chunks: int) -> tuple[tuple[int, int], ...]:
+    """Each of the profile's stages cut into ``chunks`` pieces (balanced within the stage): the
+    model split the user already has, in finer pieces; one chunk is the stages themselves."""
+    cost = _layer_cost(profile)
+    out: list[tuple[int, int]] = []
+    for s, st in enumerate(profile.stages):
+        lo, hi = st.layers
+        if hi - lo < chunks:
+            raise UmoptError(f"stage {s} has {hi - lo} layers in the profile, too few for {chunks} chunks")
+        out += [(lo + a, lo + b) for a, b in _min_max_cut(cost[lo:hi], chunks)]
+    return tuple(out)
+
+
+def chunking(
+    profile: Profile, chunks: int, place: str = "looped", cut: Sequence[tuple[int, int]] | None = None
+) -> Chunking:
+    """``chunks`` per rank under ``place``, cut by ``cut`` or else by :func:`stage_cut`."""
+    S = profile.num_stages
+    ranks = placement(place, S, chunks)
+    layers = tuple(tuple(c) for c in cut) if cut is not None else stage_cut(profile, chunks)
+    result = Chunking(layers=layers, ranks=ranks)
+    check_chunking(profile, result)
+    return result
+
+
+def check_chunking(profile: Profile, chunks: Chunking) -> None:
+    """A one-line error unless ``chunks`` covers the profile's layers in order and every rank of
+    the profile holds at least one of them."""
+    layers = _layers(profile)
+    if len(chunks.layers) != len(chunks.ranks):
+        raise UmoptError(f"{len(chunks.layers)} layer ranges for {len(chunks.ranks)} virtual stages")
+    end = 0
+    for j, (lo, hi) in enumerate(chunks.layers):
+        if lo != end or hi <= lo:
+            raise UmoptError(
+                f"virtual stage {j} holds layers {lo}..{hi - 1}; expected a non-empty range from layer {end}"
+            )
+        end = hi
+    if end != len(layers):
+        raise UmoptError(f"the virtual stages cover layers 0..{end - 1}, the profile has {len(layers)}")
+    S = profile.num_stages
+    bad = [r for r in chunks.ranks if not 0 <= r < S]
+    if bad:
+        raise UmoptError(f"a virtual stage is placed on rank {bad[0]}; the profile has ranks 0..{S - 1}")
+    idle = sorted(set(range(S)) - set(chunks.ranks))
+    if idle:
+        raise UmoptError(f"rank {idle[0]} holds no virtual stage")
+
+
+def _link(profile: Profile, a: int, b: int) -> LinkProfile | None:
+    """The link virtual stages on ranks ``a`` and ``b`` talk over (None: the same rank)."""
+    S = profile.num_stages
+    if a == b:
+        return None
+    if abs(a - b) == 1:
+        return profile.links[min(a, b)]
+    slowest = max(profile.links, key=lambda ln: (1.0 / ln.bytes_per_ms, ln.latency_ms))
+    if {a, b} == {0, S - 1} and profile.wrap_link is not None:
+        return profile.wrap_link
+    return slowest  # not measured: the slowest measured link stands in (docs/formats.md)
+
+
+def virtual_stages(profile: Profile, chunks: Chunking) -> tuple[list[StageProfile], list[LinkProfile | None]]:
+    """The stage entries of the virtual stages (their layers' sums, their rank's overheads) and
+    the link each hand-off uses (None where it stays on one rank)."""
+    check_chunking(profile, chunks)
+    layers = profile.layers
+    split = all(ly.backward_input_ms is not None for ly in layers)
+    stages = []
+    for (lo, hi), r in zip(chunks.layers, chunks.ranks):
+        mine = layers[lo:hi]
+        rank = profile.stages[r]
+
+        def total(key: str) -> list[float]:
+            return [float(x) for x in np.sum([getattr(ly, key) for ly in mine], axis=0)]
+
+        params = [ly.param_bytes for ly in mine]
+        stages.append(
+            StageProfile.model_construct(
+                layers=[lo, hi],
+                forward_ms=total("forward_ms"),
+                backward_ms=total("backward_ms"),
+                backward_input_ms=total("backward_input_ms") if split else None,
+                backward_weight_ms=total("backward_weight_ms") if split else None,
+                input_bytes_per_sample=mine[0].input_bytes_per_sample,
+                output_bytes_per_sample=mine[-1].output_bytes_per_sample,
+                stash_bytes_per_sample=sum(ly.stash_bytes_per_sample for ly in mine),
+                static_bytes=sum(ly.static_bytes for ly in mine),
+                param_bytes=None if None in params else sum(params),
+                optimizer_ms=rank.optimizer_ms,
+                op_overhead_ms=rank.op_overhead_ms,
+            )
+        )
+    links = [_link(profile, a, b) for a, b in zip(chunks.ranks, chunks.ranks[1:])]
+    return stages, links
