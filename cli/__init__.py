@@ -232,6 +232,12 @@ def _ms(x: Optional[float]) -> str:
     help="Split each backward: W ops (weight gradients) placed to fill bubbles; compares with the best equal ZB-H1 and ZB-H2.",
 )
 @click.option(
+    "--chunks",
+    default="1",
+    show_default=True,
+    help="Model chunks per rank (1-4, or auto: each): with more than one, interleaved and V-shaped schedules with unequal microbatches, against torch's multi-chunk schedules.",
+)
+@click.option(
     "-o", "--output", type=click.Path(dir_okay=False), required=True, help="Schedule file to write."
 )
 @click.option(
@@ -258,11 +264,15 @@ def solve(
     dp,
     dp_gbps,
     zero_bubble,
+    chunks,
     output,
     plot,
     trace,
 ) -> None:
     """Search unequal per-stage partitions for PROFILE (a path or a bundled profile's name)."""
+    from umopt.solve_chunks import parse_chunks
+
+    chunk_counts = parse_chunks(chunks)
     from umopt.fileio import check_writable
     from umopt.formats.profile import load_profile
     from umopt.formats.schedule import save_schedule
@@ -277,6 +287,13 @@ def solve(
             raise UmoptError(f"--memory-limit must be positive, got {memory_limit}")
         profile = profile.with_memory_limit(memory_limit)
     allreduce = allreduce_for(profile, dp, dp_gbps)
+    if chunk_counts != (1,):
+        if allreduce is not None or solver != "auto" or order != "auto":
+            raise UmoptError("--chunks searches on its own: it takes no --dp, --solver or --order yet")
+        _solve_chunked(
+            profile, minibatch, chunk_counts, recompute, time_limit, seed, zero_bubble, output, plot, trace
+        )
+        return
     with _progress_bar(f"solve ({solver})") as bar:
         task = bar.add_task("", total=1.0)
 
@@ -324,6 +341,81 @@ def solve(
         )
     written = [output] + [p for p in (plot, trace) if p]
     out.print(f"wrote {', '.join(written)}")
+
+
+def _solve_chunked(
+    profile, minibatch, chunk_counts, recompute, time_limit, seed, zero_bubble, output, plot, trace
+):
+    from umopt.formats.schedule import save_schedule
+    from umopt.solve_chunks import solve_chunked
+
+    with _progress_bar("solve (chunks)") as bar:
+        task = bar.add_task("", total=1.0)
+
+        def progress(frac: float, best: float) -> None:
+            bar.update(
+                task,
+                completed=frac,
+                description=f"best {best:.3f} ms" if math.isfinite(best) else "searching",
+            )
+
+        report = solve_chunked(
+            profile,
+            minibatch,
+            chunk_counts,
+            recompute=recompute,
+            time_limit=time_limit,
+            seed=seed,
+            zero_bubble=zero_bubble,
+            progress=progress,
+        )
+    one = report.one_chunk
+    panels = [("umopt, one chunk per rank", one.timeline), (f"picked: {report.picked}", report.timeline)]
+    if plot:
+        from umopt.plot import gantt
+
+        gantt(panels, plot, title=f"{profile.model.name}, {profile.num_stages} ranks, minibatch {minibatch}")
+    if trace:
+        from umopt.trace import write_trace
+
+        write_trace(panels, trace)
+    save_schedule(report.schedule, output)
+    table = Table(
+        title=f"minibatch {minibatch}, {profile.num_stages} ranks" + (", recompute" if recompute else "")
+    )
+    for col, justify in (
+        ("schedule", "left"),
+        ("v", "right"),
+        ("M", "right"),
+        ("ms", "right"),
+        ("x best torch", "right"),
+    ):
+        table.add_column(col, justify=justify, no_wrap=True)
+    torch_ms = [p.iteration_ms for p in report.peers.values() if p.iteration_ms is not None]
+    best_torch = min(torch_ms, default=None)
+
+    def row(name, v, m, ms):
+        ratio = "-" if best_torch is None or ms is None else f"{best_torch / ms:.3f}"
+        table.add_row(name, str(v or "-"), str(m or "-"), _ms(ms), ratio)
+
+    row("GPipe equal", 1, one.gpipe.microbatches, one.gpipe.iteration_ms)
+    row("1F1B equal", 1, one.onef1b.microbatches, one.onef1b.iteration_ms)
+    row("umopt, one chunk", 1, None, one.timeline.iteration_ms)
+    for name, p in report.peers.items():
+        row(f"torch {name.removeprefix('Schedule')}", p.chunks, p.microbatches, p.iteration_ms)
+    sol = report.search
+    counts = sorted({len(p) for p in sol.genes.fwd})
+    row(
+        f"umopt, {sol.shape.placement} ({sol.shape.cut} cut)",
+        sol.shape.chunks,
+        str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}",
+        sol.iteration_ms,
+    )
+    out.print(table)
+    out.print(
+        f"picked: {report.picked}, {report.timeline.iteration_ms:.3f} ms", markup=False, highlight=False
+    )
+    out.print(f"wrote {', '.join([output] + [p for p in (plot, trace) if p])}")
 
 
 def _print_report(report) -> None:
@@ -966,14 +1058,35 @@ def show(schedule_path, profile_path, plot, trace) -> None:
     for col in ("stage", *(f"{k} chunks" for k in kinds), "busy ms", "peak memory"):
         table.add_column(col, justify="right")
     for s, st in enumerate(schedule.stages):
-        sizes = [[hi - lo for k, lo, hi in st.ops if k == kind] for kind in kinds]  # in the order they run
+        if schedule.chunks is None:  # in the order they run
+            sizes = [_sizes([op[2] - op[1] for op in st.ops if op[0] == kind]) for kind in kinds]
+        else:  # per virtual stage on the rank
+            mine = [j for j, r in enumerate(schedule.chunks.ranks) if r == s]
+            sizes = [
+                "  ".join(
+                    f"{j}: {_sizes([op[2] - op[1] for op in st.ops if op[0] == kind and op[3] == j])}"
+                    for j in mine
+                )
+                for kind in kinds
+            ]
         table.add_row(
             str(s),
-            *(_sizes(x) for x in sizes),
+            *sizes,
             f"{tl.busy_ms[s]:.3f}",
             f"{tl.peak_memory_bytes[s] / 2**20:.1f} MiB",
         )
     out.print(table)
+    if schedule.chunks is not None:
+        ch = schedule.chunks
+        out.print(
+            f"{len(ch.ranks) // len(schedule.stages)} chunks per rank ({ch.placement}): "
+            + ", ".join(
+                f"{j}: layers {lo}-{hi - 1} on rank {r}"
+                for j, ((lo, hi), r) in enumerate(zip(ch.layers, ch.ranks))
+            ),
+            markup=False,
+            highlight=False,
+        )
     out.print(
         f"iteration {tl.iteration_ms:.3f} ms (file says {schedule.predicted.iteration_ms:.3f}), bubble {100 * tl.bubble_fraction:.1f}%"
     )

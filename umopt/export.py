@@ -33,6 +33,8 @@ def torch_csv(schedule: Schedule) -> str:
         raise UmoptError(
             "torch-csv: torch's schedules cannot recompute inside a backward as this schedule does"
         )
+    if schedule.chunks is not None:
+        raise UmoptError("torch-csv: schedules with several chunks per rank are not exported yet")
     ops = schedule.op_lists()
     parts = [partitions_from_ops(o) for o in ops]
     first = parts[0][0]

@@ -33,15 +33,19 @@ def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: st
         len(panels), 1, figsize=(12, 0.9 + 0.45 * S * len(panels) + 0.4), sharex=True, squeeze=False
     )
     for ax, (label, tl) in zip(axes[:, 0], panels):
+        ranks = len(tl.spans)
         for s, spans in enumerate(tl.spans):
             for sp in spans:
                 width = sp.end - sp.start
+                # several chunks per rank: the later chunks of a rank lighter
+                lap = max(sp.chunk, 0) // ranks
                 ax.barh(
                     s,
                     width,
                     left=sp.start,
                     height=0.8,
                     color=COLOURS[sp.kind],
+                    alpha=1.0 / (1 + 0.45 * lap),
                     edgecolor="white",
                     linewidth=0.4,
                 )
@@ -67,7 +71,9 @@ def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: st
             height=0.8,
             color="#BBBBBB",
         )
-        ax.set_yticks(range(len(tl.spans)), [f"stage {s}" for s in range(len(tl.spans))])
+        chunked = any(sp.chunk not in (-1, s) for s, spans in enumerate(tl.spans) for sp in spans)
+        lane = "rank" if chunked else "stage"
+        ax.set_yticks(range(len(tl.spans)), [f"{lane} {s}" for s in range(len(tl.spans))])
         ax.invert_yaxis()
         ax.set_ylim(len(tl.spans) - 0.5, -0.5)
         ax.set_title(

@@ -63,7 +63,7 @@ from .fileio import check_writable, write_atomic
 from .formats.profile import AllReduceProfile, Profile, load_profile
 from .formats.report import Decision as ReportDecision
 from .formats.report import MeasuredPredicted, RunReport, Selection, save_report
-from .formats.schedule import Schedule, check_against_profile, load_schedule
+from .formats.schedule import Schedule, check_against_profile, load_schedule, require_one_chunk
 from .noise import run_warnings
 from .pipeline import Pipeline, StepTimer, share_buffers
 from .selection import (
@@ -205,6 +205,7 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
             check_against_profile(schedule, profile)
         except UmoptError as exc:
             raise UmoptError(f"{path}: {exc}") from None
+        require_one_chunk(schedule, path)
     check_trainable(profile.device.dtype)
     parts = build_model(
         profile.model.name, profile.model.args, seed=int(profile.model.model_extra.get("seed", 0))

@@ -27,7 +27,8 @@ def chrome_trace(panels: Sequence[tuple[str, Timeline]]) -> dict:
             for sp in spans:
                 events.append(
                     {
-                        "name": f"{sp.kind}({sp.lo},{sp.hi})",
+                        "name": f"{sp.kind}({sp.lo},{sp.hi})"
+                        + (f" stage {sp.chunk}" if sp.chunk not in (-1, s) else ""),
                         "cat": sp.kind,
                         "ph": "X",
                         "pid": pid,

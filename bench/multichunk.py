@@ -1,0 +1,87 @@
+"""Several chunks per rank, predicted: umopt's pick against every multi-chunk schedule torch ships.
+
+    python bench/multichunk.py [--time-limit 30] [--markdown]
+
+For each bundled profile with per-layer entries (gpt-sim, transformer8-sim) at B = 32 and 64,
+without and with W ops (``--zero-bubble``): ``umopt solve --chunks auto`` (the one-chunk solve,
+torch's schedules scored at their best v <= 4 and M, and umopt's search over per-virtual-stage
+partitions, placement and cut; the pick is the fastest), against the best torch schedule of the
+same kind (without W ops: ScheduleLoopedBFS and ScheduleInterleaved1F1B; with them any of the
+five) and umopt's one-chunk pick. Torch's orders come from torch itself (umopt.peers). Targets
+(issue 45): umopt's pick at least 1.05x the best torch schedule on every row, at least 1.15x
+umopt's single-chunk pick on transformer8-sim, within 60 s at S=8, B=64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from tables import print_table
+
+from umopt.formats.profile import load_profile
+from umopt.solve_chunks import solve_chunked
+
+ROWS = [("gpt-sim", 32), ("gpt-sim", 64), ("transformer8-sim", 32), ("transformer8-sim", 64)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--time-limit", type=float, default=30.0)
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+    cells, ratios = [], []
+    for name, B in ROWS:
+        profile = load_profile(name)
+        for w in (False, True):
+            t0 = time.perf_counter()
+            rep = solve_chunked(profile, B, (1, 2, 3, 4), time_limit=args.time_limit, zero_bubble=w)
+            seconds = time.perf_counter() - t0
+            peers = {k: p for k, p in rep.peers.items() if p.iteration_ms is not None}
+            best_name, best = min(peers.items(), key=lambda kv: kv[1].iteration_ms)
+            ms = rep.timeline.iteration_ms
+            one = rep.one_chunk.timeline.iteration_ms
+            sol = rep.search
+            ratios.append((name, B, w, best.iteration_ms / ms, one / ms))
+            cells.append(
+                [
+                    name,
+                    str(B),
+                    "yes" if w else "no",
+                    f"{one:.1f}",
+                    f"{best.iteration_ms:.1f} ({best_name.removeprefix('Schedule')} v={best.chunks} M={best.microbatches})",
+                    f"{sol.iteration_ms:.1f} (v={sol.shape.chunks} {sol.shape.placement}, {sol.shape.cut} cut)",
+                    f"{ms:.1f} ({rep.picked})",
+                    f"{best.iteration_ms / ms:.3f}",
+                    f"{one / ms:.3f}",
+                    f"{seconds:.0f}",
+                ]
+            )
+    worst = min(ratios, key=lambda r: r[3])
+    t8 = [r[4] for r in ratios if r[0] == "transformer8-sim"]
+    print_table(
+        "several chunks per rank, predicted",
+        [
+            "profile",
+            "B",
+            "W ops",
+            "umopt 1 chunk ms",
+            "best torch ms",
+            "umopt search ms",
+            "pick ms",
+            "x best torch",
+            "x umopt 1 chunk",
+            "s",
+        ],
+        cells,
+        [
+            f"pick / best torch: worst {worst[3]:.3f} ({worst[0]}, B={worst[1]}, {'W' if worst[2] else 'no W'}); target 1.05 on every row",
+            f"pick / umopt one chunk on transformer8-sim: worst {min(t8):.3f}; target 1.15",
+        ],
+        args.markdown,
+        left=("profile", "best torch ms", "umopt search ms", "pick ms"),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Several chunks per rank: the cost model, torch's orders, the search, the schedule file."""
+
+import json
+import random
+
+import pytest
+from conftest import run_cli
+
+from umopt.chunks import chunking, stage_cut
+from umopt.costmodel import ChunkOp, CostTables, rank_peak_memory, simulate
+from umopt.errors import UmoptError
+from umopt.formats.profile import load_profile
+from umopt.formats.schedule import validate_ops
+from umopt.partition import equal_sizes
+from umopt.peers import torch_ops
+from umopt.schedules.multichunk import ChunkGenes, build_ops, equal_genes
+from umopt.synthetic import synthetic_profile
+
+
+def _profile(S=4, layers=6, **kw):
+    return synthetic_profile(S, max_size=16, seed=3, layers_per_stage=layers, **kw)
+
+
+def _random_part(rng, B, max_size):
+    out, left = [], B
+    while left:
+        b = rng.randint(1, min(left, max_size))
+        out.append(b)
+        left -= b
+    return out
+
+
+@pytest.mark.parametrize("place", ["looped", "vshape"])
+@pytest.mark.parametrize("weights", [False, True])
+def test_list_scheduling_is_what_the_simulator_plays(place, weights):
+    """Unequal partitions per virtual stage, random caps and rules: the ops list scheduling
+    builds are valid, and the reference simulator gives them the time list scheduling computed."""
+    rng = random.Random(7)
+    prof = _profile()
+    for v in (2, 3):
+        for recompute in (False, True):
+            ch = chunking(prof, v, place)
+            tables = CostTables.from_profile(prof, recompute, chunks=ch)
+            B = 24
+            for _ in range(6):
+                fwd = [_random_part(rng, B, 16) for _ in ch.ranks]
+                bwd = [_random_part(rng, B, 16) for _ in ch.ranks] if recompute else None
+                genes = ChunkGenes(
+                    fwd,
+                    [rng.randint(1, 3 * B) for _ in range(4)],
+                    deep=rng.random() < 0.5,
+                    weights=weights,
+                    defer_w=rng.random() < 0.7,
+                    bwd=bwd,
+                )
+                ops, ms = build_ops(tables, B, genes)
+                validate_ops(ops, B, 16, recompute, ch)
+                assert simulate(tables, ops, B).iteration_ms == pytest.approx(ms, rel=1e-12, abs=1e-9)
+
+
+def test_one_chunk_per_rank_through_layers_is_the_stage_profile():
+    prof = _profile()
+    one = CostTables.from_profile(prof)
+    layered = CostTables.from_profile(prof, chunks=chunking(prof, 1))
+    assert abs(one.fwd - layered.fwd).max() < 1e-4
+    assert abs(one.link - layered.link).max() < 1e-12
+    B = 16
+    g = equal_genes(layered, B, 4)
+    ops, ms = build_ops(layered, B, g)
+    plain = [[op[:3] for op in rank] for rank in ops]
+    assert simulate(one, plain, B).iteration_ms == pytest.approx(ms, rel=1e-5)
+
+
+def test_a_rank_holds_the_memory_of_all_its_chunks():
+    prof = _profile(S=2, layers=2)
+    ch = chunking(prof, 2, "looped")
+    t = CostTables.from_profile(prof, chunks=ch)
+    ops = [ChunkOp("F", 0, 4, 0), ChunkOp("F", 0, 4, 2), ChunkOp("B", 0, 4, 2), ChunkOp("B", 0, 4, 0)]
+    peak = rank_peak_memory(t, 0, ops)
+    assert peak == t.static_bytes[0] + t.static_bytes[2] + 4 * (t.stash_bytes[0] + t.stash_bytes[2])
+
+
+def _from_torch_strings(name, S, v, B, M):
+    """torch's own action list, read from the actions' printed form ("3F1": stage 3, F, mb 1)."""
+    import re
+    import types
+
+    from torch.distributed.pipelining import schedules
+
+    stages = [
+        types.SimpleNamespace(
+            stage_index=j,
+            num_stages=S * v,
+            group_size=S,
+            group_rank=0,
+            is_first=j == 0,
+            is_last=j == S * v - 1,
+            submod=None,
+        )
+        for j in range(0, S * v, S)
+    ]
+    sched = getattr(schedules, name)(stages, M, loss_fn=lambda a, b: a)
+    ranges = [(sum(equal_sizes(B, M)[:k]), sum(equal_sizes(B, M)[: k + 1])) for k in range(M)]
+    out = []
+    for r in range(S):
+        ops = []
+        for a in sched.pipeline_order[r]:
+            if a is None:
+                continue
+            stage, kind, mb = re.fullmatch(r"(\d+)([A-Z]+)(\d+)", str(a)).groups()
+            lo, hi = ranges[int(mb)]
+            ops.append(ChunkOp({"F": "F", "B": "B", "I": "B", "W": "W"}[kind], lo, hi, int(stage)))
+        out.append(ops)
+    return out
+
+
+def test_torch_interleaved_1f1b_is_taken_from_torch_op_for_op():
+    S, v, B, M = 4, 2, 20, 8
+    assert torch_ops("ScheduleInterleaved1F1B", S, v, B, M) == _from_torch_strings(
+        "ScheduleInterleaved1F1B", S, v, B, M
+    )
+    assert torch_ops("ScheduleInterleavedZeroBubble", S, v, B, M) == _from_torch_strings(
+        "ScheduleInterleavedZeroBubble", S, v, B, M
+    )
+
+
+def test_invalid_chunked_schedules_are_one_line_errors():
+    prof = _profile()
+    ch = chunking(prof, 2, "looped")
+    tables = CostTables.from_profile(prof, chunks=ch)
+    ops, _ = build_ops(tables, 8, equal_genes(tables, 8, 4))
+    bad = [list(r) for r in ops]
+    bad[0][0] = ChunkOp(bad[0][0].kind, bad[0][0].lo, bad[0][0].hi, 1)  # stage 1 is on rank 1
+    with pytest.raises(UmoptError, match="not on rank 0"):
+        validate_ops(bad, 8, 16, False, ch)
+    # rank 1 runs stage 5's forward first, before stage 4 (rank 0) has sent it anything, while
+    # rank 0 waits for rank 1's backward: a deadlock
+    stuck = [list(r) for r in ops]
+    stuck[1] = sorted(stuck[1], key=lambda op: op.stage != 5 or op.kind != "B")
+    with pytest.raises(UmoptError, match="deadlocks|before the F"):
+        simulate(tables, stuck, 8)
+    with pytest.raises(UmoptError, match="virtual stage 1 holds layers"):
+        CostTables.from_profile(prof, chunks=ch._replace(layers=((0, 3), (4, 6)) + ch.layers[2:]))
+    with pytest.raises(UmoptError, match="too few for 7 chunks"):
+        stage_cut(prof, 7)
+    with pytest.raises(UmoptError, match="no per-layer entries"):
+        chunking(synthetic_profile(4, max_size=8), 2)
+
+
+def test_solve_with_chunks_writes_a_valid_schedule_that_beats_one_chunk(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    code, stdout, err = run_cli(
+        ["solve", "transformer8-sim", "-B", "16", "--chunks", "2", "--time-limit", "6", "-o", str(out)],
+        capsys,
+    )
+    assert code == 0, err
+    assert "torch Interleaved1F1B" in stdout
+    data = json.loads(out.read_text())
+    assert data["chunks"]["placement"] in ("looped", "vshape")
+    assert len(data["chunks"]["ranks"]) == 16
+    one = data["baselines"]["umopt_one_chunk"]["iteration_ms"]
+    assert data["predicted"]["iteration_ms"] < one
+    best_torch = min(
+        b["iteration_ms"]
+        for k, b in data["baselines"].items()
+        if k.startswith("Schedule") and b["iteration_ms"]
+    )
+    assert data["predicted"]["iteration_ms"] <= best_torch + 1e-9
+    code, stdout, err = run_cli(["show", str(out)], capsys)
+    assert code == 0, err
+    assert "chunks per rank" in stdout
+    code, stdout, err = run_cli(["run", str(out), "--steps", "1"], capsys)
+    assert code == 2 and "one chunk per rank so far" in err and "Traceback" not in err
+
+
+def test_solve_with_chunks_needs_layers(tmp_path, capsys):
+    code, _, err = run_cli(
+        ["solve", "vgg16-cpu", "-B", "8", "--chunks", "2", "-o", str(tmp_path / "s.json")], capsys
+    )
+    assert code == 2 and "per-layer entries" in err
+    assert not (tmp_path / "s.json").exists()
+    code, _, err = run_cli(
+        ["solve", "gpt-sim", "-B", "8", "--chunks", "9", "-o", str(tmp_path / "s.json")], capsys
+    )
+    assert code == 2 and "--chunks" in err
+    assert load_profile("gpt-sim").layers is not None
+
+
+def _chunked_schedule(tmp_path, place, weights, recompute, seed):
+    """A random unequal schedule of 2 ranks x 2 chunks over a 5-layer model, written with its profile."""
+    from umopt.formats.profile import save_profile
+    from umopt.formats.schedule import make_schedule, save_schedule
+
+    rng = random.Random(seed)
+    prof = synthetic_profile(2, max_size=8, seed=3, layers_per_stage=3)
+    prof = prof.model_copy(update={"layers": prof.layers[:5]})
+    prof.stages[1].layers[1] = 5
+    save_profile(prof, tmp_path / "profile.json")
+    prof = load_profile(tmp_path / "profile.json")
+    ch = chunking(prof, 2, place, cut=[(0, 1), (1, 3), (3, 4), (4, 5)])
+    tables = CostTables.from_profile(prof, recompute, chunks=ch)
+    B = 12
+    genes = ChunkGenes(
+        [_random_part(rng, B, 8) for _ in ch.ranks],
+        [rng.randint(2, 24) for _ in range(2)],
+        deep=rng.random() < 0.5,
+        weights=weights,
+        bwd=[_random_part(rng, B, 8) for _ in ch.ranks] if recompute else None,
+    )
+    ops, _ = build_ops(tables, B, genes)
+    tl = simulate(tables, ops, B)
+    sched = make_schedule(
+        prof,
+        B,
+        recompute,
+        ops,
+        tl,
+        {"name": "test", "status": "feasible", "seconds": 0.0},
+        {},
+        chunks={"layers": [list(x) for x in ch.layers], "ranks": list(ch.ranks), "placement": place},
+    )
+    path = tmp_path / "schedule.json"
+    save_schedule(sched, str(path))
+    return str(path), 5, B
+
+
+@pytest.mark.parametrize(
+    "place,weights,recompute",
+    [("looped", False, False), ("vshape", True, False), ("looped", True, True), ("vshape", False, True)],
+)
+def test_chunked_pipeline_trains_as_one_process(tmp_path, place, weights, recompute):
+    """Unequal partitions per virtual stage, looped and V placement, W ops and recompute, on 2 real
+    processes: every parameter after 3 AdamW steps equals one process's (rtol 1e-5)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    import chunked_user
+
+    schedule, layers, B = _chunked_schedule(tmp_path, place, weights, recompute, seed=len(place) + weights)
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(here / "chunked_user.py"), schedule, str(tmp_path / "store"), str(out), "3"],
+            env=dict(os.environ, RANK=str(r), WORLD="2", OMP_NUM_THREADS="1"),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    got = {}
+    for r in range(2):
+        got.update(torch.load(out / f"rank{r}.pt", weights_only=True))
+    want = chunked_user.reference(layers, B, 3)
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)

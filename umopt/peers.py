@@ -1,0 +1,202 @@
+"""The multi-chunk schedules torch ships, taken from torch itself and scored by umopt's cost model.
+
+torch.distributed.pipelining computes each schedule's action order when the schedule is built
+(``pipeline_order``: per rank, ``_Action(stage_index, computation_type, microbatch_index)``).
+:func:`torch_order` builds the schedule class over stand-in stages (the attributes the order
+depends on: stage index, stage count, rank, group size; no process group, no model) and reads
+that order, so a peer is measured by the peer's own code, never a re-implementation of it.
+:func:`torch_ops` turns it into umopt ops on equal microbatches (torch splits the minibatch as
+``torch.tensor_split``: the larger chunks first), and :func:`best_peers` finds, for each class,
+its best v and M under the cost model (memory limit respected).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .chunks import chunking, placement
+from .costmodel import ChunkOp, CostTables, Timeline, rank_peak_memory, simulate
+from .errors import UmoptError
+from .formats.profile import Profile
+from .partition import chunks as sample_ranges
+from .partition import equal_sizes
+
+__all__ = ["TORCH_MULTI", "PeerResult", "torch_order", "torch_ops", "score_peer", "best_peers"]
+
+# torch's multi-stage schedule classes: placement, the chunk counts per rank they allow here,
+# whether they split the backward into input (I) and weight (W) gradients
+TORCH_MULTI: dict[str, tuple[str, tuple[int, ...], bool]] = {
+    "ScheduleLoopedBFS": ("looped", (2, 3, 4), False),
+    "ScheduleInterleaved1F1B": ("looped", (2, 3, 4), False),
+    "ScheduleInterleavedZeroBubble": ("looped", (2, 3, 4), True),
+    "ScheduleZBVZeroBubble": ("vshape", (2,), True),
+    "ScheduleDualPipeV": ("vshape", (2,), True),
+}
+
+
+@functools.lru_cache(maxsize=512)
+def torch_order(name: str, num_ranks: int, chunks: int, microbatches: int) -> dict[int, list]:
+    """torch's action order of schedule class ``name``: rank -> its compute actions, in order
+    (torch's idle slots dropped). Raises :class:`UmoptError` where torch refuses the shape."""
+    from torch.distributed.pipelining import schedules
+
+    if name not in TORCH_MULTI:
+        raise UmoptError(f"unknown torch schedule {name!r} (one of {', '.join(TORCH_MULTI)})")
+    place = TORCH_MULTI[name][0]
+    S, v = num_ranks, chunks
+    V = S * v
+    ranks = placement(place, S, v)
+    # every rank's order is computed when any rank builds the schedule: rank 0's build has them all
+    stages = [
+        types.SimpleNamespace(
+            stage_index=j,
+            num_stages=V,
+            group_size=S,
+            group_rank=0,
+            is_first=j == 0,
+            is_last=j == V - 1,
+            submod=None,  # torch only asks whether it is compiled
+        )
+        for j in range(V)
+        if ranks[j] == 0
+    ]
+    try:
+        sched = getattr(schedules, name)(stages, microbatches, loss_fn=lambda out, target: out)
+    except (ValueError, AssertionError, RuntimeError) as exc:
+        raise UmoptError(
+            f"torch's {name} refuses {S} ranks x {v} chunks, {microbatches} microbatches: {exc}"
+        ) from None
+    got = sched.stage_index_to_group_rank
+    if any(got[j] != ranks[j] for j in range(V)):
+        raise UmoptError(f"torch's {name} places stages otherwise than umopt's {place} placement")
+    return {r: [a for a in sched.pipeline_order[r] if a is not None] for r in range(S)}
+
+
+def torch_ops(
+    name: str, num_ranks: int, chunks: int, minibatch: int, microbatches: int
+) -> list[list[ChunkOp]]:
+    """torch's order of ``name`` as umopt ops on ``microbatches`` equal chunks of ``minibatch``.
+
+    I (input gradient) is umopt's B on a stage with W ops, W is W; a full backward on such a stage
+    is its B and then its W; an overlapped F and B (DualPipeV) runs as its two parts in order."""
+    ranges = sample_ranges(equal_sizes(minibatch, microbatches))
+    order = torch_order(name, num_ranks, chunks, microbatches)
+    has_w = {a.stage_index for acts in order.values() for a in _flat(acts) if _kind(a) == "W"}
+    out = []
+    for r in range(num_ranks):
+        ops: list[ChunkOp] = []
+        for a in _flat(order[r]):
+            lo, hi = ranges[a.microbatch_index]
+            kind, j = _kind(a), a.stage_index
+            if kind == "FULL_B" and j in has_w:
+                ops += [ChunkOp("B", lo, hi, j), ChunkOp("W", lo, hi, j)]
+            elif kind in ("F", "B", "W", "FULL_B"):
+                ops.append(ChunkOp("B" if kind == "FULL_B" else kind, lo, hi, j))
+        out.append(ops)
+    return out
+
+
+def _flat(actions: Sequence) -> list:
+    flat = []
+    for a in actions:
+        flat += list(a.sub_actions) if getattr(a, "sub_actions", None) else [a]
+    return flat
+
+
+def _kind(action) -> str:
+    ct = str(
+        action.computation_type.value
+        if hasattr(action.computation_type, "value")
+        else action.computation_type
+    )
+    return {"F": "F", "B": "FULL_B", "I": "B", "W": "W"}.get(ct, ct)
+
+
+@dataclass
+class PeerResult:
+    name: str  # torch's class name
+    chunks: Optional[int]  # v: chunks per rank (None: no shape fits)
+    microbatches: Optional[int]
+    iteration_ms: Optional[float]
+    ops: Optional[list[list[ChunkOp]]] = None
+    tables: Optional[CostTables] = None
+    timeline: Optional[Timeline] = None
+
+
+def score_peer(
+    profile: Profile, name: str, chunks: int, minibatch: int, microbatches: int, recompute: bool = False
+) -> tuple[CostTables, list[list[ChunkOp]], Timeline]:
+    """torch's ``name`` at ``chunks`` per rank and ``microbatches`` equal chunks, each rank's stage
+    cut into ``chunks`` pieces (:func:`umopt.chunks.stage_cut`), under the cost model."""
+    tables = _tables(profile, name, chunks, recompute)
+    ops = torch_ops(name, profile.num_stages, chunks, minibatch, microbatches)
+    return tables, ops, simulate(tables, ops, minibatch)
+
+
+def _tables(profile: Profile, name: str, chunks: int, recompute: bool) -> CostTables:
+    return CostTables.from_profile(profile, recompute, chunks=chunking(profile, chunks, TORCH_MULTI[name][0]))
+
+
+def _busiest_rank_ms(tables: CostTables, minibatch: int, m: int, split: bool) -> float:
+    """No iteration is shorter than its busiest rank's compute (M equal chunks on every stage)."""
+    sizes = equal_sizes(minibatch, m)
+    busy = [0.0] * tables.num_ranks
+    for j in range(tables.num_stages):
+        if split:
+            per = tables.fwd[j] + tables.bwd_input[j] + tables.bwd_weight[j]
+        else:
+            per = tables.fwd[j] + tables.bwd[j]
+        busy[tables.rank_of(j)] += float(sum(per[b] for b in sizes))
+    return max(busy) + tables.optimizer_ms
+
+
+def best_peers(
+    profile: Profile,
+    minibatch: int,
+    *,
+    recompute: bool = False,
+    names: Sequence[str] | None = None,
+    max_chunks: int = 4,
+) -> dict[str, PeerResult]:
+    """For each of torch's multi-chunk schedules, its best chunk count (<= ``max_chunks``) and
+    microbatch count under the cost model, within the profile's memory limit.
+
+    Every (v, M) is accounted for; those whose busiest rank alone is slower than the best found
+    are not simulated."""
+    limit = profile.memory_limit_bytes
+    split = profile.layers is not None and all(ly.backward_input_ms is not None for ly in profile.layers)
+    out = {}
+    for name in names or TORCH_MULTI:
+        _, vs, needs_w = TORCH_MULTI[name]
+        best = PeerResult(name, None, None, None)
+        if needs_w and not split:
+            out[name] = best
+            continue
+        shapes = []
+        for v in (v for v in vs if v <= max_chunks):
+            try:
+                tables = _tables(profile, name, v, recompute)
+            except UmoptError:  # too few layers for v chunks
+                continue
+            for m in range(max(1, -(-minibatch // profile.max_size)), minibatch + 1):
+                shapes.append((_busiest_rank_ms(tables, minibatch, m, needs_w), v, m, tables))
+        for bound, v, m, tables in sorted(shapes, key=lambda x: x[:3]):
+            if best.iteration_ms is not None and bound >= best.iteration_ms:
+                break
+            try:
+                ops = torch_ops(name, profile.num_stages, v, minibatch, m)
+            except UmoptError:
+                continue
+            tl = simulate(tables, ops, minibatch, record=False)
+            if best.iteration_ms is not None and tl.iteration_ms >= best.iteration_ms - 1e-9:
+                continue
+            if limit is not None and any(rank_peak_memory(tables, r, o) > limit for r, o in enumerate(ops)):
+                continue
+            best = PeerResult(name, v, m, tl.iteration_ms, ops, tables)
+        if best.ops is not None:
+            best.timeline = simulate(best.tables, best.ops, minibatch)
+        out[name] = best
+    return out

@@ -1,0 +1,153 @@
+"""``umopt solve --chunks``: several chunks per rank, against every multi-chunk schedule torch ships.
+
+:func:`solve_chunked` runs the one-chunk solve (:func:`umopt.solve.solve`, a third of the time),
+scores torch's multi-chunk schedules at their best v and M (:func:`umopt.peers.best_peers`), and
+searches unequal per-virtual-stage partitions (:func:`umopt.solvers.multichunk.solve_chunks`, the
+rest of the time). The fastest of the three within the memory limit is the schedule; every
+figure comes from the reference simulator.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .chunks import chunking
+from .costmodel import Timeline, simulate
+from .errors import UmoptError
+from .formats.profile import Profile
+from .formats.schedule import Schedule, make_schedule, validate_ops
+from .peers import TORCH_MULTI, PeerResult, best_peers
+from .problem import Progress
+from .solve import SolveReport, solve
+from .solvers.multichunk import ChunkSolution, solve_chunks
+
+__all__ = ["ChunkSolveReport", "solve_chunked", "parse_chunks"]
+
+ONE_CHUNK_SHARE = 1 / 3  # of --time-limit, for the one-chunk solve
+
+
+@dataclass
+class ChunkSolveReport:
+    schedule: Schedule
+    timeline: Timeline
+    picked: str  # "umopt chunks", "umopt one chunk" or a torch class name
+    one_chunk: SolveReport
+    peers: dict[str, PeerResult]
+    search: ChunkSolution
+
+
+def parse_chunks(value: str) -> tuple[int, ...]:
+    """``--chunks``: a count 1..4, or ``auto`` (each of 1..4)."""
+    if value == "auto":
+        return (1, 2, 3, 4)
+    try:
+        v = int(value)
+    except ValueError:
+        raise UmoptError(
+            f"--chunks must be a number of chunks per rank (1-4) or auto, got {value!r}"
+        ) from None
+    if not 1 <= v <= 4:
+        raise UmoptError(f"--chunks must be 1-4 or auto, got {v}")
+    return (v,)
+
+
+def solve_chunked(
+    profile: Profile,
+    minibatch: int,
+    chunk_counts: Sequence[int],
+    *,
+    recompute: bool = False,
+    time_limit: float = 20.0,
+    seed: int = 0,
+    zero_bubble: bool = False,
+    progress: Optional[Progress] = None,
+) -> ChunkSolveReport:
+    """The fastest schedule with up to ``max(chunk_counts)`` chunks per rank that umopt finds,
+    or one of torch's, or the one-chunk solve's, whichever the cost model says is fastest."""
+    if profile.layers is None:
+        raise UmoptError(
+            "the profile has no per-layer entries, so a rank's layers cannot be cut into chunks "
+            "(profile with --chunks, or solve without --chunks)"
+        )
+    started = time.perf_counter()
+
+    def part(lo: float, hi: float) -> Optional[Progress]:
+        if progress is None:
+            return None
+        return lambda frac, best: progress(lo + (hi - lo) * frac, best)
+
+    one = solve(
+        profile,
+        minibatch,
+        recompute=recompute,
+        time_limit=ONE_CHUNK_SHARE * time_limit,
+        seed=seed,
+        zero_bubble=zero_bubble,
+        progress=part(0.0, ONE_CHUNK_SHARE),
+    )
+    names = [n for n, (_, _, w) in TORCH_MULTI.items() if zero_bubble or not w]
+    peers = best_peers(profile, minibatch, recompute=recompute, names=names, max_chunks=max(chunk_counts))
+    left = max(1.0, time_limit - (time.perf_counter() - started))
+    search = solve_chunks(
+        profile,
+        minibatch,
+        chunk_counts=chunk_counts,
+        weights=zero_bubble,
+        recompute=recompute,
+        seconds=left,
+        seed=seed,
+        progress=part(ONE_CHUNK_SHARE, 1.0),
+    )
+    picks = [("umopt chunks", search.iteration_ms)]
+    picks += [(name, p.iteration_ms) for name, p in peers.items() if p.iteration_ms is not None]
+    picks.append(("umopt one chunk", one.timeline.iteration_ms))
+    picked = min(picks, key=lambda x: x[1] - (1e-9 if x[0] == "umopt one chunk" else 0.0))[0]
+    baselines = {
+        **one.schedule.baselines,
+        "umopt_one_chunk": {"microbatches": None, "iteration_ms": one.timeline.iteration_ms},
+        **{
+            name: {"microbatches": p.microbatches, "iteration_ms": p.iteration_ms, "chunks": p.chunks}
+            for name, p in peers.items()
+        },
+    }
+    if picked == "umopt one chunk":
+        schedule = Schedule.model_validate({**one.schedule.model_dump(), "baselines": baselines})
+        return ChunkSolveReport(schedule, one.timeline, picked, one, peers, search)
+    if picked == "umopt chunks":
+        tables, ops, place, ch = search.tables, search.ops, search.shape.placement, search.shape.chunking
+        solver_name = "multichunk"
+    else:
+        p = peers[picked]
+        tables, ops, place = p.tables, p.ops, TORCH_MULTI[picked][0]
+        ch = chunking(profile, p.chunks, place)
+        solver_name = picked
+    validate_ops(ops, minibatch, profile.max_size, recompute, ch)
+    timeline = simulate(tables, ops, minibatch)
+    limit = profile.memory_limit_bytes
+    if limit is not None and max(timeline.peak_memory_bytes) > limit:
+        raise UmoptError(
+            "the multi-chunk schedule found breaks the memory limit"
+        )  # the search checks: cannot be
+    schedule = make_schedule(
+        profile,
+        minibatch,
+        recompute,
+        ops,
+        timeline,
+        solver={
+            "name": solver_name,
+            "status": "feasible",
+            "lower_bound_ms": None,
+            "seconds": time.perf_counter() - started,
+            "seed": seed,
+            "time_limit": time_limit,
+            "evaluated": search.evaluated,
+            "chunks_per_rank": ch.num_virtual // profile.num_stages,
+            "cut": search.shape.cut if picked == "umopt chunks" else "stage",
+        },
+        baselines=baselines,
+        chunks={"layers": [list(x) for x in ch.layers], "ranks": list(ch.ranks), "placement": place},
+    )
+    return ChunkSolveReport(schedule, timeline, picked, one, peers, search)

@@ -1,0 +1,254 @@
+"""Search over several chunks per rank with unequal microbatches (``umopt solve --chunks``).
+
+Each *shape* (chunks per rank v, looped or V-shaped placement, the cut of the layers) gets its
+cost tables; every shape is screened with equal chunks for every M and a few order rules
+(:func:`umopt.schedules.multichunk.equal_genes`: interleaved 1F1B's caps, twice them, none),
+skipping an M whose busiest rank alone is slower than the best found. The best few screened
+schedules are then improved by an iterated local search over the genes: one sample moved between
+neighbouring chunks of a virtual stage (or of all virtual stages at once), two chunks merged, one
+split, a partition copied to the next virtual stage, a rank's cap moved by a chunk, the order
+rule flipped. Each schedule is scored by list scheduling (the reference simulator agrees to
+1e-9), within the memory limit.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from ..chunks import balanced_cut, chunking, stage_cut
+from ..costmodel import Chunking, ChunkOp, CostTables, rank_peak_memory
+from ..errors import UmoptError
+from ..formats.profile import Profile
+from ..partition import equal_sizes
+from ..schedules.multichunk import ChunkGenes, build_ops, equal_genes, rank_loads
+
+__all__ = ["ChunkShape", "ChunkSolution", "shapes", "solve_chunks"]
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    chunks: int  # v
+    placement: str  # "looped" | "vshape"
+    cut: str  # "stage": each stage cut into v; "balanced": all layers cut evenly
+    chunking: Chunking
+
+
+@dataclass
+class ChunkSolution:
+    shape: ChunkShape
+    tables: CostTables
+    genes: ChunkGenes
+    ops: list[list[ChunkOp]]
+    iteration_ms: float
+    evaluated: int = 0
+    equal_ms: Optional[float] = None  # the best equal schedule of the search's own screening
+
+
+def shapes(
+    profile: Profile, chunk_counts: Sequence[int], placements: Sequence[str] = ("looped", "vshape")
+) -> list[ChunkShape]:
+    """Every shape for the chunk counts: each placement, the stage cut and the balanced one."""
+    out, seen = [], set()
+    for v in chunk_counts:
+        for place in placements if v > 1 else ("looped",):
+            cuts = {}
+            try:
+                cuts["stage"] = stage_cut(profile, v)
+            except UmoptError:
+                pass
+            try:
+                cuts["balanced"] = balanced_cut(profile, v * profile.num_stages)
+            except UmoptError:
+                pass
+            for name, cut in cuts.items():
+                ch = chunking(profile, v, place, cut)
+                if ch in seen:
+                    continue
+                seen.add(ch)
+                out.append(ChunkShape(v, place, name, ch))
+    if not out:
+        raise UmoptError(
+            f"no cut of the profile's {profile.num_layers} layers gives {', '.join(map(str, chunk_counts))} chunks per rank"
+        )
+    return out
+
+
+def _fits(tables: CostTables, ops: list[list[ChunkOp]]) -> bool:
+    limit = tables.memory_limit
+    return limit is None or all(rank_peak_memory(tables, r, o) <= limit for r, o in enumerate(ops))
+
+
+def _variants(tables: CostTables, minibatch: int, m: int, weights: bool) -> list[ChunkGenes]:
+    out = []
+    for deep in (True, False):
+        g = equal_genes(tables, minibatch, m, weights=weights, deep=deep)
+        for factor in (1, 2, None):
+            h = g.copy()
+            h.cap = [c * factor for c in g.cap] if factor else [minibatch * tables.num_stages] * len(g.cap)
+            out.append(h)
+    return out
+
+
+def _own_m_variants(tables: CostTables, minibatch: int, weights: bool, max_size: int) -> list[ChunkGenes]:
+    """Each virtual stage its own chunk count: the m minimising (m + k) c_j(B / m), its compute
+    over m chunks plus k chunks' worth of fill and drain, for a few k (UMPIPE's point: a stage
+    with a large per-op cost wants fewer, larger chunks than one without)."""
+    B, S, R = minibatch, tables.num_stages, tables.num_ranks
+    v = S // R
+    bwd = tables.bwd_input if weights else tables.bwd
+    out = []
+    for k in (R / v / 2, R / v, 2 * R / v):
+        parts = []
+        for j in range(S):
+            best = min(
+                range(max(1, -(-B // max_size)), B + 1),
+                key=lambda m: (
+                    (m + k) * sum(float(tables.fwd[j, b] + bwd[j, b]) for b in equal_sizes(B, m)) / m
+                ),
+            )
+            parts.append(equal_sizes(B, best))
+        m_ref = round(sum(len(p) for p in parts) / S)
+        for g in _variants(tables, B, max(1, m_ref), weights):
+            g.fwd = [list(p) for p in parts]
+            out.append(g)
+    return out
+
+
+def _mutate(g: ChunkGenes, tables: CostTables, rng: random.Random, max_size: int) -> Optional[ChunkGenes]:
+    h = g.copy()
+    S = len(h.fwd)
+    parts = h.bwd if (h.bwd is not None and rng.random() < 0.5) else h.fwd
+    what = rng.random()
+    j = rng.randrange(S)
+    p = parts[j]
+    if what < 0.35 and len(p) > 1:  # a sample between neighbours, on one stage or on all
+        k = rng.randrange(len(p) - 1)
+        d = rng.choice((-1, 1))
+        targets = [j] if rng.random() < 0.6 else range(S)
+        for t in targets:
+            q = parts[t]
+            if k < len(q) - 1 and 1 <= q[k] + d <= max_size and 1 <= q[k + 1] - d <= max_size:
+                q[k] += d
+                q[k + 1] -= d
+    elif what < 0.45 and len(p) > 1:  # merge two neighbours
+        k = rng.randrange(len(p) - 1)
+        if p[k] + p[k + 1] > max_size:
+            return None
+        p[k : k + 2] = [p[k] + p[k + 1]]
+    elif what < 0.55:  # split one
+        k = rng.randrange(len(p))
+        if p[k] < 2:
+            return None
+        a = p[k] // 2
+        p[k : k + 1] = [a, p[k] - a]
+    elif what < 0.62:  # one chunk more or fewer on the stage, equal sizes
+        m = len(p) + rng.choice((-1, 1))
+        B = sum(p)
+        if not -(-B // max_size) <= m <= B:
+            return None
+        parts[j] = equal_sizes(B, m)
+    elif what < 0.67:  # the neighbour's partition
+        t = j + rng.choice((-1, 1))
+        if not 0 <= t < S:
+            return None
+        parts[t] = list(p)
+    elif what < 0.9:  # a rank's cap
+        r = rng.randrange(len(h.cap))
+        step = max(1, max(p))
+        h.cap[r] = max(1, h.cap[r] + rng.choice((-step, step)))
+    elif what < 0.95:
+        h.deep = not h.deep
+    else:
+        if not h.weights:
+            return None
+        h.defer_w = not h.defer_w
+    if h.signature() == g.signature():
+        return None
+    return h
+
+
+def solve_chunks(
+    profile: Profile,
+    minibatch: int,
+    *,
+    chunk_counts: Sequence[int] = (1, 2, 3, 4),
+    weights: bool = False,
+    recompute: bool = False,
+    seconds: float = 30.0,
+    seed: int = 0,
+    keep: int = 3,
+    progress: Optional[Callable[[float, float], None]] = None,
+) -> ChunkSolution:
+    """The fastest multi-chunk schedule found within ``seconds`` (screening every shape takes
+    what it takes; the local search gets the rest)."""
+    start = time.perf_counter()
+    rng = random.Random(seed)
+    B = minibatch
+    if weights and (profile.layers is None or any(ly.backward_input_ms is None for ly in profile.layers)):
+        raise UmoptError(
+            "W ops need the profile's layers with backward_input_ms / backward_weight_ms (profile with --split-backward)"
+        )
+    screened: list[tuple[float, int, ChunkShape, CostTables, ChunkGenes, list]] = []
+    evaluated = 0
+    best_ms = float("inf")
+    all_shapes = shapes(profile, chunk_counts)
+    for n, shape in enumerate(all_shapes):
+        tables = CostTables.from_profile(profile, recompute, chunks=shape.chunking)
+        lows = []
+        for m in range(max(1, -(-B // profile.max_size)), B + 1):
+            g = equal_genes(tables, B, m, weights=weights)
+            lows.append((max(rank_loads(tables, B, g)) + tables.optimizer_ms, m))
+        for low, m in sorted(lows):
+            if low >= best_ms * 1.02 and len(screened) >= keep:
+                break
+            for g in _variants(tables, B, m, weights):
+                ops, ms = build_ops(tables, B, g)
+                evaluated += 1
+                if not _fits(tables, ops):
+                    continue
+                screened.append((ms, evaluated, shape, tables, g, ops))
+                best_ms = min(best_ms, ms)
+        for g in _own_m_variants(tables, B, weights, profile.max_size):
+            ops, ms = build_ops(tables, B, g)
+            evaluated += 1
+            if _fits(tables, ops):
+                screened.append((ms, evaluated, shape, tables, g, ops))
+                best_ms = min(best_ms, ms)
+        if progress is not None:
+            progress(0.3 * (n + 1) / len(all_shapes), best_ms)
+    if not screened:
+        raise UmoptError("no schedule with several chunks per rank fits the memory limit")
+    screened.sort(key=lambda x: x[:2])
+    equal_ms = screened[0][0]
+    # the best few, each from a different shape, climbed in turns
+    starts, used = [], set()
+    for item in screened:
+        if item[2] not in used:
+            used.add(item[2])
+            starts.append(item)
+        if len(starts) == keep:
+            break
+    pool = [list(x) for x in starts]
+    best = min(pool, key=lambda x: x[0])
+    deadline = start + seconds
+    tried: set = set()
+    while time.perf_counter() < deadline:
+        for item in pool:
+            ms, _, shape, tables, g, ops = item
+            h = _mutate(g, tables, rng, profile.max_size)
+            if h is None or (shape, h.signature()) in tried:
+                continue
+            tried.add((shape, h.signature()))
+            h_ops, h_ms = build_ops(tables, B, h)
+            evaluated += 1
+            if h_ms <= ms + 1e-9 and _fits(tables, h_ops):
+                item[0], item[4], item[5] = h_ms, h, h_ops
+                if h_ms < best[0] - 1e-9:
+                    best = item
+        if progress is not None:
+            progress(min(1.0, 0.3 + 0.7 * (time.perf_counter() - start) / max(seconds, 1e-9)), best[0])
+    ms, _, shape, tables, g, ops = best
+    return ChunkSolution(shape, tables, g, ops, ms, evaluated, equal_ms)
