@@ -44,7 +44,7 @@ from .devices import TensorSpec, autocast, check_trainable, numerics, numerics_d
 from .errors import UmoptError, first_line
 from .formats.profile import Profile, load_profile
 from .formats.report import Selection
-from .formats.schedule import Schedule, check_against_profile, load_schedule
+from .formats.schedule import Schedule, check_against_profile, load_schedule, require_one_chunk
 from .losses import ChunkLoss, chunk_loss
 from .selection import (
     MIN_SELECT_ROUNDS,
@@ -340,7 +340,18 @@ class Pipeline:
 
     Constructing a Pipeline is collective: every rank of the world takes part in making the
     links' process groups (see [Note: one process group per link]).
+
+    Given a list of modules (this rank's chunks, in virtual stage order) and a schedule with
+    several chunks per rank (``umopt solve --chunks``), it is a
+    :class:`umopt.chunked_pipeline.ChunkedPipeline`.
     """
+
+    def __new__(cls, module: Any = None, *args: Any, **kwargs: Any):
+        if isinstance(module, (list, tuple)):
+            from .chunked_pipeline import ChunkedPipeline
+
+            return ChunkedPipeline(module, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -372,6 +383,7 @@ class Pipeline:
             else load_profile(str(profile or self.schedule.profile.path))
         )
         check_against_profile(self.schedule, self.profile)
+        require_one_chunk(self.schedule, "the schedule")
         self.group = group
         S = len(self.schedule.stages)
         self.stage = dist.get_rank(group) if stage is None else stage

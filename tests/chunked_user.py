@@ -1,0 +1,72 @@
+"""A user's training script around ``umopt.Pipeline`` given several chunk modules per rank (run by
+tests/test_multichunk.py, one process per rank): the user's layers, loss, optimizer and loop.
+
+    RANK=r WORLD=R python tests/chunked_user.py SCHEDULE STORE OUT STEPS
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import umopt
+from umopt.formats.schedule import load_schedule
+
+D = 5
+
+
+def layer(i: int, layers: int) -> nn.Module:
+    torch.manual_seed(100 + i)
+    lin = nn.Linear(D, D if i + 1 < layers else 1)
+    return nn.Sequential(lin, nn.Tanh()) if i + 1 < layers else lin
+
+
+def batch(step: int, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(B, D, generator=g), torch.randn(B, 1, generator=g)
+
+
+def reference(layers: int, B: int, steps: int) -> dict[str, torch.Tensor]:
+    """One process, the whole minibatch: every layer's parameters after ``steps`` AdamW steps."""
+    model = nn.Sequential(*[layer(i, layers) for i in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(steps):
+        x, y = batch(step, B)
+        opt.zero_grad()
+        nn.MSELoss()(model(x), y).backward()
+        opt.step()
+    return {f"{i}.{k}": v.detach().clone() for i, m in enumerate(model) for k, v in m.state_dict().items()}
+
+
+def main() -> None:
+    schedule_path, store, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD"])
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    schedule = load_schedule(schedule_path)
+    spans = schedule.chunks.layers
+    layers = spans[-1][1]
+    mine = [j for j, r in enumerate(schedule.chunks.ranks) if r == rank]
+    chunks = [nn.Sequential(*[layer(i, layers) for i in range(*spans[j])]) for j in mine]
+    pipe = umopt.Pipeline(chunks, schedule, loss_fn=nn.MSELoss())
+    opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=0.01)
+    B = schedule.minibatch
+    for step in range(steps):
+        x, y = batch(step, B)
+        opt.zero_grad()
+        pipe.step(x if 0 in mine else None, target=y if len(schedule.chunks.ranks) - 1 in mine else None)
+        opt.step()
+    state = {}
+    for j, c in zip(mine, chunks):
+        for k, m in enumerate(c):
+            for name, v in m.state_dict().items():
+                state[f"{spans[j][0] + k}.{name}"] = v
+    torch.save(state, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
