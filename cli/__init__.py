@@ -638,6 +638,13 @@ def _int_list(value: Optional[str], what: str) -> Optional[list[int]]:
     show_default=True,
     help="Also measure the gradient all-reduce among this many data-parallel replicas (processes; GPUs 0..N-1 on CUDA).",
 )
+@click.option(
+    "--chunks",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Time every layer on its own (one after another, no probe runs) so that each stage can be cut into up to this many chunks (solve --chunks).",
+)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Profile file to write.")
 def profile(
     model,
@@ -662,6 +669,7 @@ def profile(
     probe_minibatch,
     split_backward,
     dp,
+    chunks,
     output,
 ) -> None:
     """Measure each stage's forward/backward time per chunk size, its memory and the links."""
@@ -676,6 +684,10 @@ def profile(
         raise UmoptError(f"--max-size must be at least 1, got {max_size}")
     if dp < 1:
         raise UmoptError(f"--dp must be at least 1, got {dp}")
+    if not 1 <= chunks <= 4:
+        raise UmoptError(f"--chunks must be 1-4, got {chunks}")
+    if chunks > 1 and dp > 1:
+        raise UmoptError("--chunks with --dp is not supported yet")
     if probe_minibatch < 2:
         raise UmoptError(f"--probe-minibatch must be at least 2, got {probe_minibatch}")
     check_writable(output)
@@ -709,14 +721,19 @@ def profile(
 
         ctx_obj = click.get_current_context().obj or {}
         argv = ctx_obj.get("argv", ["umopt", *sys.argv[1:]])
-        prof = profile_in_pipeline(
-            opts,
-            probes=probes,
-            probe_minibatch=probe_minibatch,
-            progress=progress,
-            argv=argv,
-            say=lambda m: bar.update(task, description=m),
-        )
+        if chunks > 1:
+            from umopt.profiler import profile_for_chunks
+
+            prof = profile_for_chunks(opts, chunks, progress, argv)
+        else:
+            prof = profile_in_pipeline(
+                opts,
+                probes=probes,
+                probe_minibatch=probe_minibatch,
+                progress=progress,
+                argv=argv,
+                say=lambda m: bar.update(task, description=m),
+            )
     save_profile(prof, output)
     table = Table(title=f"{model} on {prof.device.type} ({prof.device.name}), {prof.num_stages} stages")
     for col in (

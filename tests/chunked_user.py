@@ -2,6 +2,10 @@
 tests/test_multichunk.py, one process per rank): the user's layers, loss, optimizer and loop.
 
     RANK=r WORLD=R python tests/chunked_user.py SCHEDULE STORE OUT STEPS
+    RANK=r WORLD=R python tests/chunked_user.py SCHEDULE STORE OUT STEPS PLAN.csv   (torch's runtime)
+
+With PLAN.csv (``umopt export --format torch-csv`` of SCHEDULE, an equal one), torch's
+``_PipelineScheduleRuntime`` runs it with a stock ``PipelineStage`` per chunk instead.
 """
 
 from __future__ import annotations
@@ -51,13 +55,38 @@ def main() -> None:
     layers = spans[-1][1]
     mine = [j for j, r in enumerate(schedule.chunks.ranks) if r == rank]
     chunks = [nn.Sequential(*[layer(i, layers) for i in range(*spans[j])]) for j in mine]
-    pipe = umopt.Pipeline(chunks, schedule, loss_fn=nn.MSELoss())
     opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=0.01)
     B = schedule.minibatch
+    V = len(schedule.chunks.ranks)
+    if len(sys.argv) > 5:  # torch's runtime on the exported plan
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+        microbatches = len([op for op in schedule.stages[rank].ops if op[0] == "F" and op[3] == mine[0]])
+        runtime = _PipelineScheduleRuntime(
+            [PipelineStage(c, j, V, torch.device("cpu")) for j, c in zip(mine, chunks)],
+            n_microbatches=microbatches,
+            loss_fn=nn.MSELoss(),
+        )
+        runtime._load_csv(sys.argv[5])
+
+        def step_once(x, y):
+            if 0 in mine:
+                runtime.step(x)
+            elif V - 1 in mine:
+                runtime.step(target=y, losses=[])
+            else:
+                runtime.step()
+    else:
+        pipe = umopt.Pipeline(chunks, schedule, loss_fn=nn.MSELoss())
+
+        def step_once(x, y):
+            pipe.step(x if 0 in mine else None, target=y if V - 1 in mine else None)
+
     for step in range(steps):
         x, y = batch(step, B)
         opt.zero_grad()
-        pipe.step(x if 0 in mine else None, target=y if len(schedule.chunks.ranks) - 1 in mine else None)
+        step_once(x, y)
         opt.step()
     state = {}
     for j, c in zip(mine, chunks):

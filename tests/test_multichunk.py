@@ -264,3 +264,102 @@ def test_chunked_pipeline_trains_as_one_process(tmp_path, place, weights, recomp
     assert set(got) == set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_profile_with_chunks_times_every_layer_and_keeps_the_stages_sums(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    argv = [
+        "profile",
+        "--model",
+        "mlp",
+        "--model-arg",
+        "layers=4",
+        "--model-arg",
+        "width=32",
+        "--stages",
+        "2",
+    ]
+    argv += ["--chunks", "2", "--max-size", "4", "--repeats", "1", "--warmup", "0", "-o", str(out)]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+    prof = load_profile(out)
+    assert prof.num_stages == 2 and len(prof.layers) == 4 and prof.stages[1].layers == [2, 4]
+    for st in prof.stages:
+        mine = prof.layers[st.layers[0] : st.layers[1]]
+        assert st.forward_ms == pytest.approx(
+            [sum(x) for x in zip(*(ly.forward_ms for ly in mine))], abs=1e-5
+        )
+    ch = chunking(prof, 2)
+    assert ch.layers == ((0, 1), (1, 2), (2, 3), (3, 4)) and ch.ranks == (0, 1, 0, 1)
+    code, _, err = run_cli(argv[:-2] + ["--chunks", "3", "-o", str(tmp_path / "q.json")], capsys)
+    assert code == 2 and "need 6 layers" in err and "Traceback" not in err
+
+
+def test_an_equal_chunked_schedule_exports_to_torch_and_trains_as_one_process(tmp_path, capsys):
+    """torch's ScheduleInterleaved1F1B order (v=2, 2 ranks, 4 microbatches), exported as torch's CSV
+    and run by torch's _PipelineScheduleRuntime with a stock PipelineStage per chunk: one process's
+    parameters after 3 AdamW steps."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from umopt.formats.profile import save_profile
+    from umopt.formats.schedule import make_schedule, save_schedule
+
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    import chunked_user
+
+    prof = synthetic_profile(2, max_size=8, seed=3, layers_per_stage=2)
+    save_profile(prof, tmp_path / "profile.json")
+    prof = load_profile(tmp_path / "profile.json")
+    ch = chunking(prof, 2, "looped")
+    B = 12
+    ops = torch_ops("ScheduleInterleaved1F1B", 2, 2, B, 4)
+    tl = simulate(CostTables.from_profile(prof, chunks=ch), ops, B)
+    sched = make_schedule(
+        prof,
+        B,
+        False,
+        ops,
+        tl,
+        {"name": "ScheduleInterleaved1F1B", "status": "feasible", "seconds": 0.0},
+        {},
+        chunks={"layers": [list(x) for x in ch.layers], "ranks": list(ch.ranks), "placement": "looped"},
+    )
+    path = tmp_path / "schedule.json"
+    save_schedule(sched, str(path))
+    plan = tmp_path / "plan.csv"
+    code, _, err = run_cli(["export", str(path), "--format", "torch-csv", "-o", str(plan)], capsys)
+    assert code == 0, err
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(here / "chunked_user.py"),
+                str(path),
+                str(tmp_path / "store"),
+                str(out),
+                "3",
+                str(plan),
+            ],
+            env=dict(os.environ, RANK=str(r), WORLD="2", OMP_NUM_THREADS="1"),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    got = {}
+    for r in range(2):
+        got.update(torch.load(out / f"rank{r}.pt", weights_only=True))
+    want = chunked_user.reference(4, B, 3)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)

@@ -183,3 +183,73 @@ def virtual_stages(profile: Profile, chunks: Chunking) -> tuple[list[StageProfil
         )
     links = [_link(profile, a, b) for a, b in zip(chunks.ranks, chunks.ranks[1:])]
     return stages, links
+
+
+def stages_from_layers(per_layer: Profile, cuts: Sequence[int]) -> Profile:
+    """A profile of ``len(cuts) - 1`` stages (stage s: layers ``cuts[s]..cuts[s+1]-1``) from a
+    profile that timed every layer as a stage of its own, keeping those per-layer entries in
+    ``layers``, so that a rank's layers can be cut into chunks (``umopt profile --chunks``).
+
+    A stage's entry is its layers' sums (times per size, stash, static and parameter bytes,
+    optimizer), its input bytes its first layer's and its output bytes its last layer's; the
+    links between stages are the per-layer profile's links at the cuts."""
+    L = per_layer.num_stages
+    if list(cuts)[0] != 0 or list(cuts)[-1] != L or any(b <= a for a, b in zip(cuts, cuts[1:])):
+        raise UmoptError(f"stage cuts must rise strictly from 0 to {L}, got {list(cuts)}")
+    src = per_layer.stages
+    split = all(st.backward_input_ms is not None for st in src)
+
+    def total(mine, key):
+        return [round(float(x), 6) for x in np.sum([getattr(st, key) for st in mine], axis=0)]
+
+    stages = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        mine = src[lo:hi]
+        params = [st.param_bytes for st in mine]
+        stages.append(
+            {
+                "layers": [mine[0].layers[0], mine[-1].layers[1]],
+                "forward_ms": total(mine, "forward_ms"),
+                "backward_ms": total(mine, "backward_ms"),
+                **(
+                    {
+                        "backward_input_ms": total(mine, "backward_input_ms"),
+                        "backward_weight_ms": total(mine, "backward_weight_ms"),
+                    }
+                    if split
+                    else {}
+                ),
+                "input_bytes_per_sample": mine[0].input_bytes_per_sample,
+                "output_bytes_per_sample": mine[-1].output_bytes_per_sample,
+                "stash_bytes_per_sample": sum(st.stash_bytes_per_sample for st in mine),
+                "static_bytes": sum(st.static_bytes for st in mine),
+                "param_bytes": None if None in params else sum(params),
+                "optimizer_ms": round(sum(st.optimizer_ms for st in mine), 6),
+            }
+        )
+    layers = [
+        {
+            key: getattr(st, key)
+            for key in (
+                "forward_ms",
+                "backward_ms",
+                "backward_input_ms",
+                "backward_weight_ms",
+                "input_bytes_per_sample",
+                "output_bytes_per_sample",
+                "stash_bytes_per_sample",
+                "static_bytes",
+                "param_bytes",
+            )
+        }
+        for st in src
+    ]
+    if any(st.layers[1] - st.layers[0] != 1 for st in src) or src[0].layers[0] != 0:
+        raise UmoptError("the per-layer profile must time every model layer as a stage of its own")
+    data = per_layer.model_dump(mode="json")
+    data.update(
+        stages=stages,
+        links=[per_layer.links[c - 1].model_dump(mode="json") for c in cuts[1:-1]],
+        layers=layers,
+    )
+    return Profile.model_validate(data)

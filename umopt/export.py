@@ -28,15 +28,23 @@ FORMATS = ("torch-csv",)
 
 
 def torch_csv(schedule: Schedule) -> str:
-    """The schedule as torch's compute-only pipeline CSV (one row per stage/rank)."""
+    """The schedule as torch's compute-only pipeline CSV (one row per rank; with several chunks
+    per rank, each action names its virtual stage, as torch's multi-stage schedules do)."""
     if schedule.recompute:
         raise UmoptError(
             "torch-csv: torch's schedules cannot recompute inside a backward as this schedule does"
         )
-    if schedule.chunks is not None:
-        raise UmoptError("torch-csv: schedules with several chunks per rank are not exported yet")
-    ops = schedule.op_lists()
-    parts = [partitions_from_ops(o) for o in ops]
+    # every op as (stage, kind, lo, hi), per rank
+    rows = [
+        [(op[3] if len(op) == 4 else r, op[0], op[1], op[2]) for op in rank_ops]
+        for r, rank_ops in enumerate(schedule.op_lists())
+    ]
+    V = len(schedule.chunks.ranks) if schedule.chunks is not None else len(rows)
+    per_stage: list[list] = [[] for _ in range(V)]
+    for rank_ops in rows:
+        for j, kind, lo, hi in rank_ops:
+            per_stage[j].append((kind, lo, hi))
+    parts = [partitions_from_ops(o) for o in per_stage]
     first = parts[0][0]
     for s, (f, b) in enumerate(parts):
         if f != first:
@@ -50,15 +58,15 @@ def torch_csv(schedule: Schedule) -> str:
         )
     ends = list(itertools.accumulate(first))
     index = {(lo, hi): i for i, (lo, hi) in enumerate(zip([0, *ends[:-1]], ends))}
+    split = [any(kind == "W" for kind, _, _ in o) for o in per_stage]
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    for s, stage_ops in enumerate(ops):
-        split = any(op.kind == "W" for op in stage_ops)
+    for rank_ops in rows:
         row = []
-        for kind, lo, hi in stage_ops:
+        for j, kind, lo, hi in rank_ops:
             if kind == "W":  # every microbatch it covers, in sample order
-                row += [f"{s}W{i}" for (a, z), i in index.items() if lo <= a and z <= hi]
+                row += [f"{j}W{i}" for (a, z), i in index.items() if lo <= a and z <= hi]
             else:
-                row.append(f"{s}{'I' if split and kind == 'B' else kind}{index[(lo, hi)]}")
+                row.append(f"{j}{'I' if split[j] and kind == 'B' else kind}{index[(lo, hi)]}")
         writer.writerow(row)
     return out.getvalue()

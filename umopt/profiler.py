@@ -58,6 +58,7 @@ __all__ = [
     "profile_stages",
     "check_profile_options",
     "balanced_split",
+    "profile_for_chunks",
     "stash_bytes",
     "measure_link",
     "measure_allreduce",
@@ -748,6 +749,43 @@ def profile_model(
             # it nothing the model's tensors had cached
             gc.collect()
             torch.cuda.empty_cache()
+
+
+def profile_for_chunks(
+    opts: ProfileOptions,
+    chunks: int,
+    progress: Optional[ProgressFn] = None,
+    argv: Optional[list[str]] = None,
+) -> Profile:
+    """The model of ``opts`` profiled layer by layer (each layer timed as a stage of its own, one
+    after another), then grouped into its stages (``opts.split``, or balanced on the layers' times
+    into ``opts.stages``) with the per-layer entries kept: a profile whose ranks' layers can be cut
+    into up to ``chunks`` chunks each (``umopt profile --chunks``)."""
+    from dataclasses import replace
+
+    from .chunks import stages_from_layers
+
+    L = len(build_model(opts.model, opts.model_args, seed=opts.seed).layers)
+    if opts.split is None and (opts.stages or 1) * chunks > L:
+        raise UmoptError(
+            f"{opts.stages} stages x {chunks} chunks need {(opts.stages or 1) * chunks} layers; {opts.model} has {L}"
+        )
+    per_layer = profile_model(
+        replace(opts, split=list(range(L + 1)), stages=None, concurrent=False), progress, argv
+    )
+    if opts.split is not None:
+        cuts = list(opts.split)
+    else:
+        mid = len(per_layer.sizes) // 2
+        cuts = balanced_split(
+            [st.forward_ms[mid] + st.backward_ms[mid] for st in per_layer.stages], opts.stages or 1
+        )
+    short = [s for s, (a, b) in enumerate(zip(cuts, cuts[1:])) if b - a < chunks]
+    if short:
+        raise UmoptError(
+            f"stage {short[0]} has {cuts[short[0] + 1] - cuts[short[0]]} layers, too few for {chunks} chunks"
+        )
+    return stages_from_layers(per_layer, cuts)
 
 
 def profile_stages(
