@@ -110,10 +110,10 @@ def main() -> None:
     from tables import print_table
 
     from umopt.chunks import chunking
-    from umopt.costmodel import simulate
+    from umopt.errors import UmoptError
     from umopt.formats.profile import load_profile
     from umopt.formats.schedule import make_schedule, save_schedule
-    from umopt.peers import best_peers
+    from umopt.peers import score_peer
     from umopt.solve_chunks import solve_chunked
 
     work = Path(tempfile.mkdtemp(prefix="umopt-multichunk-"))
@@ -127,14 +127,20 @@ def main() -> None:
     B = args.minibatch
     rep = solve_chunked(profile, B, (2,), time_limit=20)
     save_schedule(rep.schedule, str(work / "pick.json"))
-    peer = best_peers(profile, B, names=["ScheduleInterleaved1F1B"], max_chunks=2)["ScheduleInterleaved1F1B"]
+    # M dividing B only: torch's runtime splits inputs and targets alike only then
+    scored = []
+    for m in (m for m in range(2, B + 1) if B % m == 0):
+        try:
+            scored.append((score_peer(profile, "ScheduleInterleaved1F1B", 2, B, m), m))
+        except UmoptError:
+            continue
+    (tables, ops, tl), M = min(scored, key=lambda x: x[0][2].iteration_ms)
     ch = chunking(profile, 2, "looped")
-    tl = simulate(peer.tables, peer.ops, B)
     equal = make_schedule(
         profile,
         B,
         False,
-        peer.ops,
+        ops,
         tl,
         {"name": "ScheduleInterleaved1F1B", "status": "feasible", "seconds": 0.0},
         {},
@@ -144,7 +150,7 @@ def main() -> None:
     plan = {
         "model_args": model_args,
         "minibatch": B,
-        "microbatches": peer.microbatches,
+        "microbatches": M,
         "equal": str(work / "equal.json"),
         "pick": str(work / "pick.json"),
     }
@@ -167,7 +173,7 @@ def main() -> None:
     times = json.loads(out.read_text())
     predicted = {"torch": tl.iteration_ms, "equal": tl.iteration_ms, "pick": rep.timeline.iteration_ms}
     names = {
-        "torch": f"torch ScheduleInterleaved1F1B, torch's runtime (v=2, M={peer.microbatches})",
+        "torch": f"torch ScheduleInterleaved1F1B, torch's runtime (v=2, M={M})",
         "equal": "the same order, umopt's runtime",
         "pick": f"umopt's pick ({rep.picked})",
     }

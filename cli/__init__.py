@@ -643,7 +643,7 @@ def _int_list(value: Optional[str], what: str) -> Optional[list[int]]:
     type=int,
     default=1,
     show_default=True,
-    help="Time every layer on its own (one after another, no probe runs) so that each stage can be cut into up to this many chunks (solve --chunks).",
+    help="Time every layer on its own (one after another) so that each stage can be cut into up to this many chunks (solve --chunks); the probe runs fit the runtime's own costs on the whole stages.",
 )
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Profile file to write.")
 def profile(
@@ -724,7 +724,9 @@ def profile(
         if chunks > 1:
             from umopt.profiler import profile_for_chunks
 
-            prof = profile_for_chunks(opts, chunks, progress, argv)
+            prof = profile_for_chunks(
+                opts, chunks, progress, argv, probes=probes, probe_minibatch=probe_minibatch
+            )
         else:
             prof = profile_in_pipeline(
                 opts,

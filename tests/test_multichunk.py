@@ -279,7 +279,19 @@ def test_profile_with_chunks_times_every_layer_and_keeps_the_stages_sums(tmp_pat
         "--stages",
         "2",
     ]
-    argv += ["--chunks", "2", "--max-size", "4", "--repeats", "1", "--warmup", "0", "-o", str(out)]
+    argv += [
+        "--chunks",
+        "2",
+        "--max-size",
+        "4",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--no-probes",
+        "-o",
+        str(out),
+    ]
     code, _, err = run_cli(argv, capsys)
     assert code == 0, err
     prof = load_profile(out)

@@ -756,11 +756,18 @@ def profile_for_chunks(
     chunks: int,
     progress: Optional[ProgressFn] = None,
     argv: Optional[list[str]] = None,
+    *,
+    probes: bool = True,
+    probe_minibatch: int = 32,
 ) -> Profile:
     """The model of ``opts`` profiled layer by layer (each layer timed as a stage of its own, one
     after another), then grouped into its stages (``opts.split``, or balanced on the layers' times
     into ``opts.stages``) with the per-layer entries kept: a profile whose ranks' layers can be cut
-    into up to ``chunks`` chunks each (``umopt profile --chunks``)."""
+    into up to ``chunks`` chunks each (``umopt profile --chunks``).
+
+    With ``probes``, the stages are also profiled whole and fitted to probe runs of the runtime
+    (one chunk per rank), and the runtime's own costs that fit (per op, per message, per
+    iteration) are the layered profile's too: the per-layer times hold no runtime."""
     from dataclasses import replace
 
     from .chunks import stages_from_layers
