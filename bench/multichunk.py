@@ -1,8 +1,10 @@
 """Several chunks per rank, predicted: umopt's pick against every multi-chunk schedule torch ships.
 
-    python bench/multichunk.py [--time-limit 30] [--markdown]
+    python bench/multichunk.py [--time-limit 30] [--memory none|1f1b] [--markdown]
 
-For each bundled profile with per-layer entries (gpt-sim, transformer8-sim) at B = 32 and 64,
+For each bundled profile with per-layer entries (gpt-sim, transformer8-sim, vgg16-chunks-cpu) at
+B = 32 and 64, with ``--memory 1f1b`` all within one memory limit per rank (the best equal
+one-chunk 1F1B's peak, what a user running 1F1B today has room for),
 without and with W ops (``--zero-bubble``): ``umopt solve --chunks auto`` (the one-chunk solve,
 torch's schedules scored at their best v <= 4 and M, and umopt's search over per-virtual-stage
 partitions, placement and cut; the pick is the fastest), against the best torch schedule of the
@@ -22,35 +24,66 @@ from tables import print_table
 from umopt.formats.profile import load_profile
 from umopt.solve_chunks import solve_chunked
 
-ROWS = [("gpt-sim", 32), ("gpt-sim", 64), ("transformer8-sim", 32), ("transformer8-sim", 64)]
+ROWS = [
+    ("gpt-sim", 32),
+    ("gpt-sim", 64),
+    ("transformer8-sim", 32),
+    ("transformer8-sim", 64),
+    ("vgg16-chunks-cpu", 32),
+    ("vgg16-chunks-cpu", 64),
+]
+
+
+def onef1b_peak(profile, minibatch: int) -> int:
+    """The best equal one-chunk 1F1B's peak memory on its busiest rank."""
+    from umopt.baselines import onef1b_equal
+    from umopt.solve import make_problem
+
+    problem = make_problem(profile, minibatch, False, None)
+    return max(onef1b_equal(problem).candidate.simulate(problem).peak_memory_bytes)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--time-limit", type=float, default=30.0)
+    ap.add_argument("--memory", choices=("none", "1f1b"), default="none")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     cells, ratios = [], []
     for name, B in ROWS:
         profile = load_profile(name)
+        limit = None
+        if args.memory == "1f1b":
+            limit = onef1b_peak(profile, B)
+            profile = profile.with_memory_limit(limit)
         for w in (False, True):
             t0 = time.perf_counter()
             rep = solve_chunked(profile, B, (1, 2, 3, 4), time_limit=args.time_limit, zero_bubble=w)
             seconds = time.perf_counter() - t0
             peers = {k: p for k, p in rep.peers.items() if p.iteration_ms is not None}
-            best_name, best = min(peers.items(), key=lambda kv: kv[1].iteration_ms)
             ms = rep.timeline.iteration_ms
             one = rep.one_chunk.timeline.iteration_ms
             sol = rep.search
+            sol_cell = (
+                "-"
+                if sol is None
+                else f"{sol.iteration_ms:.1f} (v={sol.shape.chunks} {sol.shape.placement}, {sol.shape.cut} cut)"
+            )
+            if not peers:  # none of torch's fits the memory limit
+                cells.append([name, str(B), f"{limit / 2**20:.0f}", "yes" if w else "no", f"{one:.1f}", "-"])
+                cells[-1] += [sol_cell, f"{ms:.1f} ({rep.picked})", "-", f"{one / ms:.3f}", f"{seconds:.0f}"]
+                continue
+            best_name, best = min(peers.items(), key=lambda kv: kv[1].iteration_ms)
             ratios.append((name, B, w, best.iteration_ms / ms, one / ms))
             cells.append(
                 [
                     name,
                     str(B),
+                    "-" if limit is None else f"{limit / 2**20:.0f}",
                     "yes" if w else "no",
                     f"{one:.1f}",
                     f"{best.iteration_ms:.1f} ({best_name.removeprefix('Schedule')} v={best.chunks} M={best.microbatches})",
-                    f"{sol.iteration_ms:.1f} (v={sol.shape.chunks} {sol.shape.placement}, {sol.shape.cut} cut)",
+                    sol_cell,
                     f"{ms:.1f} ({rep.picked})",
                     f"{best.iteration_ms / ms:.3f}",
                     f"{one / ms:.3f}",
@@ -58,12 +91,13 @@ def main() -> None:
                 ]
             )
     worst = min(ratios, key=lambda r: r[3])
-    t8 = [r[4] for r in ratios if r[0] == "transformer8-sim"]
+    t8 = [r[4] for r in ratios if r[0] == "transformer8-sim"] or [float("nan")]
     print_table(
         "several chunks per rank, predicted",
         [
             "profile",
             "B",
+            "limit MiB",
             "W ops",
             "umopt 1 chunk ms",
             "best torch ms",

@@ -404,13 +404,16 @@ def _solve_chunked(
     for name, p in report.peers.items():
         row(f"torch {name.removeprefix('Schedule')}", p.chunks, p.microbatches, p.iteration_ms)
     sol = report.search
-    counts = sorted({len(p) for p in sol.genes.fwd})
-    row(
-        f"umopt, {sol.shape.placement} ({sol.shape.cut} cut)",
-        sol.shape.chunks,
-        str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}",
-        sol.iteration_ms,
-    )
+    if sol is None:
+        row("umopt, several chunks", None, None, None)
+    else:
+        counts = sorted({len(p) for p in sol.genes.fwd})
+        row(
+            f"umopt, {sol.shape.placement} ({sol.shape.cut} cut)",
+            sol.shape.chunks,
+            str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}",
+            sol.iteration_ms,
+        )
     out.print(table)
     out.print(
         f"picked: {report.picked}, {report.timeline.iteration_ms:.3f} ms", markup=False, highlight=False

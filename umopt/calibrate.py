@@ -50,6 +50,10 @@ def _check_report(rep: RunReport, name: str, profile: Profile) -> None:
         raise UmoptError(f"{name}: measured_iteration_ms is null: not a report of a finished run")
     if rep.ops is None:
         raise UmoptError(f"{name}: no per-op times (written by an older umopt run; run it again)")
+    if rep.model_extra.get("chunks"):
+        raise UmoptError(
+            f"{name}: a run with several chunks per rank; calibrate from runs of one chunk per rank (umopt profile fits those itself)"
+        )
     if len(rep.ops) != profile.num_stages:
         raise UmoptError(f"{name}: has {len(rep.ops)} stages, the profile {profile.num_stages}")
     tables = CostTables.from_profile(profile, rep.recompute)

@@ -24,7 +24,7 @@ from .errors import UmoptError
 from .formats.profile import Profile, load_profile
 from .formats.schedule import Schedule, check_against_profile, load_schedule
 from .losses import ChunkLoss, chunk_loss
-from .pipeline import _LINKS, _as_tuple, _grad_carrying, _tensors, link_groups
+from .pipeline import _LINKS, StepTimer, _as_tuple, _grad_carrying, _tensors, guarded, link_groups
 from .splitbackward import backward_input
 
 __all__ = ["ChunkedPipeline", "chunk_message_order"]
@@ -54,8 +54,11 @@ class ChunkedPipeline:
     Args:
         modules: this rank's chunk modules, in the order of their virtual stages.
         schedule: a schedule file (or loaded Schedule) with ``chunks``.
-        loss_fn, loss_reduction, loss_normalizer, profile, group, device, dtype: as
-            :class:`umopt.Pipeline`'s (``loss_fn`` on the rank that holds the last chunk).
+        loss_fn, loss_reduction, loss_normalizer, profile, group, device, dtype, timer,
+            on_failure: as :class:`umopt.Pipeline`'s (``loss_fn`` on the rank that holds the
+            last chunk).
+
+    A step that raises breaks the links as :class:`umopt.Pipeline`'s does.
     """
 
     def __init__(
@@ -70,6 +73,8 @@ class ChunkedPipeline:
         group: Optional[dist.ProcessGroup] = None,
         device: Optional[torch.device] = None,
         dtype: Optional[str] = None,
+        timer: Optional[StepTimer] = None,
+        on_failure: Optional[Callable[[BaseException], None]] = None,
     ):
         self.schedule = schedule if isinstance(schedule, Schedule) else load_schedule(str(schedule))
         self.profile = (
@@ -108,6 +113,8 @@ class ChunkedPipeline:
         self.device = device or (param.device if param is not None else torch.device("cpu"))
         self.dtype = dtype or self.profile.device.dtype
         check_trainable(self.dtype)
+        self.timer, self.on_failure = timer, on_failure
+        self.spans: list[tuple[str, int, int, Any, Any]] = []
         self.ops: list[ChunkOp] = self.schedule.op_lists()[self.rank]
         self._split = {j: any(op.kind == "W" and op.stage == j for op in self.ops) for j in self.local}
         world = list(range(R)) if group is None else dist.get_process_group_ranks(group)
@@ -167,6 +174,13 @@ class ChunkedPipeline:
             )
         self._ready = True
 
+    def prepare(self, inputs: Any = None) -> None:
+        """Agree on the boundary shapes now (the rank holding the first chunk passes a batch of
+        its inputs) rather than in the first step. Every rank must call it, or none."""
+        if not self._ready:
+            xs = _tensors(inputs, "the inputs") if 0 in self.modules else ()
+            guarded(lambda: self._learn_specs(xs), f"rank {self.rank}", self.on_failure)
+
     def step(
         self,
         *args: Any,
@@ -189,9 +203,13 @@ class ChunkedPipeline:
             raise UmoptError(f"the first chunk's step needs inputs of {B} samples (the schedule's minibatch)")
         if self.last and (not ys or any(t.shape[0] != B for t in ys)):
             raise UmoptError(f"the last chunk's step needs targets of {B} samples")
-        if not self._ready:
-            self._learn_specs(xs)
-        return self._step(xs, ys, losses)
+
+        def run() -> Optional[torch.Tensor]:
+            if not self._ready:
+                self._learn_specs(xs)
+            return self._step(xs, ys, losses)
+
+        return guarded(run, f"rank {self.rank}", self.on_failure)
 
     def _step(self, xs, ys, losses) -> Optional[torch.Tensor]:
         recompute = self.schedule.recompute
@@ -203,6 +221,8 @@ class ChunkedPipeline:
         saved: dict[tuple[int, int, int], tuple] = {}
         weights_later: dict[tuple[int, int, int], Callable[[], None]] = {}
         loss_sum = torch.zeros((), device=self.device)
+        spans = []
+        mark = self.timer.mark if self.timer is not None else (lambda: None)
 
         def chunk_input(j: int, lo: int, hi: int, grad: bool) -> tuple[torch.Tensor, ...]:
             if j == 0:
@@ -223,54 +243,65 @@ class ChunkedPipeline:
                     losses.append(loss.detach())
                 return loss * scale(lo, hi)
 
-        links.advance()
-        for kind, lo, hi, j in self.ops:
-            if kind == "F":
-                links.wait("act", j, lo, hi)
-                x = chunk_input(j, lo, hi, not recompute)
-                with torch.set_grad_enabled(not recompute):
-                    out = forward(j, x, lo, hi)
-                if j == self.V - 1:
-                    loss_sum += out.detach().float()
-                if not recompute:
-                    saved[(j, lo, hi)] = (x, out)
-                if j < self.V - 1:
-                    outs = [t.detach() for t in _tensors(out, f"virtual stage {j}'s output")]
-                    links.send("act", j, lo, hi, outs)
-            elif kind == "B":
-                links.wait("grad", j, lo, hi)
-                if recompute:
-                    x = chunk_input(j, lo, hi, True)
-                    out = forward(j, x, lo, hi)
-                else:
-                    x, out = saved.pop((j, lo, hi))
-                if j == self.V - 1:
-                    roots, grads = [out], None
-                else:
-                    outs = [t for t, spec in zip(_as_tuple(out), self.specs_out[j]) if _grad_carrying(spec)]
-                    pairs = [(o, g[lo:hi]) for o, g in zip(outs, self._grad[j]) if o.requires_grad]
-                    roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
-                if self._split[j]:
-                    weights_later[(j, lo, hi)] = backward_input(x, roots, grads, self.modules[j])
-                elif roots:
-                    torch.autograd.backward(roots, grads)
-                if j > 0:
-                    links.send(
-                        "grad",
-                        j - 1,
-                        lo,
-                        hi,
-                        [
-                            t.grad if t.grad is not None else torch.zeros_like(t)
-                            for t, spec in zip(x, self.specs_in[j])
-                            if _grad_carrying(spec)
-                        ],
-                    )
-            else:
-                for chunk in sorted(c for c in weights_later if c[0] == j and lo <= c[1] and c[2] <= hi):
-                    weights_later.pop(chunk)()
+        try:
             links.advance()
-        links.finish()
+            for kind, lo, hi, j in self.ops:
+                if kind == "F":
+                    links.wait("act", j, lo, hi)
+                    t0 = mark()
+                    x = chunk_input(j, lo, hi, not recompute)
+                    with torch.set_grad_enabled(not recompute):
+                        out = forward(j, x, lo, hi)
+                    if j == self.V - 1:
+                        loss_sum += out.detach().float()
+                    if not recompute:
+                        saved[(j, lo, hi)] = (x, out)
+                    if j < self.V - 1:
+                        outs = [t.detach() for t in _tensors(out, f"virtual stage {j}'s output")]
+                        links.send("act", j, lo, hi, outs)
+                elif kind == "B":
+                    links.wait("grad", j, lo, hi)
+                    t0 = mark()
+                    if recompute:
+                        x = chunk_input(j, lo, hi, True)
+                        out = forward(j, x, lo, hi)
+                    else:
+                        x, out = saved.pop((j, lo, hi))
+                    if j == self.V - 1:
+                        roots, grads = [out], None
+                    else:
+                        outs = [
+                            t for t, spec in zip(_as_tuple(out), self.specs_out[j]) if _grad_carrying(spec)
+                        ]
+                        pairs = [(o, g[lo:hi]) for o, g in zip(outs, self._grad[j]) if o.requires_grad]
+                        roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+                    if self._split[j]:
+                        weights_later[(j, lo, hi)] = backward_input(x, roots, grads, self.modules[j])
+                    elif roots:
+                        torch.autograd.backward(roots, grads)
+                    if j > 0:
+                        links.send(
+                            "grad",
+                            j - 1,
+                            lo,
+                            hi,
+                            [
+                                t.grad if t.grad is not None else torch.zeros_like(t)
+                                for t, spec in zip(x, self.specs_in[j])
+                                if _grad_carrying(spec)
+                            ],
+                        )
+                else:
+                    t0 = mark()
+                    for chunk in sorted(c for c in weights_later if c[0] == j and lo <= c[1] and c[2] <= hi):
+                        weights_later.pop(chunk)()
+                spans.append((kind, lo, hi, t0, mark()))
+                links.advance()
+            links.finish()
+        except BaseException:
+            links.drop()  # no request of this step may keep a link open (see _break_links)
+            raise
+        self.spans = spans
         return loss_sum if self.last else None
 
 
@@ -340,6 +371,12 @@ class _PairLinks:
             if mlo < hi and lo < mhi:
                 for w in works.pop((mlo, mhi)):
                     w.wait()
+
+    def drop(self) -> None:
+        """Forget every request of this step (a failed step's must not keep its links open)."""
+        self.recv.clear()
+        self.ready.clear()
+        self.sends.clear()
 
     def finish(self) -> None:
         self.advance()

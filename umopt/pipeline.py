@@ -189,6 +189,26 @@ def _warn_numerics(profile: Profile) -> None:
         )
 
 
+def guarded(run: Callable[[], Any], who: str, on_failure: Optional[Callable[[BaseException], None]]) -> Any:
+    """Run ``run`` unless a step has failed; if it raises, break the links (see [Note: a failed
+    step breaks the pipeline]) and raise, with the failure that came first named (``who``: this
+    rank, as "stage 2" or "rank 2")."""
+    if _LINKS["failed"]:
+        raise PipelineBroken(f"this pipeline cannot step again: {_LINKS['failed']}")
+    try:
+        return run()
+    except BaseException as exc:
+        first = _failure_elsewhere()
+        if first and not isinstance(exc, UmoptError):  # this rank's error is the echo of another's
+            exc = PipelineBroken(f"{first} ({who} stopped: {exc.__class__.__name__}: {first_line(exc, 160)})")
+        if on_failure is not None:
+            on_failure(exc)  # before the links break: the peers fail at once after that
+        _break_links(first or f"{who} failed: {exc.__class__.__name__}: {first_line(exc, 300)}")
+        if isinstance(exc, PipelineBroken):
+            raise exc from None
+        raise
+
+
 def link_order(profile: Profile, schedule: Schedule) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
     """For each link (s, s+1): its messages in the order both ends issue them.
 
@@ -623,26 +643,7 @@ class Pipeline:
         return play._guarded(lambda: play._eval(*play._inputs(args, inputs, targets, target), keep=outputs))
 
     def _guarded(self, run: Callable[[], Any]) -> Any:
-        """Run ``run`` unless a step has failed; if it raises, break the links (see [Note: a
-        failed step breaks the pipeline]) and raise, with the failure that came first named."""
-        if _LINKS["failed"]:
-            raise PipelineBroken(f"this pipeline cannot step again: {_LINKS['failed']}")
-        try:
-            return run()
-        except BaseException as exc:
-            first = _failure_elsewhere()
-            if first and not isinstance(exc, UmoptError):  # this rank's error is the echo of another's
-                exc = PipelineBroken(
-                    f"{first} (stage {self.stage} stopped: {exc.__class__.__name__}: {first_line(exc, 160)})"
-                )
-            if self.on_failure is not None:
-                self.on_failure(exc)  # before the links break: the peers fail at once after that
-            _break_links(
-                first or f"stage {self.stage} failed: {exc.__class__.__name__}: {first_line(exc, 300)}"
-            )
-            if isinstance(exc, PipelineBroken):
-                raise exc from None
-            raise
+        return guarded(run, f"stage {self.stage}", self.on_failure)
 
     def _step(
         self, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...], losses: Optional[list]

@@ -63,7 +63,7 @@ from .fileio import check_writable, write_atomic
 from .formats.profile import AllReduceProfile, Profile, load_profile
 from .formats.report import Decision as ReportDecision
 from .formats.report import MeasuredPredicted, RunReport, Selection, save_report
-from .formats.schedule import Schedule, check_against_profile, load_schedule, require_one_chunk
+from .formats.schedule import Schedule, check_against_profile, load_schedule
 from .noise import run_warnings
 from .pipeline import Pipeline, StepTimer, share_buffers
 from .selection import (
@@ -205,7 +205,11 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
             check_against_profile(schedule, profile)
         except UmoptError as exc:
             raise UmoptError(f"{path}: {exc}") from None
-        require_one_chunk(schedule, path)
+    if len({str(sc.chunks) for sc in schedules}) > 1:
+        raise UmoptError(
+            "the schedules place the model's layers on the ranks differently (several chunks per rank): "
+            "schedules that take turns must hold the same layers on each rank"
+        )
     check_trainable(profile.device.dtype)
     parts = build_model(
         profile.model.name, profile.model.args, seed=int(profile.model.model_extra.get("seed", 0))
@@ -224,6 +228,8 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
         args.dp = solved_for.pop()
     if args.dp < 1:
         raise UmoptError(f"--dp must be at least 1, got {args.dp}")
+    if args.dp > 1 and schedules[0].chunks is not None:
+        raise UmoptError("--dp with several chunks per rank is not supported yet")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise UmoptError("--steps and --rounds must be at least 1 and --warmup at least 0")
     if len(schedules) > 1:
@@ -415,6 +421,29 @@ def build_stage(profile: Profile, s: int, device: torch.device) -> StageSetup:
     return setup
 
 
+def build_chunks(profile: Profile, chunks, rank: int, device: torch.device) -> StageSetup:
+    """This rank's chunks of a schedule with several per rank, as one ``ModuleList`` (in virtual
+    stage order), built with the profile's seed on ``device``; the boundary shapes are agreed by
+    the chunked Pipeline itself."""
+    seed = int(profile.model.model_extra.get("seed", 0))
+    parts: ModelParts = build_model(profile.model.name, profile.model.args, seed=seed)
+    mods = [
+        _StageModule(parts.layers[lo:hi], lo) for (lo, hi), r in zip(chunks.layers, chunks.ranks) if r == rank
+    ]
+    spec = TensorSpec.of(parts.make_batch(1, 0)[0])
+    setup = StageSetup(
+        torch.nn.ModuleList(mods).to(device),
+        parts.make_batch,
+        parts.loss,
+        spec,
+        spec,
+        device,
+        profile.device.dtype,
+    )
+    parts.layers.clear()
+    return setup
+
+
 @dataclass
 class _Rank:
     """What one rank holds for the run: its place in the pipelines, its stage and optimizer, its data."""
@@ -441,11 +470,13 @@ class _Rank:
 
     @property
     def first(self) -> bool:
-        return self.s == 0
+        chunks = self.cfg.schedules[0].chunks
+        return self.s == 0 if chunks is None else chunks.ranks[0] == self.s
 
     @property
     def last(self) -> bool:
-        return self.s == self.cfg.num_stages - 1
+        chunks = self.cfg.schedules[0].chunks
+        return self.s == self.cfg.num_stages - 1 if chunks is None else chunks.ranks[-1] == self.s
 
 
 def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
@@ -464,7 +495,12 @@ def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
         pipe_group, dp_group = pipes[replica], stage_groups[s]
     if device.type == "cpu":
         torch.set_num_threads(args.threads or int(cfg.profile.device.model_extra.get("threads", 1)))
-    setup = build_stage(cfg.profile, s, device)
+    chunks = cfg.schedules[0].chunks
+    setup = (
+        build_stage(cfg.profile, s, device)
+        if chunks is None
+        else build_chunks(cfg.profile, chunks, s, device)
+    )
     lr = args.lr if args.lr is not None else (0.01 if args.optimizer == "sgd" else 1e-3)
     params = list(setup.module.parameters())
     sgd = args.optimizer == "sgd"
@@ -506,6 +542,20 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]]) -> list[_Play]:
     plays = []
     for name, path, sched in entries:
         B = sched.minibatch
+        if sched.chunks is not None:  # several chunks per rank: a ChunkedPipeline over them
+            pipe = Pipeline(
+                list(rk.stage),
+                sched,
+                loss_fn=lambda out, y, B=B: rk.setup.loss(out, y) / B,
+                loss_reduction="sum",
+                profile=rk.cfg.profile,
+                device=rk.device,
+                timer=rk.timing,
+                on_failure=_report_failure,
+            )
+            pipe.prepare(to_device(rk.data_fn(0, B)[0], rk.device) if rk.first else None)
+            plays.append(_Play(pipe, name, path, op_ms=[[] for _ in pipe.ops], slower_s=_slower_s(name)))
+            continue
         pipe = Pipeline(
             rk.stage,
             sched,
@@ -524,7 +574,9 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]]) -> list[_Play]:
         )
         pipe.prepare()  # the boundary shapes agreed now, not inside the first timed step
         plays.append(_Play(pipe, name, path, op_ms=[[] for _ in pipe.ops], slower_s=_slower_s(name)))
-    share_buffers([p.pipe for p in plays])
+    one_chunk = [p.pipe for p in plays if isinstance(p.pipe, Pipeline)]
+    if one_chunk:
+        share_buffers(one_chunk)
     return plays
 
 
@@ -673,7 +725,7 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     )  # as the profile timed its kernels?
     for play in reported:
         gathered: list = [None] * rk.world
-        medians = [[kind, lo, hi, statistics.median(d)] for (kind, lo, hi), d in zip(play.ops, play.op_ms)]
+        medians = [[op[0], op[1], op[2], statistics.median(d)] for op, d in zip(play.ops, play.op_ms)]
         mine = {
             "spans": play.spans_last,
             "losses": play.losses,
@@ -876,7 +928,7 @@ def _report(
     measured = statistics.median(step_ms)
     tl = _measured_timeline(per_rank)
     allreduce = run_allreduce(cfg, schedule)
-    tables = CostTables.from_profile(cfg.profile, schedule.recompute, allreduce)
+    tables = CostTables.from_profile(cfg.profile, schedule.recompute, allreduce, schedule.chunking())
     pred_tl = simulate(tables, schedule.op_lists(), schedule.minibatch)
     predicted = pred_tl.iteration_ms  # the simulator's, not what the file says
     report = RunReport(
@@ -921,6 +973,7 @@ def _report(
             reason=decision.reason,
         ),
         selection=selection,
+        **({"chunks": schedule.chunks.model_dump()} if schedule.chunks is not None else {}),
     )
     report_path, trace_path, plot_path = (cfg.output(t, k) for t in (args.report, args.trace, args.plot))
     _log.info(

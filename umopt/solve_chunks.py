@@ -35,7 +35,7 @@ class ChunkSolveReport:
     picked: str  # "umopt chunks", "umopt one chunk" or a torch class name
     one_chunk: SolveReport
     peers: dict[str, PeerResult]
-    search: ChunkSolution
+    search: Optional[ChunkSolution]  # None: no schedule with several chunks fits the memory limit
 
 
 def parse_chunks(value: str) -> tuple[int, ...]:
@@ -90,17 +90,20 @@ def solve_chunked(
     names = [n for n, (_, _, w) in TORCH_MULTI.items() if zero_bubble or not w]
     peers = best_peers(profile, minibatch, recompute=recompute, names=names, max_chunks=max(chunk_counts))
     left = max(1.0, time_limit - (time.perf_counter() - started))
-    search = solve_chunks(
-        profile,
-        minibatch,
-        chunk_counts=chunk_counts,
-        weights=zero_bubble,
-        recompute=recompute,
-        seconds=left,
-        seed=seed,
-        progress=part(ONE_CHUNK_SHARE, 1.0),
-    )
-    picks = [("umopt chunks", search.iteration_ms)]
+    try:
+        search: Optional[ChunkSolution] = solve_chunks(
+            profile,
+            minibatch,
+            chunk_counts=chunk_counts,
+            weights=zero_bubble,
+            recompute=recompute,
+            seconds=left,
+            seed=seed,
+            progress=part(ONE_CHUNK_SHARE, 1.0),
+        )
+    except UmoptError:  # no multi-chunk schedule within the memory limit: the others still compete
+        search = None
+    picks = [("umopt chunks", search.iteration_ms)] if search is not None else []
     picks += [(name, p.iteration_ms) for name, p in peers.items() if p.iteration_ms is not None]
     picks.append(("umopt one chunk", one.timeline.iteration_ms))
     picked = min(picks, key=lambda x: x[1] - (1e-9 if x[0] == "umopt one chunk" else 0.0))[0]
@@ -143,9 +146,9 @@ def solve_chunked(
             "seconds": time.perf_counter() - started,
             "seed": seed,
             "time_limit": time_limit,
-            "evaluated": search.evaluated,
+            "evaluated": search.evaluated if search is not None else 0,
             "chunks_per_rank": ch.num_virtual // profile.num_stages,
-            "cut": search.shape.cut if picked == "umopt chunks" else "stage",
+            "cut": search.shape.cut if search is not None and picked == "umopt chunks" else "stage",
         },
         baselines=baselines,
         chunks={"layers": [list(x) for x in ch.layers], "ranks": list(ch.ranks), "placement": place},

@@ -313,8 +313,8 @@ def require_one_chunk(schedule: Schedule, where: str) -> None:
     """Refuse, in one line, a schedule with several chunks per rank where only one is played."""
     if schedule.chunks is not None:
         raise UmoptError(
-            f"{where} puts {len(schedule.chunks.ranks) // len(schedule.stages)} chunks on each rank; "
-            "the runtime plays one chunk per rank so far (solve without --chunks to run it)"
+            f"{where} puts {len(schedule.chunks.ranks) // len(schedule.stages)} chunks on each rank: "
+            "give umopt.Pipeline the rank's chunk modules as a list"
         )
 
 
