@@ -17,8 +17,8 @@ import types
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .chunks import chunking, placement
-from .costmodel import ChunkOp, CostTables, Timeline, rank_peak_memory, simulate
+from .chunks import balanced_cut, chunking, placement
+from .costmodel import Chunking, ChunkOp, CostTables, Timeline, rank_peak_memory, simulate
 from .errors import UmoptError
 from .formats.profile import Profile
 from .partition import chunks as sample_ranges
@@ -124,6 +124,7 @@ class PeerResult:
     ops: Optional[list[list[ChunkOp]]] = None
     tables: Optional[CostTables] = None
     timeline: Optional[Timeline] = None
+    chunking: Optional[Chunking] = None  # the layers each virtual stage holds, and where
 
 
 def score_peer(
@@ -131,13 +132,29 @@ def score_peer(
 ) -> tuple[CostTables, list[list[ChunkOp]], Timeline]:
     """torch's ``name`` at ``chunks`` per rank and ``microbatches`` equal chunks, each rank's stage
     cut into ``chunks`` pieces (:func:`umopt.chunks.stage_cut`), under the cost model."""
-    tables = _tables(profile, name, chunks, recompute)
+    tables = _tables(profile, chunking(profile, chunks, TORCH_MULTI[name][0]), recompute)
     ops = torch_ops(name, profile.num_stages, chunks, minibatch, microbatches)
     return tables, ops, simulate(tables, ops, minibatch)
 
 
-def _tables(profile: Profile, name: str, chunks: int, recompute: bool) -> CostTables:
-    return CostTables.from_profile(profile, recompute, chunks=chunking(profile, chunks, TORCH_MULTI[name][0]))
+def _tables(profile: Profile, ch: Chunking, recompute: bool) -> CostTables:
+    return CostTables.from_profile(profile, recompute, chunks=ch)
+
+
+def _cuts(profile: Profile, name: str, v: int) -> list[Chunking]:
+    """The cuts a torch user could make for v chunks per rank: each stage in v pieces (the split
+    they have), and all layers in even pieces (the split rebalanced); those the layers allow."""
+    place = TORCH_MULTI[name][0]
+    out = []
+    for cut in (None, "balanced"):
+        try:
+            layers = balanced_cut(profile, v * profile.num_stages) if cut else None
+            ch = chunking(profile, v, place, layers)
+        except UmoptError:
+            continue
+        if ch not in out:
+            out.append(ch)
+    return out
 
 
 def _busiest_rank_ms(tables: CostTables, minibatch: int, m: int, split: bool) -> float:
@@ -161,8 +178,9 @@ def best_peers(
     names: Sequence[str] | None = None,
     max_chunks: int = 4,
 ) -> dict[str, PeerResult]:
-    """For each of torch's multi-chunk schedules, its best chunk count (<= ``max_chunks``) and
-    microbatch count under the cost model, within the profile's memory limit.
+    """For each of torch's multi-chunk schedules, its best chunk count (<= ``max_chunks``),
+    microbatch count and cut (each stage in v pieces, or all layers evenly) under the cost model,
+    within the profile's memory limit.
 
     Every (v, M) is accounted for; those whose busiest rank alone is slower than the best found
     are not simulated."""
@@ -177,13 +195,11 @@ def best_peers(
             continue
         shapes = []
         for v in (v for v in vs if v <= max_chunks):
-            try:
-                tables = _tables(profile, name, v, recompute)
-            except UmoptError:  # too few layers for v chunks
-                continue
-            for m in range(max(1, -(-minibatch // profile.max_size)), minibatch + 1):
-                shapes.append((_busiest_rank_ms(tables, minibatch, m, needs_w), v, m, tables))
-        for bound, v, m, tables in sorted(shapes, key=lambda x: x[:3]):
+            for k, ch in enumerate(_cuts(profile, name, v)):
+                tables = _tables(profile, ch, recompute)
+                for m in range(max(1, -(-minibatch // profile.max_size)), minibatch + 1):
+                    shapes.append((_busiest_rank_ms(tables, minibatch, m, needs_w), v, m, k, tables, ch))
+        for bound, v, m, _, tables, ch in sorted(shapes, key=lambda x: x[:4]):
             if best.iteration_ms is not None and bound >= best.iteration_ms:
                 break
             try:
@@ -195,7 +211,7 @@ def best_peers(
                 continue
             if limit is not None and any(rank_peak_memory(tables, r, o) > limit for r, o in enumerate(ops)):
                 continue
-            best = PeerResult(name, v, m, tl.iteration_ms, ops, tables)
+            best = PeerResult(name, v, m, tl.iteration_ms, ops, tables, chunking=ch)
         if best.ops is not None:
             best.timeline = simulate(best.tables, best.ops, minibatch)
         out[name] = best

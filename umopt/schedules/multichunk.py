@@ -12,7 +12,8 @@ every virtual stage splits the minibatch the same way. With a partition per virt
 order has to follow the data instead: a rank, whenever it is free, runs one of its ops whose
 inputs have arrived, chosen by a priority rule; when none has, it waits for the first that will.
 The rule is 1F1B's: forwards while fewer than ``cap[r]`` samples are in flight on the rank
-(forwarded, backward not yet run), then a backward first whenever one is ready, waiting for it
+(forwarded, backward not yet run; with W ops, weight gradient not yet run, as the memory model
+holds them), then a backward first whenever one is ready, waiting for it
 rather than forwarding more; among ready forwards, the deeper virtual stage first (``deep``,
 depth-first as in interleaved 1F1B) or the earlier samples first (breadth-first). With W ops, a
 chunk's weight gradient waits and runs where the rank would otherwise idle (zero bubble), or at
@@ -100,7 +101,7 @@ def build_ops(tables: CostTables, minibatch: int, genes: ChunkGenes) -> tuple[li
         bs = [(ready_b(j), j) for j in local[r] if bi[j] < len(br[j])]
         b_now = [(t, -j) for t, j in bs if t <= t0]
         f_now = [(-j if genes.deep else fr[j][fi[j]][0], j) for t, j in fs if t <= t0]
-        capped = inflight[r] >= genes.cap[r] and not force
+        capped = inflight[r] >= genes.cap[r] and not force  # (with W ops: until their W, as memory is)
         if b_now and (capped or not f_now):
             return t0, "B", -min(b_now)[1]
         if f_now and not capped:
@@ -123,6 +124,7 @@ def build_ops(tables: CostTables, minibatch: int, genes: ChunkGenes) -> tuple[li
         if kind == "W":
             j, lo, hi = pending_w[r].pop(0)
             dur = weight_ms(tables, j, [(lo, hi)])
+            inflight[r] -= hi - lo
         elif kind == "F":
             lo, hi = fr[j][fi[j]]
             fi[j] += 1
@@ -134,7 +136,7 @@ def build_ops(tables: CostTables, minibatch: int, genes: ChunkGenes) -> tuple[li
             lo, hi = br[j][bi[j]]
             bi[j] += 1
             dur = float(bwd_table[j, hi - lo])
-            inflight[r] -= hi - lo
+            inflight[r] -= 0 if genes.weights else hi - lo
             left[r] -= 1
         end = start + dur
         free[r] = end

@@ -85,9 +85,14 @@ def _variants(tables: CostTables, minibatch: int, m: int, weights: bool) -> list
     out = []
     for deep in (True, False):
         g = equal_genes(tables, minibatch, m, weights=weights, deep=deep)
-        for factor in (1, 2, None):
+        # interleaved 1F1B's warm-up, less of it (a memory limit), more, and none (all forwards first)
+        for factor in (1, 0.5, 0.25, 2, None):
             h = g.copy()
-            h.cap = [c * factor for c in g.cap] if factor else [minibatch * tables.num_stages] * len(g.cap)
+            h.cap = (
+                [max(1, int(c * factor)) for c in g.cap]
+                if factor
+                else [minibatch * tables.num_stages] * len(g.cap)
+            )
             out.append(h)
     return out
 
@@ -252,3 +257,45 @@ def solve_chunks(
             progress(min(1.0, 0.3 + 0.7 * (time.perf_counter() - start) / max(seconds, 1e-9)), best[0])
     ms, _, shape, tables, g, ops = best
     return ChunkSolution(shape, tables, g, ops, ms, evaluated, equal_ms)
+
+
+def improve_order(
+    tables: CostTables,
+    ops: Sequence[Sequence[ChunkOp]],
+    minibatch: int,
+    seconds: float,
+    seed: int = 0,
+) -> tuple[list[list[ChunkOp]], float, int]:
+    """Hill climbing over the ranks' op orders themselves, partitions fixed: an op moved a few
+    places earlier or later on its rank (kept where the schedule stays valid, deadlock-free and
+    within the memory limit, and no slower). For a schedule list scheduling cannot express, such
+    as torch's own orders, or to polish one it built. Returns the ops, their iteration time and
+    the schedules scored."""
+    from ..costmodel import simulate
+
+    rng = random.Random(seed)
+    best = [list(r) for r in ops]
+    best_ms = simulate(tables, best, minibatch, record=False).iteration_ms
+    deadline = time.perf_counter() + seconds
+    evaluated = 0
+    limit = tables.memory_limit
+    while time.perf_counter() < deadline:
+        r = rng.randrange(len(best))
+        row = best[r]
+        if len(row) < 2:
+            continue
+        i = rng.randrange(len(row))
+        k = max(0, min(len(row) - 1, i + rng.choice((-3, -2, -1, 1, 2, 3))))
+        if k == i or row[i].stage == row[k].stage and row[i].kind == row[k].kind:
+            continue  # one stage's forwards (or backwards) keep their sample order
+        trial = list(row)
+        trial.insert(k, trial.pop(i))
+        cand = best[:r] + [trial] + best[r + 1 :]
+        try:
+            ms = simulate(tables, cand, minibatch, record=False).iteration_ms
+        except UmoptError:  # a B before its F, a W before its B, or a deadlock
+            continue
+        evaluated += 1
+        if ms <= best_ms + 1e-9 and (limit is None or rank_peak_memory(tables, r, trial) <= limit):
+            best, best_ms = cand, ms
+    return best, best_ms, evaluated
