@@ -792,7 +792,31 @@ def profile_for_chunks(
         raise UmoptError(
             f"stage {short[0]} has {cuts[short[0] + 1] - cuts[short[0]]} layers, too few for {chunks} chunks"
         )
-    return stages_from_layers(per_layer, cuts)
+    layered = stages_from_layers(per_layer, cuts)
+    if not probes:
+        return layered.model_copy(
+            update={
+                "meta": layered.meta.model_copy(update={"probes": ProbesMeta(ran=False, why="--no-probes")})
+            }
+        )
+    from .calibrate import Overheads
+    from .probes import profile_in_pipeline
+
+    whole = profile_in_pipeline(
+        replace(opts, split=cuts, stages=None),
+        probes=True,
+        probe_minibatch=probe_minibatch,
+        progress=progress,
+        argv=argv,
+    )
+    cal = whole.meta.calibration
+    if cal is not None:
+        layered = Overheads(cal.op_overhead_ms, cal.message_overhead_ms, cal.step_overhead_ms, 0.0).apply(
+            layered
+        )
+    return layered.model_copy(
+        update={"meta": layered.meta.model_copy(update={"probes": whole.meta.probes, "calibration": cal})}
+    )
 
 
 def profile_stages(
