@@ -452,3 +452,15 @@ def test_umopt_run_plays_a_chunked_schedule_and_reports_it(tmp_path, capsys):
         ["calibrate", str(tmp_path / "profile.json"), str(report), "-o", str(tmp_path / "c.json")], capsys
     )
     assert code == 2 and "several chunks per rank" in err
+
+
+def test_polishing_an_order_keeps_it_valid_and_never_slower():
+    from umopt.peers import score_peer
+    from umopt.solvers.multichunk import improve_order
+
+    prof = _profile()
+    tables, ops, tl = score_peer(prof, "ScheduleInterleaved1F1B", 2, 16, 8)
+    better, ms, n = improve_order(tables, ops, 16, 1.0, seed=1)
+    assert n > 0 and ms <= tl.iteration_ms + 1e-9
+    validate_ops(better, 16, 16, False, chunking(prof, 2, "looped"))
+    assert simulate(tables, better, 16).iteration_ms == pytest.approx(ms)

@@ -286,8 +286,13 @@ def improve_order(
             continue
         i = rng.randrange(len(row))
         k = max(0, min(len(row) - 1, i + rng.choice((-3, -2, -1, 1, 2, 3))))
-        if k == i or row[i].stage == row[k].stage and row[i].kind == row[k].kind:
-            continue  # one stage's forwards (or backwards) keep their sample order
+        lo, hi = min(i, k), max(i, k)
+        if k == i or any(
+            op.stage == row[i].stage and op.kind == "F" == row[i].kind
+            for op in row[lo : hi + 1]
+            if op is not row[i]
+        ):
+            continue  # a stage's forwards keep their sample order (validity, rule 1)
         trial = list(row)
         trial.insert(k, trial.pop(i))
         cand = best[:r] + [trial] + best[r + 1 :]
