@@ -295,15 +295,7 @@ def solve(
         )
         return
     with _progress_bar(f"solve ({solver})") as bar:
-        task = bar.add_task("", total=1.0)
-
-        def progress(frac: float, best: float) -> None:
-            bar.update(
-                task,
-                completed=frac,
-                description=f"best {best:.3f} ms" if math.isfinite(best) else "searching",
-            )
-
+        progress = _best_so_far(bar)
         report = run_solve(
             profile,
             minibatch,
@@ -343,6 +335,18 @@ def solve(
     out.print(f"wrote {', '.join(written)}")
 
 
+def _best_so_far(bar):
+    """A solver's progress callback (share done, best ms so far) moving ``bar``."""
+    task = bar.add_task("", total=1.0)
+
+    def progress(frac: float, best: float) -> None:
+        bar.update(
+            task, completed=frac, description=f"best {best:.3f} ms" if math.isfinite(best) else "searching"
+        )
+
+    return progress
+
+
 def _solve_chunked(
     profile, minibatch, chunk_counts, recompute, time_limit, seed, zero_bubble, output, plot, trace
 ):
@@ -350,15 +354,7 @@ def _solve_chunked(
     from umopt.solve_chunks import solve_chunked
 
     with _progress_bar("solve (chunks)") as bar:
-        task = bar.add_task("", total=1.0)
-
-        def progress(frac: float, best: float) -> None:
-            bar.update(
-                task,
-                completed=frac,
-                description=f"best {best:.3f} ms" if math.isfinite(best) else "searching",
-            )
-
+        progress = _best_so_far(bar)
         report = solve_chunked(
             profile,
             minibatch,

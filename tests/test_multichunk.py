@@ -186,10 +186,75 @@ def test_solve_with_chunks_needs_layers(tmp_path, capsys):
     assert load_profile("gpt-sim").layers is not None
 
 
+def _write_chunked(tmp_path, prof, B, recompute, ops, ch, place):
+    """``ops`` as a schedule file of ``prof`` (already saved in tmp_path) with these chunks."""
+    from umopt.formats.schedule import make_schedule, save_schedule
+
+    tl = simulate(CostTables.from_profile(prof, recompute, chunks=ch), ops, B)
+    sched = make_schedule(
+        prof,
+        B,
+        recompute,
+        ops,
+        tl,
+        {"name": "test", "status": "feasible", "seconds": 0.0},
+        {},
+        chunks={"layers": [list(x) for x in ch.layers], "ranks": list(ch.ranks), "placement": place},
+    )
+    path = tmp_path / "schedule.json"
+    save_schedule(sched, str(path))
+    return str(path)
+
+
+def _train_on_ranks(tmp_path, schedule, layers, B, extra=()):
+    """tests/chunked_user.py on 2 processes for 3 AdamW steps, its parameters checked against one
+    process's (rtol 1e-5)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    import chunked_user
+
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [
+        sys.executable,
+        str(here / "chunked_user.py"),
+        schedule,
+        str(tmp_path / "store"),
+        str(out),
+        "3",
+        *extra,
+    ]
+    procs = [
+        subprocess.Popen(
+            argv,
+            env=dict(os.environ, RANK=str(r), WORLD="2", OMP_NUM_THREADS="1"),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    got = {}
+    for r in range(2):
+        got.update(torch.load(out / f"rank{r}.pt", weights_only=True))
+    want = chunked_user.reference(layers, B, 3)
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
 def _chunked_schedule(tmp_path, place, weights, recompute, seed):
     """A random unequal schedule of 2 ranks x 2 chunks over a 5-layer model, written with its profile."""
     from umopt.formats.profile import save_profile
-    from umopt.formats.schedule import make_schedule, save_schedule
 
     rng = random.Random(seed)
     prof = synthetic_profile(2, max_size=8, seed=3, layers_per_stage=3)
@@ -208,20 +273,7 @@ def _chunked_schedule(tmp_path, place, weights, recompute, seed):
         bwd=[_random_part(rng, B, 8) for _ in ch.ranks] if recompute else None,
     )
     ops, _ = build_ops(tables, B, genes)
-    tl = simulate(tables, ops, B)
-    sched = make_schedule(
-        prof,
-        B,
-        recompute,
-        ops,
-        tl,
-        {"name": "test", "status": "feasible", "seconds": 0.0},
-        {},
-        chunks={"layers": [list(x) for x in ch.layers], "ranks": list(ch.ranks), "placement": place},
-    )
-    path = tmp_path / "schedule.json"
-    save_schedule(sched, str(path))
-    return str(path), 5, B
+    return _write_chunked(tmp_path, prof, B, recompute, ops, ch, place), 5, B
 
 
 @pytest.mark.parametrize(
@@ -231,39 +283,8 @@ def _chunked_schedule(tmp_path, place, weights, recompute, seed):
 def test_chunked_pipeline_trains_as_one_process(tmp_path, place, weights, recompute):
     """Unequal partitions per virtual stage, looped and V placement, W ops and recompute, on 2 real
     processes: every parameter after 3 AdamW steps equals one process's (rtol 1e-5)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import torch
-
-    here = Path(__file__).resolve().parent
-    sys.path.insert(0, str(here))
-    import chunked_user
-
     schedule, layers, B = _chunked_schedule(tmp_path, place, weights, recompute, seed=len(place) + weights)
-    out = tmp_path / "out"
-    out.mkdir()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(here / "chunked_user.py"), schedule, str(tmp_path / "store"), str(out), "3"],
-            env=dict(os.environ, RANK=str(r), WORLD="2", OMP_NUM_THREADS="1"),
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-2000:]
-    got = {}
-    for r in range(2):
-        got.update(torch.load(out / f"rank{r}.pt", weights_only=True))
-    want = chunked_user.reference(layers, B, 3)
-    assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    _train_on_ranks(tmp_path, schedule, layers, B)
 
 
 def test_profile_with_chunks_times_every_layer_and_keeps_the_stages_sums(tmp_path, capsys):
@@ -311,70 +332,18 @@ def test_an_equal_chunked_schedule_exports_to_torch_and_trains_as_one_process(tm
     """torch's ScheduleInterleaved1F1B order (v=2, 2 ranks, 4 microbatches), exported as torch's CSV
     and run by torch's _PipelineScheduleRuntime with a stock PipelineStage per chunk: one process's
     parameters after 3 AdamW steps."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import torch
-
     from umopt.formats.profile import save_profile
-    from umopt.formats.schedule import make_schedule, save_schedule
-
-    here = Path(__file__).resolve().parent
-    sys.path.insert(0, str(here))
-    import chunked_user
 
     prof = synthetic_profile(2, max_size=8, seed=3, layers_per_stage=2)
     save_profile(prof, tmp_path / "profile.json")
     prof = load_profile(tmp_path / "profile.json")
-    ch = chunking(prof, 2, "looped")
     B = 12
     ops = torch_ops("ScheduleInterleaved1F1B", 2, 2, B, 4)
-    tl = simulate(CostTables.from_profile(prof, chunks=ch), ops, B)
-    sched = make_schedule(
-        prof,
-        B,
-        False,
-        ops,
-        tl,
-        {"name": "ScheduleInterleaved1F1B", "status": "feasible", "seconds": 0.0},
-        {},
-        chunks={"layers": [list(x) for x in ch.layers], "ranks": list(ch.ranks), "placement": "looped"},
-    )
-    path = tmp_path / "schedule.json"
-    save_schedule(sched, str(path))
+    path = _write_chunked(tmp_path, prof, B, False, ops, chunking(prof, 2, "looped"), "looped")
     plan = tmp_path / "plan.csv"
-    code, _, err = run_cli(["export", str(path), "--format", "torch-csv", "-o", str(plan)], capsys)
+    code, _, err = run_cli(["export", path, "--format", "torch-csv", "-o", str(plan)], capsys)
     assert code == 0, err
-    out = tmp_path / "out"
-    out.mkdir()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(here / "chunked_user.py"),
-                str(path),
-                str(tmp_path / "store"),
-                str(out),
-                "3",
-                str(plan),
-            ],
-            env=dict(os.environ, RANK=str(r), WORLD="2", OMP_NUM_THREADS="1"),
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-2000:]
-    got = {}
-    for r in range(2):
-        got.update(torch.load(out / f"rank{r}.pt", weights_only=True))
-    want = chunked_user.reference(4, B, 3)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    _train_on_ranks(tmp_path, path, 4, B, extra=(str(plan),))
 
 
 def test_umopt_run_plays_a_chunked_schedule_and_reports_it(tmp_path, capsys):
@@ -383,36 +352,17 @@ def test_umopt_run_plays_a_chunked_schedule_and_reports_it(tmp_path, capsys):
     predicted, and calibrate refuses its report in one line."""
     import torch
 
-    from umopt.formats.profile import save_profile
-    from umopt.formats.schedule import make_schedule, save_schedule
+    from umopt.formats.profile import Profile, save_profile
     from umopt.zoo import build_model
 
-    prof = synthetic_profile(2, max_size=8, seed=3, layers_per_stage=2)
-    data = prof.model_dump(mode="json")
+    data = synthetic_profile(2, max_size=8, seed=3, layers_per_stage=2).model_dump(mode="json")
     data["model"] = {"name": "mlp", "args": {"layers": 4, "width": 16, "in_features": 8}}
-    for st in data["stages"]:
-        st["input_bytes_per_sample"] = st["output_bytes_per_sample"] = 64
-    from umopt.formats.profile import Profile
-
     prof = Profile.model_validate(data)
     save_profile(prof, tmp_path / "profile.json")
     prof = load_profile(tmp_path / "profile.json")
-    ch = chunking(prof, 2, "looped")
     B = 8
     ops = torch_ops("ScheduleInterleaved1F1B", 2, 2, B, 4)
-    tl = simulate(CostTables.from_profile(prof, chunks=ch), ops, B)
-    sched = make_schedule(
-        prof,
-        B,
-        False,
-        ops,
-        tl,
-        {"name": "torch", "status": "feasible", "seconds": 0.0},
-        {},
-        chunks={"layers": [list(x) for x in ch.layers], "ranks": list(ch.ranks), "placement": "looped"},
-    )
-    path = tmp_path / "s.json"
-    save_schedule(sched, str(path))
+    path = _write_chunked(tmp_path, prof, B, False, ops, chunking(prof, 2, "looped"), "looped")
     grads, report = tmp_path / "grads", tmp_path / "report.json"
     argv = [
         "run",

@@ -21,10 +21,19 @@ from torch import nn
 from .costmodel import ChunkOp, CostTables, simulate
 from .devices import TensorSpec, autocast, check_trainable
 from .errors import UmoptError
-from .formats.profile import Profile, load_profile
-from .formats.schedule import Schedule, check_against_profile, load_schedule
+from .formats.profile import Profile
+from .formats.schedule import Schedule
 from .losses import ChunkLoss, chunk_loss
-from .pipeline import _LINKS, StepTimer, _as_tuple, _grad_carrying, _tensors, guarded, link_groups
+from .pipeline import (
+    _LINKS,
+    StepTimer,
+    _as_tuple,
+    _grad_carrying,
+    _tensors,
+    guarded,
+    link_groups,
+    schedule_and_profile,
+)
 from .splitbackward import backward_input
 
 __all__ = ["ChunkedPipeline", "chunk_message_order"]
@@ -76,13 +85,7 @@ class ChunkedPipeline:
         timer: Optional[StepTimer] = None,
         on_failure: Optional[Callable[[BaseException], None]] = None,
     ):
-        self.schedule = schedule if isinstance(schedule, Schedule) else load_schedule(str(schedule))
-        self.profile = (
-            profile
-            if isinstance(profile, Profile)
-            else load_profile(str(profile or self.schedule.profile.path))
-        )
-        check_against_profile(self.schedule, self.profile)
+        self.schedule, self.profile = schedule_and_profile(schedule, profile)
         chunks = self.schedule.chunking()
         if chunks is None:
             raise UmoptError(

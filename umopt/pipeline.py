@@ -189,6 +189,17 @@ def _warn_numerics(profile: Profile) -> None:
         )
 
 
+def schedule_and_profile(
+    schedule: Union[str, Path, Schedule], profile: Optional[Union[str, Path, Profile]]
+) -> tuple[Schedule, Profile]:
+    """The schedule (a file or loaded) and its profile (given, else the file it names), checked
+    against each other."""
+    sched = schedule if isinstance(schedule, Schedule) else load_schedule(str(schedule))
+    prof = profile if isinstance(profile, Profile) else load_profile(str(profile or sched.profile.path))
+    check_against_profile(sched, prof)
+    return sched, prof
+
+
 def guarded(run: Callable[[], Any], who: str, on_failure: Optional[Callable[[BaseException], None]]) -> Any:
     """Run ``run`` unless a step has failed; if it raises, break the links (see [Note: a failed
     step breaks the pipeline]) and raise, with the failure that came first named (``who``: this
@@ -396,13 +407,7 @@ class Pipeline:
         select_steps: Optional[int] = None,
         steps: Optional[int] = None,
     ):
-        self.schedule = schedule if isinstance(schedule, Schedule) else load_schedule(str(schedule))
-        self.profile = (
-            profile
-            if isinstance(profile, Profile)
-            else load_profile(str(profile or self.schedule.profile.path))
-        )
-        check_against_profile(self.schedule, self.profile)
+        self.schedule, self.profile = schedule_and_profile(schedule, profile)
         require_one_chunk(self.schedule, "the schedule")
         self.group = group
         S = len(self.schedule.stages)
