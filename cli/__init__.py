@@ -414,6 +414,14 @@ def _solve_chunked(
     out.print(
         f"picked: {report.picked}, {report.timeline.iteration_ms:.3f} ms", markup=False, highlight=False
     )
+    lb = report.schedule.solver.lower_bound_ms
+    if lb:
+        out.print(
+            f"lower bound {lb:.3f} ms (gap {100 * (report.timeline.iteration_ms - lb) / lb:.1f}% at most), "
+            f"for {report.schedule.solver.model_extra.get('bound_holds_for', 'one chunk per rank')}",
+            markup=False,
+            highlight=False,
+        )
     out.print(f"wrote {', '.join([output] + [p for p in (plot, trace) if p])}")
 
 

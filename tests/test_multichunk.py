@@ -414,3 +414,20 @@ def test_polishing_an_order_keeps_it_valid_and_never_slower():
     assert n > 0 and ms <= tl.iteration_ms + 1e-9
     validate_ops(better, 16, 16, False, chunking(prof, 2, "looped"))
     assert simulate(tables, better, 16).iteration_ms == pytest.approx(ms)
+
+
+def test_the_busiest_rank_bound_holds_for_random_schedules_of_the_shape():
+    from umopt.solve_chunks import busiest_rank_bound
+
+    rng = random.Random(5)
+    prof = _profile()
+    for place in ("looped", "vshape"):
+        for weights in (False, True):
+            ch = chunking(prof, 2, place)
+            tables = CostTables.from_profile(prof, chunks=ch)
+            bound = busiest_rank_bound(tables, 24)
+            for _ in range(5):
+                genes = ChunkGenes(
+                    [_random_part(rng, 24, 16) for _ in ch.ranks], [rng.randint(1, 48)] * 4, weights=weights
+                )
+                assert build_ops(tables, 24, genes)[1] >= bound - 1e-9

@@ -23,7 +23,7 @@ from .problem import Progress
 from .solve import SolveReport, solve
 from .solvers.multichunk import ChunkSolution, improve_order, solve_chunks
 
-__all__ = ["ChunkSolveReport", "solve_chunked", "parse_chunks"]
+__all__ = ["ChunkSolveReport", "solve_chunked", "parse_chunks", "busiest_rank_bound"]
 
 ONE_CHUNK_SHARE = 1 / 3  # of --time-limit, for the one-chunk solve
 POLISH_SHARE = 1 / 4  # and for polishing the best order found
@@ -37,6 +37,39 @@ class ChunkSolveReport:
     one_chunk: SolveReport
     peers: dict[str, PeerResult]
     search: Optional[ChunkSolution]  # None: no schedule with several chunks fits the memory limit
+
+
+def busiest_rank_bound(tables, minibatch: int) -> float:
+    """A lower bound on every schedule of these virtual stages, whatever the partitions and
+    order: some rank r has, before its first op, at least the forwards of one sample through the
+    stages below its lowest one (and their messages); then its compute, every virtual stage at
+    its cheapest cost per sample (with W ops, a B and its share of a W at least the input and
+    weight gradients less one per-op cost); and, without W ops, after its last B at least the
+    backwards of one sample through the stages below (its last op is a B, whose gradient goes on
+    down). Plus the optimizer step."""
+    import numpy as np
+
+    top = min(tables.max_size, minibatch)
+    b = np.arange(1, top + 1)
+    fwd, bwd = tables.fwd[:, 1 : top + 1], tables.bwd[:, 1 : top + 1]
+    split = tables.bwd_input is not None
+    if split:  # a W over several B chunks saves their per-op costs but one
+        parts = (
+            tables.bwd_input[:, 1 : top + 1] + tables.bwd_weight[:, 1 : top + 1] - tables.op_overhead[:, None]
+        )
+        bwd = np.minimum(bwd, parts)
+    per_sample = ((fwd + bwd) / b).min(axis=1)
+    link = tables.link[:, 1 : top + 1].min(axis=1) if tables.num_stages > 1 else np.zeros(0)
+    # one sample's way up to stage j (forwards and messages) and back down from it (backwards)
+    up = np.concatenate([[0.0], np.cumsum(fwd.min(axis=1)[:-1] + link)])
+    down = np.concatenate([[0.0], np.cumsum(tables.bwd[:, 1 : top + 1].min(axis=1)[:-1] + link)])
+    bound = 0.0
+    for r in range(tables.num_ranks):
+        mine = [j for j in range(tables.num_stages) if tables.rank_of(j) == r]
+        load = minibatch * sum(per_sample[j] for j in mine)
+        tail = 0.0 if split else float(down[min(mine)])
+        bound = max(bound, float(up[min(mine)]) + load + tail)
+    return bound + tables.optimizer_ms
 
 
 def parse_chunks(value: str) -> tuple[int, ...]:
@@ -168,7 +201,8 @@ def solve_chunked(
         solver={
             "name": solver_name,
             "status": "feasible",
-            "lower_bound_ms": None,
+            "lower_bound_ms": busiest_rank_bound(tables, minibatch),
+            "bound_holds_for": "schedules with this cut and placement, any partitions and order",
             "seconds": time.perf_counter() - started,
             "seed": seed,
             "time_limit": time_limit,
