@@ -431,3 +431,13 @@ def test_the_busiest_rank_bound_holds_for_random_schedules_of_the_shape():
                     [_random_part(rng, 24, 16) for _ in ch.ranks], [rng.randint(1, 48)] * 4, weights=weights
                 )
                 assert build_ops(tables, 24, genes)[1] >= bound - 1e-9
+
+
+def test_a_balanced_split_leaves_every_stage_room_for_its_chunks():
+    """The split `profile --chunks` makes: a costly last layer would otherwise be a stage alone."""
+    from umopt.chunks import min_max_cut
+
+    assert min_max_cut([1, 1, 1, 10], 2) == [(0, 3), (3, 4)]
+    assert min_max_cut([1, 1, 1, 10], 2, 2) == [(0, 2), (2, 4)]
+    with pytest.raises(UmoptError, match="need 6 layers"):
+        min_max_cut([1.0] * 4, 2, 3)

@@ -27,6 +27,8 @@ __all__ = [
     "stage_cut",
     "check_chunking",
     "virtual_stages",
+    "stages_from_layers",
+    "min_max_cut",
 ]
 
 PLACEMENTS = ("looped", "vshape")
@@ -57,19 +59,24 @@ def _layers(profile: Profile):
     return profile.layers
 
 
-def _min_max_cut(cost: np.ndarray, parts: int) -> list[tuple[int, int]]:
-    """Contiguous ranges of ``cost`` in ``parts`` pieces minimising the costliest piece."""
-    L, V = len(cost), parts
+def min_max_cut(cost: Sequence[float], parts: int, min_len: int = 1) -> list[tuple[int, int]]:
+    """Contiguous ranges of ``cost`` in ``parts`` pieces of at least ``min_len`` each, minimising
+    the costliest piece."""
+    cost = np.asarray(cost, dtype=float)
+    L, V, n = len(cost), parts, min_len
+    if V * n > L:
+        raise UmoptError(f"{V} pieces of at least {n} need {V * n} layers, there are {L}")
     prefix = np.concatenate([[0.0], np.cumsum(cost)])
     # best[k][i]: the least costliest piece cutting [0, i) into k pieces; arg[k][i]: the last cut
     best = np.full((V + 1, L + 1), np.inf)
     arg = np.zeros((V + 1, L + 1), dtype=int)
     best[0][0] = 0.0
     for k in range(1, V + 1):
-        for i in range(k, L - (V - k) + 1):
-            cand = np.maximum(best[k - 1][k - 1 : i], prefix[i] - prefix[k - 1 : i])
+        for i in range(k * n, L - (V - k) * n + 1):
+            lo, hi = (k - 1) * n, i - n + 1  # the previous cut a: lo <= a < hi
+            cand = np.maximum(best[k - 1][lo:hi], prefix[i] - prefix[lo:hi])
             a = int(np.argmin(cand))
-            best[k][i], arg[k][i] = cand[a], a + k - 1
+            best[k][i], arg[k][i] = cand[a], a + lo
     cuts, i = [], L
     for k in range(V, 0, -1):
         cuts.append((int(arg[k][i]), i))
@@ -85,7 +92,7 @@ def balanced_cut(profile: Profile, num_virtual: int) -> tuple[tuple[int, int], .
         raise UmoptError(
             f"{num_virtual} virtual stages need at least {num_virtual} layers, the profile has {len(cost)}"
         )
-    return tuple(_min_max_cut(cost, num_virtual))
+    return tuple(min_max_cut(cost, num_virtual))
 
 
 def stage_cut(profile: Profile, chunks: int) -> tuple[tuple[int, int], ...]:
@@ -97,7 +104,7 @@ def stage_cut(profile: Profile, chunks: int) -> tuple[tuple[int, int], ...]:
         lo, hi = st.layers
         if hi - lo < chunks:
             raise UmoptError(f"stage {s} has {hi - lo} layers in the profile, too few for {chunks} chunks")
-        out += [(lo + a, lo + b) for a, b in _min_max_cut(cost[lo:hi], chunks)]
+        out += [(lo + a, lo + b) for a, b in min_max_cut(cost[lo:hi], chunks)]
     return tuple(out)
 
 

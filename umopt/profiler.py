@@ -770,7 +770,7 @@ def profile_for_chunks(
     iteration) are the layered profile's too: the per-layer times hold no runtime."""
     from dataclasses import replace
 
-    from .chunks import stages_from_layers
+    from .chunks import min_max_cut, stages_from_layers
 
     L = len(build_model(opts.model, opts.model_args, seed=opts.seed).layers)
     if opts.split is None and (opts.stages or 1) * chunks > L:
@@ -783,10 +783,10 @@ def profile_for_chunks(
     if opts.split is not None:
         cuts = list(opts.split)
     else:
+        # balanced on the layers' times, every stage with room for its chunks
         mid = len(per_layer.sizes) // 2
-        cuts = balanced_split(
-            [st.forward_ms[mid] + st.backward_ms[mid] for st in per_layer.stages], opts.stages or 1
-        )
+        cost = [st.forward_ms[mid] + st.backward_ms[mid] for st in per_layer.stages]
+        cuts = [0] + [hi for _, hi in min_max_cut(cost, opts.stages or 1, chunks)]
     short = [s for s, (a, b) in enumerate(zip(cuts, cuts[1:])) if b - a < chunks]
     if short:
         raise UmoptError(
