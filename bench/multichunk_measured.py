@@ -144,7 +144,8 @@ def main() -> None:
         tl,
         {"name": "ScheduleInterleaved1F1B", "status": "feasible", "seconds": 0.0},
         {},
-        chunks={"layers": [list(c) for c in ch.layers], "ranks": list(ch.ranks), "placement": "looped"},
+        chunks=ch,
+        placement="looped",
     )
     save_schedule(equal, str(work / "equal.json"))
     plan = {

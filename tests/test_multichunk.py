@@ -199,7 +199,8 @@ def _write_chunked(tmp_path, prof, B, recompute, ops, ch, place):
         tl,
         {"name": "test", "status": "feasible", "seconds": 0.0},
         {},
-        chunks={"layers": [list(x) for x in ch.layers], "ranks": list(ch.ranks), "placement": place},
+        chunks=ch,
+        placement=place,
     )
     path = tmp_path / "schedule.json"
     save_schedule(sched, str(path))

@@ -81,10 +81,6 @@ class Chunking(NamedTuple):
     def num_virtual(self) -> int:
         return len(self.ranks)
 
-    @property
-    def num_ranks(self) -> int:
-        return max(self.ranks) + 1
-
 
 def op_stage(op: Sequence, rank: int) -> int:
     """The virtual stage an op of ``rank`` runs on."""

@@ -211,6 +211,7 @@ def solve_chunked(
             "cut": search.shape.cut if search is not None and picked == "umopt chunks" else None,
         },
         baselines=baselines,
-        chunks={"layers": [list(x) for x in ch.layers], "ranks": list(ch.ranks), "placement": place},
+        chunks=ch,
+        placement=place,
     )
     return ChunkSolveReport(schedule, timeline, picked, one, peers, search)

@@ -345,7 +345,8 @@ def make_schedule(
     baselines: dict,
     dp: Optional[AllReduceProfile] = None,
     candidates: Sequence[dict] = (),
-    chunks: Optional[dict] = None,
+    chunks: Optional[Chunking] = None,
+    placement: str = "custom",
 ) -> Schedule:
     """The schedule file's content for ``ops``, with the cost model's ``timeline`` of exactly them."""
     return Schedule.model_validate(
@@ -365,7 +366,17 @@ def make_schedule(
             "baselines": baselines,
             **({"dp": dp.model_dump()} if dp is not None else {}),
             "candidates": list(candidates),
-            **({"chunks": chunks} if chunks is not None else {}),
+            **(
+                {
+                    "chunks": {
+                        "layers": [list(c) for c in chunks.layers],
+                        "ranks": list(chunks.ranks),
+                        "placement": placement,
+                    }
+                }
+                if chunks is not None
+                else {}
+            ),
         }
     )
 

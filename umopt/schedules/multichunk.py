@@ -25,7 +25,7 @@ forwards anyway). Memory is the cost model's, checked on the result: the search 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from ..costmodel import ChunkOp, CostTables, weight_ms
@@ -44,7 +44,6 @@ class ChunkGenes:
     weights: bool = False  # split backward: B is the input gradient, W the weight gradient
     defer_w: bool = True  # W ops wait for idle time (else each runs right after its B)
     bwd: Optional[list[list[int]]] = None  # with recompute: B chunks per virtual stage (None: the F chunks)
-    key: tuple = field(default=(), compare=False)
 
     def copy(self) -> "ChunkGenes":
         return ChunkGenes(
