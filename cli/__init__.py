@@ -410,9 +410,19 @@ def _solve_chunked(
             str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}",
             sol.iteration_ms,
         )
+    if report.exact is not None:
+        row(
+            "umopt, exact model" + (" (optimal)" if report.exact.optimal else ""),
+            None,
+            None,
+            report.exact.iteration_ms,
+        )
     out.print(table)
+    proven = ", optimal for its cut and placement" if report.schedule.solver.status == "optimal" else ""
     out.print(
-        f"picked: {report.picked}, {report.timeline.iteration_ms:.3f} ms", markup=False, highlight=False
+        f"picked: {report.picked}, {report.timeline.iteration_ms:.3f} ms{proven}",
+        markup=False,
+        highlight=False,
     )
     lb = report.schedule.solver.lower_bound_ms
     if lb:
@@ -955,6 +965,12 @@ def _print_turns(reports: list[RunReport]) -> None:
     is_flag=True,
     help="Profile the backward split too, and measure umopt's W schedule and the best equal ZB-H1 beside the others.",
 )
+@click.option(
+    "--chunks",
+    default="1",
+    show_default=True,
+    help="Model chunks per rank, 1-4 or auto (1..4): above 1, profile layer by layer and measure umopt's and torch's multi-chunk schedules too.",
+)
 def tune(
     model,
     model_args,
@@ -972,9 +988,11 @@ def tune(
     link_latency_ms,
     link_gbps,
     zero_bubble,
+    chunks,
 ) -> None:
     """Profile, solve, run the candidates in turns and recommend what measured fastest."""
     _require_torch()
+    from umopt.solve_chunks import parse_chunks
     from umopt.tune import DEFAULT
     from umopt.tune import tune as run_tune
     from umopt.zoo import parse_model_args
@@ -1001,13 +1019,14 @@ def tune(
         link_latency_ms=link_latency_ms,
         link_gbps=link_gbps,
         zero_bubble=zero_bubble,
+        chunks=parse_chunks(chunks),
         say=lambda m: err.print(f"umopt tune: {m}", markup=False),
     )
     table = Table(
         title=f"{model or DEFAULT['model']}, {stages or DEFAULT['stages']} stages, minibatch {minibatch or DEFAULT['minibatch']}: speedups over equal GPipe"
     )
     table.add_column("schedule", no_wrap=True)
-    for col in ("chunks", "pred ms", "meas ms", "meas x", "pred x"):
+    for col in ("M", "pred ms", "meas ms", "meas x", "pred x"):
         table.add_column(col, justify="right", no_wrap=True)
     for row in result.rows:
         mark = " *" if row.name == result.recommended else ""
@@ -1027,9 +1046,13 @@ def tune(
         highlight=False,
     )
     umopt_row = result.row("umopt")
-    out.print(
-        f"umopt's schedule is within {100 * (umopt_row.predicted_ms - result.lower_bound_ms) / result.lower_bound_ms:.1f}% of the lower bound ({result.lower_bound_ms:.2f} ms, not proven tight)"
-    )
+    if result.lower_bound_ms:
+        out.print(
+            f"umopt's schedule is within {100 * (umopt_row.predicted_ms - result.lower_bound_ms) / result.lower_bound_ms:.1f}% "
+            f"of the lower bound ({result.lower_bound_ms:.2f} ms, for {result.bound_holds_for}; not proven tight)",
+            markup=False,
+            highlight=False,
+        )
     for line in result.warnings:
         err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     out.print(f"wrote {len(result.files)} files to {result.out_dir}/")

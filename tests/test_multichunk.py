@@ -1,6 +1,7 @@
 """Several chunks per rank: the cost model, torch's orders, the search, the schedule file."""
 
 import json
+import math
 import random
 
 import pytest
@@ -186,11 +187,13 @@ def test_solve_with_chunks_needs_layers(tmp_path, capsys):
     assert load_profile("gpt-sim").layers is not None
 
 
-def _write_chunked(tmp_path, prof, B, recompute, ops, ch, place):
-    """``ops`` as a schedule file of ``prof`` (already saved in tmp_path) with these chunks."""
+def _write_chunked(tmp_path, prof, B, recompute, ops, ch, place, name="schedule"):
+    """``ops`` as a schedule file of ``prof`` (already saved in tmp_path) with these chunks
+    (``ch`` None: one chunk per rank)."""
     from umopt.formats.schedule import make_schedule, save_schedule
 
     tl = simulate(CostTables.from_profile(prof, recompute, chunks=ch), ops, B)
+    place = place if ch is not None else None
     sched = make_schedule(
         prof,
         B,
@@ -202,7 +205,7 @@ def _write_chunked(tmp_path, prof, B, recompute, ops, ch, place):
         chunks=ch,
         placement=place,
     )
-    path = tmp_path / "schedule.json"
+    path = tmp_path / f"{name}.json"
     save_schedule(sched, str(path))
     return str(path)
 
@@ -418,7 +421,7 @@ def test_polishing_an_order_keeps_it_valid_and_never_slower():
 
 
 def test_the_busiest_rank_bound_holds_for_random_schedules_of_the_shape():
-    from umopt.solve_chunks import busiest_rank_bound
+    from umopt.bounds.ranks import busiest_rank_bound
 
     rng = random.Random(5)
     prof = _profile()
@@ -442,3 +445,73 @@ def test_a_balanced_split_leaves_every_stage_room_for_its_chunks():
     assert min_max_cut([1, 1, 1, 10], 2, 2) == [(0, 2), (2, 4)]
     with pytest.raises(UmoptError, match="need 6 layers"):
         min_max_cut([1.0] * 4, 2, 3)
+
+
+@pytest.mark.parametrize("place,weights", [("looped", False), ("vshape", True)])
+def test_the_exact_chunk_model_proves_tiny_instances_and_bounds_every_schedule(place, weights):
+    """2 ranks, 2 chunks each, 4 samples: CP-SAT proves its schedule optimal for the cut and
+    placement; no random list-scheduled schedule and none of torch's orders beats its bound; its
+    schedule is valid and is what the simulator plays. Under a memory limit below that schedule's
+    peak, what it finds fits."""
+    from umopt.bounds.ranks import busiest_rank_bound
+    from umopt.peers import TORCH_MULTI
+    from umopt.solvers.cpsat_chunks import solve_chunks_exact
+
+    B = 4
+    prof = _profile(S=2)
+    ch = chunking(prof, 2, place)
+    tables = CostTables.from_profile(prof, chunks=ch)
+    exact = solve_chunks_exact(tables, B, time_limit=30, weights=weights)
+    assert exact.optimal
+    validate_ops(exact.ops, B, 16, False, ch)
+    tl = simulate(tables, exact.ops, B)
+    assert tl.iteration_ms == pytest.approx(exact.iteration_ms)
+    assert busiest_rank_bound(tables, B) - 1e-9 <= exact.lower_bound_ms <= exact.iteration_ms
+    rng = random.Random(3)
+    for _ in range(30):
+        genes = ChunkGenes(
+            [_random_part(rng, B, 4) for _ in ch.ranks], [rng.randint(1, 2 * B)] * 2, weights=weights
+        )
+        assert build_ops(tables, B, genes)[1] >= exact.lower_bound_ms - 1e-9
+    for name, (placement, _, with_w) in TORCH_MULTI.items():
+        if placement == place and with_w == weights:
+            for m in (2, 4):
+                try:
+                    ops = torch_ops(name, 2, 2, B, m)
+                except UmoptError:  # torch refuses the shape (DualPipeV: at least 4 microbatches)
+                    continue
+                assert simulate(tables, ops, B).iteration_ms >= exact.lower_bound_ms - 1e-9
+    limited = CostTables.from_profile(
+        prof.model_copy(update={"memory_limit_bytes": max(tl.peak_memory_bytes) - 1}), chunks=ch
+    )
+    fit = solve_chunks_exact(limited, B, time_limit=5, weights=weights)
+    assert max(simulate(limited, fit.ops, B).peak_memory_bytes) < max(tl.peak_memory_bytes)
+
+
+def test_schedules_of_different_layouts_take_turns_in_one_run(tmp_path, capsys):
+    """A one-chunk and a V-shaped schedule in one `umopt run`: each trains its own copy of the
+    model (same starting weights), both are measured in turns and reported, the V-shaped one's
+    losses taken from rank 0, which holds its last chunk; --save-grads needs one layout."""
+    from umopt.formats.profile import Profile, save_profile
+    from umopt.partition import gpipe_ops
+
+    data = synthetic_profile(2, max_size=8, seed=3, layers_per_stage=2).model_dump(mode="json")
+    data["model"] = {"name": "mlp", "args": {"layers": 4, "width": 16, "in_features": 8}}
+    save_profile(Profile.model_validate(data), tmp_path / "profile.json")
+    prof = load_profile(tmp_path / "profile.json")
+    B = 8
+    one = _write_chunked(tmp_path, prof, B, False, [gpipe_ops([4, 4], [4, 4])] * 2, None, None, "one")
+    ops = torch_ops("ScheduleZBVZeroBubble", 2, 2, B, 4)
+    ops = [[op for op in row if op.kind != "W"] for row in ops]  # its whole backwards
+    vee = _write_chunked(tmp_path, prof, B, False, ops, chunking(prof, 2, "vshape"), "vshape", "vee")
+    template = str(tmp_path / "report_{name}.json")
+    argv = ["run", one, vee, "--steps", "2", "--warmup", "1", "--rounds", "2", "--report", template]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    for name, chunks in (("one", None), ("vee", [0, 1, 1, 0])):
+        rep = json.loads((tmp_path / f"report_{name}.json").read_text())
+        assert (rep.get("chunks") or {}).get("ranks") == chunks
+        assert len(rep["step_ms"]) == 4 and len(rep["losses"]) == 5
+        assert all(math.isfinite(x) and x > 0 for x in rep["losses"])
+    code, _, err = run_cli([*argv, "--save-grads", str(tmp_path / "g")], capsys)
+    assert code == 2 and "one layout" in err

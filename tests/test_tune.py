@@ -131,3 +131,25 @@ def test_tune_with_zero_bubble_measures_zb_h1_beside_the_others(tmp_path, capsys
     report = json.loads((out / "report_zbh1_equal.json").read_text())
     assert report["measured_iteration_ms"] > 0 and report["predicted_iteration_ms"] > 0
     assert "recommended (*):" in stdout and (out / "recommended.json").exists()
+
+
+def test_tune_with_chunks_measures_torch_multi_chunk_schedules_beside_one_chunk(tmp_path, capsys):
+    """`umopt tune --chunks 2`: a layer-by-layer profile, and torch's fastest multi-chunk
+    schedule measured in the same turns as the one-chunk ones (each layout its own model copy),
+    as an equal reference the recommendation must beat."""
+    out = tmp_path / "tune"
+    argv = ["tune", "--model", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32", "--stages", "2"]
+    argv += ["--minibatch", "8", "--steps", "2", "--rounds", "2", "--budget", "10", "--time-limit", "3"]
+    main([*argv, "--chunks", "2", "--no-probes", "--out", str(out)])
+    stdout = capsys.readouterr().out
+    prof = json.loads((out / "profile.json").read_text())
+    assert len(prof["layers"]) >= 4
+    torch_rows = [p for p in out.glob("torch_*.json")]
+    assert len(torch_rows) == 1 and torch_rows[0].stem in stdout
+    sched = json.loads(torch_rows[0].read_text())
+    report = json.loads((out / f"report_{torch_rows[0].stem}.json").read_text())
+    assert sched["chunks"]["ranks"] == report["chunks"]["ranks"] and len(sched["chunks"]["ranks"]) == 4
+    assert report["measured_iteration_ms"] > 0 and report["rounds"] >= 2
+    for name in ("gpipe_equal", "1f1b_equal", "umopt_one_chunk", "umopt"):
+        assert name in stdout and (out / f"report_{name}.json").exists()
+    assert "recommended (*):" in stdout and (out / "recommended.json").exists()

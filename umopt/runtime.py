@@ -205,10 +205,10 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
             check_against_profile(schedule, profile)
         except UmoptError as exc:
             raise UmoptError(f"{path}: {exc}") from None
-    if len({str(sc.chunks) for sc in schedules}) > 1:
+    if len({str(sc.chunks) for sc in schedules}) > 1 and (args.checkpoint or args.resume or args.save_grads):
         raise UmoptError(
-            "the schedules place the model's layers on the ranks differently (several chunks per rank): "
-            "schedules that take turns must hold the same layers on each rank"
+            "the schedules place the model's layers on the ranks differently (each layout trains its own "
+            "copy of the model): --checkpoint, --resume and --save-grads need one layout"
         )
     check_trainable(profile.device.dtype)
     parts = build_model(
@@ -371,6 +371,12 @@ class _Play:
     op_ms: list[list[float]] = field(default_factory=list)  # each op's duration in every measured step
     slower_s: float = 0.0  # injected (UMOPT_FAULT_SLOWER)
     turn_ms: list[float] = field(default_factory=list)  # selection: every step of its turns
+    # the model copy it trains: the rank's own, or one of its layout (layers on ranks) where the
+    # schedules taking turns place the layers differently (a one-chunk and a V-shaped schedule)
+    module: Optional[torch.nn.Module] = None
+    opt: Optional[torch.optim.Optimizer] = None
+    first: bool = False  # this rank feeds the inputs
+    last: bool = False  # this rank computes the loss
 
     @property
     def schedule(self) -> Schedule:
@@ -468,15 +474,11 @@ class _Rank:
         default_factory=list
     )  # a fixed matmul's time on this rank's device, each round
 
-    @property
-    def first(self) -> bool:
-        chunks = self.cfg.schedules[0].chunks
-        return self.s == 0 if chunks is None else chunks.ranks[0] == self.s
-
-    @property
-    def last(self) -> bool:
-        chunks = self.cfg.schedules[0].chunks
-        return self.s == self.cfg.num_stages - 1 if chunks is None else chunks.ranks[-1] == self.s
+    def ends(self, chunks) -> tuple[bool, bool]:
+        """Whether this rank feeds the inputs and whether it computes the loss, in a layout."""
+        if chunks is None:
+            return self.s == 0, self.s == self.cfg.num_stages - 1
+        return chunks.ranks[0] == self.s, chunks.ranks[-1] == self.s
 
 
 def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
@@ -501,10 +503,7 @@ def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
         if chunks is None
         else build_chunks(cfg.profile, chunks, s, device)
     )
-    lr = args.lr if args.lr is not None else (0.01 if args.optimizer == "sgd" else 1e-3)
-    params = list(setup.module.parameters())
-    sgd = args.optimizer == "sgd"
-    opt = torch.optim.SGD(params, lr=lr, momentum=0.9) if sgd else torch.optim.AdamW(params, lr=lr)
+    opt = _optimizer(args, setup.module)
     start_step = _resume(cfg, s, setup.module, opt, device) if args.resume else 0
     io_group = dist.new_group(timeout=timedelta(seconds=io_timeout_s()))  # [Note: two timeouts]
     waiting = "the other ranks to build their stages" + (" and load the checkpoint" if args.resume else "")
@@ -535,16 +534,38 @@ def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
     )
 
 
+def _optimizer(args: argparse.Namespace, module: torch.nn.Module) -> torch.optim.Optimizer:
+    lr = args.lr if args.lr is not None else (0.01 if args.optimizer == "sgd" else 1e-3)
+    params = list(module.parameters())
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=lr)
+
+
 def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]]) -> list[_Play]:
-    """A Pipeline for each (name, report path, schedule), over the same stage module. The zoo's
-    losses are sums over samples: divided by the minibatch, the chunks' losses add up to the
-    minibatch's mean, as in one process."""
+    """A Pipeline for each (name, report path, schedule), over the same stage module; a schedule
+    that places the layers otherwise than the first gets a model copy and optimizer of its layout
+    (built with the profile's seed: the same starting weights). The zoo's losses are sums over
+    samples: divided by the minibatch, the chunks' losses add up to the minibatch's mean, as in
+    one process."""
     plays = []
+    layouts = {str(rk.cfg.schedules[0].chunks): (rk.stage, rk.opt)}
     for name, path, sched in entries:
         B = sched.minibatch
+        key = str(sched.chunks)
+        if key not in layouts:
+            setup = (
+                build_stage(rk.cfg.profile, rk.s, rk.device)
+                if sched.chunks is None
+                else build_chunks(rk.cfg.profile, sched.chunks, rk.s, rk.device)
+            )
+            layouts[key] = (setup.module, _optimizer(rk.cfg.args, setup.module))
+        module, opt = layouts[key]
+        first, last = rk.ends(sched.chunks)
+        mine = {"module": module, "opt": opt, "first": first, "last": last}
         if sched.chunks is not None:  # several chunks per rank: a ChunkedPipeline over them
             pipe = Pipeline(
-                list(rk.stage),
+                list(module),
                 sched,
                 loss_fn=lambda out, y, B=B: rk.setup.loss(out, y) / B,
                 loss_reduction="sum",
@@ -553,11 +574,13 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]]) -> list[_Play]:
                 timer=rk.timing,
                 on_failure=_report_failure,
             )
-            pipe.prepare(to_device(rk.data_fn(0, B)[0], rk.device) if rk.first else None)
-            plays.append(_Play(pipe, name, path, op_ms=[[] for _ in pipe.ops], slower_s=_slower_s(name)))
+            pipe.prepare(to_device(rk.data_fn(0, B)[0], rk.device) if first else None)
+            plays.append(
+                _Play(pipe, name, path, op_ms=[[] for _ in pipe.ops], slower_s=_slower_s(name), **mine)
+            )
             continue
         pipe = Pipeline(
-            rk.stage,
+            module,
             sched,
             rk.s,
             loss_fn=lambda out, y, B=B: rk.setup.loss(out, y) / B,
@@ -573,8 +596,8 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]]) -> list[_Play]:
             select=False,  # the runtime's own turns choose (_select)
         )
         pipe.prepare()  # the boundary shapes agreed now, not inside the first timed step
-        plays.append(_Play(pipe, name, path, op_ms=[[] for _ in pipe.ops], slower_s=_slower_s(name)))
-    one_chunk = [p.pipe for p in plays if isinstance(p.pipe, Pipeline)]
+        plays.append(_Play(pipe, name, path, op_ms=[[] for _ in pipe.ops], slower_s=_slower_s(name), **mine))
+    one_chunk = [p.pipe for p in plays if isinstance(p.pipe, Pipeline) and p.module is rk.stage]
     if one_chunk:
         share_buffers(one_chunk)
     return plays
@@ -584,17 +607,17 @@ def _step(rk: _Rank, play: _Play, it: int, measured: bool, save_grads: bool) -> 
     """Step ``it`` of the run with ``play``'s schedule, then the optimizer; the slowest rank's
     time of it (every rank gets the same), recorded in ``play`` where ``measured``."""
     args, B, dp = rk.cfg.args, play.schedule.minibatch, rk.cfg.args.dp
-    _fault(rk.rank, it - rk.start_step, rk.stage)
+    _fault(rk.rank, it - rk.start_step, play.module)
     inputs = targets = None
-    if rk.first or rk.last:  # the stages between never touch the data
+    if play.first or play.last:  # the stages between never touch the data
         x, y = rk.data_fn(it, B * dp)  # the global minibatch: this replica's slice of it
         if len(x) != B * dp or len(y) != B * dp:  # not cut silently: the user meant other samples
             raise UmoptError(
                 f"--data {args.data} returned {len(x)} inputs and {len(y)} targets for step {it}; the minibatch is {B * dp}"
             )
         x, y = x[rk.replica * B : (rk.replica + 1) * B], y[rk.replica * B : (rk.replica + 1) * B]
-        inputs = to_device(x, rk.device) if rk.first else None
-        targets = to_device(y, rk.device) if rk.last else None
+        inputs = to_device(x, rk.device) if play.first else None
+        targets = to_device(y, rk.device) if play.last else None
     _barrier(rk.device)
     timing = rk.timing
     timing.start()
@@ -604,10 +627,12 @@ def _step(rk: _Rank, play: _Play, it: int, measured: bool, save_grads: bool) -> 
     spans = list(play.pipe.spans)
     # the gradients themselves, not copies: neither optimizer as built changes a gradient in
     # place, and zero_grad only drops the parameters' references to them
-    grads = {k: p.grad for k, p in rk.stage.named_parameters() if p.grad is not None} if save_grads else None
+    grads = (
+        {k: p.grad for k, p in play.module.named_parameters() if p.grad is not None} if save_grads else None
+    )
     t_opt = timing.mark()
-    rk.opt.step()
-    rk.opt.zero_grad(set_to_none=True)
+    play.opt.step()
+    play.opt.zero_grad(set_to_none=True)
     spans.append(("OPT", 0, 0, t_opt, timing.mark()))
     elapsed = timing.stop()
     if grads is not None and rk.replica == 0:  # outside the step's time; the replicas' gradients are equal
@@ -618,7 +643,7 @@ def _step(rk: _Rank, play: _Play, it: int, measured: bool, save_grads: bool) -> 
     worst = torch.tensor([elapsed], dtype=torch.float64).to(rk.device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     ms = float(worst.item())
-    if rk.last:
+    if play.last:
         play.losses.append(float(loss_sum))
     if measured:
         play.step_ms.append(ms)
@@ -959,7 +984,7 @@ def _report(
             [(kind, lo, hi, ms, sp.end - sp.start) for (kind, lo, hi, ms), sp in zip(rec["op_ms"], pred)]
             for rec, pred in zip(per_rank, pred_tl.spans)
         ],
-        losses=per_rank[-1]["losses"],
+        losses=per_rank[schedule.chunks.ranks[-1] if schedule.chunks is not None else -1]["losses"],
         reference_ms=[rec["reference_ms"] for rec in per_rank],
         numerics_differ=sorted({d for rec in per_rank for d in rec.get("numerics_differ", [])}),
         decision=None

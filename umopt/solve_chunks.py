@@ -4,8 +4,11 @@
 scores torch's multi-chunk schedules at their best v and M (:func:`umopt.peers.best_peers`), and
 searches unequal per-virtual-stage partitions (:func:`umopt.solvers.multichunk.solve_chunks`, the
 rest of the time but a quarter), then polishes the fastest multi-chunk order found, umopt's or
-torch's, op by op (:func:`umopt.solvers.multichunk.improve_order`, the last quarter). The fastest
-within the memory limit is the schedule; every figure comes from the reference simulator.
+torch's, op by op (:func:`umopt.solvers.multichunk.improve_order`, the last quarter). On small
+instances the exact model (:mod:`umopt.solvers.cpsat_chunks`) takes a quarter of the time from
+the search, starts from the polished order and may prove it optimal for its cut and placement.
+The fastest within the memory limit is the schedule; every figure comes from the reference
+simulator.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from .bounds.ranks import busiest_rank_bound
 from .costmodel import Timeline, simulate
 from .errors import UmoptError
 from .formats.profile import Profile
@@ -21,55 +25,31 @@ from .formats.schedule import Schedule, make_schedule, validate_ops
 from .peers import TORCH_MULTI, PeerResult, best_peers
 from .problem import Progress
 from .solve import SolveReport, solve
+from .solvers.cpsat_chunks import MAX_CHUNK_MODEL, ExactChunks, chunk_model_size, solve_chunks_exact
 from .solvers.multichunk import ChunkSolution, improve_order, solve_chunks
 
-__all__ = ["ChunkSolveReport", "solve_chunked", "parse_chunks", "busiest_rank_bound"]
+__all__ = ["ChunkSolveReport", "solve_chunked", "parse_chunks"]
 
 ONE_CHUNK_SHARE = 1 / 3  # of --time-limit, for the one-chunk solve
 POLISH_SHARE = 1 / 4  # and for polishing the best order found
+EXACT_SHARE = 1 / 4  # and, on instances small enough, for the exact model
 
 
 @dataclass
 class ChunkSolveReport:
     schedule: Schedule
     timeline: Timeline
-    picked: str  # "umopt chunks", "umopt one chunk", "umopt, polished from ..." or a torch class name
+    picked: str  # "umopt chunks", "umopt one chunk", "umopt, polished from ...", "umopt exact, from ..." or a torch class
     one_chunk: SolveReport
     peers: dict[str, PeerResult]
     search: Optional[ChunkSolution]  # None: no schedule with several chunks fits the memory limit
+    exact: Optional[ExactChunks] = None  # the exact model's, where the instance is small enough
 
 
-def busiest_rank_bound(tables, minibatch: int) -> float:
-    """A lower bound on every schedule of these virtual stages, whatever the partitions and
-    order: some rank r has, before its first op, at least the forwards of one sample through the
-    stages below its lowest one (and their messages); then its compute, every virtual stage at
-    its cheapest cost per sample (with W ops, a B and its share of a W at least the input and
-    weight gradients less one per-op cost); and, without W ops, after its last B at least the
-    backwards of one sample through the stages below (its last op is a B, whose gradient goes on
-    down). Plus the optimizer step."""
-    import numpy as np
-
-    top = min(tables.max_size, minibatch)
-    b = np.arange(1, top + 1)
-    fwd, bwd = tables.fwd[:, 1 : top + 1], tables.bwd[:, 1 : top + 1]
-    split = tables.bwd_input is not None
-    if split:  # a W over several B chunks saves their per-op costs but one
-        parts = (
-            tables.bwd_input[:, 1 : top + 1] + tables.bwd_weight[:, 1 : top + 1] - tables.op_overhead[:, None]
-        )
-        bwd = np.minimum(bwd, parts)
-    per_sample = ((fwd + bwd) / b).min(axis=1)
-    link = tables.link[:, 1 : top + 1].min(axis=1) if tables.num_stages > 1 else np.zeros(0)
-    # one sample's way up to stage j (forwards and messages) and back down from it (backwards)
-    up = np.concatenate([[0.0], np.cumsum(fwd.min(axis=1)[:-1] + link)])
-    down = np.concatenate([[0.0], np.cumsum(tables.bwd[:, 1 : top + 1].min(axis=1)[:-1] + link)])
-    bound = 0.0
-    for r in range(tables.num_ranks):
-        mine = [j for j in range(tables.num_stages) if tables.rank_of(j) == r]
-        load = minibatch * sum(per_sample[j] for j in mine)
-        tail = 0.0 if split else float(down[min(mine)])
-        bound = max(bound, float(up[min(mine)]) + load + tail)
-    return bound + tables.optimizer_ms
+def _w_everywhere(ops, num_virtual: int) -> Optional[bool]:
+    """True if every virtual stage has W ops, False if none has, None if some have."""
+    with_w = {op.stage for row in ops for op in row if op.kind == "W"}
+    return True if len(with_w) == num_virtual else False if not with_w else None
 
 
 def parse_chunks(value: str) -> tuple[int, ...]:
@@ -123,7 +103,10 @@ def solve_chunked(
     )
     names = [n for n, (_, _, w) in TORCH_MULTI.items() if zero_bubble or not w]
     peers = best_peers(profile, minibatch, recompute=recompute, names=names, max_chunks=max(chunk_counts))
-    left = max(1.0, (1 - POLISH_SHARE) * time_limit - (time.perf_counter() - started))
+    V = max(chunk_counts) * profile.num_stages
+    small = chunk_model_size(V, minibatch, profile.max_size) <= MAX_CHUNK_MODEL
+    exact_share = EXACT_SHARE if small else 0.0
+    left = max(1.0, (1 - POLISH_SHARE - exact_share) * time_limit - (time.perf_counter() - started))
     try:
         search: Optional[ChunkSolution] = solve_chunks(
             profile,
@@ -146,19 +129,31 @@ def solve_chunked(
     found += [
         (p.iteration_ms, name, p.tables, p.ops, p.chunking) for name, p in peers.items() if p.iteration_ms
     ]
-    polished = None
+    polished = exact = None
     if found:
         ms0, origin, tables0, ops0, ch0 = min(found, key=lambda x: x[0])
-        seconds = max(0.5, time_limit - (time.perf_counter() - started))
+        seconds = max(0.5, (1 - exact_share) * time_limit - (time.perf_counter() - started))
         ops1, ms1, _ = improve_order(tables0, ops0, minibatch, seconds, seed)
         if ms1 < ms0 - 1e-9:
             polished = (ms1, origin, tables0, ops1, ch0)
+            ops0 = ops1
+        weights = _w_everywhere(ops0, tables0.num_stages)
+        if small and weights is not None:  # the exact model, started from the best order found
+            seconds = max(0.5, time_limit - (time.perf_counter() - started))
+            exact = solve_chunks_exact(
+                tables0, minibatch, time_limit=seconds, weights=weights, hint=ops0, seed=seed
+            )
+            if exact is not None:
+                exact = (exact, origin, tables0, ch0, weights)
     if progress is not None:
-        progress(1.0, min([x[0] for x in found] + ([polished[0]] if polished else []), default=float("inf")))
+        done = [x[0] for x in found] + ([polished[0]] if polished else [])
+        progress(1.0, min(done + ([exact[0].iteration_ms] if exact else []), default=float("inf")))
     picks = [("umopt chunks", search.iteration_ms)] if search is not None else []
     picks += [(name, p.iteration_ms) for name, p in peers.items() if p.iteration_ms is not None]
     if polished is not None:
         picks.append(("umopt polished", polished[0]))
+    if exact is not None:
+        picks.append(("umopt exact", exact[0].iteration_ms))
     picks.append(("umopt one chunk", one.timeline.iteration_ms))
     picked = min(picks, key=lambda x: x[1] - (1e-9 if x[0] == "umopt one chunk" else 0.0))[0]
     baselines = {
@@ -171,8 +166,18 @@ def solve_chunked(
     }
     if picked == "umopt one chunk":
         schedule = Schedule.model_validate({**one.schedule.model_dump(), "baselines": baselines})
-        return ChunkSolveReport(schedule, one.timeline, picked, one, peers, search)
-    if picked == "umopt polished":
+        return ChunkSolveReport(schedule, one.timeline, picked, one, peers, search, exact and exact[0])
+    bound = {
+        "lower_bound_ms": None,
+        "bound_holds_for": "schedules with this cut and placement, any partitions and order",
+    }
+    if picked == "umopt exact":
+        result, origin, tables, ch, weights = exact
+        ops = result.ops
+        place = search.shape.placement if origin == "umopt chunks" else TORCH_MULTI[origin][0]
+        solver_name = f"multichunk cpsat (from {origin})"
+        picked = f"umopt exact, from {origin}"
+    elif picked == "umopt polished":
         _, origin, tables, ops, ch = polished
         place = search.shape.placement if origin == "umopt chunks" else TORCH_MULTI[origin][0]
         solver_name = f"multichunk (order polished from {origin})"
@@ -185,6 +190,20 @@ def solve_chunked(
         tables, ops, place = p.tables, p.ops, TORCH_MULTI[picked][0]
         ch = p.chunking
         solver_name = picked
+    bound["lower_bound_ms"] = busiest_rank_bound(tables, minibatch)
+    status = "feasible"
+    if exact is not None and exact[2] is tables:  # the exact model ran on this cut and placement
+        result, weights = exact[0], exact[4]
+        bound["lower_bound_ms"] = max(bound["lower_bound_ms"], result.lower_bound_ms)
+        bound["bound_holds_for"] += " with W ops on every virtual stage" if weights else " without W ops"
+        rounding = (3 if weights else 2) * tables.num_stages * minibatch / 1000  # a microsecond an op
+        in_scope = _w_everywhere(ops, tables.num_stages) == weights
+        if (
+            in_scope
+            and simulate(tables, ops, minibatch, record=False).iteration_ms
+            <= bound["lower_bound_ms"] + rounding
+        ):
+            status = "optimal"
     validate_ops(ops, minibatch, profile.max_size, recompute, ch)
     timeline = simulate(tables, ops, minibatch)
     limit = profile.memory_limit_bytes
@@ -200,9 +219,8 @@ def solve_chunked(
         timeline,
         solver={
             "name": solver_name,
-            "status": "feasible",
-            "lower_bound_ms": busiest_rank_bound(tables, minibatch),
-            "bound_holds_for": "schedules with this cut and placement, any partitions and order",
+            "status": status,
+            **bound,
             "seconds": time.perf_counter() - started,
             "seed": seed,
             "time_limit": time_limit,
@@ -214,4 +232,4 @@ def solve_chunked(
         chunks=ch,
         placement=place,
     )
-    return ChunkSolveReport(schedule, timeline, picked, one, peers, search)
+    return ChunkSolveReport(schedule, timeline, picked, one, peers, search, exact and exact[0])

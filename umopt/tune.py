@@ -9,29 +9,37 @@ processes, taking turns, so that a machine's drift meets them all alike. The pre
 candidates; the measurement chooses among them, taking turns until a paired test over the rounds
 decides at a stated confidence or a time budget ends (:mod:`umopt.decide`): ``recommended.json``
 is an unequal schedule only where it measured faster than the best equal schedule at that
-confidence, else the best equal schedule.
+confidence, else the best equal schedule. With ``chunks`` the profile is taken layer by layer
+and the candidates are those of ``umopt solve --chunks`` (:mod:`umopt.solve_chunks`): umopt's
+pick with several chunks per rank, torch's fastest multi-chunk schedule (an equal reference
+too), umopt's one-chunk schedule and the equal GPipe and 1F1B, each layout training its own copy
+of the model in the same turns.
 Everything it makes lands in one folder: the profile, the schedules, the run reports and the
 Gantt pictures.
 """
 
 from __future__ import annotations
 
+import functools
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
+from .costmodel import simulate
 from .decide import CONFIDENCE, Decision, decide
 from .errors import UmoptError
 from .fileio import check_writable
 from .formats.profile import Profile, load_profile, save_profile
-from .formats.schedule import make_schedule, save_schedule
+from .formats.schedule import Schedule, make_schedule, save_schedule
 from .launch import launch
 from .noise import OFF_PREDICTION
+from .peers import TORCH_MULTI
 from .probes import profile_in_pipeline
 from .problem import Candidate
-from .profiler import ProfileOptions, check_profile_options
+from .profiler import ProfileOptions, check_profile_options, profile_for_chunks
 from .solve import make_problem, solve
+from .solve_chunks import solve_chunked
 from .solvers import SOLVERS
 from .zerobubble import zb_h1
 
@@ -63,6 +71,7 @@ class TuneRow:
 class TuneResult:
     rows: list[TuneRow]
     lower_bound_ms: float
+    bound_holds_for: str
     out_dir: str
     recommended: str  # the name of the row written as recommended.json
     reason: str
@@ -79,9 +88,10 @@ class TuneResult:
         return (base.measured_ms / row.measured_ms) if measured else (base.predicted_ms / row.predicted_ms)
 
 
-def pick(rows: list[TuneRow], confidence: float = CONFIDENCE) -> Decision:
-    """The row to recommend, by the paired test over rounds of :mod:`umopt.decide`."""
-    return decide({r.name: r.rounds_ms for r in rows}, EQUAL, confidence)
+def pick(rows: list[TuneRow], confidence: float = CONFIDENCE, equal: Sequence[str] = EQUAL) -> Decision:
+    """The row to recommend, by the paired test over rounds of :mod:`umopt.decide` against the
+    fastest of the ``equal`` rows (the schedules people run today)."""
+    return decide({r.name: r.rounds_ms for r in rows}, equal, confidence)
 
 
 def _check_runnable(opts: ProfileOptions) -> None:
@@ -97,25 +107,120 @@ def _check_runnable(opts: ProfileOptions) -> None:
             )
 
 
-def _profile(opts: ProfileOptions, probes: bool, probe_minibatch: int) -> Profile:
-    """The profile; on CUDA measured in a child process, so that the CUDA context and whatever the
-    allocator keeps leave with it and the run's stage 0 finds its GPU as empty as the others."""
+def _profile(opts: ProfileOptions, probes: bool, probe_minibatch: int, chunks: int) -> Profile:
+    """The profile (with ``chunks`` > 1, layer by layer: :func:`umopt.profiler.profile_for_chunks`);
+    on CUDA measured in a child process, so that the CUDA context and whatever the allocator keeps
+    leave with it and the run's stage 0 finds its GPU as empty as the others."""
+    how = dict(probes=probes, probe_minibatch=probe_minibatch, argv=["umopt", "tune"])
+    job = (
+        functools.partial(profile_in_pipeline, opts, **how)
+        if chunks == 1
+        else functools.partial(profile_for_chunks, opts, chunks, **how)
+    )
     if opts.device != "cuda":
-        return profile_in_pipeline(
-            opts, probes=probes, probe_minibatch=probe_minibatch, argv=["umopt", "tune"]
-        )
+        return job()
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        return pool.submit(
-            profile_in_pipeline, opts, probes=probes, probe_minibatch=probe_minibatch, argv=["umopt", "tune"]
-        ).result()
+        return pool.submit(job).result()
 
 
-def _chunks(ops_lists) -> str:
-    counts = sorted({sum(1 for op in st if op[0] == "F") for st in ops_lists})
+def _microbatches(schedule: Schedule) -> str:
+    """The F ops of each stage (each virtual stage with several chunks per rank), as a range."""
+    per_stage: dict[int, int] = {}
+    for r, ops in enumerate(schedule.op_lists()):
+        for op in ops:
+            if op[0] == "F":
+                j = op[3] if len(op) == 4 else r
+                per_stage[j] = per_stage.get(j, 0) + 1
+    counts = sorted(set(per_stage.values()))
     return str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
+
+
+def _one_chunk_plans(
+    prof: Profile, minibatch: int, time_limit: float, seed: int, zero_bubble: bool
+) -> tuple[dict[str, Schedule], str, tuple[float, str]]:
+    """The one-chunk candidates worth measuring, the name of umopt's recommendation among them,
+    and the solve's lower bound with what it holds for."""
+    report = solve(prof, minibatch, time_limit=time_limit, seed=seed, zero_bubble=zero_bubble)
+    problem = make_problem(prof, minibatch, False)
+
+    def plan(name: str, cand: Candidate) -> Schedule:
+        return make_schedule(
+            prof,
+            minibatch,
+            False,
+            cand.ops(),
+            cand.simulate(problem),
+            {"name": name, "status": "feasible", "seconds": 0.0},
+            {},
+        )
+
+    plans: dict[str, Schedule] = {}
+    for b in (report.gpipe, report.onef1b):
+        if b.candidate is not None:
+            plans[b.name] = plan(b.name, b.candidate)
+    plans["umopt"] = plan("umopt", report.choice.candidate)
+    if report.result.candidate.ops() != report.choice.candidate.ops():
+        plans["umopt_best"] = plan("umopt_best", report.result.candidate)  # where the choice was simpler
+    ramp = SOLVERS["ramp"](problem, order="auto").candidate
+    ramp_ms = ramp.simulate(problem).iteration_ms
+    if ramp_ms < min(plans[n].predicted.iteration_ms for n in EQUAL if n in plans):
+        plans["ramp"] = plan("ramp", ramp)  # one shared partition: a simpler runner-up
+    if (
+        zero_bubble
+    ):  # W ops where the solve placed them (if they paid in prediction), and the best equal ZB-H1
+        with_w = report.schedule.op_lists()
+        if any(op.kind == "W" for st in with_w for op in st):
+            plans["umopt_w"] = plan("umopt_w", Candidate.from_ops(with_w))
+        zb = zb_h1(problem, seconds=1.0)
+        if zb is not None:
+            plans["zbh1_equal"] = plan("zbh1_equal", Candidate.from_ops(zb[1]))
+    lb = report.schedule.solver.lower_bound_ms or report.lower_bound_ms
+    return plans, "umopt", (lb, "one chunk per rank")
+
+
+def _chunked_plans(
+    prof: Profile, minibatch: int, chunks: Sequence[int], time_limit: float, seed: int, zero_bubble: bool
+) -> tuple[dict[str, Schedule], str, tuple[float, str]]:
+    """The candidates with up to ``max(chunks)`` chunks per rank: the equal one-chunk GPipe and
+    1F1B, umopt's one-chunk schedule, torch's fastest multi-chunk schedule (its own order, at its
+    best v and M) and umopt's pick; the name of the latter, and its lower bound's."""
+    report = solve_chunked(prof, minibatch, chunks, time_limit=time_limit, seed=seed, zero_bubble=zero_bubble)
+    one = report.one_chunk
+    problem = make_problem(prof, minibatch, False)
+    plans: dict[str, Schedule] = {}
+    for b in (one.gpipe, one.onef1b):
+        if b.candidate is not None:
+            plans[b.name] = make_schedule(
+                prof,
+                minibatch,
+                False,
+                b.candidate.ops(),
+                b.candidate.simulate(problem),
+                {"name": b.name, "status": "feasible", "seconds": 0.0},
+                {},
+            )
+    plans["umopt_one_chunk"] = one.schedule
+    peers = [(name, p) for name, p in report.peers.items() if p.iteration_ms is not None]
+    if peers:
+        name, p = min(peers, key=lambda kv: kv[1].iteration_ms)
+        plans[f"torch_{name.removeprefix('Schedule')}"] = make_schedule(
+            prof,
+            minibatch,
+            False,
+            p.ops,
+            simulate(p.tables, p.ops, minibatch),
+            {"name": name, "status": "feasible", "seconds": 0.0},
+            {},
+            chunks=p.chunking,
+            placement=TORCH_MULTI[name][0],
+        )
+    plans["umopt"] = report.schedule
+    solver = report.schedule.solver
+    scope = solver.model_extra.get("bound_holds_for", "one chunk per rank")
+    return plans, "umopt", (solver.lower_bound_ms or 0.0, scope)
 
 
 def tune(
@@ -139,8 +244,11 @@ def tune(
     link_latency_ms: Optional[float] = None,
     link_gbps: Optional[float] = None,
     zero_bubble: bool = False,
+    chunks: Optional[Sequence[int]] = None,
     say: Callable[[str], None] = lambda _msg: None,
 ) -> TuneResult:
+    """Profile, solve, measure the candidates in turns, recommend; ``chunks`` (counts per rank,
+    e.g. (1, 2, 3, 4)): also schedules with several chunks per rank, umopt's and torch's."""
     opts = ProfileOptions(
         model=model,
         model_args=model_args,
@@ -161,56 +269,31 @@ def tune(
         f"profiling {model} on {device}, {stages} stages"
         + (", then probe runs of the runtime" if probes else "")
     )
-    prof = _profile(opts, probes, min(minibatch, 32) if minibatch >= 4 else minibatch)
+    v = max(chunks or (1,))
+    prof = _profile(opts, probes, min(minibatch, 32) if minibatch >= 4 else minibatch, v)
     save_profile(prof, out / "profile.json")
     prof = load_profile(out / "profile.json")
     warnings = list(prof.meta.warnings)
-    say(f"solving for minibatch {minibatch} ({time_limit:g} s)")
-    report = solve(prof, minibatch, time_limit=time_limit, seed=seed, zero_bubble=zero_bubble)
-    problem = make_problem(prof, minibatch, False)
-
-    def write(name: str, cand: Candidate) -> str:
-        sched = make_schedule(
-            prof,
-            minibatch,
-            False,
-            cand.ops(),
-            cand.simulate(problem),
-            {"name": name, "status": "feasible", "seconds": 0.0},
-            {},
-        )
-        path = str(out / f"{name}.json")
-        save_schedule(sched, path)
-        return path
-
-    # the candidates: what the prediction says is worth measuring
-    plans: dict[str, Candidate] = {}
-    for b in (report.gpipe, report.onef1b):
-        if b.candidate is not None:
-            plans[b.name] = b.candidate
-    # umopt's recommendation runs once: where it is one of the equal schedules, its row is that run's
-    same = next((n for n, c in plans.items() if c.ops() == report.choice.candidate.ops()), None)
-    if same is None:
-        plans["umopt"] = report.choice.candidate
-    if report.result.candidate.ops() != report.choice.candidate.ops():
-        plans["umopt_best"] = report.result.candidate  # the fastest predicted, where the choice was simpler
-    ramp = SOLVERS["ramp"](problem, order="auto").candidate
-    ramp_ms = ramp.simulate(problem).iteration_ms
-    if all(ramp.ops() != c.ops() for c in plans.values()) and ramp_ms < min(
-        c.simulate(problem).iteration_ms for n, c in plans.items() if n in EQUAL
-    ):
-        plans["ramp"] = ramp  # one shared partition: a simpler runner-up
-    if (
-        zero_bubble
-    ):  # W ops where the solve placed them (if they paid in prediction), and the best equal ZB-H1
-        with_w = report.schedule.op_lists()
-        if any(op.kind == "W" for st in with_w for op in st):
-            plans["umopt_w"] = Candidate.from_ops(with_w)
-        zb = zb_h1(problem, seconds=1.0)
-        if zb is not None:
-            plans["zbh1_equal"] = Candidate.from_ops(zb[1])
-    names = list(plans)
-    paths = [write(n, plans[n]) for n in names]
+    say(
+        f"solving for minibatch {minibatch} ({time_limit:g} s)"
+        + (f", up to {v} chunks per rank" if v > 1 else "")
+    )
+    if v > 1:
+        plans, _, (lb, scope) = _chunked_plans(prof, minibatch, chunks, time_limit, seed, zero_bubble)
+    else:
+        plans, _, (lb, scope) = _one_chunk_plans(prof, minibatch, time_limit, seed, zero_bubble)
+    # a candidate the same as one before it (umopt's pick may be an equal schedule, or torch's)
+    # runs once; its row is that run's
+    twin: dict[str, str] = {}
+    for name, sched in plans.items():
+        key = (str(sched.chunks), sched.op_lists())
+        twin[name] = next(n for n, o in plans.items() if (str(o.chunks), o.op_lists()) == key)
+    names = [n for n in plans if twin[n] == n]
+    paths = []
+    for n in names:
+        paths.append(str(out / f"{n}.json"))
+        save_schedule(plans[n], paths[-1])
+    equal = [n for n in names if n in EQUAL or n.startswith("torch_")]
     say(
         f"running {', '.join(names)} in turns, rounds of {steps} steps each, until decided at {100 * confidence:.0f}% confidence (at least {rounds} rounds, at most {budget:g} s)"
     )
@@ -234,45 +317,46 @@ def tune(
         ],
         quiet=True,
     )
-    rows = []
+    measured = {}
     for name, path, r, rep in zip(names, paths, result.reports, result.report_paths):
-        rows.append(
-            TuneRow(
-                name,
-                _chunks(plans[name].ops()),
-                r.predicted_iteration_ms,
-                r.measured_iteration_ms,
-                r.round_ms,
-                path,
-                rep,
-                str(out / f"measured_{name}.png"),
-            )
+        measured[name] = TuneRow(
+            name,
+            _microbatches(plans[name]),
+            r.predicted_iteration_ms,
+            r.measured_iteration_ms,
+            r.round_ms,
+            path,
+            rep,
+            str(out / f"measured_{name}.png"),
         )
         off = r.measured_over_predicted - 1
         if abs(off) > OFF_PREDICTION:
             warnings.append(f"{name} measured {100 * off:+.0f}% off its prediction")
-    decision = pick(rows, confidence)  # the runtime's own, recomputed from the reports
-    if same is not None:
+    rows = [measured[n] for n in names]
+    decision = pick(rows, confidence, equal)  # the runtime's own, recomputed from the reports
+    for name in plans:
+        if twin[name] == name:
+            continue
+        same = twin[name]
         for kind, ext in (("report", "json"), ("measured", "png")):
-            shutil.copyfile(out / f"{kind}_{same}.{ext}", out / f"{kind}_umopt.{ext}")
-        shutil.copyfile(out / f"{same}.json", out / "umopt.json")
-        twin = next(r for r in rows if r.name == same)
+            shutil.copyfile(out / f"{kind}_{same}.{ext}", out / f"{kind}_{name}.{ext}")
+        shutil.copyfile(out / f"{same}.json", out / f"{name}.json")
         rows.insert(
-            len(EQUAL),
+            list(plans).index(name),
             replace(
-                twin,
-                name="umopt",
-                schedule=str(out / "umopt.json"),
-                report=str(out / "report_umopt.json"),
-                plot=str(out / "measured_umopt.png"),
+                measured[same],
+                name=name,
+                schedule=str(out / f"{name}.json"),
+                report=str(out / f"report_{name}.json"),
+                plot=str(out / f"measured_{name}.png"),
             ),
         )
     recommended = decision.winner
     shutil.copyfile(out / f"{recommended}.json", out / "recommended.json")
-    lb = report.schedule.solver.lower_bound_ms or report.lower_bound_ms
     return TuneResult(
         rows,
         lb,
+        scope,
         str(out),
         recommended,
         decision.reason,

@@ -334,8 +334,15 @@ def _add_memory(
     B ends (with recompute: inputs are kept, the running chunk's stash only while it runs). With
     W ops (``wend``: each B chunk's W end) a sample's memory goes when its W ends, and with
     recompute what its B recomputed stays until then too."""
-    t = problem.tables
-    room = int(problem.memory_limit - t.static_bytes[s])
+    room = int(problem.memory_limit - problem.tables.static_bytes[s])
+    times, changes, actives = memory_events(problem.tables, s, chunks, x, y, fstart, bstart, fdur, bdur, wend)
+    m.add_reservoir_constraint_with_active(times, changes, actives, 0, room)
+
+
+def memory_events(tables, s: int, chunks, x, y, fstart, bstart, fdur, bdur, wend: Optional[dict] = None):
+    """Stage ``s``'s memory changes for a reservoir (see :func:`_add_memory`): when (an
+    expression), by how many bytes, and whether (the chunk's boolean)."""
+    t = tables
     times, changes, actives = [], [], []
 
     def event(when, delta, active):
@@ -349,18 +356,18 @@ def _add_memory(
         if wend is not None:
             event(
                 fstart[c],
-                b * (t.input_bytes[s] + t.stash_bytes[s] if problem.recompute else t.stash_bytes[s]),
+                b * (t.input_bytes[s] + t.stash_bytes[s] if t.recompute else t.stash_bytes[s]),
                 x[c],
             )
-            if problem.recompute:
+            if t.recompute:
                 event(fstart[c] + fdur[c], -b * t.stash_bytes[s], x[c])
                 event(bstart[c], b * t.stash_bytes[s], y[c])
             event(
                 wend[c],
-                -b * (t.input_bytes[s] + t.stash_bytes[s] if problem.recompute else t.stash_bytes[s]),
+                -b * (t.input_bytes[s] + t.stash_bytes[s] if t.recompute else t.stash_bytes[s]),
                 y[c],
             )
-        elif not problem.recompute:
+        elif not t.recompute:
             event(fstart[c], b * t.stash_bytes[s], x[c])
             event(bstart[c] + bdur[c], -b * t.stash_bytes[s], y[c])
         else:
@@ -368,7 +375,7 @@ def _add_memory(
             event(fstart[c] + fdur[c], -b * t.stash_bytes[s], x[c])
             event(bstart[c], b * t.stash_bytes[s], y[c])
             event(bstart[c] + bdur[c], -b * (t.input_bytes[s] + t.stash_bytes[s]), y[c])
-    m.add_reservoir_constraint_with_active(times, changes, actives, 0, room)
+    return times, changes, actives
 
 
 def _hint_free(m, problem: Problem, hint: Candidate, chunks, x, y, fstart, bstart) -> None:
