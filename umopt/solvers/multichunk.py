@@ -7,7 +7,7 @@ skipping an M whose busiest rank alone is slower than the best found. The best f
 schedules are then improved by an iterated local search over the genes: one sample moved between
 neighbouring chunks of a virtual stage (or of all virtual stages at once), two chunks merged, one
 split, a partition copied to the next virtual stage, a rank's cap moved by a chunk, the order
-rule flipped. Each schedule is scored by list scheduling (the reference simulator agrees to
+rule flipped, a layer moved between virtual stages ([Note: layer moves]). Each schedule is scored by list scheduling (the reference simulator agrees to
 1e-9), within the memory limit.
 """
 
@@ -32,7 +32,9 @@ __all__ = ["ChunkShape", "ChunkSolution", "shapes", "solve_chunks"]
 class ChunkShape:
     chunks: int  # v
     placement: str  # "looped" | "vshape"
-    cut: str  # "stage": each stage cut into v; "balanced": all layers cut evenly
+    cut: (
+        str  # "stage": each stage cut into v; "balanced": all layers cut evenly; "searched": moved from those
+    )
     chunking: Chunking
 
 
@@ -175,6 +177,28 @@ def _mutate(g: ChunkGenes, tables: CostTables, rng: random.Random, max_size: int
     return h
 
 
+# [Note: layer moves]
+# The cuts screened (each stage in v pieces, or all layers evenly by time) are where a search
+# starts, not where it must stay: a virtual stage's cost shapes the fill and drain of those after
+# it, so the best cut under a schedule is not the most even one. The local search moves one layer
+# across one boundary between virtual stages now and then (each virtual stage keeps a layer at
+# least); the partitions stay as they are, the cost tables of the new cut are built (and kept).
+LAYER_MOVES = 0.1  # of the local search's moves
+
+
+def _move_layer(shape: ChunkShape, rng: random.Random) -> Optional[ChunkShape]:
+    """The shape with one layer moved across one boundary between virtual stages."""
+    layers = [list(r) for r in shape.chunking.layers]
+    j = rng.randrange(len(layers) - 1)
+    d = rng.choice((-1, 1))  # the boundary after virtual stage j moves by d layers
+    if layers[j][1] + d <= layers[j][0] or layers[j][1] + d >= layers[j + 1][1]:
+        return None
+    layers[j][1] += d
+    layers[j + 1][0] += d
+    ch = Chunking(tuple(tuple(r) for r in layers), shape.chunking.ranks)
+    return ChunkShape(shape.chunks, shape.placement, "searched", ch)
+
+
 def solve_chunks(
     profile: Profile,
     minibatch: int,
@@ -240,17 +264,28 @@ def solve_chunks(
     best = min(pool, key=lambda x: x[0])
     deadline = start + seconds
     tried: set = set()
+    cuts: dict[Chunking, CostTables] = {}
     while time.perf_counter() < deadline:
         for item in pool:
             ms, _, shape, tables, g, ops = item
-            h = _mutate(g, tables, rng, profile.max_size)
-            if h is None or (shape, h.signature()) in tried:
+            if rng.random() < LAYER_MOVES:  # [Note: layer moves]
+                moved = _move_layer(shape, rng)
+                if moved is None:
+                    continue
+                h, h_shape = g, moved
+                if moved.chunking not in cuts:
+                    cuts[moved.chunking] = CostTables.from_profile(profile, recompute, chunks=moved.chunking)
+                h_tables = cuts[moved.chunking]
+            else:
+                h = _mutate(g, tables, rng, profile.max_size)
+                h_shape, h_tables = shape, tables
+            if h is None or (h_shape, h.signature()) in tried:
                 continue
-            tried.add((shape, h.signature()))
-            h_ops, h_ms = build_ops(tables, B, h)
+            tried.add((h_shape, h.signature()))
+            h_ops, h_ms = build_ops(h_tables, B, h)
             evaluated += 1
-            if h_ms <= ms + 1e-9 and _fits(tables, h_ops):
-                item[0], item[4], item[5] = h_ms, h, h_ops
+            if h_ms <= ms + 1e-9 and _fits(h_tables, h_ops):
+                item[0], item[2], item[3], item[4], item[5] = h_ms, h_shape, h_tables, h, h_ops
                 if h_ms < best[0] - 1e-9:
                     best = item
         if progress is not None:
