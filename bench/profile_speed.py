@@ -19,7 +19,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from umopt.profiler import ProfileOptions, profile_model
+from umopt.measure import ProfileOptions, profile_model
 
 
 def main() -> None:

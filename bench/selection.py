@@ -28,8 +28,8 @@ from rich.console import Console
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import load_schedule, save_schedule
 from umopt.launch import launch
+from umopt.measure import ProfileOptions
 from umopt.probes import profile_in_pipeline
-from umopt.profiler import ProfileOptions
 from umopt.solve import solve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -39,9 +39,9 @@ from umopt.costmodel import CostTables, simulate
 from umopt.formats.profile import bundled_profiles, load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.launch import launch
+from umopt.measure import ProfileOptions
 from umopt.probes import profile_in_pipeline
 from umopt.problem import Problem
-from umopt.profiler import ProfileOptions
 from umopt.solve import make_problem, solve
 from umopt.solvers.cpsat import solve_with_weight_ops
 from umopt.synthetic import synthetic_profile

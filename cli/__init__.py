@@ -693,8 +693,8 @@ def profile(
     _require_torch()
     from umopt.fileio import check_writable
     from umopt.formats.profile import save_profile
+    from umopt.measure import ProfileOptions
     from umopt.probes import profile_in_pipeline
-    from umopt.profiler import ProfileOptions
     from umopt.zoo import parse_model_args
 
     if max_size < 1:
@@ -739,7 +739,7 @@ def profile(
         ctx_obj = click.get_current_context().obj or {}
         argv = ctx_obj.get("argv", ["umopt", *sys.argv[1:]])
         if chunks > 1:
-            from umopt.profiler import profile_for_chunks
+            from umopt.measure import profile_for_chunks
 
             prof = profile_for_chunks(
                 opts, chunks, progress, argv, probes=probes, probe_minibatch=probe_minibatch

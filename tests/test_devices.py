@@ -18,7 +18,7 @@ from test_runtime import MLP, B, write_schedule
 from umopt import devices
 from umopt.errors import UmoptError
 from umopt.launch import launch
-from umopt.profiler import ProfileOptions, check_profile_options, link_plan, pingpong_sizes, profile_model
+from umopt.measure import ProfileOptions, check_profile_options, link_plan, pingpong_sizes, profile_model
 from umopt.runtime import build_stage, init_distributed
 from umopt.zoo import build_model
 
@@ -168,10 +168,12 @@ def test_cuda_profiles_that_cannot_finish_are_refused_before_any_timing(gpus):
 
 
 def test_tune_on_cuda_takes_link_options_and_checks_the_gpus_first(gpus, tmp_path, capsys, monkeypatch):
-    import umopt.profiler
+    import umopt.measure.profile
 
     gpus(1)
-    monkeypatch.setattr(umopt.profiler, "_profile_model", lambda *a, **k: pytest.fail("timing started"))
+    monkeypatch.setattr(
+        umopt.measure.profile, "_profile_model", lambda *a, **k: pytest.fail("timing started")
+    )
     out = tmp_path / "t"
     code, _, err = run_cli(["tune", "--device", "cuda", "--out", str(out)], capsys)
     assert code == 2 and "one GPU: the links between 2 stages cannot be measured" in err

@@ -12,7 +12,7 @@ from conftest import zoo_sim_profile
 from test_runtime import MLP, B, write_schedule
 
 from umopt.launch import launch
-from umopt.profiler import ProfileOptions, profile_model
+from umopt.measure import ProfileOptions, profile_model
 from umopt.zoo import build_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")

@@ -25,7 +25,7 @@ def test_library_warnings_reach_the_command_line_as_lines(capsys):
     from umopt.cli import _log_to, err
 
     _log_to(err, logging.INFO)
-    logging.getLogger("umopt.profiler").warning("a warning from deep inside")
+    logging.getLogger("umopt.measure").warning("a warning from deep inside")
     assert "umopt: warning: a warning from deep inside" in capsys.readouterr().err
 
 

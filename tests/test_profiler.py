@@ -11,9 +11,9 @@ from torch import nn
 from umopt.devices import numerics
 from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile
-from umopt.profiler import (
+from umopt.measure import (
+    ProfiledStage,
     ProfileOptions,
-    _Stage,
     balanced_split,
     measure_allreduce,
     measure_link,
@@ -101,7 +101,7 @@ def test_stash_bytes_match_an_analytic_count_for_linear_relu():
     # per sample, the stage input plus one activation per ReLU (float32), no parameters.
     widths = [24, 40, 56, 8]
     layers = [nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(widths, widths[1:])]
-    stage = _Stage(layers)
+    stage = ProfiledStage(layers)
     per_sample = 4 * (widths[0] + sum(widths[1:]))
     for n in (1, 3, 7):
         x = torch.randn(n, widths[0], requires_grad=True)
@@ -200,7 +200,7 @@ def test_links_sharing_no_device_are_measured_at_once(monkeypatch):
     (1,2) in a second; every pair gets its own fit."""
     import torch.multiprocessing as mp
 
-    import umopt.profiler as profiler
+    import umopt.measure.links as profiler
 
     rounds, real = [], mp.start_processes
 

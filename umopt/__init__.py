@@ -1,7 +1,7 @@
 """umopt: unequal per-stage microbatch partitions for pipeline-parallel training.
 
 ``umopt.Pipeline`` (:mod:`umopt.pipeline`) runs a schedule inside your own training loop and
-``umopt.profile_stages`` (:mod:`umopt.profiler`) profiles your own stage modules; both are imported
+``umopt.profile_stages`` (:mod:`umopt.measure`) profiles your own stage modules; both are imported
 on first use, so that the commands that need no torch (``umopt solve``) start fast.
 """
 
@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
 
         return TensorSpec
     if name == "profile_stages":
-        from .profiler import profile_stages
+        from .measure import profile_stages
 
         return profile_stages
     raise AttributeError(f"module 'umopt' has no attribute {name!r}")

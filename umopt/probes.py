@@ -153,12 +153,12 @@ def profile_in_pipeline(
     argv=None,
     say=lambda _m: None,
 ) -> Profile:
-    """:func:`umopt.profiler.profile_model`, then, where a core or GPU per stage allows, fitted to
+    """:func:`umopt.measure.profile_model`, then, where a core or GPU per stage allows, fitted to
     probe runs of the real runtime (``meta.probes`` says whether they ran, and if not why)."""
     import tempfile
 
     from .formats.profile import load_profile, save_profile
-    from .profiler import profile_model
+    from .measure import profile_model
 
     profile = profile_model(opts, progress=progress, argv=argv)
     why = "--no-probes" if not probes else why_no_probes(profile)
