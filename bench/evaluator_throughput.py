@@ -17,8 +17,9 @@ from rich.table import Table
 
 from umopt import vectorized
 from umopt.costmodel import CostTables, simulate
-from umopt.partition import ends_to_sizes, equal_sizes, gpipe_ops, repair_ends, sizes_to_ends
+from umopt.partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
 from umopt.population_sim import evaluate_1f1b, evaluate_gpipe
+from umopt.schedules import gpipe_ops
 from umopt.synthetic import synthetic_profile
 
 

@@ -70,7 +70,7 @@ def run(time_limit: float, cases=CASES, say=print) -> list[dict]:
             res = SOLVERS[solver](problem, time_limit=time_limit, seed=0, order=order)
             seconds = time.perf_counter() - t0
             it = res.candidate.simulate(problem).iteration_ms
-            scope = res.extra.get("bound_scope")
+            scope = res.bound_scope
             results.append(
                 {
                     "label": label,
@@ -79,9 +79,9 @@ def run(time_limit: float, cases=CASES, say=print) -> list[dict]:
                     "status": res.status,
                     "scope": scope,
                     "bound": res.lower_bound_ms,
-                    "note": res.extra.get("note", ""),
+                    "note": "; ".join(res.notes),
                     "in_order": backwards_in_sample_order(res.candidate.ops()),
-                    "bound_1f1b": res.extra.get("lower_bound_1f1b_ms"),
+                    "bound_1f1b": res.lower_bound_1f1b_ms,
                 }
             )
             say(f"{name} B={B} {label}: {it:.2f} ms, {res.status}, {seconds:.1f} s")

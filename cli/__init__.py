@@ -496,7 +496,7 @@ def _print_report(report) -> None:
         if zb is not None:
             row(name, str(zb.microbatches or "-"), None, zb.iteration_ms, zt.bubble_fraction if zt else None)
     counts = sorted({len([o for o in st.ops if o[0] == "F"]) for st in report.schedule.stages})
-    winner = report.result.extra.get("winner")
+    winner = report.result.winner
     umopt_name = f"umopt {solver.name}" if not winner or winner == solver.name else f"umopt ({winner})"
     if report.choice.name in ("gpipe_equal", "1f1b_equal"):
         umopt_name = f"umopt: {report.choice.name.split('_')[0]}"
@@ -554,8 +554,8 @@ def _print_report(report) -> None:
             f"the best schedule found is predicted {100 * report.choice.gain:.1f}% +- {100 * report.choice.uncertainty:.1f}% "
             "faster than the best equal one (the profile's spread and its fit to the runtime)"
         )
-    if "note" in report.result.extra:
-        out.print(f"note: {report.result.extra['note']}")
+    if report.result.notes:
+        out.print(f"note: {'; '.join(report.result.notes)}")
 
 
 def _int_list(value: Optional[str], what: str) -> Optional[list[int]]:

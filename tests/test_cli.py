@@ -166,7 +166,8 @@ def test_1f1b_with_recompute_gives_each_stage_its_own_backward_chunks(tmp_path, 
     # Megatron-style 1F1B with activation recomputation: the backward partitions are free
     from umopt.costmodel import CostTables, simulate
     from umopt.formats.profile import load_profile
-    from umopt.partition import onef1b_schedule, partitions_from_ops
+    from umopt.partition import partitions_from_ops
+    from umopt.schedules import onef1b_schedule
 
     out = tmp_path / "s.json"
     code, _, err = run(
@@ -264,7 +265,8 @@ def test_usage_errors_exit_2(capsys):
 
 @pytest.mark.parametrize("order", ["gpipe", "1f1b"])
 def test_order_option_restricts_the_search(order, tmp_path, capsys):
-    from umopt.partition import gpipe_ops, onef1b_schedule, partitions_from_ops
+    from umopt.partition import partitions_from_ops
+    from umopt.schedules import gpipe_ops, onef1b_schedule
 
     out = tmp_path / "s.json"
     code, _, err = run(

@@ -8,7 +8,8 @@ from conftest import two_stage_profile
 
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
-from umopt.partition import equal_sizes, gpipe_ops, onef1b_schedule
+from umopt.partition import equal_sizes
+from umopt.schedules import gpipe_ops, onef1b_schedule
 from umopt.synthetic import synthetic_profile
 
 

@@ -493,7 +493,7 @@ def test_schedules_of_different_layouts_take_turns_in_one_run(tmp_path, capsys):
     model (same starting weights), both are measured in turns and reported, the V-shaped one's
     losses taken from rank 0, which holds its last chunk; --save-grads needs one layout."""
     from umopt.formats.profile import Profile, save_profile
-    from umopt.partition import gpipe_ops
+    from umopt.schedules import gpipe_ops
 
     data = synthetic_profile(2, max_size=8, seed=3, layers_per_stage=2).model_dump(mode="json")
     data["model"] = {"name": "mlp", "args": {"layers": 4, "width": 16, "in_features": 8}}

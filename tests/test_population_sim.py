@@ -11,9 +11,10 @@ from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
 from umopt.formats.profile import AllReduceProfile
 from umopt.formats.schedule import validate_ops
-from umopt.partition import ends_to_sizes, gpipe_ops, onef1b_schedule, repair_ends, sizes_to_ends
+from umopt.partition import ends_to_sizes, repair_ends, sizes_to_ends
 from umopt.population_sim import evaluate_1f1b, evaluate_gpipe
 from umopt.problem import Candidate
+from umopt.schedules import gpipe_ops, onef1b_schedule
 from umopt.synthetic import synthetic_profile
 
 

@@ -286,7 +286,7 @@ def test_exact_models_prove_the_brute_force_optimum_over_every_order(solver, S, 
     problem = Problem(CostTables.from_profile(_microsecond_profile(S, seed), recompute), B)
     best = brute_force_any_order(problem)
     res = SOLVERS[solver](problem, time_limit=20, seed=0, order="auto")
-    assert res.status == "optimal" and res.extra["bound_scope"] == "any order"
+    assert res.status == "optimal" and res.bound_scope == "any order"
     assert res.candidate.simulate(problem).iteration_ms == pytest.approx(best, abs=1e-6)
     assert res.lower_bound_ms <= best + 1e-9
     assert res.lower_bound_ms == pytest.approx(best, abs=S * 2 * B * 1e-3)
@@ -650,12 +650,12 @@ def test_auto_reports_the_exact_models_proof_for_the_orders_it_searched():
     problem = Problem(CostTables.from_profile(_microsecond_profile(2, 1)), 5)
     res = SOLVERS["auto"](problem, time_limit=6, seed=0, order="gpipe")
     best = brute_force_gpipe(problem)
-    assert res.status == "optimal" and res.extra["bound_scope"] == "gpipe order"
+    assert res.status == "optimal" and res.bound_scope == "gpipe order"
     assert res.candidate.simulate(problem).iteration_ms == pytest.approx(best, abs=1e-6)
     assert res.lower_bound_ms <= best + 1e-9
     # searching every order, the proof covers every schedule
     free = SOLVERS["auto"](problem, time_limit=6, seed=0)
-    assert free.extra["bound_scope"] == "any order"
+    assert free.bound_scope == "any order"
     assert free.lower_bound_ms <= free.candidate.simulate(problem).iteration_ms <= best + 1e-9
 
 
@@ -706,7 +706,7 @@ def test_auto_reports_the_pair_bound_where_the_exact_model_does_not_run(monkeypa
     problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 12)
     made = _fake_beside(monkeypatch, proved={"any order": 170.0, "1f1b order": 175.0})
     res = SOLVERS["auto"](problem, time_limit=2, seed=0)
-    assert "cpsat" not in res.extra["tried"]
+    assert "cpsat" not in res.tried
     # first the pairs of every schedule, then the 1F1B family's, for the GA's time between them,
     # told the best fast schedule and then the GA's better ones; the GA's schedules are of that
     # family, so both are reported
@@ -719,10 +719,8 @@ def test_auto_reports_the_pair_bound_where_the_exact_model_does_not_run(monkeypa
     assert job.offers == sorted(job.offers, reverse=True) and job.offers[-1] == pytest.approx(
         res.candidate.iteration_ms
     )
-    assert (
-        res.lower_bound_ms == 170.0 and res.extra["bound_scope"] == "any order" and res.status == "feasible"
-    )
-    assert res.extra["lower_bound_1f1b_ms"] == 175.0
+    assert res.lower_bound_ms == 170.0 and res.bound_scope == "any order" and res.status == "feasible"
+    assert res.lower_bound_1f1b_ms == 175.0
     # a bound that meets the schedule found proves it optimal (never reported above it)
     made = _fake_beside(monkeypatch, proved={"any order": 1e9, "1f1b order": 1e9})
     res = SOLVERS["auto"](problem, time_limit=2, seed=0)
@@ -732,7 +730,7 @@ def test_auto_reports_the_pair_bound_where_the_exact_model_does_not_run(monkeypa
     res = SOLVERS["auto"](problem, time_limit=2, seed=0, order="1f1b")
     [job] = made
     assert job.params["any_seconds"] == 0 and job.params["family_seconds"] >= 1.5
-    assert res.lower_bound_ms == 175.0 and res.extra["bound_scope"] == "1f1b order"
+    assert res.lower_bound_ms == 175.0 and res.bound_scope == "1f1b order"
 
 
 def test_auto_stops_once_the_bound_meets_its_schedule(monkeypatch):
@@ -746,7 +744,7 @@ def test_auto_stops_once_the_bound_meets_its_schedule(monkeypatch):
     assert made[0].ended == "stop"
     found = res.candidate.simulate(problem).iteration_ms
     assert res.status == "optimal" and res.lower_bound_ms == pytest.approx(found)
-    assert res.extra["lower_bound_1f1b_ms"] == pytest.approx(found)
+    assert res.lower_bound_1f1b_ms == pytest.approx(found)
 
 
 def test_ga_stops_when_asked_and_bounds_beside_end_at_once():

@@ -19,7 +19,8 @@ from typing import Optional
 import numpy as np
 
 from .partition import equal_sizes
-from .problem import Candidate, Problem, pack, score_1f1b, score_gpipe
+from .problem import Candidate, Problem, pack
+from .schedules import family
 
 __all__ = ["Baseline", "feasible_m", "gpipe_equal", "onef1b_equal"]
 
@@ -62,7 +63,7 @@ def _best_equal(problem: Problem, order: str) -> Baseline:
         lb = _busiest_stage_ms(problem, ms)
         todo = ms[np.argsort(lb, kind="stable")]
         lb = np.sort(lb, kind="stable")
-        score = score_gpipe if order == "gpipe" else score_1f1b
+        score = family(order).score
         i = 0
         while i < len(todo) and lb[i] <= best_ms:
             # the next few counts still in the running (few: each batch tightens the best), in one

@@ -28,7 +28,6 @@ import numpy as np
 
 from .costmodel import CostTables, simulate
 from .errors import UmoptError
-from .partition import gpipe_ops, onef1b_schedule, with_weight_ops
 
 # what this module calls the compiled evaluators with (their VERSION)
 _COMPILED_VERSION = 2
@@ -250,7 +249,7 @@ def evaluate_1f1b(
     layout as ``fsizes``), which may differ only with recompute; ``None``: the forward ones.
     ``wcap``: (P, S) W-op caps (see :func:`evaluate_split`); None: no W ops.
 
-    The op order of every stage is :func:`umopt.partition.onef1b_schedule`'s, built here for the
+    The op order of every stage is :func:`umopt.schedules.onef1b.onef1b_schedule`'s, built here for the
     whole population at once: from the last stage up, the samples each backward needs forwarded
     first, then the slot of every F and B op.
 
@@ -405,7 +404,7 @@ def evaluate_split(
 ) -> PopulationScore:
     """Score P schedules whose backward is split into B and W ops (zero bubble): the F/B order of
     GPipe (``warmup`` "gpipe") or of 1F1B with those warm-ups (None: PipeDream-flush's), then on
-    each stage s a W op per B chunk placed by :func:`umopt.partition.with_weight_ops` with cap
+    each stage s a W op per B chunk placed by :func:`umopt.schedules.weights.with_weight_ops` with cap
     ``wcap[p, s]`` (samples awaiting their W; the minibatch defers every W to the end; negative:
     the stage's backward stays whole).
 
@@ -436,6 +435,12 @@ def evaluate_split(
         return _with_allreduce(
             tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
         )
+    from .schedules import (  # (the families score with this module)
+        gpipe_ops,
+        onef1b_schedule,
+        with_weight_ops,
+    )
+
     it, finish, busy, peak = np.full(P, np.inf), np.zeros((P, S)), np.zeros((P, S)), np.zeros((P, S))
     for p in range(P):
         fs = [[int(x) for x in fsizes[p, s] if x] for s in range(S)]

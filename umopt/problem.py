@@ -16,10 +16,10 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from .costmodel import CostTables, Op, Timeline, simulate
-from .partition import gpipe_ops, onef1b_schedule, partitions_from_ops, pipedream_warmup, with_weight_ops
-from .population_sim import PopulationScore, evaluate_1f1b, evaluate_gpipe
+from .partition import partitions_from_ops
+from .schedules import family, pipedream_warmup, place_weights
 
-__all__ = ["Problem", "Candidate", "SolverResult", "Progress", "ticking", "pack", "score_gpipe", "score_1f1b"]
+__all__ = ["Problem", "Candidate", "SolverResult", "Progress", "ticking", "pack"]
 
 # progress(fraction_done, best_iteration_ms_so_far); solvers call it now and then, the CLI draws it.
 # best is inf until a solver has a schedule.
@@ -118,13 +118,8 @@ class Candidate:
         if self.order == "free":
             assert self.explicit_ops is not None
             return [list(o) for o in self.explicit_ops]
-        if self.order == "gpipe":
-            ops = [gpipe_ops(f, b) for f, b in zip(self.fsizes, self.bsizes)]
-        else:
-            ops = onef1b_schedule(self.fsizes, self.bsizes, self.warmup)
-        if self.wcap is None:
-            return ops
-        return [with_weight_ops(st, cap) if cap >= 0 else st for st, cap in zip(ops, self.wcap)]
+        ops = family(self.order).stage_ops(self.fsizes, self.bsizes, self.warmup)
+        return ops if self.wcap is None else place_weights(ops, self.wcap)
 
     def simulate(self, problem: Problem) -> Timeline:
         return simulate(problem.tables, self.ops(), problem.minibatch)
@@ -147,7 +142,17 @@ class SolverResult:
     lower_bound_ms: Optional[float] = None
     seconds: float = 0.0
     evaluated: int = 0  # schedules scored
-    extra: dict = field(default_factory=dict)
+    # which schedules lower_bound_ms holds for (a umopt.bounds.Scope value: "any order", ...)
+    bound_scope: Optional[str] = None
+    lower_bound_1f1b_ms: Optional[float] = None  # auto: a bound among schedules in 1F1B order
+    lower_bound_w_ms: Optional[float] = None  # solve --zero-bubble, small instances: with W ops
+    notes: list[str] = field(default_factory=list)  # what the user should know about the result
+    winner: Optional[str] = None  # auto: the part whose schedule won
+    tried: dict[str, float] = field(default_factory=dict)  # auto: each part's best iteration ms
+    engine_status: Optional[str] = None  # cpsat, milp: the engine's own status name
+    engine: Optional[str] = None  # milp: the MIP engine that ran
+    generations: Optional[int] = None  # ga
+    restarts: Optional[int] = None  # ga
     # other schedules it found on the way (auto: each part's best), for what comes after the
     # search: W ops placed in each (solve --zero-bubble)
     alternatives: list[Candidate] = field(default_factory=list)
@@ -161,33 +166,3 @@ def pack(partitions: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
         for s, part in enumerate(ind):
             out[p, s, : len(part)] = part
     return out
-
-
-def score_gpipe(
-    problem: Problem,
-    fsizes: np.ndarray,
-    bsizes: Optional[np.ndarray] = None,
-    wcap: Optional[np.ndarray] = None,
-) -> tuple[np.ndarray, PopulationScore]:
-    """Iteration ms of each GPipe-order individual, ``inf`` where it breaks the memory limit;
-    ``wcap`` (P, S): W ops placed with those caps (:class:`Candidate`)."""
-    return _within_memory(problem, evaluate_gpipe(problem.tables, fsizes, bsizes, wcap))
-
-
-def score_1f1b(
-    problem: Problem,
-    fsizes: np.ndarray,
-    warmup: Optional[np.ndarray] = None,
-    bsizes: Optional[np.ndarray] = None,
-    wcap: Optional[np.ndarray] = None,
-) -> tuple[np.ndarray, PopulationScore]:
-    """Iteration ms of each 1F1B-order individual (warm-ups as :func:`umopt.population_sim.evaluate_1f1b`'s),
-    ``inf`` where it breaks the memory limit; ``wcap`` as :func:`score_gpipe`'s."""
-    return _within_memory(problem, evaluate_1f1b(problem.tables, fsizes, warmup, bsizes, wcap))
-
-
-def _within_memory(problem: Problem, sc: PopulationScore) -> tuple[np.ndarray, PopulationScore]:
-    it = sc.iteration_ms
-    if problem.memory_limit is not None:
-        it = np.where(sc.peak_memory_bytes.max(axis=1) <= problem.memory_limit, it, np.inf)
-    return it, sc

@@ -160,7 +160,11 @@ def solve(
     """Solve for ``profile`` at ``minibatch`` samples per pipeline; with ``dp``, for that many
     data-parallel replicas of the pipeline, each stage paying its gradient all-reduce; with
     ``zero_bubble``, W ops (the weight gradients split off the backward) placed where they pay,
-    against the best equal ZB-H1 and ZB-H2 too."""
+    against the best equal ZB-H1 and ZB-H2 too.
+
+    The steps, each returning what the next takes: the equal baselines, the search (with the
+    fast bounds), the choice between what it found and simpler schedules, the zero-bubble pass,
+    the schedule file's content."""
     if solver not in SOLVERS:
         raise UmoptError(f"unknown solver {solver!r} (choose from {', '.join(SOLVERS)})")
     if order not in ("auto", "gpipe", "1f1b"):
@@ -171,24 +175,131 @@ def solve(
     problem = make_problem(profile, minibatch, recompute, dp)
     if zero_bubble:
         require_split(problem)
+    gp, of = _equal_baselines(problem)
+    search = _search(problem, solver, order, time_limit, seed, progress, started, zero_bubble)
+    result = search.result
+    cand: Candidate = result.candidate
+    validate_ops(cand.ops(), minibatch, problem.max_size, recompute)
+    if not cand.fits(cand.simulate(problem), problem):
+        raise UmoptError(f"solver {result.name} found no schedule within the memory limit")
+    # a schedule the profile cannot tell apart from a simpler one is not worth its extra ops
+    found = [(f"umopt {solver}", cand)] + [(b.name, b.candidate) for b in (gp, of) if b.candidate is not None]
+    choice = choose(profile, problem, found, equal=("gpipe_equal", "1f1b_equal"), seed=seed)
+    if choice.name != found[0][0]:
+        result.notes.append(choice.reason)
+    cand = choice.candidate
+    zb = _ZeroBubble(cand.ops(), cand.simulate(problem))
+    seconds = search.seconds
+    if zero_bubble:
+        seconds = ZERO_BUBBLE_SHARE * time_limit
+        zb = _zero_bubble_pass(problem, result, choice, found, seconds, started, time_limit, seed, order)
+    rivals = [("umopt", found[0][1]), *((n, c) for n, c in found[1:])]
+    if zero_bubble:
+        rivals.append(("umopt_without_w", choice.candidate))
+        if zb.zbh1 is not None and zb.zbh1.candidate is not None:
+            rivals.append(("zbh1_equal", zb.zbh1.candidate))
+    bound, scope, lb_1f1b = reported_bounds(
+        search.fast, result.lower_bound_ms, result.bound_scope, result.lower_bound_1f1b_ms, zb.ops, order
+    )
+    schedule = make_schedule(
+        profile,
+        minibatch,
+        recompute,
+        zb.ops,
+        zb.timeline,
+        solver={
+            "name": solver,
+            "status": result.status,
+            "lower_bound_ms": bound,
+            **({"lower_bound_1f1b_ms": lb_1f1b} if lb_1f1b is not None else {}),
+            "seconds": seconds,
+            "seed": seed,
+            "order": order,
+            "time_limit": time_limit,
+            "evaluated": result.evaluated,
+            **({"winner": result.winner} if result.winner else {}),
+            **({"bound_scope": scope.value} if scope is not None else {}),
+            "schedule_order": cand.order,
+            "recommended": choice.name,
+            **(
+                {"gain_over_equal": choice.gain, "gain_uncertainty": choice.uncertainty}
+                if choice.gain is not None
+                else {}
+            ),
+            **({"warmup": cand.warmup} if cand.order == "1f1b" and cand.warmup is not None else {}),
+            # with --zero-bubble on a small instance: no schedule with a W op per B chunk is faster
+            **({"lower_bound_w_ms": result.lower_bound_w_ms} if result.lower_bound_w_ms is not None else {}),
+        },
+        baselines={
+            "gpipe_equal": _baseline_entry(gp),
+            "1f1b_equal": _baseline_entry(of),
+            **(
+                {"zbh1_equal": _baseline_entry(zb.zbh1), "zbh2_equal": _baseline_entry(zb.zbh2)}
+                if zb.zbh1
+                else {}
+            ),
+        },
+        dp=dp,
+        candidates=_candidates(problem, zb.ops, rivals),
+    )
+    return SolveReport(
+        schedule,
+        zb.timeline,
+        result,
+        choice,
+        gp,
+        of,
+        search.fast[Scope.ANY],
+        gp.candidate.simulate(problem) if gp.candidate is not None else None,
+        of.candidate.simulate(problem) if of.candidate is not None else None,
+        zb.zbh1,
+        zb.zbh1_timeline,
+        zb.zbh2,
+        zb.zbh2_timeline,
+    )
+
+
+def _equal_baselines(problem: Problem) -> tuple[Baseline, Baseline]:
+    """The best equal GPipe and 1F1B schedules; where neither fits, why, in one line."""
     gp, of = gpipe_equal(problem), onef1b_equal(problem)
-    if gp.candidate is None and of.candidate is None:
-        limit = problem.memory_limit
-        static = problem.tables.static_bytes
-        if limit is not None and static.max() > limit:
-            s = int(static.argmax())
-            raise UmoptError(
-                f"stage {s}'s static memory alone ({int(static[s])} bytes: weights, gradients, optimizer) is over the memory limit of {limit} bytes"
-            )
-        if limit is None:  # every equal schedule took infinitely long: cannot be, with finite tables
-            raise UmoptError(f"no equal partition of minibatch {minibatch} could be scored")
+    if gp.candidate is not None or of.candidate is not None:
+        return gp, of
+    limit = problem.memory_limit
+    static = problem.tables.static_bytes
+    if limit is not None and static.max() > limit:
+        s = int(static.argmax())
         raise UmoptError(
-            f"minibatch {minibatch} does not fit the memory limit of {limit} bytes with any equal partition"
-            + ("" if recompute else "; try --recompute")
+            f"stage {s}'s static memory alone ({int(static[s])} bytes: weights, gradients, optimizer) is over the memory limit of {limit} bytes"
         )
-    # the fast bounds of every schedule and of the 1F1B family, which most schedules are of:
-    # beside the solver where they take seconds, else before it; within the time limit either way
-    family = not recompute
+    if limit is None:  # every equal schedule took infinitely long: cannot be, with finite tables
+        raise UmoptError(f"no equal partition of minibatch {problem.minibatch} could be scored")
+    raise UmoptError(
+        f"minibatch {problem.minibatch} does not fit the memory limit of {limit} bytes with any equal partition"
+        + ("" if problem.recompute else "; try --recompute")
+    )
+
+
+@dataclass
+class _Search:
+    result: SolverResult
+    fast: dict[Scope, Optional[float]]  # the fast bounds, of every schedule and of the 1F1B family
+    seconds: float
+
+
+def _search(
+    problem: Problem,
+    solver: str,
+    order: str,
+    time_limit: float,
+    seed: int,
+    progress: Optional[Progress],
+    started: float,
+    zero_bubble: bool,
+) -> _Search:
+    """The solver's run, and the fast bounds of every schedule and of the 1F1B family (which
+    most schedules are of): beside the solver where they take seconds, else before it; within
+    the time limit either way."""
+    family = not problem.recompute
     beside = None
     if problem.minibatch * problem.max_size >= BOUNDS_BESIDE_CELLS and (os.cpu_count() or 1) >= 2:
         beside = Beside(fast_job, problem, family=family)
@@ -210,145 +321,82 @@ def solve(
                 Scope.IN_ORDER: got.get(Scope.IN_ORDER.value) if family else None,
             }
             if Scope.ANY.value not in got:
-                result.extra.setdefault(
-                    "note",
-                    "the fast bounds did not finish within --time-limit, so the bound is the spec's simple one (more time gives a tighter one)",
+                result.notes.append(
+                    "the fast bounds did not finish within --time-limit, so the bound is the spec's simple one (more time gives a tighter one)"
                 )
     finally:
         if beside is not None:
             beside.close()
-    seconds = time.perf_counter() - t0
-    lb = fast[Scope.ANY]
-    cand: Candidate = result.candidate
-    validate_ops(cand.ops(), minibatch, problem.max_size, recompute)
-    if not cand.fits(cand.simulate(problem), problem):
-        raise UmoptError(f"solver {result.name} found no schedule within the memory limit")
-    # a schedule the profile cannot tell apart from a simpler one is not worth its extra ops
-    found = [(f"umopt {solver}", cand)] + [(b.name, b.candidate) for b in (gp, of) if b.candidate is not None]
-    choice = choose(profile, problem, found, equal=("gpipe_equal", "1f1b_equal"), seed=seed)
-    if choice.name != found[0][0]:
-        result.extra["note"] = choice.reason
+    return _Search(result, fast, time.perf_counter() - t0)
+
+
+@dataclass
+class _ZeroBubble:
+    """The schedule after the zero-bubble pass (W ops placed where they paid), and ZB-H1/H2."""
+
+    ops: list[list[Op]]
+    timeline: Timeline
+    zbh1: Optional[Baseline] = None
+    zbh1_timeline: Optional[Timeline] = None
+    zbh2: Optional[Baseline] = None
+    zbh2_timeline: Optional[Timeline] = None
+
+
+def _zero_bubble_pass(
+    problem: Problem,
+    result: SolverResult,
+    choice: Choice,
+    found: list[tuple[str, Candidate]],
+    seconds: float,
+    started: float,
+    time_limit: float,
+    seed: int,
+    order: str,
+) -> _ZeroBubble:
+    """The best equal ZB-H1 and ZB-H2, then W ops placed in the recommended schedule and in the
+    other schedules the solve found (the best without W ops need not be the best with them), and
+    the GA searching partitions and W placement together from them; the chosen schedule with its
+    W ops where that is faster."""
     cand = choice.candidate
-    ops = cand.ops()
-    timeline = cand.simulate(problem)
-    zbh1 = zbh1_timeline = zbh2 = zbh2_timeline = None
-    if zero_bubble:
-        seconds = ZERO_BUBBLE_SHARE * time_limit
-        found_zb = zb_h1(problem, seconds / 16)
-        zbh1 = Baseline(
-            "zbh1_equal",
-            found_zb[0] if found_zb else None,
-            found_zb[2].iteration_ms if found_zb else None,
-            Candidate.from_ops(found_zb[1]) if found_zb else None,
-        )
-        zbh1_timeline = found_zb[2] if found_zb else None
-        found_zb = zb_h2(problem, seconds / 16)
-        zbh2 = Baseline(
-            "zbh2_equal",
-            found_zb[0] if found_zb else None,
-            found_zb[2].iteration_ms if found_zb else None,
-            None,
-        )
-        zbh2_timeline = found_zb[2] if found_zb else None
-        # W ops placed in the recommended schedule and in the other schedules the solve found
-        # (the best without W ops need not be the best with them), and the GA searching
-        # partitions and W placement together from them
-        seeds = [choice.candidate] + [
-            c for c in [*(c for _, c in found), *result.alternatives] if c is not choice.candidate
-        ]
-        placed = [
-            w
-            for w in (best_with_weight_ops(problem, c.ops(), seconds / 8 / len(seeds)) for c in seeds)
-            if w is not None
-        ]
-        # on small instances the exact model places W ops too, and proves how far from optimal;
-        # the GA gets what is left of --time-limit (the steps before can run a little over)
-        exact_too = model_terms(problem) <= EXACT_MAX_TERMS
-        left = max(
-            0.1 * seconds, started + time_limit - time.perf_counter() - (seconds / 4 if exact_too else 0.0)
-        )
-        searched = search_with_weight_ops(problem, seeds, left, seed, order)
-        if searched is not None:
-            placed.append(searched)
-        if exact_too:
-            exact = solve_with_weight_ops(problem, seconds / 4, seed)
-            if exact is not None:
-                placed.append((exact[0], simulate(problem.tables, exact[0], minibatch)))
-                result.extra["w_lower_bound_ms"] = exact[1]
-        with_w = min(placed, key=lambda w: w[1].iteration_ms, default=None)
-        if with_w is not None and with_w[1].iteration_ms < timeline.iteration_ms - 1e-9:
-            ops, timeline = with_w
-            note = "with W ops placed; the lower bounds hold for schedules without W ops"
-            result.extra["note"] = f"{result.extra['note']}; {note}" if "note" in result.extra else note
-    rivals = [("umopt", found[0][1]), *((n, c) for n, c in found[1:])]
-    if zero_bubble:
-        rivals.append(("umopt_without_w", choice.candidate))
-        if zbh1 is not None and zbh1.candidate is not None:
-            rivals.append(("zbh1_equal", zbh1.candidate))
-    candidates = _candidates(problem, ops, rivals)
-    bound, scope, lb_1f1b = reported_bounds(
-        fast,
-        result.lower_bound_ms,
-        result.extra.get("bound_scope"),
-        result.extra.get("lower_bound_1f1b_ms"),
-        ops,
-        order,
+    out = _ZeroBubble(cand.ops(), cand.simulate(problem))
+    found_zb = zb_h1(problem, seconds / 16)
+    out.zbh1 = Baseline(
+        "zbh1_equal",
+        found_zb[0] if found_zb else None,
+        found_zb[2].iteration_ms if found_zb else None,
+        Candidate.from_ops(found_zb[1]) if found_zb else None,
     )
-    schedule = make_schedule(
-        profile,
-        minibatch,
-        recompute,
-        ops,
-        timeline,
-        solver={
-            "name": solver,
-            "status": result.status,
-            "lower_bound_ms": bound,
-            **({"lower_bound_1f1b_ms": lb_1f1b} if lb_1f1b is not None else {}),
-            "seconds": seconds,
-            "seed": seed,
-            "order": order,
-            "time_limit": time_limit,
-            "evaluated": result.evaluated,
-            **({"winner": result.extra["winner"]} if "winner" in result.extra else {}),
-            **({"bound_scope": scope.value} if scope is not None else {}),
-            "schedule_order": cand.order,
-            "recommended": choice.name,
-            **(
-                {"gain_over_equal": choice.gain, "gain_uncertainty": choice.uncertainty}
-                if choice.gain is not None
-                else {}
-            ),
-            **({"warmup": cand.warmup} if cand.order == "1f1b" and cand.warmup is not None else {}),
-            # with --zero-bubble on a small instance: no schedule with a W op per B chunk is faster
-            **(
-                {"lower_bound_w_ms": result.extra["w_lower_bound_ms"]}
-                if "w_lower_bound_ms" in result.extra
-                else {}
-            ),
-        },
-        baselines={
-            "gpipe_equal": _baseline_entry(gp),
-            "1f1b_equal": _baseline_entry(of),
-            **({"zbh1_equal": _baseline_entry(zbh1), "zbh2_equal": _baseline_entry(zbh2)} if zbh1 else {}),
-        },
-        dp=dp,
-        candidates=candidates,
+    out.zbh1_timeline = found_zb[2] if found_zb else None
+    found_zb = zb_h2(problem, seconds / 16)
+    out.zbh2 = Baseline(
+        "zbh2_equal",
+        found_zb[0] if found_zb else None,
+        found_zb[2].iteration_ms if found_zb else None,
+        None,
     )
-    gpipe_timeline = gp.candidate.simulate(problem) if gp.candidate is not None else None
-    onef1b_timeline = of.candidate.simulate(problem) if of.candidate is not None else None
-    return SolveReport(
-        schedule,
-        timeline,
-        result,
-        choice,
-        gp,
-        of,
-        lb,
-        gpipe_timeline,
-        onef1b_timeline,
-        zbh1,
-        zbh1_timeline,
-        zbh2,
-        zbh2_timeline,
+    out.zbh2_timeline = found_zb[2] if found_zb else None
+    seeds = [cand] + [c for c in [*(c for _, c in found), *result.alternatives] if c is not cand]
+    placed = [
+        w
+        for w in (best_with_weight_ops(problem, c.ops(), seconds / 8 / len(seeds)) for c in seeds)
+        if w is not None
+    ]
+    # on small instances the exact model places W ops too, and proves how far from optimal;
+    # the GA gets what is left of --time-limit (the steps before can run a little over)
+    exact_too = model_terms(problem) <= EXACT_MAX_TERMS
+    left = max(
+        0.1 * seconds, started + time_limit - time.perf_counter() - (seconds / 4 if exact_too else 0.0)
     )
+    searched = search_with_weight_ops(problem, seeds, left, seed, order)
+    if searched is not None:
+        placed.append(searched)
+    if exact_too:
+        exact = solve_with_weight_ops(problem, seconds / 4, seed)
+        if exact is not None:
+            placed.append((exact[0], simulate(problem.tables, exact[0], problem.minibatch)))
+            result.lower_bound_w_ms = exact[1]
+    with_w = min(placed, key=lambda w: w[1].iteration_ms, default=None)
+    if with_w is not None and with_w[1].iteration_ms < out.timeline.iteration_ms - 1e-9:
+        out.ops, out.timeline = with_w
+        result.notes.append("with W ops placed; the lower bounds hold for schedules without W ops")
+    return out

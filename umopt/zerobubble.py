@@ -21,8 +21,9 @@ from typing import Optional, Sequence
 from .baselines import feasible_m
 from .costmodel import Op, Timeline, simulate
 from .errors import UmoptError
-from .partition import equal_sizes, onef1b_schedule, with_weight_ops
+from .partition import equal_sizes
 from .problem import Candidate, Problem
+from .schedules import onef1b_schedule, with_weight_ops
 from .solvers.ga import solve_ga
 
 __all__ = [

@@ -1,11 +1,31 @@
 """Schedule families: how a family's genes become the op lists of every rank.
 
-``multichunk``: several model chunks (virtual stages) per rank, looped or V-shaped, each virtual
-stage with its own unequal partition, the ranks' orders built by list scheduling. (The one-chunk
-families, GPipe, 1F1B with per-stage warm-ups and W placement, still live in
-:mod:`umopt.partition`, :mod:`umopt.population_sim` and :mod:`umopt.zerobubble`.)
+One chunk per rank: :mod:`.gpipe` (every forward, then every backward), :mod:`.onef1b` (1F1B
+with a warm-up per stage) and the free order of the exact models, each a
+:class:`~.family.ScheduleFamily` (:data:`FAMILIES`: op lists from partitions, a population
+scored at once); :mod:`.weights`, W placement, modifies any of them. Several chunks per rank:
+:mod:`.multichunk` (looped or V-shaped, each virtual stage with its own partition, the ranks'
+orders built by list scheduling).
 """
 
+from .family import FAMILIES, FREE, GPIPE, ONEF1B, ScheduleFamily, family
+from .gpipe import gpipe_ops
 from .multichunk import ChunkGenes, build_ops
+from .onef1b import onef1b_schedule, pipedream_warmup
+from .weights import place_weights, with_weight_ops
 
-__all__ = ["ChunkGenes", "build_ops"]
+__all__ = [
+    "ScheduleFamily",
+    "FAMILIES",
+    "GPIPE",
+    "ONEF1B",
+    "FREE",
+    "family",
+    "gpipe_ops",
+    "onef1b_schedule",
+    "pipedream_warmup",
+    "with_weight_ops",
+    "place_weights",
+    "ChunkGenes",
+    "build_ops",
+]

@@ -142,7 +142,7 @@ def solve_auto(
         if beside is not None:
             beside.close()
     results = fast + [ga]
-    status, bound, extra = "feasible", None, {}
+    status, bound, scope, bound_1f1b = "feasible", None, None, None
     if exact:
         scope = [r for r in results if order == "auto" or r.candidate.order == "gpipe"]
         start = min(scope, key=lambda r: r.candidate.iteration_ms)
@@ -166,17 +166,17 @@ def solve_auto(
         # the model searched every schedule auto may return (any order, or GPipe order under
         # --order gpipe), so its proof and bound are auto's
         status, bound = cp.status, cp.lower_bound_ms
-        extra["bound_scope"] = cp.extra["bound_scope"]
+        scope = cp.bound_scope
     best = min(results, key=lambda r: r.candidate.iteration_ms)
     found = best.candidate.iteration_ms
     if "1f1b" in side and (order == "1f1b" or backwards_in_sample_order(best.candidate.ops())):
         in_order_bound = min(side["1f1b"], found)
-        extra["lower_bound_1f1b_ms"] = in_order_bound
+        bound_1f1b = in_order_bound
         if order == "1f1b":  # that family is all auto searched
-            bound, extra["bound_scope"] = in_order_bound, Scope.IN_ORDER.value
+            bound, scope = in_order_bound, Scope.IN_ORDER.value
             status = "optimal" if found <= in_order_bound + close else status
     if "any" in side:
-        bound, extra["bound_scope"] = min(side["any"], found), Scope.ANY.value
+        bound, scope = min(side["any"], found), Scope.ANY.value
         if found <= bound + close:
             status = "optimal"
     return SolverResult(
@@ -186,7 +186,10 @@ def solve_auto(
         lower_bound_ms=bound,
         seconds=time.perf_counter() - t0,
         evaluated=sum(r.evaluated for r in results),
-        extra={"winner": best.name, "tried": {r.name: r.candidate.iteration_ms for r in results}, **extra},
+        bound_scope=scope,
+        lower_bound_1f1b_ms=bound_1f1b,
+        winner=best.name,
+        tried={r.name: r.candidate.iteration_ms for r in results},
         alternatives=[
             r.candidate for r in results if r is not best and r.candidate.iteration_ms < float("inf")
         ],

@@ -516,10 +516,8 @@ def _solve_cpsat(
         lower_bound_ms=min(bound, cand.iteration_ms),
         seconds=time.perf_counter() - t0,
         evaluated=warm_scored,
-        extra={
-            "bound_scope": (Scope.GPIPE if order == "gpipe" else Scope.ANY).value,
-            "cp_status": solver.status_name(status),
-        },
+        bound_scope=(Scope.GPIPE if order == "gpipe" else Scope.ANY).value,
+        engine_status=solver.status_name(status),
     )
 
 
@@ -534,7 +532,7 @@ def _ops_by_start(
 
 
 def gpipe_ops_all(sizes: list[int], num_stages: int) -> list[list[Op]]:
-    from ..partition import gpipe_ops
+    from ..schedules import gpipe_ops
 
     return [gpipe_ops(sizes, sizes) for _ in range(num_stages)]
 
@@ -547,7 +545,7 @@ def solve_with_weight_ops(
     found nothing in ``time_limit``. The op lists are re-scored by the simulator."""
     from ortools.sat.python import cp_model
 
-    from ..partition import onef1b_schedule, with_weight_ops
+    from ..schedules import onef1b_schedule, with_weight_ops
 
     t = problem.tables
     if t.bwd_input is None:

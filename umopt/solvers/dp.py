@@ -15,7 +15,8 @@ from typing import Optional
 import numpy as np
 
 from ..errors import UmoptError
-from ..problem import Candidate, Problem, Progress, SolverResult, pack, score_gpipe
+from ..problem import Candidate, Problem, Progress, SolverResult, pack
+from ..schedules import GPIPE
 
 __all__ = ["shared_partition", "solve_dp"]
 
@@ -77,7 +78,7 @@ def solve_dp(
     S = problem.num_stages
     sizes = shared_partition(problem)
     orders = [sizes, sizes[::-1]]
-    it, _ = score_gpipe(problem, pack([[o] * S for o in orders]))
+    it, _ = GPIPE.score(problem, pack([[o] * S for o in orders]))
     k = int(np.argmin(it))
     # the partition is chosen for GPipe order; asked for 1F1B, the same chunks run in 1F1B order
     cand = Candidate.uniform(orders[k], S, "1f1b" if order == "1f1b" else "gpipe")

@@ -149,6 +149,7 @@ def start_or_skip(
         lower_bound_ms=min(fast_bound_ms(problem), base.iteration_ms),
         seconds=time.perf_counter() - t0,
         evaluated=scored,
-        extra={"bound_scope": Scope.ANY.value, "note": too_large},
+        bound_scope=Scope.ANY.value,
+        notes=[too_large],
     )
     return base, left, scored, result

@@ -41,8 +41,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..baselines import feasible_m, gpipe_equal, onef1b_equal
-from ..partition import ends_to_sizes, equal_sizes, pipedream_warmup, repair_ends, sizes_to_ends
-from ..problem import Candidate, Problem, Progress, SolverResult, score_1f1b, score_gpipe
+from ..partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
+from ..problem import Candidate, Problem, Progress, SolverResult
+from ..schedules import GPIPE, ONEF1B, pipedream_warmup
 from .local import hill_climb, iterated_climb
 
 __all__ = ["solve_ga"]
@@ -92,21 +93,13 @@ class _Scorer:
     ) -> np.ndarray:
         self.count += fe.shape[0]
         fit = np.empty(fe.shape[0])
-        g = ~onef1b
-        if g.any():
-            wc = None if wcap is None else wcap[g]
-            it, sc = score_gpipe(
-                self.problem,
-                ends_to_sizes(fe[g]),
-                ends_to_sizes(be[g]) if self.problem.recompute else None,
-                wc,
-            )
-            fit[g] = it + 1e-7 * sc.finish_ms.mean(axis=1)
-        if onef1b.any():
-            bs = ends_to_sizes(be[onef1b]) if self.problem.recompute else None
-            wc = None if wcap is None else wcap[onef1b]
-            it, sc = score_1f1b(self.problem, ends_to_sizes(fe[onef1b]), warmup[onef1b], bs, wc)
-            fit[onef1b] = it + 1e-7 * sc.finish_ms.mean(axis=1)
+        rec = self.problem.recompute
+        for fam, who in ((GPIPE, ~onef1b), (ONEF1B, onef1b)):  # the order gene picks the family
+            if who.any():
+                bs = ends_to_sizes(be[who]) if rec else None
+                wc = None if wcap is None else wcap[who]
+                it, sc = fam.score(self.problem, ends_to_sizes(fe[who]), bs, warmup[who], wc)
+                fit[who] = it + 1e-7 * sc.finish_ms.mean(axis=1)
         return fit
 
 
@@ -550,5 +543,6 @@ def solve_ga(
         "feasible",
         seconds=time.perf_counter() - t0,
         evaluated=scorer.count + polished + n,
-        extra={"generations": gen, "population": P, "restarts": restarts},
+        generations=gen,
+        restarts=restarts,
     )

@@ -17,7 +17,8 @@ import numpy as np
 from ..baselines import feasible_m, gpipe_equal
 from ..errors import UmoptError
 from ..partition import equal_sizes
-from ..problem import Candidate, Problem, Progress, SolverResult, pack, score_gpipe
+from ..problem import Candidate, Problem, Progress, SolverResult, pack
+from ..schedules import GPIPE
 
 __all__ = ["solve_greedy"]
 
@@ -68,7 +69,7 @@ def solve_greedy(
                         b[s] = part
                     trial_f.append(f)
                     trial_b.append(b)
-                it, sc = score_gpipe(problem, pack(trial_f), pack(trial_b))
+                it, sc = GPIPE.score(problem, pack(trial_f), pack(trial_b))
                 evaluated += len(fam)
                 own = np.where(np.isfinite(it), sc.finish_ms[:, s], np.inf)
                 k = int(np.lexsort((it, own))[0])

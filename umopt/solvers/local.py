@@ -29,7 +29,8 @@ import numpy as np
 
 from ..costmodel import simulate, stage_peak_memory
 from ..partition import ends_to_sizes, sizes_to_ends
-from ..problem import Candidate, Problem, pack, score_1f1b, score_gpipe
+from ..problem import Candidate, Problem, pack
+from ..schedules import family
 
 __all__ = ["moves", "aligned_moves", "score_batch", "hill_climb", "iterated_climb"]
 
@@ -213,12 +214,10 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
     bsizes = (lambda: pack([c.bsizes for c in cands])) if problem.recompute else (lambda: None)
     split = {c.wcap is None for c in cands} == {False}
     wcap = np.array([c.wcap for c in cands]) if split else None
-    if cands and all(c.order == "gpipe" for c in cands) and (split or all(c.wcap is None for c in cands)):
-        it, sc = score_gpipe(problem, pack([c.fsizes for c in cands]), bsizes(), wcap)
-        return it, sc.finish_ms.sum(axis=1)
-    if cands and all(c.order == "1f1b" for c in cands) and (split or all(c.wcap is None for c in cands)):
+    orders = {c.order for c in cands}
+    if orders in ({"gpipe"}, {"1f1b"}) and (split or all(c.wcap is None for c in cands)):
         wu = np.array([c.warmups for c in cands])
-        it, sc = score_1f1b(problem, pack([c.fsizes for c in cands]), wu, bsizes(), wcap)
+        it, sc = family(orders.pop()).score(problem, pack([c.fsizes for c in cands]), bsizes(), wu, wcap)
         return it, sc.finish_ms.sum(axis=1)
     it = np.empty(len(cands))
     tie = np.empty(len(cands))
@@ -263,10 +262,9 @@ def hill_climb(
                 break
             cut = slice(a, a + _SLICE)
             wc_cut = None if wc is None else wc[cut]
-            if cand.order == "gpipe":
-                its_a, sc = score_gpipe(problem, fs[cut], None if bs is None else bs[cut], wc_cut)
-            else:
-                its_a, sc = score_1f1b(problem, fs[cut], wu[cut], None if bs is None else bs[cut], wc_cut)
+            its_a, sc = family(cand.order).score(
+                problem, fs[cut], None if bs is None else bs[cut], None if wu is None else wu[cut], wc_cut
+            )
             its_parts.append(its_a)
             tie_parts.append(sc.finish_ms.sum(axis=1))
         its, ties = np.concatenate(its_parts), np.concatenate(tie_parts)

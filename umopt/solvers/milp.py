@@ -375,10 +375,8 @@ def _solve_milp(
         lower_bound_ms=min(bound, cand.iteration_ms),
         seconds=time.perf_counter() - t0,
         evaluated=warm_scored,
-        extra={
-            "bound_scope": (Scope.GPIPE if order == "gpipe" else Scope.ANY).value,
-            "mip_status": status,
-            "mip_engine": engine(),
-            **({"note": note} if note else {}),
-        },
+        bound_scope=(Scope.GPIPE if order == "gpipe" else Scope.ANY).value,
+        engine_status=status,
+        engine=engine(),
+        notes=[note] if note else [],
     )

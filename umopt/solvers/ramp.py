@@ -26,7 +26,8 @@ import numpy as np
 from ..baselines import gpipe_equal, onef1b_equal
 from ..errors import UmoptError
 from ..partition import equal_sizes
-from ..problem import Candidate, Problem, Progress, SolverResult, pack, score_1f1b, score_gpipe
+from ..problem import Candidate, Problem, Progress, SolverResult, pack
+from ..schedules import GPIPE, ONEF1B
 
 __all__ = ["ramped_partitions", "solve_ramp"]
 
@@ -78,11 +79,11 @@ def solve_ramp(
     packed = pack([[p] * S for p in parts])
     scored: list[tuple[float, Candidate]] = []
     if order in ("auto", "gpipe"):
-        it, _ = score_gpipe(problem, packed)
+        it, _ = GPIPE.score(problem, packed)
         k = int(np.argmin(it))
         scored.append((float(it[k]), Candidate.uniform(parts[k], S, "gpipe")))
     if order in ("auto", "1f1b"):
-        it, _ = score_1f1b(problem, packed)
+        it, _ = ONEF1B.score(problem, packed)
         k = int(np.argmin(it))
         scored.append((float(it[k]), Candidate.uniform(parts[k], S, "1f1b")))
     ms, cand = min(scored, key=lambda x: x[0])
