@@ -13,12 +13,13 @@ simulator.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .bounds.ranks import busiest_rank_bound
-from .costmodel import Timeline, simulate
+from .costmodel import Chunking, CostTables, Timeline, simulate
 from .errors import UmoptError
 from .formats.profile import Profile
 from .formats.schedule import Schedule, make_schedule, validate_ops
@@ -79,7 +80,11 @@ def solve_chunked(
     progress: Optional[Progress] = None,
 ) -> ChunkSolveReport:
     """The fastest schedule with up to ``max(chunk_counts)`` chunks per rank that umopt finds,
-    or one of torch's, or the one-chunk solve's, whichever the cost model says is fastest."""
+    or one of torch's, or the one-chunk solve's, whichever the cost model says is fastest.
+
+    The steps: the one-chunk solve; torch's schedules at their best v and M; umopt's search;
+    the fastest of those with several chunks polished op by op (and on small instances handed to
+    the exact model); the pick and its schedule file."""
     if profile.layers is None:
         raise UmoptError(
             "the profile has no per-layer entries, so a rank's layers cannot be cut into chunks "
@@ -120,42 +125,17 @@ def solve_chunked(
         )
     except UmoptError:  # no multi-chunk schedule within the memory limit: the others still compete
         search = None
-    # the fastest schedule with several chunks, umopt's or torch's, its order polished op by op
-    found = (
-        [(search.iteration_ms, "umopt chunks", search.tables, search.ops, search.shape.chunking)]
-        if search
-        else []
-    )
-    found += [
-        (p.iteration_ms, name, p.tables, p.ops, p.chunking) for name, p in peers.items() if p.iteration_ms
-    ]
-    polished = exact = None
-    if found:
-        ms0, origin, tables0, ops0, ch0 = min(found, key=lambda x: x[0])
-        seconds = max(0.5, (1 - exact_share) * time_limit - (time.perf_counter() - started))
-        ops1, ms1, _ = improve_order(tables0, ops0, minibatch, seconds, seed)
-        if ms1 < ms0 - 1e-9:
-            polished = (ms1, origin, tables0, ops1, ch0)
-            ops0 = ops1
-        weights = _w_everywhere(ops0, tables0.num_stages)
-        if small and weights is not None:  # the exact model, started from the best order found
-            seconds = max(0.5, time_limit - (time.perf_counter() - started))
-            exact = solve_chunks_exact(
-                tables0, minibatch, time_limit=seconds, weights=weights, hint=ops0, seed=seed
-            )
-            if exact is not None:
-                exact = (exact, origin, tables0, ch0, weights)
+    running = [_Contender.of_search(search)] if search is not None else []
+    running += [_Contender.of_peer(name, p) for name, p in peers.items() if p.iteration_ms is not None]
+    exact = None
+    if running:
+        polish_s = max(0.5, (1 - exact_share) * time_limit - (time.perf_counter() - started))
+        found, exact = _refine(
+            min(running, key=lambda c: c.iteration_ms), minibatch, polish_s, small, started, time_limit, seed
+        )
+        running += found
     if progress is not None:
-        done = [x[0] for x in found] + ([polished[0]] if polished else [])
-        progress(1.0, min(done + ([exact[0].iteration_ms] if exact else []), default=float("inf")))
-    picks = [("umopt chunks", search.iteration_ms)] if search is not None else []
-    picks += [(name, p.iteration_ms) for name, p in peers.items() if p.iteration_ms is not None]
-    if polished is not None:
-        picks.append(("umopt polished", polished[0]))
-    if exact is not None:
-        picks.append(("umopt exact", exact[0].iteration_ms))
-    picks.append(("umopt one chunk", one.timeline.iteration_ms))
-    picked = min(picks, key=lambda x: x[1] - (1e-9 if x[0] == "umopt one chunk" else 0.0))[0]
+        progress(1.0, min([c.iteration_ms for c in running], default=float("inf")))
     baselines = {
         **one.schedule.baselines,
         "umopt_one_chunk": {"microbatches": None, "iteration_ms": one.timeline.iteration_ms},
@@ -164,53 +144,126 @@ def solve_chunked(
             for name, p in peers.items()
         },
     }
-    if picked == "umopt one chunk":
+    best = min(running, key=lambda c: c.iteration_ms, default=None)
+    if best is None or one.timeline.iteration_ms <= best.iteration_ms + 1e-9:
         schedule = Schedule.model_validate({**one.schedule.model_dump(), "baselines": baselines})
-        return ChunkSolveReport(schedule, one.timeline, picked, one, peers, search, exact and exact[0])
-    bound = {
-        "lower_bound_ms": None,
-        "bound_holds_for": "schedules with this cut and placement, any partitions and order",
+        return ChunkSolveReport(schedule, one.timeline, "umopt one chunk", one, peers, search, exact)
+    solver = {
+        "seconds": time.perf_counter() - started,
+        "seed": seed,
+        "time_limit": time_limit,
+        "evaluated": search.evaluated if search is not None else 0,
+        "chunks_per_rank": best.chunking.num_virtual // profile.num_stages,
+        "cut": best.cut,
     }
-    if picked == "umopt exact":
-        result, origin, tables, ch, weights = exact
-        ops = result.ops
-        place = search.shape.placement if origin == "umopt chunks" else TORCH_MULTI[origin][0]
-        solver_name = f"multichunk cpsat (from {origin})"
-        picked = f"umopt exact, from {origin}"
-    elif picked == "umopt polished":
-        _, origin, tables, ops, ch = polished
-        place = search.shape.placement if origin == "umopt chunks" else TORCH_MULTI[origin][0]
-        solver_name = f"multichunk (order polished from {origin})"
-        picked = f"umopt, polished from {origin}"
-    elif picked == "umopt chunks":
-        tables, ops, place, ch = search.tables, search.ops, search.shape.placement, search.shape.chunking
-        solver_name = "multichunk"
+    schedule, timeline = _schedule_of(profile, minibatch, recompute, best, exact, solver, baselines)
+    return ChunkSolveReport(schedule, timeline, best.name, one, peers, search, exact)
+
+
+@dataclass
+class _Contender:
+    """A schedule with several chunks per rank in the running, and where it came from."""
+
+    name: str  # as the report's "picked" says it
+    solver: str  # as the schedule file's solver.name says it
+    iteration_ms: float
+    tables: CostTables
+    ops: list
+    chunking: Chunking
+    placement: str
+    cut: Optional[str] = None  # umopt's search: which cut it started from ("searched": moved)
+
+    @classmethod
+    def of_search(cls, sol: ChunkSolution) -> "_Contender":
+        shape = sol.shape
+        return cls(
+            "umopt chunks",
+            "multichunk",
+            sol.iteration_ms,
+            sol.tables,
+            sol.ops,
+            shape.chunking,
+            shape.placement,
+            shape.cut,
+        )
+
+    @classmethod
+    def of_peer(cls, name: str, p: PeerResult) -> "_Contender":
+        return cls(name, name, p.iteration_ms, p.tables, p.ops, p.chunking, TORCH_MULTI[name][0])
+
+
+def _refine(
+    start: _Contender,
+    minibatch: int,
+    seconds: float,
+    small: bool,
+    started: float,
+    time_limit: float,
+    seed: int,
+) -> tuple[list[_Contender], Optional[ExactChunks]]:
+    """``start``'s order polished op by op for ``seconds``; on a small instance, then the exact
+    model on its cut and placement, started from the polished order, until ``time_limit``."""
+    origin = start.name
+    out = []
+    ops, ms, _ = improve_order(start.tables, start.ops, minibatch, seconds, seed)
+    if ms < start.iteration_ms - 1e-9:
+        out.append(
+            dataclasses.replace(
+                start,
+                name=f"umopt, polished from {origin}",
+                solver=f"multichunk (order polished from {origin})",
+                iteration_ms=ms,
+                ops=ops,
+            )
+        )
     else:
-        p = peers[picked]
-        tables, ops, place = p.tables, p.ops, TORCH_MULTI[picked][0]
-        ch = p.chunking
-        solver_name = picked
-    bound["lower_bound_ms"] = busiest_rank_bound(tables, minibatch)
+        ops = start.ops
+    weights = _w_everywhere(ops, start.tables.num_stages)
+    if not small or weights is None:
+        return out, None
+    left = max(0.5, time_limit - (time.perf_counter() - started))
+    exact = solve_chunks_exact(start.tables, minibatch, time_limit=left, weights=weights, hint=ops, seed=seed)
+    if exact is not None:
+        out.append(
+            dataclasses.replace(
+                start,
+                name=f"umopt exact, from {origin}",
+                solver=f"multichunk cpsat (from {origin})",
+                iteration_ms=exact.iteration_ms,
+                ops=exact.ops,
+            )
+        )
+    return out, exact
+
+
+def _schedule_of(
+    profile: Profile,
+    minibatch: int,
+    recompute: bool,
+    pick: _Contender,
+    exact: Optional[ExactChunks],
+    solver: dict,
+    baselines: dict,
+) -> tuple[Schedule, Timeline]:
+    """The picked schedule's file content, with its lower bound: the busiest rank's, or the
+    exact model's where that ran on the pick's cut and placement (and then, where the pick is
+    within its rounding, proven optimal there)."""
+    tables, ops = pick.tables, pick.ops
+    bound = busiest_rank_bound(tables, minibatch)
+    holds_for = "schedules with this cut and placement, any partitions and order"
     status = "feasible"
-    if exact is not None and exact[2] is tables:  # the exact model ran on this cut and placement
-        result, weights = exact[0], exact[4]
-        bound["lower_bound_ms"] = max(bound["lower_bound_ms"], result.lower_bound_ms)
-        bound["bound_holds_for"] += " with W ops on every virtual stage" if weights else " without W ops"
-        rounding = (3 if weights else 2) * tables.num_stages * minibatch / 1000  # a microsecond an op
-        in_scope = _w_everywhere(ops, tables.num_stages) == weights
-        if (
-            in_scope
-            and simulate(tables, ops, minibatch, record=False).iteration_ms
-            <= bound["lower_bound_ms"] + rounding
-        ):
+    if exact is not None and exact.tables is tables:
+        bound = max(bound, exact.lower_bound_ms)
+        holds_for += " with W ops on every virtual stage" if exact.weights else " without W ops"
+        rounding = (3 if exact.weights else 2) * tables.num_stages * minibatch / 1000  # a microsecond an op
+        in_scope = _w_everywhere(ops, tables.num_stages) == exact.weights
+        if in_scope and pick.iteration_ms <= bound + rounding:
             status = "optimal"
-    validate_ops(ops, minibatch, profile.max_size, recompute, ch)
+    validate_ops(ops, minibatch, profile.max_size, recompute, pick.chunking)
     timeline = simulate(tables, ops, minibatch)
     limit = profile.memory_limit_bytes
-    if limit is not None and max(timeline.peak_memory_bytes) > limit:
-        raise UmoptError(
-            "the multi-chunk schedule found breaks the memory limit"
-        )  # the search checks: cannot be
+    if limit is not None and max(timeline.peak_memory_bytes) > limit:  # the search checks: cannot be
+        raise UmoptError("the multi-chunk schedule found breaks the memory limit")
     schedule = make_schedule(
         profile,
         minibatch,
@@ -218,18 +271,15 @@ def solve_chunked(
         ops,
         timeline,
         solver={
-            "name": solver_name,
+            "name": pick.solver,
             "status": status,
-            **bound,
-            "seconds": time.perf_counter() - started,
-            "seed": seed,
-            "time_limit": time_limit,
-            "evaluated": search.evaluated if search is not None else 0,
-            "chunks_per_rank": ch.num_virtual // profile.num_stages,
-            "cut": search.shape.cut if search is not None and picked == "umopt chunks" else None,
+            "lower_bound_ms": bound,
+            "bound_holds_for": holds_for,
+            **solver,
+            "cut": pick.cut if pick.name == "umopt chunks" else None,
         },
         baselines=baselines,
-        chunks=ch,
-        placement=place,
+        chunks=pick.chunking,
+        placement=pick.placement,
     )
-    return ChunkSolveReport(schedule, timeline, picked, one, peers, search, exact and exact[0])
+    return schedule, timeline

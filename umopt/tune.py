@@ -140,9 +140,9 @@ def _microbatches(schedule: Schedule) -> str:
 
 def _one_chunk_plans(
     prof: Profile, minibatch: int, time_limit: float, seed: int, zero_bubble: bool
-) -> tuple[dict[str, Schedule], str, tuple[float, str]]:
-    """The one-chunk candidates worth measuring, the name of umopt's recommendation among them,
-    and the solve's lower bound with what it holds for."""
+) -> tuple[dict[str, Schedule], tuple[float, str]]:
+    """The one-chunk candidates worth measuring (umopt's recommendation named "umopt"), and the
+    solve's lower bound with what it holds for."""
     report = solve(prof, minibatch, time_limit=time_limit, seed=seed, zero_bubble=zero_bubble)
     problem = make_problem(prof, minibatch, False)
 
@@ -178,15 +178,15 @@ def _one_chunk_plans(
         if zb is not None:
             plans["zbh1_equal"] = plan("zbh1_equal", Candidate.from_ops(zb[1]))
     lb = report.schedule.solver.lower_bound_ms or report.lower_bound_ms
-    return plans, "umopt", (lb, "one chunk per rank")
+    return plans, (lb, "one chunk per rank")
 
 
 def _chunked_plans(
     prof: Profile, minibatch: int, chunks: Sequence[int], time_limit: float, seed: int, zero_bubble: bool
-) -> tuple[dict[str, Schedule], str, tuple[float, str]]:
+) -> tuple[dict[str, Schedule], tuple[float, str]]:
     """The candidates with up to ``max(chunks)`` chunks per rank: the equal one-chunk GPipe and
     1F1B, umopt's one-chunk schedule, torch's fastest multi-chunk schedule (its own order, at its
-    best v and M) and umopt's pick; the name of the latter, and its lower bound's."""
+    best v and M) and umopt's pick (named "umopt"), and its lower bound with what it holds for."""
     report = solve_chunked(prof, minibatch, chunks, time_limit=time_limit, seed=seed, zero_bubble=zero_bubble)
     one = report.one_chunk
     problem = make_problem(prof, minibatch, False)
@@ -220,7 +220,7 @@ def _chunked_plans(
     plans["umopt"] = report.schedule
     solver = report.schedule.solver
     scope = solver.model_extra.get("bound_holds_for", "one chunk per rank")
-    return plans, "umopt", (solver.lower_bound_ms or 0.0, scope)
+    return plans, (solver.lower_bound_ms or 0.0, scope)
 
 
 def tune(
@@ -279,78 +279,11 @@ def tune(
         + (f", up to {v} chunks per rank" if v > 1 else "")
     )
     if v > 1:
-        plans, _, (lb, scope) = _chunked_plans(prof, minibatch, chunks, time_limit, seed, zero_bubble)
+        plans, (lb, scope) = _chunked_plans(prof, minibatch, chunks, time_limit, seed, zero_bubble)
     else:
-        plans, _, (lb, scope) = _one_chunk_plans(prof, minibatch, time_limit, seed, zero_bubble)
-    # a candidate the same as one before it (umopt's pick may be an equal schedule, or torch's)
-    # runs once; its row is that run's
-    twin: dict[str, str] = {}
-    for name, sched in plans.items():
-        key = (str(sched.chunks), sched.op_lists())
-        twin[name] = next(n for n, o in plans.items() if (str(o.chunks), o.op_lists()) == key)
-    names = [n for n in plans if twin[n] == n]
-    paths = []
-    for n in names:
-        paths.append(str(out / f"{n}.json"))
-        save_schedule(plans[n], paths[-1])
-    equal = [n for n in names if n in EQUAL or n.startswith("torch_")]
-    say(
-        f"running {', '.join(names)} in turns, rounds of {steps} steps each, until decided at {100 * confidence:.0f}% confidence (at least {rounds} rounds, at most {budget:g} s)"
-    )
-    result = launch(
-        [
-            *paths,
-            "--steps",
-            str(steps),
-            "--warmup",
-            str(warmup),
-            "--rounds",
-            str(rounds),
-            "--decide",
-            str(confidence),
-            "--budget",
-            str(budget),
-            "--report",
-            str(out / "report_{name}.json"),
-            "--plot",
-            str(out / "measured_{name}.png"),
-        ],
-        quiet=True,
-    )
-    measured = {}
-    for name, path, r, rep in zip(names, paths, result.reports, result.report_paths):
-        measured[name] = TuneRow(
-            name,
-            _microbatches(plans[name]),
-            r.predicted_iteration_ms,
-            r.measured_iteration_ms,
-            r.round_ms,
-            path,
-            rep,
-            str(out / f"measured_{name}.png"),
-        )
-        off = r.measured_over_predicted - 1
-        if abs(off) > OFF_PREDICTION:
-            warnings.append(f"{name} measured {100 * off:+.0f}% off its prediction")
-    rows = [measured[n] for n in names]
-    decision = pick(rows, confidence, equal)  # the runtime's own, recomputed from the reports
-    for name in plans:
-        if twin[name] == name:
-            continue
-        same = twin[name]
-        for kind, ext in (("report", "json"), ("measured", "png")):
-            shutil.copyfile(out / f"{kind}_{same}.{ext}", out / f"{kind}_{name}.{ext}")
-        shutil.copyfile(out / f"{same}.json", out / f"{name}.json")
-        rows.insert(
-            list(plans).index(name),
-            replace(
-                measured[same],
-                name=name,
-                schedule=str(out / f"{name}.json"),
-                report=str(out / f"report_{name}.json"),
-                plot=str(out / f"measured_{name}.png"),
-            ),
-        )
+        plans, (lb, scope) = _one_chunk_plans(prof, minibatch, time_limit, seed, zero_bubble)
+    rows, decision, run_warnings = _measure(plans, out, steps, warmup, rounds, confidence, budget, say)
+    warnings += run_warnings
     recommended = decision.winner
     shutil.copyfile(out / f"{recommended}.json", out / "recommended.json")
     return TuneResult(
@@ -365,3 +298,64 @@ def tune(
         warnings,
         sorted(str(p) for p in out.iterdir()),
     )
+
+
+def _measure(
+    plans: dict[str, Schedule],
+    out: Path,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    confidence: float,
+    budget: float,
+    say: Callable[[str], None],
+) -> tuple[list[TuneRow], Decision, list[str]]:
+    """The candidates run in turns on the same processes until the paired test decides (or the
+    budget ends); their rows in ``plans``' order, the decision against the equal ones (GPipe,
+    1F1B, torch's), and what measured far off its prediction. A candidate the same as one before
+    it (umopt's pick may be an equal schedule, or torch's) runs once; its row is that run's."""
+    twin: dict[str, str] = {}
+    for name, sched in plans.items():
+        key = (str(sched.chunks), sched.op_lists())
+        twin[name] = next(n for n, o in plans.items() if (str(o.chunks), o.op_lists()) == key)
+    names = [n for n in plans if twin[n] == n]
+    paths = []
+    for n in names:
+        paths.append(str(out / f"{n}.json"))
+        save_schedule(plans[n], paths[-1])
+    equal = [n for n in names if n in EQUAL or n.startswith("torch_")]
+    say(
+        f"running {', '.join(names)} in turns, rounds of {steps} steps each, until decided at {100 * confidence:.0f}% confidence (at least {rounds} rounds, at most {budget:g} s)"
+    )
+    argv = [*paths, "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds)]
+    argv += ["--decide", str(confidence), "--budget", str(budget)]
+    argv += ["--report", str(out / "report_{name}.json"), "--plot", str(out / "measured_{name}.png")]
+    result = launch(argv, quiet=True)
+    measured, warnings = {}, []
+    for name, path, r, rep in zip(names, paths, result.reports, result.report_paths):
+        plot = str(out / f"measured_{name}.png")
+        measured[name] = TuneRow(
+            name,
+            _microbatches(plans[name]),
+            r.predicted_iteration_ms,
+            r.measured_iteration_ms,
+            r.round_ms,
+            path,
+            rep,
+            plot,
+        )
+        off = r.measured_over_predicted - 1
+        if abs(off) > OFF_PREDICTION:
+            warnings.append(f"{name} measured {100 * off:+.0f}% off its prediction")
+    rows = [measured[n] for n in names]
+    decision = pick(rows, confidence, equal)  # the runtime's own, recomputed from the reports
+    for k, name in enumerate(plans):
+        same = twin[name]
+        if same == name:
+            continue
+        for kind, ext in (("report", "json"), ("measured", "png")):
+            shutil.copyfile(out / f"{kind}_{same}.{ext}", out / f"{kind}_{name}.{ext}")
+        shutil.copyfile(out / f"{same}.json", out / f"{name}.json")
+        files = dict(schedule=str(out / f"{name}.json"), report=str(out / f"report_{name}.json"))
+        rows.insert(k, replace(measured[same], name=name, plot=str(out / f"measured_{name}.png"), **files))
+    return rows, decision, warnings

@@ -35,7 +35,7 @@ from .. import stoppable
 from ..bounds.ranks import rank_ends
 from ..costmodel import ChunkOp, CostTables, simulate
 from ..errors import UmoptError
-from .cpsat import memory_events
+from .cpsat import _as_bool, memory_events
 
 __all__ = ["ExactChunks", "build_chunk_model", "solve_chunks_exact", "chunk_model_size", "MAX_CHUNK_MODEL"]
 
@@ -50,6 +50,8 @@ class ExactChunks:
     iteration_ms: float  # the simulator's time of ``ops``
     lower_bound_ms: float  # holds for every schedule of this cut and placement (and W use)
     optimal: bool
+    weights: bool = False  # the model's W use: every virtual stage split (True) or none
+    tables: Optional[CostTables] = None  # the cut and placement it holds for
 
 
 def _us(ms: float) -> int:
@@ -74,7 +76,10 @@ def build_chunk_model(
 ):
     """The model; returns (model, x, y, start, makespan) with ``x[j][c]`` (F partition of virtual
     stage j uses chunk c), ``y[j][c]`` (its B partition; ``x`` without recompute) and
-    ``start[kind][j][c]`` for kind in F, B, W."""
+    ``start[kind][j][c]`` for kind in F, B, W.
+
+    One function, as in the OR-Tools samples: variables, constraints and objective read top to
+    bottom in the order of the module's docstring, each named like the math."""
     from ortools.sat.python import cp_model  # imported where used: it pulls in pandas
 
     t = tables
@@ -246,12 +251,6 @@ def _add_hint(m, tables: CostTables, minibatch: int, ops, chunks, x, y, start) -
                     m.add_hint(start[k][j][c], when[(k, *c)])
 
 
-def _as_bool(m, expr):
-    v = m.new_bool_var("")
-    m.add(v == expr)
-    return v
-
-
 def solve_chunks_exact(
     tables: CostTables,
     minibatch: int,
@@ -296,7 +295,7 @@ def solve_chunks_exact(
     # floored durations make the model optimistic, so the bound stays valid; call the float
     # schedule optimal when it is within that rounding of the bound
     optimal = status == cp_model.OPTIMAL and ms <= bound + n_ops / 1000 + 1e-9
-    return ExactChunks(ops, ms, min(bound, ms), optimal)
+    return ExactChunks(ops, ms, min(bound, ms), optimal, weights, tables)
 
 
 def _ops_by_start(solver, tables: CostTables, x, y, start) -> list[list[ChunkOp]]:
