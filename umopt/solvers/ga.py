@@ -340,157 +340,23 @@ def solve_ga(
     if order in ("gpipe", "1f1b"):
         orders = (order,)
     deadline = t0 + (1 - polish_share) * time_limit
-    rng = np.random.default_rng(seed)
-    P, S, B, mx = population, problem.num_stages, problem.minibatch, problem.max_size
-    rec = problem.recompute
-    use_1f1b = "1f1b" in orders
-    use_gpipe = "gpipe" in orders
-    free_warmup = use_1f1b and order == "auto"  # --order 1f1b means PipeDream-flush's warm-ups
-    scorer = _Scorer(problem)
-
-    start = [c for c in seeds if (c.order == "1f1b" and use_1f1b) or (c.order == "gpipe" and use_gpipe)]
-    if use_gpipe:
-        base = gpipe_equal(problem)
-        if base.candidate is not None:
-            start.insert(0, base.candidate)
-    if use_1f1b:
-        base = onef1b_equal(problem)
-        if base.candidate is not None:
-            start.insert(0, base.candidate)
-    fe = np.empty((P, S, B), dtype=bool)
-    be = np.empty((P, S, B), dtype=bool)
-    ob = np.zeros(P, dtype=bool)
-    wu = np.tile(_textbook(S), (P, 1))
-    n_seed = min(len(start), P // 2)
-    if n_seed:
-        fe[:n_seed], be[:n_seed], ob[:n_seed], wu[:n_seed] = _to_ends(problem, start[:n_seed])
-    rest = P - n_seed
-    fe[n_seed:] = _equal_rows(rng, rest * S, problem).reshape(rest, S, B)
-    be[n_seed:] = fe[n_seed:] if not rec else _equal_rows(rng, rest * S, problem).reshape(rest, S, B)
-    ob[n_seed:] = use_1f1b & ((not use_gpipe) | (rng.random(rest) < 0.5))
-    _mutate(rng, fe[n_seed:], problem, 1.0)
-    if free_warmup:
-        wu[n_seed:] = _initial_warmups(rng, rest, S, B)
-    if rec:
-        _mutate(rng, be[n_seed:], problem, 1.0)
-    wc = None
-    if weights:  # seeds without W caps get them too: each start both ways
-        wc = _initial_caps(rng, fe, ob)
-        for i, c in enumerate(start[:n_seed]):
-            if c.wcap is not None:
-                wc[i] = c.wcap
-    pop = _Population.scored(scorer, fe, be if rec else fe, ob, wu, rec, wc)
-
+    run = _Run(problem, np.random.default_rng(seed), population, elite, orders, order, weights)
+    pop = run.initial(seeds)
     best_fit, stall, gen, polished, restarts = float(pop.fit.min()), 0, 0, 0, 0
     last_report = 0.0
     while gen < max_generations and time.perf_counter() < deadline:
         if stall >= stall_generations:
             # converged: after max_restarts restarts (None: no limit) the iterated local search
-            # gets the rest of the time, which finds better schedules than more generations do;
-            # a restart keeps the elite and refills the rest with fresh and heavily mutated
-            # individuals
+            # gets the rest of the time, which finds better schedules than more generations do
             if max_restarts is not None and restarts >= max_restarts:
                 break
             restarts += 1
             stall = 0
-            kept = pop.take(_elite(pop.fit, pop.onef1b, elite))
-            fresh = P - elite
-            new_f = np.concatenate(
-                [
-                    kept.fe[rng.integers(0, elite, fresh // 2)],
-                    _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B),
-                ]
-            )
-            _mutate(rng, new_f, problem, 4.0)
-            new_b = new_f
-            if rec:
-                new_b = np.concatenate(
-                    [
-                        kept.be[rng.integers(0, elite, fresh // 2)],
-                        _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B),
-                    ]
-                )
-                _mutate(rng, new_b, problem, 4.0)
-            pick = rng.integers(0, elite, fresh // 2)
-            new_o = np.concatenate(
-                [kept.onef1b[pick], use_1f1b & ((not use_gpipe) | (rng.random(fresh - fresh // 2) < 0.5))]
-            )
-            new_w = np.concatenate([kept.warmup[pick], np.tile(_textbook(S), (fresh - fresh // 2, 1))])
-            if free_warmup:
-                _mutate_warmup(rng, new_w, new_f, 2.0)
-            new_c = None
-            if weights:
-                new_c = np.concatenate(
-                    [kept.wcap[pick], _initial_caps(rng, new_f[fresh // 2 :], new_o[fresh // 2 :])]
-                )
-                _mutate_caps(rng, new_c, B, mx, 2.0)
-            pop = kept + _Population.scored(scorer, new_f, new_b, new_o, new_w, rec, new_c)
+            pop = run.restart(pop)
         gen += 1
-        elite_idx = _elite(pop.fit, pop.onef1b, elite)
-        nchild = P - elite
-        # tournament selection of 2 parents per child; with both orders, half the children come
-        # from tournaments among each order's individuals, so the trailing order keeps evolving
-        cand = rng.integers(0, P, (2, nchild, 3))
-        rank = pop.fit[cand]
-        if use_1f1b and use_gpipe:
-            want = (np.arange(nchild) % 2).astype(bool)  # the order each child's tournaments favour
-            rank = np.where(pop.onef1b[cand] == want[None, :, None], rank, rank + 1e9)
-        parents = np.take_along_axis(cand, np.argmin(rank, axis=2)[..., None], axis=2)[..., 0]
-        child_f = _crossover(rng, pop.fe[parents[0]], pop.fe[parents[1]])
-        _mutate(rng, child_f, problem, mutation_rate)
-        repair_ends(child_f, mx)
-        child_b = child_f
-        if rec:
-            child_b = _crossover(rng, pop.be[parents[0]], pop.be[parents[1]])
-            _mutate(rng, child_b, problem, mutation_rate)
-            # now and then hand a stage's forward chunks to its backward chromosome
-            flip = rng.random((nchild, S)) < 0.02
-            child_b[flip] = child_f[flip]
-            repair_ends(child_b, mx)
-        child_o = pop.onef1b[parents[0]].copy()
-        if use_1f1b and use_gpipe:
-            child_o ^= rng.random(nchild) < 0.03
-        child_w = np.where(rng.random((nchild, S)) < 0.5, pop.warmup[parents[0]], pop.warmup[parents[1]])
-        if free_warmup:
-            _mutate_warmup(rng, child_w, child_f, 0.3)
-        child_c = None
-        if weights:
-            child_c = np.where(rng.random((nchild, S)) < 0.5, pop.wcap[parents[0]], pop.wcap[parents[1]])
-            _mutate_caps(rng, child_c, B, mx, 0.3)
-        pop = pop.take(elite_idx) + _Population.scored(
-            scorer, child_f, child_b, child_o, child_w, rec, child_c
-        )
-
-        # memetic step: every so often polish the best individual by local search
-        if gen % 50 == 0:
-            k = int(np.argmin(pop.fit))
-            own_c = None if pop.wcap is None else pop.wcap[k]
-            pf, pb, pw, pc, n = _polish(
-                problem,
-                pop.fe[k],
-                pop.be[k],
-                bool(pop.onef1b[k]),
-                pop.warmup[k],
-                own_c,
-                min(deadline, time.perf_counter() + 0.05 * time_limit),
-                free_warmup,
-            )
-            polished += n
-            pop.fe[k] = pf
-            if rec:
-                pop.be[k] = pb
-            pop.warmup[k] = pw
-            if pc is not None:
-                pop.wcap[k] = pc
-            one = slice(k, k + 1)
-            pop.fit[k] = scorer(
-                pop.fe[one],
-                pop.be[one],
-                pop.onef1b[one],
-                pop.warmup[one],
-                None if pop.wcap is None else pop.wcap[one],
-            )[0]
-
+        pop = run.generation(pop, mutation_rate)
+        if gen % 50 == 0:  # memetic step: now and then polish the best individual by local search
+            polished += run.polish_best(pop, min(deadline, time.perf_counter() + 0.05 * time_limit))
         now_best = float(pop.fit.min())
         if now_best < best_fit - 1e-9:
             best_fit, stall = now_best, 0
@@ -501,10 +367,207 @@ def solve_ga(
             progress(min(1.0, (last_report - t0) / time_limit), best_fit)
         if stop is not None and stop(best_fit):
             break
-
-    # polish the best of each order by iterated local search: the climb cannot change the order,
-    # and the runner-up order's best is often a few moves away from beating the leader
     end = max(deadline, time.perf_counter()) + polish_share * time_limit
+    clock = (t0, time_limit, best_fit, last_report)
+    cand, n = _climb_leaders(problem, pop, end, seed, run.free_warmup, polish_kicks, progress, stop, clock)
+    if progress:
+        progress(1.0, cand.iteration_ms)
+    return SolverResult(
+        "ga",
+        cand,
+        "feasible",
+        seconds=time.perf_counter() - t0,
+        evaluated=run.scorer.count + polished + n,
+        generations=gen,
+        restarts=restarts,
+    )
+
+
+class _Run:
+    """One GA run's fixed settings and its steps: the first population, a restart, a
+    generation, the memetic polish of the best. Which families evolve (GPipe, 1F1B, both) is
+    the order gene's range; 1F1B individuals carry warm-ups, and with ``weights`` all carry W
+    caps (the W placement modifier's genes)."""
+
+    def __init__(
+        self,
+        problem: Problem,
+        rng: np.random.Generator,
+        population: int,
+        elite: int,
+        orders: Sequence[str],
+        order: str,
+        weights: bool,
+    ):
+        self.problem, self.rng, self.P, self.elite = problem, rng, population, elite
+        self.S, self.B, self.mx = problem.num_stages, problem.minibatch, problem.max_size
+        self.rec = problem.recompute
+        self.use_1f1b = "1f1b" in orders
+        self.use_gpipe = "gpipe" in orders
+        self.free_warmup = self.use_1f1b and order == "auto"  # --order 1f1b means PipeDream-flush's warm-ups
+        self.weights = weights
+        self.scorer = _Scorer(problem)
+
+    def _random_orders(self, n: int) -> np.ndarray:
+        return self.use_1f1b & ((not self.use_gpipe) | (self.rng.random(n) < 0.5))
+
+    def initial(self, seeds: Sequence[Candidate]) -> _Population:
+        """The best equal schedules and the caller's seeds (up to half), the rest random equal
+        partitions, mutated."""
+        problem, rng, P, S, B, rec = self.problem, self.rng, self.P, self.S, self.B, self.rec
+        use_1f1b, use_gpipe = self.use_1f1b, self.use_gpipe
+        start = [c for c in seeds if (c.order == "1f1b" and use_1f1b) or (c.order == "gpipe" and use_gpipe)]
+        if use_gpipe:
+            base = gpipe_equal(problem)
+            if base.candidate is not None:
+                start.insert(0, base.candidate)
+        if use_1f1b:
+            base = onef1b_equal(problem)
+            if base.candidate is not None:
+                start.insert(0, base.candidate)
+        fwd_ends = np.empty((P, S, B), dtype=bool)
+        bwd_ends = np.empty((P, S, B), dtype=bool)
+        onef1b = np.zeros(P, dtype=bool)
+        warmups = np.tile(_textbook(S), (P, 1))
+        n_seed = min(len(start), P // 2)
+        if n_seed:
+            fwd_ends[:n_seed], bwd_ends[:n_seed], onef1b[:n_seed], warmups[:n_seed] = _to_ends(
+                problem, start[:n_seed]
+            )
+        rest = P - n_seed
+        fwd_ends[n_seed:] = _equal_rows(rng, rest * S, problem).reshape(rest, S, B)
+        bwd_ends[n_seed:] = (
+            fwd_ends[n_seed:] if not rec else _equal_rows(rng, rest * S, problem).reshape(rest, S, B)
+        )
+        onef1b[n_seed:] = self._random_orders(rest)
+        _mutate(rng, fwd_ends[n_seed:], problem, 1.0)
+        if self.free_warmup:
+            warmups[n_seed:] = _initial_warmups(rng, rest, S, B)
+        if rec:
+            _mutate(rng, bwd_ends[n_seed:], problem, 1.0)
+        caps = None
+        if self.weights:  # seeds without W caps get them too: each start both ways
+            caps = _initial_caps(rng, fwd_ends, onef1b)
+            for i, c in enumerate(start[:n_seed]):
+                if c.wcap is not None:
+                    caps[i] = c.wcap
+        bwd = bwd_ends if rec else fwd_ends
+        return _Population.scored(self.scorer, fwd_ends, bwd, onef1b, warmups, rec, caps)
+
+    def restart(self, pop: _Population) -> _Population:
+        """The elite kept; the rest refilled with fresh and heavily mutated individuals."""
+        problem, rng, P, S, B, elite = self.problem, self.rng, self.P, self.S, self.B, self.elite
+        kept = pop.take(_elite(pop.fit, pop.onef1b, elite))
+        fresh = P - elite
+        new_f = np.concatenate(
+            [
+                kept.fe[rng.integers(0, elite, fresh // 2)],
+                _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B),
+            ]
+        )
+        _mutate(rng, new_f, problem, 4.0)
+        new_b = new_f
+        if self.rec:
+            new_b = np.concatenate(
+                [
+                    kept.be[rng.integers(0, elite, fresh // 2)],
+                    _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B),
+                ]
+            )
+            _mutate(rng, new_b, problem, 4.0)
+        pick = rng.integers(0, elite, fresh // 2)
+        new_o = np.concatenate([kept.onef1b[pick], self._random_orders(fresh - fresh // 2)])
+        new_w = np.concatenate([kept.warmup[pick], np.tile(_textbook(S), (fresh - fresh // 2, 1))])
+        if self.free_warmup:
+            _mutate_warmup(rng, new_w, new_f, 2.0)
+        new_c = None
+        if self.weights:
+            new_c = np.concatenate(
+                [kept.wcap[pick], _initial_caps(rng, new_f[fresh // 2 :], new_o[fresh // 2 :])]
+            )
+            _mutate_caps(rng, new_c, B, self.mx, 2.0)
+        return kept + _Population.scored(self.scorer, new_f, new_b, new_o, new_w, self.rec, new_c)
+
+    def generation(self, pop: _Population, mutation_rate: float) -> _Population:
+        """The elite, and children of tournament-picked parents: crossed over, mutated, repaired."""
+        rng, P, S, mx = self.rng, self.P, self.S, self.mx
+        elite_idx = _elite(pop.fit, pop.onef1b, self.elite)
+        nchild = P - self.elite
+        # tournament selection of 2 parents per child; with both orders, half the children come
+        # from tournaments among each order's individuals, so the trailing order keeps evolving
+        cand = rng.integers(0, P, (2, nchild, 3))
+        rank = pop.fit[cand]
+        both = self.use_1f1b and self.use_gpipe
+        if both:
+            want = (np.arange(nchild) % 2).astype(bool)  # the order each child's tournaments favour
+            rank = np.where(pop.onef1b[cand] == want[None, :, None], rank, rank + 1e9)
+        parents = np.take_along_axis(cand, np.argmin(rank, axis=2)[..., None], axis=2)[..., 0]
+        child_f = _crossover(rng, pop.fe[parents[0]], pop.fe[parents[1]])
+        _mutate(rng, child_f, self.problem, mutation_rate)
+        repair_ends(child_f, mx)
+        child_b = child_f
+        if self.rec:
+            child_b = _crossover(rng, pop.be[parents[0]], pop.be[parents[1]])
+            _mutate(rng, child_b, self.problem, mutation_rate)
+            # now and then hand a stage's forward chunks to its backward chromosome
+            flip = rng.random((nchild, S)) < 0.02
+            child_b[flip] = child_f[flip]
+            repair_ends(child_b, mx)
+        child_o = pop.onef1b[parents[0]].copy()
+        if both:
+            child_o ^= rng.random(nchild) < 0.03
+        child_w = np.where(rng.random((nchild, S)) < 0.5, pop.warmup[parents[0]], pop.warmup[parents[1]])
+        if self.free_warmup:
+            _mutate_warmup(rng, child_w, child_f, 0.3)
+        child_c = None
+        if self.weights:
+            child_c = np.where(rng.random((nchild, S)) < 0.5, pop.wcap[parents[0]], pop.wcap[parents[1]])
+            _mutate_caps(rng, child_c, self.B, mx, 0.3)
+        children = _Population.scored(self.scorer, child_f, child_b, child_o, child_w, self.rec, child_c)
+        return pop.take(elite_idx) + children
+
+    def polish_best(self, pop: _Population, deadline: float) -> int:
+        """The best individual climbed by local search until ``deadline``, in place; the
+        schedules scored."""
+        k = int(np.argmin(pop.fit))
+        own_c = None if pop.wcap is None else pop.wcap[k]
+        pf, pb, pw, pc, n = _polish(
+            self.problem,
+            pop.fe[k],
+            pop.be[k],
+            bool(pop.onef1b[k]),
+            pop.warmup[k],
+            own_c,
+            deadline,
+            self.free_warmup,
+        )
+        pop.fe[k] = pf
+        if self.rec:
+            pop.be[k] = pb
+        pop.warmup[k] = pw
+        if pc is not None:
+            pop.wcap[k] = pc
+        one = slice(k, k + 1)
+        caps = None if pop.wcap is None else pop.wcap[one]
+        pop.fit[k] = self.scorer(pop.fe[one], pop.be[one], pop.onef1b[one], pop.warmup[one], caps)[0]
+        return n
+
+
+def _climb_leaders(
+    problem: Problem,
+    pop: _Population,
+    end: float,
+    seed: int,
+    free_warmup: bool,
+    polish_kicks: Optional[int],
+    progress: Optional[Progress],
+    stop: Optional[Callable[[float], bool]],
+    clock: tuple[float, float, float, float],
+) -> tuple[Candidate, int]:
+    """The best of each order climbed by iterated local search until ``end``: the climb cannot
+    change the order, and the runner-up order's best is often a few moves away from beating the
+    leader. ``clock``: the run's start, time limit, best so far and last report, for the bar."""
+    t0, time_limit, best_fit, last_report = clock
     ob, fit = pop.onef1b, pop.fit
     leaders = [
         int(np.flatnonzero(ob == o)[np.argmin(fit[ob == o])]) for o in (False, True) if (ob == o).any()
@@ -521,10 +584,9 @@ def solve_ga(
 
     for j, k in enumerate(leaders):
         share = (end - time.perf_counter()) * (1.0 if j == len(leaders) - 1 else 0.75)
-        start = pop.candidate(k)
         c, m = iterated_climb(
             problem,
-            start,
+            pop.candidate(k),
             time.perf_counter() + share,
             seed=seed + j,
             free_warmup=free_warmup,
@@ -535,14 +597,4 @@ def solve_ga(
         n += m
         if cand is None or c.iteration_ms < cand.iteration_ms - 1e-9:
             cand = c
-    if progress:
-        progress(1.0, cand.iteration_ms)
-    return SolverResult(
-        "ga",
-        cand,
-        "feasible",
-        seconds=time.perf_counter() - t0,
-        evaluated=scorer.count + polished + n,
-        generations=gen,
-        restarts=restarts,
-    )
+    return cand, n
