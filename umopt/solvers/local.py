@@ -23,7 +23,7 @@ random moves on random stages, climbs again, and keeps the result when it is no 
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 
@@ -99,6 +99,20 @@ def _cap_moves(cap: int, chunk: int, minibatch: int) -> list[int]:
     return sorted(out - {cap})
 
 
+class _Move(NamedTuple):
+    """One neighbour of a schedule: on the forward (``side`` 0) or backward (1) chunk ends of
+    ``stages``, the end at sample ``clear`` removed and one at ``put`` set (-1: none); or stage
+    ``stage``'s ``gene`` ("warmup": its 1F1B warm-up, "wcap": its W cap) set to ``value``."""
+
+    side: int = 0
+    stages: tuple = ()
+    clear: int = -1
+    put: int = -1
+    gene: str = ""
+    stage: int = -1
+    value: int = 0
+
+
 def _neighbours(
     problem: Problem, cand: Candidate, free_warmup: bool = False
 ) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray, Optional[np.ndarray]]:
@@ -113,18 +127,10 @@ def _neighbours(
     fmask = np.array([sizes_to_ends(p, B) for p in cand.fsizes])
     bmask = np.array([sizes_to_ends(p, B) for p in cand.bsizes]) if problem.recompute else None
     warm = np.array(cand.warmups)
-    # each move: (side, stages touched, end cleared or -1, end set or -1, stage whose warm-up
-    # (or, with ws < -1, W cap of stage -2 - ws) changes or -1, its new value)
-    side, stage_rows, clear, put = [], [], [], []
-    moved_w, new_w = [], []
+    found: list[_Move] = []
 
-    def add(sd: int, stages, c: int, p: int, ws: int = -1, wv: int = 0) -> None:
-        side.append(sd)
-        stage_rows.append(stages)
-        clear.append(c)
-        put.append(p)
-        moved_w.append(ws)
-        new_w.append(wv)
+    def add(sd: int, stages, c: int, p: int) -> None:
+        found.append(_Move(sd, tuple(int(x) for x in stages), c, p))
 
     # aligned: an end (sample index) shared by two or more stages' forward partitions
     inner = fmask[:, :-1]
@@ -152,21 +158,23 @@ def _neighbours(
             n = len(cand.fsizes[s])
             for w in (min(warm[s], n) - 1, min(warm[s], n) + 1):
                 if 0 <= w <= n and w != min(warm[s], n):
-                    add(0, [], -1, -1, s, _warmup(w, n, B))
+                    found.append(_Move(gene="warmup", stage=s, value=_warmup(w, n, B)))
     if cand.wcap is not None:
         for s in range(S):
             for c in _cap_moves(cand.wcap[s], max(cand.bsizes[s]), B):
-                add(0, [], -1, -1, -2 - s, c)
-    N = len(side)
+                found.append(_Move(gene="wcap", stage=s, value=c))
+    N = len(found)
     if N == 0:
         return np.zeros((0, S, 1), dtype=np.int64), None, np.zeros((0, S), dtype=np.int64), None
     cap = max(1, _NEIGHBOUR_CELLS // (S * B * (2 if problem.recompute else 1)))
     if N > cap:  # on the largest instances a step looks at an even spread of the moves, in bounded memory
-        keep = np.linspace(0, N - 1, cap).round().astype(int)
-        side, stage_rows, clear, put, moved_w, new_w = (
-            [x[i] for i in keep] for x in (side, stage_rows, clear, put, moved_w, new_w)
-        )
+        found = [found[i] for i in np.linspace(0, N - 1, cap).round().astype(int)]
         N = cap
+    side, clear, put = (np.array([getattr(m, k) for m in found]) for k in ("side", "clear", "put"))
+    stage_rows = [m.stages for m in found]
+    gene = np.array([m.gene for m in found])
+    gene_stage = np.array([m.stage for m in found])
+    gene_value = np.array([m.value for m in found])
     masks = [np.repeat(fmask[None], N, axis=0)] + (
         [np.repeat(bmask[None], N, axis=0)] if problem.recompute else []
     )
@@ -176,7 +184,7 @@ def _neighbours(
         if len(rows)
         else np.zeros(0, dtype=np.int64)
     )
-    sd, cl, pt = (np.asarray(x)[rows] for x in (side, clear, put))
+    sd, cl, pt = (x[rows] for x in (side, clear, put))
     for k, m in enumerate(masks):
         on = sd == k
         c = on & (cl >= 0)
@@ -184,14 +192,13 @@ def _neighbours(
         p = on & (pt >= 0)
         m[rows[p], st[p], pt[p]] = True
     wu = np.repeat(warm[None], N, axis=0)
-    ws = np.asarray(moved_w)
-    w_rows = np.flatnonzero(ws >= 0)
-    wu[w_rows, ws[w_rows]] = np.asarray(new_w)[w_rows]
+    w_rows = np.flatnonzero(gene == "warmup")
+    wu[w_rows, gene_stage[w_rows]] = gene_value[w_rows]
     wc = None
     if cand.wcap is not None:
         wc = np.repeat(np.asarray(cand.wcap)[None], N, axis=0)
-        c_rows = np.flatnonzero(ws < -1)
-        wc[c_rows, -2 - ws[c_rows]] = np.asarray(new_w)[c_rows]
+        c_rows = np.flatnonzero(gene == "wcap")
+        wc[c_rows, gene_stage[c_rows]] = gene_value[c_rows]
     fs = ends_to_sizes(masks[0])
     bs = ends_to_sizes(masks[1]) if problem.recompute else None
     # a move that made a chunk longer than the largest size, or changed nothing, is no move
@@ -200,8 +207,7 @@ def _neighbours(
         ok &= bs.max(axis=(1, 2)) <= mx
     ok &= (
         (masks[0] != fmask).any(axis=(1, 2))
-        | (ws >= 0)
-        | (ws < -1)
+        | (gene != "")
         | ((masks[1] != bmask).any(axis=(1, 2)) if bs is not None else False)
     )
     return fs[ok], (bs[ok] if bs is not None else None), wu[ok], (wc[ok] if wc is not None else None)
