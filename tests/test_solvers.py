@@ -660,7 +660,7 @@ def test_auto_reports_the_exact_models_proof_for_the_orders_it_searched():
 
 
 class _FakeBeside:
-    """Stands in for :class:`umopt.bounds.Beside` in auto: records what auto asks, answers ``proved``.
+    """Stands in for :class:`umopt.bounds.BackgroundBounds` in auto: records what auto asks, answers ``proved``.
     With ``meet``, every schedule offered is at once a bound it meets (a stand-in for a proof)."""
 
     made: list = []
@@ -694,7 +694,7 @@ def _fake_beside(monkeypatch, **kw):
     _FakeBeside.made = []
     monkeypatch.setattr(
         auto,
-        "Beside",
+        "BackgroundBounds",
         lambda job, problem, on_bound=None, **params: _FakeBeside(job, problem, on_bound, **kw, **params),
     )
     return _FakeBeside.made
@@ -755,10 +755,10 @@ def test_ga_stops_when_asked_and_bounds_beside_end_at_once():
     assert res.candidate.simulate(problem).iteration_ms <= onef1b_equal(problem).candidate.iteration_ms + 1e-9
     # the pairs beside (and the pair program's process below them) end at once when stopped,
     # with what they proved: nothing of them is left running
-    from umopt.bounds import Beside, pairs_job
+    from umopt.bounds import BackgroundBounds, pairs_job
 
     seen = []
-    job = Beside(
+    job = BackgroundBounds(
         pairs_job,
         problem,
         lambda scope, ms: seen.append((scope, ms)),
@@ -777,7 +777,7 @@ def test_ga_stops_when_asked_and_bounds_beside_end_at_once():
     assert proved["any order"] >= fast_bound_ms(problem) - 1e-9
     time.sleep(0.5)
     left = subprocess.run(
-        ["pgrep", "-f", "umopt.bounds.beside"], capture_output=True, text=True
+        ["pgrep", "-f", "umopt.bounds.background"], capture_output=True, text=True
     ).stdout.split()
     assert left == []
 
@@ -1350,7 +1350,7 @@ def test_pair_program_witness_is_a_path_of_the_relaxation(name, B):
     for tie in [pair_program.UNTIED, ("none", "count"), ("sizes", "sizes")]:
         for s in range(S - 1):
             least = pair_program.pair_program_bound(F, G, L, B, 0, passes=[tie]) if s == S - 2 else None
-            T = (least or fast.own_bound(problem)) + 2000
+            T = (least or fast.fast_bound_us(problem)) + 2000
             path = pair_program.pair_program_feasible(T, F, G, L, h, ut, B, s, tie=tie, witness=True)
             assert path, (tie, s)
             _assert_relaxed_path(path, F[s : s + 2], G[s : s + 2], L[s], B, T, tie)
@@ -1429,7 +1429,7 @@ def test_pair_program_lifts_vgg16_where_the_pair_models_are_slow():
     # minute; the best schedule known 211.5. The program: 207.3 in about a second
     problem = Problem(CostTables.from_profile(load_profile("vgg16-cpu")), 16)
     F, G, L = heads.int_tables(problem)
-    known = fast.own_bound(problem)
+    known = fast.fast_bound_us(problem)
     program = (
         pair_program.pair_program_bound(F, G, L, 16, known, seconds=20) / 1000 + problem.tables.optimizer_ms
     )
@@ -1439,7 +1439,7 @@ def test_pair_program_lifts_vgg16_where_the_pair_models_are_slow():
 def test_pair_program_runs_in_a_process_of_its_own_and_gives_up_on_time():
     problem = _synthetic_problem(3, 12, 8, 5, 0.2, 1e5)  # 96 cells: past what the fast bound runs it on
     F, G, L = heads.int_tables(problem)
-    known = fast.own_bound(problem)
+    known = fast.fast_bound_us(problem)
     assert 12 * 8 > fast.FAST_PROGRAM_CELLS
     lifts = []
     full = pair_program.pair_program_bound(F, G, L, 12, known)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .baselines import Baseline, gpipe_equal, onef1b_equal
-from .bounds import Beside, Scope, fast_bound_ms, fast_job, reported_bounds, spec_bound
+from .bounds import BackgroundBounds, Scope, fast_bound_ms, fast_job, reported_bounds, spec_bound
 from .choice import Choice, choose
 from .costmodel import CostTables, Op, Timeline, simulate
 from .decide import is_equal
@@ -302,7 +302,7 @@ def _search(
     family = not problem.recompute
     beside = None
     if problem.minibatch * problem.max_size >= BOUNDS_BESIDE_CELLS and (os.cpu_count() or 1) >= 2:
-        beside = Beside(fast_job, problem, family=family)
+        beside = BackgroundBounds(fast_job, problem, family=family)
     else:
         fast = _fast_bounds(problem, family)
     t0 = time.perf_counter()

@@ -8,12 +8,12 @@ reports call only what this module exports:
   on small instances the pair program);
 - :func:`pair_bound_ms`: two adjacent stages at a time searched exactly, within a time limit;
 - :func:`start_bound_ms`: the bound an exact model starts from;
-- :class:`Beside`: a bound computed in a process of its own while a solver searches;
+- :class:`BackgroundBounds`: a bound computed in a process of its own while a solver searches;
 - :func:`heads_and_tails`, :func:`int_tables`, :func:`linear_cuts`: what the exact models add as
   redundant constraints.
 """
 
-from .beside import Beside
+from .background import BackgroundBounds
 from .fast import fast_bound_ms, fast_job, spec_bound
 from .heads import Heads, heads_and_tails, int_tables, linear_cuts
 from .pair_models import IN_ORDER_MAX_CELLS, PAIR_MAX_CELLS
@@ -30,7 +30,7 @@ __all__ = [
     "pair_bound_ms",
     "pair_bound_runs",
     "start_bound_ms",
-    "Beside",
+    "BackgroundBounds",
     "fast_job",
     "pairs_job",
     "Heads",

@@ -19,7 +19,7 @@ from .scope import Scope
 from .stage_cuts import stage_bound
 from .untied import untied_bound
 
-__all__ = ["FAST_PROGRAM_CELLS", "spec_bound", "min_work", "fast_bound_ms", "own_bound", "fast_job"]
+__all__ = ["FAST_PROGRAM_CELLS", "spec_bound", "min_work", "fast_bound_ms", "fast_bound_us", "fast_job"]
 
 # up to this B x max size the pair program takes under a second and joins the fast bound
 FAST_PROGRAM_CELLS = 64
@@ -80,10 +80,10 @@ def spec_bound(problem: Problem) -> float:
 def fast_bound_ms(problem: Problem, scope: Scope = Scope.ANY) -> float:
     """The best fast bound in ms (with the optimizer step) on every schedule of ``scope``
     (:attr:`Scope.ANY` or :attr:`Scope.IN_ORDER`)."""
-    return max(spec_bound(problem), own_bound(problem, scope) / 1000 + problem.tables.optimizer_ms)
+    return max(spec_bound(problem), fast_bound_us(problem, scope) / 1000 + problem.tables.optimizer_ms)
 
 
-def own_bound(problem: Problem, scope: Scope = Scope.ANY) -> int:
+def fast_bound_us(problem: Problem, scope: Scope = Scope.ANY) -> int:
     """:func:`fast_bound_ms` without the spec's bound, in the units of :func:`.heads.int_tables`
     (no optimizer step). Remembered per tables: a solve asks more than once, and at S=8, B=256 it
     takes seconds."""
@@ -91,13 +91,13 @@ def own_bound(problem: Problem, scope: Scope = Scope.ANY) -> int:
     if scope not in (Scope.ANY, Scope.IN_ORDER):
         raise ValueError(f"no fast bound for {scope.value!r} schedules")
     F, G, L = int_tables(problem)
-    return _own_bound(
+    return _fast_bound_us_cached(
         F.tobytes(), G.tobytes(), L.tobytes(), F.shape, problem.minibatch, problem.recompute, scope
     )
 
 
 @functools.lru_cache(maxsize=16)
-def _own_bound(
+def _fast_bound_us_cached(
     Fb: bytes, Gb: bytes, Lb: bytes, shape: tuple, minibatch: int, recompute: bool, scope: Scope
 ) -> int:
     F, G = (np.frombuffer(x, dtype=np.int64).reshape(shape) for x in (Fb, Gb))
@@ -107,7 +107,7 @@ def _own_bound(
         else np.zeros((0, shape[1]), dtype=np.int64)
     )
     if scope == Scope.IN_ORDER:  # every schedule's bound holds for that family too: computed once
-        own = _own_bound(Fb, Gb, Lb, shape, minibatch, recompute, Scope.ANY)
+        own = _fast_bound_us_cached(Fb, Gb, Lb, shape, minibatch, recompute, Scope.ANY)
         return own if recompute else max(own, sample_order_bound(F, G, L, minibatch))
     own = stage_bound(F, G, L, minibatch, recompute)
     if not recompute:
@@ -118,7 +118,7 @@ def _own_bound(
 
 
 def fast_job(problem: Problem, emit, upper, *, family: bool) -> None:
-    """:class:`.beside.Beside`'s job: the fast bound of every schedule, and (``family``) of the
+    """:class:`.background.BackgroundBounds`'s job: the fast bound of every schedule, and (``family``) of the
     1F1B family's."""
     emit(Scope.ANY.value, fast_bound_ms(problem, Scope.ANY))
     if family:

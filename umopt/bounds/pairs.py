@@ -1,7 +1,7 @@
 """The pair bounds as a solve runs them: the pair program, then the CP-SAT pair models, in a time.
 
 For every schedule (:attr:`Scope.ANY`) the pair program gets most of the time first, in a
-process of its own (:mod:`.beside`), then the untied and free-order pair models start from what
+process of its own (:mod:`.background`), then the untied and free-order pair models start from what
 it proved; within the 1F1B family (:attr:`Scope.IN_ORDER`) the in-order
 pair models alone. Every value is a lower bound in ms with the optimizer step, never below the
 fast bound of the same scope.
@@ -15,8 +15,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..problem import Problem
-from .beside import Beside
-from .fast import FAST_PROGRAM_CELLS, fast_bound_ms, own_bound, spec_bound
+from .background import BackgroundBounds
+from .fast import FAST_PROGRAM_CELLS, fast_bound_ms, fast_bound_us, spec_bound
 from .heads import int_tables
 from .pair_models import PAIR_MAX_CELLS, pair_bound
 from .pair_program import pair_program_bound
@@ -65,7 +65,7 @@ def pair_bound_ms(
     if not pair_bound_runs(problem, max_cells):
         return fast_bound_ms(problem, scope)
     opt = problem.tables.optimizer_ms
-    known = own_bound(problem, scope)
+    known = fast_bound_us(problem, scope)
     fast = max(spec_bound(problem), known / 1000 + opt)  # fast_bound_ms, without computing it again
 
     def in_units(ms: Optional[float]) -> Optional[int]:
@@ -105,7 +105,7 @@ def program_within(
     if problem.minibatch * problem.max_size <= FAST_PROGRAM_CELLS:
         return known
     on_bound = None if report is None else lambda _scope, value: report(int(value))  # noqa: E731
-    with Beside(program_job, problem, on_bound, known=known, seconds=seconds) as job:
+    with BackgroundBounds(program_job, problem, on_bound, known=known, seconds=seconds) as job:
         proven = job.wait(timeout=seconds + BESIDE_GRACE_S)
     return max([known] + [int(v) for v in proven.values()])
 
@@ -124,7 +124,7 @@ def start_bound_ms(problem: Problem, order: str, seconds: float, upper_ms: float
 
 
 def program_job(problem: Problem, emit, upper, *, known: int, seconds: float) -> None:
-    """:class:`.beside.Beside`'s job for :func:`program_within`: the pair program from ``known``
+    """:class:`.background.BackgroundBounds`'s job for :func:`program_within`: the pair program from ``known``
     for ``seconds``, each bound as proven, in the units of :func:`.heads.int_tables`."""
     F, G, L = int_tables(problem)
     emit(
@@ -144,7 +144,7 @@ def pairs_job(
     max_cells: int,
     workers: int,
 ) -> None:
-    """:class:`.beside.Beside`'s job for a search that runs the pair bounds beside it (``auto``):
+    """:class:`.background.BackgroundBounds`'s job for a search that runs the pair bounds beside it (``auto``):
     of every schedule for ``any_seconds``, then of the 1F1B family's for ``family_seconds``; in
     ms, as proven."""
     found = 0.0

@@ -7,7 +7,7 @@ On instances small enough for the exact model to prove (about S=4, B=8), half th
 CP-SAT, warm-started with the best schedule found: the free-order model under ``--order auto``
 (its bound holds for every schedule), the GPipe-order one under ``--order gpipe``; its proof and
 bound are then the report's. On larger ones the GA has all the time, and up to S=4, B=32 the pair
-bounds run beside it on the other cores (:class:`umopt.bounds.Beside`): first those of every
+bounds run beside it on the other cores (:class:`umopt.bounds.BackgroundBounds`): first those of every
 schedule (the report's bound; status "optimal" where the schedule meets it), then those of the
 1F1B family (B ops in sample order, the GA's schedules), reported where the schedule found is of
 that family (``lower_bound_1f1b_ms``; under ``--order 1f1b`` only they run, and they are the
@@ -21,9 +21,10 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
-from ..bounds import IN_ORDER_MAX_CELLS, Beside, Scope, pair_bound_runs, pairs_job
+from ..bounds import IN_ORDER_MAX_CELLS, BackgroundBounds, Scope, pair_bound_runs, pairs_job
 from ..errors import UmoptError
 from ..partition import backwards_in_sample_order
 from ..problem import Problem, Progress, SolverResult
@@ -35,6 +36,16 @@ from .ga import solve_ga
 from .ramp import solve_ramp
 
 __all__ = ["solve_auto"]
+
+
+@dataclass
+class _PairBounds:
+    """What the pair bounds beside the GA have proven so far, and the GA's best so far."""
+
+    searched_ms: float = 0.0  # on the schedules the GA searches (its stop: within a hair, optimal)
+    found_ms: float = float("inf")  # the GA's best, offered to the pair models as their horizon
+    any_ms: Optional[float] = None  # proven on every schedule, when the pairs ended
+    in_order_ms: Optional[float] = None  # proven on the 1F1B family, when the pairs ended
 
 
 def solve_auto(
@@ -80,15 +91,15 @@ def solve_auto(
     # microseconds: within one per op of one is optimal.
     proven = threading.Event()
     close = 2 * problem.num_stages * problem.minibatch / 1000
-    side: dict = {"now": 0.0, "found": float("inf")}
-    beside: Optional[Beside] = None
+    pairs = _PairBounds()
+    beside: Optional[BackgroundBounds] = None
 
     def stop(best_ms: float) -> bool:
-        if best_ms < side["found"]:
-            side["found"] = best_ms
+        if best_ms < pairs.found_ms:
+            pairs.found_ms = best_ms
             if beside is not None:
                 beside.offer(best_ms)  # a tighter horizon for the pair models
-        if best_ms <= side["now"] + close:
+        if best_ms <= pairs.searched_ms + close:
             proven.set()
         return proven.is_set()
 
@@ -96,11 +107,11 @@ def solve_auto(
         # the GA searches every order under --order auto (bounded by the any-order pairs), only
         # the 1F1B family under --order 1f1b (bounded by that family's)
         if scope == Scope.ANY.value or order == "1f1b":
-            side["now"] = max(side["now"], ms)
+            pairs.searched_ms = max(pairs.searched_ms, ms)
 
     if beside_runs:
         any_time = ANY_ORDER_SHARE * ga_time if order == "auto" else 0.0
-        beside = Beside(
+        beside = BackgroundBounds(
             pairs_job,
             problem,
             on_bound,
@@ -135,9 +146,9 @@ def solve_auto(
                 else beside.wait(timeout=max(0.0, t0 + time_limit - time.perf_counter()))
             )
             if Scope.ANY.value in proved:
-                side["any"] = proved[Scope.ANY.value]
+                pairs.any_ms = proved[Scope.ANY.value]
             if proved:  # a bound on every schedule bounds that family's too
-                side["1f1b"] = max(proved.get(Scope.IN_ORDER.value, 0.0), side.get("any", 0.0))
+                pairs.in_order_ms = max(proved.get(Scope.IN_ORDER.value, 0.0), pairs.any_ms or 0.0)
     finally:
         if beside is not None:
             beside.close()
@@ -169,14 +180,14 @@ def solve_auto(
         scope = cp.bound_scope
     best = min(results, key=lambda r: r.candidate.iteration_ms)
     found = best.candidate.iteration_ms
-    if "1f1b" in side and (order == "1f1b" or backwards_in_sample_order(best.candidate.ops())):
-        in_order_bound = min(side["1f1b"], found)
+    if pairs.in_order_ms is not None and (order == "1f1b" or backwards_in_sample_order(best.candidate.ops())):
+        in_order_bound = min(pairs.in_order_ms, found)
         bound_1f1b = in_order_bound
         if order == "1f1b":  # that family is all auto searched
             bound, scope = in_order_bound, Scope.IN_ORDER.value
             status = "optimal" if found <= in_order_bound + close else status
-    if "any" in side:
-        bound, scope = min(side["any"], found), Scope.ANY.value
+    if pairs.any_ms is not None:
+        bound, scope = min(pairs.any_ms, found), Scope.ANY.value
         if found <= bound + close:
             status = "optimal"
     return SolverResult(

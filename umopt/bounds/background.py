@@ -2,7 +2,7 @@
 
 A bound that runs while the solver searches must not take the solver's core (the programs
 written in Python hold the GIL) and must end the moment it is no longer wanted, wherever it is.
-So it runs as ``python -m umopt.bounds.beside``: the parent sends the problem as plain arrays
+So it runs as ``python -m umopt.bounds.background``: the parent sends the problem as plain arrays
 (``numpy`` ``.npy``, no pickle) after a JSON line naming the job (a function of this package,
 by module and name), then, line by line, the best
 schedule it knows (a tighter horizon for the pair models). The child prints every bound it
@@ -27,7 +27,7 @@ import numpy as np
 from ..costmodel import CostTables
 from ..problem import Problem
 
-__all__ = ["Beside", "Job"]
+__all__ = ["BackgroundBounds", "Job"]
 
 # A job is a function of this package, ``job(problem, emit, upper, **params)``: ``emit(scope,
 # value)`` for each bound it proves, ``upper()`` the best schedule's iteration ms the parent
@@ -37,7 +37,7 @@ Job = Callable[..., None]
 _ARRAYS = ("fwd", "bwd", "link", "static_bytes", "stash_bytes", "input_bytes", "allreduce_ms")
 
 
-class Beside:
+class BackgroundBounds:
     """One job of :data:`JOBS` in a child process; every bound it proves, by scope, in :attr:`latest`.
 
     ``on_bound(scope, value)`` is called (in a reader thread) for each bound as it arrives.
@@ -54,7 +54,7 @@ class Beside:
         self._on_bound = on_bound
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "umopt.bounds.beside"],
+            [sys.executable, "-m", "umopt.bounds.background"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -142,7 +142,7 @@ class Beside:
             except OSError:  # (a broken pipe: it has ended)
                 pass
 
-    def __enter__(self) -> "Beside":
+    def __enter__(self) -> "BackgroundBounds":
         return self
 
     def __exit__(self, *exc) -> None:
