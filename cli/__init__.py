@@ -288,10 +288,20 @@ def solve(
         profile = profile.with_memory_limit(memory_limit)
     allreduce = allreduce_for(profile, dp, dp_gbps)
     if chunk_counts != (1,):
-        if allreduce is not None or solver != "auto" or order != "auto":
-            raise UmoptError("--chunks searches on its own: it takes no --dp, --solver or --order yet")
+        if solver != "auto" or order != "auto":
+            raise UmoptError("--chunks searches on its own: it takes no --solver or --order")
         _solve_chunked(
-            profile, minibatch, chunk_counts, recompute, time_limit, seed, zero_bubble, output, plot, trace
+            profile,
+            minibatch,
+            chunk_counts,
+            recompute,
+            time_limit,
+            seed,
+            zero_bubble,
+            output,
+            plot,
+            trace,
+            allreduce,
         )
         return
     with _progress_bar(f"solve ({solver})") as bar:
@@ -348,7 +358,7 @@ def _best_so_far(bar):
 
 
 def _solve_chunked(
-    profile, minibatch, chunk_counts, recompute, time_limit, seed, zero_bubble, output, plot, trace
+    profile, minibatch, chunk_counts, recompute, time_limit, seed, zero_bubble, output, plot, trace, dp=None
 ):
     from umopt.formats.schedule import save_schedule
     from umopt.solve_chunks import solve_chunked
@@ -364,6 +374,7 @@ def _solve_chunked(
             seed=seed,
             zero_bubble=zero_bubble,
             progress=progress,
+            dp=dp,
         )
     one = report.one_chunk
     panels = [("umopt, one chunk per rank", one.timeline), (f"picked: {report.picked}", report.timeline)]

@@ -515,3 +515,64 @@ def test_schedules_of_different_layouts_take_turns_in_one_run(tmp_path, capsys):
         assert all(math.isfinite(x) and x > 0 for x in rep["losses"])
     code, _, err = run_cli([*argv, "--save-grads", str(tmp_path / "g")], capsys)
     assert code == 2 and "one layout" in err
+
+
+def test_data_parallel_replicas_of_a_chunked_pipeline_train_as_one_process(tmp_path, capsys):
+    """2 ranks x 2 chunks (torch's interleaved order) x 2 data-parallel replicas, four processes:
+    each rank's gradients of both its chunks averaged over the replicas give one process's
+    gradients on the global minibatch."""
+    import torch
+
+    from umopt.formats.profile import Profile, save_profile
+    from umopt.zoo import build_model
+
+    mlp = {"layers": 4, "width": 16, "in_features": 8}
+    data = synthetic_profile(2, max_size=8, seed=3, layers_per_stage=2).model_dump(mode="json")
+    data["model"] = {"name": "mlp", "args": mlp}
+    save_profile(Profile.model_validate(data), tmp_path / "profile.json")
+    prof = load_profile(tmp_path / "profile.json")
+    B = 8
+    ops = torch_ops("ScheduleInterleaved1F1B", 2, 2, B, 4)
+    path = _write_chunked(tmp_path, prof, B, False, ops, chunking(prof, 2, "looped"), "looped")
+    grads, report = tmp_path / "grads", tmp_path / "report.json"
+    argv = ["run", path, "--dp", "2", "--steps", "1", "--warmup", "0", "--save-grads", str(grads)]
+    code, _, err = run_cli([*argv, "--report", str(report)], capsys)
+    assert code == 0, err
+    rep = json.loads(report.read_text())
+    assert rep["dp"] == 2 and len(rep["allreduce_ms"]["measured"]) == 2
+    parts = build_model("mlp", mlp, seed=0)
+    model = torch.nn.Sequential(*parts.layers)
+    x, y = parts.make_batch(2 * B, 0)
+    (parts.loss(model(x), y) / (2 * B)).backward()
+    got = {}
+    for r in range(2):  # a rank's chunk k names its layer i's parameters "k.layers.i...."
+        saved = torch.load(grads / f"grads_stage{r}.pt", weights_only=True)
+        got.update({name.split(".", 2)[2]: g for name, g in saved.items()})
+    want = {name: p.grad for name, p in model.named_parameters()}
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
+
+
+def test_solve_with_chunks_and_replicas_counts_each_ranks_all_reduce():
+    """--dp with --chunks: every schedule compared pays each rank's all-reduce of all its chunks'
+    parameters, and the schedule file says for how many replicas it was solved."""
+    from umopt.solve import allreduce_for
+    from umopt.solve_chunks import solve_chunked
+
+    prof = synthetic_profile(2, max_size=16, seed=3, layers_per_stage=6, param_bytes=[1 << 22, 1 << 22])
+    dp = allreduce_for(prof, 2, 10.0)
+    rep = solve_chunked(prof, 8, (2,), time_limit=3, dp=dp)
+    assert rep.schedule.dp is not None and rep.schedule.dp.replicas == 2
+    ch = rep.schedule.chunking()
+    tables = CostTables.from_profile(prof, False, dp, chunks=ch)
+    tl = simulate(tables, rep.schedule.op_lists(), 8)
+    assert tl.iteration_ms == pytest.approx(rep.timeline.iteration_ms)
+    held = [0, 0]  # each rank's parameters: those of every chunk it holds
+    for (lo, hi), r in zip(ch.layers, ch.ranks):
+        held[r] += sum(ly.param_bytes for ly in prof.layers[lo:hi])
+    assert tl.allreduce_ms == pytest.approx([2 * (2 - 1) / 2 * b / dp.bus_bytes_per_ms for b in held])
+    for p in rep.peers.values():  # torch's schedules pay it too
+        if p.iteration_ms is not None:
+            assert p.iteration_ms == pytest.approx(simulate(p.tables, p.ops, 8).iteration_ms)
+            assert max(p.tables.allreduce_ms) > 0

@@ -30,8 +30,10 @@ from .pipeline import (
     _as_tuple,
     _grad_carrying,
     _tensors,
+    average_gradients,
     guarded,
     link_groups,
+    loss_scale,
     schedule_and_profile,
 )
 from .splitbackward import backward_input
@@ -64,8 +66,9 @@ class ChunkedPipeline:
         modules: this rank's chunk modules, in the order of their virtual stages.
         schedule: a schedule file (or loaded Schedule) with ``chunks``.
         loss_fn, loss_reduction, loss_normalizer, profile, group, device, dtype, timer,
-            on_failure: as :class:`umopt.Pipeline`'s (``loss_fn`` on the rank that holds the
-            last chunk).
+            dp_group, on_failure: as :class:`umopt.Pipeline`'s (``loss_fn`` on the rank that
+            holds the last chunk; ``dp_group`` the same rank of the other data-parallel replicas,
+            among which the gradients of all this rank's chunks are averaged after each step).
 
     A step that raises breaks the links as :class:`umopt.Pipeline`'s does.
     """
@@ -83,9 +86,11 @@ class ChunkedPipeline:
         device: Optional[torch.device] = None,
         dtype: Optional[str] = None,
         timer: Optional[StepTimer] = None,
+        dp_group: Optional[dist.ProcessGroup] = None,
         on_failure: Optional[Callable[[BaseException], None]] = None,
     ):
         self.schedule, self.profile = schedule_and_profile(schedule, profile)
+        self.dp_group = dp_group
         chunks = self.schedule.chunking()
         if chunks is None:
             raise UmoptError(
@@ -126,7 +131,12 @@ class ChunkedPipeline:
         pairs = sorted(order) + sorted(
             {tuple(sorted((a, b))) for a, b in zip(self.ranks_of, self.ranks_of[1:]) if a != b} - set(order)
         )
-        link_groups([[world[a], world[b]] for a, b in pairs])
+        mine = [(world[a], world[b]) for a, b in pairs]
+        if group is not None:  # every rank of the world makes every replica's links: gather them
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            mine = sorted({pair for got in gathered for pair in got})
+        link_groups(mine)
         self.order = {pair: seq for pair, seq in order.items() if self.rank in pair}
         self.specs_in: dict[int, list[TensorSpec]] = {}
         self.specs_out: dict[int, list[TensorSpec]] = {}
@@ -219,7 +229,7 @@ class ChunkedPipeline:
         scale = None
         if self.last:
             assert self._loss is not None
-            scale = self._loss.scale(ys[0] if len(ys) == 1 else ys, self.schedule.minibatch)
+            scale = loss_scale(self._loss, ys, self.schedule.minibatch, self.dp_group, self.device)
         links = _PairLinks(self)
         saved: dict[tuple[int, int, int], tuple] = {}
         weights_later: dict[tuple[int, int, int], Callable[[], None]] = {}
@@ -304,6 +314,11 @@ class ChunkedPipeline:
         except BaseException:
             links.drop()  # no request of this step may keep a link open (see _break_links)
             raise
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            # after this rank's last messages are through (see [Note: the all-reduce after the sends])
+            t0 = mark()
+            average_gradients([p for m in self.modules.values() for p in m.parameters()], self.dp_group)()
+            spans.append(("AR", 0, 0, t0, mark()))
         self.spans = spans
         return loss_sum if self.last else None
 

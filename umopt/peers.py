@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 from .chunks import balanced_cut, chunking, placement
 from .costmodel import Chunking, ChunkOp, CostTables, Timeline, rank_peak_memory, simulate
 from .errors import UmoptError
-from .formats.profile import Profile
+from .formats.profile import AllReduceProfile, Profile
 from .partition import chunks as sample_ranges
 from .partition import equal_sizes
 
@@ -137,8 +137,10 @@ def score_peer(
     return tables, ops, simulate(tables, ops, minibatch)
 
 
-def _tables(profile: Profile, ch: Chunking, recompute: bool) -> CostTables:
-    return CostTables.from_profile(profile, recompute, chunks=ch)
+def _tables(
+    profile: Profile, ch: Chunking, recompute: bool, dp: Optional[AllReduceProfile] = None
+) -> CostTables:
+    return CostTables.from_profile(profile, recompute, dp, chunks=ch)
 
 
 def _cuts(profile: Profile, name: str, v: int) -> list[Chunking]:
@@ -177,10 +179,11 @@ def best_peers(
     recompute: bool = False,
     names: Sequence[str] | None = None,
     max_chunks: int = 4,
+    dp: Optional[AllReduceProfile] = None,
 ) -> dict[str, PeerResult]:
     """For each of torch's multi-chunk schedules, its best chunk count (<= ``max_chunks``),
     microbatch count and cut (each stage in v pieces, or all layers evenly) under the cost model,
-    within the profile's memory limit.
+    within the profile's memory limit; with ``dp``, each rank paying its gradient all-reduce.
 
     Every (v, M) is accounted for; those whose busiest rank alone is slower than the best found
     are not simulated."""
@@ -196,7 +199,7 @@ def best_peers(
         shapes = []
         for v in (v for v in vs if v <= max_chunks):
             for k, ch in enumerate(_cuts(profile, name, v)):
-                tables = _tables(profile, ch, recompute)
+                tables = _tables(profile, ch, recompute, dp)
                 for m in range(max(1, -(-minibatch // profile.max_size)), minibatch + 1):
                     shapes.append((_busiest_rank_ms(tables, minibatch, m, needs_w), v, m, k, tables, ch))
         for bound, v, m, _, tables, ch in sorted(shapes, key=lambda x: x[:4]):

@@ -593,19 +593,8 @@ class Pipeline:
         return xs, ys
 
     def _loss_scale(self, ys: tuple[torch.Tensor, ...]) -> Callable[[int, int], Any]:
-        """What each chunk's loss counts by (:mod:`umopt.losses`); with data-parallel replicas a
-        normalizer is the global minibatch's (its replicas' sum), the gradients' average undone."""
         assert self._loss is not None
-        if self._loss.rule != "normalized":
-            return self._loss.scale(ys[0] if len(ys) == 1 else ys, self.schedule.minibatch)
-        total = torch.as_tensor(
-            self._loss.normalizer(ys[0] if len(ys) == 1 else ys), dtype=torch.float32, device=self.device
-        )
-        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            total = total.clone()
-            dist.all_reduce(total, group=self.dp_group)
-            total = total / dist.get_world_size(self.dp_group)
-        return lambda lo, hi: 1.0 / total
+        return loss_scale(self._loss, ys, self.schedule.minibatch, self.dp_group, self.device)
 
     def step(
         self,
@@ -737,7 +726,7 @@ class Pipeline:
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             # after this stage's last messages are through (see [Note: the all-reduce after the sends])
             t0 = mark()
-            self._average_gradients()()
+            average_gradients(self.module.parameters(), self.dp_group)()
             spans.append(("AR", 0, 0, t0, mark()))
         self.spans = spans
         return loss_sum if self.last else None
@@ -816,41 +805,59 @@ class Pipeline:
     def _forwards_of(self, stage: int) -> list[Op]:
         return [op for op in self.schedule.op_lists()[stage] if op.kind == "F"] if stage >= 0 else []
 
-    # [Note: the all-reduce after the sends]
-    # The data-parallel all-reduce runs on a communicator of its own (dp_group) and would start
-    # while this stage's last sends (its last input gradients) are still in flight on the links'.
-    # NCCL promises progress for two communicators in flight at once only if both kernels can run
-    # at the same time, which nothing guarantees (a full GPU, or a peer that starts them in the
-    # other order, deadlocks). So the all-reduce starts once the links are done. The cost model
-    # starts it at the stage's last op: the last message's time, on a GPU link microseconds, is
-    # not counted.
-    def _average_gradients(self) -> Callable[[], None]:
-        """Start averaging this stage's gradients over its data-parallel replicas: flat buckets of
-        about :data:`BUCKET_BYTES`, all-reduced together; the function returned waits for them,
-        divides and copies back."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        buckets: list[list[torch.Tensor]] = [[]]
-        size = 0
-        for g in grads:
-            if size and size + g.numel() * g.element_size() > BUCKET_BYTES:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(g)
-            size += g.numel() * g.element_size()
-        n = dist.get_world_size(self.dp_group)
-        flat = [torch.cat([g.reshape(-1) for g in b]) for b in buckets if b]
-        works = [dist.all_reduce(f, group=self.dp_group, async_op=True) for f in flat]
 
-        def finish() -> None:
-            for w, f, b in zip(works, flat, [b for b in buckets if b]):
-                w.wait()
-                f /= n
-                offset = 0
-                for g in b:
-                    g.copy_(f[offset : offset + g.numel()].view_as(g))
-                    offset += g.numel()
+def loss_scale(
+    loss: ChunkLoss, ys: tuple[torch.Tensor, ...], minibatch: int, dp_group, device: torch.device
+) -> Callable[[int, int], Any]:
+    """What each chunk's loss counts by (:mod:`umopt.losses`); with data-parallel replicas a
+    normalizer is the global minibatch's (its replicas' sum), the gradients' average undone."""
+    if loss.rule != "normalized":
+        return loss.scale(ys[0] if len(ys) == 1 else ys, minibatch)
+    total = torch.as_tensor(
+        loss.normalizer(ys[0] if len(ys) == 1 else ys), dtype=torch.float32, device=device
+    )
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        total = total.clone()
+        dist.all_reduce(total, group=dp_group)
+        total = total / dist.get_world_size(dp_group)
+    return lambda lo, hi: 1.0 / total
 
-        return finish
+
+# [Note: the all-reduce after the sends]
+# The data-parallel all-reduce runs on a communicator of its own (dp_group) and would start
+# while this stage's last sends (its last input gradients) are still in flight on the links'.
+# NCCL promises progress for two communicators in flight at once only if both kernels can run
+# at the same time, which nothing guarantees (a full GPU, or a peer that starts them in the
+# other order, deadlocks). So the all-reduce starts once the links are done. The cost model
+# starts it at the stage's last op: the last message's time, on a GPU link microseconds, is
+# not counted.
+def average_gradients(params, dp_group) -> Callable[[], None]:
+    """Start averaging the gradients of ``params`` over the data-parallel replicas of
+    ``dp_group``: flat buckets of about :data:`BUCKET_BYTES`, all-reduced together; the function
+    returned waits for them, divides and copies back."""
+    grads = [p.grad for p in params if p.grad is not None]
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for g in grads:
+        if size and size + g.numel() * g.element_size() > BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += g.numel() * g.element_size()
+    n = dist.get_world_size(dp_group)
+    flat = [torch.cat([g.reshape(-1) for g in b]) for b in buckets if b]
+    works = [dist.all_reduce(f, group=dp_group, async_op=True) for f in flat]
+
+    def finish() -> None:
+        for w, f, b in zip(works, flat, [b for b in buckets if b]):
+            w.wait()
+            f /= n
+            offset = 0
+            for g in b:
+                g.copy_(f[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    return finish
 
 
 class _Links:

@@ -228,8 +228,6 @@ def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> Run
         args.dp = solved_for.pop()
     if args.dp < 1:
         raise UmoptError(f"--dp must be at least 1, got {args.dp}")
-    if args.dp > 1 and schedules[0].chunks is not None:
-        raise UmoptError("--dp with several chunks per rank is not supported yet")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise UmoptError("--steps and --rounds must be at least 1 and --warmup at least 0")
     if len(schedules) > 1:
@@ -572,6 +570,8 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]]) -> list[_Play]:
                 profile=rk.cfg.profile,
                 device=rk.device,
                 timer=rk.timing,
+                group=rk.pipe_group,
+                dp_group=rk.dp_group,
                 on_failure=_report_failure,
             )
             pipe.prepare(to_device(rk.data_fn(0, B)[0], rk.device) if first else None)

@@ -24,6 +24,7 @@ from .formats.profile import AllReduceProfile, Profile
 from .formats.schedule import Schedule, make_schedule, validate_ops
 from .limits import check_problem_size
 from .problem import Candidate, Problem, Progress, SolverResult
+from .schedules import family
 from .solvers import SOLVERS
 from .solvers.auto import EXACT_MAX_TERMS
 from .solvers.cpsat import solve_with_weight_ops
@@ -226,7 +227,7 @@ def solve(
                 if choice.gain is not None
                 else {}
             ),
-            **({"warmup": cand.warmup} if cand.order == "1f1b" and cand.warmup is not None else {}),
+            **({"warmup": cand.warmup} if family(cand.order).warmups and cand.warmup is not None else {}),
             # with --zero-bubble on a small instance: no schedule with a W op per B chunk is faster
             **({"lower_bound_w_ms": result.lower_bound_w_ms} if result.lower_bound_w_ms is not None else {}),
         },

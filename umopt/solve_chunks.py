@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 from .bounds.ranks import busiest_rank_bound
 from .costmodel import Chunking, CostTables, Timeline, simulate
 from .errors import UmoptError
-from .formats.profile import Profile
+from .formats.profile import AllReduceProfile, Profile
 from .formats.schedule import Schedule, make_schedule, validate_ops
 from .peers import TORCH_MULTI, PeerResult, best_peers
 from .problem import Progress
@@ -78,9 +78,11 @@ def solve_chunked(
     seed: int = 0,
     zero_bubble: bool = False,
     progress: Optional[Progress] = None,
+    dp: Optional[AllReduceProfile] = None,
 ) -> ChunkSolveReport:
     """The fastest schedule with up to ``max(chunk_counts)`` chunks per rank that umopt finds,
-    or one of torch's, or the one-chunk solve's, whichever the cost model says is fastest.
+    or one of torch's, or the one-chunk solve's, whichever the cost model says is fastest; with
+    ``dp``, for that many data-parallel replicas (each rank's all-reduce of all its chunks).
 
     The steps: the one-chunk solve; torch's schedules at their best v and M; umopt's search;
     the fastest of those with several chunks polished op by op (and on small instances handed to
@@ -105,9 +107,12 @@ def solve_chunked(
         seed=seed,
         zero_bubble=zero_bubble,
         progress=part(0.0, ONE_CHUNK_SHARE),
+        dp=dp,
     )
     names = [n for n, (_, _, w) in TORCH_MULTI.items() if zero_bubble or not w]
-    peers = best_peers(profile, minibatch, recompute=recompute, names=names, max_chunks=max(chunk_counts))
+    peers = best_peers(
+        profile, minibatch, recompute=recompute, names=names, max_chunks=max(chunk_counts), dp=dp
+    )
     V = max(chunk_counts) * profile.num_stages
     small = chunk_model_size(V, minibatch, profile.max_size) <= MAX_CHUNK_MODEL
     exact_share = EXACT_SHARE if small else 0.0
@@ -122,6 +127,7 @@ def solve_chunked(
             seconds=left,
             seed=seed,
             progress=part(ONE_CHUNK_SHARE, 1 - POLISH_SHARE),
+            dp=dp,
         )
     except UmoptError:  # no multi-chunk schedule within the memory limit: the others still compete
         search = None
@@ -156,7 +162,7 @@ def solve_chunked(
         "chunks_per_rank": best.chunking.num_virtual // profile.num_stages,
         "cut": best.cut,
     }
-    schedule, timeline = _schedule_of(profile, minibatch, recompute, best, exact, solver, baselines)
+    schedule, timeline = _schedule_of(profile, minibatch, recompute, best, exact, solver, baselines, dp)
     return ChunkSolveReport(schedule, timeline, best.name, one, peers, search, exact)
 
 
@@ -244,6 +250,7 @@ def _schedule_of(
     exact: Optional[ExactChunks],
     solver: dict,
     baselines: dict,
+    dp: Optional[AllReduceProfile] = None,
 ) -> tuple[Schedule, Timeline]:
     """The picked schedule's file content, with its lower bound: the busiest rank's, or the
     exact model's where that ran on the pick's cut and placement (and then, where the pick is
@@ -281,5 +288,6 @@ def _schedule_of(
         baselines=baselines,
         chunks=pick.chunking,
         placement=pick.placement,
+        dp=dp,
     )
     return schedule, timeline

@@ -32,6 +32,7 @@ class ScheduleFamily:
     """One family: its name (the schedule files' ``order``), its op lists, its scores."""
 
     name: str = ""
+    warmups: bool = False  # its genes include each stage's warm-up (forwards before its first backward)
 
     def stage_ops(
         self,
@@ -81,6 +82,7 @@ class OneF1B(ScheduleFamily):
     """1F1B with a warm-up per stage (:mod:`.onef1b`; None: PipeDream-flush's)."""
 
     name = "1f1b"
+    warmups = True
 
     def stage_ops(self, fsizes, bsizes, warmup=None) -> list[list[Op]]:
         return onef1b_schedule(fsizes, bsizes, warmup)

@@ -153,7 +153,7 @@ def _neighbours(
             for a, z in zip(starts, ends):
                 if z > a:  # split in half: the first half has (size // 2) samples
                     add(sd, [s], -1, int(a + (z - a + 1) // 2 - 1))
-    if free_warmup and cand.order == "1f1b":
+    if free_warmup and family(cand.order).warmups:
         for s in range(S):
             n = len(cand.fsizes[s])
             for w in (min(warm[s], n) - 1, min(warm[s], n) + 1):
@@ -281,7 +281,7 @@ def hill_climb(
         f = [[int(x) for x in row if x] for row in fs[k]]
         b = [[int(x) for x in row if x] for row in bs[k]] if bs is not None else f
         w = [int(x) for x in wu[k]]
-        warmup = None if cand.order == "gpipe" else cand.warmup if w == cand.warmups else w
+        warmup = None if not family(cand.order).warmups else cand.warmup if w == cand.warmups else w
         wcap = None if wc is None else [int(x) for x in wc[k]]
         cand, it, tie = Candidate(f, b, cand.order, warmup=warmup, wcap=wcap), float(its[k]), float(ties[k])
     cand.iteration_ms = it
@@ -304,7 +304,7 @@ def _kick(
             options = _cap_moves(wcap[s], max(b[s]), B)
             wcap[s] = options[int(rng.integers(len(options)))]
             continue
-        if free_warmup and cand.order == "1f1b" and rng.random() < 0.2:
+        if free_warmup and family(cand.order).warmups and rng.random() < 0.2:
             n = len(f[s])
             w = min(wu[s], n) + int(rng.choice([-1, 1]))
             wu[s] = _warmup(w, n, B)
@@ -313,7 +313,7 @@ def _kick(
         options = list(moves(part[s], mx))
         if options:
             part[s] = options[int(rng.integers(len(options)))]
-    return Candidate(f, b, cand.order, warmup=wu if cand.order == "1f1b" else None, wcap=wcap)
+    return Candidate(f, b, cand.order, warmup=wu if family(cand.order).warmups else None, wcap=wcap)
 
 
 def iterated_climb(

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 from ..chunks import balanced_cut, chunking, stage_cut
 from ..costmodel import Chunking, ChunkOp, CostTables, rank_peak_memory
 from ..errors import UmoptError
-from ..formats.profile import Profile
+from ..formats.profile import AllReduceProfile, Profile
 from ..partition import equal_sizes
 from ..schedules.multichunk import ChunkGenes, build_ops, equal_genes, rank_loads
 
@@ -210,6 +210,7 @@ def solve_chunks(
     seed: int = 0,
     keep: int = 3,
     progress: Optional[Callable[[float, float], None]] = None,
+    dp: Optional[AllReduceProfile] = None,
 ) -> ChunkSolution:
     """The fastest multi-chunk schedule found within ``seconds`` (screening every shape takes
     what it takes; the local search gets the rest)."""
@@ -225,7 +226,7 @@ def solve_chunks(
     best_ms = float("inf")
     all_shapes = shapes(profile, chunk_counts)
     for n, shape in enumerate(all_shapes):
-        tables = CostTables.from_profile(profile, recompute, chunks=shape.chunking)
+        tables = CostTables.from_profile(profile, recompute, dp, chunks=shape.chunking)
         lows = []
         for m in range(max(1, -(-B // profile.max_size)), B + 1):
             g = equal_genes(tables, B, m, weights=weights)
@@ -274,7 +275,9 @@ def solve_chunks(
                     continue
                 h, h_shape = g, moved
                 if moved.chunking not in cuts:
-                    cuts[moved.chunking] = CostTables.from_profile(profile, recompute, chunks=moved.chunking)
+                    cuts[moved.chunking] = CostTables.from_profile(
+                        profile, recompute, dp, chunks=moved.chunking
+                    )
                 h_tables = cuts[moved.chunking]
             else:
                 h = _mutate(g, tables, rng, profile.max_size)
