@@ -328,6 +328,9 @@ def test_profile_with_chunks_times_every_layer_and_keeps_the_stages_sums(tmp_pat
         )
     ch = chunking(prof, 2)
     assert ch.layers == ((0, 1), (1, 2), (2, 3), (3, 4)) and ch.ranks == (0, 1, 0, 1)
+    # the link the ranks use, measured (not the layers' placeholders); with two ranks it is the wrap too
+    assert [ln.source for ln in prof.links] == ["measured"] and prof.wrap_link is None
+    assert prof.links[0].latency_ms > 0 and prof.links[0].bytes_per_ms < 1e8
     code, _, err = run_cli(argv[:-2] + ["--chunks", "3", "-o", str(tmp_path / "q.json")], capsys)
     assert code == 2 and "need 6 layers" in err and "Traceback" not in err
 
@@ -576,3 +579,19 @@ def test_solve_with_chunks_and_replicas_counts_each_ranks_all_reduce():
         if p.iteration_ms is not None:
             assert p.iteration_ms == pytest.approx(simulate(p.tables, p.ops, 8).iteration_ms)
             assert max(p.tables.allreduce_ms) > 0
+
+
+def test_three_ranks_measure_the_wrap_link_the_looped_placement_uses():
+    """On a CPU every link is one loopback, measured once: the wrap link (last rank to the first)
+    is that measurement too; given links give the wrap the same figures."""
+    import torch
+
+    from umopt.measure.options import ProfileOptions
+    from umopt.measure.profile import _links, _Ticks
+
+    opts = ProfileOptions(model="mlp", stages=3)
+    links, wrap = _links(opts, torch.device("cpu"), 3, 1 << 12, _Ticks(None, 0), wrap=True)
+    assert len(links) == 2 and wrap == links[0] == links[1] and wrap["source"] == "measured"
+    given = ProfileOptions(model="mlp", stages=3, link_latency_ms=0.02, link_gbps=100)
+    links, wrap = _links(given, torch.device("cpu"), 3, 1 << 12, _Ticks(None, 0), wrap=True)
+    assert wrap == links[0] and wrap["latency_ms"] == 0.02

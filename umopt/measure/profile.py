@@ -73,8 +73,13 @@ def profile_for_chunks(
         raise UmoptError(
             f"{opts.stages} stages x {chunks} chunks need {(opts.stages or 1) * chunks} layers; {opts.model} has {L}"
         )
+    # the layers' own links mean nothing (they share a device): given as placeholders, replaced below
     per_layer = profile_model(
-        replace(opts, split=list(range(L + 1)), stages=None, concurrent=False), progress, argv
+        replace(
+            opts, split=list(range(L + 1)), stages=None, concurrent=False, link_latency_ms=0.0, link_gbps=1e6
+        ),
+        progress,
+        argv,
     )
     if opts.split is not None:
         cuts = list(opts.split)
@@ -89,6 +94,12 @@ def profile_for_chunks(
             f"stage {short[0]} has {cuts[short[0] + 1] - cuts[short[0]]} layers, too few for {chunks} chunks"
         )
     layered = stages_from_layers(per_layer, cuts)
+    # the links the ranks use: between neighbours, and from the last rank back to the first
+    # (looped placement), each measured between the devices the ranks run on
+    device = torch.device(opts.device)
+    biggest = max(st.output_bytes_per_sample for st in layered.stages) * max(layered.sizes)
+    links, wrap = _links(opts, device, len(cuts) - 1, biggest, _Ticks(progress, 0), wrap=True)
+    layered = Profile.model_validate({**layered.model_dump(mode="json"), "links": links, "wrap_link": wrap})
     if not probes:
         return layered.model_copy(
             update={
@@ -235,7 +246,8 @@ def _profile_model(
         # stage 0's input is the model input; every later stage receives what the one before sent
         for s in range(1, S):
             stages[s]["input_bytes_per_sample"] = stages[s - 1]["output_bytes_per_sample"]
-        links = _links(opts, device, stages, sizes, ticks)
+        biggest = max(st["output_bytes_per_sample"] for st in stages) * sizes[-1]
+        links, _ = _links(opts, device, S, biggest, ticks)
         allreduce = None
         if opts.dp > 1:
             ticks.say(f"all-reduce among {opts.dp} processes")
@@ -388,33 +400,37 @@ def _stage_entry(
 
 
 def _links(
-    opts: ProfileOptions, device: torch.device, stages: list[dict], sizes: Sequence[int], ticks: _Ticks
-) -> list[dict]:
-    """The links between the stages: given, or measured between the devices their stages run on."""
-    S = len(stages)
+    opts: ProfileOptions, device: torch.device, S: int, max_bytes: int, ticks: _Ticks, wrap: bool = False
+) -> tuple[list[dict], Optional[dict]]:
+    """The links between ``S`` stages, given or measured between the devices their stages run on
+    (messages up to ``max_bytes``), and with ``wrap`` the one from the last stage's device back
+    to the first's (None without, or with two stages: that is the link between them)."""
+    wrap = wrap and S > 2
     if opts.link_latency_ms is not None:
         given = {
             "latency_ms": opts.link_latency_ms,
             "bytes_per_ms": opts.link_gbps * 1e9 / 8 / 1e3,
             "source": "given",
         }
-        return [dict(given) for _ in range(S - 1)]
+        return [dict(given) for _ in range(S - 1)], dict(given) if wrap else None
     if S == 1:
-        return []
+        return [], None
     backend = "nccl" if device.type == "cuda" else "gloo"
     plan = link_plan(S, device.type, torch.cuda.device_count() if device.type == "cuda" else 0)
+    back = (S - 1, 0) if backend == "nccl" and plan[-1] == (S - 2, S - 1) else plan[0]
     ticks.say(f"link ping-pongs ({len(set(plan))} pairs of GPUs)" if backend == "nccl" else "link ping-pong")
-    biggest = max(st["output_bytes_per_sample"] for st in stages) * sizes[-1]
-    measured = measure_links(backend, plan, max_bytes=max(biggest, 1 << 16))
-    return [
-        {
+    measured = measure_links(backend, plan + ([back] if wrap else []), max_bytes=max(max_bytes, 1 << 16))
+
+    def entry(pair: tuple[int, int]) -> dict:
+        extra = {"devices": list(pair)} if backend == "nccl" else {}
+        return {
             "latency_ms": measured[pair][0],
             "bytes_per_ms": measured[pair][1],
             "source": "measured",
-            **({"devices": list(pair)} if backend == "nccl" else {}),
+            **extra,
         }
-        for pair in plan
-    ]
+
+    return [entry(pair) for pair in plan], entry(back) if wrap else None
 
 
 def _cpu_name() -> str:
