@@ -425,16 +425,7 @@ class Pipeline:
         self._loss: Optional[ChunkLoss] = (
             chunk_loss(loss_fn, loss_reduction, loss_normalizer) if loss_fn is not None else None
         )
-        batch_norms = batch_statistics_layers(module)
-        if batch_norms:
-            line = (
-                f"stage {self.stage} has BatchNorm layers ({', '.join(batch_norms[:3])}{', ...' if len(batch_norms) > 3 else ''}): in training "
-                "they normalize each chunk by its own statistics, so gradients will not equal one process's on the whole minibatch; "
-                "GroupNorm or LayerNorm chunk exactly"
-            )
-            if strict:
-                raise UmoptError(line)
-            logging.getLogger("umopt").warning(line)
+        _warn_batch_norm(module, self.stage, strict)
         param = next(module.parameters(), None)
         self.device = device or (param.device if param is not None else torch.device("cpu"))
         self.dtype = dtype or self.profile.device.dtype
@@ -451,21 +442,7 @@ class Pipeline:
             order.get((self.stage - 1, self.stage), []),
             order.get((self.stage, self.stage + 1), []),
         )
-        ranks = list(range(S)) if group is None else dist.get_process_group_ranks(group)
-        self.peer_up = ranks[self.stage - 1] if not self.first else -1
-        self.peer_down = ranks[self.stage + 1] if not self.last else -1
-        if group is None:
-            pipelines = [ranks]
-        else:  # every rank of the world makes every replica's links: gather the pipelines
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, ranks)
-            pipelines = sorted({tuple(r) for r in gathered})
-        link_groups(pipelines)
-        me = ranks[self.stage]
-        # the groups are looked up, not held: a failed step drops them (_break_links)
-        self._pair_up = tuple(sorted((self.peer_up, me))) if not self.first else None
-        self._pair_down = tuple(sorted((me, self.peer_down))) if not self.last else None
-        _watch_for_failures()
+        self._connect(group, S)
         self.input_specs: Optional[list[TensorSpec]] = list(input_specs) if input_specs is not None else None
         self.output_specs: Optional[list[TensorSpec]] = (
             list(output_specs) if output_specs is not None else None
@@ -476,7 +453,7 @@ class Pipeline:
         self.selected: Optional[str] = None  # the schedule kept, once chosen
         self.selection: Optional[Selection] = None
         self._turns: Optional[_Turns] = None
-        if select and self.schedule.candidates:
+        if select and self.schedule.candidates:  # the candidates' Pipelines, over the same module
             kwargs = dict(
                 loss_fn=loss_fn,
                 loss_reduction=loss_reduction,
@@ -498,6 +475,25 @@ class Pipeline:
                 for k in range(len(self.schedule.candidates))
             ]
             self._turns = _Turns(self, rivals, select_steps, steps)
+
+    def _connect(self, group: Optional[dist.ProcessGroup], S: int) -> None:
+        """This stage's neighbours and the process group of each link (made by every rank of the
+        world, for every replica's pipeline), and the watch for failures elsewhere."""
+        ranks = list(range(S)) if group is None else dist.get_process_group_ranks(group)
+        self.peer_up = ranks[self.stage - 1] if not self.first else -1
+        self.peer_down = ranks[self.stage + 1] if not self.last else -1
+        if group is None:
+            pipelines = [ranks]
+        else:  # every rank of the world makes every replica's links: gather the pipelines
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, ranks)
+            pipelines = sorted({tuple(r) for r in gathered})
+        link_groups(pipelines)
+        me = ranks[self.stage]
+        # the groups are looked up, not held: a failed step drops them (_break_links)
+        self._pair_up = tuple(sorted((self.peer_up, me))) if not self.first else None
+        self._pair_down = tuple(sorted((me, self.peer_down))) if not self.last else None
+        _watch_for_failures()
 
     @property
     def link_up(self):
@@ -804,6 +800,21 @@ class Pipeline:
 
     def _forwards_of(self, stage: int) -> list[Op]:
         return [op for op in self.schedule.op_lists()[stage] if op.kind == "F"] if stage >= 0 else []
+
+
+def _warn_batch_norm(module: nn.Module, stage: int, strict: bool) -> None:
+    """BatchNorm in training normalizes each chunk by its own statistics: say so (``strict``: refuse)."""
+    batch_norms = batch_statistics_layers(module)
+    if not batch_norms:
+        return
+    line = (
+        f"stage {stage} has BatchNorm layers ({', '.join(batch_norms[:3])}{', ...' if len(batch_norms) > 3 else ''}): in training "
+        "they normalize each chunk by its own statistics, so gradients will not equal one process's on the whole minibatch; "
+        "GroupNorm or LayerNorm chunk exactly"
+    )
+    if strict:
+        raise UmoptError(line)
+    logging.getLogger("umopt").warning(line)
 
 
 def loss_scale(
