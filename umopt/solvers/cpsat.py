@@ -62,6 +62,11 @@ if TYPE_CHECKING:
 
 __all__ = ["solve_cpsat", "build_gpipe_model", "build_free_model", "solve_with_weight_ops"]
 
+# [Note: one function per model]
+# An exact model is built in one function, as in the OR-Tools samples: its variables, then its
+# constraints, then its objective, named like the math, so that it reads top to bottom against
+# docs/formats.md; split into helpers, one constraint's pieces would be scattered across them.
+
 
 def _us(ms: float) -> int:
     return int(math.floor(ms * 1000 + 1e-9))
@@ -69,6 +74,7 @@ def _us(ms: float) -> int:
 
 def build_gpipe_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = None):
     """The CP-SAT model; returns (model, x, y, makespan) with x[s][(lo, hi)] booleans."""
+    # one piece: [Note: one function per model] (umopt/solvers/cpsat.py)
     from ortools.sat.python import cp_model  # imported where used: it pulls in pandas
 
     t = problem.tables
@@ -192,6 +198,7 @@ def build_free_model(
     them into send order, which can only make it optimistic, so its bound stays valid; the schedule
     is re-scored by the simulator, which does keep send order.
     """
+    # one piece: [Note: one function per model] (umopt/solvers/cpsat.py)
     from ortools.sat.python import cp_model
 
     t = problem.tables

@@ -76,10 +76,8 @@ def build_chunk_model(
 ):
     """The model; returns (model, x, y, start, makespan) with ``x[j][c]`` (F partition of virtual
     stage j uses chunk c), ``y[j][c]`` (its B partition; ``x`` without recompute) and
-    ``start[kind][j][c]`` for kind in F, B, W.
-
-    One function, as in the OR-Tools samples: variables, constraints and objective read top to
-    bottom in the order of the module's docstring, each named like the math."""
+    ``start[kind][j][c]`` for kind in F, B, W."""
+    # one piece: [Note: one function per model] (umopt/solvers/cpsat.py)
     from ortools.sat.python import cp_model  # imported where used: it pulls in pandas
 
     t = tables

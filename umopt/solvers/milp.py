@@ -30,6 +30,7 @@ __all__ = ["MIP_TOLERANCE_MS", "engine", "solve_milp", "build_milp", "build_free
 
 def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = None):
     """The MILP; returns (problem, x, y, makespan) with x[s][(lo, hi)] binaries."""
+    # one piece: [Note: one function per model] (umopt/solvers/cpsat.py)
     t = problem.tables
     S, B = problem.num_stages, problem.minibatch
     chunks = candidate_chunks(problem)
@@ -143,6 +144,7 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
     are used). The same ``z`` orders the two B ops' gradient messages, so the link sends them in
     op order, exactly as the cost model does. No memory limit (that is the CP-SAT model's job).
     """
+    # one piece: [Note: one function per model] (umopt/solvers/cpsat.py)
     t = problem.tables
     S, B = problem.num_stages, problem.minibatch
     chunks = candidate_chunks(problem)
