@@ -397,14 +397,7 @@ def test_umopt_run_plays_a_chunked_schedule_and_reports_it(tmp_path, capsys):
         (parts.loss(model(x), y) / B).backward()
         if step == 0:
             opt.step()
-    got = {}
-    for r in range(2):  # a rank's chunk k names its layer i's parameters "k.layers.i...."
-        saved = torch.load(grads / f"grads_stage{r}.pt", weights_only=True)
-        got.update({name.split(".", 2)[2]: g for name, g in saved.items()})
-    want = {name: p.grad for name, p in model.named_parameters()}
-    assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
+    _assert_saved_grads_equal(grads, model)
     code, _, err = run_cli(
         ["calibrate", str(tmp_path / "profile.json"), str(report), "-o", str(tmp_path / "c.json")], capsys
     )
@@ -547,14 +540,7 @@ def test_data_parallel_replicas_of_a_chunked_pipeline_train_as_one_process(tmp_p
     model = torch.nn.Sequential(*parts.layers)
     x, y = parts.make_batch(2 * B, 0)
     (parts.loss(model(x), y) / (2 * B)).backward()
-    got = {}
-    for r in range(2):  # a rank's chunk k names its layer i's parameters "k.layers.i...."
-        saved = torch.load(grads / f"grads_stage{r}.pt", weights_only=True)
-        got.update({name.split(".", 2)[2]: g for name, g in saved.items()})
-    want = {name: p.grad for name, p in model.named_parameters()}
-    assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
+    _assert_saved_grads_equal(grads, model)
 
 
 def test_solve_with_chunks_and_replicas_counts_each_ranks_all_reduce():
@@ -595,3 +581,17 @@ def test_three_ranks_measure_the_wrap_link_the_looped_placement_uses():
     given = ProfileOptions(model="mlp", stages=3, link_latency_ms=0.02, link_gbps=100)
     links, wrap = _links(given, torch.device("cpu"), 3, 1 << 12, _Ticks(None, 0), wrap=True)
     assert wrap == links[0] and wrap["latency_ms"] == 0.02
+
+
+def _assert_saved_grads_equal(grads, model) -> None:
+    """The ranks' saved gradients (--save-grads) are ``model``'s, parameter by parameter."""
+    import torch
+
+    got = {}
+    for r in range(2):  # a rank's chunk k names its layer i's parameters "k.layers.i...."
+        saved = torch.load(grads / f"grads_stage{r}.pt", weights_only=True)
+        got.update({name.split(".", 2)[2]: g for name, g in saved.items()})
+    want = {name: p.grad for name, p in model.named_parameters()}
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
