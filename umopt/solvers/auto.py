@@ -58,20 +58,7 @@ def solve_auto(
     **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
-    fast = []
-    # the paper's greedy baseline is left out: it is never near the GA's schedules and costs
-    # seconds on large instances (S=8, B=256)
-    for solver in (solve_equal, solve_dp, solve_ramp):
-        # on the largest instances these take seconds each: the GA's time is not theirs to take
-        if solver is not solve_equal and time.perf_counter() - t0 > FAST_SHARE * time_limit:
-            break
-        try:
-            fast.append(solver(problem, order=order))
-        except UmoptError:  # e.g. no GPipe schedule fits the memory limit; the others may
-            pass
-    for r in fast:
-        tl = r.candidate.simulate(problem)
-        r.candidate.iteration_ms = tl.iteration_ms if r.candidate.fits(tl, problem) else float("inf")
+    fast = _fast_starts(problem, order, t0, time_limit)
     # the GA starts from the best equal schedules itself; another start only joins it when it
     # beats them, so that otherwise the GA runs exactly as `--solver ga` with the same seed would
     # (a start that adds nothing still changes the random path, by several percent at S=8)
@@ -86,6 +73,82 @@ def solve_auto(
     beside_runs = not exact and order != "gpipe" and pair_bound_runs(problem, IN_ORDER_MAX_CELLS)
     left = max(0.1, time_limit - (time.perf_counter() - t0))
     ga_time = left * (1 - (EXACT_SHARE if exact else 0))
+    ga, pairs = _ga_with_pairs(
+        problem, fast, seeds, ga_time, beside_runs, order, seed, progress, t0, time_limit
+    )
+    results = fast + [ga]
+    status, bound, scope, bound_1f1b = "feasible", None, None, None
+    close = 2 * problem.num_stages * problem.minibatch / 1000  # within one floored microsecond per op
+    if exact:
+        cp = _exact_pass(problem, results, order, left, t0, time_limit, seed, progress)
+        results.append(cp)
+        # the model searched every schedule auto may return (any order, or GPipe order under
+        # --order gpipe), so its proof and bound are auto's
+        status, bound = cp.status, cp.lower_bound_ms
+        scope = cp.bound_scope
+    best = min(results, key=lambda r: r.candidate.iteration_ms)
+    found = best.candidate.iteration_ms
+    if pairs.in_order_ms is not None and (order == "1f1b" or backwards_in_sample_order(best.candidate.ops())):
+        in_order_bound = min(pairs.in_order_ms, found)
+        bound_1f1b = in_order_bound
+        if order == "1f1b":  # that family is all auto searched
+            bound, scope = in_order_bound, Scope.IN_ORDER.value
+            status = "optimal" if found <= in_order_bound + close else status
+    if pairs.any_ms is not None:
+        bound, scope = min(pairs.any_ms, found), Scope.ANY.value
+        if found <= bound + close:
+            status = "optimal"
+    return SolverResult(
+        "auto",
+        best.candidate,
+        status,
+        lower_bound_ms=bound,
+        seconds=time.perf_counter() - t0,
+        evaluated=sum(r.evaluated for r in results),
+        bound_scope=scope,
+        lower_bound_1f1b_ms=bound_1f1b,
+        winner=best.name,
+        tried={r.name: r.candidate.iteration_ms for r in results},
+        alternatives=[
+            r.candidate for r in results if r is not best and r.candidate.iteration_ms < float("inf")
+        ],
+    )
+
+
+def _fast_starts(problem: Problem, order: str, t0: float, time_limit: float) -> list[SolverResult]:
+    """The fast solvers' schedules (equal, DP, ramp), each re-scored by the simulator (inf where
+    over the memory limit), within a share of the time limit."""
+    fast = []
+    # the paper's greedy baseline is left out: it is never near the GA's schedules and costs
+    # seconds on large instances (S=8, B=256)
+    for solver in (solve_equal, solve_dp, solve_ramp):
+        # on the largest instances these take seconds each: the GA's time is not theirs to take
+        if solver is not solve_equal and time.perf_counter() - t0 > FAST_SHARE * time_limit:
+            break
+        try:
+            fast.append(solver(problem, order=order))
+        except UmoptError:  # e.g. no GPipe schedule fits the memory limit; the others may
+            pass
+    for r in fast:
+        tl = r.candidate.simulate(problem)
+        r.candidate.iteration_ms = tl.iteration_ms if r.candidate.fits(tl, problem) else float("inf")
+    return fast
+
+
+def _ga_with_pairs(
+    problem: Problem,
+    fast: list[SolverResult],
+    seeds: list,
+    ga_time: float,
+    beside_runs: bool,
+    order: str,
+    seed: int,
+    progress: Optional[Progress],
+    t0: float,
+    time_limit: float,
+) -> tuple[SolverResult, _PairBounds]:
+    """The GA, with the pair bounds beside it where they run: what they proved, and the GA's
+    schedule (stopped early once its best meets their bound)."""
     # the bound on the schedules the GA searches, as the pairs beside it prove it: once the GA's
     # best meets it, the schedule is optimal and both stop. The bounds are on floored
     # microseconds: within one per op of one is optimal.
@@ -152,59 +215,38 @@ def solve_auto(
     finally:
         if beside is not None:
             beside.close()
-    results = fast + [ga]
-    status, bound, scope, bound_1f1b = "feasible", None, None, None
-    if exact:
-        scope = [r for r in results if order == "auto" or r.candidate.order == "gpipe"]
-        start = min(scope, key=lambda r: r.candidate.iteration_ms)
-        # its share even if the GA's final polish ran over
-        cp_time = max(EXACT_SHARE * left, time_limit - (time.perf_counter() - t0))
+    return ga, pairs
 
-        def share(_frac: float, best: float) -> None:  # the bar goes on from where the GA left it
-            progress(
-                min(1.0, (time.perf_counter() - t0) / time_limit), min(best, start.candidate.iteration_ms)
-            )
 
-        cp = solve_cpsat(
-            problem,
-            time_limit=cp_time,
-            seed=seed,
-            hint=start.candidate,
-            order=order,
-            progress=share if progress else None,
-        )
-        results.append(cp)
-        # the model searched every schedule auto may return (any order, or GPipe order under
-        # --order gpipe), so its proof and bound are auto's
-        status, bound = cp.status, cp.lower_bound_ms
-        scope = cp.bound_scope
-    best = min(results, key=lambda r: r.candidate.iteration_ms)
-    found = best.candidate.iteration_ms
-    if pairs.in_order_ms is not None and (order == "1f1b" or backwards_in_sample_order(best.candidate.ops())):
-        in_order_bound = min(pairs.in_order_ms, found)
-        bound_1f1b = in_order_bound
-        if order == "1f1b":  # that family is all auto searched
-            bound, scope = in_order_bound, Scope.IN_ORDER.value
-            status = "optimal" if found <= in_order_bound + close else status
-    if pairs.any_ms is not None:
-        bound, scope = min(pairs.any_ms, found), Scope.ANY.value
-        if found <= bound + close:
-            status = "optimal"
-    return SolverResult(
-        "auto",
-        best.candidate,
-        status,
-        lower_bound_ms=bound,
-        seconds=time.perf_counter() - t0,
-        evaluated=sum(r.evaluated for r in results),
-        bound_scope=scope,
-        lower_bound_1f1b_ms=bound_1f1b,
-        winner=best.name,
-        tried={r.name: r.candidate.iteration_ms for r in results},
-        alternatives=[
-            r.candidate for r in results if r is not best and r.candidate.iteration_ms < float("inf")
-        ],
+def _exact_pass(
+    problem: Problem,
+    results: list[SolverResult],
+    order: str,
+    left: float,
+    t0: float,
+    time_limit: float,
+    seed: int,
+    progress: Optional[Progress],
+) -> SolverResult:
+    """The CP-SAT model, started from the best schedule found that it searches among, for its
+    share of the time (at least; more if the GA's final polish ran over)."""
+    scope = [r for r in results if order == "auto" or r.candidate.order == "gpipe"]
+    start = min(scope, key=lambda r: r.candidate.iteration_ms)
+    # its share even if the GA's final polish ran over
+    cp_time = max(EXACT_SHARE * left, time_limit - (time.perf_counter() - t0))
+
+    def share(_frac: float, best: float) -> None:  # the bar goes on from where the GA left it
+        progress(min(1.0, (time.perf_counter() - t0) / time_limit), min(best, start.candidate.iteration_ms))
+
+    cp = solve_cpsat(
+        problem,
+        time_limit=cp_time,
+        seed=seed,
+        hint=start.candidate,
+        order=order,
+        progress=share if progress else None,
     )
+    return cp
 
 
 # Where the free-order CP-SAT model gets half the time: up to the model size where it proves
