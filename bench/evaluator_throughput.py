@@ -15,7 +15,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from umopt import vectorized
+from umopt import population_sim
 from umopt.costmodel import CostTables, simulate
 from umopt.partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
 from umopt.population_sim import evaluate_1f1b, evaluate_gpipe
@@ -76,12 +76,12 @@ def main() -> None:
         t_gc = best_of(lambda: evaluate_gpipe(tables, ends_to_sizes(ends)))
         t_1 = best_of(lambda: evaluate_1f1b(tables, sizes))
         # the same in numpy (and a Python loop for 1F1B): what runs where the C++ part did not build
-        compiled, vectorized._compiled = vectorized._compiled, None
+        compiled, population_sim._compiled = population_sim._compiled, None
         try:
             t_gpy = best_of(lambda: evaluate_gpipe(tables, sizes))
             t_1py = best_of(lambda: evaluate_1f1b(tables, sizes))
         finally:
-            vectorized._compiled = compiled
+            population_sim._compiled = compiled
         n_ref = 20
         parts = [[[int(x) for x in sizes[p, s] if x] for s in range(S)] for p in range(n_ref)]
         t_ref = best_of(
