@@ -208,29 +208,9 @@ def solve(
         recompute,
         zb.ops,
         zb.timeline,
-        solver={
-            "name": solver,
-            "status": result.status,
-            "lower_bound_ms": bound,
-            **({"lower_bound_1f1b_ms": lb_1f1b} if lb_1f1b is not None else {}),
-            "seconds": seconds,
-            "seed": seed,
-            "order": order,
-            "time_limit": time_limit,
-            "evaluated": result.evaluated,
-            **({"winner": result.winner} if result.winner else {}),
-            **({"bound_scope": scope.value} if scope is not None else {}),
-            "schedule_order": cand.order,
-            "recommended": choice.name,
-            **(
-                {"gain_over_equal": choice.gain, "gain_uncertainty": choice.uncertainty}
-                if choice.gain is not None
-                else {}
-            ),
-            **({"warmup": cand.warmup} if family(cand.order).warmups and cand.warmup is not None else {}),
-            # with --zero-bubble on a small instance: no schedule with a W op per B chunk is faster
-            **({"lower_bound_w_ms": result.lower_bound_w_ms} if result.lower_bound_w_ms is not None else {}),
-        },
+        solver=_solver_block(
+            result, choice, solver, (bound, scope, lb_1f1b), seconds, seed, order, time_limit
+        ),
         baselines={
             "gpipe_equal": _baseline_entry(gp),
             "1f1b_equal": _baseline_entry(of),
@@ -258,6 +238,44 @@ def solve(
         zb.zbh2,
         zb.zbh2_timeline,
     )
+
+
+def _solver_block(
+    result: SolverResult,
+    choice: Choice,
+    solver: str,
+    bounds: tuple,
+    seconds: float,
+    seed: int,
+    order: str,
+    time_limit: float,
+) -> dict:
+    """The schedule file's ``solver`` block: who found it, how, its bounds and what was recommended."""
+    bound, scope, lb_1f1b = bounds
+    cand = choice.candidate
+    return {
+        "name": solver,
+        "status": result.status,
+        "lower_bound_ms": bound,
+        **({"lower_bound_1f1b_ms": lb_1f1b} if lb_1f1b is not None else {}),
+        "seconds": seconds,
+        "seed": seed,
+        "order": order,
+        "time_limit": time_limit,
+        "evaluated": result.evaluated,
+        **({"winner": result.winner} if result.winner else {}),
+        **({"bound_scope": scope.value} if scope is not None else {}),
+        "schedule_order": cand.order,
+        "recommended": choice.name,
+        **(
+            {"gain_over_equal": choice.gain, "gain_uncertainty": choice.uncertainty}
+            if choice.gain is not None
+            else {}
+        ),
+        **({"warmup": cand.warmup} if family(cand.order).warmups and cand.warmup is not None else {}),
+        # with --zero-bubble on a small instance: no schedule with a W op per B chunk is faster
+        **({"lower_bound_w_ms": result.lower_bound_w_ms} if result.lower_bound_w_ms is not None else {}),
+    }
 
 
 def _equal_baselines(problem: Problem) -> tuple[Baseline, Baseline]:
