@@ -209,15 +209,14 @@ def _refine(
 ) -> tuple[list[_Contender], Optional[ExactChunks]]:
     """``start``'s order polished op by op for ``seconds``; on a small instance, then the exact
     model on its cut and placement, started from the polished order, until ``time_limit``."""
-    origin = start.name
     out = []
     ops, ms, _ = improve_order(start.tables, start.ops, minibatch, seconds, seed)
     if ms < start.iteration_ms - 1e-9:
         out.append(
             dataclasses.replace(
                 start,
-                name=f"umopt, polished from {origin}",
-                solver=f"multichunk (order polished from {origin})",
+                name=f"umopt, polished from {start.name}",
+                solver=f"multichunk (order polished from {start.name})",
                 iteration_ms=ms,
                 ops=ops,
             )
@@ -233,8 +232,8 @@ def _refine(
         out.append(
             dataclasses.replace(
                 start,
-                name=f"umopt exact, from {origin}",
-                solver=f"multichunk cpsat (from {origin})",
+                name=f"umopt exact, from {start.name}",
+                solver=f"multichunk cpsat (from {start.name})",
                 iteration_ms=exact.iteration_ms,
                 ops=exact.ops,
             )
