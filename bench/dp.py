@@ -28,6 +28,7 @@ from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.launch import launch
 from umopt.measure import ProfileOptions
 from umopt.probes import fit_to_probes, profile_in_pipeline
+from umopt.run_options import RunOptions
 from umopt.solve import allreduce_for, make_problem, solve
 
 # models no other bench or test here is tuned on; the large vocabularies make the first and last
@@ -60,19 +61,14 @@ def _save(prof, problem, cand, name: str, out: Path, dp) -> str:
 
 def _run(paths: list[str], dp: int, steps: int, warmup: int, rounds: int, out: Path, tag: str) -> list[dict]:
     return launch(
-        [
-            *paths,
-            "--dp",
-            str(dp),
-            "--steps",
-            str(steps),
-            "--warmup",
-            str(warmup),
-            "--rounds",
-            str(rounds),
-            "--report",
-            str(out / f"{tag}_{{name}}_report.json"),
-        ],
+        RunOptions(
+            schedules=paths,
+            dp=dp,
+            steps=steps,
+            warmup=warmup,
+            rounds=rounds,
+            report=str(out / f"{tag}_{{name}}_report.json"),
+        ),
         quiet=True,
     ).reports
 

@@ -35,6 +35,7 @@ from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.launch import launch
 from umopt.measure import ProfileOptions, profile_model
 from umopt.probes import profile_in_pipeline
+from umopt.run_options import RunOptions
 from umopt.solve import make_problem, solve
 
 MODELS = {
@@ -106,17 +107,13 @@ def one(
         )
         paths.append(str(path))
     res = launch(
-        [
-            *paths,
-            "--steps",
-            str(steps),
-            "--warmup",
-            "2",
-            "--rounds",
-            str(rounds),
-            "--report",
-            str(out / (name + "_{name}_report.json")),
-        ],
+        RunOptions(
+            schedules=paths,
+            steps=steps,
+            warmup=2,
+            rounds=rounds,
+            report=str(out / (name + "_{name}_report.json")),
+        ),
         quiet=True,
     )
     ran = dict(zip(runs, res.reports))

@@ -218,10 +218,10 @@ elif within_budget "torchrun, $N stages"; then
     profile_step "$N" bfloat16 "$OUT/gpt-s$N-bfloat16.json"
   step "solve S=$N" "a valid schedule file" umopt solve "$OUT/gpt-s$N-bfloat16.json" -B "$B" --time-limit 10 -o "$OUT/sched-n.json"
   torchrun_n() {
-    python -m torch.distributed.run --standalone --nproc-per-node "$N" -m umopt.runtime "$OUT/sched-n.json" \
+    python -m torch.distributed.run --standalone --nproc-per-node "$N" -m umopt.cli run "$OUT/sched-n.json" \
       --steps 5 --warmup 2 --report "$OUT/report-n.json" && ratio_ok "$OUT/report-n.json"
   }
-  step "torchrun -m umopt.runtime, $N stages" "the multi-machine path on one: measured/predicted in 0.8-1.25" torchrun_n
+  step "torchrun -m umopt.cli run, $N stages" "the multi-machine path on one: measured/predicted in 0.8-1.25" torchrun_n
 fi
 
 echo

@@ -39,6 +39,7 @@ from umopt.launch import launch
 from umopt.measure import ProfileOptions, profile_model
 from umopt.probes import fit_to_probes
 from umopt.problem import Candidate
+from umopt.run_options import RunOptions
 from umopt.solve import make_problem, solve
 
 GPT = {"layers": 4, "d_model": 128, "heads": 4, "vocab": 2048, "seq_len": 64}
@@ -145,7 +146,7 @@ def run(
     )
 
     results: dict[str, list[float]] = {"equal": [], "equal_div": [], "pipelining": [], "umopt": []}
-    common = ["--steps", str(args.steps), "--warmup", "2"]
+    common = dict(steps=args.steps, warmup=2)
 
     def measure(kind: str) -> float:
         if kind == "pipelining":
@@ -173,7 +174,7 @@ def run(
             return statistics.median(json.loads(out.read_text())["step_ms"])
         path = {"equal": "equal.json", "equal_div": "equal_div.json", "umopt": "umopt.json"}[kind]
         return launch(
-            [str(tmp / path), *common, "--report", str(tmp / f"r_{kind}.json")], quiet=True
+            RunOptions(schedules=[str(tmp / path)], report=str(tmp / f"r_{kind}.json"), **common), quiet=True
         ).report.measured_iteration_ms
 
     kinds = ["equal", "equal_div", "pipelining", "umopt"]

@@ -30,6 +30,7 @@ from umopt.formats.schedule import load_schedule, save_schedule
 from umopt.launch import launch
 from umopt.measure import ProfileOptions
 from umopt.probes import profile_in_pipeline
+from umopt.run_options import RunOptions
 from umopt.solve import solve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,7 +72,7 @@ def one_model(
     rows = []
     for run in range(runs):
         rep = launch(
-            [str(path), "--steps", str(steps), "--warmup", "2", "--report", str(out / f"run{run}.json")],
+            RunOptions(schedules=[str(path)], steps=steps, warmup=2, report=str(out / f"run{run}.json")),
             quiet=True,
         ).report
         sel = rep.selection
@@ -86,17 +87,9 @@ def one_model(
         Path(files["again"]).write_bytes(Path(files["kept"]).read_bytes())
         uniq = dict.fromkeys(files.values())  # one schedule file once (the kept one may be an equal one)
         res = launch(
-            [
-                *uniq,
-                "--steps",
-                "4",
-                "--warmup",
-                "1",
-                "--rounds",
-                "4",
-                "--report",
-                str(out / "after_{name}.json"),
-            ],
+            RunOptions(
+                schedules=list(uniq), steps=4, warmup=1, rounds=4, report=str(out / "after_{name}.json")
+            ),
             quiet=True,
         )
         meas = dict(zip(uniq, (r.measured_iteration_ms for r in res.reports)))

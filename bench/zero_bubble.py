@@ -42,6 +42,7 @@ from umopt.launch import launch
 from umopt.measure import ProfileOptions
 from umopt.probes import profile_in_pipeline
 from umopt.problem import Problem
+from umopt.run_options import RunOptions
 from umopt.solve import make_problem, solve
 from umopt.solvers.cpsat import solve_with_weight_ops
 from umopt.synthetic import synthetic_profile
@@ -102,17 +103,9 @@ def measure(B: int, rounds: int, steps: int, time_limit: float) -> list[tuple]:
             )
             paths.append(str(out / f"{name}.json"))
         reports = launch(
-            [
-                *paths,
-                "--steps",
-                str(steps),
-                "--warmup",
-                "2",
-                "--rounds",
-                str(rounds),
-                "--report",
-                str(out / "{name}_report.json"),
-            ],
+            RunOptions(
+                schedules=paths, steps=steps, warmup=2, rounds=rounds, report=str(out / "{name}_report.json")
+            ),
             quiet=True,
         ).reports
         meas = {n: r.measured_iteration_ms for n, r in zip(plans, reports)}

@@ -809,17 +809,112 @@ def profile(
     out.print(f"wrote {output}")
 
 
-@cli.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})
-@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
-def run(argv) -> None:
-    """Execute SCHEDULE with one torch.distributed process per stage (umopt run --help)."""
+_EACH = "; with several schedules a path with {name} in it, the schedule file's name without .json."
+
+
+@cli.command()
+@click.argument("schedules", metavar="SCHEDULE...", nargs=-1, required=True)
+@click.option("--profile", default=None, help="Profile to use (default: the one the schedule names).")
+@click.option(
+    "--steps",
+    type=int,
+    default=10,
+    show_default=True,
+    help="Measured iterations (of each schedule, each round).",
+)
+@click.option(
+    "--warmup",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Iterations run first and not measured (of each schedule, in the first round).",
+)
+@click.option(
+    "--rounds",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Turns each schedule takes; its median is over all of them (with --decide: at least).",
+)
+@click.option(
+    "--decide",
+    type=float,
+    default=None,
+    metavar="CONFIDENCE",
+    help="With several schedules: keep taking turns until the paired test over rounds decides between them "
+    "at this confidence (e.g. 0.95), --budget ends, or --max-rounds; the decision goes in each report.",
+)
+@click.option(
+    "--budget",
+    type=float,
+    default=120.0,
+    show_default=True,
+    help="With --decide: seconds of turns after which no round starts.",
+)
+@click.option("--max-rounds", type=int, default=30, show_default=True, help="With --decide: rounds at most.")
+@click.option(
+    "--select/--no-select",
+    default=True,
+    help="Run the schedule file's candidates in turns over the first steps and keep the fastest "
+    "(--no-select: its pick alone).",
+)
+@click.option(
+    "--select-steps",
+    type=int,
+    default=None,
+    help="Steps at most that a schedule with candidates spends measuring them in turns (they train too; "
+    "default a quarter of --steps, at most 60).",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["gloo", "nccl"]),
+    default=None,
+    help="Default: nccl on CUDA profiles, else gloo.",
+)
+@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="sgd", show_default=True)
+@click.option("--lr", type=float, default=None, help="Learning rate (default 0.01 for sgd, 1e-3 for adamw).")
+@click.option(
+    "--dp",
+    type=int,
+    default=None,
+    help="Data-parallel replicas of the pipeline, each on its own minibatch of the schedule's size "
+    "(default: the schedule's, else 1).",
+)
+@click.option("--threads", type=int, default=None, help="Intra-op threads per rank (default: the profile's).")
+@click.option("--data", default=None, help="package.module:fn, fn(step, minibatch) -> (inputs, targets).")
+@click.option("--report", default=None, help="Write report.json here" + _EACH)
+@click.option("--trace", default=None, help="Write a Chrome trace of measured and predicted ops here" + _EACH)
+@click.option("--plot", default=None, help="Write a Gantt PNG of measured beside predicted here" + _EACH)
+@click.option(
+    "--checkpoint",
+    default=None,
+    help="Directory: a checkpoint set (a file per stage, then checkpoint.json) after the last step.",
+)
+@click.option(
+    "--checkpoint-every",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Also every N steps (0: only after the last).",
+)
+@click.option("--resume", is_flag=True, help="Continue from --checkpoint's last complete set.")
+@click.option(
+    "--save-grads", default=None, help="Directory: each stage writes its gradients of the last step."
+)
+def run(schedules, **options) -> None:
+    """Execute SCHEDULE files, one torch.distributed process per stage. Several schedules (of one
+    profile) take turns on the same processes, --rounds times, so that what drifts on the machine
+    meets them all alike. Under torchrun (several machines) each process is one rank."""
     _require_torch()
     from umopt.launch import launch
     from umopt.noise import run_warnings
-    from umopt.runtime import build_parser
+    from umopt.run_options import RunOptions
 
-    if not argv or "-h" in argv or "--help" in argv:
-        out.print(build_parser().format_help(), markup=False, highlight=False)
+    opts = RunOptions(schedules=list(schedules), **options)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun started this process as one rank
+        from umopt.runtime import main as run_one_rank
+
+        run_one_rank(opts)
         return
     with _progress_bar("run") as bar:
         task = bar.add_task("starting the ranks", total=None)
@@ -827,7 +922,7 @@ def run(argv) -> None:
         def progress(done: int, total: Optional[int], what: str) -> None:
             bar.update(task, completed=done, total=total, description=what)
 
-        result = launch(list(argv), progress=progress)
+        result = launch(opts, progress=progress)
     for r in result.reports:
         for line in run_warnings(r):
             err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)

@@ -117,13 +117,14 @@ def test_decide_refuses_what_it_cannot_decide(tmp_path):
 
     from umopt.errors import UmoptError
     from umopt.launch import launch
+    from umopt.run_options import RunOptions
 
     profile = mlp_profile(tmp_path, 2)
     a, _ = write_schedule(tmp_path, profile, "gpipe", False, 1, name="a.json")
     b, _ = write_schedule(tmp_path, profile, "1f1b", False, 2, name="b.json")
     with pytest.raises(UmoptError, match="--decide compares with an equal schedule"):
-        launch([a, b, "--decide", "0.95"])
+        launch(RunOptions(schedules=[a, b], decide=0.95))
     with pytest.raises(UmoptError, match="--decide needs two schedules"):
-        launch([a, "--decide", "0.95"])
+        launch(RunOptions(schedules=[a], decide=0.95))
     with pytest.raises(UmoptError, match="--decide is a confidence between 0.5 and 1"):
-        launch([a, b, "--decide", "95"])
+        launch(RunOptions(schedules=[a, b], decide=95.0))

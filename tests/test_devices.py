@@ -19,6 +19,7 @@ from umopt import devices
 from umopt.errors import UmoptError
 from umopt.launch import launch
 from umopt.measure import ProfileOptions, check_profile_options, link_plan, pingpong_sizes, profile_model
+from umopt.run_options import RunOptions
 from umopt.runtime import build_stage, init_distributed
 from umopt.zoo import build_model
 
@@ -85,7 +86,7 @@ def test_a_bfloat16_profile_runs_under_autocast(tmp_path):
     the same autocast (to bfloat16's precision; chunks round on their own), not float32's."""
     prof = zoo_sim_profile(tmp_path / "p.json", "mlp", MLP, [0, 3, 6], dtype="bfloat16")
     path, _ = write_schedule(tmp_path, prof, "1f1b", False, 3)
-    launch([path, "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True)
+    launch(RunOptions(schedules=[path], steps=1, warmup=0, save_grads=str(tmp_path / "g")), quiet=True)
     got = _grads(tmp_path, 2)
 
     def rel(want: dict) -> float:
@@ -134,7 +135,7 @@ def test_only_the_first_and_last_stage_load_data(tmp_path, monkeypatch):
     monkeypatch.setenv(
         "PYTHONPATH", str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", "")
     )
-    launch([path, "--steps", "1", "--warmup", "0", "--data", "userzoo:mlp_data"], quiet=True)
+    launch(RunOptions(schedules=[path], steps=1, warmup=0, data="userzoo:mlp_data"), quiet=True)
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["rank0", "rank2"]
 
 
@@ -246,9 +247,9 @@ def test_a_data_module_in_the_current_folder_is_found_and_more_samples_are_refus
         "def more(step, n):\n    return torch.randn(n + 3, 12), torch.randint(0, 5, (n + 3,))\n"
     )
     monkeypatch.chdir(tmp_path)
-    launch([path, "--steps", "1", "--warmup", "0", "--data", "mydata:ok"], quiet=True)
+    launch(RunOptions(schedules=[path], steps=1, warmup=0, data="mydata:ok"), quiet=True)
     with pytest.raises(
         RunFailed,
         match=r"--data mydata:more returned 15 inputs and 15 targets for step 0; the minibatch is 12",
     ):
-        launch([path, "--steps", "1", "--warmup", "0", "--data", "mydata:more"], quiet=True)
+        launch(RunOptions(schedules=[path], steps=1, warmup=0, data="mydata:more"), quiet=True)

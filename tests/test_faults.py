@@ -20,6 +20,7 @@ from test_runtime import mlp_profile, write_schedule
 from umopt.checkpoint import MANIFEST, read_manifest
 from umopt.errors import UmoptError
 from umopt.launch import RunFailed, launch
+from umopt.run_options import RunOptions
 
 
 class _Payload:
@@ -38,7 +39,7 @@ def checkpoint_set(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ck")
     profile = mlp_profile(tmp, 2)
     path, _ = write_schedule(tmp, profile, "gpipe", False, 3)
-    launch([path, "--steps", "1", "--warmup", "0", "--checkpoint", str(tmp / "ck")], quiet=True)
+    launch(RunOptions(schedules=[path], steps=1, warmup=0, checkpoint=str(tmp / "ck")), quiet=True)
     return tmp, path, profile
 
 
@@ -57,7 +58,7 @@ def test_a_checkpoint_carrying_a_pickle_payload_is_refused_without_running_it(ch
     torch.save({"model": _Payload(marker), "optimizer": {}, "step": 1}, victim, pickle_protocol=2)
     # its hash no longer matches the manifest: refused before any process starts
     with pytest.raises(UmoptError, match="does not match its hash"):
-        launch([path, "--steps", "1", "--warmup", "0", "--checkpoint", str(ck), "--resume"], quiet=True)
+        launch(RunOptions(schedules=[path], steps=1, warmup=0, checkpoint=str(ck), resume=True), quiet=True)
     # and with the manifest forged to match, the rank loads plain tensors only and refuses it
     import hashlib
 
@@ -66,7 +67,7 @@ def test_a_checkpoint_carrying_a_pickle_payload_is_refused_without_running_it(ch
     with pytest.raises(
         RunFailed, match=r"rank 0 \(stage 0\) failed: UmoptError: --resume: .* is not stage 0's state"
     ):
-        launch([path, "--steps", "1", "--warmup", "0", "--checkpoint", str(ck), "--resume"], quiet=True)
+        launch(RunOptions(schedules=[path], steps=1, warmup=0, checkpoint=str(ck), resume=True), quiet=True)
     assert not marker.exists()
     assert pickle.dumps(_Payload(marker))  # the payload itself is real
 
@@ -74,7 +75,7 @@ def test_a_checkpoint_carrying_a_pickle_payload_is_refused_without_running_it(ch
 def test_a_mixed_or_incomplete_checkpoint_set_is_refused(checkpoint_set, tmp_path):
     _, path, profile = checkpoint_set
     ck, manifest = _copy_set(checkpoint_set, tmp_path)
-    resume = [path, "--steps", "1", "--warmup", "0", "--checkpoint", str(ck), "--resume"]
+    resume = RunOptions(schedules=[path], steps=1, warmup=0, checkpoint=str(ck), resume=True)
     # stage 1's file replaced by a state of another step: not the set the manifest made
     other = ck / manifest["files"][1]["path"]
     state = torch.load(other, weights_only=True)
@@ -103,7 +104,7 @@ def test_a_failed_checkpoint_write_keeps_the_last_complete_set(tmp_path, monkeyp
     monkeypatch.setenv("UMOPT_FAULT", "1:1:diskfull")
     with pytest.raises(RunFailed, match=r"rank 1 \(stage 1\) failed: OSError"):
         launch(
-            [path, "--steps", "3", "--warmup", "0", "--checkpoint", str(ck), "--checkpoint-every", "1"],
+            RunOptions(schedules=[path], steps=3, warmup=0, checkpoint=str(ck), checkpoint_every=1),
             quiet=True,
         )
     assert read_manifest(ck, profile, "sgd").step == 1  # every file there, every hash right
@@ -118,7 +119,7 @@ def test_checkpoint_waits_are_bounded_by_the_io_timeout_not_the_steps(tmp_path, 
     monkeypatch.setenv("UMOPT_FAULT", "1:0:slowio")
     monkeypatch.setenv("UMOPT_FAULT_SLOW_S", "4")
     monkeypatch.setenv("UMOPT_TIMEOUT_S", "2")
-    launch([path, "--steps", "1", "--warmup", "0", "--checkpoint", str(tmp_path / "a")], quiet=True)
+    launch(RunOptions(schedules=[path], steps=1, warmup=0, checkpoint=str(tmp_path / "a")), quiet=True)
     assert read_manifest(tmp_path / "a", profile, "sgd").step == 1
     monkeypatch.setenv("UMOPT_TIMEOUT_S", "60")
     monkeypatch.setenv("UMOPT_IO_TIMEOUT_S", "2")
@@ -126,7 +127,7 @@ def test_checkpoint_waits_are_bounded_by_the_io_timeout_not_the_steps(tmp_path, 
         RunFailed,
         match=r"rank 0 \(stage 0\) failed: UmoptError: waiting for every stage's checkpoint file of step 1 \(at most UMOPT_IO_TIMEOUT_S=2 s\)",
     ):
-        launch([path, "--steps", "1", "--warmup", "0", "--checkpoint", str(tmp_path / "b")], quiet=True)
+        launch(RunOptions(schedules=[path], steps=1, warmup=0, checkpoint=str(tmp_path / "b")), quiet=True)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -135,7 +136,7 @@ def test_a_killed_rank_is_the_one_named(tmp_path, monkeypatch, k):
     path, _ = write_schedule(tmp_path, profile, "1f1b", False, 5)
     monkeypatch.setenv("UMOPT_FAULT", f"{k}:1:kill")
     with pytest.raises(RunFailed, match=rf"rank {k} \(stage {k}\) ended without a word: killed by SIGKILL"):
-        launch([path, "--steps", "4", "--warmup", "0"], quiet=True)
+        launch(RunOptions(schedules=[path], steps=4, warmup=0), quiet=True)
 
 
 def _detached() -> None:

@@ -13,6 +13,7 @@ from test_runtime import MLP, B, write_schedule
 
 from umopt.launch import launch
 from umopt.measure import ProfileOptions, profile_model
+from umopt.run_options import RunOptions
 from umopt.zoo import build_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -35,7 +36,7 @@ def test_nccl_run_gradients_match_one_process(tmp_path, S):
     prof = zoo_sim_profile(tmp_path / "p.json", "mlp", MLP, [0, 6] if S == 1 else [0, 3, 6])
     path, _ = write_schedule(tmp_path, prof, "1f1b", False, 3)
     launch(
-        [path, "--backend", "nccl", "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")],
+        RunOptions(schedules=[path], backend="nccl", steps=1, warmup=0, save_grads=str(tmp_path / "g")),
         quiet=True,
     )
     got = {}
@@ -93,5 +94,5 @@ def test_a_failing_rank_under_nccl_is_named_with_its_error_at_once(tmp_path, mon
     monkeypatch.setenv("UMOPT_TIMEOUT_S", "300")
     t0 = time.perf_counter()
     with pytest.raises(RunFailed, match="failed: RuntimeError: injected fault in the middle of step 1"):
-        launch([path, "--backend", "nccl", "--steps", "4", "--warmup", "0"], quiet=True)
+        launch(RunOptions(schedules=[path], backend="nccl", steps=4, warmup=0), quiet=True)
     assert time.perf_counter() - t0 < 30

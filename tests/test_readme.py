@@ -1,6 +1,6 @@
 """Every command README prints runs as printed: its options exist, take the values shown, and the
-scripts it names are there. Concrete commands are parsed in full by the command's own parser
-(click's, or ``umopt run``'s argparse); synopsis lines (``[--opt X]``, ``a|b``) have their option
+scripts it names are there. Concrete commands are parsed in full by the command's own click parser
+(under torchrun too); synopsis lines (``[--opt X]``, ``a|b``) have their option
 names checked."""
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from pathlib import Path
 import click
 import pytest
 from umopt.cli import cli
-
-from umopt.runtime import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,9 +41,6 @@ def _option_names(tokens: list[str]) -> list[str]:
 
 def _check_umopt(tokens: list[str]) -> None:
     name, args = tokens[0], tokens[1:]
-    if name == "run":
-        _check_runtime(args)
-        return
     assert name in cli.commands, f"umopt {name}: no such command"
     command = cli.commands[name]
     if _synopsis(args):
@@ -59,19 +54,6 @@ def _check_umopt(tokens: list[str]) -> None:
         raise AssertionError(f"umopt {' '.join(tokens)}: {exc.format_message()}") from None
 
 
-def _check_runtime(args: list[str]) -> None:
-    parser = build_parser()
-    if _synopsis(args):
-        known = set(parser._option_string_actions)
-        unknown = [o for o in _option_names(args) if o not in known]
-        assert not unknown, f"umopt run: no option {unknown}"
-        return
-    try:
-        parser.parse_args(args)
-    except SystemExit:
-        raise AssertionError(f"umopt run {' '.join(args)}: its parser refuses it") from None
-
-
 def test_readme_has_commands_to_check():
     assert sum(c.startswith("umopt ") for c in COMMANDS) >= 10
 
@@ -82,8 +64,8 @@ def test_each_readme_command_runs_as_printed(command):
     if tokens[0] == "umopt":
         _check_umopt(tokens[1:])
     elif tokens[0] == "torchrun":
-        assert "-m" in tokens and tokens[tokens.index("-m") + 1] == "umopt.runtime"
-        _check_runtime(tokens[tokens.index("-m") + 2 :])
+        assert "-m" in tokens and tokens[tokens.index("-m") + 1] == "umopt.cli"
+        _check_umopt(tokens[tokens.index("-m") + 2 :])
     elif tokens[0] in ("python", "bash") and not tokens[1].startswith("-"):
         assert (ROOT / tokens[1]).exists(), f"{tokens[1]}: no such file"
     elif tokens[:3] == ["python", "-m", "pytest"] or tokens[0] in ("pip", "cd", "UMOPT_SMOKE_DEVICE=cpu"):

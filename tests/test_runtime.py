@@ -19,6 +19,7 @@ from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.launch import RunFailed, launch
 from umopt.noise import run_warnings
 from umopt.problem import Candidate
+from umopt.run_options import RunOptions
 from umopt.synthetic import synthetic_profile
 from umopt.zoo import build_model
 
@@ -120,7 +121,7 @@ def test_gradients_equal_single_process(tmp_path, S, order, recompute, seed):
     profile = mlp_profile(tmp_path, S)
     path, cand = write_schedule(tmp_path, profile, order, recompute, seed)
     assert any(p != cand.fsizes[0] for p in cand.fsizes[1:]) or recompute  # stages chunk differently
-    launch([path, "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True)
+    launch(RunOptions(schedules=[path], steps=1, warmup=0, save_grads=str(tmp_path / "g")), quiet=True)
     got = {}
     for s in range(S):
         got.update(torch.load(tmp_path / "g" / f"grads_stage{s}.pt"))
@@ -134,22 +135,13 @@ def test_three_steps_and_resume_match_single_process_training(tmp_path):
     profile = mlp_profile(tmp_path, 3)
     path, _ = write_schedule(tmp_path, profile, "1f1b", False, 7)
     launch(
-        [path, "--steps", "2", "--warmup", "0", "--lr", "0.05", "--checkpoint", str(tmp_path / "ck")],
+        RunOptions(schedules=[path], steps=2, warmup=0, lr=0.05, checkpoint=str(tmp_path / "ck")),
         quiet=True,
     )
     launch(
-        [
-            path,
-            "--steps",
-            "1",
-            "--warmup",
-            "0",
-            "--lr",
-            "0.05",
-            "--checkpoint",
-            str(tmp_path / "ck"),
-            "--resume",
-        ],
+        RunOptions(
+            schedules=[path], steps=1, warmup=0, lr=0.05, checkpoint=str(tmp_path / "ck"), resume=True
+        ),
         quiet=True,
     )
     want = reference(steps=3, lr=0.05)
@@ -204,9 +196,9 @@ def test_schedules_take_turns_and_train_one_model(tmp_path, capsys):
     # a: steps 0, 1; b: 2, 3; a: 4; b: 5 -- six SGD steps on batches 0..5
     assert_trained_as_one_process(ck, steps=6, lr=0.05)
     with pytest.raises(UmoptError, match=r"--report with 2 schedules needs \{name\}"):
-        launch([a, b, "--report", str(tmp_path / "r.json")])
+        launch(RunOptions(schedules=[a, b], report=str(tmp_path / "r.json")))
     with pytest.raises(UmoptError, match="two schedules named a.json"):
-        launch([a, a])
+        launch(RunOptions(schedules=[a, a]))
 
 
 def _no_runtime_left():
@@ -238,7 +230,7 @@ def test_a_failing_rank_ends_the_run(tmp_path, monkeypatch, fault, expected):
     monkeypatch.setenv("UMOPT_FAULT", fault)
     t0 = time.perf_counter()
     with pytest.raises(RunFailed) as exc:
-        launch([path, "--steps", "5", "--warmup", "0"], quiet=True)
+        launch(RunOptions(schedules=[path], steps=5, warmup=0), quiet=True)
     assert time.perf_counter() - t0 < 60
     assert expected in str(exc.value) and exc.value.exit_code == 1
     time.sleep(0.5)
@@ -257,7 +249,7 @@ def test_a_rank_failing_in_the_middle_of_a_step_is_named_at_once(tmp_path, monke
     with pytest.raises(
         RunFailed, match=r"rank 1 \(stage 1\) failed: RuntimeError: injected fault in the middle of step 1"
     ):
-        launch([path, "--steps", "5", "--warmup", "0"], quiet=True)
+        launch(RunOptions(schedules=[path], steps=5, warmup=0), quiet=True)
     assert time.perf_counter() - t0 < 10
     time.sleep(0.5)
     assert _no_runtime_left() == []
@@ -277,7 +269,7 @@ def test_a_run_says_when_its_numerics_differ_from_the_profiles_and_refuses_float
     )
     save_profile(timed, tmp_path / "timed.json")
     path, _ = write_schedule(tmp_path, load_profile(tmp_path / "timed.json"), "gpipe", False, 3)
-    report = launch([path, "--steps", "1", "--warmup", "0"], quiet=True).report
+    report = launch(RunOptions(schedules=[path], steps=1, warmup=0), quiet=True).report
     assert report.numerics_differ == [
         f"matmul_tf32: profiled {not now['matmul_tf32']}, now {now['matmul_tf32']}"
     ]
@@ -288,17 +280,17 @@ def test_a_run_says_when_its_numerics_differ_from_the_profiles_and_refuses_float
         tmp_path, load_profile(tmp_path / "half.json"), "gpipe", False, 3, name="s16.json"
     )
     with pytest.raises(UmoptError, match="float16 training needs loss scaling .* use bfloat16"):
-        launch([path])
+        launch(RunOptions(schedules=[path]))
 
 
 def test_mismatched_schedule_is_rejected_before_any_process(tmp_path):
     p2, p3 = mlp_profile(tmp_path, 2), mlp_profile(tmp_path, 3)
     path, _ = write_schedule(tmp_path, p2, "gpipe", False, 5)
     with pytest.raises(UmoptError, match="schedule has 2 stages but profile"):
-        launch([path, "--profile", p3.path])
+        launch(RunOptions(schedules=[path], profile=p3.path))
     save_profile(p2.with_memory_limit(10**12), tmp_path / "other.json")  # same model, other numbers
     with pytest.raises(UmoptError, match="made for another profile"):
-        launch([path, "--profile", str(tmp_path / "other.json")])
+        launch(RunOptions(schedules=[path], profile=str(tmp_path / "other.json")))
 
 
 def test_run_command_reports_and_refuses_bad_input(tmp_path, capsys):
@@ -357,7 +349,7 @@ def test_two_data_parallel_replicas_of_the_pipeline_train_as_one_process_on_the_
     profile = mlp_profile(tmp_path, 2)
     path, _ = write_schedule(tmp_path, profile, "1f1b", False, 9)
     report = launch(
-        [path, "--dp", "2", "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True
+        RunOptions(schedules=[path], dp=2, steps=1, warmup=0, save_grads=str(tmp_path / "g")), quiet=True
     ).report
     # the schedule was solved for one pipeline and the profile knows no all-reduce speed: said so
     assert report.dp == 2 and report.allreduce is None and len(report.allreduce_ms.measured) == 2
@@ -401,7 +393,7 @@ def test_zero_bubble_schedules_on_three_stages_give_single_process_gradients(tmp
         ),
         str(path),
     )
-    launch([str(path), "--steps", "1", "--warmup", "0", "--save-grads", str(tmp_path / "g")], quiet=True)
+    launch(RunOptions(schedules=[str(path)], steps=1, warmup=0, save_grads=str(tmp_path / "g")), quiet=True)
     got = {}
     for s in range(3):
         got.update(torch.load(tmp_path / "g" / f"grads_stage{s}.pt"))

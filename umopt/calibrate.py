@@ -35,6 +35,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .costmodel import OpKind
 from .errors import UmoptError
 from .formats.profile import AllReduceProfile, CalibrationMeta, Profile
 from .formats.report import RunReport, as_report
@@ -58,7 +59,7 @@ def _check_report(rep: RunReport, name: str, profile: Profile) -> None:
         raise UmoptError(f"{name}: has {len(rep.ops)} stages, the profile {profile.num_stages}")
     tables = CostTables.from_profile(profile, rep.recompute)
     for s, stage_ops in enumerate(rep.ops):
-        split = any(op[0] == "W" for op in stage_ops)
+        split = any(op[0] == OpKind.W for op in stage_ops)
         if split and tables.bwd_input is None:
             raise UmoptError(
                 f"{name}: ran W ops, but the profile has no backward_input_ms / backward_weight_ms"
@@ -69,9 +70,11 @@ def _check_report(rep: RunReport, name: str, profile: Profile) -> None:
                 raise UmoptError(
                     f"{name}: stage {s} has a malformed op entry {[kind, lo, hi]} (a chunk the profile has no time for)"
                 )
-            table = {"F": tables.fwd, "B": tables.bwd_input if split else tables.bwd, "W": tables.bwd_weight}[
-                kind
-            ]
+            table = {
+                OpKind.F: tables.fwd,
+                OpKind.B: tables.bwd_input if split else tables.bwd,
+                OpKind.W: tables.bwd_weight,
+            }[kind]
             expected = float(table[s, b])
             if abs(predicted - expected) > 1e-6 * max(1.0, expected):
                 raise UmoptError(
@@ -116,10 +119,10 @@ def size_ratios(reports: list[RunReport], num_stages: int) -> dict[tuple[int, st
     samples: dict[tuple[int, str, int], list[float]] = defaultdict(list)
     for rep in reports:
         for s, ops in enumerate(rep.ops or []):
-            split = any(op[0] == "W" for op in ops)
+            split = any(op[0] == OpKind.W for op in ops)
             for kind, lo, hi, measured, predicted in ops:
                 # a B with recompute, or split from its W, is not the profile's backward
-                if kind == "W" or (kind == "B" and (rep.recompute or split)):
+                if kind == OpKind.W or (kind == OpKind.B and (rep.recompute or split)):
                     continue
                 if predicted > 0:
                     samples[(s, kind, hi - lo)].append(measured / predicted)
@@ -145,7 +148,7 @@ def calibrate(profile: Profile, reports: Sequence[RunReport | dict], names: list
     stages = []
     for s, st in enumerate(profile.stages):
         update = {}
-        for kind, key in (("F", "forward_ms"), ("B", "backward_ms")):
+        for kind, key in ((OpKind.F, "forward_ms"), (OpKind.B, "backward_ms")):
             seen = ratios.get((s, kind))
             if not seen:
                 continue
@@ -161,7 +164,7 @@ def calibrate(profile: Profile, reports: Sequence[RunReport | dict], names: list
                 else [1.0 / (q / max(v, 1e-12) + 0.01) ** 2 for q, v in zip(iqr, getattr(st, key))]
             )
             update[key] = monotone_fit(scaled, weights)
-            if kind == "B" and st.backward_input_ms is not None:  # its two parts move with it
+            if kind == OpKind.B and st.backward_input_ms is not None:  # its two parts move with it
                 for part in ("backward_input_ms", "backward_weight_ms"):
                     update[part] = monotone_fit(
                         [float(r * (v + st.op_overhead_ms)) for v, r in zip(getattr(st, part), scale)]

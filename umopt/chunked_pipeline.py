@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .costmodel import ChunkOp, CostTables, simulate
+from .costmodel import ChunkOp, CostTables, OpKind, simulate
 from .devices import TensorSpec, autocast, check_trainable
 from .errors import UmoptError
 from .formats.profile import Profile
@@ -124,7 +124,7 @@ class ChunkedPipeline:
         self.timer, self.on_failure = timer, on_failure
         self.spans: list[tuple[str, int, int, Any, Any]] = []
         self.ops: list[ChunkOp] = self.schedule.op_lists()[self.rank]
-        self._split = {j: any(op.kind == "W" and op.stage == j for op in self.ops) for j in self.local}
+        self._split = {j: any(op.kind == OpKind.W and op.stage == j for op in self.ops) for j in self.local}
         world = list(range(R)) if group is None else dist.get_process_group_ranks(group)
         self._global = world
         order = chunk_message_order(self.profile, self.schedule)
@@ -259,7 +259,7 @@ class ChunkedPipeline:
         try:
             links.advance()
             for kind, lo, hi, j in self.ops:
-                if kind == "F":
+                if kind == OpKind.F:
                     links.wait("act", j, lo, hi)
                     t0 = mark()
                     x = chunk_input(j, lo, hi, not recompute)
@@ -272,7 +272,7 @@ class ChunkedPipeline:
                     if j < self.V - 1:
                         outs = [t.detach() for t in _tensors(out, f"virtual stage {j}'s output")]
                         links.send("act", j, lo, hi, outs)
-                elif kind == "B":
+                elif kind == OpKind.B:
                     links.wait("grad", j, lo, hi)
                     t0 = mark()
                     if recompute:

@@ -13,6 +13,7 @@ linear interpolation between the profile's measured sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
@@ -24,6 +25,7 @@ if TYPE_CHECKING:  # (the formats import the cost model to check schedules)
     from .formats.profile import AllReduceProfile, Profile
 
 __all__ = [
+    "OpKind",
     "Op",
     "ChunkOp",
     "Chunking",
@@ -38,14 +40,27 @@ __all__ = [
 ]
 
 
+class OpKind(str, Enum):
+    """What an op computes: the forward (F), the backward (B; on a stage with W ops only the input
+    gradient) or the weight gradient (W). A ``str``, so it compares equal to, and is written to
+    schedule files as, its letter."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+
+    # the letter on every Python version (3.11 changed how format() shows mixed-in enums)
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
 class Op(NamedTuple):
-    """One op of a stage: the forward (``kind`` "F"), backward ("B") or weight gradient ("W") of
-    samples ``[lo, hi)``. On a stage with W ops, B computes only the input gradient.
+    """One op of a stage: its kind on samples ``[lo, hi)``.
 
     A tuple, so it reads and writes as ``["F", lo, hi]`` in schedule files and unpacks as
     ``kind, lo, hi``."""
 
-    kind: str
+    kind: OpKind
     lo: int
     hi: int
 
@@ -59,7 +74,7 @@ class ChunkOp(NamedTuple):
     ``stage`` (``["F", lo, hi, stage]`` in schedule files). On a one-chunk pipeline a rank's
     plain :class:`Op` runs on the virtual stage of the rank's own index."""
 
-    kind: str
+    kind: OpKind
     lo: int
     hi: int
     stage: int
@@ -199,7 +214,7 @@ class CostTables:
         ]
         checked += [
             (f"a {k} op of {{b}} samples on stage {{s}}", split[key])
-            for k, key in (("B", "bwd_input"), ("W", "bwd_weight"))
+            for k, key in ((OpKind.B, "bwd_input"), (OpKind.W, "bwd_weight"))
             if key in split
         ]
         for what, arr in checked:
@@ -320,11 +335,12 @@ def rank_peak_memory(tables: CostTables, rank: int, ops: Sequence[Op | ChunkOp])
     On a chunk with W ops, what a sample keeps for backward is released by its W, not its B
     (the weight gradient needs the layers' inputs and output gradients); with recompute, the
     activations its B recomputed are kept until its W too."""
+    F, B, W = OpKind.F, OpKind.B, OpKind.W  # locals: an enum member's lookup costs more than a comparison
     chunks = sorted({op_stage(op, rank) for op in ops}) or [rank]
-    release = {j: "B" for j in chunks}
+    release = {j: B for j in chunks}
     for op in ops:
-        if op[0] == "W":
-            release[op_stage(op, rank)] = "W"
+        if op[0] == W:
+            release[op_stage(op, rank)] = W
     stashed = dict.fromkeys(chunks, 0)  # samples forwarded and not yet released
     awaiting = dict.fromkeys(
         chunks, 0
@@ -336,18 +352,18 @@ def rank_peak_memory(tables: CostTables, rank: int, ops: Sequence[Op | ChunkOp])
         kind, lo, hi = op[0], op[1], op[2]
         j = op_stage(op, rank)
         b = hi - lo
-        if kind == "F":
+        if kind == F:
             stashed[j] += b
         if tables.recompute:
-            running = b if kind != "W" else 0  # a W runs on what its B kept (awaiting)
+            running = b if kind != W else 0  # a W runs on what its B kept (awaiting)
             mine = stashed[j] * tables.input_bytes[j] + (awaiting[j] + running) * tables.stash_bytes[j]
         else:
             mine = stashed[j] * tables.stash_bytes[j]
         peak = max(peak, int(static + sum(held.values()) - held[j] + mine))
         if kind == release[j]:
             stashed[j] -= b
-            awaiting[j] -= b if kind == "W" and tables.recompute else 0
-        elif kind == "B" and release[j] == "W" and tables.recompute:
+            awaiting[j] -= b if kind == W and tables.recompute else 0
+        elif kind == B and release[j] == W and tables.recompute:
             awaiting[j] += b
         held[j] = int(
             stashed[j] * tables.input_bytes[j] + awaiting[j] * tables.stash_bytes[j]
@@ -377,13 +393,14 @@ def simulate(
     Raises :class:`UmoptError` if the schedule deadlocks (some rank waits forever), a B op
     comes before the F of its samples on its stage, or a W op before their B.
     """
+    F, B, W = OpKind.F, OpKind.B, OpKind.W  # locals: an enum member's lookup costs more than a comparison
     S, R = tables.num_stages, tables.num_ranks
     if len(ops) != R:
         raise UmoptError(f"schedule has {len(ops)} stages, the profile {R}")
     split = [False] * S
     for r, rank_ops in enumerate(ops):
         for op in rank_ops:
-            if op[0] == "W":
+            if op[0] == W:
                 split[op_stage(op, r)] = True
     if any(split) and tables.bwd_input is None:
         raise UmoptError(
@@ -399,7 +416,7 @@ def simulate(
     b_chunks: list[list[tuple[int, int]]] = [[] for _ in range(S)]
     for r, rank_ops in enumerate(ops):
         for op in rank_ops:
-            if op[0] == "B" and split[op_stage(op, r)]:
+            if op[0] == B and split[op_stage(op, r)]:
                 b_chunks[op_stage(op, r)].append((op[1], op[2]))
     for c in b_chunks:
         c.sort()
@@ -431,10 +448,10 @@ def simulate(
                 s = op_stage(op, r)
                 if not 0 <= s < S or tables.rank_of(s) != r:
                     raise UmoptError(f"rank {r}: {kind}({lo},{hi}) names stage {s}, which is not on rank {r}")
-                if kind == "F":
+                if kind == F:
                     ready = max(act_at[s][lo:hi])
                     dur = float(fwd[s, hi - lo])
-                elif kind == "B":
+                elif kind == B:
                     if not all(fwd_done[s][lo:hi]):
                         raise UmoptError(f"stage {s}: B({lo},{hi}) comes before the F of its samples")
                     ready = max(grad_at[s][lo:hi])
@@ -452,13 +469,13 @@ def simulate(
                 busy[r] += dur
                 if record:
                     spans[r].append(Span(r, kind, lo, hi, start, end, s))
-                if kind == "F":
+                if kind == F:
                     fwd_done[s][lo:hi] = [True] * (hi - lo)
                     if s + 1 < S:
                         send("fwd", s, lo, hi, end, act_at[s + 1])
                     else:
                         grad_at[s][lo:hi] = [end] * (hi - lo)
-                elif kind == "B":
+                elif kind == B:
                     bwd_done[s][lo:hi] = [True] * (hi - lo)
                     if s > 0:
                         send("bwd", s - 1, lo, hi, end, grad_at[s - 1])

@@ -18,6 +18,7 @@ import csv
 import io
 import itertools
 
+from .costmodel import OpKind
 from .errors import UmoptError
 from .formats.schedule import Schedule
 from .partition import partitions_from_ops
@@ -58,13 +59,13 @@ def torch_csv(schedule: Schedule) -> str:
         )
     ends = list(itertools.accumulate(first))
     index = {(lo, hi): i for i, (lo, hi) in enumerate(zip([0, *ends[:-1]], ends))}
-    split = [any(kind == "W" for kind, _, _ in o) for o in per_stage]
+    split = [any(kind == OpKind.W for kind, _, _ in o) for o in per_stage]
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for rank_ops in rows:
         row = []
         for j, kind, lo, hi in rank_ops:
-            if kind == "W":  # every microbatch it covers, in sample order
+            if kind == OpKind.W:  # every microbatch it covers, in sample order
                 row += [f"{j}W{i}" for (a, z), i in index.items() if lo <= a and z <= hi]
             else:
                 row.append(f"{j}{'I' if split[j] and kind == 'B' else kind}{index[(lo, hi)]}")

@@ -1,7 +1,7 @@
 """Starting the runtime's processes on this machine (what ``umopt run`` does).
 
-Checks everything it can before a process starts (:func:`umopt.runtime.preflight`), then starts
-one rank per stage (``python -m umopt.runtime ...``) in a process group of its own and watches
+Checks everything it can before a process starts (:func:`umopt.run_options.preflight`), then
+starts one rank per stage (``python -m umopt.runtime OPTIONS.json``) in a process group of its own and watches
 them. They meet through a file store in a private temp folder, so a local run opens no port for
 its rendezvous, and gloo and NCCL are told to use the loopback interface.
 
@@ -9,8 +9,8 @@ Being the ranks' parent is what makes failures and interrupts exact: the first r
 is known with its exit status (its own one-line status file says why it raised; a negative status
 says which signal killed it), the others are stopped at once (SIGTERM, then SIGKILL after
 :data:`STOP_GRACE_S`), and an interrupt of ``umopt run`` (SIGINT, SIGTERM) stops all of them
-before it returns, with exit code 130 or 143. On several machines, ``torchrun`` starts the same
-``umopt.runtime`` (README).
+before it returns, with exit code 130 or 143. On several machines, ``torchrun`` starts
+``umopt run`` once per rank instead (README), and each runs :func:`umopt.runtime.main` itself.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 from .errors import UmoptError
 from .formats.report import RunReport, load_report
-from .runtime import preflight
+from .run_options import RunOptions, preflight
 
 __all__ = ["RunFailed", "Interrupted", "RunResult", "launch", "STOP_GRACE_S"]
 
@@ -67,23 +67,23 @@ ProgressFn = Callable[[int, Optional[int], str], None]  # (steps done, of how ma
 
 
 def launch(
-    argv: list[str],
+    options: RunOptions,
     *,
     timeout_s: Optional[float] = None,
     quiet: bool = False,
     progress: Optional[ProgressFn] = None,
 ) -> RunResult:
-    cfg = preflight(argv)
+    cfg = preflight(options)
     S = cfg.num_stages
-    world = S * cfg.args.dp  # dp replicas of the pipeline: rank r runs stage r % S of replica r // S
+    world = S * cfg.dp  # dp replicas of the pipeline: rank r runs stage r % S of replica r // S
     with tempfile.TemporaryDirectory(prefix="umopt-run-") as tmp:
-        argv = list(argv)
-        template = cfg.args.report
+        template = options.report
         if not template:
             template = str(Path(tmp) / ("report_{name}.json" if len(cfg.schedules) > 1 else "report.json"))
-            argv += ["--report", template]
         paths = [cfg.output(template, k) for k in range(len(cfg.schedules))]
-        threads = cfg.args.threads or int(cfg.profile.device.model_extra.get("threads", 1))
+        handed = Path(tmp) / "options.json"  # what every rank reads, resolved
+        handed.write_text(cfg.options.model_copy(update={"report": template}).model_dump_json())
+        threads = options.threads or int(cfg.profile.device.model_extra.get("threads", 1))
         env = dict(os.environ)
         env.update(
             UMOPT_STATUS_DIR=tmp,
@@ -99,17 +99,17 @@ def launch(
         log = Path(tmp) / "ranks.log"
         with open(log, "w") as out:
             codes, on_their_own = _supervise(
-                world, argv, env, None if not quiet else out, out, timeout_s, progress
+                world, handed, env, None if not quiet else out, out, timeout_s, progress
             )
         if any(c != 0 for c in codes.values()):
             raise RunFailed(_root_cause(Path(tmp), world, S, codes, on_their_own, log))
         reports = [load_report(p) for p in paths]
-        return RunResult(reports, paths if cfg.args.report else [""] * len(paths))
+        return RunResult(reports, paths if options.report else [""] * len(paths))
 
 
 def _supervise(
     n: int,
-    argv: list[str],
+    options_file: Path,
     env: dict,
     stdout,
     stderr,
@@ -132,7 +132,7 @@ def _supervise(
             else {"preexec_fn": lambda g=group: os.setpgid(0, g)}
         )
         p = subprocess.Popen(
-            [sys.executable, "-m", "umopt.runtime", *argv],
+            [sys.executable, "-m", "umopt.runtime", str(options_file)],
             env=rank_env,
             stdout=stdout,
             stderr=stderr,

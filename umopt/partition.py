@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .costmodel import Op
+from .costmodel import Op, OpKind
 
 __all__ = [
     "equal_sizes",
@@ -91,14 +91,14 @@ def repair_ends(ends: np.ndarray, max_size: int) -> np.ndarray:
 
 def partitions_from_ops(ops: Sequence[Op]) -> tuple[list[int], list[int]]:
     """Forward and backward chunk sizes of one stage's op list, in sample order."""
-    f = sorted((lo, hi) for k, lo, hi in ops if k == "F")
-    b = sorted((lo, hi) for k, lo, hi in ops if k == "B")
+    f = sorted((lo, hi) for k, lo, hi in ops if k == OpKind.F)
+    b = sorted((lo, hi) for k, lo, hi in ops if k == OpKind.B)
     return [hi - lo for lo, hi in f], [hi - lo for lo, hi in b]
 
 
 def backwards_in_sample_order(ops: Sequence[Sequence[Op]]) -> bool:
     """Does every stage's op list run its B ops in sample order (the 1F1B family, any warm-ups)?"""
     return all(
-        [lo for kind, lo, _ in st if kind == "B"] == sorted(lo for kind, lo, _ in st if kind == "B")
+        [lo for kind, lo, _ in st if kind == OpKind.B] == sorted(lo for kind, lo, _ in st if kind == OpKind.B)
         for st in ops
     )

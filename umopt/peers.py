@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .chunks import balanced_cut, chunking, placement
-from .costmodel import Chunking, ChunkOp, CostTables, Timeline, rank_peak_memory, simulate
+from .costmodel import Chunking, ChunkOp, CostTables, OpKind, Timeline, rank_peak_memory, simulate
 from .errors import UmoptError
 from .formats.profile import AllReduceProfile, Profile
 from .partition import chunks as sample_ranges
@@ -84,7 +84,7 @@ def torch_ops(
     is its B and then its W; an overlapped F and B (DualPipeV) runs as its two parts in order."""
     ranges = sample_ranges(equal_sizes(minibatch, microbatches))
     order = torch_order(name, num_ranks, chunks, microbatches)
-    has_w = {a.stage_index for acts in order.values() for a in _flat(acts) if _kind(a) == "W"}
+    has_w = {a.stage_index for acts in order.values() for a in _flat(acts) if _kind(a) == OpKind.W}
     out = []
     for r in range(num_ranks):
         ops: list[ChunkOp] = []
@@ -92,9 +92,11 @@ def torch_ops(
             lo, hi = ranges[a.microbatch_index]
             kind, j = _kind(a), a.stage_index
             if kind == "FULL_B" and j in has_w:
-                ops += [ChunkOp("B", lo, hi, j), ChunkOp("W", lo, hi, j)]
-            elif kind in ("F", "B", "W", "FULL_B"):
-                ops.append(ChunkOp("B" if kind == "FULL_B" else kind, lo, hi, j))
+                ops += [ChunkOp(OpKind.B, lo, hi, j), ChunkOp(OpKind.W, lo, hi, j)]
+            elif kind == "FULL_B":
+                ops.append(ChunkOp(OpKind.B, lo, hi, j))
+            elif isinstance(kind, OpKind):
+                ops.append(ChunkOp(kind, lo, hi, j))
         out.append(ops)
     return out
 
@@ -106,13 +108,18 @@ def _flat(actions: Sequence) -> list:
     return flat
 
 
-def _kind(action) -> str:
+# torch's computation types as umopt's kinds: I (input gradient) is umopt's B, torch's B a full backward
+_TORCH_KINDS = {"F": OpKind.F, "B": "FULL_B", "I": OpKind.B, "W": OpKind.W}
+
+
+def _kind(action) -> OpKind | str:
+    """umopt's kind of a torch action, "FULL_B" for a full backward, else torch's own name."""
     ct = str(
         action.computation_type.value
         if hasattr(action.computation_type, "value")
         else action.computation_type
     )
-    return {"F": "F", "B": "FULL_B", "I": "B", "W": "W"}.get(ct, ct)
+    return _TORCH_KINDS.get(ct, ct)
 
 
 @dataclass

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .costmodel import CostTables, Op, simulate
+from .costmodel import CostTables, Op, OpKind, simulate
 from .decide import Decision
 from .devices import TensorSpec, autocast, check_trainable, numerics, numerics_differences
 from .errors import UmoptError, first_line
@@ -436,7 +436,9 @@ class Pipeline:
         self.dp_group = dp_group
         self.spans: list[tuple[str, int, int, Any, Any]] = []
         self.ops: list[Op] = self.schedule.op_lists()[self.stage]
-        self._split = any(op.kind == "W" for op in self.ops)  # B: the input gradient only; W: the weights'
+        self._split = any(
+            op.kind == OpKind.W for op in self.ops
+        )  # B: the input gradient only; W: the weights'
         order = link_order(self.profile, self.schedule)
         self.up, self.down = (
             order.get((self.stage - 1, self.stage), []),
@@ -667,7 +669,7 @@ class Pipeline:
         try:
             links.advance()
             for kind, lo, hi in self.ops:
-                if kind == "F":
+                if kind == OpKind.F:
                     links.wait_acts(lo, hi)
                     t0 = mark()
                     x = chunk_input(lo, hi, not recompute)
@@ -679,7 +681,7 @@ class Pipeline:
                         saved[(lo, hi)] = (x, out)
                     if not self.last:
                         links.send_acts(lo, hi, self._outgoing(out))
-                elif kind == "B":
+                elif kind == OpKind.B:
                     links.wait_grads(lo, hi)
                     t0 = mark()
                     if recompute:
@@ -758,7 +760,7 @@ class Pipeline:
     def _eval(self, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...], keep: bool) -> Any:
         if not self._ready:
             self._learn_specs(xs)
-        forwards = [op for op in self.ops if op.kind == "F"]
+        forwards = [op for op in self.ops if op.kind == OpKind.F]
         # forwards only: each link carries activations alone, in the order the stage before runs its forwards
         links = _Links(
             self,
@@ -799,7 +801,7 @@ class Pipeline:
         return loss_sum, output[0] if len(output) == 1 else output
 
     def _forwards_of(self, stage: int) -> list[Op]:
-        return [op for op in self.schedule.op_lists()[stage] if op.kind == "F"] if stage >= 0 else []
+        return [op for op in self.schedule.op_lists()[stage] if op.kind == OpKind.F] if stage >= 0 else []
 
 
 def _warn_batch_norm(module: nn.Module, stage: int, strict: bool) -> None:

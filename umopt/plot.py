@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from .costmodel import Timeline
+from .costmodel import OpKind, Timeline
 from .fileio import write_atomic
 
 __all__ = ["gantt"]
 
-COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#8172B3"}
+COLOURS = {OpKind.F: "#4C72B0", OpKind.B: "#DD8452", OpKind.W: "#8172B3"}
 ALLREDUCE = "#55A868"
 
 
@@ -85,12 +85,12 @@ def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: st
     axes[-1, 0].set_xlabel("time (ms)")
     # above the first panel, right of its title: inside the axes it hid the first stage's ops
     handles = [
-        Patch(color=COLOURS["F"], label="forward"),
-        Patch(color=COLOURS["B"], label="backward"),
+        Patch(color=COLOURS[OpKind.F], label="forward"),
+        Patch(color=COLOURS[OpKind.B], label="backward"),
         Patch(color="#BBBBBB", label="optimizer"),
     ]
-    if any(sp.kind == "W" for _, tl in panels for spans in tl.spans for sp in spans):
-        handles.insert(2, Patch(color=COLOURS["W"], label="weight gradient"))
+    if any(sp.kind == OpKind.W for _, tl in panels for spans in tl.spans for sp in spans):
+        handles.insert(2, Patch(color=COLOURS[OpKind.W], label="weight gradient"))
     if any(any(a > 0 for a in tl.allreduce_ms) for _, tl in panels):
         handles.insert(2, Patch(color=ALLREDUCE, label="all-reduce"))
     axes[0, 0].legend(

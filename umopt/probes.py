@@ -24,6 +24,7 @@ from .formats.report import load_report
 from .formats.schedule import make_schedule, save_schedule
 from .launch import RunFailed, launch
 from .problem import Candidate, Problem
+from .run_options import RunOptions
 
 __all__ = [
     "PROBE_SIZES",
@@ -103,17 +104,13 @@ def probe_runs(
         return []
     # one launch for all of them: a start costs seconds, more than their steps
     launch(
-        [
-            *(str(out / f"{n}.json") for n in names),
-            "--steps",
-            str(steps),
-            "--warmup",
-            str(warmup),
-            "--rounds",
-            str(rounds),
-            "--report",
-            str(out / "{name}_report.json"),
-        ],
+        RunOptions(
+            schedules=[str(out / f"{n}.json") for n in names],
+            steps=steps,
+            warmup=warmup,
+            rounds=rounds,
+            report=str(out / "{name}_report.json"),
+        ),
         quiet=True,
     )
     return [str(out / f"{n}_report.json") for n in names]

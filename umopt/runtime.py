@@ -10,12 +10,12 @@ model, trained by each in turn, and one machine state, so that drift meets them 
 gets its own report.
 
 Run locally with ``umopt run`` (it starts a rank per stage), or on several machines with
-``torchrun --nnodes ... -m umopt.runtime SCHEDULE [options]``: the same code path.
+``torchrun --nnodes ... -m umopt.cli run SCHEDULE [options]`` (each process one rank): the same
+code path.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -39,19 +39,17 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import (
-    MANIFEST,
     file_sha256,
     read_manifest,
     remove_stale,
     stage_file,
     write_manifest,
 )
-from .costmodel import CostTables, Span, Timeline, simulate
+from .costmodel import CostTables, OpKind, Span, Timeline, simulate
 from .decide import Decision, decide, is_equal
 from .devices import (
     TensorSpec,
     boundary_tensors,
-    check_trainable,
     numerics,
     numerics_differences,
     rank_device,
@@ -59,13 +57,14 @@ from .devices import (
     to_device,
 )
 from .errors import UmoptError, first_line
-from .fileio import check_writable, write_atomic
-from .formats.profile import AllReduceProfile, Profile, load_profile
+from .fileio import write_atomic
+from .formats.profile import AllReduceProfile, Profile
 from .formats.report import Decision as ReportDecision
 from .formats.report import MeasuredPredicted, RunReport, Selection, save_report
-from .formats.schedule import Schedule, check_against_profile, load_schedule
+from .formats.schedule import Schedule
 from .noise import run_warnings
 from .pipeline import Pipeline, StepTimer, share_buffers
+from .run_options import RunConfig, RunOptions, data_function, preflight
 from .selection import (
     MIN_SELECT_ROUNDS,
     TURN_STEPS,
@@ -75,214 +74,15 @@ from .selection import (
     selection_record,
     winner_of,
 )
-from .zoo import ModelParts, build_model, import_object
+from .zoo import ModelParts, build_model
 
 __all__ = [
-    "build_parser",
-    "preflight",
-    "RunConfig",
     "StageSetup",
     "build_stage",
     "init_distributed",
     "run_rank",
     "main",
 ]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="umopt run",
-        description="Execute schedule files, one process per stage. Several schedules (of one profile) take turns on the same "
-        "processes, --rounds times, so that what drifts on the machine meets them all alike.",
-    )
-    p.add_argument("schedule", nargs="+")
-    p.add_argument("--profile", default=None, help="profile to use (default: the one the schedule names)")
-    p.add_argument("--steps", type=int, default=10, help="measured iterations (of each schedule, each round)")
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=2,
-        help="iterations run first and not measured (of each schedule, in the first round)",
-    )
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="turns each schedule takes; its median is over all of them (with --decide: at least)",
-    )
-    p.add_argument(
-        "--decide",
-        type=float,
-        default=None,
-        metavar="CONFIDENCE",
-        help="with several schedules: keep taking turns until the paired test over rounds decides between them at this "
-        "confidence (e.g. 0.95), --budget ends, or --max-rounds; the decision goes in each report",
-    )
-    p.add_argument(
-        "--budget",
-        type=float,
-        default=120.0,
-        help="with --decide: seconds of turns after which no round starts (default 120)",
-    )
-    p.add_argument("--max-rounds", type=int, default=30, help="with --decide: rounds at most (default 30)")
-    p.add_argument(
-        "--no-select",
-        dest="select",
-        action="store_false",
-        help="run the schedule file's pick alone, not its candidates in turns over the first steps",
-    )
-    p.add_argument(
-        "--select-steps",
-        type=int,
-        default=None,
-        help="steps at most that a schedule with candidates spends measuring them in turns (they train too; "
-        "default a quarter of --steps, at most 60)",
-    )
-    p.add_argument(
-        "--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on CUDA profiles, else gloo"
-    )
-    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
-    p.add_argument(
-        "--lr", type=float, default=None, help="learning rate (default 0.01 for sgd, 1e-3 for adamw)"
-    )
-    p.add_argument(
-        "--dp",
-        type=int,
-        default=None,
-        help="data-parallel replicas of the pipeline, each on its own minibatch of the schedule's size (default: the schedule's, else 1)",
-    )
-    p.add_argument(
-        "--threads", type=int, default=None, help="intra-op threads per rank (default: the profile's)"
-    )
-    p.add_argument("--data", default=None, help="package.module:fn, fn(step, minibatch) -> (inputs, targets)")
-    each = "; with several schedules a path with {name} in it, the schedule file's name without .json"
-    p.add_argument("--report", default=None, help="write report.json here" + each)
-    p.add_argument(
-        "--trace", default=None, help="write a Chrome trace of measured and predicted ops here" + each
-    )
-    p.add_argument("--plot", default=None, help="write a Gantt PNG of measured beside predicted here" + each)
-    p.add_argument(
-        "--checkpoint",
-        default=None,
-        help="directory: a checkpoint set (a file per stage, then checkpoint.json) after the last step",
-    )
-    p.add_argument(
-        "--checkpoint-every", type=int, default=0, help="also every N steps (0: only after the last)"
-    )
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint's last complete set")
-    p.add_argument(
-        "--save-grads", default=None, help="directory: each stage writes its gradients of the last step"
-    )
-    return p
-
-
-@dataclass
-class RunConfig:
-    schedules: list[Schedule]  # in the order given; they take turns in it
-    profile: Profile
-    args: argparse.Namespace
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.schedules[0].stages)
-
-    def output(self, template: Optional[str], k: int) -> Optional[str]:
-        """Where schedule ``k`` writes what ``template`` (--report, --trace, --plot) names."""
-        return None if template is None else template.replace("{name}", Path(self.args.schedule[k]).stem)
-
-
-def preflight(argv: list[str], verify_stages: Optional[list[int]] = None) -> RunConfig:
-    """Everything that can be checked before a process starts; one-line errors. With --resume,
-    the checkpoint files of ``verify_stages`` (default: all) are checked against their hashes."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # argparse already printed the usage line
-        raise UmoptError("bad arguments to umopt run (see above)") from exc
-    schedules = [load_schedule(path) for path in args.schedule]
-    profile = load_profile(args.profile or schedules[0].profile.path)
-    for path, schedule in zip(args.schedule, schedules):
-        try:
-            check_against_profile(schedule, profile)
-        except UmoptError as exc:
-            raise UmoptError(f"{path}: {exc}") from None
-    if len({str(sc.chunks) for sc in schedules}) > 1 and (args.checkpoint or args.resume or args.save_grads):
-        raise UmoptError(
-            "the schedules place the model's layers on the ranks differently (each layout trains its own "
-            "copy of the model): --checkpoint, --resume and --save-grads need one layout"
-        )
-    check_trainable(profile.device.dtype)
-    parts = build_model(
-        profile.model.name, profile.model.args, seed=int(profile.model.model_extra.get("seed", 0))
-    )
-    layers_needed = profile.stages[-1].layers[1]
-    if layers_needed != len(parts.layers):
-        raise UmoptError(
-            f"profile {profile.path} splits {layers_needed} layers but model {profile.model.name} {profile.model.args} has {len(parts.layers)}"
-        )
-    if args.dp is None:  # the replicas the schedules were solved for
-        solved_for = {sc.dp.replicas if sc.dp else 1 for sc in schedules}
-        if len(solved_for) > 1:
-            raise UmoptError(
-                f"the schedules were solved for {' and '.join(map(str, sorted(solved_for)))} data-parallel replicas: give --dp"
-            )
-        args.dp = solved_for.pop()
-    if args.dp < 1:
-        raise UmoptError(f"--dp must be at least 1, got {args.dp}")
-    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
-        raise UmoptError("--steps and --rounds must be at least 1 and --warmup at least 0")
-    if len(schedules) > 1:
-        stems = [Path(p).stem for p in args.schedule]
-        if len(set(stems)) < len(stems):
-            raise UmoptError(
-                f"two schedules named {next(n for n in stems if stems.count(n) > 1)}.json: their reports would overwrite each other"
-            )
-        for opt in ("report", "trace", "plot"):
-            if getattr(args, opt) is not None and "{name}" not in getattr(args, opt):
-                raise UmoptError(
-                    f"--{opt} with {len(schedules)} schedules needs {{name}} in its path (one file each)"
-                )
-    if args.select_steps is not None and args.select_steps < 0:
-        raise UmoptError(f"--select-steps must be at least 0, got {args.select_steps}")
-    if args.decide is not None:
-        if not 0.5 < args.decide < 1:
-            raise UmoptError(f"--decide is a confidence between 0.5 and 1, got {args.decide:g}")
-        if len(schedules) < 2:
-            raise UmoptError("--decide needs two schedules or more to decide between")
-        if not any(is_equal(sc.op_lists()) for sc in schedules):
-            raise UmoptError(
-                "--decide compares with an equal schedule (every chunk one size): give one, e.g. the solve's gpipe_equal"
-            )
-        if args.save_grads or args.checkpoint_every:
-            raise UmoptError(
-                "--decide runs an unknown number of steps: --save-grads and --checkpoint-every need a known last one"
-            )
-        if args.max_rounds < args.rounds:
-            raise UmoptError(f"--max-rounds {args.max_rounds} is less than --rounds {args.rounds}")
-    if args.resume and not args.checkpoint:
-        raise UmoptError("--resume needs --checkpoint DIR")
-    if args.checkpoint_every < 0:
-        raise UmoptError(f"--checkpoint-every must be at least 0, got {args.checkpoint_every}")
-    S = len(schedules[0].stages)
-    if args.resume:
-        read_manifest(args.checkpoint, profile, args.optimizer, verify=verify_stages)
-    cfg = RunConfig(schedules, profile, args)
-    # every output checked before a process starts, not found unwritable after the run
-    outputs = [
-        cfg.output(t, k) for t in (args.report, args.trace, args.plot) if t for k in range(len(schedules))
-    ]
-    outputs += [str(Path(args.checkpoint) / MANIFEST)] if args.checkpoint else []
-    outputs += [str(Path(args.save_grads) / "grads_stage0.pt")] if args.save_grads else []
-    for path in outputs:
-        check_writable(path)
-    if args.data:
-        _data_function(args.data)
-    backend = args.backend or ("nccl" if profile.device.type == "cuda" else "gloo")
-    if backend == "nccl" and torch.cuda.device_count() < S * args.dp and "LOCAL_WORLD_SIZE" not in os.environ:
-        raise UmoptError(
-            f"--backend nccl needs one GPU per stage and replica: {S} stages x {args.dp}, {torch.cuda.device_count()} GPUs here"
-        )
-    args.backend = backend
-    return cfg
 
 
 # --- one rank ----------------------------------------------------------------------------------
@@ -297,13 +97,6 @@ class _StageModule(torch.nn.Module):
         for m in self.layers.values():
             x = m(x)
         return x
-
-
-def _data_function(spec: str) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
-    fn = import_object(spec, "--data")
-    if not callable(fn):
-        raise UmoptError(f"--data {spec}: not a function")
-    return fn
 
 
 _log = logging.getLogger("umopt.runtime")
@@ -480,9 +273,9 @@ class _Rank:
 
 
 def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
-    args = cfg.args
+    opts = cfg.options
     rank, world = dist.get_rank(), dist.get_world_size()
-    S, dp = cfg.num_stages, args.dp
+    S, dp = cfg.num_stages, opts.dp
     if world != S * dp:
         raise UmoptError(
             f"the schedule has {S} stages x --dp {dp} replicas but {world} processes were started"
@@ -494,22 +287,22 @@ def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
         stage_groups = [dist.new_group([k * S + j for k in range(dp)]) for j in range(S)]
         pipe_group, dp_group = pipes[replica], stage_groups[s]
     if device.type == "cpu":
-        torch.set_num_threads(args.threads or int(cfg.profile.device.model_extra.get("threads", 1)))
+        torch.set_num_threads(opts.threads or int(cfg.profile.device.model_extra.get("threads", 1)))
     chunks = cfg.schedules[0].chunks
     setup = (
         build_stage(cfg.profile, s, device)
         if chunks is None
         else build_chunks(cfg.profile, chunks, s, device)
     )
-    opt = _optimizer(args, setup.module)
-    start_step = _resume(cfg, s, setup.module, opt, device) if args.resume else 0
+    opt = _optimizer(opts, setup.module)
+    start_step = _resume(cfg, s, setup.module, opt, device) if opts.resume else 0
     io_group = dist.new_group(timeout=timedelta(seconds=io_timeout_s()))  # [Note: two timeouts]
-    waiting = "the other ranks to build their stages" + (" and load the checkpoint" if args.resume else "")
+    waiting = "the other ranks to build their stages" + (" and load the checkpoint" if opts.resume else "")
     with _waiting(waiting, io=True):
         drawn = [secrets.token_hex(4) if rank == 0 else None]  # one name for this run's checkpoint files
         dist.broadcast_object_list(drawn, src=0, group=io_group)
-    if args.data:
-        data_fn = _data_function(args.data)
+    if opts.data:
+        data_fn = data_function(opts.data)
     else:
         data_fn = lambda step, n: setup.make_batch(n, step)  # noqa: E731
     return _Rank(
@@ -532,10 +325,10 @@ def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
     )
 
 
-def _optimizer(args: argparse.Namespace, module: torch.nn.Module) -> torch.optim.Optimizer:
-    lr = args.lr if args.lr is not None else (0.01 if args.optimizer == "sgd" else 1e-3)
+def _optimizer(opts: RunOptions, module: torch.nn.Module) -> torch.optim.Optimizer:
+    lr = opts.lr if opts.lr is not None else (0.01 if opts.optimizer == "sgd" else 1e-3)
     params = list(module.parameters())
-    if args.optimizer == "sgd":
+    if opts.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     return torch.optim.AdamW(params, lr=lr)
 
@@ -557,7 +350,7 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]]) -> list[_Play]:
                 if sched.chunks is None
                 else build_chunks(rk.cfg.profile, sched.chunks, rk.s, rk.device)
             )
-            layouts[key] = (setup.module, _optimizer(rk.cfg.args, setup.module))
+            layouts[key] = (setup.module, _optimizer(rk.cfg.options, setup.module))
         module, opt = layouts[key]
         first, last = rk.ends(sched.chunks)
         mine = {"module": module, "opt": opt, "first": first, "last": last}
@@ -606,14 +399,14 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]]) -> list[_Play]:
 def _step(rk: _Rank, play: _Play, it: int, measured: bool, save_grads: bool) -> float:
     """Step ``it`` of the run with ``play``'s schedule, then the optimizer; the slowest rank's
     time of it (every rank gets the same), recorded in ``play`` where ``measured``."""
-    args, B, dp = rk.cfg.args, play.schedule.minibatch, rk.cfg.args.dp
+    opts, B, dp = rk.cfg.options, play.schedule.minibatch, rk.cfg.options.dp
     _fault(rk.rank, it - rk.start_step, play.module)
     inputs = targets = None
     if play.first or play.last:  # the stages between never touch the data
         x, y = rk.data_fn(it, B * dp)  # the global minibatch: this replica's slice of it
         if len(x) != B * dp or len(y) != B * dp:  # not cut silently: the user meant other samples
             raise UmoptError(
-                f"--data {args.data} returned {len(x)} inputs and {len(y)} targets for step {it}; the minibatch is {B * dp}"
+                f"--data {opts.data} returned {len(x)} inputs and {len(y)} targets for step {it}; the minibatch is {B * dp}"
             )
         x, y = x[rk.replica * B : (rk.replica + 1) * B], y[rk.replica * B : (rk.replica + 1) * B]
         inputs = to_device(x, rk.device) if play.first else None
@@ -636,9 +429,9 @@ def _step(rk: _Rank, play: _Play, it: int, measured: bool, save_grads: bool) -> 
     spans.append(("OPT", 0, 0, t_opt, timing.mark()))
     elapsed = timing.stop()
     if grads is not None and rk.replica == 0:  # outside the step's time; the replicas' gradients are equal
-        Path(args.save_grads).mkdir(parents=True, exist_ok=True)
+        Path(opts.save_grads).mkdir(parents=True, exist_ok=True)
         _save_atomic(
-            {k: g.detach().cpu() for k, g in grads.items()}, Path(args.save_grads) / f"grads_stage{rk.s}.pt"
+            {k: g.detach().cpu() for k, g in grads.items()}, Path(opts.save_grads) / f"grads_stage{rk.s}.pt"
         )
     worst = torch.tensor([elapsed], dtype=torch.float64).to(rk.device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -660,15 +453,15 @@ class _Steps:
         self.rk, self.it, self.last, self.progress = rk, rk.start_step, rk.start_step + total - 1, progress
 
     def play(self, play: _Play, measured: bool, end_of_round: bool) -> float:
-        rk, args = self.rk, self.rk.cfg.args
-        ms = _step(rk, play, self.it, measured, bool(args.save_grads) and self.it == self.last)
+        rk, opts = self.rk, self.rk.cfg.options
+        ms = _step(rk, play, self.it, measured, bool(opts.save_grads) and self.it == self.last)
         self.it += 1
         if self.progress:
             self.progress.step(
                 f"round {len(rk.speeds)}, {play.name}", ms, play.schedule.predicted.iteration_ms, end_of_round
             )
-        every = args.checkpoint_every
-        if args.checkpoint and every and (self.it - rk.start_step) % every == 0 and self.it <= self.last:
+        every = opts.checkpoint_every
+        if opts.checkpoint and every and (self.it - rk.start_step) % every == 0 and self.it <= self.last:
             _checkpoint(rk.cfg, rk.s, rk.stage, rk.opt, self.it, rk.run_id, rk.io_group)
             _phase("the steps")
         return ms
@@ -677,72 +470,72 @@ class _Steps:
 def _turns(rk: _Rank, plays: list[_Play], steps: _Steps) -> tuple[int, Optional[Decision]]:
     """The schedules given take turns, --rounds times (with --decide until decided), so that
     whatever drifts on the machine meets each alike. Returns the rounds played and the decision."""
-    args = rk.cfg.args
+    opts = rk.cfg.options
     decision: Optional[Decision] = None
     began = time.monotonic()
     turn = 0
-    while turn < args.rounds or (decision is not None and not decision.decided):
-        if turn >= args.rounds and not _another_round(args, turn, time.monotonic() - began, rk.device):
+    while turn < opts.rounds or (decision is not None and not decision.decided):
+        if turn >= opts.rounds and not _another_round(opts, turn, time.monotonic() - began, rk.device):
             break
         rk.speeds.append(reference_ms(rk.device))
         for k, play in enumerate(plays):
-            n = (args.warmup if turn == 0 else 0) + args.steps
+            n = (opts.warmup if turn == 0 else 0) + opts.steps
             for j in range(n):
                 steps.play(
                     play,
-                    measured=turn > 0 or j >= args.warmup,
+                    measured=turn > 0 or j >= opts.warmup,
                     end_of_round=j == n - 1 and k == len(plays) - 1,
                 )
         turn += 1
-        if args.decide is not None:  # every rank has the same step times (all-reduced), so the same decision
-            decision = _decision(plays, args.steps, args.decide)
+        if opts.decide is not None:  # every rank has the same step times (all-reduced), so the same decision
+            decision = _decision(plays, opts.steps, opts.decide)
     return turn, decision
 
 
 def run_rank(cfg: RunConfig, device: torch.device) -> None:
-    args = cfg.args
+    opts = cfg.options
     rk = _set_up(cfg, device)
     sched = cfg.schedules[0]
     selecting = _selects(cfg)
-    budget = select_budget(args.steps, args.select_steps, 1 + len(sched.candidates)) if selecting else 0
+    budget = select_budget(opts.steps, opts.select_steps, 1 + len(sched.candidates)) if selecting else 0
     if selecting:  # [Note: selection while training] (umopt/selection.py)
         pick = sched.solver.model_extra.get("recommended") or "pick"
-        entries = [(pick, args.schedule[0], sched)]
+        entries = [(pick, opts.schedules[0], sched)]
         if budget:  # the candidates' Pipelines only where they will play
             entries += [
-                (c.name, args.schedule[0], sched.candidate_schedule(k))
+                (c.name, opts.schedules[0], sched.candidate_schedule(k))
                 for k, c in enumerate(sched.candidates)
             ]
     else:
-        entries = [(Path(p).stem, p, sc) for p, sc in zip(args.schedule, cfg.schedules)]
+        entries = [(Path(p).stem, p, sc) for p, sc in zip(opts.schedules, cfg.schedules)]
     plays = _plays(rk, entries)
     total = (
-        len(plays) * (args.warmup + args.rounds * args.steps)
+        len(plays) * (opts.warmup + opts.rounds * opts.steps)
         if not selecting
-        else len(plays) * args.warmup + args.steps
+        else len(plays) * opts.warmup + opts.steps
     )
     if rk.rank == 0:
         _log.info(
             "%d ranks (%d stages x %d replicas), %s on %s: %s",
             rk.world,
             cfg.num_stages,
-            args.dp,
-            args.backend,
+            opts.dp,
+            opts.backend,
             device.type,
             ", ".join(p.name for p in plays),
         )
-    steps = _Steps(rk, total, _Progress(None if args.decide else total) if rk.rank == 0 else None)
+    steps = _Steps(rk, total, _Progress(None if opts.decide else total) if rk.rank == 0 else None)
     _phase("the steps")
     selection = None
     if selecting:
         winner, selection = _select(rk, plays, steps, budget, [c.name for c in sched.candidates])
-        for _ in range(args.steps - selection.steps):  # the rest of the run: the winner alone
+        for _ in range(opts.steps - selection.steps):  # the rest of the run: the winner alone
             steps.play(winner, measured=True, end_of_round=False)
         reported, rounds, decision = [winner], 1, None
     else:
         rounds, decision = _turns(rk, plays, steps)
         reported = plays
-    if args.checkpoint:
+    if opts.checkpoint:
         _checkpoint(cfg, rk.s, rk.stage, rk.opt, steps.it, rk.run_id, rk.io_group)
     _phase("the report")
     differ = numerics_differences(
@@ -777,13 +570,13 @@ def _decision(plays: list[_Play], steps: int, confidence: float) -> Decision:
 
 
 def _selects(cfg: RunConfig) -> bool:
-    args = cfg.args
+    opts = cfg.options
     return (
-        args.select
+        opts.select
         and len(cfg.schedules) == 1
         and bool(cfg.schedules[0].candidates)
-        and args.decide is None
-        and args.rounds == 1
+        and opts.decide is None
+        and opts.rounds == 1
     )
 
 
@@ -791,9 +584,9 @@ def _select(
     rk: _Rank, plays: list[_Play], steps: _Steps, budget: int, rivals: list[str]
 ) -> tuple[_Play, Selection]:
     """[Note: selection while training]: the winner, and what was measured to choose it."""
-    args = rk.cfg.args
+    opts = rk.cfg.options
     for play in plays:  # warm-ups, not measured
-        for _ in range(args.warmup):
+        for _ in range(opts.warmup):
             steps.play(play, measured=False, end_of_round=False)
     decision, rounds, winner, spent = None, 0, 0, 0
     active = list(range(len(plays)))
@@ -811,7 +604,7 @@ def _select(
         decision = decide_turns(plays)
         said = torch.zeros(3, dtype=torch.int64)
         if rk.rank == 0:  # rank 0's call, for every rank
-            stop, left = keep_measuring(plays, active, decision, args.steps)
+            stop, left = keep_measuring(plays, active, decision, opts.steps)
             said = torch.tensor([stop, winner_of(plays, decision), sum(1 << k for k in left)])
         said = said.to(rk.device)
         dist.broadcast(said, src=0)
@@ -822,8 +615,8 @@ def _select(
     if not rk.speeds:
         rk.speeds.append(reference_ms(rk.device))
     chosen = plays[winner]
-    record = selection_record(plays, chosen, decision, spent, args.steps, len(rivals))
-    if spent < args.steps:  # the winner's figures are those of the steps after selection
+    record = selection_record(plays, chosen, decision, spent, opts.steps, len(rivals))
+    if spent < opts.steps:  # the winner's figures are those of the steps after selection
         chosen.step_ms, chosen.op_ms = [], [[] for _ in chosen.ops]
     if rk.rank == 0:
         _log.info("selected %s: %s", chosen.name, record.reason)
@@ -832,10 +625,10 @@ def _select(
     return chosen, record
 
 
-def _another_round(args: argparse.Namespace, turn: int, spent_s: float, device: torch.device) -> bool:
+def _another_round(opts: RunOptions, turn: int, spent_s: float, device: torch.device) -> bool:
     """Whether an undecided comparison gets another round: rank 0's clock says, for every rank."""
     more = torch.tensor(
-        [turn < args.max_rounds and spent_s * (turn + 1) / turn <= args.budget], dtype=torch.int32
+        [turn < opts.max_rounds and spent_s * (turn + 1) / turn <= opts.budget], dtype=torch.int32
     ).to(device)
     dist.broadcast(more, src=0)
     return bool(more.item())
@@ -867,7 +660,7 @@ def _checkpoint(
     then, once every stage has written its own, the manifest (rank 0), then the old files go.
     Replica 0 writes (with --dp the replicas' states are equal)."""
     _phase(f"the checkpoint of step {step}")
-    folder = Path(cfg.args.checkpoint)
+    folder = Path(cfg.options.checkpoint)
     name = stage_file(s, step, run_id)
     writes = dist.get_rank() < cfg.num_stages
     if writes:
@@ -883,10 +676,10 @@ def _checkpoint(
     if dist.get_rank() == 0:
         schedules = [
             {"path": str(p), "sha256": hashlib.sha256(Path(p).read_bytes()).hexdigest()}
-            for p in cfg.args.schedule
+            for p in cfg.options.schedules
         ]
         write_manifest(
-            folder, step, run_id, cfg.profile, cfg.args.optimizer, hashes[: cfg.num_stages], schedules
+            folder, step, run_id, cfg.profile, cfg.options.optimizer, hashes[: cfg.num_stages], schedules
         )
     with _waiting(f"the checkpoint manifest of step {step}", io=True):
         _barrier(next(stage.parameters()).device, io_group)
@@ -898,8 +691,8 @@ def _resume(
     cfg: RunConfig, s: int, stage: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device
 ) -> int:
     """Load this stage's file of the folder's last complete set; the step it was written after."""
-    man = read_manifest(cfg.args.checkpoint, cfg.profile, cfg.args.optimizer, verify=[s])
-    path = Path(cfg.args.checkpoint) / man.files[s].path
+    man = read_manifest(cfg.options.checkpoint, cfg.profile, cfg.options.optimizer, verify=[s])
+    path = Path(cfg.options.checkpoint) / man.files[s].path
     try:
         # weights_only: a checkpoint is data; unpickling anything else could run code
         state = torch.load(path, map_location=device, weights_only=True)
@@ -917,7 +710,7 @@ def _measured_timeline(per_rank: list) -> Timeline:
     spans = []
     busy = []
     for s, rec in enumerate(per_rank):
-        mine = [Span(s, k, lo, hi, t0, t1) for k, lo, hi, t0, t1 in rec["spans"] if k in ("F", "B")]
+        mine = [Span(s, k, lo, hi, t0, t1) for k, lo, hi, t0, t1 in rec["spans"] if k in (OpKind.F, OpKind.B)]
         spans.append(mine)
         busy.append(sum(sp.end - sp.start for sp in mine))
     end = max((t1 for rec in per_rank for k, lo, hi, t0, t1 in rec["spans"]), default=0.0)
@@ -937,7 +730,11 @@ def run_allreduce(cfg: RunConfig, schedule: Schedule) -> Optional[AllReduceProfi
     the schedule was solved with, else the one its profile measured (None: one pipeline, or no
     speed known, which the report says)."""
     speed = schedule.dp or cfg.profile.allreduce
-    return None if cfg.args.dp <= 1 or speed is None else speed.model_copy(update={"replicas": cfg.args.dp})
+    return (
+        None
+        if cfg.options.dp <= 1 or speed is None
+        else speed.model_copy(update={"replicas": cfg.options.dp})
+    )
 
 
 def _report(
@@ -948,8 +745,8 @@ def _report(
     decision: Optional[Decision],
     selection: Optional[Selection],
 ) -> None:
-    args, schedule, step_ms = cfg.args, play.schedule, play.step_ms
-    k = args.schedule.index(play.path)
+    opts, schedule, step_ms = cfg.options, play.schedule, play.step_ms
+    k = opts.schedules.index(play.path)
     measured = statistics.median(step_ms)
     tl = _measured_timeline(per_rank)
     allreduce = run_allreduce(cfg, schedule)
@@ -959,16 +756,16 @@ def _report(
     report = RunReport(
         schedule=str(play.path),
         profile=cfg.profile.path,
-        backend=args.backend,
+        backend=opts.backend,
         stages=cfg.num_stages,
-        dp=args.dp,
+        dp=opts.dp,
         allreduce=allreduce,  # what the prediction took each stage's all-reduce to cost (None: one pipeline, or left out)
         minibatch=schedule.minibatch,
         recompute=schedule.recompute,
         steps=len(step_ms),
-        warmup=args.warmup,
+        warmup=opts.warmup,
         rounds=rounds,
-        round_ms=_round_medians(step_ms, args.steps),
+        round_ms=_round_medians(step_ms, opts.steps),
         schedules_in_turn=len(cfg.schedules),  # the schedules that took turns with it on the same processes
         measured_iteration_ms=measured,
         predicted_iteration_ms=predicted,
@@ -976,7 +773,7 @@ def _report(
         step_ms=step_ms,
         busy_ms=MeasuredPredicted(measured=tl.busy_ms, predicted=pred_tl.busy_ms),
         allreduce_ms=MeasuredPredicted(measured=tl.allreduce_ms, predicted=pred_tl.allreduce_ms)
-        if args.dp > 1
+        if opts.dp > 1
         else None,
         # per stage, every op with its median measured duration and the profile's: what
         # `umopt calibrate` fits a profile to
@@ -994,13 +791,13 @@ def _report(
             reference=decision.reference,
             confidence=decision.confidence,
             decided=decision.decided,
-            confidence_asked=args.decide,
+            confidence_asked=opts.decide,
             reason=decision.reason,
         ),
         selection=selection,
         **({"chunks": schedule.chunks.model_dump()} if schedule.chunks is not None else {}),
     )
-    report_path, trace_path, plot_path = (cfg.output(t, k) for t in (args.report, args.trace, args.plot))
+    report_path, trace_path, plot_path = (cfg.output(t, k) for t in (opts.report, opts.trace, opts.plot))
     _log.info(
         "%s: measured %.2f ms, predicted %.2f ms (measured / predicted %.3f) over %d steps%s",
         play.name,
@@ -1008,7 +805,7 @@ def _report(
         predicted,
         measured / predicted,
         len(step_ms),
-        f"; report {report_path}" if args.report else "",
+        f"; report {report_path}" if opts.report else "",
     )
     if decision is not None and k == len(cfg.schedules) - 1:
         _log.info(
@@ -1211,8 +1008,10 @@ def _exit_on_termination(status: Callable[[str, str], None]) -> None:
 # would be lost ("ended without a word"). Leaving frees the communicators with the process; the
 # launcher (or torchrun) then stops the other ranks. gloo does not wait, which is why only a GPU
 # showed it.
-def main(argv: Optional[list[str]] = None) -> None:
-    """Entry point of each rank (``python -m umopt.runtime`` under torchrun)."""
+def main(options: Optional[RunOptions] = None) -> None:
+    """Entry point of each rank: ``umopt run`` under torchrun hands it its options, the ranks
+    ``umopt run`` starts itself (``python -m umopt.runtime OPTIONS.json``) read them from the
+    launcher's file."""
     global _status
     status_dir = os.environ.get("UMOPT_STATUS_DIR")
     rank = int(os.environ.get("RANK", "0"))
@@ -1237,10 +1036,9 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     _exit_on_termination(status)
     try:
-        cfg = preflight(
-            list(sys.argv[1:] if argv is None else argv), verify_stages=[]
-        )  # each rank checks its own file
-        device = init_distributed(cfg.args.backend, step_timeout_s())
+        opts = options if options is not None else RunOptions.read(sys.argv[1])
+        cfg = preflight(opts, verify_stages=[])  # each rank checks its own checkpoint file
+        device = init_distributed(cfg.backend, step_timeout_s())
         run_rank(cfg, device)
         dist.destroy_process_group()
     except BaseException as exc:  # see [Note: a failed rank leaves at once]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .bounds.ranks import busiest_rank_bound
-from .costmodel import Chunking, CostTables, Timeline, simulate
+from .costmodel import Chunking, CostTables, OpKind, Timeline, simulate
 from .errors import UmoptError
 from .formats.profile import AllReduceProfile, Profile
 from .formats.schedule import Schedule, make_schedule, validate_ops
@@ -49,7 +49,7 @@ class ChunkSolveReport:
 
 def _w_everywhere(ops, num_virtual: int) -> Optional[bool]:
     """True if every virtual stage has W ops, False if none has, None if some have."""
-    with_w = {op.stage for row in ops for op in row if op.kind == "W"}
+    with_w = {op.stage for row in ops for op in row if op.kind == OpKind.W}
     return True if len(with_w) == num_virtual else False if not with_w else None
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from .costmodel import simulate
+from .costmodel import OpKind, simulate
 from .decide import CONFIDENCE, Decision, decide
 from .errors import UmoptError
 from .fileio import check_writable
@@ -38,6 +38,7 @@ from .noise import OFF_PREDICTION
 from .peers import TORCH_MULTI
 from .probes import profile_in_pipeline
 from .problem import Candidate
+from .run_options import RunOptions
 from .solve import make_problem, solve
 from .solve_chunks import solve_chunked
 from .solvers import SOLVERS
@@ -131,7 +132,7 @@ def _microbatches(schedule: Schedule) -> str:
     per_stage: dict[int, int] = {}
     for r, ops in enumerate(schedule.op_lists()):
         for op in ops:
-            if op[0] == "F":
+            if op[0] == OpKind.F:
                 j = op[3] if len(op) == 4 else r
                 per_stage[j] = per_stage.get(j, 0) + 1
     counts = sorted(set(per_stage.values()))
@@ -172,7 +173,7 @@ def _one_chunk_plans(
         zero_bubble
     ):  # W ops where the solve placed them (if they paid in prediction), and the best equal ZB-H1
         with_w = report.schedule.op_lists()
-        if any(op.kind == "W" for st in with_w for op in st):
+        if any(op.kind == OpKind.W for st in with_w for op in st):
             plans["umopt_w"] = plan("umopt_w", Candidate.from_ops(with_w))
         zb = zb_h1(problem, seconds=1.0)
         if zb is not None:
@@ -327,10 +328,17 @@ def _measure(
     say(
         f"running {', '.join(names)} in turns, rounds of {steps} steps each, until decided at {100 * confidence:.0f}% confidence (at least {rounds} rounds, at most {budget:g} s)"
     )
-    argv = [*paths, "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds)]
-    argv += ["--decide", str(confidence), "--budget", str(budget)]
-    argv += ["--report", str(out / "report_{name}.json"), "--plot", str(out / "measured_{name}.png")]
-    result = launch(argv, quiet=True)
+    options = RunOptions(
+        schedules=paths,
+        steps=steps,
+        warmup=warmup,
+        rounds=rounds,
+        decide=confidence,
+        budget=budget,
+        report=str(out / "report_{name}.json"),
+        plot=str(out / "measured_{name}.png"),
+    )
+    result = launch(options, quiet=True)
     measured, warnings = {}, []
     for name, path, r, rep in zip(names, paths, result.reports, result.report_paths):
         plot = str(out / f"measured_{name}.png")

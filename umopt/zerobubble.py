@@ -19,7 +19,7 @@ import time
 from typing import Optional, Sequence
 
 from .baselines import feasible_m
-from .costmodel import Op, Timeline, simulate
+from .costmodel import Op, OpKind, Timeline, simulate
 from .errors import UmoptError
 from .partition import equal_sizes
 from .problem import Candidate, Problem
@@ -49,7 +49,7 @@ def in_flight_peak(stage_ops: Sequence[Op]) -> int:
     """Most samples a stage holds for backward at once (forwarded, backward not yet run)."""
     held = peak = 0
     for kind, lo, hi in stage_ops:
-        held += (hi - lo) * ((kind == "F") - (kind == "B"))
+        held += (hi - lo) * ((kind == OpKind.F) - (kind == OpKind.B))
         peak = max(peak, held)
     return peak
 
@@ -59,9 +59,9 @@ def _moves(tl: Timeline, stage_ops: list[Op], s: int, max_size: int, tables) -> 
     holds it, after its B; two neighbouring W ops of adjacent samples merged where cheaper."""
     spans = tl.spans[s]
     out = []
-    b_at = {(op.lo, op.hi): i for i, op in enumerate(stage_ops) if op.kind == "B"}
+    b_at = {(op.lo, op.hi): i for i, op in enumerate(stage_ops) if op.kind == OpKind.B}
     for i, op in enumerate(stage_ops):
-        if op.kind != "W":
+        if op.kind != OpKind.W:
             continue
         after = max(b_at[c] for c in b_at if op.lo <= c[0] and c[1] <= op.hi)
         dur = spans[i].end - spans[i].start
@@ -71,11 +71,11 @@ def _moves(tl: Timeline, stage_ops: list[Op], s: int, max_size: int, tables) -> 
                 break
     for i in range(len(stage_ops) - 1):
         a, b = stage_ops[i], stage_ops[i + 1]
-        if a.kind == b.kind == "W" and (a.hi == b.lo or b.hi == a.lo) and a.size + b.size <= max_size:
+        if a.kind == b.kind == OpKind.W and (a.hi == b.lo or b.hi == a.lo) and a.size + b.size <= max_size:
             # one op's overhead less (each B chunk's weight gradient costs what it did)
             lo, hi = min(a.lo, b.lo), max(a.hi, b.hi)
             if tables.op_overhead[s] > 0:
-                out.append((1, stage_ops[:i] + [Op("W", lo, hi)] + stage_ops[i + 2 :]))
+                out.append((1, stage_ops[:i] + [Op(OpKind.W, lo, hi)] + stage_ops[i + 2 :]))
     return out
 
 
@@ -118,11 +118,11 @@ def climb(
         for s in range(problem.num_stages):
             st = ops[s]
             for i, op in enumerate(st):
-                if op.kind != "W" or time.perf_counter() > deadline:
+                if op.kind != OpKind.W or time.perf_counter() > deadline:
                     continue
                 rest = st[:i] + st[i + 1 :]
                 after = max(
-                    k for k, o in enumerate(rest) if o.kind == "B" and op.lo <= o.lo and o.hi <= op.hi
+                    k for k, o in enumerate(rest) if o.kind == OpKind.B and op.lo <= o.lo and o.hi <= op.hi
                 )
                 for j in range(after + 1, len(rest) + 1):
                     if j == i:

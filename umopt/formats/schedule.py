@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Optional, Sequence
 from annotated_types import Len
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..costmodel import Chunking, ChunkOp, CostTables, Op, Timeline, simulate
+from ..costmodel import Chunking, ChunkOp, CostTables, Op, OpKind, Timeline, simulate
 from ..errors import UmoptError
 from ..fileio import write_json
 from ..limits import MAX_MINIBATCH, MAX_STAGES
@@ -60,7 +60,7 @@ class StageOps(_Strict):
         for i, op in enumerate(ops):
             kind, lo, hi = op[:3]
             if (
-                kind not in ("F", "B", "W")
+                kind not in tuple(OpKind)
                 or type(lo) is not int
                 or type(hi) is not int
                 or (len(op) == 4 and type(op[3]) is not int)
@@ -71,7 +71,9 @@ class StageOps(_Strict):
         return ops
 
     def op_list(self) -> list:
-        return [Op(*op) if len(op) == 3 else ChunkOp(*op) for op in self.ops]
+        return [
+            Op(OpKind(op[0]), *op[1:]) if len(op) == 3 else ChunkOp(OpKind(op[0]), *op[1:]) for op in self.ops
+        ]
 
 
 class ChunksSpec(_Strict):
@@ -214,10 +216,10 @@ def _validate_stage(where: str, stage_ops: Sequence, minibatch: int, max_size: i
             raise UmoptError(
                 f"{where}: {kind}({lo},{hi}) has {hi - lo} samples, the profile measured at most {max_size}"
             )
-        if kind == "W":
+        if kind == OpKind.W:
             _check_w(where, lo, hi, b_ranges, w_ranges)
             continue
-        if kind == "F":
+        if kind == OpKind.F:
             if lo != expect:
                 raise UmoptError(
                     f"{where}: F({lo},{hi}) out of order, expected a chunk starting at sample {expect}"

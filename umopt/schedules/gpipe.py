@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..costmodel import Op
+from ..costmodel import Op, OpKind
 from ..partition import chunks
 
 __all__ = ["gpipe_ops"]
@@ -17,6 +17,6 @@ __all__ = ["gpipe_ops"]
 
 def gpipe_ops(fsizes: Sequence[int], bsizes: Sequence[int]) -> list[Op]:
     """One stage's GPipe order: every F in sample order, then every B in reverse sample order."""
-    ops: list[Op] = [Op("F", lo, hi) for lo, hi in chunks(fsizes)]
-    ops += [Op("B", lo, hi) for lo, hi in reversed(chunks(bsizes))]
+    ops: list[Op] = [Op(OpKind.F, lo, hi) for lo, hi in chunks(fsizes)]
+    ops += [Op(OpKind.B, lo, hi) for lo, hi in reversed(chunks(bsizes))]
     return ops

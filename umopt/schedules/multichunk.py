@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..costmodel import ChunkOp, CostTables, weight_ms
+from ..costmodel import ChunkOp, CostTables, OpKind, weight_ms
 from ..partition import chunks as sample_ranges
 
 __all__ = ["ChunkGenes", "build_ops", "equal_genes", "rank_loads"]
@@ -102,13 +102,13 @@ def build_ops(tables: CostTables, minibatch: int, genes: ChunkGenes) -> tuple[li
         f_now = [(-j if genes.deep else fr[j][fi[j]][0], j) for t, j in fs if t <= t0]
         capped = inflight[r] >= genes.cap[r] and not force  # (with W ops: until their W, as memory is)
         if b_now and (capped or not f_now):
-            return t0, "B", -min(b_now)[1]
+            return t0, OpKind.B, -min(b_now)[1]
         if f_now and not capped:
-            return t0, "F", min(f_now)[1]
+            return t0, OpKind.F, min(f_now)[1]
         if pending_w[r] and genes.defer_w:  # the rank would idle: a deferred W fills it
-            return t0, "W", pending_w[r][0][0]
+            return t0, OpKind.W, pending_w[r][0][0]
         # nothing to run now: the first op that will be ready (a forward only under the cap)
-        nxt = [(t, 0, "B", j) for t, j in bs] + ([] if capped else [(t, 1, "F", j) for t, j in fs])
+        nxt = [(t, 0, OpKind.B, j) for t, j in bs] + ([] if capped else [(t, 1, OpKind.F, j) for t, j in fs])
         t, _, kind, j = min(nxt, default=(_INF, 0, "", -1))
         return max(t, t0), kind, j
 
@@ -120,11 +120,11 @@ def build_ops(tables: CostTables, minibatch: int, genes: ChunkGenes) -> tuple[li
         dest[lo:hi] = [end] * (hi - lo)
 
     def run(r: int, start: float, kind: str, j: int) -> None:
-        if kind == "W":
+        if kind == OpKind.W:
             j, lo, hi = pending_w[r].pop(0)
             dur = weight_ms(tables, j, [(lo, hi)])
             inflight[r] -= hi - lo
-        elif kind == "F":
+        elif kind == OpKind.F:
             lo, hi = fr[j][fi[j]]
             fi[j] += 1
             f_upto[j] = hi
@@ -141,13 +141,13 @@ def build_ops(tables: CostTables, minibatch: int, genes: ChunkGenes) -> tuple[li
         free[r] = end
         ops[r].append(ChunkOp(kind, lo, hi, j))
         stale[r] = True
-        if kind == "F":
+        if kind == OpKind.F:
             if j + 1 < S:
                 send("fwd", j, lo, hi, end, act[j + 1])
                 stale[tables.rank_of(j + 1)] = True
             else:
                 grad[j][lo:hi] = [end] * (hi - lo)
-        elif kind == "B":
+        elif kind == OpKind.B:
             if j > 0:
                 send("bwd", j - 1, lo, hi, end, grad[j - 1])
                 stale[tables.rank_of(j - 1)] = True
@@ -159,12 +159,12 @@ def build_ops(tables: CostTables, minibatch: int, genes: ChunkGenes) -> tuple[li
         for r in range(R):
             if left[r] == 0 and pending_w[r]:
                 while pending_w[r]:
-                    run(r, free[r], "W", -1)
+                    run(r, free[r], OpKind.W, -1)
                 stale[r] = False
                 best[r] = (_INF, "", -1)
             elif stale[r] and left[r] > 0:
                 if pending_w[r] and not genes.defer_w:  # W right after its B
-                    best[r] = (free[r], "W", -1)
+                    best[r] = (free[r], OpKind.W, -1)
                 else:
                     best[r] = choose(r)
                 stale[r] = False

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..costmodel import Op
+from ..costmodel import Op, OpKind
 from ..partition import chunks
 
 __all__ = ["pipedream_warmup", "onef1b_schedule"]
@@ -54,16 +54,16 @@ def onef1b_schedule(
         forwarded_when: list[int] = []
         i = j = forwarded = 0
         for _ in range(min(warm[s], len(fch))):
-            ops.append(Op("F", *fch[i]))
+            ops.append(Op(OpKind.F, *fch[i]))
             forwarded = fch[i][1]
             i += 1
         while i < len(fch) or j < len(bch):
             if i < len(fch):
-                ops.append(Op("F", *fch[i]))
+                ops.append(Op(OpKind.F, *fch[i]))
                 forwarded = fch[i][1]
                 i += 1
             while j < len(bch) and (need[j] <= forwarded or i == len(fch)):
-                ops.append(Op("B", *bch[j]))
+                ops.append(Op(OpKind.B, *bch[j]))
                 forwarded_when.append(forwarded)
                 j += 1
                 if i < len(fch):

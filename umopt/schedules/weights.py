@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional, Sequence
 
-from ..costmodel import Op
+from ..costmodel import Op, OpKind
 
 __all__ = ["with_weight_ops", "place_weights"]
 
@@ -29,15 +29,15 @@ def with_weight_ops(stage_ops: Sequence[Op], cap: Optional[int]) -> list[Op]:
     pending: deque[Op] = deque()
     held = 0
     for op in stage_ops:
-        if op.kind == "F":
+        if op.kind == OpKind.F:
             while pending and cap is not None and held + op.size > cap:
                 w = pending.popleft()
                 out.append(w)
                 held -= w.size
             held += op.size
         out.append(op)
-        if op.kind == "B":
-            pending.append(Op("W", op.lo, op.hi))
+        if op.kind == OpKind.B:
+            pending.append(Op(OpKind.W, op.lo, op.hi))
             while pending and cap is not None and held > cap:
                 w = pending.popleft()
                 out.append(w)

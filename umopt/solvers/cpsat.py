@@ -45,7 +45,7 @@ from ..bounds import (
     linear_cuts,
     start_bound_ms,
 )
-from ..costmodel import Op, simulate
+from ..costmodel import Op, OpKind, simulate
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
 from .exact import (
@@ -396,9 +396,9 @@ def _hint_free(m, problem: Problem, hint: Candidate, chunks, x, y, fstart, bstar
             if problem.recompute:
                 m.add_hint(y[s][c], c in bch)
             if c in fch:
-                m.add_hint(fstart[s][c], starts[("F", *c)])
+                m.add_hint(fstart[s][c], starts[(OpKind.F, *c)])
             if c in bch:
-                m.add_hint(bstart[s][c], starts[("B", *c)])
+                m.add_hint(bstart[s][c], starts[(OpKind.B, *c)])
 
 
 def _later_work(m, chunks, B: int, x: dict, y: dict, fdur: dict, bdur: dict, H: int):
@@ -532,9 +532,11 @@ def _ops_by_start(
     solver: cp_model.CpSolver, x: dict, y: dict, fstart: dict, bstart: dict, wstart: Optional[dict] = None
 ) -> list:
     """One stage's op list in the order the solver timed it (F, B, W on a tie: each needs the one before)."""
-    timed = [(solver.value(fstart[c]), 0, Op("F", *c)) for c in x if solver.boolean_value(x[c])]
-    timed += [(solver.value(bstart[c]), 1, Op("B", *c)) for c in y if solver.boolean_value(y[c])]
-    timed += [(solver.value(wstart[c]), 2, Op("W", *c)) for c in (wstart or {}) if solver.boolean_value(y[c])]
+    timed = [(solver.value(fstart[c]), 0, Op(OpKind.F, *c)) for c in x if solver.boolean_value(x[c])]
+    timed += [(solver.value(bstart[c]), 1, Op(OpKind.B, *c)) for c in y if solver.boolean_value(y[c])]
+    timed += [
+        (solver.value(wstart[c]), 2, Op(OpKind.W, *c)) for c in (wstart or {}) if solver.boolean_value(y[c])
+    ]
     return [op for _, _, op in sorted(timed)]
 
 
@@ -564,7 +566,7 @@ def solve_with_weight_ops(
     S = problem.num_stages
     if problem.memory_limit is None:
         plain = [
-            [op for b in st for op in ([b, Op("W", b.lo, b.hi)] if b.kind == "B" else [b])]
+            [op for b in st for op in ([b, Op(OpKind.W, b.lo, b.hi)] if b.kind == OpKind.B else [b])]
             for st in gpipe_ops_all(ones, S)
         ]
     else:

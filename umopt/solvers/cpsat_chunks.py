@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 from .. import stoppable
 from ..bounds.ranks import rank_ends
-from ..costmodel import ChunkOp, CostTables, simulate
+from ..costmodel import ChunkOp, CostTables, OpKind, simulate
 from ..errors import UmoptError
 from .cpsat import _as_bool, memory_events
 
@@ -97,16 +97,16 @@ def build_chunk_model(
     )
     bwd = t.bwd_input if weights else t.bwd
     dur = {
-        "F": [{c: _us(t.fwd[j, c[1] - c[0]]) for c in chunks} for j in range(V)],
-        "B": [{c: _us(bwd[j, c[1] - c[0]]) for c in chunks} for j in range(V)],
+        OpKind.F: [{c: _us(t.fwd[j, c[1] - c[0]]) for c in chunks} for j in range(V)],
+        OpKind.B: [{c: _us(bwd[j, c[1] - c[0]]) for c in chunks} for j in range(V)],
     }
     if weights:
-        dur["W"] = [
+        dur[OpKind.W] = [
             {c: max(0, _us(t.bwd_weight[j, c[1] - c[0]] - t.op_overhead[j])) for c in chunks}
             for j in range(V)
         ]
     start = {k: [{c: m.new_int_var(0, H, "") for c in chunks} for _ in range(V)] for k in dur}
-    used = {"F": x, "B": y, "W": y}
+    used = {OpKind.F: x, OpKind.B: y, OpKind.W: y}
     interval = {
         k: [
             {
@@ -145,7 +145,7 @@ def build_chunk_model(
             lo, hi = c
             b = hi - lo
             on, bon = x[j][c], y[j][c]
-            f0, b0 = start["F"][j][c], start["B"][j][c]
+            f0, b0 = start[OpKind.F][j][c], start[OpKind.B][j][c]
             # forward: in sample order, after its inputs (and, redundant, one sample's way up)
             if j > 0:
                 m.add(f0 >= max(0, _us(float(up[j])) - 2 * V)).only_enforce_if(on)
@@ -153,13 +153,13 @@ def build_chunk_model(
                 m.add(f0 >= fend[j][lo - 1]).only_enforce_if(on)
             if j > 0:
                 m.add(f0 >= arrive[j - 1][hi - 1]).only_enforce_if(on)
-            m.add(fend[j][hi - 1] >= f0 + dur["F"][j][c]).only_enforce_if(on)
+            m.add(fend[j][hi - 1] >= f0 + dur[OpKind.F][j][c]).only_enforce_if(on)
             # backward: after the F of its samples here, after their gradients from above
             m.add(b0 >= fdone[j][hi - 1]).only_enforce_if(bon)
             if j + 1 < V:
                 for i in range(lo, hi):
                     m.add(b0 >= garrive[j + 1][i]).only_enforce_if(bon)
-            b_end = b0 + dur["B"][j][c]
+            b_end = b0 + dur[OpKind.B][j][c]
             if j > 0:
                 if local[j - 1]:
                     for i in range(lo, hi):
@@ -176,9 +176,9 @@ def build_chunk_model(
                         m.add(garrive[j][i] >= g + link).only_enforce_if(bon)
             ar = _us(t.allreduce_ms[r])
             if weights:  # the chunk's W after its B; the rank's all-reduce after its last op
-                w0 = start["W"][j][c]
+                w0 = start[OpKind.W][j][c]
                 m.add(w0 >= b_end).only_enforce_if(bon)
-                m.add(makespan >= w0 + dur["W"][j][c] + ar).only_enforce_if(bon)
+                m.add(makespan >= w0 + dur[OpKind.W][j][c] + ar).only_enforce_if(bon)
             m.add(makespan >= b_end + max(ar, _us(float(down[j])) - 2 * V)).only_enforce_if(bon)
             # activation messages of the boundary: one at a time, in F order (= sample order)
             if j + 1 < V and not local[j]:
@@ -218,9 +218,18 @@ def build_chunk_model(
                 raise UmoptError(f"rank {r}'s chunks alone need more than the memory limit")
             times, changes, actives = [], [], []
             for j in mine:
-                wend = {c: start["W"][j][c] + dur["W"][j][c] for c in chunks} if weights else None
+                wend = {c: start[OpKind.W][j][c] + dur[OpKind.W][j][c] for c in chunks} if weights else None
                 ev = memory_events(
-                    t, j, chunks, x[j], y[j], start["F"][j], start["B"][j], dur["F"][j], dur["B"][j], wend
+                    t,
+                    j,
+                    chunks,
+                    x[j],
+                    y[j],
+                    start[OpKind.F][j],
+                    start[OpKind.B][j],
+                    dur[OpKind.F][j],
+                    dur[OpKind.B][j],
+                    wend,
                 )
                 for acc, part in zip((times, changes, actives), ev):
                     acc += part
@@ -241,10 +250,10 @@ def _add_hint(m, tables: CostTables, minibatch: int, ops, chunks, x, y, start) -
         spans = [sp for row in tl.spans for sp in row if sp.chunk == j]
         when = {(sp.kind, sp.lo, sp.hi): _us(sp.start) for sp in spans}
         for c in chunks:
-            m.add_hint(x[j][c], ("F", *c) in when)
+            m.add_hint(x[j][c], (OpKind.F, *c) in when)
             if tables.recompute:
-                m.add_hint(y[j][c], ("B", *c) in when)
-            for k in ("F", "B"):
+                m.add_hint(y[j][c], (OpKind.B, *c) in when)
+            for k in (OpKind.F, OpKind.B):
                 if (k, *c) in when:
                     m.add_hint(start[k][j][c], when[(k, *c)])
 
@@ -299,9 +308,9 @@ def solve_chunks_exact(
 def _ops_by_start(solver, tables: CostTables, x, y, start) -> list[list[ChunkOp]]:
     """Each rank's ops in the order the solver timed them (F, B, W on a tie)."""
     timed: list[list] = [[] for _ in range(tables.num_ranks)]
-    rank = {"F": 0, "B": 1, "W": 2}
+    rank = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2}
     for kind, per_stage in start.items():
-        use = x if kind == "F" else y
+        use = x if kind == OpKind.F else y
         for j, starts in enumerate(per_stage):
             for c, v in starts.items():
                 if solver.boolean_value(use[j][c]):

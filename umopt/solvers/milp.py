@@ -21,7 +21,7 @@ import numpy as np
 import pulp
 
 from ..bounds import Scope, heads_and_tails, int_tables, linear_cuts, start_bound_ms
-from ..costmodel import Op
+from ..costmodel import Op, OpKind
 from ..problem import Candidate, Problem, Progress, SolverResult
 from .exact import candidate_chunks, chunk_fits, chunk_set, chunks_ending_at, start_or_skip, with_clock
 
@@ -121,9 +121,12 @@ def order_pairs(problem: Problem, chunks) -> list[tuple[tuple, tuple]]:
     """Pairs of ops of one stage whose order the free-order MILP must choose: an F chunk that may
     come after a B (its samples are later than all the B's), and two disjoint B chunks. Every
     other pair is ordered by the F chain or by "B after the F of its samples"."""
-    pairs = [(("F", c), ("B", d)) for c in chunks for d in chunks if c[0] >= d[1]]
+    pairs = [((OpKind.F, c), (OpKind.B, d)) for c in chunks for d in chunks if c[0] >= d[1]]
     pairs += [
-        (("B", c), ("B", d)) for c in chunks for d in chunks if c < d and (c[1] <= d[0] or d[1] <= c[0])
+        ((OpKind.B, c), (OpKind.B, d))
+        for c in chunks
+        for d in chunks
+        if c < d and (c[1] <= d[0] or d[1] <= c[0])
     ]
     return pairs
 
@@ -181,11 +184,11 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
             for i in range(B):
                 lp += pulp.lpSum(part[c] for c in chunks if c[0] <= i < c[1]) == 1, f"cover_{name}_{s}_{i}"
         ends = [pulp.lpSum(x[s][c] for c in chunks if c[1] - 1 == i) for i in range(B)]
-        dur = {("F", c): float(t.fwd[s, c[1] - c[0]]) for c in chunks} | {
-            ("B", c): float(t.bwd[s, c[1] - c[0]]) for c in chunks
+        dur = {(OpKind.F, c): float(t.fwd[s, c[1] - c[0]]) for c in chunks} | {
+            (OpKind.B, c): float(t.bwd[s, c[1] - c[0]]) for c in chunks
         }
-        start = {("F", c): fstart[s][c] for c in chunks} | {("B", c): bstart[s][c] for c in chunks}
-        used = {("F", c): x[s][c] for c in chunks} | {("B", c): y[s][c] for c in chunks}
+        start = {(OpKind.F, c): fstart[s][c] for c in chunks} | {(OpKind.B, c): bstart[s][c] for c in chunks}
+        used = {(OpKind.F, c): x[s][c] for c in chunks} | {(OpKind.B, c): y[s][c] for c in chunks}
         for c in chunks:
             lo, hi = c
             off, boff = M * (1 - x[s][c]), M * (1 - y[s][c])
@@ -193,14 +196,14 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
                 lp += fstart[s][c] >= fend[s][lo - 1] - off
             if s > 0:
                 lp += fstart[s][c] >= arrive[s - 1][hi - 1] - off
-            lp += fend[s][hi - 1] >= fstart[s][c] + dur["F", c] - off
+            lp += fend[s][hi - 1] >= fstart[s][c] + dur[OpKind.F, c] - off
             lp += bstart[s][c] >= fdone[s][hi - 1] - boff
             if s + 1 < S:
                 for i in range(lo, hi):
                     lp += bstart[s][c] >= garrive[s + 1][i] - boff
-            lp += makespan >= bstart[s][c] + dur["B", c] + float(t.allreduce_ms[s]) - boff
+            lp += makespan >= bstart[s][c] + dur[OpKind.B, c] + float(t.allreduce_ms[s]) - boff
             if s > 0:
-                lp += gsend[s][c] >= bstart[s][c] + dur["B", c] - boff
+                lp += gsend[s][c] >= bstart[s][c] + dur[OpKind.B, c] - boff
                 for i in range(lo, hi):
                     lp += garrive[s][i] >= gsend[s][c] + float(t.link[s - 1, hi - lo]) - boff
             if s + 1 < S:
@@ -220,7 +223,7 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
             both = M * (2 - used[u] - used[v])
             lp += start[v] >= start[u] + dur[u] - M * (1 - first) - both
             lp += start[u] >= start[v] + dur[v] - M * first - both
-            if s > 0 and u[0] == v[0] == "B":  # their gradient messages, in the same order
+            if s > 0 and u[0] == v[0] == OpKind.B:  # their gradient messages, in the same order
                 cu, cv = u[1], v[1]
                 lp += (
                     gsend[s][cv]
@@ -356,8 +359,8 @@ def _solve_milp(
     elif solved:
         ops = []
         for s in range(S):
-            timed = [(fstart[s][c].value(), 0, Op("F", *c)) for c, v in x[s].items() if on(v)]
-            timed += [(bstart[s][c].value(), 1, Op("B", *c)) for c, v in y[s].items() if on(v)]
+            timed = [(fstart[s][c].value(), 0, Op(OpKind.F, *c)) for c, v in x[s].items() if on(v)]
+            timed += [(bstart[s][c].value(), 1, Op(OpKind.B, *c)) for c, v in y[s].items() if on(v)]
             ops.append([op for _, _, op in sorted(timed)])
         cand = Candidate.from_ops(ops)
     else:  # nothing better in time: keep the warm start

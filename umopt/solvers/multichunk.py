@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from ..chunks import balanced_cut, chunking, stage_cut
-from ..costmodel import Chunking, ChunkOp, CostTables, rank_peak_memory
+from ..costmodel import Chunking, ChunkOp, CostTables, OpKind, rank_peak_memory
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..partition import equal_sizes
@@ -326,7 +326,7 @@ def improve_order(
         k = max(0, min(len(row) - 1, i + rng.choice((-3, -2, -1, 1, 2, 3))))
         lo, hi = min(i, k), max(i, k)
         if k == i or any(
-            op.stage == row[i].stage and op.kind == "F" == row[i].kind
+            op.stage == row[i].stage and op.kind == OpKind.F == row[i].kind
             for op in row[lo : hi + 1]
             if op is not row[i]
         ):

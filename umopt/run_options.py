@@ -1,0 +1,215 @@
+"""What ``umopt run`` is asked to do, and everything checked before a rank starts.
+
+:class:`RunOptions` is the typed value the command line becomes (``umopt run``'s click options
+declare the same fields, docs/run.md says what each does); the launcher hands it to every rank it
+starts, and under torchrun each rank builds its own from the same command line. :func:`preflight`
+loads and checks the schedules, the profile and every output before any process starts, with
+one-line errors, and returns the :class:`RunConfig` the ranks play.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .checkpoint import MANIFEST, read_manifest
+from .decide import is_equal
+from .devices import check_trainable
+from .errors import UmoptError
+from .fileio import check_writable
+from .formats.profile import Profile, load_profile, pydantic_error_line
+from .formats.schedule import Schedule, check_against_profile, load_schedule
+from .zoo import build_model, import_object
+
+__all__ = ["RunOptions", "RunConfig", "preflight", "data_function"]
+
+
+class RunOptions(BaseModel):
+    """The options of ``umopt run`` (same names, ``-`` for ``_``; ``schedules`` are its arguments).
+    ``None`` is "as the schedule or the profile says": ``dp`` the replicas the schedules were
+    solved for, ``backend`` NCCL on CUDA profiles, ``threads`` the profile's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schedules: list[str]
+    profile: Optional[str] = None
+    steps: int = 10
+    warmup: int = 2
+    rounds: int = 1
+    decide: Optional[float] = None
+    budget: float = 120.0
+    max_rounds: int = 30
+    select: bool = True
+    select_steps: Optional[int] = None
+    backend: Optional[Literal["gloo", "nccl"]] = None
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: Optional[float] = None
+    dp: Optional[int] = None
+    threads: Optional[int] = None
+    data: Optional[str] = None
+    report: Optional[str] = None
+    trace: Optional[str] = None
+    plot: Optional[str] = None
+    checkpoint: Optional[str] = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    save_grads: Optional[str] = None
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> RunOptions:
+        """The options the launcher wrote for its ranks."""
+        try:
+            return cls.model_validate_json(Path(path).read_text())
+        except (OSError, ValidationError) as exc:
+            what = pydantic_error_line(exc) if isinstance(exc, ValidationError) else str(exc)
+            raise UmoptError(f"{path}: not the options of a run: {what}") from None
+
+
+@dataclass
+class RunConfig:
+    """A run as the ranks play it: the schedules (in the order given; they take turns in it), the
+    profile, and the options with ``dp`` and ``backend`` resolved."""
+
+    schedules: list[Schedule]
+    profile: Profile
+    options: RunOptions
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.schedules[0].stages)
+
+    @property
+    def dp(self) -> int:
+        assert self.options.dp is not None  # resolved by preflight
+        return self.options.dp
+
+    @property
+    def backend(self) -> str:
+        assert self.options.backend is not None  # resolved by preflight
+        return self.options.backend
+
+    def output(self, template: Optional[str], k: int) -> Optional[str]:
+        """Where schedule ``k`` writes what ``template`` (--report, --trace, --plot) names."""
+        return None if template is None else template.replace("{name}", Path(self.options.schedules[k]).stem)
+
+
+def data_function(spec: str) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    """The user's ``--data package.module:fn``, ``fn(step, minibatch) -> (inputs, targets)``."""
+    fn = import_object(spec, "--data")
+    if not callable(fn):
+        raise UmoptError(f"--data {spec}: not a function")
+    return fn
+
+
+def preflight(opts: RunOptions, verify_stages: Optional[list[int]] = None) -> RunConfig:
+    """Everything that can be checked before a process starts; one-line errors. With --resume,
+    the checkpoint files of ``verify_stages`` (default: all) are checked against their hashes."""
+    if not opts.schedules:
+        raise UmoptError("umopt run needs a schedule file")
+    schedules = [load_schedule(path) for path in opts.schedules]
+    profile = load_profile(opts.profile or schedules[0].profile.path)
+    for path, schedule in zip(opts.schedules, schedules):
+        try:
+            check_against_profile(schedule, profile)
+        except UmoptError as exc:
+            raise UmoptError(f"{path}: {exc}") from None
+    _check_model(profile)
+    _check_counts(opts)
+    _check_turns(opts, schedules)
+    if len({str(sc.chunks) for sc in schedules}) > 1 and (opts.checkpoint or opts.resume or opts.save_grads):
+        raise UmoptError(
+            "the schedules place the model's layers on the ranks differently (each layout trains its own "
+            "copy of the model): --checkpoint, --resume and --save-grads need one layout"
+        )
+    if opts.resume:
+        read_manifest(opts.checkpoint, profile, opts.optimizer, verify=verify_stages)
+    dp = opts.dp if opts.dp is not None else _solved_for(schedules)
+    if dp < 1:
+        raise UmoptError(f"--dp must be at least 1, got {dp}")
+    backend = opts.backend or ("nccl" if profile.device.type == "cuda" else "gloo")
+    S = len(schedules[0].stages)
+    if backend == "nccl" and torch.cuda.device_count() < S * dp and "LOCAL_WORLD_SIZE" not in os.environ:
+        raise UmoptError(
+            f"--backend nccl needs one GPU per stage and replica: {S} stages x {dp}, {torch.cuda.device_count()} GPUs here"
+        )
+    cfg = RunConfig(schedules, profile, opts.model_copy(update={"dp": dp, "backend": backend}))
+    # every output checked before a process starts, not found unwritable after the run
+    outputs = [
+        cfg.output(t, k) for t in (opts.report, opts.trace, opts.plot) if t for k in range(len(schedules))
+    ]
+    outputs += [str(Path(opts.checkpoint) / MANIFEST)] if opts.checkpoint else []
+    outputs += [str(Path(opts.save_grads) / "grads_stage0.pt")] if opts.save_grads else []
+    for path in outputs:
+        check_writable(path)
+    if opts.data:
+        data_function(opts.data)
+    return cfg
+
+
+def _check_model(profile: Profile) -> None:
+    check_trainable(profile.device.dtype)
+    parts = build_model(
+        profile.model.name, profile.model.args, seed=int(profile.model.model_extra.get("seed", 0))
+    )
+    layers_needed = profile.stages[-1].layers[1]
+    if layers_needed != len(parts.layers):
+        raise UmoptError(
+            f"profile {profile.path} splits {layers_needed} layers but model {profile.model.name} {profile.model.args} has {len(parts.layers)}"
+        )
+
+
+def _check_counts(opts: RunOptions) -> None:
+    if opts.steps < 1 or opts.warmup < 0 or opts.rounds < 1:
+        raise UmoptError("--steps and --rounds must be at least 1 and --warmup at least 0")
+    if opts.select_steps is not None and opts.select_steps < 0:
+        raise UmoptError(f"--select-steps must be at least 0, got {opts.select_steps}")
+    if opts.resume and not opts.checkpoint:
+        raise UmoptError("--resume needs --checkpoint DIR")
+    if opts.checkpoint_every < 0:
+        raise UmoptError(f"--checkpoint-every must be at least 0, got {opts.checkpoint_every}")
+
+
+def _check_turns(opts: RunOptions, schedules: list[Schedule]) -> None:
+    """Several schedules: one output file each; --decide: something to decide between."""
+    if len(schedules) > 1:
+        stems = [Path(p).stem for p in opts.schedules]
+        if len(set(stems)) < len(stems):
+            raise UmoptError(
+                f"two schedules named {next(n for n in stems if stems.count(n) > 1)}.json: their reports would overwrite each other"
+            )
+        for opt in ("report", "trace", "plot"):
+            if getattr(opts, opt) is not None and "{name}" not in getattr(opts, opt):
+                raise UmoptError(
+                    f"--{opt} with {len(schedules)} schedules needs {{name}} in its path (one file each)"
+                )
+    if opts.decide is None:
+        return
+    if not 0.5 < opts.decide < 1:
+        raise UmoptError(f"--decide is a confidence between 0.5 and 1, got {opts.decide:g}")
+    if len(schedules) < 2:
+        raise UmoptError("--decide needs two schedules or more to decide between")
+    if not any(is_equal(sc.op_lists()) for sc in schedules):
+        raise UmoptError(
+            "--decide compares with an equal schedule (every chunk one size): give one, e.g. the solve's gpipe_equal"
+        )
+    if opts.save_grads or opts.checkpoint_every:
+        raise UmoptError(
+            "--decide runs an unknown number of steps: --save-grads and --checkpoint-every need a known last one"
+        )
+    if opts.max_rounds < opts.rounds:
+        raise UmoptError(f"--max-rounds {opts.max_rounds} is less than --rounds {opts.rounds}")
+
+
+def _solved_for(schedules: list[Schedule]) -> int:
+    """The data-parallel replicas the schedules were solved for."""
+    replicas = {sc.dp.replicas if sc.dp else 1 for sc in schedules}
+    if len(replicas) > 1:
+        raise UmoptError(
+            f"the schedules were solved for {' and '.join(map(str, sorted(replicas)))} data-parallel replicas: give --dp"
+        )
+    return replicas.pop()
