@@ -380,6 +380,41 @@ def weight_ms(tables: CostTables, stage: int, b_chunks: Sequence[tuple[int, int]
     return sum(float(tables.bwd_weight[stage, hi - lo]) - over for lo, hi in b_chunks) + over
 
 
+def _split_stages(
+    tables: CostTables, ops: Sequence[Sequence[Op | ChunkOp]]
+) -> tuple[list[bool], list[list[tuple[int, int]]]]:
+    """Which stages have W ops (their B computes the input gradient only), and the sample ranges
+    of each such stage's B ops, in sample order (a W's duration depends on the Bs it covers)."""
+    split = [False] * tables.num_stages
+    for r, rank_ops in enumerate(ops):
+        for op in rank_ops:
+            if op[0] == OpKind.W:
+                split[op_stage(op, r)] = True
+    if any(split) and tables.bwd_input is None:
+        raise UmoptError(
+            "the schedule has W ops but the profile has no backward_input_ms / backward_weight_ms (profile with --split-backward)"
+        )
+    b_chunks: list[list[tuple[int, int]]] = [[] for _ in range(tables.num_stages)]
+    for r, rank_ops in enumerate(ops):
+        for op in rank_ops:
+            if op[0] == OpKind.B and split[op_stage(op, r)]:
+                b_chunks[op_stage(op, r)].append((op[1], op[2]))
+    for c in b_chunks:
+        c.sort()
+    return split, b_chunks
+
+
+def _check_finished(ops: Sequence[Sequence[Op | ChunkOp]], ptr: list[int]) -> None:
+    """Every rank played its last op, or the schedule deadlocks where the first one stopped."""
+    stuck = [r for r in range(len(ops)) if ptr[r] < len(ops[r])]
+    if stuck:
+        r = stuck[0]
+        op = ops[r][ptr[r]]
+        where = f"stage {r}" if len(op) == 3 else f"rank {r}"
+        chunk = "" if len(op) == 3 else f" of stage {op[3]}"
+        raise UmoptError(f"schedule deadlocks: {where} waits forever at {op[0]}({op[1]},{op[2]}){chunk}")
+
+
 def simulate(
     tables: CostTables, ops: Sequence[Sequence[Op | ChunkOp]], minibatch: int, *, record: bool = True
 ) -> Timeline:
@@ -393,19 +428,13 @@ def simulate(
     Raises :class:`UmoptError` if the schedule deadlocks (some rank waits forever), a B op
     comes before the F of its samples on its stage, or a W op before their B.
     """
-    F, B, W = OpKind.F, OpKind.B, OpKind.W  # locals: an enum member's lookup costs more than a comparison
+    # one piece: the cost model of docs/formats.md as one loop over the ranks' op lists, read top
+    # to bottom beside the spec; every other evaluator is tested against it
+    F, B = OpKind.F, OpKind.B  # locals: an enum member's lookup costs more than a comparison
     S, R = tables.num_stages, tables.num_ranks
     if len(ops) != R:
         raise UmoptError(f"schedule has {len(ops)} stages, the profile {R}")
-    split = [False] * S
-    for r, rank_ops in enumerate(ops):
-        for op in rank_ops:
-            if op[0] == W:
-                split[op_stage(op, r)] = True
-    if any(split) and tables.bwd_input is None:
-        raise UmoptError(
-            "the schedule has W ops but the profile has no backward_input_ms / backward_weight_ms (profile with --split-backward)"
-        )
+    split, b_chunks = _split_stages(tables, ops)
     never = float("inf")  # not sent yet; max() over a chunk then says "not ready" by itself
     # act_at[j][i]: when sample i's activation is ready on stage j (stage 0: at time 0).
     # grad_at[j][i]: when sample i's gradient is ready on stage j (last stage: its F's end there).
@@ -413,13 +442,6 @@ def simulate(
     grad_at = [[never] * minibatch for _ in range(S)]
     fwd_done = [[False] * minibatch for _ in range(S)]
     bwd_done = [[False] * minibatch for _ in range(S)]
-    b_chunks: list[list[tuple[int, int]]] = [[] for _ in range(S)]
-    for r, rank_ops in enumerate(ops):
-        for op in rank_ops:
-            if op[0] == B and split[op_stage(op, r)]:
-                b_chunks[op_stage(op, r)].append((op[1], op[2]))
-    for c in b_chunks:
-        c.sort()
     link_free: dict[tuple[int, int], float] = {}
     clock = [0.0] * R
     busy = [0.0] * R
@@ -481,13 +503,7 @@ def simulate(
                         send("bwd", s - 1, lo, hi, end, grad_at[s - 1])
                 ptr[r] += 1
                 progress = True
-    stuck = [r for r in range(R) if ptr[r] < len(ops[r])]
-    if stuck:
-        r = stuck[0]
-        op = ops[r][ptr[r]]
-        where = f"stage {r}" if len(op) == 3 else f"rank {r}"
-        chunk = "" if len(op) == 3 else f" of stage {op[3]}"
-        raise UmoptError(f"schedule deadlocks: {where} waits forever at {op[0]}({op[1]},{op[2]}){chunk}")
+    _check_finished(ops, ptr)
     ar = [float(a) for a in tables.allreduce_ms]
     return Timeline(
         iteration_ms=max(c + a for c, a in zip(clock, ar)) + tables.optimizer_ms,

@@ -265,6 +265,8 @@ def evaluate_1f1b(
     that, not the play loop, is most of the numpy version's call (``python
     bench/evaluator_throughput.py`` compares them).
     """
+    # one piece: its steps (the slots, then the play) share the population's arrays, as the one
+    # function of the compiled evaluator does that it is tested against, score for score
     if wcap is not None:
         return evaluate_split(tables, fsizes, bsizes, wcap, warmup)
     fsizes, bsizes = _one_width(np.asarray(fsizes), bsizes)

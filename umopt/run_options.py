@@ -67,7 +67,10 @@ class RunOptions(BaseModel):
             return cls.model_validate_json(Path(path).read_text())
         except (OSError, ValidationError) as exc:
             what = pydantic_error_line(exc) if isinstance(exc, ValidationError) else str(exc)
-            raise UmoptError(f"{path}: not the options of a run: {what}") from None
+            raise UmoptError(
+                f"{path}: not the options file umopt run hands its ranks ({what}); under torchrun start "
+                "umopt run itself: torchrun ... -m umopt.cli run SCHEDULE [options]"
+            ) from None
 
 
 @dataclass

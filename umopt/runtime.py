@@ -745,15 +745,69 @@ def _report(
     decision: Optional[Decision],
     selection: Optional[Selection],
 ) -> None:
-    opts, schedule, step_ms = cfg.options, play.schedule, play.step_ms
+    """Schedule ``play``'s report: logged, written, traced and plotted where asked."""
+    opts = cfg.options
     k = opts.schedules.index(play.path)
-    measured = statistics.median(step_ms)
     tl = _measured_timeline(per_rank)
-    allreduce = run_allreduce(cfg, schedule)
-    tables = CostTables.from_profile(cfg.profile, schedule.recompute, allreduce, schedule.chunking())
-    pred_tl = simulate(tables, schedule.op_lists(), schedule.minibatch)
+    allreduce = run_allreduce(cfg, play.schedule)
+    tables = CostTables.from_profile(
+        cfg.profile, play.schedule.recompute, allreduce, play.schedule.chunking()
+    )
+    pred_tl = simulate(tables, play.schedule.op_lists(), play.schedule.minibatch)
+    report = _run_report(cfg, play, per_rank, (tl, pred_tl), rounds, decision, selection, allreduce)
+    measured, predicted = report.measured_iteration_ms, report.predicted_iteration_ms
+    report_path, trace_path, plot_path = (cfg.output(t, k) for t in (opts.report, opts.trace, opts.plot))
+    _log.info(
+        "%s: measured %.2f ms, predicted %.2f ms (measured / predicted %.3f) over %d steps%s",
+        play.name,
+        measured,
+        predicted,
+        measured / predicted,
+        len(play.step_ms),
+        f"; report {report_path}" if opts.report else "",
+    )
+    if decision is not None and k == len(cfg.schedules) - 1:
+        _log.info(
+            "keep %s: %s%s",
+            decision.winner,
+            decision.reason,
+            "" if decision.decided else " (not decided when the turns ended)",
+        )
+    for line in run_warnings(report):
+        _log.warning(line)
+    if report_path:
+        save_report(report, report_path)
+    panels = [("predicted", pred_tl), ("measured (last step)", tl)]
+    if trace_path:
+        from .trace import write_trace
+
+        write_trace(panels, trace_path)
+    if plot_path:
+        from .plot import gantt
+
+        gantt(
+            panels,
+            plot_path,
+            title=f"{cfg.profile.model.name}: measured {measured:.1f} ms vs predicted {predicted:.1f} ms",
+        )
+
+
+def _run_report(
+    cfg: RunConfig,
+    play: _Play,
+    per_rank: list,
+    timelines: tuple[Timeline, Timeline],
+    rounds: int,
+    decision: Optional[Decision],
+    selection: Optional[Selection],
+    allreduce: Optional[AllReduceProfile],
+) -> RunReport:
+    """The report of one schedule: its measured timeline (last step) beside the simulator's."""
+    opts, schedule, step_ms = cfg.options, play.schedule, play.step_ms
+    tl, pred_tl = timelines
+    measured = statistics.median(step_ms)
     predicted = pred_tl.iteration_ms  # the simulator's, not what the file says
-    report = RunReport(
+    return RunReport(
         schedule=str(play.path),
         profile=cfg.profile.path,
         backend=opts.backend,
@@ -797,40 +851,6 @@ def _report(
         selection=selection,
         **({"chunks": schedule.chunks.model_dump()} if schedule.chunks is not None else {}),
     )
-    report_path, trace_path, plot_path = (cfg.output(t, k) for t in (opts.report, opts.trace, opts.plot))
-    _log.info(
-        "%s: measured %.2f ms, predicted %.2f ms (measured / predicted %.3f) over %d steps%s",
-        play.name,
-        measured,
-        predicted,
-        measured / predicted,
-        len(step_ms),
-        f"; report {report_path}" if opts.report else "",
-    )
-    if decision is not None and k == len(cfg.schedules) - 1:
-        _log.info(
-            "keep %s: %s%s",
-            decision.winner,
-            decision.reason,
-            "" if decision.decided else " (not decided when the turns ended)",
-        )
-    for line in run_warnings(report):
-        _log.warning(line)
-    if report_path:
-        save_report(report, report_path)
-    panels = [("predicted", pred_tl), ("measured (last step)", tl)]
-    if trace_path:
-        from .trace import write_trace
-
-        write_trace(panels, trace_path)
-    if plot_path:
-        from .plot import gantt
-
-        gantt(
-            panels,
-            plot_path,
-            title=f"{cfg.profile.model.name}: measured {measured:.1f} ms vs predicted {predicted:.1f} ms",
-        )
 
 
 def init_distributed(backend: str, timeout_s: float) -> torch.device:

@@ -166,12 +166,7 @@ def solve(
     The steps, each returning what the next takes: the equal baselines, the search (with the
     fast bounds), the choice between what it found and simpler schedules, the zero-bubble pass,
     the schedule file's content."""
-    if solver not in SOLVERS:
-        raise UmoptError(f"unknown solver {solver!r} (choose from {', '.join(SOLVERS)})")
-    if order not in ("auto", "gpipe", "1f1b"):
-        raise UmoptError(f"--order must be auto, gpipe or 1f1b, got {order!r}")
-    if not (0 < time_limit < math.inf):  # also NaN
-        raise UmoptError(f"--time-limit must be a positive number of seconds, got {time_limit}")
+    _check_arguments(solver, order, time_limit)
     started = time.perf_counter()
     problem = make_problem(profile, minibatch, recompute, dp)
     if zero_bubble:
@@ -179,17 +174,8 @@ def solve(
     gp, of = _equal_baselines(problem)
     search = _search(problem, solver, order, time_limit, seed, progress, started, zero_bubble)
     result = search.result
-    cand: Candidate = result.candidate
-    validate_ops(cand.ops(), minibatch, problem.max_size, recompute)
-    if not cand.fits(cand.simulate(problem), problem):
-        raise UmoptError(f"solver {result.name} found no schedule within the memory limit")
-    # a schedule the profile cannot tell apart from a simpler one is not worth its extra ops
-    found = [(f"umopt {solver}", cand)] + [(b.name, b.candidate) for b in (gp, of) if b.candidate is not None]
-    choice = choose(profile, problem, found, equal=("gpipe_equal", "1f1b_equal"), seed=seed)
-    if choice.name != found[0][0]:
-        result.notes.append(choice.reason)
-    cand = choice.candidate
-    zb = _ZeroBubble(cand.ops(), cand.simulate(problem))
+    found, choice = _choice(profile, problem, solver, result, (gp, of), seed)
+    zb = _ZeroBubble(choice.candidate.ops(), choice.candidate.simulate(problem))
     seconds = search.seconds
     if zero_bubble:
         seconds = ZERO_BUBBLE_SHARE * time_limit
@@ -238,6 +224,36 @@ def solve(
         zb.zbh2,
         zb.zbh2_timeline,
     )
+
+
+def _check_arguments(solver: str, order: str, time_limit: float) -> None:
+    if solver not in SOLVERS:
+        raise UmoptError(f"unknown solver {solver!r} (choose from {', '.join(SOLVERS)})")
+    if order not in ("auto", "gpipe", "1f1b"):
+        raise UmoptError(f"--order must be auto, gpipe or 1f1b, got {order!r}")
+    if not (0 < time_limit < math.inf):  # also NaN
+        raise UmoptError(f"--time-limit must be a positive number of seconds, got {time_limit}")
+
+
+def _choice(
+    profile: Profile,
+    problem: Problem,
+    solver: str,
+    result: SolverResult,
+    equal: tuple[Baseline, Baseline],
+    seed: int,
+) -> tuple[list[tuple[str, Candidate]], Choice]:
+    """What the search found (checked) beside the equal baselines, and the one chosen: a schedule
+    the profile cannot tell apart from a simpler one is not worth its extra ops."""
+    cand: Candidate = result.candidate
+    validate_ops(cand.ops(), problem.minibatch, problem.max_size, problem.recompute)
+    if not cand.fits(cand.simulate(problem), problem):
+        raise UmoptError(f"solver {result.name} found no schedule within the memory limit")
+    found = [(f"umopt {solver}", cand)] + [(b.name, b.candidate) for b in equal if b.candidate is not None]
+    choice = choose(profile, problem, found, equal=("gpipe_equal", "1f1b_equal"), seed=seed)
+    if choice.name != found[0][0]:
+        result.notes.append(choice.reason)
+    return found, choice
 
 
 def _solver_block(

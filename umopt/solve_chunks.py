@@ -68,6 +68,25 @@ def parse_chunks(value: str) -> tuple[int, ...]:
     return (v,)
 
 
+def _part(progress: Optional[Progress], lo: float, hi: float) -> Optional[Progress]:
+    """``progress`` for a step that spans ``[lo, hi]`` of the whole solve."""
+    if progress is None:
+        return None
+    return lambda frac, best: progress(lo + (hi - lo) * frac, best)
+
+
+def _baselines(one: SolveReport, peers: dict[str, PeerResult]) -> dict:
+    """The schedule file's baselines: the one-chunk solve's, its own schedule, torch's schedules."""
+    return {
+        **one.schedule.baselines,
+        "umopt_one_chunk": {"microbatches": None, "iteration_ms": one.timeline.iteration_ms},
+        **{
+            name: {"microbatches": p.microbatches, "iteration_ms": p.iteration_ms, "chunks": p.chunks}
+            for name, p in peers.items()
+        },
+    }
+
+
 def solve_chunked(
     profile: Profile,
     minibatch: int,
@@ -93,12 +112,6 @@ def solve_chunked(
             "(profile with --chunks, or solve without --chunks)"
         )
     started = time.perf_counter()
-
-    def part(lo: float, hi: float) -> Optional[Progress]:
-        if progress is None:
-            return None
-        return lambda frac, best: progress(lo + (hi - lo) * frac, best)
-
     one = solve(
         profile,
         minibatch,
@@ -106,7 +119,7 @@ def solve_chunked(
         time_limit=ONE_CHUNK_SHARE * time_limit,
         seed=seed,
         zero_bubble=zero_bubble,
-        progress=part(0.0, ONE_CHUNK_SHARE),
+        progress=_part(progress, 0.0, ONE_CHUNK_SHARE),
         dp=dp,
     )
     names = [n for n, (_, _, w) in TORCH_MULTI.items() if zero_bubble or not w]
@@ -126,7 +139,7 @@ def solve_chunked(
             recompute=recompute,
             seconds=left,
             seed=seed,
-            progress=part(ONE_CHUNK_SHARE, 1 - POLISH_SHARE),
+            progress=_part(progress, ONE_CHUNK_SHARE, 1 - POLISH_SHARE),
             dp=dp,
         )
     except UmoptError:  # no multi-chunk schedule within the memory limit: the others still compete
@@ -142,14 +155,7 @@ def solve_chunked(
         running += found
     if progress is not None:
         progress(1.0, min([c.iteration_ms for c in running], default=float("inf")))
-    baselines = {
-        **one.schedule.baselines,
-        "umopt_one_chunk": {"microbatches": None, "iteration_ms": one.timeline.iteration_ms},
-        **{
-            name: {"microbatches": p.microbatches, "iteration_ms": p.iteration_ms, "chunks": p.chunks}
-            for name, p in peers.items()
-        },
-    }
+    baselines = _baselines(one, peers)
     best = min(running, key=lambda c: c.iteration_ms, default=None)
     if best is None or one.timeline.iteration_ms <= best.iteration_ms + 1e-9:
         schedule = Schedule.model_validate({**one.schedule.model_dump(), "baselines": baselines})

@@ -118,6 +118,8 @@ def pair_program_feasible(
     order they start, each ``(kind, 0 for s or 1 for s + 1, lo, size, start)``, or None. Each
     stage's F and B ops come in sample order (B ops as the exchange of :mod:`.untied` puts
     them): it shows what the relaxation lets a schedule do that no schedule can."""
+    # one piece: the search's closures (fits, moves) read the dozen tables built first; apart,
+    # each would take them all as arguments. The compiled search takes the same tables
     modes = tuple(_MODES[t] for t in tie)
     B, mx = minibatch, min(F.shape[1] - 1, minibatch)
     U, W = s, s + 1

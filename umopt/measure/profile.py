@@ -204,6 +204,40 @@ def profile_stages(
     )
 
 
+def _allreduce(opts: ProfileOptions, device: torch.device, stages: list[dict], ticks: _Ticks) -> tuple:
+    """The gradient all-reduce among ``opts.dp`` processes: (latency ms, bus bytes per ms)."""
+    ticks.say(f"all-reduce among {opts.dp} processes")
+    biggest = max(st["param_bytes"] for st in stages)
+    return measure_allreduce(
+        "nccl" if device.type == "cuda" else "gloo", opts.dp, max_bytes=max(biggest, 1 << 16)
+    )
+
+
+def _noise(measured: list[StageTimes], device_type: str) -> tuple[dict, list[str]]:
+    """The profile's ``meta.noise`` from every stage's timing rounds, and the warnings it calls for."""
+    entries = [e for t in measured for e in t.forward + t.backward]
+    median_spread, p90_spread = noise_figure([e.median for e in entries], [e.iqr for e in entries])
+    drifts = [t.drift for t in measured]
+    references = [t.reference_ms for t in measured]
+    warnings = [
+        line
+        for line in (
+            noisy_warning("profile entries", median_spread),
+            drift_warning(max(drifts)),
+            uneven_devices_warning(references, device_type),
+        )
+        if line
+    ]
+    noise = {
+        "median_spread": round(median_spread, 4),
+        "p90_spread": round(p90_spread, 4),
+        "max_repeats": max(e.kept for e in entries),
+        "drift": [round(d, 4) for d in drifts],
+        "reference_ms": [round(r, 4) for r in references],
+    }
+    return noise, warnings
+
+
 def _profile_model(
     opts: ProfileOptions,
     progress: Optional[ProgressFn],
@@ -248,25 +282,9 @@ def _profile_model(
             stages[s]["input_bytes_per_sample"] = stages[s - 1]["output_bytes_per_sample"]
         biggest = max(st["output_bytes_per_sample"] for st in stages) * sizes[-1]
         links, _ = _links(opts, device, S, biggest, ticks)
-        allreduce = None
-        if opts.dp > 1:
-            ticks.say(f"all-reduce among {opts.dp} processes")
-            biggest = max(st["param_bytes"] for st in stages)
-            allreduce = measure_allreduce(
-                "nccl" if device.type == "cuda" else "gloo", opts.dp, max_bytes=max(biggest, 1 << 16)
-            )
-        measured = [t for t, _ in timed.values()]
-        entries = [e for t in measured for e in t.forward + t.backward]
-        median_spread, p90_spread = noise_figure([e.median for e in entries], [e.iqr for e in entries])
-        drifts = [t.drift for t in measured]
-        references = [t.reference_ms for t in measured]
-        for line in (
-            noisy_warning("profile entries", median_spread),
-            drift_warning(max(drifts)),
-            uneven_devices_warning(references, device.type),
-        ):
-            if line:
-                warnings.append(line)
+        allreduce = _allreduce(opts, device, stages, ticks) if opts.dp > 1 else None
+        noise, noisy = _noise([t for t, _ in timed.values()], device.type)
+        warnings += noisy
         memory_limit, memory_limit_source = opts.memory_limit_bytes, None
         if memory_limit is None and device.type == "cuda":
             memory_limit, memory_limit_source = default_memory_limit(device)
@@ -303,13 +321,7 @@ def _profile_model(
             "warmup": opts.warmup,
             "repeats": opts.repeats,
             "stages_timed_concurrently": concurrent,
-            "noise": {
-                "median_spread": round(median_spread, 4),
-                "p90_spread": round(p90_spread, 4),
-                "max_repeats": max(e.kept for e in entries),
-                "drift": [round(d, 4) for d in drifts],
-                "reference_ms": [round(r, 4) for r in references],
-            },
+            "noise": noise,
             "warnings": warnings,
             **({"memory_limit": memory_limit_source} if memory_limit_source else {}),
         },

@@ -117,25 +117,36 @@ def time_stages(
         [[runs[u][r][k] if r in runs[u] else np.nan for r in rounds] for u in units for k in range(2)]
     )
     speed = round_speeds(table, [i for i in range(len(units)) for _ in range(2)])
-    out = []
-    for j in range(len(timed)):
-        got_all: list[list[Summary]] = [[], [], [], []]
-        for i, u in enumerate(units):
-            if u[0] != j:
-                continue
-            at = {r: speed[2 * i, c] for c, r in enumerate(rounds)}
-            got = [summarize([t[k] / at[r] for r, t in runs[u].items()]) for k in range(2)]
-            if opts.split_backward:
-                got += [summarize([t[k] / at[r] for r, t in runs[u].items() if len(t) > 2]) for k in (2, 3)]
-            for into, e in zip(got_all, got):
-                into.append(e)
-        mine = [2 * i + k for i, u in enumerate(units) if u[0] == j for k in range(2)]
-        out.append(
-            StageTimes(
-                *got_all, drift_figure(table[mine]), statistics.median(reference[opts.warmup :] or reference)
-            )
-        )
-    return out
+    machine_ms = statistics.median(reference[opts.warmup :] or reference)
+    return [
+        _stage_times(j, units, runs, rounds, table, speed, machine_ms, opts.split_backward)
+        for j in range(len(timed))
+    ]
+
+
+def _stage_times(
+    j: int,
+    units: list[tuple[int, int]],
+    runs: dict[tuple[int, int], dict[int, tuple[float, ...]]],
+    rounds: list[int],
+    table: np.ndarray,
+    speed: np.ndarray,
+    machine_ms: float,
+    split: bool,
+) -> StageTimes:
+    """Stage ``j``'s entries from the timing rounds, each repeat divided by its round's speed."""
+    got_all: list[list[Summary]] = [[], [], [], []]
+    for i, u in enumerate(units):
+        if u[0] != j:
+            continue
+        at = {r: speed[2 * i, c] for c, r in enumerate(rounds)}
+        got = [summarize([t[k] / at[r] for r, t in runs[u].items()]) for k in range(2)]
+        if split:
+            got += [summarize([t[k] / at[r] for r, t in runs[u].items() if len(t) > 2]) for k in (2, 3)]
+        for into, e in zip(got_all, got):
+            into.append(e)
+    mine = [2 * i + k for i, u in enumerate(units) if u[0] == j for k in range(2)]
+    return StageTimes(*got_all, drift_figure(table[mine]), machine_ms)
 
 
 def fitted(entries: list[Summary]) -> list[float]:
