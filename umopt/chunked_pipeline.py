@@ -225,6 +225,8 @@ class ChunkedPipeline:
         return guarded(run, f"rank {self.rank}", self.on_failure)
 
     def _step(self, xs, ys, losses) -> Optional[torch.Tensor]:
+        # one piece: a step's ops share its saved activations, deferred weight gradients and links;
+        # the loop reads in the order the ops run, as simulate plays them
         recompute = self.schedule.recompute
         scale = None
         if self.last:

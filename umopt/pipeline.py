@@ -640,6 +640,8 @@ class Pipeline:
     def _step(
         self, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...], losses: Optional[list]
     ) -> Optional[torch.Tensor]:
+        # one piece: a step's ops share its saved activations, deferred weight gradients and links;
+        # the loop reads in the order the ops run, as simulate plays them
         recompute = self.schedule.recompute
         if not self._ready:
             self._learn_specs(xs)

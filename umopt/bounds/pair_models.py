@@ -270,6 +270,33 @@ def build_untied_pair_model(
     return m, makespan
 
 
+def _models_and_order(
+    F: np.ndarray, G: np.ndarray, L: np.ndarray, h: Heads, io: Optional[InOrderHeads], B: int, best: int
+) -> tuple[list, list[int]]:
+    """Each pair's models (the in-order one with ``io``, else the untied one and, below
+    PAIR_MAX_CELLS, the one in any op order), and the pairs likeliest to bind first."""
+    S = F.shape[0]
+    # the pair most likely to bind first: the one whose tighter stage has the fewest usable
+    # chunks 1% above the bound (then the other stage's); it gets 3/4 of every round's time.
+    # In any order each pair has two models, the untied one (untied.py) and the one in any op
+    # order; neither bound contains the other (each is higher on some instances), so both run and
+    # the better one counts.
+    near = best + best // 100
+    # (past PAIR_MAX_CELLS the free-order model proves nothing in a minute: the untied one alone)
+    models = (
+        [io]
+        if io is not None
+        else [untied_heads(F, G, L, h, B)] + ([None] if B * (F.shape[1] - 1) <= PAIR_MAX_CELLS else [])
+    )
+    if io is not None:
+        usable = [int(in_order_usable_chunks(near, h, io, F, G, r, B).sum()) for r in range(S)]
+    else:  # the untied model's (its F and B chunks)
+        usable = [
+            sum(int(u.sum()) for u in untied_usable_chunks(near, h, models[0], F, G, r, B)) for r in range(S)
+        ]
+    return models, sorted(range(S - 1), key=lambda s: sorted(usable[s : s + 2]))
+
+
 def pair_bound(
     F: np.ndarray,
     G: np.ndarray,
@@ -326,25 +353,7 @@ def pair_bound(
 
     horizon = tightened(safe)
     deadline = time.perf_counter() + time_limit
-    # the pair most likely to bind first: the one whose tighter stage has the fewest usable
-    # chunks 1% above the bound (then the other stage's); it gets 3/4 of every round's time.
-    # In any order each pair has two models, the untied one (untied.py) and the one in any op
-    # order; neither bound contains the other (each is higher on some instances), so both run and
-    # the better one counts.
-    near = best + best // 100
-    # (past PAIR_MAX_CELLS the free-order model proves nothing in a minute: the untied one alone)
-    models = (
-        [io]
-        if in_order
-        else [untied_heads(F, G, L, h, B)] + ([None] if B * (F.shape[1] - 1) <= PAIR_MAX_CELLS else [])
-    )
-    if in_order:
-        usable = [int(in_order_usable_chunks(near, h, io, F, G, r, B).sum()) for r in range(S)]
-    else:  # the untied model's (its F and B chunks)
-        usable = [
-            sum(int(u.sum()) for u in untied_usable_chunks(near, h, models[0], F, G, r, B)) for r in range(S)
-        ]
-    order = sorted(range(S - 1), key=lambda s: sorted(usable[s : s + 2]))
+    models, order = _models_and_order(F, G, L, h, io, B, best)
     # per (pair, model): no schedule of it below lo; one within hi; the next probe's step (None:
     # not searched yet)
     state = {(s, k): (best, None, None) for s in order for k in range(len(models))}

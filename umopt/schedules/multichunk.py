@@ -68,6 +68,8 @@ class ChunkGenes:
 
 def build_ops(tables: CostTables, minibatch: int, genes: ChunkGenes) -> tuple[list[list[ChunkOp]], float]:
     """Every rank's op list for ``genes`` and the iteration time the cost model gives it."""
+    # one piece: the list scheduler's steps (pick, run, release) share its per-rank state, as
+    # simulate's loop shares its own
     S, R, B = tables.num_stages, tables.num_ranks, minibatch
     local = [[j for j in range(S) if tables.rank_of(j) == r] for r in range(R)]
     fr = [sample_ranges(p) for p in genes.fwd]

@@ -113,19 +113,11 @@ class _Move(NamedTuple):
     value: int = 0
 
 
-def _neighbours(
-    problem: Problem, cand: Candidate, free_warmup: bool = False
-) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray, Optional[np.ndarray]]:
-    """Every schedule one move from ``cand`` (GPipe or 1F1B order), as arrays: ``(fsizes (N, S,
-    K), bsizes or None without recompute, warm-ups (N, S), W caps (N, S) or None without W
-    ops)``: :func:`moves` on each stage's partition (and with recompute its backward one),
-    :func:`aligned_moves` on the forward ones, in 1F1B order with ``free_warmup`` a warm-up one
-    up or down, with W ops :func:`_cap_moves`. Built on chunk-end masks
-    the way the GA's population is: at S=8, B=256, building hundreds of neighbours as lists of
-    lists and packing them had taken most of a climb's time (a step 16 ms, the scoring 4)."""
-    S, B, mx = problem.num_stages, problem.minibatch, problem.max_size
-    fmask = np.array([sizes_to_ends(p, B) for p in cand.fsizes])
-    bmask = np.array([sizes_to_ends(p, B) for p in cand.bsizes]) if problem.recompute else None
+def _all_moves(
+    problem: Problem, cand: Candidate, fmask: np.ndarray, bmask: Optional[np.ndarray], free_warmup: bool
+) -> list[_Move]:
+    """Every move from ``cand``, whose chunk ends are ``fmask`` (and with recompute ``bmask``)."""
+    S, B = problem.num_stages, problem.minibatch
     warm = np.array(cand.warmups)
     found: list[_Move] = []
 
@@ -163,6 +155,24 @@ def _neighbours(
         for s in range(S):
             for c in _cap_moves(cand.wcap[s], max(cand.bsizes[s]), B):
                 found.append(_Move(gene="wcap", stage=s, value=c))
+    return found
+
+
+def _neighbours(
+    problem: Problem, cand: Candidate, free_warmup: bool = False
+) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray, Optional[np.ndarray]]:
+    """Every schedule one move from ``cand`` (GPipe or 1F1B order), as arrays: ``(fsizes (N, S,
+    K), bsizes or None without recompute, warm-ups (N, S), W caps (N, S) or None without W
+    ops)``: :func:`moves` on each stage's partition (and with recompute its backward one),
+    :func:`aligned_moves` on the forward ones, in 1F1B order with ``free_warmup`` a warm-up one
+    up or down, with W ops :func:`_cap_moves`. Built on chunk-end masks
+    the way the GA's population is: at S=8, B=256, building hundreds of neighbours as lists of
+    lists and packing them had taken most of a climb's time (a step 16 ms, the scoring 4)."""
+    S, B, mx = problem.num_stages, problem.minibatch, problem.max_size
+    fmask = np.array([sizes_to_ends(p, B) for p in cand.fsizes])
+    bmask = np.array([sizes_to_ends(p, B) for p in cand.bsizes]) if problem.recompute else None
+    warm = np.array(cand.warmups)
+    found = _all_moves(problem, cand, fmask, bmask, free_warmup)
     N = len(found)
     if N == 0:
         return np.zeros((0, S, 1), dtype=np.int64), None, np.zeros((0, S), dtype=np.int64), None
