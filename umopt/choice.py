@@ -89,10 +89,10 @@ def gain_uncertainty(
     var = 0.0
     tables = _perturbed_tables(profile, problem, np.random.default_rng(seed))
     if tables is not None:
-        ob, orf = best.ops(), reference.ops()
+        best_ops, reference_ops = best.ops(), reference.ops()
         gains = [
-            simulate(t, orf, problem.minibatch, record=False).iteration_ms
-            / simulate(t, ob, problem.minibatch, record=False).iteration_ms
+            simulate(t, reference_ops, problem.minibatch, record=False).iteration_ms
+            / simulate(t, best_ops, problem.minibatch, record=False).iteration_ms
             for t in tables
         ]
         var += float(np.var(gains))

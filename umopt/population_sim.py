@@ -274,8 +274,8 @@ def evaluate_1f1b(
     P, S, _ = fsizes.shape
     B = int(fsizes[0, 0].sum())
     if _compiled is not None:
-        wu = np.broadcast_to(S - 1 - np.arange(S), (P, S)) if warmup is None else np.asarray(warmup)
-        it, finish, busy, peak = _compiled.evaluate_1f1b(fsizes, bsizes, wu, _compiled_costs(tables, B))
+        warmups = np.broadcast_to(S - 1 - np.arange(S), (P, S)) if warmup is None else np.asarray(warmup)
+        it, finish, busy, peak = _compiled.evaluate_1f1b(fsizes, bsizes, warmups, _compiled_costs(tables, B))
         return _with_allreduce(
             tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
         )
@@ -420,13 +420,15 @@ def evaluate_split(
     fsizes, bsizes = _one_width(np.asarray(fsizes), bsizes)
     P, S, _ = fsizes.shape
     B = int(fsizes[0, 0].sum())
-    wu = np.broadcast_to(S - 1 - np.arange(S), (P, S)) if not onef1b or warmup is None else np.asarray(warmup)
+    warmups = (
+        np.broadcast_to(S - 1 - np.arange(S), (P, S)) if not onef1b or warmup is None else np.asarray(warmup)
+    )
     wcap = np.asarray(wcap)
     if _compiled is not None:
         it, finish, busy, peak = _compiled.evaluate_split(
             fsizes,
             bsizes,
-            wu,
+            warmups,
             wcap,
             onef1b,
             _compiled_costs(tables, B),
@@ -447,7 +449,9 @@ def evaluate_split(
     for p in range(P):
         fs = [[int(x) for x in fsizes[p, s] if x] for s in range(S)]
         bs = [[int(x) for x in bsizes[p, s] if x] for s in range(S)]
-        fb = onef1b_schedule(fs, bs, list(wu[p])) if onef1b else [gpipe_ops(f, b) for f, b in zip(fs, bs)]
+        fb = (
+            onef1b_schedule(fs, bs, list(warmups[p])) if onef1b else [gpipe_ops(f, b) for f, b in zip(fs, bs)]
+        )
         ops = [with_weight_ops(st, int(c)) if c >= 0 else st for st, c in zip(fb, wcap[p])]
         try:
             tl = simulate(tables, ops, B)

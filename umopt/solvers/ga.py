@@ -57,23 +57,27 @@ def _to_ends(
     problem: Problem, cands: Sequence[Candidate]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     B = problem.minibatch
-    fe = np.array([[sizes_to_ends(p, B) for p in c.fsizes] for c in cands])
-    be = np.array([[sizes_to_ends(p, B) for p in c.bsizes] for c in cands])
-    wu = np.array([c.warmups for c in cands], dtype=np.int64)
-    return fe, be, np.array([c.order == "1f1b" for c in cands]), wu
+    f_ends = np.array([[sizes_to_ends(p, B) for p in c.fsizes] for c in cands])
+    b_ends = np.array([[sizes_to_ends(p, B) for p in c.bsizes] for c in cands])
+    warm = np.array([c.warmups for c in cands], dtype=np.int64)
+    return f_ends, b_ends, np.array([c.order == "1f1b" for c in cands]), warm
 
 
 def _to_candidate(
-    fe: np.ndarray, be: np.ndarray, onef1b: bool, warmup: np.ndarray, wcap: Optional[np.ndarray] = None
+    f_ends: np.ndarray,
+    b_ends: np.ndarray,
+    onef1b: bool,
+    warmup: np.ndarray,
+    wcap: Optional[np.ndarray] = None,
 ) -> Candidate:
     """One individual's (S, B) end masks (and warm-ups, in 1F1B order; W caps with W ops) as a candidate."""
-    fs = [[int(x) for x in row if x] for row in ends_to_sizes(fe)]
-    bs = [[int(x) for x in row if x] for row in ends_to_sizes(be)]
-    wc = None if wcap is None else [int(c) for c in wcap]
+    fs = [[int(x) for x in row if x] for row in ends_to_sizes(f_ends)]
+    bs = [[int(x) for x in row if x] for row in ends_to_sizes(b_ends)]
+    w_caps = None if wcap is None else [int(c) for c in wcap]
     if not onef1b:
-        return Candidate(fs, bs, "gpipe", wcap=wc)
-    wu = [int(w) for w in warmup]
-    return Candidate(fs, bs, "1f1b", warmup=None if wu == list(_textbook(len(fs))) else wu, wcap=wc)
+        return Candidate(fs, bs, "gpipe", wcap=w_caps)
+    warm = [int(w) for w in warmup]
+    return Candidate(fs, bs, "1f1b", warmup=None if warm == list(_textbook(len(fs))) else warm, wcap=w_caps)
 
 
 class _Scorer:
@@ -85,28 +89,28 @@ class _Scorer:
 
     def __call__(
         self,
-        fe: np.ndarray,
-        be: np.ndarray,
+        f_ends: np.ndarray,
+        b_ends: np.ndarray,
         onef1b: np.ndarray,
         warmup: np.ndarray,
         wcap: Optional[np.ndarray] = None,
     ) -> np.ndarray:
-        self.count += fe.shape[0]
-        fit = np.empty(fe.shape[0])
+        self.count += f_ends.shape[0]
+        fit = np.empty(f_ends.shape[0])
         rec = self.problem.recompute
         for fam, who in ((GPIPE, ~onef1b), (ONEF1B, onef1b)):  # the order gene picks the family
             if who.any():
-                bs = ends_to_sizes(be[who]) if rec else None
-                wc = None if wcap is None else wcap[who]
-                it, sc = fam.score(self.problem, ends_to_sizes(fe[who]), bs, warmup[who], wc)
+                bs = ends_to_sizes(b_ends[who]) if rec else None
+                w_caps = None if wcap is None else wcap[who]
+                it, sc = fam.score(self.problem, ends_to_sizes(f_ends[who]), bs, warmup[who], w_caps)
                 fit[who] = it + 1e-7 * sc.finish_ms.mean(axis=1)
         return fit
 
 
 def _polish(
     problem: Problem,
-    fe: np.ndarray,
-    be: np.ndarray,
+    f_ends: np.ndarray,
+    b_ends: np.ndarray,
     onef1b: bool,
     warmup: np.ndarray,
     wcap: Optional[np.ndarray],
@@ -114,16 +118,16 @@ def _polish(
     free_warmup: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray], int]:
     cand, n = hill_climb(
-        problem, _to_candidate(fe, be, onef1b, warmup, wcap), deadline, free_warmup=free_warmup
+        problem, _to_candidate(f_ends, b_ends, onef1b, warmup, wcap), deadline, free_warmup=free_warmup
     )
     B = problem.minibatch
-    wu = np.array(cand.warmups)
-    wc = None if cand.wcap is None else np.array(cand.wcap)
+    warm = np.array(cand.warmups)
+    w_caps = None if cand.wcap is None else np.array(cand.wcap)
     return (
         np.array([sizes_to_ends(p, B) for p in cand.fsizes]),
         np.array([sizes_to_ends(p, B) for p in cand.bsizes]),
-        wu,
-        wc,
+        warm,
+        w_caps,
         n,
     )
 
@@ -178,38 +182,38 @@ def _mutate(rng: np.random.Generator, pop: np.ndarray, problem: Problem, rate: f
 def _initial_warmups(rng: np.random.Generator, n: int, S: int, minibatch: int) -> np.ndarray:
     """(n, S) warm-ups: a third PipeDream-flush's, a third "feed the last stage" (every other
     stage forwards all it can first, the last runs one forward, one backward), a third random."""
-    wu = np.tile(_textbook(S), (n, 1))
+    warm = np.tile(_textbook(S), (n, 1))
     pick = rng.integers(0, 3, n)
-    wu[pick == 1, :-1] = minibatch
-    wu[pick == 1, -1] = 0
-    wu[pick == 2] = rng.integers(0, 2 * S, (int((pick == 2).sum()), S))
-    return wu
+    warm[pick == 1, :-1] = minibatch
+    warm[pick == 1, -1] = 0
+    warm[pick == 2] = rng.integers(0, 2 * S, (int((pick == 2).sum()), S))
+    return warm
 
 
-def _mutate_warmup(rng: np.random.Generator, wu: np.ndarray, fe: np.ndarray, rate: float) -> None:
+def _mutate_warmup(rng: np.random.Generator, warm: np.ndarray, f_ends: np.ndarray, rate: float) -> None:
     """Mutate (P, S) warm-ups in place: one more or one fewer forward in flight on a stage, now and
-    then all forwards first (GPipe-like) or back to PipeDream-flush's. ``fe``: the (P, S, B) chunk
+    then all forwards first (GPipe-like) or back to PipeDream-flush's. ``f_ends``: the (P, S, B) chunk
     ends, so a warm-up never counts past the stage's chunks (where more would change nothing)."""
-    P, S = wu.shape
-    B = fe.shape[2]
+    P, S = warm.shape
+    B = f_ends.shape[2]
     n = rng.poisson(rate * P)
     if n == 0:
         return
     who, st = rng.integers(0, P, n), rng.integers(0, S, n)
-    chunks = fe[who, st].sum(axis=1)
+    chunks = f_ends[who, st].sum(axis=1)
     kind = rng.choice(4, size=n, p=[0.4, 0.4, 0.1, 0.1])
-    new = np.minimum(wu[who, st], chunks) + np.where(kind == 0, 1, np.where(kind == 1, -1, 0))
+    new = np.minimum(warm[who, st], chunks) + np.where(kind == 0, 1, np.where(kind == 1, -1, 0))
     new = np.where(kind == 3, S - 1 - st, new)
     # "all forwards first" is kept as the minibatch, so it stays so when the partition changes
-    wu[who, st] = np.where((kind == 2) | (new >= chunks), B, np.maximum(new, 0))
+    warm[who, st] = np.where((kind == 2) | (new >= chunks), B, np.maximum(new, 0))
 
 
-def _initial_caps(rng: np.random.Generator, fe: np.ndarray, onef1b: np.ndarray) -> np.ndarray:
+def _initial_caps(rng: np.random.Generator, f_ends: np.ndarray, onef1b: np.ndarray) -> np.ndarray:
     """(P, S) W caps: a third ZB-H1's (1F1B's peak, S of the stage's largest chunks; GPipe order:
     every W at the end), a third every W at the end, a third random."""
-    P, S, B = fe.shape
+    P, S, B = f_ends.shape
     pick = rng.integers(0, 3, (P, S))
-    zb = np.where(onef1b[:, None], S * ends_to_sizes(fe).max(axis=2), B)
+    zb = np.where(onef1b[:, None], S * ends_to_sizes(f_ends).max(axis=2), B)
     return np.where(pick == 0, np.minimum(zb, B), np.where(pick == 1, B, rng.integers(0, B + 1, (P, S))))
 
 
@@ -257,32 +261,46 @@ def _crossover(rng: np.random.Generator, a: np.ndarray, b: np.ndarray) -> np.nda
 
 @dataclass
 class _Population:
-    """Individuals as rows: forward chunk ends ``fe`` (P, S, B), backward ones (``fe`` itself
+    """Individuals as rows: forward chunk ends ``f_ends`` (P, S, B), backward ones (``f_ends`` itself
     without recompute: one partition per stage), the order gene ``onef1b`` (P,), the 1F1B warm-ups
     (P, S) and the fitness (P,)."""
 
-    fe: np.ndarray
-    be_own: Optional[np.ndarray]  # only with recompute
+    f_ends: np.ndarray
+    b_ends_own: Optional[np.ndarray]  # only with recompute
     onef1b: np.ndarray
     warmup: np.ndarray
     fit: np.ndarray
     wcap: Optional[np.ndarray] = None  # (P, S) W caps, only with W ops
 
     @property
-    def be(self) -> np.ndarray:
-        return self.fe if self.be_own is None else self.be_own
+    def b_ends(self) -> np.ndarray:
+        return self.f_ends if self.b_ends_own is None else self.b_ends_own
 
     @classmethod
     def scored(
-        cls, scorer: "_Scorer", fe, be, onef1b, warmup, recompute: bool, wcap: Optional[np.ndarray] = None
+        cls,
+        scorer: "_Scorer",
+        f_ends,
+        b_ends,
+        onef1b,
+        warmup,
+        recompute: bool,
+        wcap: Optional[np.ndarray] = None,
     ) -> "_Population":
-        return cls(fe, be if recompute else None, onef1b, warmup, scorer(fe, be, onef1b, warmup, wcap), wcap)
+        return cls(
+            f_ends,
+            b_ends if recompute else None,
+            onef1b,
+            warmup,
+            scorer(f_ends, b_ends, onef1b, warmup, wcap),
+            wcap,
+        )
 
     def take(self, idx: np.ndarray) -> "_Population":
         pick = lambda a: None if a is None else a[idx]  # noqa: E731
         return _Population(
-            self.fe[idx],
-            pick(self.be_own),
+            self.f_ends[idx],
+            pick(self.b_ends_own),
             self.onef1b[idx],
             self.warmup[idx],
             self.fit[idx],
@@ -292,8 +310,8 @@ class _Population:
     def __add__(self, other: "_Population") -> "_Population":
         cat = lambda a, b: None if a is None else np.concatenate([a, b])  # noqa: E731
         return _Population(
-            cat(self.fe, other.fe),
-            cat(self.be_own, other.be_own),
+            cat(self.f_ends, other.f_ends),
+            cat(self.b_ends_own, other.b_ends_own),
             cat(self.onef1b, other.onef1b),
             cat(self.warmup, other.warmup),
             cat(self.fit, other.fit),
@@ -302,8 +320,8 @@ class _Population:
 
     def candidate(self, k: int) -> Candidate:
         return _to_candidate(
-            self.fe[k],
-            self.be[k],
+            self.f_ends[k],
+            self.b_ends[k],
             bool(self.onef1b[k]),
             self.warmup[k],
             None if self.wcap is None else self.wcap[k],
@@ -461,7 +479,7 @@ class _Run:
         fresh = P - elite
         new_f = np.concatenate(
             [
-                kept.fe[rng.integers(0, elite, fresh // 2)],
+                kept.f_ends[rng.integers(0, elite, fresh // 2)],
                 _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B),
             ]
         )
@@ -470,7 +488,7 @@ class _Run:
         if self.rec:
             new_b = np.concatenate(
                 [
-                    kept.be[rng.integers(0, elite, fresh // 2)],
+                    kept.b_ends[rng.integers(0, elite, fresh // 2)],
                     _equal_rows(rng, (fresh - fresh // 2) * S, problem).reshape(-1, S, B),
                 ]
             )
@@ -502,12 +520,12 @@ class _Run:
             want = (np.arange(nchild) % 2).astype(bool)  # the order each child's tournaments favour
             rank = np.where(pop.onef1b[cand] == want[None, :, None], rank, rank + 1e9)
         parents = np.take_along_axis(cand, np.argmin(rank, axis=2)[..., None], axis=2)[..., 0]
-        child_f = _crossover(rng, pop.fe[parents[0]], pop.fe[parents[1]])
+        child_f = _crossover(rng, pop.f_ends[parents[0]], pop.f_ends[parents[1]])
         _mutate(rng, child_f, self.problem, mutation_rate)
         repair_ends(child_f, mx)
         child_b = child_f
         if self.rec:
-            child_b = _crossover(rng, pop.be[parents[0]], pop.be[parents[1]])
+            child_b = _crossover(rng, pop.b_ends[parents[0]], pop.b_ends[parents[1]])
             _mutate(rng, child_b, self.problem, mutation_rate)
             # now and then hand a stage's forward chunks to its backward chromosome
             flip = rng.random((nchild, S)) < 0.02
@@ -533,23 +551,23 @@ class _Run:
         own_c = None if pop.wcap is None else pop.wcap[k]
         pf, pb, pw, pc, n = _polish(
             self.problem,
-            pop.fe[k],
-            pop.be[k],
+            pop.f_ends[k],
+            pop.b_ends[k],
             bool(pop.onef1b[k]),
             pop.warmup[k],
             own_c,
             deadline,
             self.free_warmup,
         )
-        pop.fe[k] = pf
+        pop.f_ends[k] = pf
         if self.rec:
-            pop.be[k] = pb
+            pop.b_ends[k] = pb
         pop.warmup[k] = pw
         if pc is not None:
             pop.wcap[k] = pc
         one = slice(k, k + 1)
         caps = None if pop.wcap is None else pop.wcap[one]
-        pop.fit[k] = self.scorer(pop.fe[one], pop.be[one], pop.onef1b[one], pop.warmup[one], caps)[0]
+        pop.fit[k] = self.scorer(pop.f_ends[one], pop.b_ends[one], pop.onef1b[one], pop.warmup[one], caps)[0]
         return n
 
 
@@ -568,9 +586,11 @@ def _climb_leaders(
     change the order, and the runner-up order's best is often a few moves away from beating the
     leader. ``clock``: the run's start, time limit, best so far and last report, for the bar."""
     t0, time_limit, best_fit, last_report = clock
-    ob, fit = pop.onef1b, pop.fit
+    is_1f1b, fit = pop.onef1b, pop.fit
     leaders = [
-        int(np.flatnonzero(ob == o)[np.argmin(fit[ob == o])]) for o in (False, True) if (ob == o).any()
+        int(np.flatnonzero(is_1f1b == o)[np.argmin(fit[is_1f1b == o])])
+        for o in (False, True)
+        if (is_1f1b == o).any()
     ]
     leaders.sort(key=lambda i: fit[i])
     cand, n = None, 0

@@ -201,14 +201,14 @@ def _neighbours(
         m[rows[c], st[c], cl[c]] = False
         p = on & (pt >= 0)
         m[rows[p], st[p], pt[p]] = True
-    wu = np.repeat(warm[None], N, axis=0)
+    n_warm = np.repeat(warm[None], N, axis=0)
     w_rows = np.flatnonzero(gene == "warmup")
-    wu[w_rows, gene_stage[w_rows]] = gene_value[w_rows]
-    wc = None
+    n_warm[w_rows, gene_stage[w_rows]] = gene_value[w_rows]
+    n_caps = None
     if cand.wcap is not None:
-        wc = np.repeat(np.asarray(cand.wcap)[None], N, axis=0)
+        n_caps = np.repeat(np.asarray(cand.wcap)[None], N, axis=0)
         c_rows = np.flatnonzero(gene == "wcap")
-        wc[c_rows, gene_stage[c_rows]] = gene_value[c_rows]
+        n_caps[c_rows, gene_stage[c_rows]] = gene_value[c_rows]
     fs = ends_to_sizes(masks[0])
     bs = ends_to_sizes(masks[1]) if problem.recompute else None
     # a move that made a chunk longer than the largest size, or changed nothing, is no move
@@ -220,7 +220,12 @@ def _neighbours(
         | (gene != "")
         | ((masks[1] != bmask).any(axis=(1, 2)) if bs is not None else False)
     )
-    return fs[ok], (bs[ok] if bs is not None else None), wu[ok], (wc[ok] if wc is not None else None)
+    return (
+        fs[ok],
+        (bs[ok] if bs is not None else None),
+        n_warm[ok],
+        (n_caps[ok] if n_caps is not None else None),
+    )
 
 
 def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, np.ndarray]:
@@ -232,8 +237,8 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
     wcap = np.array([c.wcap for c in cands]) if split else None
     orders = {c.order for c in cands}
     if orders in ({"gpipe"}, {"1f1b"}) and (split or all(c.wcap is None for c in cands)):
-        wu = np.array([c.warmups for c in cands])
-        it, sc = family(orders.pop()).score(problem, pack([c.fsizes for c in cands]), bsizes(), wu, wcap)
+        n_warm = np.array([c.warmups for c in cands])
+        it, sc = family(orders.pop()).score(problem, pack([c.fsizes for c in cands]), bsizes(), n_warm, wcap)
         return it, sc.finish_ms.sum(axis=1)
     it = np.empty(len(cands))
     tie = np.empty(len(cands))
@@ -267,7 +272,7 @@ def hill_climb(
     for _ in range(max_steps):
         if time.perf_counter() > deadline:
             break
-        fs, bs, wu, wc = _neighbours(problem, cand, free_warmup)
+        fs, bs, n_warm, n_caps = _neighbours(problem, cand, free_warmup)
         if not len(fs):
             break
         # scored in slices, so that a step on a large instance (thousands of neighbours, a
@@ -277,9 +282,13 @@ def hill_climb(
             if a and time.perf_counter() > deadline:
                 break
             cut = slice(a, a + _SLICE)
-            wc_cut = None if wc is None else wc[cut]
+            wc_cut = None if n_caps is None else n_caps[cut]
             its_a, sc = family(cand.order).score(
-                problem, fs[cut], None if bs is None else bs[cut], None if wu is None else wu[cut], wc_cut
+                problem,
+                fs[cut],
+                None if bs is None else bs[cut],
+                None if n_warm is None else n_warm[cut],
+                wc_cut,
             )
             its_parts.append(its_a)
             tie_parts.append(sc.finish_ms.sum(axis=1))
@@ -290,9 +299,9 @@ def hill_climb(
             break
         f = [[int(x) for x in row if x] for row in fs[k]]
         b = [[int(x) for x in row if x] for row in bs[k]] if bs is not None else f
-        w = [int(x) for x in wu[k]]
+        w = [int(x) for x in n_warm[k]]
         warmup = None if not family(cand.order).warmups else cand.warmup if w == cand.warmups else w
-        wcap = None if wc is None else [int(x) for x in wc[k]]
+        wcap = None if n_caps is None else [int(x) for x in n_caps[k]]
         cand, it, tie = Candidate(f, b, cand.order, warmup=warmup, wcap=wcap), float(its[k]), float(ties[k])
     cand.iteration_ms = it
     return cand, scored
@@ -306,7 +315,7 @@ def _kick(
     mx, S, B = problem.max_size, problem.num_stages, problem.minibatch
     f = [list(p) for p in cand.fsizes]
     b = [list(p) for p in cand.bsizes] if problem.recompute else f
-    wu = cand.warmups
+    n_warm = cand.warmups
     wcap = None if cand.wcap is None else list(cand.wcap)
     for _ in range(n_moves):
         s = int(rng.integers(S))
@@ -316,14 +325,14 @@ def _kick(
             continue
         if free_warmup and family(cand.order).warmups and rng.random() < 0.2:
             n = len(f[s])
-            w = min(wu[s], n) + int(rng.choice([-1, 1]))
-            wu[s] = _warmup(w, n, B)
+            w = min(n_warm[s], n) + int(rng.choice([-1, 1]))
+            n_warm[s] = _warmup(w, n, B)
             continue
         part = b if problem.recompute and rng.random() < 0.5 else f
         options = list(moves(part[s], mx))
         if options:
             part[s] = options[int(rng.integers(len(options)))]
-    return Candidate(f, b, cand.order, warmup=wu if family(cand.order).warmups else None, wcap=wcap)
+    return Candidate(f, b, cand.order, warmup=n_warm if family(cand.order).warmups else None, wcap=wcap)
 
 
 def iterated_climb(
