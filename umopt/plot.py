@@ -19,6 +19,59 @@ COLOURS = {OpKind.F: "#4C72B0", OpKind.B: "#DD8452", OpKind.W: "#8172B3"}
 ALLREDUCE = "#55A868"
 
 
+def _panel(ax, label: str, tl: Timeline, horizon: float) -> None:
+    """One timeline on ``ax``: a lane per stage (or rank), its ops, all-reduces and optimizer step."""
+    ranks = len(tl.spans)
+    for s, spans in enumerate(tl.spans):
+        for sp in spans:
+            width = sp.end - sp.start
+            # several chunks per rank: the later chunks of a rank lighter
+            lap = max(sp.chunk, 0) // ranks
+            ax.barh(
+                s,
+                width,
+                left=sp.start,
+                height=0.8,
+                color=COLOURS[sp.kind],
+                alpha=1.0 / (1 + 0.45 * lap),
+                edgecolor="white",
+                linewidth=0.4,
+            )
+            if width > horizon / 60:
+                ax.text(
+                    sp.start + width / 2,
+                    s,
+                    str(sp.hi - sp.lo),
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color="white",
+                )
+    # each stage's gradient all-reduce among data-parallel replicas, after its last op
+    for s, (f, a) in enumerate(zip(tl.finish_ms, tl.allreduce_ms)):
+        if a > 0:
+            ax.barh(s, a, left=f, height=0.8, color=ALLREDUCE, edgecolor="white", linewidth=0.4)
+    # the optimizer step closes the iteration on every stage
+    ax.barh(
+        range(len(tl.spans)),
+        tl.iteration_ms - tl.makespan_ms,
+        left=tl.makespan_ms,
+        height=0.8,
+        color="#BBBBBB",
+    )
+    chunked = any(sp.chunk not in (-1, s) for s, spans in enumerate(tl.spans) for sp in spans)
+    lane = "rank" if chunked else "stage"
+    ax.set_yticks(range(len(tl.spans)), [f"{lane} {s}" for s in range(len(tl.spans))])
+    ax.invert_yaxis()
+    ax.set_ylim(len(tl.spans) - 0.5, -0.5)
+    ax.set_title(
+        f"{label}: {tl.iteration_ms:.2f} ms per iteration, bubble {100 * tl.bubble_fraction:.1f}%",
+        fontsize=9,
+        loc="left",
+    )
+    ax.set_xlim(0, horizon * 1.01)
+
+
 def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: str = "") -> None:
     """Draw each ``(label, timeline)`` as a panel of one figure and write it to ``path`` (PNG)."""
     import matplotlib
@@ -33,55 +86,7 @@ def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: st
         len(panels), 1, figsize=(12, 0.9 + 0.45 * S * len(panels) + 0.4), sharex=True, squeeze=False
     )
     for ax, (label, tl) in zip(axes[:, 0], panels):
-        ranks = len(tl.spans)
-        for s, spans in enumerate(tl.spans):
-            for sp in spans:
-                width = sp.end - sp.start
-                # several chunks per rank: the later chunks of a rank lighter
-                lap = max(sp.chunk, 0) // ranks
-                ax.barh(
-                    s,
-                    width,
-                    left=sp.start,
-                    height=0.8,
-                    color=COLOURS[sp.kind],
-                    alpha=1.0 / (1 + 0.45 * lap),
-                    edgecolor="white",
-                    linewidth=0.4,
-                )
-                if width > horizon / 60:
-                    ax.text(
-                        sp.start + width / 2,
-                        s,
-                        str(sp.hi - sp.lo),
-                        ha="center",
-                        va="center",
-                        fontsize=6,
-                        color="white",
-                    )
-        # each stage's gradient all-reduce among data-parallel replicas, after its last op
-        for s, (f, a) in enumerate(zip(tl.finish_ms, tl.allreduce_ms)):
-            if a > 0:
-                ax.barh(s, a, left=f, height=0.8, color=ALLREDUCE, edgecolor="white", linewidth=0.4)
-        # the optimizer step closes the iteration on every stage
-        ax.barh(
-            range(len(tl.spans)),
-            tl.iteration_ms - tl.makespan_ms,
-            left=tl.makespan_ms,
-            height=0.8,
-            color="#BBBBBB",
-        )
-        chunked = any(sp.chunk not in (-1, s) for s, spans in enumerate(tl.spans) for sp in spans)
-        lane = "rank" if chunked else "stage"
-        ax.set_yticks(range(len(tl.spans)), [f"{lane} {s}" for s in range(len(tl.spans))])
-        ax.invert_yaxis()
-        ax.set_ylim(len(tl.spans) - 0.5, -0.5)
-        ax.set_title(
-            f"{label}: {tl.iteration_ms:.2f} ms per iteration, bubble {100 * tl.bubble_fraction:.1f}%",
-            fontsize=9,
-            loc="left",
-        )
-        ax.set_xlim(0, horizon * 1.01)
+        _panel(ax, label, tl, horizon)
     axes[-1, 0].set_xlabel("time (ms)")
     # above the first panel, right of its title: inside the axes it hid the first stage's ops
     handles = [

@@ -56,8 +56,8 @@ class Turn(Protocol):
 # measuring cost in time is reported (`selection.cost_ms`).
 MIN_SELECT_ROUNDS = 3
 # steps in a turn: the first follows another schedule's step (other memory to allocate, other
-# messages in flight: on mlp-narrow's CPU stages GPipe's first step of a turn took 1.3x its
-# second, 1F1B's about the same) and is not measured; the second is
+# messages in flight; docs/results.md, "Selection while training") and is not measured; the
+# second is
 TURN_STEPS = 2
 SELECT_SHARE = 0.25  # of the run's steps at most, by default, and at most SELECT_MAX_STEPS
 SELECT_MAX_STEPS = 60

@@ -46,7 +46,7 @@ from .zerobubble import zb_h1
 
 __all__ = ["DEFAULT", "EQUAL", "TuneRow", "TuneResult", "pick", "tune"]
 
-# about a minute on a 2-core CPU: a small GPT on 2 stages, 2 local ranks, ~140 ms iterations
+# a small GPT on 2 stages: tune's whole loop within minutes on a laptop's cores
 DEFAULT = {
     "model": "gpt",
     "model_args": {"layers": 4, "d_model": 128, "heads": 4, "vocab": 2048, "seq_len": 64},

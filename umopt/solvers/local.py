@@ -165,9 +165,9 @@ def _neighbours(
     K), bsizes or None without recompute, warm-ups (N, S), W caps (N, S) or None without W
     ops)``: :func:`moves` on each stage's partition (and with recompute its backward one),
     :func:`aligned_moves` on the forward ones, in 1F1B order with ``free_warmup`` a warm-up one
-    up or down, with W ops :func:`_cap_moves`. Built on chunk-end masks
-    the way the GA's population is: at S=8, B=256, building hundreds of neighbours as lists of
-    lists and packing them had taken most of a climb's time (a step 16 ms, the scoring 4)."""
+    up or down, with W ops :func:`_cap_moves`. Built on chunk-end masks the way the GA's
+    population is, not as lists of lists: at the largest sizes building the neighbours had taken
+    most of a climb's time (docs/results.md, "Evaluator throughput")."""
     S, B, mx = problem.num_stages, problem.minibatch, problem.max_size
     fmask = np.array([sizes_to_ends(p, B) for p in cand.fsizes])
     bmask = np.array([sizes_to_ends(p, B) for p in cand.bsizes]) if problem.recompute else None

@@ -199,28 +199,18 @@ def _move_layer(shape: ChunkShape, rng: random.Random) -> Optional[ChunkShape]:
     return ChunkShape(shape.chunks, shape.placement, "searched", ch)
 
 
-def solve_chunks(
+def _screen(
     profile: Profile,
-    minibatch: int,
-    *,
-    chunk_counts: Sequence[int] = (1, 2, 3, 4),
-    weights: bool = False,
-    recompute: bool = False,
-    seconds: float = 30.0,
-    seed: int = 0,
-    keep: int = 3,
-    progress: Optional[Callable[[float, float], None]] = None,
-    dp: Optional[AllReduceProfile] = None,
-) -> ChunkSolution:
-    """The fastest multi-chunk schedule found within ``seconds`` (screening every shape takes
-    what it takes; the local search gets the rest)."""
-    start = time.perf_counter()
-    rng = random.Random(seed)
-    B = minibatch
-    if weights and (profile.layers is None or any(ly.backward_input_ms is None for ly in profile.layers)):
-        raise UmoptError(
-            "W ops need the profile's layers with backward_input_ms / backward_weight_ms (profile with --split-backward)"
-        )
+    B: int,
+    chunk_counts: Sequence[int],
+    weights: bool,
+    recompute: bool,
+    dp: Optional[AllReduceProfile],
+    keep: int,
+    progress: Optional[Callable[[float, float], None]],
+) -> tuple[list[tuple[float, int, ChunkShape, CostTables, ChunkGenes, list]], int]:
+    """Every shape's equal schedules (their M from the busiest rank's load up, while within 2%
+    of the best) and its own-M variants, within the memory limit, and how many were built."""
     screened: list[tuple[float, int, ChunkShape, CostTables, ChunkGenes, list]] = []
     evaluated = 0
     best_ms = float("inf")
@@ -251,6 +241,32 @@ def solve_chunks(
             progress(0.3 * (n + 1) / len(all_shapes), best_ms)
     if not screened:
         raise UmoptError("no schedule with several chunks per rank fits the memory limit")
+    return screened, evaluated
+
+
+def solve_chunks(
+    profile: Profile,
+    minibatch: int,
+    *,
+    chunk_counts: Sequence[int] = (1, 2, 3, 4),
+    weights: bool = False,
+    recompute: bool = False,
+    seconds: float = 30.0,
+    seed: int = 0,
+    keep: int = 3,
+    progress: Optional[Callable[[float, float], None]] = None,
+    dp: Optional[AllReduceProfile] = None,
+) -> ChunkSolution:
+    """The fastest multi-chunk schedule found within ``seconds`` (screening every shape takes
+    what it takes; the local search gets the rest)."""
+    start = time.perf_counter()
+    rng = random.Random(seed)
+    B = minibatch
+    if weights and (profile.layers is None or any(ly.backward_input_ms is None for ly in profile.layers)):
+        raise UmoptError(
+            "W ops need the profile's layers with backward_input_ms / backward_weight_ms (profile with --split-backward)"
+        )
+    screened, evaluated = _screen(profile, B, chunk_counts, weights, recompute, dp, keep, progress)
     screened.sort(key=lambda x: x[:2])
     equal_ms = screened[0][0]
     # the best few, each from a different shape, climbed in turns
