@@ -1,0 +1,220 @@
+"""``umopt profile``: measure a model's stages into a profile file."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.table import Table
+
+from umopt.errors import UmoptError
+
+from .app import BYTES, _int_list, _progress_bar, _require_torch, cli, err, model_options, out
+
+
+@cli.command()
+@click.option("--model", required=True, help="vgg16, gpt, mlp, or package.module:factory for your own.")
+@model_options
+@click.option(
+    "--stages", type=int, default=None, help="Number of stages, balanced by measured per-layer time."
+)
+@click.option("--split", default=None, help="Stage cut points instead, e.g. 0,7,17,27.")
+@click.option(
+    "--sizes", default=None, help="Chunk sizes to measure, ascending from 1 (default: powers of two)."
+)
+@click.option(
+    "--max-size", type=int, default=64, show_default=True, help="Largest chunk size for the default sizes."
+)
+@click.option(
+    "--threads",
+    type=int,
+    default=1,
+    show_default=True,
+    help="CPU intra-op threads (one rank per core in the runtime).",
+)
+@click.option("--warmup", type=int, default=1, show_default=True)
+@click.option(
+    "--repeats", type=int, default=5, show_default=True, help="Timed repeats per entry; the median is kept."
+)
+@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="sgd", show_default=True)
+@click.option(
+    "--memory-limit",
+    type=BYTES,
+    default=None,
+    help="Bytes per stage (16GiB, 512MB or a number) to record as the profile's memory limit.",
+)
+@click.option(
+    "--trace",
+    "trace_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Write a torch.profiler trace per stage here.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed the model is built with.")
+@click.option(
+    "--concurrent/--sequential",
+    default=None,
+    help="Time all stages at once, one process each, as they run (default on CPU when the cores suffice).",
+)
+@click.option(
+    "--probes/--no-probes",
+    default=True,
+    show_default=True,
+    help="End with probe runs of the real runtime and fit the profile to them (where there is a core or GPU per stage).",
+)
+@click.option(
+    "--probe-minibatch", type=int, default=32, show_default=True, help="Minibatch of the probe runs."
+)
+@click.option(
+    "--split-backward",
+    is_flag=True,
+    help="Also time each backward's input and weight gradients apart (what solve --zero-bubble needs; about a quarter more time).",
+)
+@click.option(
+    "--dp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Also measure the gradient all-reduce among this many data-parallel replicas (processes; GPUs 0..N-1 on CUDA).",
+)
+@click.option(
+    "--chunks",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Time every layer on its own (one after another) so that each stage can be cut into up to this many chunks (solve --chunks); the probe runs fit the runtime's own costs on the whole stages.",
+)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Profile file to write.")
+def profile(
+    model,
+    model_args,
+    stages,
+    split,
+    sizes,
+    max_size,
+    device,
+    dtype,
+    threads,
+    warmup,
+    repeats,
+    optimizer,
+    link_latency_ms,
+    link_gbps,
+    memory_limit,
+    trace_dir,
+    seed,
+    concurrent,
+    probes,
+    probe_minibatch,
+    split_backward,
+    dp,
+    chunks,
+    output,
+) -> None:
+    """Measure each stage's forward/backward time per chunk size, its memory and the links."""
+    _require_torch()
+    from umopt.fileio import check_writable
+    from umopt.formats.profile import save_profile
+    from umopt.measure import ProfileOptions
+    from umopt.probes import profile_in_pipeline
+    from umopt.zoo import parse_model_args
+
+    if max_size < 1:
+        raise UmoptError(f"--max-size must be at least 1, got {max_size}")
+    if dp < 1:
+        raise UmoptError(f"--dp must be at least 1, got {dp}")
+    if not 1 <= chunks <= 4:
+        raise UmoptError(f"--chunks must be 1-4, got {chunks}")
+    if chunks > 1 and dp > 1:
+        raise UmoptError("--chunks with --dp is not supported yet")
+    if probe_minibatch < 2:
+        raise UmoptError(f"--probe-minibatch must be at least 2, got {probe_minibatch}")
+    check_writable(output)
+    opts = ProfileOptions(
+        model=model,
+        model_args=parse_model_args(list(model_args)),
+        stages=stages,
+        split=_int_list(split, "--split"),
+        sizes=_int_list(sizes, "--sizes"),
+        max_size=max_size,
+        device=device,
+        dtype=dtype,
+        threads=threads,
+        warmup=warmup,
+        repeats=repeats,
+        optimizer=optimizer,
+        link_latency_ms=link_latency_ms,
+        link_gbps=link_gbps,
+        memory_limit_bytes=memory_limit,
+        trace_dir=trace_dir,
+        seed=seed,
+        concurrent=concurrent,
+        dp=dp,
+        split_backward=split_backward,
+    )
+    with _progress_bar("profile") as bar:
+        task = bar.add_task("", total=None)
+
+        def progress(done: float, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total or None, description=what)
+
+        ctx_obj = click.get_current_context().obj or {}
+        argv = ctx_obj.get("argv", ["umopt", *sys.argv[1:]])
+        if chunks > 1:
+            from umopt.measure import profile_for_chunks
+
+            prof = profile_for_chunks(
+                opts, chunks, progress, argv, probes=probes, probe_minibatch=probe_minibatch
+            )
+        else:
+            prof = profile_in_pipeline(
+                opts,
+                probes=probes,
+                probe_minibatch=probe_minibatch,
+                progress=progress,
+                argv=argv,
+                say=lambda m: bar.update(task, description=m),
+            )
+    save_profile(prof, output)
+    table = Table(title=f"{model} on {prof.device.type} ({prof.device.name}), {prof.num_stages} stages")
+    for col in (
+        "stage",
+        "layers",
+        f"F ms @1..{prof.max_size}",
+        f"B ms @1..{prof.max_size}",
+        "stash/sample",
+        "sends/sample",
+    ):
+        table.add_column(col, justify="right")
+    for s, st in enumerate(prof.stages):
+        table.add_row(
+            str(s),
+            f"{st.layers[0]}-{st.layers[1]}",
+            f"{st.forward_ms[0]:.2f}..{st.forward_ms[-1]:.2f}",
+            f"{st.backward_ms[0]:.2f}..{st.backward_ms[-1]:.2f}",
+            f"{st.stash_bytes_per_sample / 1024:.1f} KiB",
+            f"{st.output_bytes_per_sample / 1024:.1f} KiB",
+        )
+    out.print(table)
+    if prof.links:
+        ln = prof.links[0]
+        out.print(
+            f"links: {ln.latency_ms:.3f} ms + {8 * ln.bytes_per_ms / 1e6:.2f} Gbit/s ({ln.model_extra.get('source', '')})"
+        )
+    if prof.allreduce:
+        ar = prof.allreduce
+        out.print(
+            f"all-reduce among {ar.replicas}: {ar.latency_ms:.3f} ms + {8 * ar.bus_bytes_per_ms / 1e6:.2f} Gbit/s bus bandwidth (measured)"
+        )
+    probed, cal = prof.meta.probes, prof.meta.calibration
+    if probed and probed.ran and cal:
+        out.print(
+            f"fitted to {probed.schedules} probe runs of the runtime: {cal.op_overhead_ms:.3f} ms per op, "
+            f"{cal.message_overhead_ms:.3f} ms per message, {cal.step_overhead_ms:+.2f} ms per iteration; "
+            f"predictions within {100 * (cal.residual_rms or 0.0):.1f}% (rms) of those runs"
+        )
+    elif probed:
+        out.print(f"note: no probe runs ({probed.why}): predictions do not include the runtime's own costs")
+    for line in prof.meta.warnings:
+        err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
+    out.print(f"wrote {output}")

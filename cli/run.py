@@ -1,0 +1,209 @@
+"""``umopt run``: execute schedule files, one process per stage, and print measured against predicted."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import click
+from rich.table import Table
+
+from .app import _progress_bar, _require_torch, cli, err, out
+
+if TYPE_CHECKING:
+    from umopt.formats.report import RunReport
+
+_EACH = "; with several schedules a path with {name} in it, the schedule file's name without .json."
+
+
+@cli.command()
+@click.argument("schedules", metavar="SCHEDULE...", nargs=-1, required=True)
+@click.option("--profile", default=None, help="Profile to use (default: the one the schedule names).")
+@click.option(
+    "--steps",
+    type=int,
+    default=10,
+    show_default=True,
+    help="Measured iterations (of each schedule, each round).",
+)
+@click.option(
+    "--warmup",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Iterations run first and not measured (of each schedule, in the first round).",
+)
+@click.option(
+    "--rounds",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Turns each schedule takes; its median is over all of them (with --decide: at least).",
+)
+@click.option(
+    "--decide",
+    type=float,
+    default=None,
+    metavar="CONFIDENCE",
+    help="With several schedules: keep taking turns until the paired test over rounds decides between them "
+    "at this confidence (e.g. 0.95), --budget ends, or --max-rounds; the decision goes in each report.",
+)
+@click.option(
+    "--budget",
+    type=float,
+    default=120.0,
+    show_default=True,
+    help="With --decide: seconds of turns after which no round starts.",
+)
+@click.option("--max-rounds", type=int, default=30, show_default=True, help="With --decide: rounds at most.")
+@click.option(
+    "--select/--no-select",
+    default=True,
+    help="Run the schedule file's candidates in turns over the first steps and keep the fastest "
+    "(--no-select: its pick alone).",
+)
+@click.option(
+    "--select-steps",
+    type=int,
+    default=None,
+    help="Steps at most that a schedule with candidates spends measuring them in turns (they train too; "
+    "default a quarter of --steps, at most 60).",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["gloo", "nccl"]),
+    default=None,
+    help="Default: nccl on CUDA profiles, else gloo.",
+)
+@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="sgd", show_default=True)
+@click.option("--lr", type=float, default=None, help="Learning rate (default 0.01 for sgd, 1e-3 for adamw).")
+@click.option(
+    "--dp",
+    type=int,
+    default=None,
+    help="Data-parallel replicas of the pipeline, each on its own minibatch of the schedule's size "
+    "(default: the schedule's, else 1).",
+)
+@click.option("--threads", type=int, default=None, help="Intra-op threads per rank (default: the profile's).")
+@click.option("--data", default=None, help="package.module:fn, fn(step, minibatch) -> (inputs, targets).")
+@click.option("--report", default=None, help="Write report.json here" + _EACH)
+@click.option("--trace", default=None, help="Write a Chrome trace of measured and predicted ops here" + _EACH)
+@click.option("--plot", default=None, help="Write a Gantt PNG of measured beside predicted here" + _EACH)
+@click.option(
+    "--checkpoint",
+    default=None,
+    help="Directory: a checkpoint set (a file per stage, then checkpoint.json) after the last step.",
+)
+@click.option(
+    "--checkpoint-every",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Also every N steps (0: only after the last).",
+)
+@click.option("--resume", is_flag=True, help="Continue from --checkpoint's last complete set.")
+@click.option(
+    "--save-grads", default=None, help="Directory: each stage writes its gradients of the last step."
+)
+def run(schedules, **options) -> None:
+    """Execute SCHEDULE files, one torch.distributed process per stage. Several schedules (of one
+    profile) take turns on the same processes, --rounds times, so that what drifts on the machine
+    meets them all alike. Under torchrun (several machines) each process is one rank."""
+    _require_torch()
+    from umopt.launch import launch
+    from umopt.noise import run_warnings
+    from umopt.run_options import RunOptions
+
+    opts = RunOptions(schedules=list(schedules), **options)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun started this process as one rank
+        from umopt.runtime import main as run_one_rank
+
+        run_one_rank(opts)
+        return
+    with _progress_bar("run") as bar:
+        task = bar.add_task("starting the ranks", total=None)
+
+        def progress(done: int, total: Optional[int], what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+
+        result = launch(opts, progress=progress)
+    for r in result.reports:
+        for line in run_warnings(r):
+            err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
+    if len(result.reports) > 1:
+        _print_turns(result.reports)
+        return
+    r = result.report
+    if r.selection is not None:
+        _print_selection(r.selection)
+    kept = f" ({r.selection.winner})" if r.selection is not None else ""
+    table = Table(
+        title=f"{r.schedule}{kept}: {r.stages} stages, minibatch {r.minibatch}, {r.backend}, {r.steps} steps"
+    )
+    for col in ("", "iteration ms", "stage busy ms"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        "predicted", f"{r.predicted_iteration_ms:.2f}", " ".join(f"{x:.1f}" for x in r.busy_ms.predicted)
+    )
+    table.add_row(
+        "measured (median)",
+        f"{r.measured_iteration_ms:.2f}",
+        " ".join(f"{x:.1f}" for x in r.busy_ms.measured),
+    )
+    if r.allreduce_ms is not None:
+        ar = r.allreduce_ms
+        table.add_row(
+            "all-reduce pred / meas",
+            "",
+            " ".join(f"{p:.1f}/{m:.1f}" for p, m in zip(ar.predicted, ar.measured)),
+        )
+    out.print(table)
+    out.print(
+        f"measured / predicted = {r.measured_over_predicted:.3f}; losses per step: "
+        + " ".join(f"{x:.4f}" for x in r.losses)
+    )
+
+
+def _print_selection(sel) -> None:
+    """The schedule file's pick and candidates as they took turns over the first steps."""
+    table = Table(title=f"the first {sel.steps} steps: the schedule file's pick and candidates in turns")
+    table.add_column("schedule", no_wrap=True)
+    for col in ("equal", "pred ms", "meas ms", "steps"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for c in sel.candidates:
+        mark = " *" if c.name == sel.winner else ""
+        meas = "-" if c.measured_ms is None else f"{c.measured_ms:.2f}"
+        table.add_row(c.name + mark, "yes" if c.equal else "no", f"{c.predicted_ms:.2f}", meas, str(c.steps))
+    out.print(table)
+    cost = f"; measuring cost {sel.cost_ms:.0f} ms beyond the winner's pace" if sel.steps else ""
+    out.print(f"kept (*) {sel.winner}: {sel.reason}{cost}", markup=False, highlight=False)
+    if sel.note:
+        err.print(f"umopt: note: {sel.note}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_turns(reports: list[RunReport]) -> None:
+    """Schedules that took turns on the same processes, side by side; speedups over the first."""
+    first = reports[0]
+    table = Table(
+        title=f"{first.stages} stages, {first.backend}, {first.rounds} rounds of turns, {first.steps} measured steps each: speedups over {Path(first.schedule).name}"
+    )
+    table.add_column("schedule", no_wrap=True)
+    for col in ("pred ms", "meas ms", "meas / pred", "meas x", "pred x"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in reports:
+        table.add_row(
+            Path(r.schedule).name,
+            f"{r.predicted_iteration_ms:.2f}",
+            f"{r.measured_iteration_ms:.2f}",
+            f"{r.measured_over_predicted:.3f}",
+            f"{first.measured_iteration_ms / r.measured_iteration_ms:.3f}x",
+            f"{first.predicted_iteration_ms / r.predicted_iteration_ms:.3f}x",
+        )
+    out.print(table)
+    d = first.decision
+    if d:
+        state = (
+            "decided" if d.decided else f"not decided at {100 * d.confidence_asked:.0f}% when the turns ended"
+        )
+        out.print(f"keep {d.winner}: {d.reason} ({state})", markup=False, highlight=False)

@@ -1,0 +1,400 @@
+"""``umopt solve``: a profile and a minibatch in, a schedule file out, with its report."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import click
+from rich.table import Table
+
+from umopt.errors import UmoptError
+
+from .app import BYTES, _ms, _progress_bar, cli, out
+
+
+@cli.command()
+@click.argument("profile_path", metavar="PROFILE")
+@click.option("-B", "--minibatch", type=int, required=True, help="Samples per iteration (per pipeline).")
+@click.option("--recompute", is_flag=True, help="Recompute activations in backward; B chunks become free.")
+@click.option(
+    "--solver",
+    type=click.Choice(["auto", "ga", "greedy", "dp", "ramp", "equal", "cpsat", "milp"]),
+    default="auto",
+    show_default=True,
+)
+@click.option(
+    "--order",
+    type=click.Choice(["auto", "gpipe", "1f1b"]),
+    default="auto",
+    show_default=True,
+    help="Op order: GPipe, 1F1B, or auto (the GA tries both; cpsat/milp order each stage freely).",
+)
+@click.option("--time-limit", type=float, default=20.0, show_default=True, help="Seconds of search.")
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Random seed (the search is timed: the same seed gives the same result for the same amount of work, not always on a busier machine).",
+)
+@click.option(
+    "--memory-limit",
+    type=BYTES,
+    default=None,
+    help="Bytes per stage (16GiB, 512MB or a number); overrides the profile's limit.",
+)
+@click.option(
+    "--dp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Data-parallel replicas of the pipeline: each stage all-reduces its gradients among them after its last op.",
+)
+@click.option(
+    "--dp-gbps",
+    type=float,
+    default=None,
+    help="Bus bandwidth of that all-reduce, Gbit/s (default: what `umopt profile --dp N` measured).",
+)
+@click.option(
+    "--zero-bubble",
+    is_flag=True,
+    help="Split each backward: W ops (weight gradients) placed to fill bubbles; compares with the best equal ZB-H1 and ZB-H2.",
+)
+@click.option(
+    "--chunks",
+    default="1",
+    show_default=True,
+    help="Model chunks per rank (1-4, or auto: each): with more than one, interleaved and V-shaped schedules with unequal microbatches, against torch's multi-chunk schedules.",
+)
+@click.option(
+    "-o", "--output", type=click.Path(dir_okay=False), required=True, help="Schedule file to write."
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Gantt chart PNG: best equal GPipe above, this schedule below.",
+)
+@click.option(
+    "--trace",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Chrome-trace JSON of the predicted timelines (Perfetto).",
+)
+def solve(
+    profile_path,
+    minibatch,
+    recompute,
+    solver,
+    order,
+    time_limit,
+    seed,
+    memory_limit,
+    dp,
+    dp_gbps,
+    zero_bubble,
+    chunks,
+    output,
+    plot,
+    trace,
+) -> None:
+    """Search unequal per-stage partitions for PROFILE (a path or a bundled profile's name)."""
+    from umopt.solve_chunks import parse_chunks
+
+    chunk_counts = parse_chunks(chunks)
+    from umopt.fileio import check_writable
+    from umopt.formats.profile import load_profile
+    from umopt.formats.schedule import save_schedule
+    from umopt.solve import allreduce_for
+    from umopt.solve import solve as run_solve
+
+    for path in filter(None, (output, plot, trace)):
+        check_writable(path)
+    profile = load_profile(profile_path)
+    if memory_limit is not None:
+        if memory_limit <= 0:
+            raise UmoptError(f"--memory-limit must be positive, got {memory_limit}")
+        profile = profile.with_memory_limit(memory_limit)
+    allreduce = allreduce_for(profile, dp, dp_gbps)
+    if chunk_counts != (1,):
+        if solver != "auto" or order != "auto":
+            raise UmoptError("--chunks searches on its own: it takes no --solver or --order")
+        _solve_chunked(
+            profile,
+            minibatch,
+            chunk_counts,
+            recompute,
+            time_limit,
+            seed,
+            zero_bubble,
+            output,
+            plot,
+            trace,
+            allreduce,
+        )
+        return
+    with _progress_bar(f"solve ({solver})") as bar:
+        progress = _best_so_far(bar)
+        report = run_solve(
+            profile,
+            minibatch,
+            recompute=recompute,
+            solver=solver,
+            time_limit=time_limit,
+            seed=seed,
+            progress=progress,
+            order=order,
+            dp=allreduce,
+            zero_bubble=zero_bubble,
+        )
+    panels = (
+        [(f"best equal GPipe (M={report.gpipe.microbatches})", report.gpipe_timeline)]
+        if report.gpipe_timeline
+        else []
+    )
+    panels.append((f"umopt ({solver})", report.timeline))
+    if plot:
+        from umopt.plot import gantt
+
+        gantt(panels, plot, title=f"{profile.model.name}, {profile.num_stages} stages, minibatch {minibatch}")
+    if trace:
+        from umopt.trace import write_trace
+
+        write_trace(panels, trace)
+    save_schedule(report.schedule, output)  # last: a schedule file means everything was written
+    _print_report(report)
+    if minibatch > profile.max_size:
+        out.print(
+            f"chunks are at most {profile.max_size} samples: the profile was measured up to {profile.max_size} (umopt profile --max-size, "
+            f"or profile_stages' sample batch); profile to {min(minibatch, 2 * profile.max_size)} or more if larger chunks may run faster per sample",
+            markup=False,
+            highlight=False,
+        )
+    written = [output] + [p for p in (plot, trace) if p]
+    out.print(f"wrote {', '.join(written)}")
+
+
+def _best_so_far(bar):
+    """A solver's progress callback (share done, best ms so far) moving ``bar``."""
+    task = bar.add_task("", total=1.0)
+
+    def progress(frac: float, best: float) -> None:
+        bar.update(
+            task, completed=frac, description=f"best {best:.3f} ms" if math.isfinite(best) else "searching"
+        )
+
+    return progress
+
+
+def _solve_chunked(
+    profile, minibatch, chunk_counts, recompute, time_limit, seed, zero_bubble, output, plot, trace, dp=None
+):
+    from umopt.formats.schedule import save_schedule
+    from umopt.solve_chunks import solve_chunked
+
+    with _progress_bar("solve (chunks)") as bar:
+        progress = _best_so_far(bar)
+        report = solve_chunked(
+            profile,
+            minibatch,
+            chunk_counts,
+            recompute=recompute,
+            time_limit=time_limit,
+            seed=seed,
+            zero_bubble=zero_bubble,
+            progress=progress,
+            dp=dp,
+        )
+    one = report.one_chunk
+    panels = [("umopt, one chunk per rank", one.timeline), (f"picked: {report.picked}", report.timeline)]
+    if plot:
+        from umopt.plot import gantt
+
+        gantt(panels, plot, title=f"{profile.model.name}, {profile.num_stages} ranks, minibatch {minibatch}")
+    if trace:
+        from umopt.trace import write_trace
+
+        write_trace(panels, trace)
+    save_schedule(report.schedule, output)
+    table = Table(
+        title=f"minibatch {minibatch}, {profile.num_stages} ranks" + (", recompute" if recompute else "")
+    )
+    for col, justify in (
+        ("schedule", "left"),
+        ("v", "right"),
+        ("M", "right"),
+        ("ms", "right"),
+        ("x best torch", "right"),
+    ):
+        table.add_column(col, justify=justify, no_wrap=True)
+    torch_ms = [p.iteration_ms for p in report.peers.values() if p.iteration_ms is not None]
+    best_torch = min(torch_ms, default=None)
+
+    def row(name, v, m, ms):
+        ratio = "-" if best_torch is None or ms is None else f"{best_torch / ms:.3f}"
+        table.add_row(name, str(v or "-"), str(m or "-"), _ms(ms), ratio)
+
+    row("GPipe equal", 1, one.gpipe.microbatches, one.gpipe.iteration_ms)
+    row("1F1B equal", 1, one.onef1b.microbatches, one.onef1b.iteration_ms)
+    row("umopt, one chunk", 1, None, one.timeline.iteration_ms)
+    for name, p in report.peers.items():
+        row(f"torch {name.removeprefix('Schedule')}", p.chunks, p.microbatches, p.iteration_ms)
+    sol = report.search
+    if sol is None:
+        row("umopt, several chunks", None, None, None)
+    else:
+        counts = sorted({len(p) for p in sol.genes.fwd})
+        row(
+            f"umopt, {sol.shape.placement} ({sol.shape.cut} cut)",
+            sol.shape.chunks,
+            str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}",
+            sol.iteration_ms,
+        )
+    if report.exact is not None:
+        row(
+            "umopt, exact model" + (" (optimal)" if report.exact.optimal else ""),
+            None,
+            None,
+            report.exact.iteration_ms,
+        )
+    out.print(table)
+    proven = ", optimal for its cut and placement" if report.schedule.solver.status == "optimal" else ""
+    out.print(
+        f"picked: {report.picked}, {report.timeline.iteration_ms:.3f} ms{proven}",
+        markup=False,
+        highlight=False,
+    )
+    lb = report.schedule.solver.lower_bound_ms
+    if lb:
+        out.print(
+            f"lower bound {lb:.3f} ms (gap {100 * (report.timeline.iteration_ms - lb) / lb:.1f}% at most), "
+            f"for {report.schedule.solver.model_extra.get('bound_holds_for', 'one chunk per rank')}",
+            markup=False,
+            highlight=False,
+        )
+    out.print(f"wrote {', '.join([output] + [p for p in (plot, trace) if p])}")
+
+
+def _print_report(report) -> None:
+    """The solve table, within 80 columns: names and the chunk counts abbreviated on purpose."""
+    from umopt.bounds import Scope, bound_for, scope_of
+
+    tl = report.timeline
+    dp = report.schedule.dp
+    table = Table(
+        title=f"minibatch {report.schedule.minibatch}, {len(tl.spans)} stages"
+        + (", recompute" if report.schedule.recompute else "")
+        + (
+            f", x{dp.replicas} data-parallel (all-reduce {min(tl.allreduce_ms):.2f}-{max(tl.allreduce_ms):.2f} ms per stage)"
+            if dp
+            else ""
+        )
+    )
+    table.add_column("schedule", no_wrap=True)
+    for col in ("chunks", "ms", "x gpipe", "x 1f1b", "gap", "bubble"):
+        table.add_column(col, justify="right", no_wrap=True)
+    solver = report.schedule.solver
+    scope = scope_of(solver.model_extra.get("bound_scope"))
+    # the bound that holds for each row: the report's own where its scope covers the row, else
+    # the fast one of every schedule
+    bounds = {Scope.ANY: report.lower_bound_ms, scope: solver.lower_bound_ms}
+
+    def row(name: str, chunks: str, cand, it: Optional[float], bubble: Optional[float]) -> None:
+        sg = None if it is None or report.gpipe.iteration_ms is None else report.gpipe.iteration_ms / it
+        so = None if it is None or report.onef1b.iteration_ms is None else report.onef1b.iteration_ms / it
+        bound = None if cand is None else bound_for(cand.ops(), cand.order, bounds)
+        gap = None if it is None or not bound else (it - bound) / bound
+        table.add_row(
+            name,
+            chunks,
+            _ms(it),
+            "-" if sg is None else f"{sg:.3f}",
+            "-" if so is None else f"{so:.3f}",
+            "-" if gap is None else f"{100 * gap:.1f}%",
+            "-" if bubble is None else f"{100 * bubble:.1f}%",
+        )
+
+    gt, ot = report.gpipe_timeline, report.onef1b_timeline
+    row(
+        "GPipe equal",
+        str(report.gpipe.microbatches or "-"),
+        report.gpipe.candidate,
+        report.gpipe.iteration_ms,
+        gt.bubble_fraction if gt else None,
+    )
+    row(
+        "1F1B equal",
+        str(report.onef1b.microbatches or "-"),
+        report.onef1b.candidate,
+        report.onef1b.iteration_ms,
+        ot.bubble_fraction if ot else None,
+    )
+    for name, zb, zt in (
+        ("ZB-H1 equal", report.zbh1, report.zbh1_timeline),
+        ("ZB-H2 equal", report.zbh2, report.zbh2_timeline),
+    ):
+        if zb is not None:
+            row(name, str(zb.microbatches or "-"), None, zb.iteration_ms, zt.bubble_fraction if zt else None)
+    counts = sorted({len([o for o in st.ops if o[0] == "F"]) for st in report.schedule.stages})
+    winner = report.result.winner
+    umopt_name = f"umopt {solver.name}" if not winner or winner == solver.name else f"umopt ({winner})"
+    if report.choice.name in ("gpipe_equal", "1f1b_equal"):
+        umopt_name = f"umopt: {report.choice.name.split('_')[0]}"
+    has_w = any(op[0] == "W" for st in report.schedule.stages for op in st.ops)
+    if has_w:
+        umopt_name += " + W"
+    # (the bounds hold for schedules without W ops: no gap for one with them)
+    row(
+        umopt_name,
+        str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}",
+        None if has_w else report.choice.candidate,
+        tl.iteration_ms,
+        tl.bubble_fraction,
+    )
+    table.add_row("lower bound", "", _ms(solver.lower_bound_ms), "", "", "", "")
+    out.print(table)
+    covers = {
+        Scope.ANY: "every schedule",
+        Scope.IN_ORDER: "1F1B-order schedules",
+        Scope.GPIPE: "GPipe-order schedules",
+    }[scope]
+    out.print(
+        f"solver {solver.name}: {solver.status}, {solver.seconds:.1f} s, {report.result.evaluated} schedules scored; "
+        f"the bound holds for {covers}"
+        + (
+            " without W ops"
+            if has_w
+            else ""
+            if scope == Scope.ANY
+            else " (the others' gap is to the one for every schedule)"
+        )
+    )
+    lb_w = solver.model_extra.get("lower_bound_w_ms")
+    if lb_w is not None:
+        out.print(
+            f"among schedules with a W op per B chunk the best possible is at least {lb_w:.2f} ms (CP-SAT): this one is within {100 * (tl.iteration_ms - lb_w) / lb_w:.1f}% of it"
+        )
+    for name, zb, zt in (
+        ("ZB-H1", report.zbh1, report.zbh1_timeline),
+        ("ZB-H2", report.zbh2, report.zbh2_timeline),
+    ):
+        if zb is not None and zb.iteration_ms:
+            peak = f", its peak memory {max(zt.peak_memory_bytes) / 2**20:.0f} MiB against {max(tl.peak_memory_bytes) / 2**20:.0f}"
+            out.print(
+                f"against the best equal {name} (M={zb.microbatches}{peak}): {zb.iteration_ms / tl.iteration_ms:.3f}x"
+            )
+    lb_1f1b = solver.model_extra.get("lower_bound_1f1b_ms")
+    if lb_1f1b is not None and scope != Scope.IN_ORDER and not has_w:
+        out.print(
+            f"among 1F1B-order schedules (B ops in sample order, any warm-ups) the best possible is at least "
+            f"{lb_1f1b:.2f} ms: this one is within {100 * (tl.iteration_ms - lb_1f1b) / lb_1f1b:.1f}% of it"
+        )
+    if report.choice.gain is not None and report.choice.uncertainty > 0:
+        out.print(
+            f"the best schedule found is predicted {100 * report.choice.gain:.1f}% +- {100 * report.choice.uncertainty:.1f}% "
+            "faster than the best equal one (the profile's spread and its fit to the runtime)"
+        )
+    if report.result.notes:
+        out.print(f"note: {'; '.join(report.result.notes)}")

@@ -1,0 +1,149 @@
+"""``umopt tune``: profile, solve, run the candidates in turns and recommend what measured fastest."""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from .app import _require_torch, cli, err, model_options, out
+
+
+@cli.command()
+@click.option(
+    "--model", default=None, help="vgg16, gpt, mlp or package.module:factory (default: a small GPT)."
+)
+@model_options
+@click.option("--stages", type=int, default=None, help="Pipeline stages (default 2).")
+@click.option("--minibatch", "-B", type=int, default=None, help="Samples per iteration (default 32).")
+@click.option(
+    "--steps",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Measured iterations of each schedule in each round, as in umopt run.",
+)
+@click.option(
+    "--rounds",
+    type=int,
+    default=4,
+    show_default=True,
+    help="Turns the schedules take on the same processes, at least.",
+)
+@click.option(
+    "--confidence",
+    type=click.FloatRange(0.5, 1, min_open=True, max_open=True),
+    default=0.95,
+    show_default=True,
+    help="Take turns until the paired test over rounds decides at this confidence.",
+)
+@click.option(
+    "--budget",
+    type=click.FloatRange(0, min_open=True),
+    default=120.0,
+    show_default=True,
+    help="Seconds of turns after which no round starts; the pick is then made at the confidence reached.",
+)
+@click.option("--time-limit", type=float, default=10.0, show_default=True, help="Seconds of search.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="umopt-tune", show_default=True)
+@click.option(
+    "--probes/--no-probes",
+    default=True,
+    show_default=True,
+    help="Fit the profile to probe runs of the runtime before solving (where there is a core or GPU per stage).",
+)
+@click.option(
+    "--zero-bubble",
+    is_flag=True,
+    help="Profile the backward split too, and measure umopt's W schedule and the best equal ZB-H1 beside the others.",
+)
+@click.option(
+    "--chunks",
+    default="1",
+    show_default=True,
+    help="Model chunks per rank, 1-4 or auto (1..4): above 1, profile layer by layer and measure umopt's and torch's multi-chunk schedules too.",
+)
+def tune(
+    model,
+    model_args,
+    stages,
+    minibatch,
+    device,
+    steps,
+    rounds,
+    confidence,
+    budget,
+    time_limit,
+    out_dir,
+    probes,
+    dtype,
+    link_latency_ms,
+    link_gbps,
+    zero_bubble,
+    chunks,
+) -> None:
+    """Profile, solve, run the candidates in turns and recommend what measured fastest."""
+    _require_torch()
+    from umopt.solve_chunks import parse_chunks
+    from umopt.tune import DEFAULT
+    from umopt.tune import tune as run_tune
+    from umopt.zoo import parse_model_args
+
+    args = (
+        parse_model_args(list(model_args))
+        if model
+        else (parse_model_args(list(model_args)) or DEFAULT["model_args"])
+    )
+    result = run_tune(
+        model or DEFAULT["model"],
+        args,
+        stages or DEFAULT["stages"],
+        minibatch or DEFAULT["minibatch"],
+        device=device,
+        steps=steps,
+        rounds=rounds,
+        confidence=confidence,
+        budget=budget,
+        out_dir=out_dir,
+        time_limit=time_limit,
+        probes=probes,
+        dtype=dtype,
+        link_latency_ms=link_latency_ms,
+        link_gbps=link_gbps,
+        zero_bubble=zero_bubble,
+        chunks=parse_chunks(chunks),
+        say=lambda m: err.print(f"umopt tune: {m}", markup=False),
+    )
+    table = Table(
+        title=f"{model or DEFAULT['model']}, {stages or DEFAULT['stages']} stages, minibatch {minibatch or DEFAULT['minibatch']}: speedups over equal GPipe"
+    )
+    table.add_column("schedule", no_wrap=True)
+    for col in ("M", "pred ms", "meas ms", "meas x", "pred x"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for row in result.rows:
+        mark = " *" if row.name == result.recommended else ""
+        table.add_row(
+            row.name + mark,
+            row.chunks,
+            f"{row.predicted_ms:.2f}",
+            f"{row.measured_ms:.2f}",
+            f"{result.speedup(row):.3f}x",
+            f"{result.speedup(row, False):.3f}x",
+        )
+    out.print(table)
+    state = "" if result.decided else "; not decided when the budget ended (more --budget or --steps decides)"
+    out.print(
+        f"recommended (*): {result.recommended}, {result.reason}{state}; written as {result.out_dir}/recommended.json",
+        markup=False,
+        highlight=False,
+    )
+    umopt_row = result.row("umopt")
+    if result.lower_bound_ms:
+        out.print(
+            f"umopt's schedule is within {100 * (umopt_row.predicted_ms - result.lower_bound_ms) / result.lower_bound_ms:.1f}% "
+            f"of the lower bound ({result.lower_bound_ms:.2f} ms, for {result.bound_holds_for}; not proven tight)",
+            markup=False,
+            highlight=False,
+        )
+    for line in result.warnings:
+        err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
+    out.print(f"wrote {len(result.files)} files to {result.out_dir}/")
