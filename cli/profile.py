@@ -176,6 +176,12 @@ def profile(
                 say=lambda m: bar.update(task, description=m),
             )
     save_profile(prof, output)
+    _print_profile(prof, model)
+    out.print(f"wrote {output}")
+
+
+def _print_profile(prof, model: str) -> None:
+    """A profile as a table of its stages, its links, all-reduce, fit to the probe runs, warnings."""
     table = Table(title=f"{model} on {prof.device.type} ({prof.device.name}), {prof.num_stages} stages")
     for col in (
         "stage",
@@ -217,4 +223,3 @@ def profile(
         out.print(f"note: no probe runs ({probed.why}): predictions do not include the runtime's own costs")
     for line in prof.meta.warnings:
         err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
-    out.print(f"wrote {output}")

@@ -355,6 +355,14 @@ def _print_report(report) -> None:
     )
     table.add_row("lower bound", "", _ms(solver.lower_bound_ms), "", "", "", "")
     out.print(table)
+    _print_bounds_and_notes(report, scope, has_w)
+
+
+def _print_bounds_and_notes(report, scope, has_w: bool) -> None:
+    """Below the solve table: what its bound holds for, the other bounds and rivals, the notes."""
+    from umopt.bounds import Scope
+
+    tl, solver = report.timeline, report.schedule.solver
     covers = {
         Scope.ANY: "every schedule",
         Scope.IN_ORDER: "1F1B-order schedules",
