@@ -25,6 +25,7 @@ from .formats.schedule import make_schedule, save_schedule
 from .launch import RunFailed, launch
 from .problem import Candidate, Problem
 from .run_options import RunOptions
+from .schedules import RULED
 
 __all__ = [
     "PROBE_SIZES",
@@ -91,7 +92,7 @@ def probe_runs(
         chunk_sizes = [b] * (minibatch // b) + ([minibatch % b] if minibatch % b else [])
         if b > profile.max_size or len(chunk_sizes) < 2:
             continue
-        for order in ("gpipe", "1f1b"):
+        for order in (f.name for f in RULED):
             cand = Candidate.uniform(chunk_sizes, profile.num_stages, order)
             name = f"probe_{order}_b{b}"
             solver = {"name": name, "status": "feasible", "seconds": 0.0}
@@ -126,7 +127,9 @@ def fit_to_probes(profile: Profile, minibatch: int, out: Path, **kw) -> Profile:
     # what the fit leaves per order: on a CPU an op after one of the other kind runs slower,
     # which the model (a time per kind and size) cannot hold and 1F1B meets at every step
     left = dict(zip((Path(r).name.removesuffix("_report.json") for r in reports), run_ratios(fitted, runs)))
-    by_order = {o: [v for k, v in left.items() if k.startswith(f"probe_{o}_")] for o in ("gpipe", "1f1b")}
+    by_order = {
+        o: [v for k, v in left.items() if k.startswith(f"probe_{o}_")] for o in (f.name for f in RULED)
+    }
     probes = ProbesMeta(
         ran=True,
         minibatch=minibatch,

@@ -115,7 +115,7 @@ class Candidate:
         return list(self.warmup) if self.warmup is not None else pipedream_warmup(len(self.fsizes))
 
     def ops(self) -> list[list[Op]]:
-        if self.order == "free":
+        if not family(self.order).by_rule:
             assert self.explicit_ops is not None
             return [list(o) for o in self.explicit_ops]
         ops = family(self.order).stage_ops(self.fsizes, self.bsizes, self.warmup)

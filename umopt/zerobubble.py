@@ -23,7 +23,7 @@ from .costmodel import Op, OpKind, Timeline, simulate
 from .errors import UmoptError
 from .partition import equal_sizes
 from .problem import Candidate, Problem
-from .schedules import onef1b_schedule, with_weight_ops
+from .schedules import family, onef1b_schedule, with_weight_ops
 from .solvers.ga import solve_ga
 
 __all__ = [
@@ -218,7 +218,7 @@ def search_with_weight_ops(
     ops climbed (moves the caps cannot express); None if nothing fits the memory limit."""
     require_split(problem)
     deadline = time.perf_counter() + seconds
-    ruled = [c for c in seeds if c.order in ("gpipe", "1f1b")]
+    ruled = [c for c in seeds if family(c.order).by_rule]
     found = solve_ga(
         problem, time_limit=0.8 * seconds, seed=seed, seeds=ruled, weights=True, order=order
     ).candidate

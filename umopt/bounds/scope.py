@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from ..costmodel import Op
 from ..partition import backwards_in_sample_order
+from ..schedules import GPIPE, family
 
 __all__ = ["Scope", "scope_of", "bound_for", "reported_bounds"]
 
@@ -29,7 +30,7 @@ class Scope(str, Enum):
         if self is Scope.ANY:
             return True
         if self is Scope.GPIPE:
-            return order == "gpipe"
+            return family(order) is GPIPE
         return backwards_in_sample_order(ops)
 
 

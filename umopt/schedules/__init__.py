@@ -8,7 +8,7 @@ scored at once); :mod:`.weights`, W placement, modifies any of them. Several chu
 orders built by list scheduling).
 """
 
-from .family import FAMILIES, FREE, GPIPE, ONEF1B, ScheduleFamily, family
+from .family import FAMILIES, FREE, GPIPE, ONEF1B, RULED, ScheduleFamily, family
 from .gpipe import gpipe_ops
 from .multichunk import ChunkGenes, build_ops
 from .onef1b import onef1b_schedule, pipedream_warmup
@@ -17,6 +17,7 @@ from .weights import place_weights, with_weight_ops
 __all__ = [
     "ScheduleFamily",
     "FAMILIES",
+    "RULED",
     "GPIPE",
     "ONEF1B",
     "FREE",

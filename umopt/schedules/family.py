@@ -25,7 +25,7 @@ from .onef1b import onef1b_schedule
 if TYPE_CHECKING:
     from ..problem import Problem
 
-__all__ = ["ScheduleFamily", "GPIPE", "ONEF1B", "FREE", "FAMILIES", "family"]
+__all__ = ["ScheduleFamily", "GPIPE", "ONEF1B", "FREE", "FAMILIES", "RULED", "family"]
 
 
 class ScheduleFamily:
@@ -33,6 +33,7 @@ class ScheduleFamily:
 
     name: str = ""
     warmups: bool = False  # its genes include each stage's warm-up (forwards before its first backward)
+    by_rule: bool = True  # its op lists follow from its partitions by a rule (else the order is a gene)
 
     def stage_ops(
         self,
@@ -96,6 +97,7 @@ class Free(ScheduleFamily):
     op lists are its genes, kept whole (:class:`umopt.problem.Candidate`'s ``explicit_ops``)."""
 
     name = "free"
+    by_rule = False
 
     def stage_ops(self, fsizes, bsizes, warmup=None) -> list[list[Op]]:
         raise UmoptError("a free-order schedule's ops are its own: they cannot be built from partitions")
@@ -103,6 +105,7 @@ class Free(ScheduleFamily):
 
 GPIPE, ONEF1B, FREE = GPipe(), OneF1B(), Free()
 FAMILIES: dict[str, ScheduleFamily] = {f.name: f for f in (GPIPE, ONEF1B, FREE)}
+RULED = [f for f in FAMILIES.values() if f.by_rule]  # the families a solver builds from partitions
 
 
 def family(name: str) -> ScheduleFamily:

@@ -43,7 +43,7 @@ import numpy as np
 from ..baselines import feasible_m, gpipe_equal, onef1b_equal
 from ..partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
 from ..problem import Candidate, Problem, Progress, SolverResult
-from ..schedules import GPIPE, ONEF1B, pipedream_warmup
+from ..schedules import GPIPE, ONEF1B, family, pipedream_warmup
 from .local import hill_climb, iterated_climb
 
 __all__ = ["solve_ga"]
@@ -60,7 +60,7 @@ def _to_ends(
     f_ends = np.array([[sizes_to_ends(p, B) for p in c.fsizes] for c in cands])
     b_ends = np.array([[sizes_to_ends(p, B) for p in c.bsizes] for c in cands])
     warm = np.array([c.warmups for c in cands], dtype=np.int64)
-    return f_ends, b_ends, np.array([c.order == "1f1b" for c in cands]), warm
+    return f_ends, b_ends, np.array([family(c.order) is ONEF1B for c in cands]), warm
 
 
 def _to_candidate(
@@ -434,7 +434,11 @@ class _Run:
         partitions, mutated."""
         problem, rng, P, S, B, rec = self.problem, self.rng, self.P, self.S, self.B, self.rec
         use_1f1b, use_gpipe = self.use_1f1b, self.use_gpipe
-        start = [c for c in seeds if (c.order == "1f1b" and use_1f1b) or (c.order == "gpipe" and use_gpipe)]
+        start = [
+            c
+            for c in seeds
+            if (family(c.order) is ONEF1B and use_1f1b) or (family(c.order) is GPIPE and use_gpipe)
+        ]
         if use_gpipe:
             base = gpipe_equal(problem)
             if base.candidate is not None:

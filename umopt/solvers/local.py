@@ -265,7 +265,7 @@ def hill_climb(
 ) -> tuple[Candidate, int]:
     """Climb from ``cand`` (GPipe or 1F1B order); returns the best candidate found and how many
     schedules were scored."""
-    if cand.order not in ("gpipe", "1f1b"):
+    if not family(cand.order).by_rule:
         raise ValueError(f"the climb moves partitions of GPipe or 1F1B order, not {cand.order!r}")
     (it,), (tie,) = score_batch(problem, [cand])
     scored = 1
