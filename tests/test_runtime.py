@@ -293,6 +293,38 @@ def test_mismatched_schedule_is_rejected_before_any_process(tmp_path):
         launch(RunOptions(schedules=[path], profile=str(tmp_path / "other.json")))
 
 
+def test_run_options_are_the_command_lines_and_what_the_ranks_read(tmp_path, monkeypatch):
+    """umopt run's click options become one RunOptions; the ranks read it back from the
+    launcher's file, and a schedule given where that file belongs is refused with the torchrun hint."""
+    from umopt.cli import cli
+
+    import umopt.launch
+
+    seen = []
+
+    class Launched(Exception):
+        pass
+
+    def launched(opts, **kw):  # what umopt run hands the launcher, instead of starting ranks
+        seen.append(opts)
+        raise Launched
+
+    monkeypatch.setattr(umopt.launch, "launch", launched)
+    argv = ["a.json", "b.json", "--steps", "3", "--no-select", "--decide", "0.9", "--checkpoint-every", "2"]
+    with pytest.raises(Launched):
+        cli.main(["run", *argv], standalone_mode=False)
+    assert seen == [
+        RunOptions(schedules=["a.json", "b.json"], steps=3, select=False, decide=0.9, checkpoint_every=2)
+    ]
+    path = tmp_path / "options.json"
+    path.write_text(seen[0].model_dump_json())
+    assert RunOptions.read(path) == seen[0]
+    profile = mlp_profile(tmp_path, 2)
+    schedule, _ = write_schedule(tmp_path, profile, "gpipe", False, 2)
+    with pytest.raises(UmoptError, match=r"not the options file .* -m umopt.cli run SCHEDULE"):
+        RunOptions.read(schedule)
+
+
 def test_run_command_reports_and_refuses_bad_input(tmp_path, capsys):
     from umopt.cli import main
 
