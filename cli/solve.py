@@ -274,7 +274,17 @@ def _solve_chunked(
             markup=False,
             highlight=False,
         )
+    _print_candidates(report.schedule)
     out.print(f"wrote {', '.join([output] + [p for p in (plot, trace) if p])}")
+
+
+def _print_candidates(schedule) -> None:
+    """What ``umopt run`` measures beside the pick over the first steps ([Note: selection while training])."""
+    if schedule.candidates:
+        rivals = ", ".join(f"{c.name} {c.predicted_iteration_ms:.2f} ms" for c in schedule.candidates)
+        out.print(
+            f"umopt run measures beside it over the first steps: {rivals}", markup=False, highlight=False
+        )
 
 
 def _print_report(report) -> None:
@@ -406,3 +416,4 @@ def _print_bounds_and_notes(report, scope, has_w: bool) -> None:
         )
     if report.result.notes:
         out.print(f"note: {'; '.join(report.result.notes)}")
+    _print_candidates(report.schedule)

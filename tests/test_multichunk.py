@@ -167,6 +167,10 @@ def test_solve_with_chunks_writes_a_valid_schedule_that_beats_one_chunk(tmp_path
         if k.startswith("Schedule") and b["iteration_ms"]
     )
     assert data["predicted"]["iteration_ms"] <= best_torch + 1e-9
+    # beside the pick, torch's schedules on its own layout: what umopt run measures while training
+    cands = data["candidates"]
+    assert cands and all(c["chunks"] == data["chunks"] and c["equal"] for c in cands)
+    assert all(c["name"].startswith("Schedule") and c["stages"] != data["stages"] for c in cands)
     code, stdout, err = run_cli(["show", str(out)], capsys)
     assert code == 0, err
     assert "chunks per rank" in stdout
@@ -511,6 +515,94 @@ def test_schedules_of_different_layouts_take_turns_in_one_run(tmp_path, capsys):
         assert all(math.isfinite(x) and x > 0 for x in rep["losses"])
     code, _, err = run_cli([*argv, "--save-grads", str(tmp_path / "g")], capsys)
     assert code == 2 and "one layout" in err
+
+
+def test_a_chunked_schedule_keeps_the_faster_of_its_candidates_and_trains_as_one_process(
+    tmp_path, capsys, monkeypatch
+):
+    """A schedule with 2 chunks per rank whose candidate is torch's LoopedBFS on the same layout:
+    umopt run measures both in turns over the first steps (one model: same layout), keeps the
+    faster one (the candidate made slower by construction), and every step is one process's.
+    A candidate of another layout is refused for selection in one line."""
+    import torch
+
+    from umopt.formats.profile import Profile, save_profile
+    from umopt.formats.schedule import make_schedule, save_schedule
+    from umopt.zoo import build_model
+
+    data = synthetic_profile(2, max_size=8, seed=3, layers_per_stage=2).model_dump(mode="json")
+    data["model"] = {"name": "mlp", "args": {"layers": 4, "width": 16, "in_features": 8}}
+    save_profile(Profile.model_validate(data), tmp_path / "profile.json")
+    prof = load_profile(tmp_path / "profile.json")
+    B, ch = 8, chunking(prof, 2, "looped")
+    tables = CostTables.from_profile(prof, False, chunks=ch)
+    pick, rival = (torch_ops(n, 2, 2, B, 4) for n in ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS"))
+    layout = {"layers": [list(c) for c in ch.layers], "ranks": list(ch.ranks), "placement": "looped"}
+    candidate = {
+        "name": "ScheduleLoopedBFS",
+        "equal": True,
+        "stages": [{"ops": [list(op) for op in st]} for st in rival],
+        "predicted_iteration_ms": simulate(tables, rival, B).iteration_ms,
+        "chunks": layout,
+    }
+    solver = {"name": "test", "status": "feasible", "seconds": 0.0, "recommended": "pick"}
+    sched = make_schedule(
+        prof,
+        B,
+        False,
+        pick,
+        simulate(tables, pick, B),
+        solver,
+        {},
+        candidates=[candidate],
+        chunks=ch,
+        placement="looped",
+    )
+    path = tmp_path / "s.json"
+    save_schedule(sched, str(path))
+    monkeypatch.setenv("UMOPT_FAULT_SLOWER", "ScheduleLoopedBFS:40")  # 40 ms a step on top of a few
+    grads, report = tmp_path / "grads", tmp_path / "r.json"
+    argv = ["run", str(path), "--steps", "14", "--select-steps", "12", "--warmup", "0"]
+    code, _, err = run_cli([*argv, "--save-grads", str(grads), "--report", str(report)], capsys)
+    assert code == 0, err
+    rep = json.loads(report.read_text())
+    sel = rep["selection"]
+    assert (
+        sel["winner"] == "pick"
+        and sel["decided"]
+        and [c["name"] for c in sel["candidates"]]
+        == [
+            "pick",
+            "ScheduleLoopedBFS",
+        ]
+    )
+    assert rep["chunks"]["ranks"] == [0, 1, 0, 1] and rep["steps"] == 14 - sel["steps"]
+    # 14 SGD steps (momentum, the runtime's default) on batches 0..13, in one process
+    parts = build_model("mlp", {"layers": 4, "width": 16, "in_features": 8}, seed=0)
+    model = torch.nn.Sequential(*parts.layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for step in range(14):
+        x, y = parts.make_batch(B, step)
+        opt.zero_grad()
+        (parts.loss(model(x), y) / B).backward()
+        if step < 13:
+            opt.step()
+    _assert_saved_grads_equal(grads, model)
+    # a candidate of another layout cannot take turns on the pick's model
+    vee = chunking(prof, 2, "vshape")
+    vee_ops = [[op for op in st if op.kind != "W"] for st in torch_ops("ScheduleZBVZeroBubble", 2, 2, B, 4)]
+    other = {
+        **candidate,
+        "stages": [{"ops": [list(op) for op in st]} for st in vee_ops],
+        "predicted_iteration_ms": simulate(
+            CostTables.from_profile(prof, False, chunks=vee), vee_ops, B
+        ).iteration_ms,
+        "chunks": {**layout, "ranks": list(vee.ranks), "placement": "vshape"},
+    }
+    data = {**sched.model_dump(mode="json"), "candidates": [other]}
+    save_schedule(type(sched).model_validate(data), str(path))
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and "its candidates need the pick's layout" in err
 
 
 def test_data_parallel_replicas_of_a_chunked_pipeline_train_as_one_process(tmp_path, capsys):

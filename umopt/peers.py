@@ -166,6 +166,14 @@ def _cuts(profile: Profile, name: str, v: int) -> list[Chunking]:
     return out
 
 
+def _same_layout(profile: Profile, name: str, v: int, on: Chunking) -> list[Chunking]:
+    """``on`` where torch's ``name`` at v chunks per rank places virtual stages as it does."""
+    try:
+        return [on] if chunking(profile, v, TORCH_MULTI[name][0], on.layers) == on else []
+    except UmoptError:  # another chunk count than on's
+        return []
+
+
 def _busiest_rank_ms(tables: CostTables, minibatch: int, m: int, split: bool) -> float:
     """No iteration is shorter than its busiest rank's compute (M equal chunks on every stage)."""
     sizes = equal_sizes(minibatch, m)
@@ -187,10 +195,13 @@ def best_peers(
     names: Sequence[str] | None = None,
     max_chunks: int = 4,
     dp: Optional[AllReduceProfile] = None,
+    on: Optional[Chunking] = None,
 ) -> dict[str, PeerResult]:
     """For each of torch's multi-chunk schedules, its best chunk count (<= ``max_chunks``),
     microbatch count and cut (each stage in v pieces, or all layers evenly) under the cost model,
     within the profile's memory limit; with ``dp``, each rank paying its gradient all-reduce.
+    ``on``: that layout only (a schedule whose placement differs from it has no result), as torch
+    would run on the layers where umopt's pick puts them.
 
     Every (v, M) is accounted for; those whose busiest rank alone is slower than the best found
     are not simulated."""
@@ -205,7 +216,9 @@ def best_peers(
             continue
         shapes = []
         for v in (v for v in vs if v <= max_chunks):
-            for k, ch in enumerate(_cuts(profile, name, v)):
+            for k, ch in enumerate(
+                _cuts(profile, name, v) if on is None else _same_layout(profile, name, v, on)
+            ):
                 tables = _tables(profile, ch, recompute, dp)
                 for m in range(max(1, -(-minibatch // profile.max_size)), minibatch + 1):
                     shapes.append((_busiest_rank_ms(tables, minibatch, m, needs_w), v, m, k, tables, ch))

@@ -129,6 +129,13 @@ def preflight(opts: RunOptions, verify_stages: Optional[list[int]] = None) -> Ru
             "the schedules place the model's layers on the ranks differently (each layout trains its own "
             "copy of the model): --checkpoint, --resume and --save-grads need one layout"
         )
+    if opts.select and len(schedules) == 1:
+        other = [c.name for c in schedules[0].candidates if c.chunking() != schedules[0].chunking()]
+        if other:
+            raise UmoptError(
+                f"candidate {other[0]} places the layers otherwise than the pick: selection switches "
+                "schedules on one model, so its candidates need the pick's layout (or give --no-select)"
+            )
     if opts.resume:
         read_manifest(opts.checkpoint, profile, opts.optimizer, verify=verify_stages)
     dp = opts.dp if opts.dp is not None else _solved_for(schedules)

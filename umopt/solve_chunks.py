@@ -168,7 +168,10 @@ def solve_chunked(
         "chunks_per_rank": best.chunking.num_virtual // profile.num_stages,
         "cut": best.cut,
     }
-    schedule, timeline = _schedule_of(profile, minibatch, recompute, best, exact, solver, baselines, dp)
+    candidates = _candidates(profile, minibatch, recompute, zero_bubble, dp, best)
+    schedule, timeline = _schedule_of(
+        profile, minibatch, recompute, best, exact, solver, baselines, dp, candidates
+    )
     return ChunkSolveReport(schedule, timeline, best.name, one, peers, search, exact)
 
 
@@ -256,6 +259,7 @@ def _schedule_of(
     solver: dict,
     baselines: dict,
     dp: Optional[AllReduceProfile] = None,
+    candidates: Sequence[dict] = (),
 ) -> tuple[Schedule, Timeline]:
     """The picked schedule's file content, with its lower bound: the busiest rank's, or the
     exact model's where that ran on the pick's cut and placement (and then, where the pick is
@@ -294,5 +298,44 @@ def _schedule_of(
         chunks=pick.chunking,
         placement=pick.placement,
         dp=dp,
+        candidates=candidates,
     )
     return schedule, timeline
+
+
+def _candidates(
+    profile: Profile,
+    minibatch: int,
+    recompute: bool,
+    zero_bubble: bool,
+    dp: Optional[AllReduceProfile],
+    pick: _Contender,
+) -> list[dict]:
+    """What ``umopt run`` measures beside the pick while training: torch's schedules on the pick's
+    own layout (equal chunks, each at its best M within the memory limit), each once, the pick
+    itself left out. The pick's layout only: the candidates take turns on one model, which
+    another layout would not hold ([Note: selection while training] in umopt/runtime.py)."""
+    names = [n for n, (_, _, w) in TORCH_MULTI.items() if zero_bubble or not w]
+    v = pick.chunking.num_virtual // profile.num_stages
+    peers = best_peers(
+        profile, minibatch, recompute=recompute, names=names, max_chunks=v, dp=dp, on=pick.chunking
+    )
+    seen, out = [pick.ops], []
+    for name, peer in peers.items():
+        if peer.ops is None or peer.ops in seen:
+            continue
+        seen.append(peer.ops)
+        out.append(
+            {
+                "name": name,
+                "equal": True,
+                "stages": [{"ops": [list(op) for op in st]} for st in peer.ops],
+                "predicted_iteration_ms": peer.iteration_ms,
+                "chunks": {
+                    "layers": [list(c) for c in pick.chunking.layers],
+                    "ranks": list(pick.chunking.ranks),
+                    "placement": pick.placement,
+                },
+            }
+        )
+    return out
