@@ -4,6 +4,9 @@ tests/test_multichunk.py, one process per rank): the user's layers, loss, optimi
     RANK=r WORLD=R python tests/chunked_user.py SCHEDULE STORE OUT STEPS
     RANK=r WORLD=R python tests/chunked_user.py SCHEDULE STORE OUT STEPS PLAN.csv   (torch's runtime)
 
+With SELECT_STEPS=n in the environment the Pipeline measures the schedule file's candidates in
+turns over at most n steps (``select_steps``) and OUT/rank{r}.txt says which it kept.
+
 With PLAN.csv (``umopt export --format torch-csv`` of SCHEDULE, an equal one), torch's
 ``_PipelineScheduleRuntime`` runs it with a stock ``PipelineStage`` per chunk instead.
 """
@@ -78,7 +81,8 @@ def main() -> None:
             else:
                 runtime.step()
     else:
-        pipe = umopt.Pipeline(chunks, schedule, loss_fn=nn.MSELoss())
+        select = {"select_steps": int(os.environ["SELECT_STEPS"])} if "SELECT_STEPS" in os.environ else {}
+        pipe = umopt.Pipeline(chunks, schedule, loss_fn=nn.MSELoss(), **select)
 
         def step_once(x, y):
             pipe.step(x if 0 in mine else None, target=y if V - 1 in mine else None)
@@ -94,6 +98,9 @@ def main() -> None:
             for name, v in m.state_dict().items():
                 state[f"{spans[j][0] + k}.{name}"] = v
     torch.save(state, os.path.join(out, f"rank{rank}.pt"))
+    if "SELECT_STEPS" in os.environ:
+        with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+            f.write(str(pipe.selected))
     dist.destroy_process_group()
 
 

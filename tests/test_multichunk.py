@@ -214,9 +214,9 @@ def _write_chunked(tmp_path, prof, B, recompute, ops, ch, place, name="schedule"
     return str(path)
 
 
-def _train_on_ranks(tmp_path, schedule, layers, B, extra=()):
-    """tests/chunked_user.py on 2 processes for 3 AdamW steps, its parameters checked against one
-    process's (rtol 1e-5)."""
+def _train_on_ranks(tmp_path, schedule, layers, B, extra=(), steps=3, env=None):
+    """tests/chunked_user.py on 2 processes for ``steps`` AdamW steps, its parameters checked
+    against one process's (rtol 1e-5)."""
     import os
     import subprocess
     import sys
@@ -236,13 +236,13 @@ def _train_on_ranks(tmp_path, schedule, layers, B, extra=()):
         schedule,
         str(tmp_path / "store"),
         str(out),
-        "3",
+        str(steps),
         *extra,
     ]
     procs = [
         subprocess.Popen(
             argv,
-            env=dict(os.environ, RANK=str(r), WORLD="2", OMP_NUM_THREADS="1"),
+            env=dict(os.environ, RANK=str(r), WORLD="2", OMP_NUM_THREADS="1", **(env or {})),
             stderr=subprocess.PIPE,
             text=True,
         )
@@ -254,7 +254,7 @@ def _train_on_ranks(tmp_path, schedule, layers, B, extra=()):
     got = {}
     for r in range(2):
         got.update(torch.load(out / f"rank{r}.pt", weights_only=True))
-    want = chunked_user.reference(layers, B, 3)
+    want = chunked_user.reference(layers, B, steps)
     assert set(got) == set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
@@ -293,6 +293,30 @@ def test_chunked_pipeline_trains_as_one_process(tmp_path, place, weights, recomp
     processes: every parameter after 3 AdamW steps equals one process's (rtol 1e-5)."""
     schedule, layers, B = _chunked_schedule(tmp_path, place, weights, recompute, seed=len(place) + weights)
     _train_on_ranks(tmp_path, schedule, layers, B)
+
+
+def test_a_users_loop_measures_a_chunked_schedules_candidates_and_trains_as_one_process(tmp_path):
+    """umopt.Pipeline given a rank's chunk modules and a schedule file with a candidate on the same
+    layout (torch's interleaved 1F1B): the first steps take turns, every rank keeps the same one,
+    and every parameter after 16 AdamW steps equals one process's."""
+    from umopt.formats.schedule import load_schedule, save_schedule
+
+    path, layers, B = _chunked_schedule(tmp_path, "looped", False, False, seed=7)
+    sched = load_schedule(path)
+    ops = torch_ops("ScheduleInterleaved1F1B", 2, 2, B, 4)
+    tables = CostTables.from_profile(load_profile(tmp_path / "profile.json"), False, chunks=sched.chunking())
+    candidate = {
+        "name": "ScheduleInterleaved1F1B",
+        "equal": True,
+        "stages": [{"ops": [list(op) for op in st]} for st in ops],
+        "predicted_iteration_ms": simulate(tables, ops, B).iteration_ms,
+        "chunks": sched.chunks.model_dump(),
+    }
+    data = {**sched.model_dump(mode="json"), "candidates": [candidate]}
+    save_schedule(type(sched).model_validate(data), path)
+    _train_on_ranks(tmp_path, path, layers, B, steps=16, env={"SELECT_STEPS": "12"})
+    kept = {(tmp_path / "out" / f"rank{r}.txt").read_text() for r in range(2)}
+    assert len(kept) == 1 and kept <= {"pick", "ScheduleInterleaved1F1B"}
 
 
 def test_profile_with_chunks_times_every_layer_and_keeps_the_stages_sums(tmp_path, capsys):

@@ -22,6 +22,7 @@ from .costmodel import ChunkOp, CostTables, OpKind, simulate
 from .devices import TensorSpec, autocast, check_trainable
 from .errors import UmoptError
 from .formats.profile import Profile
+from .formats.report import Selection
 from .formats.schedule import Schedule
 from .losses import ChunkLoss, chunk_loss
 from .pipeline import (
@@ -30,6 +31,7 @@ from .pipeline import (
     _as_tuple,
     _grad_carrying,
     _tensors,
+    _Turns,
     average_gradients,
     guarded,
     link_groups,
@@ -88,6 +90,9 @@ class ChunkedPipeline:
         timer: Optional[StepTimer] = None,
         dp_group: Optional[dist.ProcessGroup] = None,
         on_failure: Optional[Callable[[BaseException], None]] = None,
+        select: bool = True,
+        select_steps: Optional[int] = None,
+        steps: Optional[int] = None,
     ):
         self.schedule, self.profile = schedule_and_profile(schedule, profile)
         self.dp_group = dp_group
@@ -143,6 +148,34 @@ class ChunkedPipeline:
         self._act: dict[int, list[torch.Tensor]] = {}
         self._grad: dict[int, list[torch.Tensor]] = {}
         self._ready = False
+        self.selected: Optional[str] = None  # the schedule kept, once chosen
+        self.selection: Optional[Selection] = None
+        self._turns: Optional[_Turns] = None
+        if select and self.schedule.candidates:  # the candidates' pipelines, over the same chunks
+            other = [c.name for c in self.schedule.candidates if c.chunking() != chunks]
+            if other:
+                raise UmoptError(
+                    f"candidate {other[0]} places the layers otherwise than the pick: selection switches "
+                    "schedules on one model, so its candidates need the pick's layout (or pass select=False)"
+                )
+            kwargs = dict(
+                loss_fn=loss_fn,
+                loss_reduction=loss_reduction,
+                loss_normalizer=loss_normalizer,
+                profile=self.profile,
+                group=group,
+                device=self.device,
+                dtype=dtype,
+                timer=timer,
+                dp_group=dp_group,
+                on_failure=on_failure,
+                select=False,
+            )
+            rivals = [
+                ChunkedPipeline(modules, self.schedule.candidate_schedule(k), **kwargs)
+                for k in range(len(self.schedule.candidates))
+            ]
+            self._turns = _Turns(self, rivals, select_steps, steps)
 
     def _group(self, a: int, b: int):
         return _LINKS["groups"].get(tuple(sorted((self._global[a], self._global[b]))))
@@ -204,7 +237,17 @@ class ChunkedPipeline:
     ) -> Optional[torch.Tensor]:
         """One iteration's ops of this rank; gradients accumulate in the chunks' parameters.
         The rank holding virtual stage 0 passes the inputs, the one holding the last its targets;
-        returns the minibatch's loss there (None elsewhere)."""
+        returns the minibatch's loss there (None elsewhere). Where the schedule file has
+        candidates, the first steps play them in turns and the fastest is kept (``selected``), as
+        :class:`umopt.Pipeline` does."""
+        if self._turns is not None and self.selected is None:
+            return self._turns.step(args, inputs, targets, target, losses)
+        play = self._turns.winner if self._turns is not None else self
+        return play._guarded(lambda: play._step(*play._inputs(args, inputs, targets, target), losses=losses))
+
+    def _inputs(
+        self, args, inputs, targets, target
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         B = self.schedule.minibatch
         xs = (
             _tensors(args[0] if len(args) == 1 else (args or inputs), "the inputs")
@@ -216,17 +259,16 @@ class ChunkedPipeline:
             raise UmoptError(f"the first chunk's step needs inputs of {B} samples (the schedule's minibatch)")
         if self.last and (not ys or any(t.shape[0] != B for t in ys)):
             raise UmoptError(f"the last chunk's step needs targets of {B} samples")
+        return xs, ys
 
-        def run() -> Optional[torch.Tensor]:
-            if not self._ready:
-                self._learn_specs(xs)
-            return self._step(xs, ys, losses)
-
+    def _guarded(self, run: Callable[[], Any]) -> Any:
         return guarded(run, f"rank {self.rank}", self.on_failure)
 
     def _step(self, xs, ys, losses) -> Optional[torch.Tensor]:
         # one piece: a step's ops share its saved activations, deferred weight gradients and links;
         # the loop reads in the order the ops run, as simulate plays them
+        if not self._ready:
+            self._learn_specs(xs)
         recompute = self.schedule.recompute
         scale = None
         if self.last:

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,9 @@ from .selection import (
     winner_of,
 )
 from .splitbackward import backward_input
+
+if TYPE_CHECKING:  # (it builds on this module)
+    from .chunked_pipeline import ChunkedPipeline
 
 __all__ = [
     "Pipeline",
@@ -985,12 +988,16 @@ class _Turn:
 
 
 class _Turns:
-    """A Pipeline's pick and candidates taking turns over the first steps, TURN_STEPS each per
-    round (the last measured) after a first round that learns shapes (see [Note: selection
+    """A Pipeline's (or a ChunkedPipeline's) pick and candidates taking turns over the first
+    steps, TURN_STEPS each per round (the last measured) after a first round that learns shapes (see [Note: selection
     while training] in umopt/selection.py). The group's rank 0 decides and tells the others."""
 
     def __init__(
-        self, owner: Pipeline, rivals: list[Pipeline], select_steps: Optional[int], run_steps: Optional[int]
+        self,
+        owner: Pipeline | ChunkedPipeline,
+        rivals: list[Pipeline] | list[ChunkedPipeline],
+        select_steps: Optional[int],
+        run_steps: Optional[int],
     ):
         sched = owner.schedule
         pick = sched.solver.model_extra.get("recommended") or "pick"
@@ -1039,7 +1046,8 @@ class _Turns:
     def _end_of_round(self) -> None:
         if self.warming:
             self.warming = False
-            share_buffers([t.pipe for t in self.turns])
+            if all(isinstance(t.pipe, Pipeline) for t in self.turns):  # (a ChunkedPipeline keeps its own)
+                share_buffers([t.pipe for t in self.turns])
         else:
             self.rounds += 1
         if self.rounds >= MIN_SELECT_ROUNDS:

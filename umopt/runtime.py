@@ -366,6 +366,7 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]]) -> list[_Play]:
                 group=rk.pipe_group,
                 dp_group=rk.dp_group,
                 on_failure=_report_failure,
+                select=False,  # the runtime's own turns choose (_select)
             )
             pipe.prepare(to_device(rk.data_fn(0, B)[0], rk.device) if first else None)
             plays.append(
