@@ -293,6 +293,8 @@ def _schedule_of(
             "bound_holds_for": holds_for,
             **solver,
             "cut": pick.cut if pick.name == "umopt chunks" else None,
+            # the pick's name where umopt run measures it beside its candidates
+            "recommended": pick.name if pick.name in TORCH_MULTI else "umopt",
         },
         baselines=baselines,
         chunks=pick.chunking,
