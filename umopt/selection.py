@@ -135,7 +135,8 @@ def selection_record(
     else:
         reason = decision.reason
         if not decision.decided:
-            reason += f"; not decided within {spent} steps" + (
+            # (the reason's own comparison may be sure; some other pair was not told apart)
+            reason += f"; not every pair told apart within {spent} steps" + (
                 ", so the solve's pick is kept"
                 if chosen is plays[0] and decision.winner != chosen.name
                 else ""
