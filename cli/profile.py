@@ -82,7 +82,7 @@ from .app import BYTES, _int_list, _progress_bar, _require_torch, cli, err, mode
     type=int,
     default=1,
     show_default=True,
-    help="Time every layer on its own (one after another) so that each stage can be cut into up to this many chunks (solve --chunks); the probe runs fit the runtime's own costs on the whole stages.",
+    help="Time every layer on its own (one after another) so that each stage can be cut into up to this many chunks (solve --chunks); each stage is also timed whole and fitted to probe runs, and its layers scaled to it.",
 )
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Profile file to write.")
 def profile(

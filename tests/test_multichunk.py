@@ -363,6 +363,40 @@ def test_profile_with_chunks_times_every_layer_and_keeps_the_stages_sums(tmp_pat
     assert code == 2 and "need 6 layers" in err and "Traceback" not in err
 
 
+def test_the_layers_follow_their_stage_timed_whole_and_fitted_to_the_runtime():
+    """profile --chunks with probes: each stage's op times are the whole stage's (timed as it runs,
+    fitted to probe runs), its layers scaled alike per kind and size, so a layer keeps its share
+    and a virtual stage of a whole stage predicts as the stage does."""
+    from umopt.measure.profile import fit_layers
+
+    layered = synthetic_profile(2, max_size=8, seed=3, layers_per_stage=3)
+    stages = [
+        st.model_copy(
+            update={
+                "forward_ms": [1.3 * x for x in st.forward_ms],
+                "backward_ms": [x * (1.5 + 0.1 * s) for x in st.backward_ms],
+            }
+        )
+        for s, st in enumerate(layered.stages)
+    ]
+    whole = layered.model_copy(update={"stages": stages})
+    fitted = fit_layers(layered, whole)
+    for s, st in enumerate(fitted.stages):
+        assert st.forward_ms == stages[s].forward_ms and st.backward_ms == stages[s].backward_ms
+        mine, before = fitted.layers[slice(*st.layers)], layered.layers[slice(*st.layers)]
+        for key in ("forward_ms", "backward_ms"):
+            assert [sum(x) for x in zip(*(getattr(ly, key) for ly in mine))] == pytest.approx(
+                getattr(st, key)
+            )
+            for new, old in zip(mine, before):  # each layer's share of its stage kept
+                assert [a / b for a, b in zip(getattr(new, key), getattr(old, key))] == pytest.approx(
+                    [a / b for a, b in zip(getattr(st, key), getattr(layered.stages[s], key))]
+                )
+    one = CostTables.from_profile(whole, False)
+    by_layers = CostTables.from_profile(fitted, False, chunks=chunking(fitted, 1))
+    assert by_layers.fwd == pytest.approx(one.fwd) and by_layers.bwd == pytest.approx(one.bwd)
+
+
 def test_an_equal_chunked_schedule_exports_to_torch_and_trains_as_one_process(tmp_path, capsys):
     """torch's ScheduleInterleaved1F1B order (v=2, 2 ranks, 4 microbatches), exported as torch's CSV
     and run by torch's _PipelineScheduleRuntime with a stock PipelineStage per chunk: one process's

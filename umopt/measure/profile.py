@@ -30,7 +30,7 @@ from .options import ProfileOptions, ProgressFn, check_profile_options
 from .split import balanced_split
 from .timing import StageTimes, fitted, layer_ms, probes_of, time_concurrently, time_stages
 
-__all__ = ["profile_model", "profile_for_chunks", "profile_stages"]
+__all__ = ["profile_model", "profile_for_chunks", "profile_stages", "fit_layers"]
 
 
 def profile_model(
@@ -62,8 +62,9 @@ def profile_for_chunks(
     into up to ``chunks`` chunks each (``umopt profile --chunks``).
 
     With ``probes``, the stages are also profiled whole and fitted to probe runs of the runtime
-    (one chunk per rank), and the runtime's own costs that fit (per op, per message, per
-    iteration) are the layered profile's too: the per-layer times hold no runtime."""
+    (one chunk per rank): their op times become the stages' and scale their layers
+    (:func:`fit_layers`), and the runtime's own costs that fit (per op, per message, per
+    iteration) are the layered profile's too."""
     from dataclasses import replace
 
     from ..chunks import min_max_cut, stages_from_layers
@@ -119,11 +120,41 @@ def profile_for_chunks(
     cal = whole.meta.calibration
     if cal is not None:
         layered = Overheads(cal.op_overhead_ms, cal.message_overhead_ms, cal.step_overhead_ms, 0.0).apply(
-            layered
+            fit_layers(layered, whole)
         )
     return layered.model_copy(
         update={"meta": layered.meta.model_copy(update={"probes": whole.meta.probes, "calibration": cal})}
     )
+
+
+_TIMES = ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms")
+
+
+def fit_layers(layered: Profile, whole: Profile) -> Profile:
+    """``layered`` with each stage's op times those of ``whole`` (the same stages timed whole, as
+    they run, and fitted to probe runs of the runtime) and its layers' times scaled alike, per
+    kind and chunk size: a layer keeps its share of its stage, timed alone, and a virtual stage
+    made of a whole stage is timed as that stage is. (Timed one after another on an idle
+    machine, the layers alone had under-predicted every multi-chunk run.)"""
+    stages, layers = [], list(layered.layers or [])
+    for st, timed in zip(layered.stages, whole.stages):
+        if st.layers != timed.layers:
+            raise UmoptError(f"the stages were cut differently: layers {st.layers} and {timed.layers}")
+        update = {}
+        for key in _TIMES:
+            mine, theirs = getattr(st, key), getattr(timed, key)
+            if mine is None or theirs is None:
+                continue
+            scale = [t / m if m > 0 else 1.0 for m, t in zip(mine, theirs)]
+            for i in range(*st.layers):
+                times = getattr(layers[i], key)
+                layers[i] = layers[i].model_copy(update={key: [x * f for x, f in zip(times, scale)]})
+            update[key] = list(theirs)
+            iqr = key.replace("_ms", "_iqr_ms")
+            if iqr in type(st).model_fields:
+                update[iqr] = getattr(timed, iqr)
+        stages.append(st.model_copy(update=update))
+    return layered.model_copy(update={"stages": stages, "layers": layers})
 
 
 def profile_stages(
