@@ -23,7 +23,7 @@ from .devices import TensorSpec, autocast, check_trainable
 from .errors import UmoptError
 from .formats.profile import Profile
 from .formats.report import Selection
-from .formats.schedule import Schedule
+from .formats.schedule import Schedule, require_pick_layout
 from .losses import ChunkLoss, chunk_loss
 from .pipeline import (
     _LINKS,
@@ -152,12 +152,7 @@ class ChunkedPipeline:
         self.selection: Optional[Selection] = None
         self._turns: Optional[_Turns] = None
         if select and self.schedule.candidates:  # the candidates' pipelines, over the same chunks
-            other = [c.name for c in self.schedule.candidates if c.chunking() != chunks]
-            if other:
-                raise UmoptError(
-                    f"candidate {other[0]} places the layers otherwise than the pick: selection switches "
-                    "schedules on one model, so its candidates need the pick's layout (or pass select=False)"
-                )
+            require_pick_layout(self.schedule, "pass select=False")
             kwargs = dict(
                 loss_fn=loss_fn,
                 loss_reduction=loss_reduction,

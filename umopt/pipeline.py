@@ -44,7 +44,13 @@ from .devices import TensorSpec, autocast, check_trainable, numerics, numerics_d
 from .errors import UmoptError, first_line
 from .formats.profile import Profile, load_profile
 from .formats.report import Selection
-from .formats.schedule import Schedule, check_against_profile, load_schedule, require_one_chunk
+from .formats.schedule import (
+    Schedule,
+    check_against_profile,
+    load_schedule,
+    require_one_chunk,
+    require_pick_layout,
+)
 from .losses import ChunkLoss, chunk_loss
 from .selection import (
     MIN_SELECT_ROUNDS,
@@ -459,6 +465,7 @@ class Pipeline:
         self.selection: Optional[Selection] = None
         self._turns: Optional[_Turns] = None
         if select and self.schedule.candidates:  # the candidates' Pipelines, over the same module
+            require_pick_layout(self.schedule, "pass select=False")
             kwargs = dict(
                 loss_fn=loss_fn,
                 loss_reduction=loss_reduction,

@@ -23,7 +23,7 @@ from .devices import check_trainable
 from .errors import UmoptError
 from .fileio import check_writable
 from .formats.profile import Profile, load_profile, pydantic_error_line
-from .formats.schedule import Schedule, check_against_profile, load_schedule
+from .formats.schedule import Schedule, check_against_profile, load_schedule, require_pick_layout
 from .zoo import build_model, import_object
 
 __all__ = ["RunOptions", "RunConfig", "preflight", "data_function"]
@@ -130,12 +130,7 @@ def preflight(opts: RunOptions, verify_stages: Optional[list[int]] = None) -> Ru
             "copy of the model): --checkpoint, --resume and --save-grads need one layout"
         )
     if opts.select and len(schedules) == 1:
-        other = [c.name for c in schedules[0].candidates if c.chunking() != schedules[0].chunking()]
-        if other:
-            raise UmoptError(
-                f"candidate {other[0]} places the layers otherwise than the pick: selection switches "
-                "schedules on one model, so its candidates need the pick's layout (or give --no-select)"
-            )
+        require_pick_layout(schedules[0], "give --no-select")
     if opts.resume:
         read_manifest(opts.checkpoint, profile, opts.optimizer, verify=verify_stages)
     dp = opts.dp if opts.dp is not None else _solved_for(schedules)

@@ -316,7 +316,7 @@ def _candidates(
     """What ``umopt run`` measures beside the pick while training: torch's schedules on the pick's
     own layout (equal chunks, each at its best M within the memory limit), each once, the pick
     itself left out. The pick's layout only: the candidates take turns on one model, which
-    another layout would not hold ([Note: selection while training] in umopt/runtime.py)."""
+    another layout would not hold ([Note: selection while training] in umopt/selection.py)."""
     names = [n for n, (_, _, w) in TORCH_MULTI.items() if zero_bubble or not w]
     v = pick.chunking.num_virtual // profile.num_stages
     peers = best_peers(

@@ -62,7 +62,7 @@ class SelectionEntry(BaseModel):
 
 class Selection(BaseModel):
     """A schedule file's pick and candidates measured in turns over the first steps of the run;
-    the winner played the rest ([Note: selection while training] in umopt/runtime.py)."""
+    the winner played the rest ([Note: selection while training] in umopt/selection.py)."""
 
     pick: str  # the solve's recommendation
     winner: str

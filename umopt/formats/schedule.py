@@ -36,6 +36,7 @@ __all__ = [
     "make_schedule",
     "check_against_profile",
     "require_one_chunk",
+    "require_pick_layout",
 ]
 
 SCHEDULE_FORMAT = "umopt-schedule/1"
@@ -317,6 +318,17 @@ def require_one_chunk(schedule: Schedule, where: str) -> None:
         raise UmoptError(
             f"{where} puts {len(schedule.chunks.ranks) // len(schedule.stages)} chunks on each rank: "
             "give umopt.Pipeline the rank's chunk modules as a list"
+        )
+
+
+def require_pick_layout(schedule: Schedule, instead: str) -> None:
+    """Refuse, in one line, candidates that place the layers otherwise than the pick: selection
+    switches schedules on one model ([Note: selection while training] in umopt/selection.py)."""
+    other = [c.name for c in schedule.candidates if c.chunking() != schedule.chunking()]
+    if other:
+        raise UmoptError(
+            f"candidate {other[0]} places the layers otherwise than the pick: selection switches "
+            f"schedules on one model, so its candidates need the pick's layout (or {instead})"
         )
 
 
