@@ -1,9 +1,10 @@
 """Starting the runtime's processes on this machine (what ``umopt run`` does).
 
 Checks everything it can before a process starts (:func:`umopt.run_options.preflight`), then
-starts one rank per stage (``python -m umopt.runtime OPTIONS.json``) in a process group of its own and watches
-them. They meet through a file store in a private temp folder, so a local run opens no port for
-its rendezvous, and gloo and NCCL are told to use the loopback interface.
+starts one rank per stage (``python -m umopt.runtime OPTIONS.json``, the options resolved) in a
+process group of its own and watches them. They meet through a file store in a private temp
+folder, so a local run opens no port for its rendezvous, and gloo and NCCL are told to use the
+loopback interface.
 
 Being the ranks' parent is what makes failures and interrupts exact: the first rank to end badly
 is known with its exit status (its own one-line status file says why it raised; a negative status
