@@ -23,7 +23,7 @@ from .devices import TensorSpec, autocast, check_trainable
 from .errors import UmoptError
 from .formats.profile import Profile
 from .formats.report import Selection
-from .formats.schedule import Schedule, require_pick_layout
+from .formats.schedule import Schedule
 from .losses import ChunkLoss, chunk_loss
 from .pipeline import (
     _LINKS,
@@ -152,7 +152,6 @@ class ChunkedPipeline:
         self.selection: Optional[Selection] = None
         self._turns: Optional[_Turns] = None
         if select and self.schedule.candidates:  # the candidates' pipelines, over the same chunks
-            require_pick_layout(self.schedule, "pass select=False")
             kwargs = dict(
                 loss_fn=loss_fn,
                 loss_reduction=loss_reduction,
@@ -166,11 +165,9 @@ class ChunkedPipeline:
                 on_failure=on_failure,
                 select=False,
             )
-            rivals = [
-                ChunkedPipeline(modules, self.schedule.candidate_schedule(k), **kwargs)
-                for k in range(len(self.schedule.candidates))
-            ]
-            self._turns = _Turns(self, rivals, select_steps, steps)
+            self._turns = _Turns.of_candidates(
+                self, lambda sc: ChunkedPipeline(modules, sc, **kwargs), select_steps, steps
+            )
 
     def _group(self, a: int, b: int):
         return _LINKS["groups"].get(tuple(sorted((self._global[a], self._global[b]))))

@@ -465,7 +465,6 @@ class Pipeline:
         self.selection: Optional[Selection] = None
         self._turns: Optional[_Turns] = None
         if select and self.schedule.candidates:  # the candidates' Pipelines, over the same module
-            require_pick_layout(self.schedule, "pass select=False")
             kwargs = dict(
                 loss_fn=loss_fn,
                 loss_reduction=loss_reduction,
@@ -482,11 +481,9 @@ class Pipeline:
                 on_failure=on_failure,
                 select=False,
             )
-            rivals = [
-                Pipeline(module, self.schedule.candidate_schedule(k), self.stage, **kwargs)
-                for k in range(len(self.schedule.candidates))
-            ]
-            self._turns = _Turns(self, rivals, select_steps, steps)
+            self._turns = _Turns.of_candidates(
+                self, lambda sc: Pipeline(module, sc, self.stage, **kwargs), select_steps, steps
+            )
 
     def _connect(self, group: Optional[dist.ProcessGroup], S: int) -> None:
         """This stage's neighbours and the process group of each link (made by every rank of the
@@ -1027,6 +1024,21 @@ class _Turns:
         self.winner: Pipeline = owner
         if self.budget == 0:
             self._finish(0)
+
+    @classmethod
+    def of_candidates(
+        cls,
+        owner: Pipeline | ChunkedPipeline,
+        rival: Callable[[Schedule], Any],
+        select_steps: Optional[int],
+        run_steps: Optional[int],
+    ) -> _Turns:
+        """``owner`` and its schedule's candidates in turns, each candidate ``rival(schedule)``, a
+        pipeline over the owner's own modules (so the candidates must share its layout)."""
+        require_pick_layout(owner.schedule, "pass select=False")
+        sched = owner.schedule
+        rivals = [rival(sched.candidate_schedule(k)) for k in range(len(sched.candidates))]
+        return cls(owner, rivals, select_steps, run_steps)
 
     def step(self, args, inputs, targets, target, losses) -> Optional[torch.Tensor]:
         k, j = self.queue.pop(0)  # the turn's first step follows another schedule's: not measured
