@@ -641,7 +641,7 @@ def test_memory_limited_schedules_stay_under_the_limit_in_every_order(recompute)
     runs = [("cpsat", "auto"), ("ga", "auto"), ("auto", "auto")]
     runs += [("ga", "1f1b")] + ([("cpsat", "gpipe"), ("milp", "gpipe")] if recompute else [])
     for name, order in runs:
-        res = SOLVERS[name](problem, time_limit=1.5, seed=0, order=order)
+        res = SOLVERS[name](problem, time_limit=0.75, seed=0, order=order)
         tl = res.candidate.simulate(problem)
         assert max(tl.peak_memory_bytes) <= limit, (name, order)
 
