@@ -27,11 +27,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from umopt.checkpoint import MANIFEST, read_manifest
 from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.problem import Candidate
+from umopt.run.checkpoint import MANIFEST, read_manifest
 from umopt.solve import make_problem
 from umopt.synthetic import synthetic_profile
 
@@ -99,7 +99,7 @@ def _rank_pid(sid: int, rank: int) -> int:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"umopt.runtime" in cmd and f"RANK={rank}".encode() in env:
+        if b"umopt.run.rank" in cmd and f"RANK={rank}".encode() in env:
             return pid
     raise RuntimeError(f"rank {rank} not found")
 

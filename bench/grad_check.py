@@ -31,7 +31,7 @@ def main() -> None:
     sched = load_schedule(args.schedule)
     prof = load_profile(sched.profile.path)
     device = torch.device("cuda", 0) if prof.device.type == "cuda" else torch.device("cpu")
-    parts = build_model(prof.model.name, prof.model.args, seed=int(prof.model.model_extra.get("seed", 0)))
+    parts = build_model(prof.model.name, prof.model.args, seed=prof.model.seed)
     model = torch.nn.Sequential(*parts.layers).to(device)
     x, y = parts.make_batch(sched.minibatch, 0)
     with autocast(device, prof.device.dtype):

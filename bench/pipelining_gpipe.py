@@ -20,7 +20,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from umopt.devices import autocast, to_device
 from umopt.formats.profile import load_profile
-from umopt.runtime import init_distributed
+from umopt.run.rank import init_distributed
 from umopt.zoo import build_model
 
 
@@ -49,8 +49,8 @@ def main() -> None:
     device = init_distributed("nccl" if prof.device.type == "cuda" else "gloo", 60)
     rank, world = dist.get_rank(), dist.get_world_size()
     if device.type == "cpu":
-        torch.set_num_threads(int(prof.device.model_extra.get("threads", 1)))
-    parts = build_model(prof.model.name, prof.model.args, seed=int(prof.model.model_extra.get("seed", 0)))
+        torch.set_num_threads((prof.device.threads or 1))
+    parts = build_model(prof.model.name, prof.model.args, seed=prof.model.seed)
     a, b = prof.stages[rank].layers
     module = _Autocast(torch.nn.Sequential(*parts.layers[a:b]), device, prof.device.dtype).to(device)
     stage = PipelineStage(module, rank, world, device)

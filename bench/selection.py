@@ -27,10 +27,10 @@ from rich.console import Console
 
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import load_schedule, save_schedule
-from umopt.launch import launch
 from umopt.measure import ProfileOptions
 from umopt.probes import profile_in_pipeline
-from umopt.run_options import RunOptions
+from umopt.run.launch import launch
+from umopt.run.options import RunOptions
 from umopt.solve import solve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,7 +68,7 @@ def one_model(
     path = out / "schedule.json"
     save_schedule(report.schedule, str(path))
     sched = load_schedule(str(path))
-    pick = sched.solver.model_extra.get("recommended") or "pick"
+    pick = sched.solver.recommended or "pick"
     rows = []
     for run in range(runs):
         rep = launch(

@@ -38,11 +38,11 @@ from rich.table import Table
 from umopt.costmodel import CostTables, simulate
 from umopt.formats.profile import bundled_profiles, load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
-from umopt.launch import launch
 from umopt.measure import ProfileOptions
 from umopt.probes import profile_in_pipeline
 from umopt.problem import Problem
-from umopt.run_options import RunOptions
+from umopt.run.launch import launch
+from umopt.run.options import RunOptions
 from umopt.solve import make_problem, solve
 from umopt.solvers.cpsat import solve_with_weight_ops
 from umopt.synthetic import synthetic_profile

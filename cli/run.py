@@ -111,13 +111,13 @@ def run(schedules, **options) -> None:
     profile) take turns on the same processes, --rounds times, so that what drifts on the machine
     meets them all alike. Under torchrun (several machines) each process is one rank."""
     _require_torch()
-    from umopt.launch import launch
     from umopt.noise import run_warnings
-    from umopt.run_options import RunOptions
+    from umopt.run.launch import launch
+    from umopt.run.options import RunOptions
 
     opts = RunOptions(schedules=list(schedules), **options)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun started this process as one rank
-        from umopt.runtime import main as run_one_rank
+        from umopt.run.rank import main as run_one_rank
 
         run_one_rank(opts)
         return

@@ -202,7 +202,10 @@ def test_1f1b_with_recompute_gives_each_stage_its_own_backward_chunks(tmp_path, 
     [
         (["solve", "no-such-profile", "-B", "4"], "no such file and no bundled profile"),
         (["solve", "gpt-sim", "-B", "0"], "--minibatch must be at least 1"),
-        (["solve", "gpt-sim", "-B", "8", "--memory-limit", "1000"], "static memory alone (16777216 bytes"),
+        (
+            ["solve", "gpt-sim", "-B", "8", "--memory-limit", "1000"],
+            "memory before any activation (41943040 bytes",
+        ),
         (["solve", "gpt-sim", "-B", "8", "--time-limit", "0"], "--time-limit must be a positive number"),
         (["solve", "gpt-sim", "-B", "8", "--time-limit", "nan"], "--time-limit must be a positive number"),
         (["solve", "gpt-sim", "-B", "100000"], "over umopt's limit of 8192 samples"),

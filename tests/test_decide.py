@@ -116,8 +116,8 @@ def test_decide_refuses_what_it_cannot_decide(tmp_path):
     from test_runtime import mlp_profile, write_schedule
 
     from umopt.errors import UmoptError
-    from umopt.launch import launch
-    from umopt.run_options import RunOptions
+    from umopt.run.launch import launch
+    from umopt.run.options import RunOptions
 
     profile = mlp_profile(tmp_path, 2)
     a, _ = write_schedule(tmp_path, profile, "gpipe", False, 1, name="a.json")

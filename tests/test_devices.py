@@ -17,10 +17,10 @@ from test_runtime import MLP, B, write_schedule
 
 from umopt import devices
 from umopt.errors import UmoptError
-from umopt.launch import launch
 from umopt.measure import ProfileOptions, check_profile_options, link_plan, pingpong_sizes, profile_model
-from umopt.run_options import RunOptions
-from umopt.runtime import build_stage, init_distributed
+from umopt.run.launch import launch
+from umopt.run.options import RunOptions
+from umopt.run.rank import build_stage, init_distributed
 from umopt.zoo import build_model
 
 GPT = {"layers": 2, "d_model": 32, "heads": 2, "vocab": 64, "seq_len": 8}
@@ -237,7 +237,7 @@ def test_autocast_is_off_in_float32_and_on_the_meta_device():
 def test_a_data_module_in_the_current_folder_is_found_and_more_samples_are_refused(tmp_path, monkeypatch):
     """No PYTHONPATH=. needed for the user's own module; a hook returning more samples than the
     minibatch is an error, not silently cut."""
-    from umopt.launch import RunFailed
+    from umopt.run.launch import RunFailed
 
     prof = zoo_sim_profile(tmp_path / "p.json", "mlp", MLP, [0, 3, 6])
     path, _ = write_schedule(tmp_path, prof, "gpipe", False, 4)

@@ -17,10 +17,10 @@ import pytest
 import torch
 from test_runtime import mlp_profile, write_schedule
 
-from umopt.checkpoint import MANIFEST, read_manifest
 from umopt.errors import UmoptError
-from umopt.launch import RunFailed, launch
-from umopt.run_options import RunOptions
+from umopt.run.checkpoint import MANIFEST, read_manifest
+from umopt.run.launch import RunFailed, launch
+from umopt.run.options import RunOptions
 
 
 class _Payload:
@@ -177,7 +177,7 @@ def _wait_for_ranks(sid: int, n: int, timeout: float = 60) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         out = subprocess.run(
-            ["pgrep", "-s", str(sid), "-f", "umopt.runtime"], capture_output=True, text=True
+            ["pgrep", "-s", str(sid), "-f", "umopt.run.rank"], capture_output=True, text=True
         ).stdout.split()
         if len(out) >= n:
             time.sleep(4)  # into the steps

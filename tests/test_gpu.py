@@ -11,9 +11,9 @@ import torch
 from conftest import zoo_sim_profile
 from test_runtime import MLP, B, write_schedule
 
-from umopt.launch import launch
 from umopt.measure import ProfileOptions, profile_model
-from umopt.run_options import RunOptions
+from umopt.run.launch import launch
+from umopt.run.options import RunOptions
 from umopt.zoo import build_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -84,7 +84,7 @@ def test_a_failing_rank_under_nccl_is_named_with_its_error_at_once(tmp_path, mon
     with receives posted, is named with its own error within seconds."""
     import time
 
-    from umopt.launch import RunFailed
+    from umopt.run.launch import RunFailed
 
     if torch.cuda.device_count() < S:
         pytest.skip(f"needs {S} GPUs")

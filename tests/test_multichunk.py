@@ -620,7 +620,7 @@ def test_a_chunked_schedule_keeps_the_faster_of_its_candidates_and_trains_as_one
     save_schedule(sched, str(path))
     monkeypatch.setenv("UMOPT_FAULT_SLOWER", "ScheduleLoopedBFS:40")  # 40 ms a step on top of a few
     grads, report = tmp_path / "grads", tmp_path / "r.json"
-    argv = ["run", str(path), "--steps", "14", "--select-steps", "12", "--warmup", "0"]
+    argv = ["run", str(path), "--steps", "16", "--select-steps", "14", "--warmup", "0"]
     code, _, err = run_cli([*argv, "--save-grads", str(grads), "--report", str(report)], capsys)
     assert code == 0, err
     rep = json.loads(report.read_text())
@@ -634,16 +634,17 @@ def test_a_chunked_schedule_keeps_the_faster_of_its_candidates_and_trains_as_one
             "ScheduleLoopedBFS",
         ]
     )
-    assert rep["chunks"]["ranks"] == [0, 1, 0, 1] and rep["steps"] == 14 - sel["steps"]
-    # 14 SGD steps (momentum, the runtime's default) on batches 0..13, in one process
+    assert rep["chunks"]["ranks"] == [0, 1, 0, 1] and sel["steps"] == rep["selection_steps"] == 14
+    assert rep["steps"] == 2 and rep["trained_steps"] == 16 and len(rep["losses"]) == 16
+    # 16 SGD steps (momentum, the runtime's default) on batches 0..15, in one process
     parts = build_model("mlp", {"layers": 4, "width": 16, "in_features": 8}, seed=0)
     model = torch.nn.Sequential(*parts.layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    for step in range(14):
+    for step in range(16):
         x, y = parts.make_batch(B, step)
         opt.zero_grad()
         (parts.loss(model(x), y) / B).backward()
-        if step < 13:
+        if step < 15:
             opt.step()
     _assert_saved_grads_equal(grads, model)
     # a candidate of another layout cannot take turns on the pick's model

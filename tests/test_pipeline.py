@@ -323,7 +323,7 @@ def test_batchnorm_is_warned_of_and_shape_learning_leaves_its_statistics_alone(t
         with caplog.at_level(logging.WARNING, logger="umopt"):
             pipe = umopt.Pipeline(module, path, loss_fn=torch.nn.MSELoss())
         assert "BatchNorm layers (1)" in caplog.text
-        pipe._sample_forward((torch.randn(1, 6),))
+        pipe.stages[0].sample_forward((torch.randn(2, 6),))
         assert module[1].num_batches_tracked.item() == 0 and module.training
         pipe.step(torch.randn(B, 6), target=torch.randn(B, 1))
         assert module[1].num_batches_tracked.item() == 2  # two chunks

@@ -16,10 +16,10 @@ from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.report import RunReport
 from umopt.formats.schedule import make_schedule, save_schedule
-from umopt.launch import RunFailed, launch
 from umopt.noise import run_warnings
 from umopt.problem import Candidate
-from umopt.run_options import RunOptions
+from umopt.run.launch import RunFailed, launch
+from umopt.run.options import RunOptions
 from umopt.synthetic import synthetic_profile
 from umopt.zoo import build_model
 
@@ -298,7 +298,7 @@ def test_run_options_are_the_command_lines_and_what_the_ranks_read(tmp_path, mon
     launcher's file, and a schedule given where that file belongs is refused with the torchrun hint."""
     from umopt.cli import cli
 
-    import umopt.launch
+    import umopt.run.launch
 
     seen = []
 
@@ -309,7 +309,7 @@ def test_run_options_are_the_command_lines_and_what_the_ranks_read(tmp_path, mon
         seen.append(opts)
         raise Launched
 
-    monkeypatch.setattr(umopt.launch, "launch", launched)
+    monkeypatch.setattr(umopt.run.launch, "launch", launched)
     argv = ["a.json", "b.json", "--steps", "3", "--no-select", "--decide", "0.9", "--checkpoint-every", "2"]
     with pytest.raises(Launched):
         cli.main(["run", *argv], standalone_mode=False)

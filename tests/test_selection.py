@@ -21,7 +21,7 @@ def test_solve_writes_the_pick_and_its_rivals(tmp_path, capsys):
     sched = load_schedule(str(tmp_path / "s.json"))
     names = [c.name for c in sched.candidates]
     # the best equal GPipe and 1F1B are always there (unless the pick is one of them), each once
-    assert {"gpipe_equal", "1f1b_equal"} - {sched.solver.model_extra["recommended"]} <= set(names)
+    assert {"gpipe_equal", "1f1b_equal"} - {sched.solver.recommended} <= set(names)
     assert len(names) == len(set(names)) and all(c.op_lists() != sched.op_lists() for c in sched.candidates)
     from umopt.formats.profile import load_profile
 
@@ -66,7 +66,7 @@ def test_run_keeps_the_faster_schedule_and_trains_as_one_process(tmp_path, monke
             "--steps",
             "16",
             "--select-steps",
-            "12",
+            "14",
             "--warmup",
             "1",
             "--lr",
@@ -82,12 +82,13 @@ def test_run_keeps_the_faster_schedule_and_trains_as_one_process(tmp_path, monke
     sel = report["selection"]
     assert sel["pick"] == "un" and sel["winner"] == winner and sel["decided"] and sel["confidence"] >= 0.95
     assert (
-        sel["steps"] <= 12
-        and sel["steps"] % 4 == 0
+        sel["steps"] <= 14
+        and (sel["steps"] - 2) % 4 == 0  # a first round of a step each, then rounds of two each
         and [c["name"] for c in sel["candidates"]] == ["un", "eq"]
     )
-    # the report is the winner's, over the steps after selection
-    assert report["steps"] == 16 - sel["steps"]
+    # the report is the winner's, over the steps after selection (the warm-up step was selection's first)
+    assert report["steps"] == 17 - sel["steps"] and report["trained_steps"] == 17
+    assert report["warmup"] + report["selection_steps"] == sel["steps"]
     kept = load_schedule(path) if winner == "un" else load_schedule(path).candidate_schedule(0)
     assert [[tuple(op[:3]) for op in st] for st in report["ops"]] == [
         [tuple(op) for op in st] for st in kept.op_lists()
@@ -95,8 +96,8 @@ def test_run_keeps_the_faster_schedule_and_trains_as_one_process(tmp_path, monke
     assert f"kept (*) {winner}" in stdout
     if winner == "eq":  # the pick lost: the report says what that means for the profile
         assert "umopt calibrate" in sel["note"]
-    # two warm-ups, the turns and the winner's steps: 18 SGD steps on batches 0..17, as one process
-    assert_trained_as_one_process(ck, steps=18, lr=0.05)
+    # the warm-up, the turns and the winner's steps: 17 SGD steps on batches 0..16, as one process
+    assert_trained_as_one_process(ck, steps=17, lr=0.05)
 
 
 def test_run_says_when_too_few_steps_allow_no_selection_and_no_select_runs_the_pick(tmp_path, capsys):
@@ -106,7 +107,7 @@ def test_run_says_when_too_few_steps_allow_no_selection_and_no_select_runs_the_p
     path = _with_candidate(tmp_path, profile, B)
     main(["run", path, "--steps", "4", "--warmup", "0", "--report", str(tmp_path / "r.json")])
     sel = json.loads((tmp_path / "r.json").read_text())["selection"]
-    assert sel["winner"] == "un" and sel["steps"] == 0 and "select_steps= 12 or more" in sel["reason"]
+    assert sel["winner"] == "un" and sel["steps"] == 0 and "--select-steps 14 measures them" in sel["reason"]
     main(["run", path, "--steps", "2", "--warmup", "0", "--no-select", "--report", str(tmp_path / "r.json")])
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["selection"] is None and report["steps"] == 2
@@ -116,8 +117,8 @@ def test_a_schedule_found_slower_stops_taking_turns_and_measuring_stops_at_its_c
     from types import SimpleNamespace
 
     from umopt.decide import decide
-    from umopt.selection import SELECT_COST
-    from umopt.selection import keep_measuring as _keep_measuring
+    from umopt.run.selection import SELECT_COST
+    from umopt.run.selection import keep_measuring as _keep_measuring
 
     def plays(*series):
         return [SimpleNamespace(name=n, step_ms=list(ms), turn_ms=list(ms)) for n, ms in series]

@@ -1,6 +1,6 @@
 """umopt: unequal per-stage microbatch partitions for pipeline-parallel training.
 
-``umopt.Pipeline`` (:mod:`umopt.pipeline`) runs a schedule inside your own training loop and
+``umopt.Pipeline`` (:mod:`umopt.run.pipeline`) runs a schedule inside your own training loop and
 ``umopt.profile_stages`` (:mod:`umopt.measure`) profiles your own stage modules; both are imported
 on first use, so that the commands that need no torch (``umopt solve``) start fast.
 """
@@ -13,7 +13,7 @@ __all__ = ["Pipeline", "TensorSpec", "profile_stages", "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name == "Pipeline":
-        from .pipeline import Pipeline
+        from .run.pipeline import Pipeline
 
         return Pipeline
     if name == "TensorSpec":  # what Pipeline's input_specs / output_specs take

@@ -76,7 +76,9 @@ def _perturbed_tables(
                         np.maximum(0.0, v + rng.standard_normal(v.size) * np.asarray(iqr) * scale)
                     )
             stages.append(st.model_copy(update=update))
-        tables = CostTables.from_profile(profile.model_copy(update={"stages": stages}), problem.recompute)
+        tables = CostTables.from_profile(
+            profile.model_copy(update={"stages": stages}), problem.recompute, minibatch=problem.minibatch
+        )
         out.append(dataclasses.replace(tables, allreduce_ms=problem.tables.allreduce_ms))
     return out
 

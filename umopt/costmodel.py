@@ -112,6 +112,9 @@ class CostTables:
     ``allreduce_ms[r]`` is the all-reduce of rank ``r``'s gradients among its data-parallel
     replicas, after its last op (zeros for one pipeline). ``bwd_input`` and ``bwd_weight`` are the
     B and W ops of a stage whose backward is split (None where the profile has no split).
+    ``static_bytes[s]`` is what stage s holds through the whole step: parameters, gradients and
+    optimizer state, and, where the tables are for one minibatch, the runtime's receive buffers
+    and the all-reduce's buckets (see [Note: what a step holds besides its activations]).
 
     With several chunks per rank (``ranks`` set), every per-stage table is per *virtual* stage,
     ``ranks[j]`` is the rank virtual stage ``j`` runs on, and ``link[j]`` is the message from
@@ -162,10 +165,13 @@ class CostTables:
         recompute: bool = False,
         dp: AllReduceProfile | None = None,
         chunks: Chunking | None = None,
+        minibatch: int | None = None,
     ) -> "CostTables":
         """The tables of ``profile``; with ``dp`` (replicas and their all-reduce speed), each rank's
         gradient all-reduce among them; with ``chunks``, per virtual stage, summed from the
-        profile's per-layer entries (:func:`umopt.chunks.virtual_stages`)."""
+        profile's per-layer entries (:func:`umopt.chunks.virtual_stages`); with ``minibatch``,
+        the memory the runtime holds for a minibatch of that size beside the profile's static
+        bytes (see [Note: what a step holds besides its activations])."""
         sizes = np.asarray(profile.sizes, dtype=float)
         b = np.arange(profile.max_size + 1, dtype=float)
         if chunks is None:
@@ -230,7 +236,8 @@ class CostTables:
             link=link,
             optimizer_ms=max(st.optimizer_ms for st in profile.stages),
             recompute=recompute,
-            static_bytes=np.array([st.static_bytes for st in stages], dtype=np.int64),
+            static_bytes=np.array([st.static_bytes for st in stages], dtype=np.int64)
+            + _step_bytes(stages, ranks, dp, minibatch),
             stash_bytes=np.array([st.stash_bytes_per_sample for st in stages], dtype=np.int64),
             input_bytes=np.array([st.input_bytes_per_sample for st in stages], dtype=np.int64),
             memory_limit=profile.memory_limit_bytes,
@@ -238,6 +245,42 @@ class CostTables:
             ranks=ranks,
             **split,
         )
+
+
+# [Note: what a step holds besides its activations]
+# The runtime receives every boundary tensor into a buffer for the whole minibatch (a stage's
+# neighbours may chunk differently; see umopt/run/stage.py), and, with data-parallel replicas,
+# averages the gradients through flat buckets, at most two of ALLREDUCE_BUCKET_BYTES at a time. Both live
+# through the step whatever the schedule, so they are part of what a stage holds beside its
+# static bytes: per virtual stage, a buffer of its inputs (all but the first) and one of the
+# gradients of its outputs (all but the last), a minibatch each; per rank, the buckets. The
+# output buffer is counted at the stage's output bytes, integer tensors included (they carry no
+# gradient): a bound, a few bytes per sample over. Counted where the tables are built for one
+# minibatch (every solve, every check of a schedule); the schedules of one file share one set
+# of buffers (selection's candidates play one at a time).
+ALLREDUCE_BUCKET_BYTES = 25 << 20  # the runtime's bucket (torch DDP's default)
+
+
+def _step_bytes(
+    stages: Sequence, ranks: Sequence[int] | None, dp: AllReduceProfile | None, minibatch: int | None
+) -> np.ndarray:
+    """What each (virtual) stage holds through a step of ``minibatch`` beside its static bytes:
+    its receive buffers, and (on the first virtual stage of each rank) the all-reduce's buckets."""
+    V = len(stages)
+    out = np.zeros(V, dtype=np.int64)
+    if minibatch is None:
+        return out
+    for j, st in enumerate(stages):
+        per_sample = (st.input_bytes_per_sample if j > 0 else 0) + (
+            st.output_bytes_per_sample if j < V - 1 else 0
+        )
+        out[j] = minibatch * per_sample
+    if dp is not None and dp.replicas > 1:
+        ranks = list(ranks) if ranks is not None else list(range(V))
+        for r in sorted(set(ranks)):
+            held = sum(st.param_bytes or 0 for st, rr in zip(stages, ranks) if rr == r)
+            out[ranks.index(r)] += min(held, 2 * ALLREDUCE_BUCKET_BYTES)
+    return out
 
 
 def allreduce_ms(dp: AllReduceProfile, nbytes: float) -> float:

@@ -53,15 +53,45 @@ def check_trainable(dtype: str) -> None:
 def numerics() -> dict[str, object]:
     """The settings that choose which kernels float32 matmuls and convolutions run, and so how long
     they take: TF32 for matmuls and for cuDNN, the matmul precision, cuDNN's autotuning. A
-    profile records them; a run warns where its own differ (:func:`numerics_differences`)."""
+    profile records them; a run warns where its own differ (:func:`numerics_differences`).
+
+    torch 2.9+ has a second way to set TF32 (``torch.backends.cuda.matmul.fp32_precision``,
+    ``torch.backends.cudnn.conv.fp32_precision``, ``torch.backends.fp32_precision``); once it is
+    used, reading the old one raises, so where it is set the values come from it."""
     cudnn = torch.backends.cudnn
+    matmul, conv = _fp32_precision("cuda.matmul"), _fp32_precision("cudnn.conv")
+    try:
+        precision = torch.get_float32_matmul_precision()
+    except RuntimeError:  # "a mix of the legacy and new APIs": the new one says
+        precision = "high" if matmul == "tf32" else "highest"
     return {
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "matmul_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-        "cudnn_tf32": bool(cudnn.allow_tf32),
+        "float32_matmul_precision": precision,
+        "matmul_tf32": _legacy(lambda: torch.backends.cuda.matmul.allow_tf32, matmul),
+        "cudnn_tf32": _legacy(lambda: cudnn.allow_tf32, conv),
         "cudnn_benchmark": bool(cudnn.benchmark),
         "cudnn_deterministic": bool(cudnn.deterministic),
     }
+
+
+def _fp32_precision(where: str) -> Optional[str]:
+    """The new API's precision for ``where`` ("cuda.matmul", "cudnn.conv"), inherited from its
+    parents where it says "none"; None where this torch has no new API."""
+    node = torch.backends
+    chain = [getattr(node, "fp32_precision", None)]
+    for part in where.split("."):
+        node = getattr(node, part, None)
+        chain.append(getattr(node, "fp32_precision", None) if node is not None else None)
+    if chain[-1] is None:
+        return None
+    return next((p for p in reversed(chain) if p not in (None, "none")), "none")
+
+
+def _legacy(read, new: Optional[str]) -> bool:
+    """The old API's TF32 flag, or what the new API says where the old one cannot be read."""
+    try:
+        return bool(read())
+    except RuntimeError:
+        return new == "tf32"
 
 
 def numerics_differences(profiled: Optional[dict], now: dict) -> list[str]:

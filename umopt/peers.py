@@ -139,15 +139,15 @@ def score_peer(
 ) -> tuple[CostTables, list[list[ChunkOp]], Timeline]:
     """torch's ``name`` at ``chunks`` per rank and ``microbatches`` equal chunks, each rank's stage
     cut into ``chunks`` pieces (:func:`umopt.chunks.stage_cut`), under the cost model."""
-    tables = _tables(profile, chunking(profile, chunks, TORCH_MULTI[name][0]), recompute)
+    tables = _tables(profile, chunking(profile, chunks, TORCH_MULTI[name][0]), recompute, minibatch)
     ops = torch_ops(name, profile.num_stages, chunks, minibatch, microbatches)
     return tables, ops, simulate(tables, ops, minibatch)
 
 
 def _tables(
-    profile: Profile, ch: Chunking, recompute: bool, dp: Optional[AllReduceProfile] = None
+    profile: Profile, ch: Chunking, recompute: bool, minibatch: int, dp: Optional[AllReduceProfile] = None
 ) -> CostTables:
-    return CostTables.from_profile(profile, recompute, dp, chunks=ch)
+    return CostTables.from_profile(profile, recompute, dp, chunks=ch, minibatch=minibatch)
 
 
 def _cuts(profile: Profile, name: str, v: int) -> list[Chunking]:
@@ -219,7 +219,7 @@ def best_peers(
             for k, ch in enumerate(
                 _cuts(profile, name, v) if on is None else _same_layout(profile, name, v, on)
             ):
-                tables = _tables(profile, ch, recompute, dp)
+                tables = _tables(profile, ch, recompute, minibatch, dp)
                 for m in range(max(1, -(-minibatch // profile.max_size)), minibatch + 1):
                     shapes.append((_busiest_rank_ms(tables, minibatch, m, needs_w), v, m, k, tables, ch))
         for bound, v, m, _, tables, ch in sorted(shapes, key=lambda x: x[:4]):

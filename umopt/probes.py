@@ -22,9 +22,9 @@ from .calibrate import calibrate, run_ratios
 from .formats.profile import ProbesMeta, Profile
 from .formats.report import load_report
 from .formats.schedule import make_schedule, save_schedule
-from .launch import RunFailed, launch
 from .problem import Candidate, Problem
-from .run_options import RunOptions
+from .run.launch import RunFailed, launch
+from .run.options import RunOptions
 from .schedules import RULED
 
 __all__ = [
@@ -59,7 +59,7 @@ def why_no_probes(profile: Profile) -> Optional[str]:
             if gpus >= S
             else f"{S} ranks need a GPU each, {gpus} here: the fit to the runtime is left out"
         )
-    threads = int(profile.device.model_extra.get("threads", 1))
+    threads = profile.device.threads or 1
     cores = os.cpu_count() or 1
     return (
         None
@@ -86,7 +86,7 @@ def probe_runs(
     out.mkdir(parents=True, exist_ok=True)
     # with the profile's replicas (umopt profile --dp), as the runs of its schedules will be
     dp = profile.allreduce
-    problem = Problem(CostTables.from_profile(profile, False, dp), minibatch)
+    problem = Problem(CostTables.from_profile(profile, False, dp, minibatch=minibatch), minibatch)
     names = []
     for b in sizes:
         chunk_sizes = [b] * (minibatch // b) + ([minibatch % b] if minibatch % b else [])

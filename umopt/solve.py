@@ -88,7 +88,7 @@ def make_problem(
     if minibatch < 1:
         raise UmoptError(f"--minibatch must be at least 1, got {minibatch}")
     check_problem_size(profile.num_stages, minibatch)
-    return Problem(CostTables.from_profile(profile, recompute, dp), minibatch)
+    return Problem(CostTables.from_profile(profile, recompute, dp, minibatch=minibatch), minibatch)
 
 
 def allreduce_for(
@@ -304,7 +304,7 @@ def _equal_baselines(problem: Problem) -> tuple[Baseline, Baseline]:
     if limit is not None and static.max() > limit:
         s = int(static.argmax())
         raise UmoptError(
-            f"stage {s}'s static memory alone ({int(static[s])} bytes: weights, gradients, optimizer) is over the memory limit of {limit} bytes"
+            f"stage {s}'s memory before any activation ({int(static[s])} bytes: weights, gradients, optimizer state, the minibatch's receive buffers) is over the memory limit of {limit} bytes"
         )
     if limit is None:  # every equal schedule took infinitely long: cannot be, with finite tables
         raise UmoptError(f"no equal partition of minibatch {problem.minibatch} could be scored")

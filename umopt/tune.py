@@ -32,13 +32,13 @@ from .errors import UmoptError
 from .fileio import check_writable
 from .formats.profile import Profile, load_profile, save_profile
 from .formats.schedule import Schedule, make_schedule, save_schedule
-from .launch import launch
 from .measure import ProfileOptions, check_profile_options, profile_for_chunks
 from .noise import OFF_PREDICTION
 from .peers import TORCH_MULTI
 from .probes import profile_in_pipeline
 from .problem import Candidate
-from .run_options import RunOptions
+from .run.launch import launch
+from .run.options import RunOptions
 from .solve import make_problem, solve
 from .solve_chunks import solve_chunked
 from .solvers import SOLVERS
@@ -325,18 +325,25 @@ def _measure(
         paths.append(str(out / f"{n}.json"))
         save_schedule(plans[n], paths[-1])
     equal = [n for n in names if n in EQUAL or n.startswith("torch_")]
-    say(
-        f"running {', '.join(names)} in turns, rounds of {steps} steps each, until decided at {100 * confidence:.0f}% confidence (at least {rounds} rounds, at most {budget:g} s)"
-    )
+    alone = len(names) == 1  # (one stage: every partition runs its chunks one after another)
+    if alone:
+        say(
+            f"{names[0]} is the only schedule worth measuring (the others are the same ops): running it, {rounds} x {steps} steps"
+        )
+    else:
+        say(
+            f"running {', '.join(names)} in turns, rounds of {steps} steps each, until decided at {100 * confidence:.0f}% confidence (at least {rounds} rounds, at most {budget:g} s)"
+        )
     options = RunOptions(
         schedules=paths,
         steps=steps,
         warmup=warmup,
         rounds=rounds,
-        decide=confidence,
+        decide=None if alone else confidence,
         budget=budget,
         report=str(out / "report_{name}.json"),
         plot=str(out / "measured_{name}.png"),
+        select=False,
     )
     result = launch(options, quiet=True)
     measured, warnings = {}, []
@@ -356,7 +363,18 @@ def _measure(
         if abs(off) > OFF_PREDICTION:
             warnings.append(f"{name} measured {100 * off:+.0f}% off its prediction")
     rows = [measured[n] for n in names]
-    decision = pick(rows, confidence, equal)  # the runtime's own, recomputed from the reports
+    if alone:
+        decision = Decision(
+            names[0],
+            names[0],
+            1.0,
+            True,
+            rounds,
+            (),
+            "the only schedule: every candidate runs these same ops",
+        )
+    else:
+        decision = pick(rows, confidence, equal)  # the runtime's own, recomputed from the reports
     for k, name in enumerate(plans):
         same = twin[name]
         if same == name:

@@ -123,6 +123,7 @@ class AllReduceProfile(_Strict):
 class ModelInfo(_Strict):
     name: str
     args: dict[str, Any] = Field(default_factory=dict)
+    seed: int = 0  # the runtime builds the model with it: every rank the same weights
 
 
 class DeviceInfo(_Strict):
@@ -132,6 +133,7 @@ class DeviceInfo(_Strict):
     # the settings the kernels were timed under (TF32, matmul precision, cuDNN autotuning:
     # umopt.devices.numerics); None where not recorded
     numerics: Optional[dict[str, Union[bool, str]]] = None
+    threads: Optional[int] = None  # CPU: intra-op threads per stage it was timed with (the runtime's default)
 
 
 class _Meta(BaseModel):

@@ -71,6 +71,7 @@ class Selection(BaseModel):
     decided: bool
     steps: int  # spent measuring (they trained too)
     cost_ms: float  # what those steps took beyond the winner's pace
+    cost_spread_ms: float = 0.0  # what noise alone would give that sum (about 95%): a cost within it is noise
     reason: str
     note: Optional[str] = None  # where the winner is not the pick: what that says of the profile
     candidates: list[SelectionEntry]
@@ -90,6 +91,8 @@ class RunReport(BaseModel):
     recompute: StrictBool = False
     steps: StrictInt = 0  # measured, over all rounds
     warmup: StrictInt = 0
+    selection_steps: StrictInt = 0  # of selection's turns, before the measured steps
+    trained_steps: StrictInt = 0  # every step: warm-up, selection and measured (what `losses` covers)
     rounds: StrictInt = 1  # played (with --decide, until decided or out of budget)
     schedules_in_turn: StrictInt = 1
     # what it measured

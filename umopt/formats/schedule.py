@@ -104,6 +104,8 @@ class SolverInfo(_Strict):
     status: str
     lower_bound_ms: Optional[Ms] = None
     seconds: Ms
+    # the name the pick goes by beside its candidates (umopt, or the equal schedule it is)
+    recommended: Optional[str] = None
 
 
 class Baseline(_Strict):
@@ -295,7 +297,7 @@ def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: 
             f"schedule was made for another profile (sha256 {schedule.profile.sha256[:12]}..., this one {profile.sha256[:12]}...)"
         )
     ops = schedule.op_lists()
-    tables = CostTables.from_profile(profile, schedule.recompute, schedule.dp, chunks)
+    tables = CostTables.from_profile(profile, schedule.recompute, schedule.dp, chunks, schedule.minibatch)
     validate_ops(ops, schedule.minibatch, profile.max_size, schedule.recompute, chunks)
     timeline = simulate(tables, ops, schedule.minibatch)
     limit = profile.memory_limit_bytes
@@ -342,7 +344,9 @@ def _candidate_timeline(
     ops = c.op_lists()
     try:
         if c.chunking() != schedule.chunking():
-            tables = CostTables.from_profile(profile, schedule.recompute, schedule.dp, c.chunking())
+            tables = CostTables.from_profile(
+                profile, schedule.recompute, schedule.dp, c.chunking(), schedule.minibatch
+            )
         validate_ops(ops, schedule.minibatch, profile.max_size, schedule.recompute, c.chunking())
         return simulate(tables, ops, schedule.minibatch)
     except UmoptError as exc:

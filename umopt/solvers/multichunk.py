@@ -216,7 +216,7 @@ def _screen(
     best_ms = float("inf")
     all_shapes = shapes(profile, chunk_counts)
     for n, shape in enumerate(all_shapes):
-        tables = CostTables.from_profile(profile, recompute, dp, chunks=shape.chunking)
+        tables = CostTables.from_profile(profile, recompute, dp, chunks=shape.chunking, minibatch=B)
         lows = []
         for m in range(max(1, -(-B // profile.max_size)), B + 1):
             g = equal_genes(tables, B, m, weights=weights)
@@ -292,7 +292,7 @@ def solve_chunks(
                 h, h_shape = g, moved
                 if moved.chunking not in cuts:
                     cuts[moved.chunking] = CostTables.from_profile(
-                        profile, recompute, dp, chunks=moved.chunking
+                        profile, recompute, dp, chunks=moved.chunking, minibatch=B
                     )
                 h_tables = cuts[moved.chunking]
             else:

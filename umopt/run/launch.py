@@ -1,7 +1,7 @@
 """Starting the runtime's processes on this machine (what ``umopt run`` does).
 
 Checks everything it can before a process starts (:func:`umopt.run_options.preflight`), then
-starts one rank per stage (``python -m umopt.runtime OPTIONS.json``, the options resolved) in a
+starts one rank per stage (``python -m umopt.run.rank OPTIONS.json``, the options resolved) in a
 process group of its own and watches them. They meet through a file store in a private temp
 folder, so a local run opens no port for its rendezvous, and gloo and NCCL are told to use the
 loopback interface.
@@ -11,7 +11,7 @@ is known with its exit status (its own one-line status file says why it raised; 
 says which signal killed it), the others are stopped at once (SIGTERM, then SIGKILL after
 :data:`STOP_GRACE_S`), and an interrupt of ``umopt run`` (SIGINT, SIGTERM) stops all of them
 before it returns, with exit code 130 or 143. On several machines, ``torchrun`` starts
-``umopt run`` once per rank instead (README), and each runs :func:`umopt.runtime.main` itself.
+``umopt run`` once per rank instead (README), and each runs :func:`umopt.run.rank.main` itself.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .errors import UmoptError
-from .formats.report import RunReport, load_report
-from .run_options import RunOptions, preflight
+from ..errors import UmoptError
+from ..formats.report import RunReport, load_report
+from .options import RunOptions, preflight
 
 __all__ = ["RunFailed", "Interrupted", "RunResult", "launch", "STOP_GRACE_S"]
 
@@ -84,7 +84,7 @@ def launch(
         paths = [cfg.output(template, k) for k in range(len(cfg.schedules))]
         handed = Path(tmp) / "options.json"  # what every rank reads, resolved
         handed.write_text(cfg.options.model_copy(update={"report": template}).model_dump_json())
-        threads = options.threads or int(cfg.profile.device.model_extra.get("threads", 1))
+        threads = options.threads or (cfg.profile.device.threads or 1)
         env = dict(os.environ)
         env.update(
             UMOPT_STATUS_DIR=tmp,
@@ -133,7 +133,7 @@ def _supervise(
             else {"preexec_fn": lambda g=group: os.setpgid(0, g)}
         )
         p = subprocess.Popen(
-            [sys.executable, "-m", "umopt.runtime", str(options_file)],
+            [sys.executable, "-m", "umopt.run.rank", str(options_file)],
             env=rank_env,
             stdout=stdout,
             stderr=stderr,

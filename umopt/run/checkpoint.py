@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shutil
+import time
 from pathlib import Path
 from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import UmoptError
-from .fileio import read_json, write_json
-from .formats.profile import Profile, pydantic_error_line
+from ..errors import UmoptError, first_line
+from ..fileio import read_json, write_atomic, write_json
+from ..formats.profile import Profile, pydantic_error_line
 
 __all__ = [
     "MANIFEST",
@@ -76,7 +78,7 @@ def model_identity(profile: Profile) -> dict[str, Any]:
     return {
         "name": profile.model.name,
         "args": profile.model.args,
-        "seed": profile.model.model_extra.get("seed", 0),
+        "seed": profile.model.seed,
         "layers": [st.layers for st in profile.stages],
     }
 
@@ -178,3 +180,76 @@ def remove_stale(folder: str | Path, s: int, keep: str) -> None:
     for p in Path(folder).glob(f"stage{s}-step*.pt"):
         if re.fullmatch(rf"stage{s}-step\d+-[0-9a-f]+\.pt", p.name) and p.name != keep:
             p.unlink(missing_ok=True)
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` through a temporary file: the path holds the old file or the new one, whole."""
+    import torch
+
+    try:
+        write_atomic(path, lambda tmp: torch.save(obj, tmp))
+    except (OSError, RuntimeError) as exc:
+        # torch.save reports a full disk as "unexpected pos 128 vs 0": say what failed, and how
+        # much room there was
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        first = first_line(exc, 120) or exc.__class__.__name__
+        raise OSError(
+            f"cannot write {path} ({free / 2**20:.0f} MiB free there; disk full or a file size limit?): {first}"
+        ) from None
+
+
+def write_set(
+    folder: Path,
+    s: int,
+    state: dict,
+    step: int,
+    run: str,
+    profile: Profile,
+    optimizer: str,
+    schedules: list[str],
+    io_group: Any,
+    writes: bool,
+    device: Any,
+    delay_s: float = 0.0,
+) -> None:
+    """This stage's part of the checkpoint set of ``step`` (collective over the world, on the
+    I/O group): its file (where ``writes``: replica 0), then, once every stage has written its
+    own, the manifest (rank 0), then the old files go."""
+    import torch.distributed as dist
+
+    from .signals import waiting
+
+    name = stage_file(s, step, run)
+    if writes:
+        time.sleep(delay_s)
+        save_atomic(state, folder / name)
+    hashes: list = [None] * dist.get_world_size()
+    with waiting(f"every stage's checkpoint file of step {step}", io=True):
+        dist.all_gather_object(hashes, file_sha256(folder / name) if writes else None, group=io_group)
+    if dist.get_rank() == 0:
+        named = [
+            {"path": str(p), "sha256": hashlib.sha256(Path(p).read_bytes()).hexdigest()} for p in schedules
+        ]
+        write_manifest(folder, step, run, profile, optimizer, [h for h in hashes if h is not None], named)
+    with waiting(f"the checkpoint manifest of step {step}", io=True):
+        if device.type == "cuda":
+            dist.barrier(group=io_group, device_ids=[device.index])
+        else:
+            dist.barrier(group=io_group)
+    if writes:
+        remove_stale(folder, s, name)
+
+
+def load_stage(folder: str, s: int, profile: Profile, optimizer: str, device: Any) -> tuple[dict, int]:
+    """Stage ``s``'s state in the folder's last complete set, and the step it was written after."""
+    import torch
+
+    man = read_manifest(folder, profile, optimizer, verify=[s])
+    path = Path(folder) / man.files[s].path
+    try:
+        # weights_only: a checkpoint is data; unpickling anything else could run code
+        return torch.load(path, map_location=device, weights_only=True), man.step
+    except Exception as exc:  # noqa: BLE001 - whatever the file holds, it is not this stage's state
+        raise UmoptError(
+            f"--resume: {path} is not stage {s}'s state ({exc.__class__.__name__}: {first_line(exc)})"
+        ) from None

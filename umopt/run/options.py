@@ -17,14 +17,14 @@ from typing import Callable, Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..decide import is_equal
+from ..devices import check_trainable
+from ..errors import UmoptError
+from ..fileio import check_writable
+from ..formats.profile import Profile, load_profile, pydantic_error_line
+from ..formats.schedule import Schedule, check_against_profile, load_schedule, require_pick_layout
+from ..zoo import build_model, import_object
 from .checkpoint import MANIFEST, read_manifest
-from .decide import is_equal
-from .devices import check_trainable
-from .errors import UmoptError
-from .fileio import check_writable
-from .formats.profile import Profile, load_profile, pydantic_error_line
-from .formats.schedule import Schedule, check_against_profile, load_schedule, require_pick_layout
-from .zoo import build_model, import_object
 
 __all__ = ["RunOptions", "RunConfig", "preflight", "data_function"]
 
@@ -158,9 +158,7 @@ def preflight(opts: RunOptions, verify_stages: Optional[list[int]] = None) -> Ru
 
 def _check_model(profile: Profile) -> None:
     check_trainable(profile.device.dtype)
-    parts = build_model(
-        profile.model.name, profile.model.args, seed=int(profile.model.model_extra.get("seed", 0))
-    )
+    parts = build_model(profile.model.name, profile.model.args, seed=profile.model.seed)
     layers_needed = profile.stages[-1].layers[1]
     if layers_needed != len(parts.layers):
         raise UmoptError(

@@ -1,0 +1,637 @@
+"""``umopt.Pipeline``: this rank's part of a pipeline that runs a umopt schedule, in your own loop.
+
+On each rank you build your stage's module (or, for a schedule with several chunks per rank,
+the rank's chunk modules as a list, in virtual stage order), load the schedule that ``umopt
+solve`` wrote, and call :meth:`Pipeline.step` once per iteration; the optimizer, scaler,
+clipping, logging and checkpoints stay yours::
+
+    pipe = umopt.Pipeline(stage_module, "schedule.json", loss_fn=nn.CrossEntropyLoss())
+    loss = pipe.step(inputs)              # first stage; the last passes targets=..., the others nothing
+    optimizer.step(); optimizer.zero_grad()
+
+A step plays the rank's op list (:mod:`umopt.run.player`) over its virtual stages
+(:mod:`umopt.run.stage`; one chunk per rank is one virtual stage per rank), its messages in the
+order both ends agree on (:mod:`umopt.run.links`). The gradients left in the modules' parameters
+are those of ``loss_fn(whole_model(x), y).backward()`` in one process on the whole minibatch
+(:mod:`umopt.losses` says how each chunk's loss counts). Where the schedule file has candidates,
+the first steps measure them in turns and keep the fastest (:mod:`umopt.run.selection`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..costmodel import ALLREDUCE_BUCKET_BYTES, ChunkOp, OpKind
+from ..devices import TensorSpec, check_trainable, numerics, numerics_differences
+from ..errors import UmoptError
+from ..formats.profile import Profile, load_profile
+from ..formats.report import Selection
+from ..formats.schedule import Schedule, check_against_profile, load_schedule, require_pick_layout
+from ..losses import ChunkLoss, chunk_loss
+from .comm import Comm, PipelineBroken, TorchComm, describe
+from .failures import guarded
+from .links import StepLinks, directions, messages
+from .player import Player, StepTimer, joined_output
+from .selection import Turns
+from .stage import Stage, check_samples, check_spec, tensors, warn_batch_norm
+
+__all__ = ["Pipeline", "schedule_and_profile", "average_gradients"]
+
+Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+_said: set[str] = set()
+
+
+def _warn_numerics(profile: Profile) -> None:
+    """Say once per process where this process's TF32 / cuDNN settings differ from the profile's."""
+    differ = numerics_differences(profile.device.numerics, numerics())
+    line = "; ".join(differ)
+    if differ and line not in _said:
+        _said.add(line)
+        logging.getLogger("umopt").warning(
+            "this process runs with other numerics than the profile was timed under (%s): its predicted times may not hold",
+            line,
+        )
+
+
+def schedule_and_profile(
+    schedule: Union[str, Path, Schedule], profile: Optional[Union[str, Path, Profile]]
+) -> tuple[Schedule, Profile]:
+    """The schedule (a file or loaded) and its profile (given, else the file it names), checked
+    against each other."""
+    sched = schedule if isinstance(schedule, Schedule) else load_schedule(str(schedule))
+    prof = profile if isinstance(profile, Profile) else load_profile(str(profile or sched.profile.path))
+    check_against_profile(sched, prof)
+    return sched, prof
+
+
+def loss_scale(
+    comm: Comm, loss: ChunkLoss, ys: tuple[torch.Tensor, ...], minibatch: int, dp_group, device: torch.device
+) -> Callable[[int, int], Any]:
+    """What each chunk's loss counts by (:mod:`umopt.losses`); with data-parallel replicas a
+    normalizer is the global minibatch's (its replicas' sum), the gradients' average undone."""
+    if loss.rule != "normalized":
+        return loss.scale(ys[0] if len(ys) == 1 else ys, minibatch)
+    total = torch.as_tensor(
+        loss.normalizer(ys[0] if len(ys) == 1 else ys), dtype=torch.float32, device=device
+    )
+    replicas = len(comm.group_ranks(dp_group)) if dp_group is not None else 1
+    if replicas > 1:
+        total = total.clone()
+        comm.all_reduce(total, dp_group)
+        total = total / replicas
+    return lambda lo, hi: 1.0 / total
+
+
+# [Note: the all-reduce after the sends]
+# The data-parallel all-reduce runs on a communicator of its own (dp_group) and would start
+# while this stage's last sends (its last input gradients) are still in flight on the links'.
+# NCCL promises progress for two communicators in flight at once only if both kernels can run
+# at the same time, which nothing guarantees (a full GPU, or a peer that starts them in the
+# other order, deadlocks). So the all-reduce starts once the links are done. The cost model
+# starts it at the stage's last op: the last message's time, on a GPU link microseconds, is
+# not counted.
+def average_gradients(comm: Comm, params, dp_group) -> None:
+    """Average the gradients of ``params`` over the data-parallel replicas of ``dp_group``: flat
+    buckets of about :data:`~umopt.costmodel.ALLREDUCE_BUCKET_BYTES`, all-reduced one after the
+    other with the next in flight while one is copied back, so at most two buckets exist at once
+    (what the memory model counts: [Note: what a step holds besides its activations])."""
+    grads = [p.grad for p in params if p.grad is not None]
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for g in grads:
+        if size and size + g.numel() * g.element_size() > ALLREDUCE_BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += g.numel() * g.element_size()
+    n = len(comm.group_ranks(dp_group))
+
+    def start(b: list[torch.Tensor]) -> tuple[Any, torch.Tensor, list[torch.Tensor]]:
+        flat = torch.cat([g.reshape(-1) for g in b])
+        return comm.all_reduce(flat, dp_group, async_op=True), flat, b
+
+    def finish(work: Any, flat: torch.Tensor, b: list[torch.Tensor]) -> None:
+        work.wait()
+        flat /= n
+        offset = 0
+        for g in b:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    in_flight = None
+    for b in (b for b in buckets if b):
+        started = start(b)
+        if in_flight is not None:
+            finish(*in_flight)
+        in_flight = started
+    if in_flight is not None:
+        finish(*in_flight)
+
+
+class Pipeline:
+    """This rank's part of a umopt schedule, run in your own training loop.
+
+    Args:
+        module: this rank's stage module, on ``device``; or, for a schedule with several chunks
+            per rank (``umopt solve --chunks``), the rank's chunk modules as a list, in virtual
+            stage order. Each is called with what crosses its input boundary (a tuple as
+            ``module(*tuple)``).
+        schedule: a schedule file's path or a loaded :class:`~umopt.formats.schedule.Schedule`.
+        stage: which stage this rank runs, one chunk per rank (default: its rank in ``group``).
+        loss_fn: ``loss_fn(output, targets)`` on the rank holding the last stage (required
+            there); it returns a scalar. A torch loss module is read for what its mean is over
+            (:func:`umopt.losses.chunk_loss`): ``nn.CrossEntropyLoss(ignore_index=...,
+            weight=..., label_smoothing=...)`` gives one process's gradients as it is.
+        loss_reduction: for a plain function: ``"mean"`` (over the samples it is given, the
+            default) or ``"sum"``; a loss module's own ``reduction`` is used instead.
+        loss_normalizer: ``loss_normalizer(targets)`` of the whole minibatch: what the mean is
+            over (valid tokens, say). The loss is then a sum (``loss_reduction="sum"``; a loss
+            module's mean is made one), divided by it.
+        profile: the profile the schedule was made for (default: the file the schedule names);
+            the autocast dtype comes from it.
+        group: the process group of this pipeline, or its global ranks in stage order (default:
+            the world); stage (rank) ``s`` of the schedule is its rank ``s``.
+        device: where the buffers live (default: the module's first parameter's device).
+        input_specs, output_specs: per-sample shape and dtype of each tensor this stage receives
+            and sends (with a list of modules: a list of them per module; default: agreed at the
+            first step, each stage telling the next what a forward of two samples gives; given
+            ones are checked against what the stage before says).
+        dtype: the autocast dtype of forwards (default: the profile's).
+        timer: a :class:`~umopt.run.player.StepTimer` to record each op's span (``spans``).
+        dp_group: the ranks that run this same rank of the pipeline in the other data-parallel
+            replicas, each on its own slice of the global minibatch: at the end of each step the
+            rank's gradients are averaged over them (bucketed all-reduces), so that they are the
+            global minibatch's mean-loss gradients.
+        strict: refuse a module with BatchNorm layers (whose gradients cannot equal one
+            process's) instead of warning.
+        on_failure: called with a failed step's exception before the links break (the runtime
+            writes its status there, so that the rank that failed first is the one named).
+        select: where the schedule file has candidates (``umopt solve`` writes them), measure
+            them and its pick in turns over the first steps and keep the fastest (see [Note:
+            selection while training] in umopt/run/selection.py); every schedule gives the same
+            gradients, so training is unchanged. ``selected`` names the winner once chosen,
+            ``selection`` says what was measured.
+        select_steps: steps at most spent measuring (default: a quarter of ``steps``, at most 60,
+            or what three rounds need where that is at most half of ``steps``).
+        steps: how many steps the run has, if known: measuring then also stops once it has cost
+            3% of the run.
+
+    Constructing a Pipeline is collective over the world: every rank takes part in making the
+    links' process groups (see [Note: one process group per link and direction]), and each of
+    its set-up waits for another rank is bounded and named (UMOPT_SETUP_TIMEOUT_S, default the
+    process group's timeout) and ends at once where another rank failed.
+    """
+
+    def __init__(
+        self,
+        module: Union[nn.Module, Sequence[nn.Module]],
+        schedule: Union[str, Path, Schedule],
+        stage: Optional[int] = None,
+        *,
+        loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+        loss_reduction: Optional[str] = None,
+        loss_normalizer: Optional[Callable[[Any], Any]] = None,
+        profile: Optional[Union[str, Path, Profile]] = None,
+        group: Any = None,
+        device: Optional[torch.device] = None,
+        input_specs: Optional[Sequence[Any]] = None,
+        output_specs: Optional[Sequence[Any]] = None,
+        dtype: Optional[str] = None,
+        timer: Optional[StepTimer] = None,
+        dp_group: Any = None,
+        strict: bool = False,
+        on_failure: Optional[Callable[[BaseException], None]] = None,
+        select: bool = True,
+        select_steps: Optional[int] = None,
+        steps: Optional[int] = None,
+        _comm: Optional[Comm] = None,  # the transport (tests: a model of NCCL's semantics)
+    ):
+        self.comm = _comm if _comm is not None else TorchComm.current()
+        self.id = self.comm.next_id()  # every rank draws the same, in the order pipelines are made
+        self.on_failure = on_failure
+        self.who = f"rank {self.comm.rank}"
+        self.selected: Optional[str] = None  # the schedule kept, once chosen
+        self.selection: Optional[Selection] = None
+        self.spans: list = []  # each op's (kind, lo, hi, virtual stage, start, end) in the last step (with a timer)
+        self.played: Optional[str] = None  # the schedule the last step played (where there are candidates)
+        kw = dict(
+            loss_fn=loss_fn,
+            loss_reduction=loss_reduction,
+            loss_normalizer=loss_normalizer,
+            group=group,
+            device=device,
+            input_specs=input_specs,
+            output_specs=output_specs,
+            dtype=dtype,
+            timer=timer,
+            dp_group=dp_group,
+            strict=strict,
+            on_failure=on_failure,
+        )
+        self._set_up(lambda: self._build(module, schedule, stage, profile, kw))
+        self.turns: Optional[Turns] = None  # the pick and candidates taking turns (None: no candidates)
+        if select and self.schedule.candidates:  # the candidates' Pipelines, over the same modules
+            require_pick_layout(self.schedule, "pass select=False")
+            rival_kw = dict(kw, profile=self.profile, device=self.device, select=False, _comm=self.comm)
+            self.turns = Turns(self, lambda sc: Pipeline(module, sc, stage, **rival_kw), select_steps, steps)
+
+    # --- set-up ------------------------------------------------------------------------------
+    def _set_up(self, build: Callable[[], None]) -> None:
+        """Build this pipeline; where it fails, tell the other ranks at once (their set-up waits
+        end with this rank's words). Before the links' groups are made, nothing is half done: the
+        failure is this set-up's alone, and a Pipeline can be built again; after that, this
+        process's links are broken (see [Note: a failed step breaks the pipeline])."""
+        if self.comm.failed:
+            raise PipelineBroken(f"this process's pipelines cannot step again: {self.comm.failed}")
+        self._linking = False
+        try:
+            build()
+        except PipelineBroken:
+            raise  # another rank's failure, already told
+        except BaseException as exc:
+            if self.on_failure is not None:
+                self.on_failure(exc)
+            reason = f"{self.who} failed: {describe(exc)}"
+            if self._linking:
+                self.comm.fail(reason)
+            else:
+                self.comm.put(f"{self.id}/failed", reason)
+            raise
+
+    def _build(self, module, schedule, stage: Optional[int], profile, kw: dict) -> None:
+        self.schedule, self.profile = schedule_and_profile(schedule, profile)
+        sched, comm = self.schedule, self.comm
+        self.group, self.dp_group = kw["group"], kw["dp_group"]
+        self.ranks = comm.group_ranks(self.group)  # the global rank of each rank of the pipeline
+        chunking = sched.chunking()
+        R = len(sched.stages)
+        if len(self.ranks) != R:
+            raise UmoptError(
+                f"the schedule has {R} {'ranks' if chunking else 'stages'} but the process group has {len(self.ranks)}"
+            )
+        self.me = self._my_rank(stage, R)
+        self.who = f"stage {self.me}" if chunking is None else f"rank {self.me}"
+        self.ranks_of = list(chunking.ranks) if chunking is not None else list(range(R))
+        V = len(self.ranks_of)
+        ops = [
+            [ChunkOp(op[0], op[1], op[2], op[3] if len(op) == 4 else r) for op in rank_ops]
+            for r, rank_ops in enumerate(sched.op_lists())
+        ]
+        local = [j for j in range(V) if self.ranks_of[j] == self.me]
+        modules = self._modules(module, local, chunking is not None)
+        self.holds_first, self.holds_last = 0 in local, V - 1 in local
+        if self.holds_last and kw["loss_fn"] is None:
+            raise UmoptError(
+                "the last stage needs loss_fn"
+                if chunking is None
+                else "the rank holding the last chunk needs loss_fn"
+            )
+        self._loss: Optional[ChunkLoss] = (
+            chunk_loss(kw["loss_fn"], kw["loss_reduction"], kw["loss_normalizer"])
+            if kw["loss_fn"] is not None
+            else None
+        )
+        param = next((p for m in modules for p in m.parameters()), None)
+        self.device = kw["device"] or (param.device if param is not None else torch.device("cpu"))
+        self.dtype = kw["dtype"] or self.profile.device.dtype
+        check_trainable(self.dtype)
+        _warn_numerics(self.profile)
+        label = "stage" if chunking is None else "virtual stage"
+        specs_in = _per_module(kw["input_specs"], len(modules), "input_specs")
+        specs_out = _per_module(kw["output_specs"], len(modules), "output_specs")
+        self.stages: dict[int, Stage] = {}
+        for j, m, sin, sout in zip(local, modules, specs_in, specs_out):
+            warn_batch_norm(m, f"{label} {j}", kw["strict"])
+            self.stages[j] = Stage(j, V, m, self.device, self.dtype, sin, sout, label=label)
+        self._connect(ops)
+        self.ops = ops[self.me]
+        order = messages(ops, self.ranks_of)
+        forwards = messages([[op for op in o if op.kind == OpKind.F] for o in ops], self.ranks_of)
+        self.player = Player(
+            self.ops,
+            self.stages,
+            lambda: StepLinks(comm, self.me, self.ranks, self.ranks_of, order, self.stages),
+            lambda: StepLinks(comm, self.me, self.ranks, self.ranks_of, forwards, self.stages),
+            sched.recompute,
+            kw["timer"],
+        )
+        self._ready = False
+
+    def _my_rank(self, stage: Optional[int], R: int) -> int:
+        if stage is not None:
+            if self.schedule.chunks is not None:
+                raise UmoptError("stage= is for one chunk per rank; with several, a rank runs its own chunks")
+            if not 0 <= stage < R:
+                raise UmoptError(f"stage {stage} of a {R}-stage schedule")
+            if self.ranks[stage] != self.comm.rank:
+                raise UmoptError(
+                    f"stage {stage} is rank {self.ranks[stage]} of the process group, this process is rank {self.comm.rank}"
+                )
+            return stage
+        if self.comm.rank not in self.ranks:
+            raise UmoptError(
+                f"this process (rank {self.comm.rank}) is not in the pipeline's group {self.ranks}"
+            )
+        return self.ranks.index(self.comm.rank)
+
+    def _modules(self, module, local: list[int], chunked: bool) -> list[nn.Module]:
+        """The modules given, one per virtual stage of this rank, or a one-line error saying what to give."""
+        given = list(module) if isinstance(module, (list, tuple)) else [module]
+        if not all(isinstance(m, nn.Module) for m in given):
+            bad = next(m for m in given if not isinstance(m, nn.Module))
+            raise UmoptError(
+                f"umopt.Pipeline takes a module (or a list of chunk modules), got a {type(bad).__name__}"
+            )
+        if len(given) == len(local):
+            return given
+        if not chunked:
+            raise UmoptError(
+                f"the schedule has one chunk per rank, but stage {self.me} was given a list of {len(given)} modules: "
+                "give the stage's module (for several chunks per rank, solve with --chunks)"
+            )
+        if not isinstance(module, (list, tuple)):
+            raise UmoptError(
+                f"rank {self.me} holds virtual stages {local} of the schedule: give umopt.Pipeline this rank's "
+                "chunk modules as a list, in virtual stage order"
+            )
+        raise UmoptError(
+            f"rank {self.me} holds virtual stages {local} of the schedule, but was given {len(given)} modules"
+        )
+
+    def _connect(self, ops: list[list[ChunkOp]]) -> None:
+        """Every rank of the world says which directions its pipeline uses (so that every rank
+        knows every replica's and makes their groups, and no rank goes on before all have got
+        this far); then the links' groups are made and connected (umopt/run/comm.py)."""
+        comm = self.comm
+        mine = sorted((self.ranks[a], self.ranks[b]) for a, b in directions(self.ranks_of))
+        failed = f"{self.id}/failed"
+        comm.put(f"{self.id}/links/{comm.rank}", mine)
+        if comm.rank == 0:
+            every: set = set()
+            for r in range(comm.world):
+                every |= set(
+                    map(tuple, comm.get(f"{self.id}/links/{r}", f"rank {r} to build its pipeline", failed))
+                )
+            comm.put(f"{self.id}/links", sorted(every))
+        every = comm.get(f"{self.id}/links", "rank 0 to gather the pipelines' links", failed)
+        self._linking = True
+        comm.link_groups(map(tuple, every))
+        if isinstance(comm, TorchComm):
+            comm.watch_for_failures()
+
+    def _learn_specs(self, xs: tuple[torch.Tensor, ...]) -> None:
+        """The shapes at every boundary of this rank, agreed along the pipeline in virtual stage
+        order (a chain: no rank waits on a later one): each stage tells the next what it sends
+        (given, or from a forward of two samples: see [Note: what crosses a boundary])."""
+        B = self.schedule.minibatch
+        for j, st in sorted(self.stages.items()):
+            if st.first:
+                st.specs_in = [TensorSpec.of(t) for t in xs]
+            else:
+                if j - 1 in self.stages:
+                    told = self.stages[j - 1].specs_out
+                else:
+                    src = self.ranks[self.ranks_of[j - 1]]
+                    told = self.comm.get(
+                        f"{self.id}/specs/{j - 1}", f"rank {src} to say what {st.label} {j - 1} sends"
+                    )
+                if st.specs_in is not None and list(st.specs_in) != list(told):
+                    raise UmoptError(f"{st.name} expects {st.specs_in} but {st.label} {j - 1} sends {told}")
+                st.specs_in = list(told)
+            if not st.last:
+                if st.specs_out is None:
+                    if st.first and not xs:
+                        raise UmoptError(
+                            f"{st.name} learns what it sends from a forward: pass its inputs to prepare() or step()"
+                        )
+                    n = min(2, B)
+                    st.specs_out = st.learn_output(
+                        tuple(t[:n] for t in xs) if st.first else st.sample_inputs(n)
+                    )
+                self.comm.put(f"{self.id}/specs/{j}", st.specs_out)
+            st.allocate(B)
+        self._ready = True
+
+    def prepare(self, inputs: Optional[Tensors] = None) -> None:
+        """Agree on the boundary shapes now (the rank holding the first stage passes a batch of
+        its inputs) rather than in the first step, e.g. to keep that step's time clean. Every
+        rank must call it, or none."""
+        if not self._ready:
+            xs = tensors(inputs, "the inputs") if self.holds_first else ()
+            self._guarded(lambda: self._learn_specs(xs))
+
+    def share_buffers(self, other: Pipeline) -> None:
+        """Use ``other``'s receive buffers where the shapes agree (their steps never overlap)."""
+        if self._ready and other._ready:
+            for j, st in self.stages.items():
+                st.share(other.stages[j])
+
+    def release(self) -> None:
+        """Let go of this pipeline's receive buffers (a schedule selection did not keep)."""
+        for st in self.stages.values():
+            st.act, st.grad = [], []
+        self._ready = False
+
+    # --- one iteration -----------------------------------------------------------------------
+    def step(
+        self,
+        *args: Any,
+        inputs: Optional[Tensors] = None,
+        targets: Optional[Tensors] = None,
+        target: Optional[Tensors] = None,
+        losses: Optional[list] = None,
+    ) -> Optional[torch.Tensor]:
+        """Run one iteration's forwards and backwards on this rank; gradients accumulate in the
+        modules' parameters (the optimizer step is yours). The rank holding the first stage passes
+        the minibatch's inputs (``step(x)``), the one holding the last its targets
+        (``step(target=y)``; ``targets=`` too), the others nothing. Returns the minibatch's loss
+        where the last stage is (detached; exactly one process's; with ``dp_group``, this
+        replica's share of the global minibatch's loss), None elsewhere; ``losses``, a list, gets
+        each chunk's own loss appended, as torch's schedules do.
+
+        A step that raises leaves this pipeline (and every other of this process) unable to step
+        again, and makes the other ranks' steps fail at once instead of waiting (see [Note: a
+        failed step breaks the pipeline]).
+        """
+
+        def run(p: Pipeline) -> Optional[torch.Tensor]:
+            out = p._guarded(lambda: p._step(*p._inputs(args, inputs, targets, target), losses=losses))
+            self.spans = p.spans
+            return out
+
+        if self.turns is not None and not self.turns.done:
+            out = self.turns.step(run)
+            self.played = self.turns.played
+            return out
+        if self.turns is not None:
+            self.played = self.selected
+        return run(self.playing)
+
+    @property
+    def playing(self) -> Pipeline:
+        """The pipeline that plays the steps: this one, or the candidate selection kept."""
+        return self.turns.winner if self.turns is not None else self
+
+    @property
+    def up_next(self) -> Optional[str]:
+        """The schedule the next step plays, where there are candidates (None: no candidates)."""
+        return self.turns.up_next if self.turns is not None else None
+
+    def eval_step(
+        self,
+        *args: Any,
+        inputs: Optional[Tensors] = None,
+        targets: Optional[Tensors] = None,
+        target: Optional[Tensors] = None,
+        outputs: bool = False,
+    ) -> Any:
+        """Forwards only, under ``torch.no_grad()``, chunked as the schedule's forwards: nothing is
+        stashed and no gradient is touched. Returns, where the last stage is, the minibatch's loss
+        exactly as one process computes it (with ``outputs=True``: ``(loss, output)``, the last
+        stage's output of the whole minibatch), None elsewhere. Train or eval mode is the
+        modules' own, as in one process (call ``module.eval()`` for dropout)."""
+        play = self.playing
+        return play._guarded(lambda: play._eval(*play._inputs(args, inputs, targets, target), keep=outputs))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every rank's parameters by their norm over the whole pipeline,
+        as ``torch.nn.utils.clip_grad_norm_`` on the whole model in one process does (a rank's own
+        norm is only its part of it). Collective over the pipeline's ranks (``group``); call it
+        after ``step`` (with ``dp_group``, the gradients are already averaged, so the replicas
+        agree). Returns the total norm."""
+        if isinstance(self.group, (list, tuple)):
+            raise UmoptError(
+                "clip_grad_norm_ sums the norm over the pipeline's group: give group= a process group"
+            )
+        grads = [p.grad for st in self.stages.values() for p in st.module.parameters() if p.grad is not None]
+        device = self.device
+        if math.isinf(norm_type):
+            local = (
+                torch.stack([g.detach().abs().max().float() for g in grads]).max()
+                if grads
+                else torch.zeros(())
+            )
+            total = local.to(device).reshape(1)
+            self.comm.all_reduce(total, self.group, op="max")
+            norm = total[0]
+        else:
+            local = sum(
+                (torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in grads),
+                torch.zeros(()),
+            )
+            total = torch.as_tensor(local, device=device).reshape(1)
+            self.comm.all_reduce(total, self.group)
+            norm = total[0] ** (1.0 / norm_type)
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    def _guarded(self, run: Callable[[], Any]) -> Any:
+        return guarded(self.comm, run, self.who, self.on_failure)
+
+    def _inputs(
+        self, args: tuple, inputs: Any, targets: Any, target: Any
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """The inputs and targets of a step, as torch's schedules take them (``step(x)``,
+        ``step(target=y)``) or as umopt's (``inputs=``, ``targets=``), checked."""
+        if args and inputs is not None:
+            raise UmoptError("give the inputs once: step(x) or step(inputs=x)")
+        if targets is not None and target is not None:
+            raise UmoptError("give the targets once: step(target=y) or step(targets=y)")
+        B = self.schedule.minibatch
+        xs = (
+            tensors(args[0] if len(args) == 1 else (args or inputs), "the inputs") if self.holds_first else ()
+        )
+        ys = tensors(targets if targets is not None else target, "the targets") if self.holds_last else ()
+        if self.holds_first:
+            if not xs:
+                raise UmoptError(
+                    f"the first stage's step needs inputs of {B} samples (the schedule's minibatch), got none"
+                )
+            check_samples(xs, B, "the first stage's input (the schedule's minibatch)")
+            if self._ready:
+                for i, (t, spec) in enumerate(zip(xs, self.stages[0].specs_in)):
+                    check_spec(t, spec, f"the first stage's input {i}")
+        if self.holds_last:
+            if not ys:
+                raise UmoptError(f"the last stage's step needs targets of {B} samples, got none")
+            check_samples(ys, B, "the last stage's target (the schedule's minibatch)")
+        return xs, ys
+
+    def _loss_scale(self, ys: tuple[torch.Tensor, ...]) -> Callable[[int, int], Any]:
+        assert self._loss is not None
+        return loss_scale(self.comm, self._loss, ys, self.schedule.minibatch, self.dp_group, self.device)
+
+    def _chunk_loss(
+        self, out: Any, ys: tuple[torch.Tensor, ...], lo: int, hi: int, scale, losses: Optional[list]
+    ) -> torch.Tensor:
+        """The loss of samples ``[lo, hi)``, counted as its part of the minibatch's (:mod:`umopt.losses`)."""
+        assert self._loss is not None
+        y = tuple(t[lo:hi] for t in ys)
+        y = y[0] if len(y) == 1 else y
+        loss = self._loss.fn(out, y)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise UmoptError(
+                f"loss_fn returned {shape} for a chunk: it must return one number, the chunk's mean or sum "
+                "(loss_reduction says which; reduce a per-sample loss with .mean() or .sum())"
+            )
+        if losses is not None:  # the chunk's own loss, as torch's schedules append it
+            own = (
+                loss / torch.as_tensor(self._loss.normalizer(y), dtype=torch.float32, device=loss.device)
+                if self._loss.rule == "normalized"
+                else loss
+            )
+            losses.append(own.detach())
+        return loss * scale(lo, hi)
+
+    def _step(
+        self, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...], losses: Optional[list]
+    ) -> Optional[torch.Tensor]:
+        if not self._ready:
+            self._learn_specs(xs)
+        scale = self._loss_scale(ys) if self.holds_last else None
+        loss_sum, spans = self.player.step(
+            xs, lambda out, lo, hi: self._chunk_loss(out, ys, lo, hi, scale, losses)
+        )
+        if self.dp_group is not None and len(self.comm.group_ranks(self.dp_group)) > 1:
+            # after this rank's last messages are through (see [Note: the all-reduce after the sends])
+            mark = self.player.timer.mark if self.player.timer is not None else (lambda: None)
+            t0 = mark()
+            params = [p for st in self.stages.values() for p in st.module.parameters()]
+            average_gradients(self.comm, params, self.dp_group)
+            spans.append(("AR", 0, 0, -1, t0, mark()))
+        self.spans = spans
+        return loss_sum if self.holds_last else None
+
+    def _eval(self, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...], keep: bool) -> Any:
+        if not self._ready:
+            self._learn_specs(xs)
+        scale = self._loss_scale(ys) if self.holds_last else None
+        loss_sum, kept = self.player.forwards(
+            xs, lambda out, lo, hi: self._chunk_loss(out, ys, lo, hi, scale, None), keep
+        )
+        if not self.holds_last:
+            return None
+        return (loss_sum, joined_output(kept)) if keep else loss_sum
+
+
+def _per_module(specs: Optional[Sequence[Any]], n: int, what: str) -> list[Optional[list[TensorSpec]]]:
+    """Given specs as one list per module (a flat list of TensorSpec where there is one module)."""
+    if specs is None:
+        return [None] * n
+    specs = list(specs)
+    if n == 1 and all(isinstance(s, TensorSpec) for s in specs):
+        return [specs]
+    if len(specs) == n and all(s is None or isinstance(s, (list, tuple)) for s in specs):
+        return [None if s is None else list(s) for s in specs]
+    raise UmoptError(f"{what}: give a list of TensorSpec per module ({n} modules)")

@@ -1,0 +1,642 @@
+"""One rank of ``umopt run``: build its part of the profile's model, play the schedule, report.
+
+Every rank rebuilds the profile's model with the same seed, keeps its stage's layers (or its
+chunks) and plays its op list through :class:`umopt.run.pipeline.Pipeline`, the class users run
+in their own loops, its selection of a schedule file's candidates included: the same code path,
+timed op by op here for the report. The zoo's losses are sums over samples; divided by the
+minibatch, an iteration's gradients equal those of the whole minibatch in one process.
+
+Several schedule files (of one profile) take turns on the same processes, ``--rounds`` times:
+one model per layout, trained by each in turn, and one machine state, so that drift meets them
+all alike; each gets its own report.
+
+Run locally with ``umopt run`` (it starts a rank per stage, :mod:`umopt.run.launch`), or on
+several machines with ``torchrun --nnodes ... -m umopt.cli run SCHEDULE [options]`` (each
+process one rank): the same code path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..costmodel import Chunking, OpKind
+from ..decide import Decision, decide, is_equal
+from ..devices import (
+    TensorSpec,
+    boundary_tensors,
+    numerics,
+    numerics_differences,
+    rank_device,
+    reference_ms,
+    to_device,
+)
+from ..errors import UmoptError, first_line
+from ..formats.profile import Profile
+from ..formats.report import Selection
+from ..formats.schedule import Schedule
+from ..zoo import ModelParts, build_model
+from . import checkpoint, faults
+from .comm import TorchComm
+from .options import RunConfig, RunOptions, data_function, preflight
+from .pipeline import Pipeline
+from .player import StepTimer
+from .report import Measured, write_report
+from .signals import (
+    Progress,
+    exit_on_termination,
+    io_timeout_s,
+    phase,
+    report_failure,
+    setup_logging,
+    status_writer,
+    step_timeout_s,
+    waiting,
+)
+
+__all__ = ["StageSetup", "build_stage", "build_chunks", "init_distributed", "run_rank", "main"]
+
+_log = logging.getLogger("umopt.runtime")
+
+
+class StageModule(torch.nn.Module):
+    """A stage's (or a chunk's) layers, run one after the other, named by their index in the model."""
+
+    def __init__(self, layers, first: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({str(first + i): m for i, m in enumerate(layers)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.layers.values():
+            x = m(x)
+        return x
+
+
+@dataclass
+class StageSetup:
+    """One rank's modules on its device (a stage, or its chunks in virtual stage order), and what
+    crosses the edges of a one-chunk stage."""
+
+    modules: list[torch.nn.Module]
+    make_batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    input: Optional[
+        TensorSpec
+    ]  # what the stage receives (stage 0: the model's input); None: agreed by the Pipeline
+    output: Optional[TensorSpec]
+    device: torch.device
+    dtype: str  # the profile's autocast dtype
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """All of the rank's layers as one module (its state is the checkpoint's)."""
+        return self.modules[0] if len(self.modules) == 1 else torch.nn.ModuleList(self.modules)
+
+
+def build_stage(profile: Profile, s: int, device: torch.device) -> StageSetup:
+    """Stage ``s`` of the profile's model, built with the profile's seed, on ``device``.
+
+    The shapes and dtypes at its edges come from one sample run on ``device`` under the profile's
+    autocast, through the layers before it too (each freed after its step): what crosses a link
+    under autocast is what the stage before really sends, not what a float32 pass on the CPU gives.
+    """
+    parts: ModelParts = build_model(profile.model.name, profile.model.args, seed=profile.model.seed)
+    a, b = profile.stages[s].layers
+    module = StageModule(parts.layers[a:b], a).to(device)
+    edges = boundary_tensors(
+        parts.layers[:b], parts.make_batch(1, 0)[0], device, profile.device.dtype, release_before=a
+    )
+    setup = StageSetup(
+        [module],
+        parts.make_batch,
+        parts.loss,
+        TensorSpec.of(edges[a]),
+        TensorSpec.of(edges[b]),
+        device,
+        profile.device.dtype,
+    )
+    parts.layers.clear()  # the module holds this stage's layers; the others are not this rank's
+    return setup
+
+
+def build_chunks(profile: Profile, chunks: Chunking, rank: int, device: torch.device) -> StageSetup:
+    """This rank's chunks of a schedule with several per rank (in virtual stage order), built with
+    the profile's seed on ``device``; the boundary shapes are agreed by the Pipeline itself."""
+    parts: ModelParts = build_model(profile.model.name, profile.model.args, seed=profile.model.seed)
+    mods = [
+        StageModule(parts.layers[lo:hi], lo).to(device)
+        for (lo, hi), r in zip(chunks.layers, chunks.ranks)
+        if r == rank
+    ]
+    setup = StageSetup(mods, parts.make_batch, parts.loss, None, None, device, profile.device.dtype)
+    parts.layers.clear()
+    return setup
+
+
+def _build(profile: Profile, chunks: Optional[Chunking], s: int, device: torch.device) -> StageSetup:
+    return build_stage(profile, s, device) if chunks is None else build_chunks(profile, chunks, s, device)
+
+
+@dataclass
+class _Rank:
+    """What one rank holds for the run: its place in the pipelines, its stage and optimizer, its data."""
+
+    cfg: RunConfig
+    device: torch.device
+    rank: int
+    world: int
+    replica: int
+    s: int  # its stage (its rank in the pipeline)
+    setup: StageSetup
+    opt: torch.optim.Optimizer
+    data_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    timing: StepTimer
+    io_group: Any
+    run_id: str
+    start_step: int
+    pipe_ranks: list[int]  # the global ranks of this rank's pipeline, by stage
+    dp_group: Any = None
+    speeds: list[float] = field(
+        default_factory=list
+    )  # a fixed matmul's time on this rank's device, each round
+
+    def ends(self, chunks: Optional[Chunking]) -> tuple[bool, bool]:
+        """Whether this rank feeds the inputs and whether it computes the loss, in a layout."""
+        if chunks is None:
+            return self.s == 0, self.s == self.cfg.num_stages - 1
+        return chunks.ranks[0] == self.s, chunks.ranks[-1] == self.s
+
+
+def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
+    opts = cfg.options
+    rank, world = dist.get_rank(), dist.get_world_size()
+    S, dp = cfg.num_stages, cfg.dp
+    if world != S * dp:
+        raise UmoptError(
+            f"the schedule has {S} stages x --dp {dp} replicas but {world} processes were started"
+        )
+    replica, s = divmod(rank, S)  # rank r: stage r % S of replica r // S
+    dp_group = None
+    if dp > 1:  # a group per stage over its replicas: disjoint, so one split makes them all
+        dp_group = TorchComm.current().split([[k * S + j for k in range(dp)] for j in range(S)])
+    if device.type == "cpu":
+        torch.set_num_threads(opts.threads or cfg.profile.device.threads or 1)
+    setup = _build(cfg.profile, cfg.schedules[0].chunks, s, device)
+    opt = _optimizer(opts, setup.module)
+    start_step = _resume(cfg, s, setup.module, opt, device) if opts.resume else 0
+    io_group = dist.new_group(timeout=timedelta(seconds=io_timeout_s()))  # [Note: two timeouts]
+    with waiting(
+        "the other ranks to build their stages" + (" and load the checkpoint" if opts.resume else ""), io=True
+    ):
+        drawn = [secrets.token_hex(4) if rank == 0 else None]  # one name for this run's checkpoint files
+        dist.broadcast_object_list(drawn, src=0, group=io_group)
+    data_fn = data_function(opts.data) if opts.data else (lambda step, n: setup.make_batch(n, step))
+    return _Rank(
+        cfg,
+        device,
+        rank,
+        world,
+        replica,
+        s,
+        setup,
+        opt,
+        data_fn,
+        StepTimer(device),
+        io_group,
+        str(drawn[0]),
+        start_step,
+        [replica * S + j for j in range(S)],
+        dp_group,
+    )
+
+
+def _optimizer(opts: RunOptions, module: torch.nn.Module) -> torch.optim.Optimizer:
+    lr = opts.lr if opts.lr is not None else (0.01 if opts.optimizer == "sgd" else 1e-3)
+    params = list(module.parameters())
+    if opts.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=lr)
+
+
+@dataclass
+class _Play:
+    """One schedule file as this rank plays it (a Pipeline over a model copy of its layout), and
+    what it measured."""
+
+    pipe: Pipeline
+    name: str  # the schedule file's stem (with selection: the schedule kept)
+    path: str  # the schedule file it came from
+    setup: StageSetup
+    opt: torch.optim.Optimizer
+    first: bool  # this rank feeds the inputs
+    last: bool  # this rank computes the loss
+    step_ms: list[float] = field(default_factory=list)  # measured steps
+    busy_ms: list[float] = field(default_factory=list)  # this rank's busy time in each measured step
+    allreduce_ms: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # every step's
+    spans_last: list = field(default_factory=list)
+    op_ms: list[list[float]] = field(default_factory=list)  # each op's duration in every measured step
+    warmup: int = 0
+    selection_steps: int = 0
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.pipe.playing.schedule
+
+
+def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]], select: bool) -> list[_Play]:
+    """A Pipeline for each (name, report path, schedule), over the rank's model; a schedule that
+    places the layers otherwise than the first gets a model copy and optimizer of its layout
+    (built with the profile's seed: the same starting weights). The zoo's losses are sums over
+    samples: divided by the minibatch, the chunks' losses add up to the minibatch's mean, as in
+    one process."""
+    opts = rk.cfg.options
+    plays = []
+    layouts = {str(rk.cfg.schedules[0].chunks): (rk.setup, rk.opt)}
+    for name, path, sched in entries:
+        B = sched.minibatch
+        key = str(sched.chunks)
+        if key not in layouts:
+            setup = _build(rk.cfg.profile, sched.chunks, rk.s, rk.device)
+            layouts[key] = (setup, _optimizer(opts, setup.module))
+        setup, opt = layouts[key]
+        first, last = rk.ends(sched.chunks)
+        pipe = Pipeline(
+            setup.modules if sched.chunks is not None else setup.modules[0],
+            sched,
+            loss_fn=lambda out, y, B=B: rk.setup.loss(out, y) / B,
+            loss_reduction="sum",
+            profile=rk.cfg.profile,
+            device=rk.device,
+            input_specs=[setup.input] if setup.input is not None else None,
+            output_specs=[setup.output] if setup.output is not None else None,
+            timer=rk.timing,
+            group=rk.pipe_ranks,
+            dp_group=rk.dp_group,
+            on_failure=report_failure,
+            select=select,
+            select_steps=opts.select_steps,
+            steps=opts.warmup + opts.steps,
+        )
+        if rk.rank == 0:
+            faults.slow_down(pipe, name)
+        # the boundary shapes agreed now, not inside the first timed step
+        pipe.prepare(to_device(rk.data_fn(0, B * opts.dp)[0][:B], rk.device) if first else None)
+        plays.append(_Play(pipe, name, path, setup, opt, first, last))
+    return plays
+
+
+def _step(rk: _Rank, play: _Play, it: int, measured: bool, save_grads: bool) -> float:
+    """Step ``it`` of the run with ``play``'s schedule, then the optimizer; the slowest rank's
+    time of it (every rank gets the same), recorded in ``play`` where ``measured``."""
+    opts, B, dp = rk.cfg.options, play.pipe.schedule.minibatch, rk.cfg.dp
+    faults.inject(rk.rank, it - rk.start_step, play.setup.modules)
+    inputs = targets = None
+    if play.first or play.last:  # the stages between never touch the data
+        x, y = rk.data_fn(it, B * dp)  # the global minibatch: this replica's slice of it
+        if len(x) != B * dp or len(y) != B * dp:  # not cut silently: the user meant other samples
+            raise UmoptError(
+                f"--data {opts.data} returned {len(x)} inputs and {len(y)} targets for step {it}; the minibatch is {B * dp}"
+            )
+        x, y = x[rk.replica * B : (rk.replica + 1) * B], y[rk.replica * B : (rk.replica + 1) * B]
+        inputs = to_device(x, rk.device) if play.first else None
+        targets = to_device(y, rk.device) if play.last else None
+    _barrier(rk.device)
+    timing = rk.timing
+    timing.start()
+    loss_sum = play.pipe.step(inputs, targets=targets)
+    spans = list(play.pipe.spans)
+    # the gradients themselves, not copies: neither optimizer as built changes a gradient in
+    # place, and zero_grad only drops the parameters' references to them
+    grads = (
+        {k: p.grad for k, p in play.setup.module.named_parameters() if p.grad is not None}
+        if save_grads
+        else None
+    )
+    t_opt = timing.mark()
+    play.opt.step()
+    play.opt.zero_grad(set_to_none=True)
+    spans.append(("OPT", 0, 0, -1, t_opt, timing.mark()))
+    elapsed = timing.stop()
+    if grads is not None and rk.replica == 0:  # outside the step's time; the replicas' gradients are equal
+        Path(opts.save_grads).mkdir(parents=True, exist_ok=True)
+        checkpoint.save_atomic(
+            {k: g.detach().cpu() for k, g in grads.items()}, Path(opts.save_grads) / f"grads_stage{rk.s}.pt"
+        )
+    worst = torch.tensor([elapsed], dtype=torch.float64).to(rk.device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    ms = float(worst.item())
+    if play.last:
+        play.losses.append(float(loss_sum))
+    if measured:
+        ops = play.pipe.playing.ops
+        if not play.op_ms:
+            play.op_ms = [[] for _ in ops]
+        done = [(k, lo, hi, j, timing.ms(t0), timing.ms(t1)) for k, lo, hi, j, t0, t1 in spans]
+        play.step_ms.append(ms)
+        play.spans_last = done
+        play.busy_ms.append(sum(t1 - t0 for k, *_, t0, t1 in done if k in (OpKind.F, OpKind.B, OpKind.W)))
+        play.allreduce_ms.append(sum(t1 - t0 for k, *_, t0, t1 in done if k == "AR"))
+        for d, (_, _, _, _, t0, t1) in zip(play.op_ms, done[: len(ops)]):
+            d.append(t1 - t0)
+    return ms
+
+
+class _Steps:
+    """The run's step counter: each step's checkpoint (--checkpoint-every) and progress follow it."""
+
+    def __init__(self, rk: _Rank, total: int, progress: Optional[Progress]):
+        self.rk, self.it, self.last, self.progress = rk, rk.start_step, rk.start_step + total - 1, progress
+
+    def play(self, play: _Play, measured: bool, end_of_round: bool, what: str) -> float:
+        rk, opts = self.rk, self.rk.cfg.options
+        ms = _step(rk, play, self.it, measured, bool(opts.save_grads) and self.it == self.last)
+        self.it += 1
+        if self.progress:
+            self.progress.step(what, ms, play.schedule.predicted.iteration_ms, end_of_round)
+        every = opts.checkpoint_every
+        if opts.checkpoint and every and (self.it - rk.start_step) % every == 0 and self.it <= self.last:
+            _checkpoint(rk, self.it)
+            phase("the steps")
+        return ms
+
+
+def _selecting(rk: _Rank, play: _Play, steps: _Steps) -> Optional[Selection]:
+    """The steps of a schedule file whose candidates take turns in its Pipeline ([Note: selection
+    while training]): warm-up steps, then selection's turns, then the one kept; each step is
+    counted as one of the three, and only the last are measured."""
+    opts = rk.cfg.options
+    total = opts.warmup + opts.steps
+    for it in range(total):
+        selecting = play.pipe.selected is None
+        warm = it < opts.warmup
+        if warm:
+            play.warmup += 1
+        elif selecting:
+            play.selection_steps += 1
+        what = "warm-up" if warm else "selection" if selecting else "measured"
+        steps.play(
+            play,
+            measured=not warm and not selecting,
+            end_of_round=it == total - 1,
+            what=f"{what}, {play.pipe.up_next}",
+        )
+    return play.pipe.selection
+
+
+def _turns(rk: _Rank, plays: list[_Play], steps: _Steps) -> tuple[int, Optional[Decision]]:
+    """The schedules given take turns, --rounds times (with --decide until decided), so that
+    whatever drifts on the machine meets each alike. Returns the rounds played and the decision."""
+    opts = rk.cfg.options
+    decision: Optional[Decision] = None
+    began = time.monotonic()
+    turn = 0
+    while turn < opts.rounds or (decision is not None and not decision.decided):
+        if turn >= opts.rounds and not _another_round(opts, turn, time.monotonic() - began, rk.device):
+            break
+        rk.speeds.append(reference_ms(rk.device))
+        for k, play in enumerate(plays):
+            n = (opts.warmup if turn == 0 else 0) + opts.steps
+            for j in range(n):
+                warm = turn == 0 and j < opts.warmup
+                play.warmup += warm
+                steps.play(
+                    play,
+                    measured=not warm,
+                    end_of_round=j == n - 1 and k == len(plays) - 1,
+                    what=f"round {turn + 1}, {play.name}" + (" (warm-up)" if warm else ""),
+                )
+        turn += 1
+        if opts.decide is not None:  # every rank has the same step times (all-reduced), so the same decision
+            decision = _decision(plays, opts.steps, opts.decide)
+    return turn, decision
+
+
+def run_rank(cfg: RunConfig, device: torch.device) -> None:
+    opts = cfg.options
+    rk = _set_up(cfg, device)
+    selecting = _selects(cfg)
+    entries = [(Path(p).stem, p, sc) for p, sc in zip(opts.schedules, cfg.schedules)]
+    plays = _plays(rk, entries, select=selecting)
+    total = opts.warmup + opts.steps if selecting else len(plays) * (opts.warmup + opts.rounds * opts.steps)
+    if rk.rank == 0:
+        names = plays[0].pipe.turns.names if selecting and plays[0].pipe.turns else [p.name for p in plays]
+        _log.info(
+            "%d ranks (%d stages x %d replicas), %s on %s: %s",
+            rk.world,
+            cfg.num_stages,
+            opts.dp,
+            opts.backend,
+            device.type,
+            ", ".join(names),
+        )
+    steps = _Steps(rk, total, Progress(None if opts.decide else total) if rk.rank == 0 else None)
+    phase("the steps")
+    selection = None
+    if selecting:
+        rk.speeds.append(reference_ms(rk.device))
+        selection = _selecting(rk, plays[0], steps)
+        rounds, decision = 1, None
+    else:
+        rounds, decision = _turns(rk, plays, steps)
+    if opts.checkpoint:
+        _checkpoint(rk, steps.it)
+    phase("the report")
+    differ = numerics_differences(
+        cfg.profile.device.numerics, numerics()
+    )  # as the profile timed its kernels?
+    for k, play in enumerate(plays):
+        if (
+            selection is not None and not play.step_ms
+        ):  # selection took every step: the turns' own measurements
+            play.step_ms = list(selection_winner_ms(play))
+        mine = {
+            "spans": play.spans_last,
+            "losses": play.losses,
+            "op_ms": [
+                [op[0], op[1], op[2], statistics.median(d) if d else 0.0]
+                for op, d in zip(play.pipe.playing.ops, play.op_ms or [[] for _ in play.pipe.playing.ops])
+            ],
+            "busy_ms": statistics.median(play.busy_ms) if play.busy_ms else 0.0,
+            "allreduce_ms": statistics.median(play.allreduce_ms) if play.allreduce_ms else 0.0,
+            "reference_ms": statistics.median(rk.speeds),
+            "numerics_differ": differ,
+        }
+        gathered: list = [None] * rk.world
+        with waiting("the other ranks' measurements", io=True):  # rank 0 writes the last report meanwhile
+            dist.all_gather_object(gathered, mine, group=rk.io_group)
+        if rk.rank == 0:  # replica 0's stages (the others ran the same ops on their own samples)
+            name = selection.winner if selection is not None else play.name
+            measured = Measured(
+                name,
+                play.path,
+                play.schedule,
+                play.step_ms,
+                play.warmup,
+                play.selection_steps,
+                len(play.losses) if play.last else play.warmup + play.selection_steps + len(play.step_ms),
+                gathered[: cfg.num_stages],
+            )
+            write_report(cfg, measured, k, rounds, decision, selection)
+
+
+def selection_winner_ms(play: _Play) -> list[float]:
+    """The kept schedule's measured turn steps (where selection left no step after it)."""
+    turns = play.pipe.turns
+    if turns is None:
+        return []
+    return next((t.step_ms for t in turns.turns if t.pipe is play.pipe.playing), [])
+
+
+def _decision(plays: list[_Play], steps: int, confidence: float) -> Decision:
+    rounds = {
+        p.name: [statistics.median(p.step_ms[k : k + steps]) for k in range(0, len(p.step_ms), steps)]
+        for p in plays
+    }
+    # the equal schedules are the reference; with none among them, the first (the solve's pick)
+    equal = [p.name for p in plays if is_equal(p.schedule.op_lists())] or [plays[0].name]
+    return decide(rounds, equal, confidence=confidence)
+
+
+def _selects(cfg: RunConfig) -> bool:
+    opts = cfg.options
+    return (
+        opts.select
+        and len(cfg.schedules) == 1
+        and bool(cfg.schedules[0].candidates)
+        and opts.decide is None
+        and opts.rounds == 1
+    )
+
+
+def _another_round(opts: RunOptions, turn: int, spent_s: float, device: torch.device) -> bool:
+    """Whether an undecided comparison gets another round: rank 0's clock says, for every rank."""
+    more = torch.tensor(
+        [turn < opts.max_rounds and spent_s * (turn + 1) / turn <= opts.budget], dtype=torch.int32
+    ).to(device)
+    dist.broadcast(more, src=0)
+    return bool(more.item())
+
+
+def _checkpoint(rk: _Rank, step: int) -> None:
+    """This rank's part of the checkpoint set of ``step`` (:mod:`umopt.run.checkpoint`)."""
+    phase(f"the checkpoint of step {step}")
+    cfg = rk.cfg
+    checkpoint.write_set(
+        Path(cfg.options.checkpoint),
+        rk.s,
+        {"model": rk.setup.module.state_dict(), "optimizer": rk.opt.state_dict(), "step": step},
+        step,
+        rk.run_id,
+        cfg.profile,
+        cfg.options.optimizer,
+        cfg.options.schedules,
+        rk.io_group,
+        writes=rk.rank < cfg.num_stages,  # replica 0 writes (with --dp the replicas' states are equal)
+        device=rk.device,
+        delay_s=faults.slow_io_s(),
+    )
+
+
+def _resume(
+    cfg: RunConfig, s: int, module: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device
+) -> int:
+    """Load this stage's file of the folder's last complete set; the step it was written after."""
+    state, step = checkpoint.load_stage(cfg.options.checkpoint, s, cfg.profile, cfg.options.optimizer, device)
+    try:
+        module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    except Exception as exc:  # noqa: BLE001 - whatever the file holds, it is not this stage's state
+        raise UmoptError(
+            f"--resume: the checkpoint is not stage {s}'s state ({exc.__class__.__name__}: {first_line(exc)})"
+        ) from None
+    return step
+
+
+def init_distributed(backend: str, timeout_s: float) -> torch.device:
+    """Join the process group and return this rank's device.
+
+    Under NCCL the device is set from LOCAL_RANK *before* the group exists and handed to it
+    (``device_id``), so that NCCL binds each rank to its own GPU at once instead of guessing
+    (and barriers do not hang on a device nobody uses).
+    """
+    device = rank_device(backend)
+    # `umopt run` gives its ranks a file store (no port to listen on); torchrun, env:// as usual
+    store = os.environ.get("UMOPT_STORE")
+    where = (
+        dict(
+            init_method=f"file://{store}",
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
+        if store
+        else {}
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device, **where)
+    else:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **where)
+    return device
+
+
+def _barrier(device: torch.device, group=None) -> None:
+    if device.type == "cuda":
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
+
+
+# [Note: a failed rank leaves at once]
+# A rank that raises writes its status and traceback first and then leaves with os._exit, never
+# through destroy_process_group: under NCCL that waits for the communicators' in-flight kernels,
+# and a rank that failed in the middle of a step (a CUDA out-of-memory error, say) has receives
+# posted that will never complete, so it would block until the watchdog's SIGABRT and its error
+# would be lost ("ended without a word"). Leaving frees the communicators with the process; the
+# launcher (or torchrun) then stops the other ranks. gloo does not wait, which is why only a GPU
+# showed it.
+def main(options: Optional[RunOptions] = None) -> None:
+    """Entry point of each rank: ``umopt run`` under torchrun hands it its options, the ranks
+    ``umopt run`` starts itself (``python -m umopt.run.rank OPTIONS.json``) read them from the
+    launcher's file."""
+    rank = int(os.environ.get("RANK", "0"))
+    status = status_writer(rank)
+    status("started", phase="set-up")
+    setup_logging(rank)
+    exit_on_termination(status)
+    try:
+        opts = options if options is not None else RunOptions.read(sys.argv[1])
+        cfg = preflight(opts, verify_stages=[])  # each rank checks its own checkpoint file
+        device = init_distributed(cfg.backend, step_timeout_s())
+        run_rank(cfg, device)
+        dist.destroy_process_group()
+    except BaseException as exc:  # see [Note: a failed rank leaves at once]
+        report_failure(exc)  # unless the Pipeline already did, before its links broke
+        if not isinstance(exc, (UmoptError, KeyboardInterrupt)):
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    status("done")
+    # Leave without running C++ static destructors: after a finished run, gloo's threads
+    # sometimes abort there ("terminate called without an active exception", SIGABRT), which
+    # turned finished runs into failures. Everything this rank writes is written by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
