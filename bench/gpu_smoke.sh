@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
-# Check a GPU machine end to end, in under 10 minutes: one PASS / FAIL / SKIP line per step, each
-# saying what it checked (or why it could not run here), and a last line `N passed, N failed, N skipped`.
+# Check a GPU machine end to end, within a hard wall-clock budget: one PASS / FAIL / SKIP line per
+# step, each saying what it checked (or why it could not run here), and a last line
+# `N passed, N failed, N skipped`, printed whatever happens (the budget ends steps, not the script).
 #
 #   bash bench/gpu_smoke.sh [OUT_DIR]          # default OUT_DIR: gpu-smoke/
 #
-# What it checks, by the GPUs it finds:
-#   1 GPU   profiles (float32, bfloat16; probe runs must not fail), solves, one-stage runs (report
-#           with measured/predicted in 0.8-1.25, checkpoint, --resume), gradients against one
-#           process, a failing rank, tune; the multi-rank steps SKIP ("needs 2 GPUs").
-#   2+ GPUs the same on a 2-stage pipeline through NCCL (links measured, messages, the boundary
-#           shapes agreed between ranks), faults in one rank of two (raised before and in the
-#           middle of a step, killed: named right, within 60 s, none of its processes left).
-#   3+ GPUs a 3-stage pipeline (a middle stage with both links busy): profile, solve, run,
-#           gradients.
-#   N GPUs  (N > 3, at most 8) N stages, links measured concurrently, run under torchrun.
-# Everything it makes, the profiles first, stays in OUT_DIR; logs/ holds each step's output.
+# UMOPT_SMOKE_BUDGET_S (default 540): seconds for everything; a step gets what is left, and steps
+# past the budget are skipped with the reason. UMOPT_SMOKE_RANKS: use fewer GPUs (or cores) than
+# there are. UMOPT_SMOKE_DEVICE=cpu runs the same steps on the CPU (gloo, a smaller GPT, a core per
+# "GPU"): a check of the script itself on a machine without a GPU.
 #
-# UMOPT_SMOKE_DEVICE=cpu runs the same steps on the CPU (gloo, a smaller GPT, a core per "GPU"): a
-# check of the script itself on a machine without a GPU.
+# What it plays, by the GPUs it finds (N = 1..8), most telling first:
+#   1+  profile (bfloat16, probes fitted), solve, run (measured/predicted in 0.8-1.25; each rank's
+#       peak memory within 10% of the prediction), the schedule file's candidates measured in
+#       turns and one kept, gradients against one process, checkpoint and --resume, a failing
+#       rank, float32, tune;
+#   2+  several chunks per rank, V-shaped (torch's ZBV order: W ops), through `umopt run` and
+#       through `umopt.Pipeline` under torchrun, gradients against one process; faults among ranks;
+#   3+  a looped schedule on 3 ranks (the deadlock NCCL's lazy connections would find), both ways;
+#   4+  --dp 2: two replicas of a 2-rank pipeline, one chunk and V-shaped;
+#   N>3 N stages under torchrun.
+# Everything it makes, the profiles first, stays in OUT_DIR; logs/ holds each step's output.
 set -u
 OUT=${1:-gpu-smoke}
 HERE=$(cd "$(dirname "$0")" && pwd)
 DEVICE=${UMOPT_SMOKE_DEVICE:-cuda}
-BUDGET_S=${UMOPT_SMOKE_BUDGET_S:-570}  # optional steps are skipped past this, so the whole stays under 10 minutes
+BUDGET_S=${UMOPT_SMOKE_BUDGET_S:-540}
 mkdir -p "$OUT/logs"
 PASSED=0
 FAILED=0
@@ -35,32 +38,63 @@ report() {  # report STATE NAME SECONDS WHAT
   printf '%-4s  %-46s %4ss  %s\n' "$1" "$2" "$3" "$4"
 }
 
+counts() {
+  echo "profiles and logs in $OUT/, $((SECONDS - T_START)) s of a ${BUDGET_S} s budget"
+  echo "$PASSED passed, $FAILED failed, $SKIPPED skipped"
+}
+trap 'echo; echo "interrupted"; counts; exit 130' INT TERM
+
 skip() {  # skip NAME REASON
   SKIPPED=$((SKIPPED + 1))
   report SKIP "$1" - "$2"
 }
 
+left() { echo $((BUDGET_S - (SECONDS - T_START))); }
+
 step() {  # step NAME WHAT_IT_CHECKS COMMAND...: PASS with what it checked, FAIL with the last line printed
   local name=$1 what=$2
   shift 2
-  local log="$OUT/logs/${name//[^A-Za-z0-9=.-]/_}.log" t0=$SECONDS
-  if "$@" >"$log" 2>&1 && no_process_left; then
+  local log="$OUT/logs/${name//[^A-Za-z0-9=.-]/_}.log" t0=$SECONDS rest
+  rest=$(left)
+  if [ "$rest" -lt 15 ]; then
+    skip "$name" "the ${BUDGET_S} s budget is spent (UMOPT_SMOKE_BUDGET_S)"
+    return 1
+  fi
+  if within "$rest" "$log" "$@" && no_process_left; then
     PASSED=$((PASSED + 1))
     report PASS "$name" $((SECONDS - t0)) "$what"
+    grep -h '^SMOKE: ' "$log" | sed 's/^SMOKE: /        /'
   else
     FAILED=$((FAILED + 1))
     local why
     why=$(no_process_left || echo "left running: $(ours_left | tr '\n' ' ')")
+    [ -z "$why" ] && [ $((SECONDS - t0)) -ge "$rest" ] && why="ended by the budget after $((SECONDS - t0)) s"
     [ -z "$why" ] && why=$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-200)
     report FAIL "$name" $((SECONDS - t0)) "$why"
+    return 1
   fi
 }
 
-within_budget() {  # within_budget NAME: false (and a SKIP line) once the time budget is spent
-  if [ $((SECONDS - T_START)) -gt "$BUDGET_S" ]; then
-    skip "$1" "the ${BUDGET_S} s budget is spent (UMOPT_SMOKE_BUDGET_S)"
-    return 1
-  fi
+within() {  # within SECONDS LOG COMMAND...: the command (a function too) in a process group of its own, ended with it at the deadline
+  local rest=$1 log=$2 pid rc
+  shift 2
+  set -m
+  ("$@") >"$log" 2>&1 &
+  pid=$!
+  set +m
+  local deadline=$((SECONDS + rest))
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      kill -TERM -- -"$pid" 2>/dev/null
+      sleep 3
+      kill -KILL -- -"$pid" 2>/dev/null
+      break
+    fi
+    sleep 1
+  done
+  wait "$pid"
+  rc=$?
+  return "$rc"
 }
 
 ours_left() {  # python processes carrying this run's tag, still there
@@ -83,13 +117,16 @@ if [ "$DEVICE" = cuda ]; then
   MAX=16
   RTOL=1e-3
 else
-  GPUS=$(nproc)  # a core per rank
-  GPT=(--model gpt --model-arg layers=3 --model-arg d_model=64 --model-arg heads=2 --model-arg vocab=256 --model-arg seq_len=16)
+  # the cores this process may run on (not OMP_NUM_THREADS, which torchrun and users set to 1)
+  GPUS=$(python -c "import os; print(len(os.sched_getaffinity(0)))")
+  GPT=(--model gpt --model-arg layers=4 --model-arg d_model=64 --model-arg heads=2 --model-arg vocab=256 --model-arg seq_len=16)
   B=16
   MAX=8
   RTOL=1e-5
 fi
+GPUS=${UMOPT_SMOKE_RANKS:-$GPUS}
 UNIT=$([ "$DEVICE" = cuda ] && echo GPUs || echo cores)
+BACKEND=$([ "$DEVICE" = cuda ] && echo nccl || echo gloo)
 # with one GPU the link between two stages is given (NVLink-like), not measured
 LINK=()
 [ "$GPUS" -lt 2 ] && LINK=(--link-latency-ms 0.01 --link-gbps 400)
@@ -108,7 +145,6 @@ if dev == "cuda":
     print("nccl", torch.cuda.nccl.version(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
 EOF
 }
-step "environment ($DEVICE, $GPUS $UNIT)" "torch sees the device$([ "$DEVICE" = cuda ] && echo ', NCCL is there')" env_check
 
 probes_ok() {  # probes_ok PROFILE: the probe runs fitted the profile, or could not run for a stated reason; they never failed
   python - "$1" <<'EOF'
@@ -127,56 +163,120 @@ profile_step() {  # profile_step S DTYPE FILE [extra options]: the profile, then
   umopt profile "${GPT[@]}" --stages "$S" --max-size "$MAX" --device "$DEVICE" --dtype "$dtype" "$@" -o "$file" && probes_ok "$file"
 }
 
-ratio_ok() {  # ratio_ok REPORT: measured/predicted within 0.8-1.25
-  python - "$1" <<'EOF'
+layered_step() {  # layered_step S FILE: a profile layer by layer with the backward split (no probes)
+  umopt profile "${GPT[@]}" --stages "$1" --max-size "$MAX" --device "$DEVICE" --dtype bfloat16 \
+    --chunks 2 --split-backward --no-probes -o "$2"
+}
+
+report_ok() {  # report_ok REPORT [ratio|noratio]: measured/predicted in 0.8-1.25, each rank's peak memory within 10%
+  python - "$1" "${2:-ratio}" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
 ratio = r["measured_over_predicted"]
-print(f"measured {r['measured_iteration_ms']:.2f} ms, predicted {r['predicted_iteration_ms']:.2f} ms, measured/predicted {ratio:.3f}")
-assert 0.8 <= ratio <= 1.25, f"measured/predicted {ratio:.3f} is outside 0.8-1.25"
+print(f"SMOKE: measured {r['measured_iteration_ms']:.2f} ms, predicted {r['predicted_iteration_ms']:.2f} ms, measured/predicted {ratio:.3f}")
+mem = r.get("peak_memory_bytes") or {}
+bad = []
+for k, (m, p) in enumerate(zip(mem.get("measured") or [], mem.get("predicted") or [])):
+    print(f"SMOKE: rank {k} peak memory {m / 2**20:.1f} MiB measured, {p / 2**20:.1f} MiB predicted ({m / p:.3f})")
+    if not m <= 1.10 * p:
+        bad.append(f"rank {k} allocated {m / p:.2f}x its predicted peak")
+if sys.argv[2] == "ratio":
+    assert 0.8 <= ratio <= 1.25, f"measured/predicted {ratio:.3f} is outside 0.8-1.25"
+assert not bad, "; ".join(bad)
 EOF
 }
 
-run_step() {  # run_step SCHEDULE REPORT [options]: a run, then its measured/predicted checked
-  local sched=$1 rep=$2
+run_step() {  # run_step SCHEDULE REPORT [noratio] [options]: a run, then its report checked (noratio: not its time)
+  local sched=$1 rep=$2 check=ratio
   shift 2
-  umopt run "$sched" --steps 5 --warmup 2 --report "$rep" "$@" && ratio_ok "$rep"
+  [ "${1:-}" = noratio ] && { check=noratio; shift; }
+  umopt run "$sched" --steps 5 --warmup 2 --no-select --report "$rep" "$@" && report_ok "$rep" "$check"
 }
 
-grads_step() {  # grads_step SCHEDULE DIR RTOL: one step's gradients against one process
-  umopt run "$1" --steps 1 --warmup 0 --save-grads "$2" && python "$HERE/grad_check.py" "$1" "$2" --rtol "$3"
+grads_step() {  # grads_step SCHEDULE DIR RTOL [options]: one step's gradients against one process
+  local sched=$1 dir=$2 rtol=$3
+  shift 3
+  umopt run "$sched" --steps 1 --warmup 0 --no-select --save-grads "$dir" "$@" && python "$HERE/grad_check.py" "$sched" "$dir" --rtol "$rtol"
 }
 
-for dtype in float32 bfloat16; do
-  extra=()
-  [ "$RUN_STAGES" -gt 1 ] && extra=("${LINK[@]}")
-  links=$([ "$RUN_STAGES" -gt 1 ] && { [ ${#LINK[@]} -gt 0 ] && echo ", link given" || echo ", link measured"; })
-  step "profile gpt S=$RUN_STAGES $dtype" "a profile$links; probe runs fitted it or said why not" \
-    profile_step "$RUN_STAGES" "$dtype" "$OUT/gpt-s$RUN_STAGES-$dtype.json" "${extra[@]}"
-done
-if [ "$RUN_STAGES" -lt 2 ]; then  # one GPU: the 2-stage profile can still be made, with the link given
-  step "profile gpt S=2 bfloat16, link given" "a 2-stage profile on one GPU; probes said why they could not run" \
-    profile_step 2 bfloat16 "$OUT/gpt-s2-bfloat16.json" "${LINK[@]}"
+pipeline_step() {  # pipeline_step SCHEDULE RANKS: one step through umopt.Pipeline under torchrun, against one process
+  python -m torch.distributed.run --standalone --nproc-per-node "$2" "$HERE/pipeline_check.py" "$1" \
+    --backend "$BACKEND" --rtol 2e-2 | sed 's/^/SMOKE: /'
+  return "${PIPESTATUS[0]}"
+}
+
+selection_step() {  # selection_step SCHEDULE REPORT: the file's candidates measured in turns, one kept
+  umopt run "$1" --steps 40 --warmup 2 --report "$2" && python - "$2" <<'EOF'
+import json, sys
+s = json.load(open(sys.argv[1]))["selection"]
+assert s and s["steps"] > 0, f"selection measured nothing: {s and s['reason']}"
+rows = ", ".join(f"{c['name']} {c['measured_ms']:.2f} ms (pred {c['predicted_ms']:.2f})" for c in s["candidates"] if c["measured_ms"])
+print(f"SMOKE: kept {s['winner']} of {rows}: {s['reason']}")
+EOF
+}
+
+step "environment ($DEVICE, $GPUS $UNIT)" "torch sees the device$([ "$DEVICE" = cuda ] && echo ', NCCL is there')" env_check
+
+extra=()
+[ "$RUN_STAGES" -gt 1 ] && extra=("${LINK[@]}")
+PB="$OUT/gpt-s$RUN_STAGES-bfloat16.json"
+links=$([ "$RUN_STAGES" -gt 1 ] && { [ ${#LINK[@]} -gt 0 ] && echo ", link given" || echo ", link measured"; })
+step "profile gpt S=$RUN_STAGES bfloat16" "a profile$links; probe runs fitted it or said why not" \
+  profile_step "$RUN_STAGES" bfloat16 "$PB" "${extra[@]}"
+step "solve S=$RUN_STAGES bfloat16" "a valid schedule file with candidates, and its Gantt chart" \
+  umopt solve "$PB" -B "$B" --time-limit 10 -o "$OUT/sched.json" --plot "$OUT/sched.png"
+VIA=$([ "$RUN_STAGES" -gt 1 ] && echo "$RUN_STAGES ranks through $BACKEND" || echo "1 rank, no messages")
+MEM=$([ "$DEVICE" = cuda ] && echo "peak memory within 10%" || echo "(peak memory: measured on GPUs only)")
+step "run S=$RUN_STAGES, report and checkpoint" "$VIA; measured/predicted in 0.8-1.25; $MEM; a checkpoint set" \
+  run_step "$OUT/sched.json" "$OUT/report.json" --plot "$OUT/measured.png" --checkpoint "$OUT/ck"
+step "selection S=$RUN_STAGES" "the schedule file's pick and candidates measured in turns over the first steps, one kept" \
+  selection_step "$OUT/sched.json" "$OUT/report-select.json"
+step "gradients vs one process, bfloat16" "$VIA: one step's gradients equal one process's (rtol 2e-2)" \
+  grads_step "$OUT/sched.json" "$OUT/grads" 2e-2
+
+if [ "$GPUS" -lt 2 ]; then
+  skip "several chunks per rank, V-shaped" "needs 2 $UNIT"
+else
+  step "profile gpt S=2 per layer" "layer by layer, the backward split (W ops)" layered_step 2 "$OUT/gpt-s2-layers.json"
+  step "schedules V-shaped S=2" "torch's ZBV order on 2 ranks x 2 chunks" \
+    python "$HERE/smoke_schedules.py" "$OUT/gpt-s2-layers.json" -B "$B" --out "$OUT/chunked2"
+  step "run V-shaped S=2" "umopt run, 2 chunks per rank, W ops; $MEM" \
+    run_step "$OUT/chunked2/vshape.json" "$OUT/report-vshape.json" noratio
+  step "gradients V-shaped S=2" "umopt run: one step's gradients equal one process's (rtol 2e-2)" \
+    grads_step "$OUT/chunked2/vshape.json" "$OUT/grads-vshape" 2e-2
+  step "umopt.Pipeline V-shaped S=2" "a user's loop under torchrun, a list of chunk modules: one process's gradients" \
+    pipeline_step "$OUT/chunked2/vshape.json" 2
 fi
 
-P="$OUT/gpt-s$RUN_STAGES-float32.json"
-PB="$OUT/gpt-s$RUN_STAGES-bfloat16.json"
-step "solve S=$RUN_STAGES float32" "a valid schedule file and its Gantt chart" \
-  umopt solve "$P" -B "$B" --time-limit 10 -o "$OUT/sched.json" --plot "$OUT/sched.png"
-step "solve S=$RUN_STAGES bfloat16" "a valid schedule file" umopt solve "$PB" -B "$B" --time-limit 10 -o "$OUT/sched-bf16.json"
-VIA=$([ "$RUN_STAGES" -gt 1 ] && echo "$RUN_STAGES ranks through $([ "$DEVICE" = cuda ] && echo NCCL || echo gloo)" || echo "1 rank, no messages")
-step "run S=$RUN_STAGES, report and checkpoint" "$VIA; measured/predicted in 0.8-1.25; a checkpoint set" \
-  run_step "$OUT/sched.json" "$OUT/report.json" --plot "$OUT/measured.png" --checkpoint "$OUT/ck"
+if [ "$GPUS" -lt 3 ]; then
+  skip "looped, 3 ranks" "needs 3 $UNIT (a looped schedule's wrap link: NCCL's lazy connections)"
+else
+  step "profile gpt S=3 per layer" "layer by layer, links measured between the stages' $UNIT" layered_step 3 "$OUT/gpt-s3-layers.json"
+  step "schedules looped S=3" "torch's interleaved 1F1B on 3 ranks x 2 chunks" \
+    python "$HERE/smoke_schedules.py" "$OUT/gpt-s3-layers.json" -B "$B" --out "$OUT/chunked3"
+  step "run looped S=3" "umopt run: the first step does not hang; $MEM" \
+    run_step "$OUT/chunked3/looped.json" "$OUT/report-looped.json" noratio
+  step "gradients looped S=3" "one step's gradients equal one process's (rtol 2e-2)" \
+    grads_step "$OUT/chunked3/looped.json" "$OUT/grads-looped" 2e-2
+  step "umopt.Pipeline looped S=3" "a user's loop under torchrun: one process's gradients" \
+    pipeline_step "$OUT/chunked3/looped.json" 3
+fi
+
+if [ "$GPUS" -lt 4 ]; then
+  skip "--dp 2" "needs 4 $UNIT (2 replicas of a 2-rank pipeline)"
+else
+  step "run --dp 2" "2 replicas x 2 ranks: all-reduce after the steps; gradients of the global minibatch" \
+    grads_step "$OUT/sched.json" "$OUT/grads-dp" 2e-2 --dp 2
+  step "run V-shaped --dp 2" "2 replicas x 2 ranks x 2 chunks" \
+    grads_step "$OUT/chunked2/vshape.json" "$OUT/grads-vshape-dp" 2e-2 --dp 2
+fi
+
 step "run --resume" "the checkpoint set read back and the run continued" \
-  umopt run "$OUT/sched.json" --steps 2 --warmup 0 --checkpoint "$OUT/ck" --resume
-step "run S=$RUN_STAGES bfloat16" "$VIA under autocast; measured/predicted in 0.8-1.25" run_step "$OUT/sched-bf16.json" "$OUT/report-bf16.json"
-step "gradients vs one process (rtol $RTOL)" "$VIA: one step's gradients equal one process's" \
-  grads_step "$OUT/sched.json" "$OUT/grads" "$RTOL"
-step "gradients vs one process, bfloat16" "the same under autocast (rtol 2e-2)" grads_step "$OUT/sched-bf16.json" "$OUT/grads-bf16" 2e-2
+  umopt run "$OUT/sched.json" --steps 2 --warmup 0 --no-select --checkpoint "$OUT/ck" --resume
 
 fault() {  # fault KIND EXPECTED: the run fails with EXPECTED in its one line, within 60 s
   local t0=$SECONDS msg
-  msg=$(UMOPT_FAULT="$FAULT_RANK:1:$1" timeout 90 umopt run "$OUT/sched.json" --steps 5 --warmup 0 2>&1 >/dev/null)
+  msg=$(UMOPT_FAULT="$FAULT_RANK:1:$1" timeout 90 umopt run "$OUT/sched.json" --steps 5 --warmup 0 --no-select 2>&1 >/dev/null)
   echo "$msg"
   [[ "$msg" == *"$2"* ]] || { echo "expected: $2"; return 1; }
   [ $((SECONDS - t0)) -le 60 ] || { echo "took $((SECONDS - t0)) s"; return 1; }
@@ -193,33 +293,30 @@ else
   skip "fault: raise mid-step, kill" "a fault among ranks needs 2 $UNIT"
 fi
 
-if within_budget "tune --device $DEVICE"; then
-  tune_extra=()
-  [ "$RUN_STAGES" -gt 1 ] && tune_extra=("${LINK[@]}")
-  step "tune --device $DEVICE" "profile, solve, every candidate measured in turns, recommended.json written" \
-    umopt tune "${GPT[@]}" --stages "$RUN_STAGES" --minibatch "$B" --device "$DEVICE" \
-    --dtype bfloat16 "${tune_extra[@]}" --steps 4 --rounds 2 --time-limit 10 --out "$OUT/tune"
-fi
+P="$OUT/gpt-s$RUN_STAGES-float32.json"
+step "profile gpt S=$RUN_STAGES float32" "a profile$links; probe runs fitted it or said why not" \
+  profile_step "$RUN_STAGES" float32 "$P" "${extra[@]}"
+step "solve S=$RUN_STAGES float32" "a valid schedule file" umopt solve "$P" -B "$B" --time-limit 10 -o "$OUT/sched-f32.json"
+step "run S=$RUN_STAGES float32" "$VIA; measured/predicted in 0.8-1.25" run_step "$OUT/sched-f32.json" "$OUT/report-f32.json"
+step "gradients vs one process, float32 (rtol $RTOL)" "$VIA: one step's gradients equal one process's" \
+  grads_step "$OUT/sched-f32.json" "$OUT/grads-f32" "$RTOL"
 
-if [ "$GPUS" -lt 3 ]; then
-  skip "3-stage pipeline" "needs 3 $UNIT (a middle stage with both links busy)"
-elif within_budget "3-stage pipeline"; then
-  step "profile gpt S=3 bfloat16" "links measured between the stages' $UNIT; probes fitted it" profile_step 3 bfloat16 "$OUT/gpt-s3-bfloat16.json"
-  step "solve S=3" "a valid schedule file" umopt solve "$OUT/gpt-s3-bfloat16.json" -B "$B" --time-limit 10 -o "$OUT/sched-3.json"
-  step "run S=3" "3 ranks, the middle one on two links; measured/predicted in 0.8-1.25" run_step "$OUT/sched-3.json" "$OUT/report-3.json"
-  step "gradients S=3 (rtol 2e-2)" "one step's gradients equal one process's" grads_step "$OUT/sched-3.json" "$OUT/grads-3" 2e-2
-fi
+tune_extra=()
+[ "$RUN_STAGES" -gt 1 ] && tune_extra=("${LINK[@]}")
+step "tune --device $DEVICE" "profile, solve, every candidate measured in turns, recommended.json written" \
+  umopt tune "${GPT[@]}" --stages "$RUN_STAGES" --minibatch "$B" --device "$DEVICE" \
+  --dtype bfloat16 "${tune_extra[@]}" --steps 4 --rounds 2 --time-limit 10 --out "$OUT/tune"
 
 N=$((GPUS > 8 ? 8 : GPUS))
 if [ "$DEVICE" != cuda ] || [ "$N" -le 3 ]; then
   skip "torchrun, all GPUs" "needs more than 3 GPUs"
-elif within_budget "torchrun, $N stages"; then
+else
   step "profile gpt S=$N, links measured" "$((N - 1)) links, disjoint pairs measured at once" \
     profile_step "$N" bfloat16 "$OUT/gpt-s$N-bfloat16.json"
   step "solve S=$N" "a valid schedule file" umopt solve "$OUT/gpt-s$N-bfloat16.json" -B "$B" --time-limit 10 -o "$OUT/sched-n.json"
   torchrun_n() {
     python -m torch.distributed.run --standalone --nproc-per-node "$N" -m umopt.cli run "$OUT/sched-n.json" \
-      --steps 5 --warmup 2 --report "$OUT/report-n.json" && ratio_ok "$OUT/report-n.json"
+      --steps 5 --warmup 2 --no-select --report "$OUT/report-n.json" && report_ok "$OUT/report-n.json"
   }
   step "torchrun -m umopt.cli run, $N stages" "the multi-machine path on one: measured/predicted in 0.8-1.25" torchrun_n
 fi
@@ -231,7 +328,19 @@ from pathlib import Path
 out = Path(sys.argv[1])
 for f in sorted(out.glob("report*.json")):
     r = json.loads(f.read_text())
-    print(f"{f.name}: measured {r['measured_iteration_ms']:.2f} ms, predicted {r['predicted_iteration_ms']:.2f}, measured/predicted {r['measured_over_predicted']:.3f}")
+    mem = r.get("peak_memory_bytes") or {}
+    peak = ", ".join(f"{m / p:.2f}" for m, p in zip(mem.get("measured") or [], mem.get("predicted") or []))
+    print(f"{f.name}: measured {r['measured_iteration_ms']:.2f} ms, predicted {r['predicted_iteration_ms']:.2f}, "
+          f"measured/predicted {r['measured_over_predicted']:.3f}" + (f"; peak memory measured/predicted per rank {peak}" if peak else ""))
+sel = out / "report-select.json"
+if sel.exists():
+    s = json.loads(sel.read_text())["selection"]
+    if s:
+        equal = min((c["measured_ms"] for c in s["candidates"] if c["equal"] and c["measured_ms"]), default=None)
+        for c in s["candidates"]:
+            if c["measured_ms"]:
+                gain = f", {equal / c['measured_ms']:.3f}x the best equal" if equal else ""
+                print(f"selection {c['name']}: measured {c['measured_ms']:.2f} ms, predicted {c['predicted_ms']:.2f}{gain}")
 tune = sorted((out / "tune").glob("report_*.json"))
 if tune:
     ms = {f.stem[7:]: json.loads(f.read_text())["measured_iteration_ms"] for f in tune}
@@ -243,6 +352,5 @@ for f in sorted(out.glob("gpt-s*.json")):
     links = ", ".join(f"{l['latency_ms']:.3f} ms + {8 * l['bytes_per_ms'] / 1e6:.0f} Gbit/s ({l.get('source', '')})" for l in p["links"])
     print(f"{f.name}: {p['device']['name']}, links: {links or 'none'}")
 EOF
-echo "profiles and logs in $OUT/, $((SECONDS - T_START)) s"
-echo "$PASSED passed, $FAILED failed, $SKIPPED skipped"
+counts
 [ "$FAILED" -eq 0 ]

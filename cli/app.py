@@ -139,7 +139,10 @@ class _Lines:
             self.every if what == self.last_what else 1.0
         ):  # a new phase, unless the last line is under a second old
             return
-        share = f" ({completed:g}/{total:g})" if completed is not None and total else ""
+        share = ""
+        if completed is not None and total:  # items as counts (steps 12/42), shares of work as percentages
+            whole = float(completed).is_integer() and float(total).is_integer()
+            share = f" ({completed:.0f}/{total:.0f})" if whole else f" ({100 * completed / total:.0f}%)"
         err.print(
             f"umopt {self.label}: {what}{share} [{now - self.start:.0f} s]",
             markup=False,

@@ -23,9 +23,10 @@ _EACH = "; with several schedules a path with {name} in it, the schedule file's 
 @click.option(
     "--steps",
     type=int,
-    default=10,
+    default=40,
     show_default=True,
-    help="Measured iterations (of each schedule, each round).",
+    help="Iterations after the warm-up (of each schedule, each round); where the schedule file has "
+    "candidates, selection's turns are the first of them.",
 )
 @click.option(
     "--warmup",
@@ -68,7 +69,7 @@ _EACH = "; with several schedules a path with {name} in it, the schedule file's 
     type=int,
     default=None,
     help="Steps at most that a schedule with candidates spends measuring them in turns (they train too; "
-    "default a quarter of --steps, at most 60).",
+    "default a quarter of the run, at most 60, or what 3 rounds of turns need where that is at most half of it).",
 )
 @click.option(
     "--backend",
@@ -137,17 +138,20 @@ def run(schedules, **options) -> None:
     r = result.report
     if r.selection is not None:
         _print_selection(r.selection)
-    kept = f" ({r.selection.winner})" if r.selection is not None else ""
-    table = Table(
-        title=f"{r.schedule}{kept}: {r.stages} stages, minibatch {r.minibatch}, {r.backend}, {r.steps} steps"
-    )
+    _print_run(r)
+
+
+def _print_run(r: RunReport) -> None:
+    """One schedule's run: every figure with the steps it covers."""
+    kept = f" ({r.selection.winner}, kept by selection)" if r.selection is not None else ""
+    table = Table(title=f"{r.schedule}{kept}: {r.stages} stages, minibatch {r.minibatch}, {r.backend}")
     for col in ("", "iteration ms", "stage busy ms"):
         table.add_column(col, justify="right")
     table.add_row(
         "predicted", f"{r.predicted_iteration_ms:.2f}", " ".join(f"{x:.1f}" for x in r.busy_ms.predicted)
     )
     table.add_row(
-        "measured (median)",
+        f"measured (median of {r.steps} steps)",
         f"{r.measured_iteration_ms:.2f}",
         " ".join(f"{x:.1f}" for x in r.busy_ms.measured),
     )
@@ -159,15 +163,28 @@ def run(schedules, **options) -> None:
             " ".join(f"{p:.1f}/{m:.1f}" for p, m in zip(ar.predicted, ar.measured)),
         )
     out.print(table)
+    parts = [f"{r.warmup} warm-up"] + (
+        [f"{r.selection_steps} of selection's turns"] if r.selection_steps else []
+    )
+    trained = r.trained_steps or r.warmup + r.selection_steps + r.steps
     out.print(
-        f"measured / predicted = {r.measured_over_predicted:.3f}; losses per step: "
-        + " ".join(f"{x:.4f}" for x in r.losses)
+        f"{trained} steps: {', '.join(parts)}, then the {r.steps} measured above; measured / predicted = "
+        f"{r.measured_over_predicted:.3f}",
+        markup=False,
+        highlight=False,
+    )
+    out.print(
+        f"losses of all {len(r.losses)} steps: " + " ".join(f"{x:.4f}" for x in r.losses),
+        markup=False,
+        highlight=False,
     )
 
 
 def _print_selection(sel) -> None:
     """The schedule file's pick and candidates as they took turns over the first steps."""
-    table = Table(title=f"the first {sel.steps} steps: the schedule file's pick and candidates in turns")
+    table = Table(
+        title=f"the first {sel.steps} steps: the schedule file's pick and candidates in turns (ms: median of their measured steps)"
+    )
     table.add_column("schedule", no_wrap=True)
     for col in ("equal", "pred ms", "meas ms", "steps"):
         table.add_column(col, justify="right", no_wrap=True)
@@ -176,7 +193,13 @@ def _print_selection(sel) -> None:
         meas = "-" if c.measured_ms is None else f"{c.measured_ms:.2f}"
         table.add_row(c.name + mark, "yes" if c.equal else "no", f"{c.predicted_ms:.2f}", meas, str(c.steps))
     out.print(table)
-    cost = f"; measuring cost {sel.cost_ms:.0f} ms beyond the winner's pace" if sel.steps else ""
+    cost = (
+        f"; the turns cost {sel.cost_ms:.0f} ms (noise alone gives up to {sel.cost_spread_ms:.0f}) beyond the winner's pace"
+        if sel.steps and sel.cost_ms > sel.cost_spread_ms
+        else "; the turns cost nothing measurable beyond the winner's pace"
+        if sel.steps
+        else ""
+    )
     out.print(f"kept (*) {sel.winner}: {sel.reason}{cost}", markup=False, highlight=False)
     if sel.note:
         err.print(f"umopt: note: {sel.note}", markup=False, highlight=False, soft_wrap=True)

@@ -86,7 +86,7 @@ def show(schedule_path, profile_path, plot, trace) -> None:
         out.print(
             f"measured beside it over the first steps of umopt run: {rivals}", markup=False, highlight=False
         )
-    panels = [(schedule_path, tl)]
+    panels = [(schedule.solver.recommended or schedule.solver.name, tl)]
     if plot:
         from umopt.plot import gantt
 
@@ -95,6 +95,9 @@ def show(schedule_path, profile_path, plot, trace) -> None:
         from umopt.trace import write_trace
 
         write_trace(panels, trace)
+    written = [p for p in (plot, trace) if p]
+    if written:
+        out.print(f"wrote {', '.join(written)}")
 
 
 def _sizes(sizes: list[int]) -> str:
@@ -131,11 +134,24 @@ def list_profiles() -> None:
     from umopt.formats.profile import bundled_profiles, load_profile
 
     table = Table()
-    for col in ("name", "model", "device", "stages", "sizes"):
-        table.add_column(col)
+    for col in ("name", "model", "device", "stages", "sizes", "layers", "B/W"):
+        table.add_column(col, no_wrap=col != "model")
     for name in bundled_profiles():
         p = load_profile(name)
+        split = all(st.backward_input_ms is not None for st in p.stages)
         table.add_row(
-            name, p.model.name, f"{p.device.type} {p.device.name}", str(p.num_stages), f"1..{p.max_size}"
+            name,
+            p.model.name,
+            p.device.type,
+            str(p.num_stages),
+            f"1..{p.max_size}",
+            str(len(p.layers)) if p.layers is not None else "-",
+            "split" if split else "-",
         )
     out.print(table)
+    out.print(
+        "layers: timed layer by layer, so solve --chunks can cut the stages into several chunks per rank; "
+        "B/W split: solve --zero-bubble can place W ops",
+        markup=False,
+        highlight=False,
+    )

@@ -154,7 +154,7 @@ def solve(
         if report.gpipe_timeline
         else []
     )
-    panels.append((f"umopt ({solver})", report.timeline))
+    panels.append((_pick_name(report), report.timeline))
     if plot:
         from umopt.plot import gantt
 
@@ -174,15 +174,78 @@ def solve(
         )
     written = [output] + [p for p in (plot, trace) if p]
     out.print(f"wrote {', '.join(written)}")
+    _print_next(report.schedule, output)
+
+
+def _print_next(schedule, output: str) -> None:
+    """The next step: where the file has candidates, what selection measures and the steps it needs
+    ([Note: selection while training])."""
+    from umopt.run.options import RunOptions
+    from umopt.run.selection import SELECT_MOST, selection_steps_needed
+
+    n = 1 + len(schedule.candidates)
+    if n == 1:
+        out.print(f"next: umopt run {output}", markup=False, highlight=False)
+        return
+    need = selection_steps_needed(n)
+    warmup = RunOptions.model_fields["warmup"].default
+    steps = max(RunOptions.model_fields["steps"].default, math.ceil(need / SELECT_MOST) - warmup)
+    rivals = " and ".join(f"{c.name} ({c.predicted_iteration_ms:.2f} ms)" for c in schedule.candidates)
+    out.print(
+        f"next: umopt run {output} --steps {steps}: its first {need} steps measure the pick beside {rivals} "
+        f"in turns and keep the fastest (with fewer steps it plays the pick alone)",
+        markup=False,
+        highlight=False,
+    )
+
+
+def _pick_name(report) -> str:
+    """The pick's name in the table and the picture: the solver that found it, or the equal
+    schedule it is (umopt: gpipe), with W ops marked."""
+    solver = report.schedule.solver
+    winner = report.result.winner
+    name = f"umopt {solver.name}" if not winner or winner == solver.name else f"umopt ({winner})"
+    ops = report.choice.candidate.ops()
+    for base, label in ((report.gpipe, "gpipe"), (report.onef1b, "1f1b")):
+        if report.choice.name == base.name or (base.candidate is not None and base.candidate.ops() == ops):
+            name = f"umopt: {label}"
+    if any(op[0] == "W" for st in report.schedule.stages for op in st.ops):
+        name += " + W"
+    return name
+
+
+def _chunks(schedule_or_ops) -> str:
+    """Chunk counts per stage and, where they differ, the sizes: "8", "7..14", "6 (10-11)"."""
+    ops = schedule_or_ops.op_lists() if hasattr(schedule_or_ops, "op_lists") else schedule_or_ops
+    forwards = [[op[2] - op[1] for op in st if op[0] == "F"] for st in ops]
+    counts = sorted({len(f) for f in forwards})
+    sizes = sorted({b for f in forwards for b in f})
+    text = str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
+    if len(counts) == 1 and len(sizes) > 1:
+        text += f" ({sizes[0]}-{sizes[-1]})"
+    return text
+
+
+_STATUS = {"feasible": "feasible (valid, not proven optimal)", "optimal": "optimal (proven)"}
+
+_FOOTER = (
+    "ms: predicted iteration; x gpipe/1f1b: speedup over the best equal schedule; gap: at most this far from "
+    "optimal (above the lower bound); bubble: idle share of stage time; chunks: microbatches per stage (sizes "
+    "where they differ)"
+)
 
 
 def _best_so_far(bar):
     """A solver's progress callback (share done, best ms so far) moving ``bar``."""
     task = bar.add_task("", total=1.0)
+    lowest = [math.inf]  # over every phase: a later phase's own best may be worse than an earlier one's
 
     def progress(frac: float, best: float) -> None:
+        lowest[0] = min(lowest[0], best)
         bar.update(
-            task, completed=frac, description=f"best {best:.3f} ms" if math.isfinite(best) else "searching"
+            task,
+            completed=frac,
+            description=f"best {lowest[0]:.3f} ms" if math.isfinite(lowest[0]) else "searching",
         )
 
     return progress
@@ -231,60 +294,91 @@ def _solve_chunked(
         table.add_column(col, justify=justify, no_wrap=True)
     torch_ms = [p.iteration_ms for p in report.peers.values() if p.iteration_ms is not None]
     best_torch = min(torch_ms, default=None)
+    picked_ms = report.timeline.iteration_ms
 
     def row(name, v, m, ms):
         ratio = "-" if best_torch is None or ms is None else f"{best_torch / ms:.3f}"
-        table.add_row(name, str(v or "-"), str(m or "-"), _ms(ms), ratio)
+        mark = " *" if ms is not None and abs(ms - picked_ms) < 1e-9 and not row.marked else ""
+        row.marked = row.marked or bool(mark)
+        table.add_row(name + mark, str(v or "-"), str(m or "-"), _ms(ms), ratio)
 
-    row("GPipe equal", 1, one.gpipe.microbatches, one.gpipe.iteration_ms)
-    row("1F1B equal", 1, one.onef1b.microbatches, one.onef1b.iteration_ms)
-    row("umopt, one chunk", 1, None, one.timeline.iteration_ms)
-    for name, p in report.peers.items():
-        row(f"torch {name.removeprefix('Schedule')}", p.chunks, p.microbatches, p.iteration_ms)
+    row.marked = False
     sol = report.search
-    if sol is None:
-        row("umopt, several chunks", None, None, None)
-    else:
+    pick_row = (report.picked, report.schedule)
+    rows = [
+        ("GPipe equal", 1, one.gpipe.microbatches, one.gpipe.iteration_ms),
+        ("1F1B equal", 1, one.onef1b.microbatches, one.onef1b.iteration_ms),
+        ("umopt, one chunk", 1, None, one.timeline.iteration_ms),
+    ]
+    rows += [
+        (f"torch {name.removeprefix('Schedule')}", p.chunks, p.microbatches, p.iteration_ms)
+        for name, p in report.peers.items()
+    ]
+    if sol is not None:
         counts = sorted({len(p) for p in sol.genes.fwd})
-        row(
-            f"umopt, {sol.shape.placement} ({sol.shape.cut} cut)",
-            sol.shape.chunks,
-            str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}",
-            sol.iteration_ms,
+        rows.append(
+            (
+                f"umopt, {sol.shape.placement} ({sol.shape.cut} cut)",
+                sol.shape.chunks,
+                str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}",
+                sol.iteration_ms,
+            )
         )
     if report.exact is not None:
-        row(
-            "umopt, exact model" + (" (optimal)" if report.exact.optimal else ""),
-            None,
-            None,
-            report.exact.iteration_ms,
-        )
+        optimal = " (optimal)" if report.exact.optimal else ""
+        rows.append((f"umopt, exact model{optimal}", None, None, report.exact.iteration_ms))
+    if report.schedule.chunks is not None:
+        v = len(report.schedule.chunks.ranks) // len(report.schedule.stages)
+        rows += [
+            (
+                f"torch {name.removeprefix('Schedule')}, the pick's cut",
+                p.chunks,
+                p.microbatches,
+                p.iteration_ms,
+            )
+            for name, p in report.on_layout.items()
+            if p.iteration_ms is not None
+        ]
+        if all(abs(ms - picked_ms) > 1e-9 for *_, ms in rows if ms is not None):
+            rows.append(
+                (
+                    "picked: " + pick_row[0].replace("umopt chunks", "umopt's search"),
+                    v,
+                    _chunks(pick_row[1]),
+                    picked_ms,
+                )
+            )
+    for r in rows:
+        row(*r)
     out.print(table)
-    proven = ", optimal for its cut and placement" if report.schedule.solver.status == "optimal" else ""
     out.print(
-        f"picked: {report.picked}, {report.timeline.iteration_ms:.3f} ms{proven}",
+        "v: model chunks per rank; M: microbatches per chunk; x best torch: speedup over the fastest of "
+        "torch's schedules, each at its best v, M and cut; *: the schedule written",
         markup=False,
         highlight=False,
+        style="dim",
     )
+    proven = ", optimal for its cut and placement" if report.schedule.solver.status == "optimal" else ""
+    picked = report.picked.replace("umopt chunks", "umopt's search").replace(
+        "polished from", "order polished from"
+    )
+    out.print(f"picked (*): {picked}, {picked_ms:.3f} ms{proven}", markup=False, highlight=False)
     lb = report.schedule.solver.lower_bound_ms
     if lb:
+        scope = report.schedule.solver.model_extra.get("bound_holds_for", "one chunk per rank")
+        holds = lb <= picked_ms + 1e-9
         out.print(
-            f"lower bound {lb:.3f} ms (gap {100 * (report.timeline.iteration_ms - lb) / lb:.1f}% at most), "
-            f"for {report.schedule.solver.model_extra.get('bound_holds_for', 'one chunk per rank')}",
+            f"lower bound {lb:.3f} ms for {scope}"
+            + (
+                f": the pick is at most {100 * (picked_ms - lb) / lb:.1f}% from the best possible there"
+                if holds
+                else " (not for the pick, which is outside that scope)"
+            ),
             markup=False,
             highlight=False,
         )
-    _print_candidates(report.schedule)
     out.print(f"wrote {', '.join([output] + [p for p in (plot, trace) if p])}")
-
-
-def _print_candidates(schedule) -> None:
-    """What ``umopt run`` measures beside the pick over the first steps ([Note: selection while training])."""
-    if schedule.candidates:
-        rivals = ", ".join(f"{c.name} {c.predicted_iteration_ms:.2f} ms" for c in schedule.candidates)
-        out.print(
-            f"umopt run measures beside it over the first steps: {rivals}", markup=False, highlight=False
-        )
+    _print_next(report.schedule, output)
 
 
 def _print_report(report) -> None:
@@ -327,44 +421,33 @@ def _print_report(report) -> None:
         )
 
     gt, ot = report.gpipe_timeline, report.onef1b_timeline
-    row(
-        "GPipe equal",
-        str(report.gpipe.microbatches or "-"),
-        report.gpipe.candidate,
-        report.gpipe.iteration_ms,
-        gt.bubble_fraction if gt else None,
-    )
-    row(
-        "1F1B equal",
-        str(report.onef1b.microbatches or "-"),
-        report.onef1b.candidate,
-        report.onef1b.iteration_ms,
-        ot.bubble_fraction if ot else None,
-    )
+    for label, base, btl in (("GPipe equal", report.gpipe, gt), ("1F1B equal", report.onef1b, ot)):
+        row(
+            label,
+            _chunks(base.candidate.ops()) if base.candidate is not None else "-",
+            base.candidate,
+            base.iteration_ms,
+            btl.bubble_fraction if btl else None,
+        )
     for name, zb, zt in (
         ("ZB-H1 equal", report.zbh1, report.zbh1_timeline),
         ("ZB-H2 equal", report.zbh2, report.zbh2_timeline),
     ):
         if zb is not None:
             row(name, str(zb.microbatches or "-"), None, zb.iteration_ms, zt.bubble_fraction if zt else None)
-    counts = sorted({len([o for o in st.ops if o[0] == "F"]) for st in report.schedule.stages})
-    winner = report.result.winner
-    umopt_name = f"umopt {solver.name}" if not winner or winner == solver.name else f"umopt ({winner})"
-    if report.choice.name in ("gpipe_equal", "1f1b_equal"):
-        umopt_name = f"umopt: {report.choice.name.split('_')[0]}"
     has_w = any(op[0] == "W" for st in report.schedule.stages for op in st.ops)
-    if has_w:
-        umopt_name += " + W"
     # (the bounds hold for schedules without W ops: no gap for one with them)
     row(
-        umopt_name,
-        str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}",
+        _pick_name(report),
+        _chunks(report.schedule),
         None if has_w else report.choice.candidate,
         tl.iteration_ms,
         tl.bubble_fraction,
     )
-    table.add_row("lower bound", "", _ms(solver.lower_bound_ms), "", "", "", "")
+    if not has_w:  # (it holds for schedules without W ops: the line below says so for one with them)
+        table.add_row("lower bound", "", _ms(solver.lower_bound_ms), "", "", "", "")
     out.print(table)
+    out.print(_FOOTER, markup=False, highlight=False, style="dim")
     _print_bounds_and_notes(report, scope, has_w)
 
 
@@ -379,10 +462,11 @@ def _print_bounds_and_notes(report, scope, has_w: bool) -> None:
         Scope.GPIPE: "GPipe-order schedules",
     }[scope]
     out.print(
-        f"solver {solver.name}: {solver.status}, {solver.seconds:.1f} s, {report.result.evaluated} schedules scored; "
+        f"solver {solver.name}: {_STATUS.get(solver.status, solver.status)}, {solver.seconds:.1f} s, "
+        f"{report.result.evaluated} schedules scored; "
         f"the bound holds for {covers}"
         + (
-            " without W ops"
+            f" without W ops ({_ms(solver.lower_bound_ms)} ms; not for this schedule, which has them)"
             if has_w
             else ""
             if scope == Scope.ANY
@@ -416,4 +500,3 @@ def _print_bounds_and_notes(report, scope, has_w: bool) -> None:
         )
     if report.result.notes:
         out.print(f"note: {'; '.join(report.result.notes)}")
-    _print_candidates(report.schedule)

@@ -120,9 +120,10 @@ def tune(
     for col in ("M", "pred ms", "meas ms", "meas x", "pred x"):
         table.add_column(col, justify="right", no_wrap=True)
     for row in result.rows:
-        mark = " *" if row.name == result.recommended else ""
+        mark = " *" if row.name == result.recommended or row.same_as == result.recommended else ""
+        name = f"{row.name} (= {row.same_as})" if row.same_as else row.name
         table.add_row(
-            row.name + mark,
+            name + mark,
             row.chunks,
             f"{row.predicted_ms:.2f}",
             f"{row.measured_ms:.2f}",
@@ -130,17 +131,33 @@ def tune(
             f"{result.speedup(row, False):.3f}x",
         )
     out.print(table)
+    out.print(
+        "(= x): the same ops as row x, measured once; meas x, pred x: speedup over the first row, measured "
+        "(medians of every round) and predicted",
+        markup=False,
+        highlight=False,
+        style="dim",
+    )
     state = "" if result.decided else "; not decided when the budget ended (more --budget or --steps decides)"
     out.print(
         f"recommended (*): {result.recommended}, {result.reason}{state}; written as {result.out_dir}/recommended.json",
         markup=False,
         highlight=False,
     )
-    umopt_row = result.row("umopt")
+    for note in result.notes:
+        out.print(f"note: {note}", markup=False, highlight=False)
+    fastest = min(result.rows, key=lambda r: r.predicted_ms)
     if result.lower_bound_ms:
+        lb = result.lower_bound_ms
+        gap = (fastest.predicted_ms - lb) / lb
+        where = (
+            "meets it: no schedule can be faster there"
+            if gap <= 1e-6
+            else f"is within {100 * gap:.1f}% of it (the bound is not always reachable)"
+        )
         out.print(
-            f"umopt's schedule is within {100 * (umopt_row.predicted_ms - result.lower_bound_ms) / result.lower_bound_ms:.1f}% "
-            f"of the lower bound ({result.lower_bound_ms:.2f} ms, for {result.bound_holds_for}; not proven tight)",
+            f"lower bound {lb:.2f} ms for {result.bound_holds_for}: the fastest schedule predicted, "
+            f"{fastest.name} ({fastest.predicted_ms:.2f} ms), {where}",
             markup=False,
             highlight=False,
         )

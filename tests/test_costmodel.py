@@ -430,3 +430,33 @@ def test_exact_zero_bubble_model_keeps_to_the_memory_limit(recompute):
             within += 1
             assert got.iteration_ms >= bound - 1e-9
     assert within >= 10
+
+
+def test_a_step_holds_its_receive_buffers_and_the_all_reduce_buckets_whatever_the_schedule():
+    """[Note: what a step holds besides its activations]: with the minibatch known, every stage's
+    memory counts a buffer of its inputs (all but the first) and of its outputs' gradients (all
+    but the last), a minibatch each, and with replicas the all-reduce's buckets (two at most)."""
+    from umopt.costmodel import ALLREDUCE_BUCKET_BYTES, rank_peak_memory
+    from umopt.formats.profile import AllReduceProfile
+    from umopt.problem import Candidate
+    from umopt.synthetic import synthetic_profile
+
+    prof = synthetic_profile(3, max_size=8, seed=1)
+    B = 12
+    ops = Candidate([[4, 8]] * 3, [[4, 8]] * 3, "1f1b").ops()
+    bare = CostTables.from_profile(prof)
+    held = CostTables.from_profile(prof, minibatch=B)
+    for s, st in enumerate(prof.stages):
+        buffers = B * (
+            (st.input_bytes_per_sample if s > 0 else 0) + (st.output_bytes_per_sample if s < 2 else 0)
+        )
+        assert held.static_bytes[s] == bare.static_bytes[s] + buffers > bare.static_bytes[s]
+        assert rank_peak_memory(held, s, ops[s]) == rank_peak_memory(bare, s, ops[s]) + buffers
+    dp = AllReduceProfile(replicas=2, latency_ms=0.1, bus_bytes_per_ms=1e6)
+    stages = [st.model_copy(update={"param_bytes": (s + 1) * 40 << 20}) for s, st in enumerate(prof.stages)]
+    big = prof.model_copy(update={"stages": stages})
+    with_dp = CostTables.from_profile(big, dp=dp, minibatch=B)
+    for s in range(3):
+        assert with_dp.static_bytes[s] - held.static_bytes[s] == min(
+            (s + 1) * 40 << 20, 2 * ALLREDUCE_BUCKET_BYTES
+        )

@@ -102,6 +102,13 @@ def _play(sched, S: int, steps: int = 2, dp: int = 1, lazy: bool = True, select_
                     out[f"{spans[j][0] + k}.{name}"] = p.grad
         if select_steps is not None:
             out["selected"] = pipe.selected
+            # one set of receive buffers: the kept schedule's (shared with the pick's); the others let go
+            for t in pipe.turns.turns:
+                for j, st in t.pipe.stages.items():
+                    if t.pipe is pipe.playing:
+                        assert all(a is b for a, b in zip(st.act, pipe.stages[j].act)) or pipe.playing is pipe
+                    else:
+                        assert st.act == [] and st.grad == []
         return out
 
     return world.run(rank), _reference(layers, B * dp, steps - 1)

@@ -67,6 +67,20 @@ def test_run_shows_its_steps_as_lines_and_torchrun_ranks_speak_for_themselves(tm
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert "[rank 0] umopt: 2 ranks (2 stages x 1 replicas), gloo on cpu" in ran.stderr
     assert "[rank 0] umopt: s: measured" in ran.stderr and "[rank 1] umopt: s:" not in ran.stderr
+    # every message once: not also through the command's own console
+    assert ran.stderr.count("2 ranks (2 stages x 1 replicas)") == 1, ran.stderr[-2000:]
+    assert ran.stderr.count("s: measured") == 1, ran.stderr[-2000:]
+    # a CPU build of torch asked for NCCL: one line from each rank, exit code 2, no traceback of ours
+    torchrun = ran.args[:8]  # python -m torch.distributed.run ... -m umopt.cli
+    ran = subprocess.run(
+        [*torchrun, "run", path, "--steps", "1", "--backend", "nccl"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert ran.returncode != 0 and "[rank 0] umopt: error: --backend nccl needs CUDA GPUs" in ran.stderr
+    assert "AttributeError" not in ran.stderr and "umopt/run" not in ran.stderr, ran.stderr[-2000:]
 
 
 @pytest.mark.parametrize("text", ["--data mydata:ok", ":smile: [bold]x[/bold]"])

@@ -5,6 +5,7 @@ over the first steps and keeps the fastest, without changing the training."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -94,6 +95,14 @@ def test_run_keeps_the_faster_schedule_and_trains_as_one_process(tmp_path, monke
         [tuple(op) for op in st] for st in kept.op_lists()
     ]
     assert f"kept (*) {winner}" in stdout
+    # the summary says which steps each figure covers, and they add up
+    text = " ".join(stdout.split())
+    m = re.search(
+        r"(\d+) steps: (\d+) warm-up, (\d+) of selection's turns, then the (\d+) measured above", text
+    )
+    assert m and int(m[1]) == int(m[2]) + int(m[3]) + int(m[4]) == 17, text
+    assert int(m[4]) == report["steps"] and f"losses of all {m[1]} steps" in text
+    assert all(b <= report["measured_iteration_ms"] for b in report["busy_ms"]["measured"])
     if winner == "eq":  # the pick lost: the report says what that means for the profile
         assert "umopt calibrate" in sel["note"]
     # the warm-up, the turns and the winner's steps: 17 SGD steps on batches 0..16, as one process

@@ -65,6 +65,16 @@ def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
         if p.stem in ("gpipe_equal", "1f1b_equal", "umopt", "umopt_best", "ramp")
     ]
     assert any(r["stages"] == recommended["stages"] for r in ran)
+    # the sentences cite the table: the lower bound's line names the fastest row at its time
+    text = " ".join(stdout.split())
+    pred = {}
+    for line in stdout.splitlines():
+        if line.startswith("│"):
+            cells = [c.strip() for c in line.strip("│").split("│")]
+            pred[cells[0].split(" (=")[0].rstrip(" *")] = float(cells[2])
+    m = re.search(r"the fastest schedule predicted, (\S+) \(([\d.]+) ms\)", text)
+    assert m and pred[m[1]] == float(m[2]) == min(pred.values()), text
+    assert not re.search(r"-[\d.]+% faster than", text), text  # a gain below zero is not "faster"
 
 
 def test_tune_refuses_cuda_without_cuda(tmp_path, capsys):

@@ -104,7 +104,13 @@ def decide(
     else:
         reason = f"equal schedules only, over {rounds} paired rounds"
     for n, c in zip((n for n in refs if n != ref), peers):
-        reason += f"; {ref} {100 * c.gain:.1f}% faster than {n} at {_percent(c.faster)} confidence"
+        if c.gain >= 0:
+            reason += f"; {ref} {100 * c.gain:.1f}% faster than {n} at {_percent(c.faster)} confidence"
+        else:  # its median is the lower, its rounds' mean not: the two cannot be told apart
+            reason += (
+                f"; {ref} has the lower median, {n} the faster rounds on average ({100 * -c.gain:.1f}%): "
+                "not told apart"
+            )
     return Decision(ref, ref, sure, decided, rounds, comps, reason)
 
 

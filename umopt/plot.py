@@ -1,8 +1,9 @@
 """Gantt pictures of timelines (matplotlib, PNG).
 
-One row per stage, F chunks and B chunks in two colours, each labelled with its size where it is
-wide enough. Several timelines share one time axis, stacked, so a schedule can be read against the
-best equal GPipe schedule at a glance.
+One row per stage (rank), F, B and W ops in three colours, each box labelled with its chunk's
+size in samples where it is wide enough (the picture says so under its axis); with several chunks
+per rank, a rank's later chunks lighter (the legend says so). Several timelines share one time
+axis, stacked, so a schedule can be read against the best equal GPipe schedule at a glance.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ def _panel(ax, label: str, tl: Timeline, horizon: float) -> None:
                 edgecolor="white",
                 linewidth=0.4,
             )
-            if width > horizon / 60:
+            if width > horizon / 150:  # the number fits (smaller in a narrow box)
                 ax.text(
                     sp.start + width / 2,
                     s,
                     str(sp.hi - sp.lo),
                     ha="center",
                     va="center",
-                    fontsize=6,
+                    fontsize=6 if width > horizon / 60 else 4,
                     color="white",
                 )
     # each stage's gradient all-reduce among data-parallel replicas, after its last op
@@ -87,7 +88,11 @@ def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: st
     )
     for ax, (label, tl) in zip(axes[:, 0], panels):
         _panel(ax, label, tl, horizon)
-    axes[-1, 0].set_xlabel("time (ms)")
+    axes[-1, 0].set_xlabel(
+        "time (ms); each box is one op, its number the chunk's size in samples (none where the box is too "
+        "narrow: umopt show lists every chunk)",
+        fontsize=8,
+    )
     # above the first panel, right of its title: inside the axes it hid the first stage's ops
     handles = [
         Patch(color=COLOURS[OpKind.F], label="forward"),
@@ -98,11 +103,19 @@ def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: st
         handles.insert(2, Patch(color=COLOURS[OpKind.W], label="weight gradient"))
     if any(any(a > 0 for a in tl.allreduce_ms) for _, tl in panels):
         handles.insert(2, Patch(color=ALLREDUCE, label="all-reduce"))
+    laps = max(
+        (max(sp.chunk, 0) // len(tl.spans) for _, tl in panels for spans in tl.spans for sp in spans),
+        default=0,
+    )
+    if laps:  # several chunks per rank: shades say which
+        handles.insert(
+            2, Patch(color=COLOURS[OpKind.F], alpha=1 / 1.45, label="a rank's 2nd chunk (lighter, and so on)")
+        )
     axes[0, 0].legend(
         handles=handles,
         loc="lower right",
         bbox_to_anchor=(1.0, 1.0),
-        ncol=3,
+        ncol=4,
         fontsize=7,
         frameon=False,
         borderaxespad=0.2,

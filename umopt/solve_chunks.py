@@ -45,6 +45,9 @@ class ChunkSolveReport:
     peers: dict[str, PeerResult]
     search: Optional[ChunkSolution]  # None: no schedule with several chunks fits the memory limit
     exact: Optional[ExactChunks] = None  # the exact model's, where the instance is small enough
+    # torch's schedules on the pick's own cut and placement (the file's candidates, and the pick
+    # itself where one of them is faster than what umopt found there)
+    on_layout: dict[str, PeerResult] = dataclasses.field(default_factory=dict)
 
 
 def _w_everywhere(ops, num_virtual: int) -> Optional[bool]:
@@ -168,11 +171,20 @@ def solve_chunked(
         "chunks_per_rank": best.chunking.num_virtual // profile.num_stages,
         "cut": best.cut,
     }
-    candidates = _candidates(profile, minibatch, recompute, zero_bubble, dp, best)
+    names = [n for n, (_, _, w) in TORCH_MULTI.items() if zero_bubble or not w]
+    v = best.chunking.num_virtual // profile.num_stages
+    on_layout = best_peers(
+        profile, minibatch, recompute=recompute, names=names, max_chunks=v, dp=dp, on=best.chunking
+    )
+    scored = [(p.iteration_ms, n) for n, p in on_layout.items() if p.iteration_ms is not None]
+    if scored and min(scored)[0] < best.iteration_ms - 1e-9:  # torch's order wins on umopt's own cut
+        best = _Contender.of_peer(min(scored)[1], on_layout[min(scored)[1]])
+        exact = None
+    candidates = _candidates(on_layout, best)
     schedule, timeline = _schedule_of(
         profile, minibatch, recompute, best, exact, solver, baselines, dp, candidates
     )
-    return ChunkSolveReport(schedule, timeline, best.name, one, peers, search, exact)
+    return ChunkSolveReport(schedule, timeline, best.name, one, peers, search, exact, on_layout)
 
 
 @dataclass
@@ -305,25 +317,13 @@ def _schedule_of(
     return schedule, timeline
 
 
-def _candidates(
-    profile: Profile,
-    minibatch: int,
-    recompute: bool,
-    zero_bubble: bool,
-    dp: Optional[AllReduceProfile],
-    pick: _Contender,
-) -> list[dict]:
+def _candidates(on_layout: dict[str, PeerResult], pick: _Contender) -> list[dict]:
     """What ``umopt run`` measures beside the pick while training: torch's schedules on the pick's
     own layout (equal chunks, each at its best M within the memory limit), each once, the pick
     itself left out. The pick's layout only: the candidates take turns on one model, which
-    another layout would not hold ([Note: selection while training] in umopt/selection.py)."""
-    names = [n for n, (_, _, w) in TORCH_MULTI.items() if zero_bubble or not w]
-    v = pick.chunking.num_virtual // profile.num_stages
-    peers = best_peers(
-        profile, minibatch, recompute=recompute, names=names, max_chunks=v, dp=dp, on=pick.chunking
-    )
+    another layout would not hold ([Note: selection while training] in umopt/run/selection.py)."""
     seen, out = [pick.ops], []
-    for name, peer in peers.items():
+    for name, peer in on_layout.items():
         if peer.ops is None or peer.ops in seen:
             continue
         seen.append(peer.ops)

@@ -66,6 +66,7 @@ class TuneRow:
     schedule: str
     report: str
     plot: str
+    same_as: Optional[str] = None  # the row whose schedule this is (the same ops): measured once, as that
 
 
 @dataclass
@@ -80,6 +81,7 @@ class TuneResult:
     decided: bool  # reached the asked confidence before the budget ended
     warnings: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # why the solve recommended what it did, where it matters
 
     def row(self, name: str) -> TuneRow:
         return next(r for r in self.rows if r.name == name)
@@ -140,10 +142,11 @@ def _microbatches(schedule: Schedule) -> str:
 
 
 def _one_chunk_plans(
-    prof: Profile, minibatch: int, time_limit: float, seed: int, zero_bubble: bool
+    prof: Profile, minibatch: int, time_limit: float, seed: int, zero_bubble: bool, notes: list[str]
 ) -> tuple[dict[str, Schedule], tuple[float, str]]:
     """The one-chunk candidates worth measuring (umopt's recommendation named "umopt"), and the
-    solve's lower bound with what it holds for."""
+    solve's lower bound with what it holds for; ``notes`` gets why the solve recommended what it
+    did where that is not its fastest schedule."""
     report = solve(prof, minibatch, time_limit=time_limit, seed=seed, zero_bubble=zero_bubble)
     problem = make_problem(prof, minibatch, False)
 
@@ -165,6 +168,9 @@ def _one_chunk_plans(
     plans["umopt"] = plan("umopt", report.choice.candidate)
     if report.result.candidate.ops() != report.choice.candidate.ops():
         plans["umopt_best"] = plan("umopt_best", report.result.candidate)  # where the choice was simpler
+        notes.append(
+            f"umopt is what the solve recommends, not its fastest schedule (umopt_best): {report.choice.reason}"
+        )
     ramp = SOLVERS["ramp"](problem, order="auto").candidate
     ramp_ms = ramp.simulate(problem).iteration_ms
     if ramp_ms < min(plans[n].predicted.iteration_ms for n in EQUAL if n in plans):
@@ -279,10 +285,11 @@ def tune(
         f"solving for minibatch {minibatch} ({time_limit:g} s)"
         + (f", up to {v} chunks per rank" if v > 1 else "")
     )
+    notes: list[str] = []
     if v > 1:
         plans, (lb, scope) = _chunked_plans(prof, minibatch, chunks, time_limit, seed, zero_bubble)
     else:
-        plans, (lb, scope) = _one_chunk_plans(prof, minibatch, time_limit, seed, zero_bubble)
+        plans, (lb, scope) = _one_chunk_plans(prof, minibatch, time_limit, seed, zero_bubble, notes)
     rows, decision, run_warnings = _measure(plans, out, steps, warmup, rounds, confidence, budget, say)
     warnings += run_warnings
     recommended = decision.winner
@@ -298,6 +305,7 @@ def tune(
         decision.decided,
         warnings,
         sorted(str(p) for p in out.iterdir()),
+        notes,
     )
 
 
@@ -383,5 +391,8 @@ def _measure(
             shutil.copyfile(out / f"{kind}_{same}.{ext}", out / f"{kind}_{name}.{ext}")
         shutil.copyfile(out / f"{same}.json", out / f"{name}.json")
         files = dict(schedule=str(out / f"{name}.json"), report=str(out / f"report_{name}.json"))
-        rows.insert(k, replace(measured[same], name=name, plot=str(out / f"measured_{name}.png"), **files))
+        rows.insert(
+            k,
+            replace(measured[same], name=name, plot=str(out / f"measured_{name}.png"), same_as=same, **files),
+        )
     return rows, decision, warnings

@@ -21,6 +21,7 @@ from .profile import AllReduceProfile, pydantic_error_line
 __all__ = [
     "Decision",
     "MeasuredPredicted",
+    "PeakMemory",
     "OpTiming",
     "RunReport",
     "as_report",
@@ -39,6 +40,14 @@ class MeasuredPredicted(BaseModel):
 
     measured: list[_Ms]
     predicted: list[_Ms]
+
+
+class PeakMemory(BaseModel):
+    """Per rank: the most memory the run allocated (CUDA's ``max_memory_allocated`` over every
+    step; none on CPUs) and the most the cost model predicts for the schedules it played."""
+
+    measured: list[StrictInt]
+    predicted: list[StrictInt]
 
 
 class Decision(BaseModel):
@@ -105,6 +114,7 @@ class RunReport(BaseModel):
     round_ms: list[float] = []  # the median step of each round
     busy_ms: Optional[MeasuredPredicted] = None
     allreduce_ms: Optional[MeasuredPredicted] = None  # with data-parallel replicas
+    peak_memory_bytes: Optional[PeakMemory] = None
     ops: Optional[list[list[OpTiming]]] = None  # per stage, every op: what `umopt calibrate` fits
     losses: list[float] = []
     reference_ms: list[float] = []  # a fixed matmul's median time on each stage's device

@@ -38,7 +38,7 @@ class RunOptions(BaseModel):
 
     schedules: list[str]
     profile: Optional[str] = None
-    steps: int = 10
+    steps: int = 40
     warmup: int = 2
     rounds: int = 1
     decide: Optional[float] = None
@@ -138,6 +138,11 @@ def preflight(opts: RunOptions, verify_stages: Optional[list[int]] = None) -> Ru
         raise UmoptError(f"--dp must be at least 1, got {dp}")
     backend = opts.backend or ("nccl" if profile.device.type == "cuda" else "gloo")
     S = len(schedules[0].stages)
+    if backend == "nccl" and not torch.cuda.is_available():
+        build = (
+            "a CPU build of torch" if torch.version.cuda is None else f"torch {torch.__version__} sees no GPU"
+        )
+        raise UmoptError(f"--backend nccl needs CUDA GPUs: this is {build} (use --backend gloo on CPUs)")
     if backend == "nccl" and torch.cuda.device_count() < S * dp and "LOCAL_WORLD_SIZE" not in os.environ:
         raise UmoptError(
             f"--backend nccl needs one GPU per stage and replica: {S} stages x {dp}, {torch.cuda.device_count()} GPUs here"

@@ -479,6 +479,12 @@ class Pipeline:
         """The pipeline that plays the steps: this one, or the candidate selection kept."""
         return self.turns.winner if self.turns is not None else self
 
+    def played_schedules(self) -> list[Schedule]:
+        """The schedules its steps have played: the pick, and the candidates that took turns."""
+        if self.turns is None:
+            return [self.schedule]
+        return [t.schedule for t in self.turns.turns if t.pipe is not None]
+
     @property
     def up_next(self) -> Optional[str]:
         """The schedule the next step plays, where there are candidates (None: no candidates)."""

@@ -320,8 +320,9 @@ def _step(rk: _Rank, play: _Play, it: int, measured: bool, save_grads: bool) -> 
     spans = list(play.pipe.spans)
     # the gradients themselves, not copies: neither optimizer as built changes a gradient in
     # place, and zero_grad only drops the parameters' references to them
+    # named as the model's layers ("layers.3.weight"), whichever rank and chunk holds them
     grads = (
-        {k: p.grad for k, p in play.setup.module.named_parameters() if p.grad is not None}
+        {k: p.grad for m in play.setup.modules for k, p in m.named_parameters() if p.grad is not None}
         if save_grads
         else None
     )
@@ -443,6 +444,8 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
             ", ".join(names),
         )
     steps = _Steps(rk, total, Progress(None if opts.decide else total) if rk.rank == 0 else None)
+    if device.type == "cuda":  # the steps' peak, not the set-up's
+        torch.cuda.reset_peak_memory_stats(device)
     phase("the steps")
     selection = None
     if selecting:
@@ -472,6 +475,7 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
             "busy_ms": statistics.median(play.busy_ms) if play.busy_ms else 0.0,
             "allreduce_ms": statistics.median(play.allreduce_ms) if play.allreduce_ms else 0.0,
             "reference_ms": statistics.median(rk.speeds),
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "numerics_differ": differ,
         }
         gathered: list = [None] * rk.world
@@ -488,6 +492,7 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
                 play.selection_steps,
                 len(play.losses) if play.last else play.warmup + play.selection_steps + len(play.step_ms),
                 gathered[: cfg.num_stages],
+                play.pipe.played_schedules(),
             )
             write_report(cfg, measured, k, rounds, decision, selection)
 
@@ -626,6 +631,12 @@ def main(options: Optional[RunOptions] = None) -> None:
         report_failure(exc)  # unless the Pipeline already did, before its links broke
         if not isinstance(exc, (UmoptError, KeyboardInterrupt)):
             traceback.print_exc()
+        elif isinstance(exc, UmoptError) and not os.environ.get("UMOPT_STATUS_DIR"):
+            # under torchrun no launcher says it: the rank does, in one line (bad input: exit code 2)
+            _log.error("%s", exc)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exc.exit_code)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

@@ -18,7 +18,7 @@ from ..costmodel import CostTables, OpKind, Span, Timeline, simulate
 from ..decide import Decision
 from ..formats.profile import AllReduceProfile
 from ..formats.report import Decision as ReportDecision
-from ..formats.report import MeasuredPredicted, RunReport, Selection, save_report
+from ..formats.report import MeasuredPredicted, PeakMemory, RunReport, Selection, save_report
 from ..formats.schedule import Schedule
 from ..noise import run_warnings
 from .options import RunConfig
@@ -39,9 +39,12 @@ class Measured:
     warmup: int
     selection_steps: int
     trained_steps: int  # warm-up, selection and measured steps together
-    per_rank: list[
-        dict
-    ]  # spans (last step), busy_ms (median over measured steps), op_ms, losses, reference_ms, numerics_differ
+    # per rank: spans (last step), busy_ms and allreduce_ms (medians over measured steps), op_ms,
+    # losses, reference_ms, numerics_differ, peak_memory_bytes
+    per_rank: list[dict]
+    played: list[
+        Schedule
+    ]  # every schedule that played (selection's candidates too): the memory they may need
 
 
 def measured_timeline(per_rank: list[dict]) -> Timeline:
@@ -148,6 +151,15 @@ def _run_report(
     measured = statistics.median(m.step_ms)
     predicted = pred_tl.iteration_ms  # the simulator's, not what the file says
     ar_measured = [rec["allreduce_ms"] for rec in per_rank]
+    peaks = [
+        simulate(
+            CostTables.from_profile(cfg.profile, sc.recompute, allreduce, sc.chunking(), sc.minibatch),
+            sc.op_lists(),
+            sc.minibatch,
+        ).peak_memory_bytes
+        for sc in m.played
+    ]
+    measured_peak = [rec["peak_memory_bytes"] for rec in per_rank]
     return RunReport(
         schedule=str(m.path),
         profile=cfg.profile.path,
@@ -174,6 +186,10 @@ def _run_report(
         allreduce_ms=MeasuredPredicted(measured=ar_measured, predicted=pred_tl.allreduce_ms)
         if opts.dp > 1
         else None,
+        peak_memory_bytes=PeakMemory(
+            measured=[] if None in measured_peak else measured_peak,
+            predicted=[max(p[r] for p in peaks) for r in range(len(per_rank))],
+        ),
         # per rank, every op with its median measured duration and the profile's: what
         # `umopt calibrate` fits a profile to
         ops=[

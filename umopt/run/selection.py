@@ -12,17 +12,30 @@ import logging
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
 from ..decide import Decision, compare, decide, is_equal
 from ..formats.report import Selection, SelectionEntry
 from ..formats.schedule import Schedule
+from .comm import Comm
 from .player import StepTimer
 
-if TYPE_CHECKING:  # (the Pipeline builds its Turns)
-    from .pipeline import Pipeline
+
+class TurnTaker(Protocol):
+    """What takes turns: a Pipeline (the one that owns the turns, or a candidate's over its modules)."""
+
+    schedule: Schedule
+    comm: Comm
+    device: torch.device
+    selected: Optional[str]
+    selection: Optional[Selection]
+
+    def share_buffers(self, other: Any) -> None: ...
+
+    def release(self) -> None: ...
+
 
 __all__ = [
     "MIN_SELECT_ROUNDS",
@@ -173,13 +186,14 @@ def selection_record(
         reason = decision.reason
     else:
         rivals = [k for k in active if plays[k] is not chosen]
-        reason = f"not decided within {spent} steps: kept the one measured fastest"
+        reason = f"not decided within {spent} steps: kept the fastest by median"
         if rivals:
             second = min(rivals, key=lambda k: statistics.median(plays[k].step_ms))
             c = compare(chosen.name, plays[second].step_ms, chosen.step_ms)
             reason += (
-                f", {100 * c.gain:.1f}% faster than {plays[second].name} over {len(chosen.step_ms)} paired rounds "
-                f"({_percent(c.faster)} confidence)"
+                f"; round by round it was {100 * abs(c.gain):.1f}% {'faster' if c.gain >= 0 else 'slower'} than "
+                f"{plays[second].name} on average over {len(chosen.step_ms)} rounds ({_percent(c.faster)} "
+                "confidence that it is faster)"
             )
     note = None
     if decision is not None and chosen is not plays[0] and won is not None:
@@ -216,7 +230,7 @@ def selection_record(
 class _Turn:
     name: str
     schedule: Schedule
-    pipe: Optional[Pipeline] = None  # built only where the turns will play it
+    pipe: Optional[TurnTaker] = None  # built only where the turns will play it
     step_ms: list[float] = field(default_factory=list)
     turn_ms: list[float] = field(default_factory=list)
 
@@ -228,8 +242,8 @@ class Turns:
 
     def __init__(
         self,
-        owner: Pipeline,
-        rival: Callable[[Schedule], Pipeline],
+        owner: TurnTaker,
+        rival: Callable[[Schedule], TurnTaker],
         select_steps: Optional[int],
         run_steps: Optional[int],
     ):
@@ -248,7 +262,7 @@ class Turns:
         self.warming = True  # the first round: a step each, to learn its shapes, unmeasured
         self.rounds = self.spent = 0
         self.decision: Optional[Decision] = None
-        self.winner: Pipeline = owner
+        self.winner: TurnTaker = owner
         self.record: Optional[Selection] = None
         self.played: str = pick  # the schedule of the last step
         if self.budget == 0:
@@ -263,14 +277,14 @@ class Turns:
         """The schedule the next step plays."""
         return self.turns[self.queue[0][0]].name if not self.done else self.turns_of(self.winner)
 
-    def turns_of(self, pipe: Pipeline) -> str:
+    def turns_of(self, pipe: TurnTaker) -> str:
         return next(t.name for t in self.turns if t.pipe is pipe)
 
     @property
     def names(self) -> list[str]:
         return [t.name for t in self.turns]
 
-    def step(self, run: Callable[[Pipeline], Any]) -> Any:
+    def step(self, run: Callable[[TurnTaker], Any]) -> Any:
         """One step in turn: ``run(pipeline)`` on the schedule whose turn it is, timed over the job."""
         k, j = self.queue.pop(0)  # the turn's first step follows another schedule's: not measured
         play = self.turns[k].pipe
