@@ -49,6 +49,31 @@ def reference(layers: int, B: int, steps: int) -> dict[str, torch.Tensor]:
     return {f"{i}.{k}": v.detach().clone() for i, m in enumerate(model) for k, v in m.state_dict().items()}
 
 
+def train(schedule, rank: int, steps: int, chunks: list[nn.Module], select_steps=None, comm=None):
+    """The user's loop on umopt.Pipeline over this rank's chunk modules: every layer's state after
+    ``steps`` AdamW steps, and the schedule kept (with ``select_steps``). ``comm``: the transport
+    (the tests run this loop as threads over tests/lazycomm.py's model); None: torch.distributed."""
+    spans = schedule.chunks.layers
+    mine = [j for j, r in enumerate(schedule.chunks.ranks) if r == rank]
+    V, B = len(schedule.chunks.ranks), schedule.minibatch
+    more = {"select_steps": select_steps} if select_steps is not None else {}
+    if comm is not None:
+        more["_comm"] = comm
+    pipe = umopt.Pipeline(chunks, schedule, loss_fn=nn.MSELoss(), **more)
+    opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=0.01)
+    for step in range(steps):
+        x, y = batch(step, B)
+        opt.zero_grad()
+        pipe.step(x if 0 in mine else None, target=y if V - 1 in mine else None)
+        opt.step()
+    state = {}
+    for j, c in zip(mine, chunks):
+        for k, m in enumerate(c):
+            for name, v in m.state_dict().items():
+                state[f"{spans[j][0] + k}.{name}"] = v.detach().clone()
+    return state, pipe.selected
+
+
 def main() -> None:
     schedule_path, store, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD"])
@@ -58,50 +83,50 @@ def main() -> None:
     layers = spans[-1][1]
     mine = [j for j, r in enumerate(schedule.chunks.ranks) if r == rank]
     chunks = [nn.Sequential(*[layer(i, layers) for i in range(*spans[j])]) for j in mine]
-    opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=0.01)
-    B = schedule.minibatch
-    V = len(schedule.chunks.ranks)
     if len(sys.argv) > 5:  # torch's runtime on the exported plan
-        from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
-
-        microbatches = len([op for op in schedule.stages[rank].ops if op[0] == "F" and op[3] == mine[0]])
-        runtime = _PipelineScheduleRuntime(
-            [PipelineStage(c, j, V, torch.device("cpu")) for j, c in zip(mine, chunks)],
-            n_microbatches=microbatches,
-            loss_fn=nn.MSELoss(),
-        )
-        runtime._load_csv(sys.argv[5])
-
-        def step_once(x, y):
-            if 0 in mine:
-                runtime.step(x)
-            elif V - 1 in mine:
-                runtime.step(target=y, losses=[])
-            else:
-                runtime.step()
+        state = torch_train(schedule, rank, steps, chunks, sys.argv[5])
     else:
-        select = {"select_steps": int(os.environ["SELECT_STEPS"])} if "SELECT_STEPS" in os.environ else {}
-        pipe = umopt.Pipeline(chunks, schedule, loss_fn=nn.MSELoss(), **select)
+        select = int(os.environ["SELECT_STEPS"]) if "SELECT_STEPS" in os.environ else None
+        state, selected = train(schedule, rank, steps, chunks, select)
+        if select is not None:
+            with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+                f.write(str(selected))
+    torch.save(state, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
 
-        def step_once(x, y):
-            pipe.step(x if 0 in mine else None, target=y if V - 1 in mine else None)
 
+def torch_train(schedule, rank: int, steps: int, chunks: list[nn.Module], plan: str) -> dict:
+    """The same loop on torch's _PipelineScheduleRuntime with a stock PipelineStage per chunk."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    spans = schedule.chunks.layers
+    mine = [j for j, r in enumerate(schedule.chunks.ranks) if r == rank]
+    V, B = len(schedule.chunks.ranks), schedule.minibatch
+    microbatches = len([op for op in schedule.stages[rank].ops if op[0] == "F" and op[3] == mine[0]])
+    runtime = _PipelineScheduleRuntime(
+        [PipelineStage(c, j, V, torch.device("cpu")) for j, c in zip(mine, chunks)],
+        n_microbatches=microbatches,
+        loss_fn=nn.MSELoss(),
+    )
+    runtime._load_csv(plan)
+    opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=0.01)
     for step in range(steps):
         x, y = batch(step, B)
         opt.zero_grad()
-        step_once(x, y)
+        if 0 in mine:
+            runtime.step(x)
+        elif V - 1 in mine:
+            runtime.step(target=y, losses=[])
+        else:
+            runtime.step()
         opt.step()
-    state = {}
-    for j, c in zip(mine, chunks):
-        for k, m in enumerate(c):
-            for name, v in m.state_dict().items():
-                state[f"{spans[j][0] + k}.{name}"] = v
-    torch.save(state, os.path.join(out, f"rank{rank}.pt"))
-    if "SELECT_STEPS" in os.environ:
-        with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
-            f.write(str(pipe.selected))
-    dist.destroy_process_group()
+    return {
+        f"{spans[j][0] + k}.{name}": v
+        for j, c in zip(mine, chunks)
+        for k, m in enumerate(c)
+        for name, v in m.state_dict().items()
+    }
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ process per stage): the user's modules, loss, optimizer and loop; umopt only run
     RANK=r python tests/pipeline_user.py torch PLAN.csv MICROBATCHES STORE OUT STEPS   (torch's runtime)
 
 CASE "mlp3" runs three stages and records, for every message, the process group it went through.
+The loop itself is :func:`train`, which the tests also run as threads over a model of the transport.
 CASE "tokens-LOSS" is a token model under nn.CrossEntropyLoss with LOSS one of "ignore", "weight",
 "smooth": padded targets (-100), one chunk of them all ignored; it also checks eval_step.
 CASE "catch" raises in the last stage's loss at step 1; the user catches it and steps again.
@@ -145,49 +146,48 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), 3 if case == "mlp3" else 2
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     groups_used = _spy_on_messages() if case == "mlp3" else []
-    if case.startswith("tokens"):
-        return tokens_main(case, rank, schedule, out, steps)
     if case == "catch":
         return catch_main(rank, schedule, out)
-    stage = model(case)[rank]  # the user's own module for this stage
-    select = {"select_steps": 18} if case == "select" else {}  # the schedule file has candidates
-    pipe = umopt.Pipeline(stage, schedule, loss_fn=nn.MSELoss(), **select)
-    opt = torch.optim.AdamW(stage.parameters(), lr=0.01)
-    for step in range(steps):
-        x, y = batch(step)
-        pipe.step(x) if rank == 0 else pipe.step(targets=y) if rank == world - 1 else pipe.step()
-        opt.step()
-        opt.zero_grad()
-    chosen = {"selected": pipe.selected, "selection_steps": pipe.selection.steps} if case == "select" else {}
+    state = train(case, model(case)[rank], rank, world, schedule, steps)
     torch.save(
-        {**stage.state_dict(), **({"groups_used": groups_used} if groups_used else {}), **chosen},
+        {**state, **({"groups_used": groups_used} if groups_used else {})},
         os.path.join(out, f"stage{rank}.pt"),
     )
     dist.destroy_process_group()
 
 
-def tokens_main(case: str, rank: int, schedule: str, out: str, steps: int) -> None:
-    stage = model(case)[rank]
-    pipe = umopt.Pipeline(stage, schedule, loss_fn=token_loss(case.split("-")[1]))  # the loss module as it is
+def train(case: str, stage: nn.Module, rank: int, world: int, schedule: str, steps: int, comm=None) -> dict:
+    """One rank's loop over its own stage module: its state after ``steps`` AdamW steps (the
+    token cases: then an eval_step on the next batch, its loss on the last stage). ``comm``: the
+    transport (tests/lazycomm.py runs these loops as threads); None: torch.distributed."""
+    more = {"_comm": comm} if comm is not None else {}
+    if case.startswith("tokens"):  # the loss module as it is
+        pipe = umopt.Pipeline(stage, schedule, loss_fn=token_loss(case.split("-")[1]), **more)
+    else:
+        select = {"select_steps": 18} if case == "select" else {}  # the schedule file has candidates
+        pipe = umopt.Pipeline(stage, schedule, loss_fn=nn.MSELoss(), **select, **more)
     opt = torch.optim.AdamW(stage.parameters(), lr=0.01)
+    last = rank == world - 1
     for step in range(steps):
-        x, y = token_batch(step)
-        pipe.step(x) if rank == 0 else pipe.step(target=y, losses=[])
+        x, y = token_batch(step) if case.startswith("tokens") else batch(step)
+        pipe.step(x) if rank == 0 else pipe.step(target=y, losses=[]) if last else pipe.step()
         opt.step()
         opt.zero_grad()
-    x, y = token_batch(steps)
-    before = {k: v.clone() for k, v in stage.state_dict().items()}
-    got = pipe.eval_step(x) if rank == 0 else pipe.eval_step(target=y, outputs=True)
-    assert all(torch.equal(before[k], v) for k, v in stage.state_dict().items()) and all(
-        p.grad is None for p in stage.parameters()
-    )
     extra = {}
-    if rank == 1:
-        loss, logits = got
-        assert logits.shape == (B, V, T)
-        extra = {"eval_loss": loss}
-    torch.save({**stage.state_dict(), **extra}, os.path.join(out, f"stage{rank}.pt"))
-    dist.destroy_process_group()
+    if case == "select":
+        extra = {"selected": pipe.selected, "selection_steps": pipe.selection.steps}
+    if case.startswith("tokens"):
+        x, y = token_batch(steps)
+        before = {k: v.clone() for k, v in stage.state_dict().items()}
+        got = pipe.eval_step(x) if rank == 0 else pipe.eval_step(target=y, outputs=True)
+        assert all(torch.equal(before[k], v) for k, v in stage.state_dict().items()) and all(
+            p.grad is None for p in stage.parameters()
+        )
+        if last:
+            loss, logits = got
+            assert logits.shape == (B, V, T)
+            extra = {"eval_loss": loss}
+    return {**{k: v.detach().clone() for k, v in stage.state_dict().items()}, **extra}
 
 
 def catch_main(rank: int, schedule: str, out: str) -> None:

@@ -285,14 +285,48 @@ def _chunked_schedule(tmp_path, place, weights, recompute, seed):
 
 
 @pytest.mark.parametrize(
-    "place,weights,recompute",
-    [("looped", False, False), ("vshape", True, False), ("looped", True, True), ("vshape", False, True)],
+    "place,weights,recompute,via",
+    [
+        ("looped", False, False, "processes"),
+        ("vshape", True, False, "threads"),
+        ("looped", True, True, "threads"),
+        ("vshape", False, True, "threads"),
+    ],
 )
-def test_chunked_pipeline_trains_as_one_process(tmp_path, place, weights, recompute):
+def test_chunked_pipeline_trains_as_one_process(tmp_path, place, weights, recompute, via):
     """Unequal partitions per virtual stage, looped and V placement, W ops and recompute, on 2 real
-    processes: every parameter after 3 AdamW steps equals one process's (rtol 1e-5)."""
+    processes (or, the same loop, 2 threads over the model of NCCL's transport): every parameter
+    after 3 AdamW steps equals one process's (rtol 1e-5)."""
     schedule, layers, B = _chunked_schedule(tmp_path, place, weights, recompute, seed=len(place) + weights)
-    _train_on_ranks(tmp_path, schedule, layers, B)
+    if via == "processes":
+        return _train_on_ranks(tmp_path, schedule, layers, B)
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import chunked_user
+    from lazycomm import World
+
+    from umopt.formats.schedule import load_schedule
+
+    sched = load_schedule(schedule)
+    spans = sched.chunks.layers
+    every = [chunked_user.layer(i, layers) for i in range(layers)]  # (here: torch's seed is the process's)
+    mods = {j: torch.nn.Sequential(*every[slice(*spans[j])]) for j in range(len(spans))}
+
+    def rank(comm):
+        mine = [mods[j] for j, r in enumerate(sched.chunks.ranks) if r == comm.rank]
+        return chunked_user.train(sched, comm.rank, 3, mine, comm=comm)[0]
+
+    got = {}
+    for state in World(2).run(rank):
+        got.update(state)
+    want = chunked_user.reference(layers, B, 3)
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
 
 
 def test_a_users_loop_measures_a_chunked_schedules_candidates_and_trains_as_one_process(tmp_path):
@@ -314,7 +348,7 @@ def test_a_users_loop_measures_a_chunked_schedules_candidates_and_trains_as_one_
     }
     data = {**sched.model_dump(mode="json"), "candidates": [candidate]}
     save_schedule(type(sched).model_validate(data), path)
-    _train_on_ranks(tmp_path, path, layers, B, steps=16, env={"SELECT_STEPS": "12"})
+    _train_on_ranks(tmp_path, path, layers, B, steps=16, env={"SELECT_STEPS": "14"})
     kept = {(tmp_path / "out" / f"rank{r}.txt").read_text() for r in range(2)}
     assert len(kept) == 1 and kept <= {"pick", "ScheduleInterleaved1F1B"}
 
@@ -542,7 +576,9 @@ def test_the_exact_chunk_model_proves_tiny_instances_and_bounds_every_schedule(p
     limited = CostTables.from_profile(
         prof.model_copy(update={"memory_limit_bytes": max(tl.peak_memory_bytes) - 1}), chunks=ch
     )
-    fit = solve_chunks_exact(limited, B, time_limit=5, weights=weights)
+    fit = solve_chunks_exact(
+        limited, B, time_limit=8, weights=weights
+    )  # (a fitting schedule comes in well under a second)
     assert max(simulate(limited, fit.ops, B).peak_memory_bytes) < max(tl.peak_memory_bytes)
 
 

@@ -73,6 +73,17 @@ def _run(
     return [torch.load(out / f"stage{r}.pt", weights_only=True) for r in range(ranks)]
 
 
+def _threads(case: str, schedule: str, steps: int = 3, ranks: int = 2) -> list[dict]:
+    """The same user loop (pipeline_user.train), each rank a thread over tests/lazycomm.py's model
+    of NCCL's transport: what the real processes above check, in a fraction of their time."""
+    from lazycomm import World
+
+    stages = pipeline_user.model(case)  # (built here: torch's seed is the process's)
+    return World(ranks).run(
+        lambda comm: pipeline_user.train(case, stages[comm.rank], comm.rank, ranks, schedule, steps, comm)
+    )
+
+
 def test_each_link_has_a_process_group_of_its_own(tmp_path):
     """[Note: one process group per link]: on three stages every message (and the boundary-shape
     exchange) goes through the group of exactly its two ranks, so the middle stage's two links
@@ -89,11 +100,20 @@ def test_each_link_has_a_process_group_of_its_own(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case,fsizes,order,recompute,warmup,bsizes",
+    "via,case,fsizes,order,recompute,warmup,bsizes",
     [
-        ("mlp", [[3, 5, 4], [6, 6]], "gpipe", False, None, None),
-        ("mlp", [[2, 2, 8], [1, 4, 7]], "1f1b", False, [3, 0], None),  # unequal, per-stage warm-ups
+        ("processes", "mlp", [[3, 5, 4], [6, 6]], "gpipe", False, None, None),
         (
+            "threads",
+            "mlp",
+            [[2, 2, 8], [1, 4, 7]],
+            "1f1b",
+            False,
+            [3, 0],
+            None,
+        ),  # unequal, per-stage warm-ups
+        (
+            "threads",
             "mlp",
             [[4, 8], [5, 7]],
             "1f1b",
@@ -101,13 +121,22 @@ def test_each_link_has_a_process_group_of_its_own(tmp_path):
             None,
             [[6, 6], [2, 3, 7]],
         ),  # recompute: B chunks of their own
-        ("tuple", [[5, 7], [3, 3, 6]], "1f1b", False, None, None),  # a float and an integer tensor cross
-        ("tuple", [[6, 6], [8, 4]], "gpipe", True, None, [[4, 8], [1, 11 - 3, 3]]),
+        (
+            "processes",
+            "tuple",
+            [[5, 7], [3, 3, 6]],
+            "1f1b",
+            False,
+            None,
+            None,
+        ),  # a float and an integer tensor cross
+        ("threads", "tuple", [[6, 6], [8, 4]], "gpipe", True, None, [[4, 8], [1, 11 - 3, 3]]),
     ],
 )
-def test_a_users_loop_trains_as_one_process(tmp_path, case, fsizes, order, recompute, warmup, bsizes):
+def test_a_users_loop_trains_as_one_process(tmp_path, via, case, fsizes, order, recompute, warmup, bsizes):
+    """A process per stage over gloo, or (the same loop) a thread per stage over the model of NCCL."""
     schedule = _schedule(tmp_path, fsizes, order, recompute, warmup, bsizes)
-    got = _run(tmp_path, case, schedule)
+    got = _run(tmp_path, case, schedule) if via == "processes" else _threads(case, schedule)
     want = pipeline_user.reference(case, steps=3)
     for g, w in zip(got, want):
         assert g.keys() == w.keys()
@@ -173,7 +202,10 @@ def test_weight_gradients_split_off_into_w_ops_train_as_one_process(
         ),
         str(tmp_path / "schedule.json"),
     )
-    got = _run(tmp_path, case, str(tmp_path / "schedule.json"))
+    path = str(tmp_path / "schedule.json")
+    got = (
+        _run(tmp_path, case, path) if seed == 0 else _threads(case, path)
+    )  # one in processes, the rest in threads
     want = pipeline_user.reference(case, steps=3)
     for g, w in zip(got, want):
         for k in w:
@@ -281,7 +313,12 @@ def test_token_normalized_losses_train_and_evaluate_as_one_process(
     ops = Candidate(fsizes, bsizes or fsizes, order).ops()
     if with_w:
         ops = _with_w(ops, np.random.default_rng(5))
-    got = _run(tmp_path, f"tokens-{loss}", _save(tmp_path, ops, recompute), steps=2)
+    path = _save(tmp_path, ops, recompute)
+    # one case in processes over gloo, the others in threads over the model of NCCL's transport
+    real = loss == "ignore" and order == "gpipe"
+    got = (
+        _run(tmp_path, f"tokens-{loss}", path, steps=2) if real else _threads(f"tokens-{loss}", path, steps=2)
+    )
     want = pipeline_user.reference(f"tokens-{loss}", steps=2)
     torch.testing.assert_close(got[1].pop("eval_loss"), want[2]["eval_loss"], rtol=1e-5, atol=1e-7)
     for g, w in zip(got, want):
@@ -300,7 +337,7 @@ def test_a_step_that_fails_on_one_rank_fails_every_rank_at_once(tmp_path):
         assert len(said) == 2 and said[1].startswith(
             "PipelineBroken: this pipeline cannot step again: stage 1 failed: ValueError"
         )
-    assert max(g["seconds"] for g in got) < 10
+    assert max(g["seconds"] for g in got) < 30  # (seconds; waiting for a lost peer: never)
 
 
 def test_batchnorm_is_warned_of_and_shape_learning_leaves_its_statistics_alone(tmp_path, caplog):

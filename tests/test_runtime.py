@@ -114,8 +114,10 @@ def reference(steps=1, lr=None):
 
 
 @pytest.mark.parametrize(
+    # (every order, recompute and W placement plays through the same Pipeline in tests/test_lazy.py;
+    # these run it through umopt run's launcher and ranks)
     "S,order,recompute,seed",
-    [(2, "gpipe", False, 1), (2, "1f1b", True, 2), (3, "1f1b", False, 3), (3, "gpipe", True, 4)],
+    [(2, "gpipe", False, 1), (3, "1f1b", True, 2)],
 )
 def test_gradients_equal_single_process(tmp_path, S, order, recompute, seed):
     profile = mlp_profile(tmp_path, S)
@@ -250,7 +252,7 @@ def test_a_rank_failing_in_the_middle_of_a_step_is_named_at_once(tmp_path, monke
         RunFailed, match=r"rank 1 \(stage 1\) failed: RuntimeError: injected fault in the middle of step 1"
     ):
         launch(RunOptions(schedules=[path], steps=5, warmup=0), quiet=True)
-    assert time.perf_counter() - t0 < 10
+    assert time.perf_counter() - t0 < 60  # (seconds: a rank waiting for its lost peer would take 300)
     time.sleep(0.5)
     assert _no_runtime_left() == []
 
@@ -399,7 +401,7 @@ def test_two_data_parallel_replicas_of_the_pipeline_train_as_one_process_on_the_
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("recompute,seed", [(False, 5), (True, 6)])
+@pytest.mark.parametrize("recompute,seed", [(True, 6)])
 def test_zero_bubble_schedules_on_three_stages_give_single_process_gradients(tmp_path, recompute, seed):
     """W ops on every stage, the middle one included (inputs and outputs both carry gradients):
     umopt's W placement on a random unequal schedule, run by `umopt run`."""
