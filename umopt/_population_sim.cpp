@@ -26,7 +26,9 @@ namespace py = pybind11;
 using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 using F64 = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
-// a problem's cost tables (umopt.costmodel.CostTables), as both evaluators read them
+// a problem's cost tables (umopt.costmodel.CostTables), as both evaluators read them: a chunk's
+// costs by its size, or (set_ranged) by its sample range (umopt.costmodel.RangeCosts: one
+// minibatch of sequences of different lengths, (S, B+1, B+1) arrays indexed [s, lo, hi])
 struct Costs {
     F64 fwd, bwd, link;  // (S, max size + 1); link (S - 1, max size + 1)
     const double *F, *G, *L;
@@ -34,11 +36,35 @@ struct Costs {
     std::vector<double> stat, stash, inb;  // per stage: static bytes, stash and input bytes per sample
     double optimizer_ms;
     bool recompute;
+    bool ranged = false;
+    F64 rfwd, rbwd, rlink, rbi, rbw;
+    I64 rstash, rinputs;
+    const double *RF = nullptr, *RG = nullptr, *RL = nullptr, *RBI = nullptr, *RBW = nullptr;
+    const int64_t *RS = nullptr, *RI = nullptr;
+    int64_t N = 0;  // B + 1
     Costs(F64 fwd_, F64 bwd_, F64 link_, F64 static_bytes, F64 stash_bytes, F64 input_bytes, double optimizer_ms_, bool recompute_, int64_t B_)
         : fwd(fwd_), bwd(bwd_), link(link_), F(fwd.data()), G(bwd.data()), L(link.data()), W(fwd.shape(1)), B(B_),
           stat(static_bytes.data(), static_bytes.data() + static_bytes.size()),
           stash(stash_bytes.data(), stash_bytes.data() + stash_bytes.size()),
           inb(input_bytes.data(), input_bytes.data() + input_bytes.size()), optimizer_ms(optimizer_ms_), recompute(recompute_) {}
+    void set_ranged(F64 f, F64 g, F64 l, F64 bi, F64 bw, I64 st, I64 in) {
+        rfwd = f, rbwd = g, rlink = l, rbi = bi, rbw = bw, rstash = st, rinputs = in;
+        RF = rfwd.data(), RG = rbwd.data(), RL = rlink.data(), RS = rstash.data(), RI = rinputs.data();
+        RBI = rbi.size() ? rbi.data() : nullptr;
+        RBW = rbw.size() ? rbw.data() : nullptr;
+        N = rfwd.shape(1);
+        ranged = true;
+    }
+    // a chunk of `size` samples from `lo` on stage (link) s: by size, or by range
+    int64_t at(int64_t s, int64_t lo, int64_t size) const { return (s * N + lo) * N + lo + size; }
+    double f(int64_t s, int64_t lo, int64_t size) const { return ranged ? RF[at(s, lo, size)] : F[s * W + size]; }
+    double g(int64_t s, int64_t lo, int64_t size) const { return ranged ? RG[at(s, lo, size)] : G[s * W + size]; }
+    double l(int64_t s, int64_t lo, int64_t size) const { return ranged ? RL[at(s, lo, size)] : L[s * W + size]; }
+    double gi(const double* Gi, int64_t s, int64_t lo, int64_t size) const { return ranged ? RBI[at(s, lo, size)] : Gi[s * W + size]; }
+    double gw(const double* Gw, int64_t s, int64_t lo, int64_t size) const { return ranged ? RBW[at(s, lo, size)] : Gw[s * W + size]; }
+    // by range only: the bytes a chunk keeps (recompute: its inputs) and its activations
+    int64_t kept(int64_t s, int64_t lo, int64_t size) const { return (recompute ? RI : RS)[at(s, lo, size)]; }
+    int64_t act(int64_t s, int64_t lo, int64_t size) const { return RS[at(s, lo, size)]; }
 };
 
 // what both return: iteration ms (P,), finish, busy ms and peak bytes (P, S)
@@ -52,6 +78,7 @@ struct Scores {
 struct Part {
     std::vector<int64_t> size, last;  // per chunk: samples, last sample
     std::vector<int32_t> of;          // per sample: the chunk holding it
+    int64_t lo(int64_t k) const { return last[k] - size[k] + 1; }
 };
 
 // fills p (reusing its storage: this runs for every stage of every individual)
@@ -85,7 +112,7 @@ struct Player {
     // visited. Returns whether every stage ran all its slots (else the individual deadlocked).
     template <class Ready, class Dur>
     bool play(const std::vector<std::vector<int8_t>>& kind, const std::vector<std::vector<int32_t>>& chunk, const std::vector<Part>& fp,
-              const std::vector<Part>& bp, const double* L, int64_t W, Ready ready, Dur dur) {
+              const std::vector<Part>& bp, const Costs& c, Ready ready, Dur dur) {
         const int64_t S = kind.size();
         const double inf = std::numeric_limits<double>::infinity();
         for (int64_t s = 0; s < S; ++s) {
@@ -110,11 +137,11 @@ struct Player {
                         if (s == S - 1) {
                             act[s][k] = end;
                         } else {
-                            f_free[s] = std::max(f_free[s], end) + L[s * W + fp[s].size[k]];
+                            f_free[s] = std::max(f_free[s], end) + c.l(s, fp[s].lo(k), fp[s].size[k]);
                             act[s][k] = f_free[s];
                         }
                     } else if (kd == 1 && s > 0) {
-                        b_free[s] = std::max(b_free[s], end) + L[(s - 1) * W + bp[s].size[k]];
+                        b_free[s] = std::max(b_free[s], end) + c.l(s - 1, bp[s].lo(k), bp[s].size[k]);
                         grad[s][k] = b_free[s];
                     }
                     ptr[s] += 1;
@@ -179,11 +206,10 @@ static void fill_parts(std::vector<Part>& fp, std::vector<Part>& bp, const Sizes
 }
 
 static py::tuple evaluate_1f1b(I64 fsizes, I64 bsizes, I64 warmup, const Costs& c) {
-    const int64_t P = fsizes.shape(0), S = fsizes.shape(1), K = fsizes.shape(2), W = c.W, B = c.B;
+    const int64_t P = fsizes.shape(0), S = fsizes.shape(1), K = fsizes.shape(2), B = c.B;
     auto fs = fsizes.unchecked<3>();
     auto bs = bsizes.unchecked<3>();
     auto wu = warmup.unchecked<2>();
-    const double *F = c.F, *G = c.G, *L = c.L;
     const bool recompute = c.recompute;
     Scores out(P, S);
     auto it = out.it.mutable_unchecked<1>();
@@ -208,7 +234,16 @@ static py::tuple evaluate_1f1b(I64 fsizes, I64 bsizes, I64 warmup, const Costs& 
                 int64_t held = 0, most = 0;
                 double mem_most = 0.0;
                 for (int64_t q = 0; q < Q; ++q) {
-                    const int64_t d = kind[s][q] == 0 ? f.size[chunk[s][q]] : -b.size[chunk[s][q]];
+                    const int64_t k = chunk[s][q];
+                    if (c.ranged) {  // each chunk's own bytes
+                        const int64_t d = kind[s][q] == 0 ? c.kept(s, f.lo(k), f.size[k]) : -c.kept(s, b.lo(k), b.size[k]);
+                        int64_t h = held + std::max<int64_t>(d, 0);
+                        held += d;
+                        if (recompute) h += kind[s][q] == 0 ? c.act(s, f.lo(k), f.size[k]) : c.act(s, b.lo(k), b.size[k]);
+                        most = std::max(most, h);
+                        continue;
+                    }
+                    const int64_t d = kind[s][q] == 0 ? f.size[k] : -b.size[k];
                     const int64_t h = held + std::max<int64_t>(d, 0);  // a B's samples are held while it runs
                     held += d;
                     if (recompute)  // inputs are held; activations only for the chunk that runs
@@ -216,10 +251,10 @@ static py::tuple evaluate_1f1b(I64 fsizes, I64 bsizes, I64 warmup, const Costs& 
                     else
                         most = std::max(most, h);
                 }
-                peak(p, s) = c.stat[s] + (recompute ? mem_most : (double)most * c.stash[s]);
+                peak(p, s) = c.ranged ? c.stat[s] + (double)most : c.stat[s] + (recompute ? mem_most : (double)most * c.stash[s]);
                 double fwork = 0.0, bwork = 0.0;  // summed as numpy does: each kind, then both
-                for (int64_t k = 0; k < n; ++k) fwork += F[s * W + f.size[k]];
-                for (int64_t k = 0; k < nb; ++k) bwork += G[s * W + b.size[k]];
+                for (int64_t k = 0; k < n; ++k) fwork += c.f(s, f.lo(k), f.size[k]);
+                for (int64_t k = 0; k < nb; ++k) bwork += c.g(s, b.lo(k), b.size[k]);
                 busy(p, s) = fwork + bwork;
             }
             // --- playing the slots: F after the message holding its last sample; B (in sample
@@ -230,8 +265,10 @@ static py::tuple evaluate_1f1b(I64 fsizes, I64 bsizes, I64 warmup, const Costs& 
                 if (s == S - 1) return pl.act[s][fp[s].of[bp[s].last[k]]];
                 return pl.grad[s + 1][bp[s + 1].of[bp[s].last[k]]];
             };
-            auto dur = [&](int64_t s, int8_t kd, int64_t k) { return kd == 0 ? F[s * W + fp[s].size[k]] : G[s * W + bp[s].size[k]]; };
-            pl.score(p, pl.play(kind, chunk, fp, bp, L, W, ready, dur), c.optimizer_ms, finish, it);
+            auto dur = [&](int64_t s, int8_t kd, int64_t k) {
+                return kd == 0 ? c.f(s, fp[s].lo(k), fp[s].size[k]) : c.g(s, bp[s].lo(k), bp[s].size[k]);
+            };
+            pl.score(p, pl.play(kind, chunk, fp, bp, c, ready, dur), c.optimizer_ms, finish, it);
         }
     }
     return out.tuple();
@@ -241,10 +278,9 @@ static py::tuple evaluate_1f1b(I64 fsizes, I64 bsizes, I64 warmup, const Costs& 
 // holding its last sample; then B ops in reverse sample order after the stage's last F, each
 // after the gradient message holding its first sample; messages one at a time per direction.
 static py::tuple evaluate_gpipe(I64 fsizes, I64 bsizes, const Costs& c) {
-    const int64_t P = fsizes.shape(0), S = fsizes.shape(1), K = fsizes.shape(2), W = c.W, B = c.B;
+    const int64_t P = fsizes.shape(0), S = fsizes.shape(1), K = fsizes.shape(2), B = c.B;
     auto fs = fsizes.unchecked<3>();
     auto bs = bsizes.unchecked<3>();
-    const double *F = c.F, *G = c.G, *L = c.L;
     const bool recompute = c.recompute;
     Scores out(P, S);
     auto it = out.it.mutable_unchecked<1>();
@@ -264,11 +300,11 @@ static py::tuple evaluate_gpipe(I64 fsizes, I64 bsizes, const Costs& c) {
                 arrive_next.assign(n, 0.0);
                 for (int64_t k = 0; k < n; ++k) {
                     const double ready = s == 0 ? 0.0 : arrive[fp[s - 1].of[f.last[k]]];
-                    const double d = F[s * W + f.size[k]];
+                    const double d = c.f(s, f.lo(k), f.size[k]);
                     end = std::max(end, ready) + d;
                     work += d;
                     if (s + 1 < S) {
-                        sent = std::max(sent, end) + L[s * W + f.size[k]];
+                        sent = std::max(sent, end) + c.l(s, f.lo(k), f.size[k]);
                         arrive_next[k] = sent;
                     }
                 }
@@ -281,14 +317,14 @@ static py::tuple evaluate_gpipe(I64 fsizes, I64 bsizes, const Costs& c) {
                 const Part& b = bp[s];
                 const int64_t nb = b.size.size();
                 double end = fwd_end[s], sent = 0.0, work = 0.0;
-                for (int64_t k = 0; k < nb; ++k) work += G[s * W + b.size[k]];  // summed in sample order, as numpy does
+                for (int64_t k = 0; k < nb; ++k) work += c.g(s, b.lo(k), b.size[k]);  // summed in sample order, as numpy does
                 arrive_next.assign(nb, 0.0);
                 for (int64_t k = nb - 1; k >= 0; --k) {
                     const int64_t first = b.last[k] - b.size[k] + 1;
                     const double ready = s == S - 1 ? 0.0 : arrive[bp[s + 1].of[first]];
-                    end = std::max(end, ready) + G[s * W + b.size[k]];
+                    end = std::max(end, ready) + c.g(s, b.lo(k), b.size[k]);
                     if (s > 0) {
-                        sent = std::max(sent, end) + L[(s - 1) * W + b.size[k]];
+                        sent = std::max(sent, end) + c.l(s - 1, b.lo(k), b.size[k]);
                         arrive_next[k] = sent;
                     }
                 }
@@ -298,7 +334,23 @@ static py::tuple evaluate_gpipe(I64 fsizes, I64 bsizes, const Costs& c) {
                 arrive.swap(arrive_next);
                 // peak memory: everything is forwarded before the first B
                 const Part& f = fp[s];
-                if (!recompute) {
+                if (c.ranged) {  // each chunk's own bytes
+                    int64_t most = 0, run = 0;
+                    if (!recompute) {
+                        for (size_t k = 0; k < f.size.size(); ++k) most += c.act(s, f.lo(k), f.size[k]);
+                    } else {
+                        for (size_t k = 0; k < f.size.size(); ++k) {
+                            run += c.kept(s, f.lo(k), f.size[k]);
+                            most = std::max(most, run + c.act(s, f.lo(k), f.size[k]));
+                        }
+                        run = 0;
+                        for (size_t k = 0; k < b.size.size(); ++k) {
+                            run += c.kept(s, b.lo(k), b.size[k]);
+                            most = std::max(most, run + c.act(s, b.lo(k), b.size[k]));
+                        }
+                    }
+                    peak(p, s) = c.stat[s] + (double)most;
+                } else if (!recompute) {
                     peak(p, s) = c.stat[s] + (double)B * c.stash[s];
                 } else {  // inputs are held; activations only for the chunk that runs
                     double most = 0.0;
@@ -323,12 +375,12 @@ static py::tuple evaluate_gpipe(I64 fsizes, I64 bsizes, const Costs& c) {
 // but its stage; memory follows umopt.costmodel.stage_peak_memory (a W releases what its samples
 // kept). Equal to the reference simulator to 1e-9 (tested), not to the bit: busy time sums in op order.
 static py::tuple evaluate_split(I64 fsizes, I64 bsizes, I64 warmup, I64 wcap, bool onef1b, const Costs& c, F64 bwd_input, F64 bwd_weight, F64 op_overhead) {
-    const int64_t P = fsizes.shape(0), S = fsizes.shape(1), K = fsizes.shape(2), W = c.W, B = c.B;
+    const int64_t P = fsizes.shape(0), S = fsizes.shape(1), K = fsizes.shape(2), B = c.B;
     auto fs = fsizes.unchecked<3>();
     auto bs = bsizes.unchecked<3>();
     auto wu = warmup.unchecked<2>();
     auto wc = wcap.unchecked<2>();
-    const double *F = c.F, *G = c.G, *L = c.L, *Gi = bwd_input.data(), *Gw = bwd_weight.data(), *over = op_overhead.data();
+    const double *Gi = bwd_input.data(), *Gw = bwd_weight.data(), *over = op_overhead.data();
     const bool recompute = c.recompute;
     Scores out(P, S);
     auto it = out.it.mutable_unchecked<1>();
@@ -397,6 +449,20 @@ static py::tuple evaluate_split(I64 fsizes, I64 bsizes, I64 warmup, I64 wcap, bo
                 for (size_t q = 0; q < kind[s].size(); ++q) {
                     const int8_t kd = kind[s][q];
                     const int64_t sz = kd == 0 ? f.size[chunk[s][q]] : b.size[chunk[s][q]];
+                    if (c.ranged) {  // each chunk's own bytes (a W's: its B chunk's)
+                        const int64_t k = chunk[s][q], lo = kd == 0 ? f.lo(k) : b.lo(k);
+                        const int64_t kept = c.kept(s, lo, sz), act = c.act(s, lo, sz);
+                        if (kd == 0) stashed += kept;
+                        const double mem = c.stat[s] + (double)(recompute ? stashed + awaiting + (kd != 2 ? act : 0) : stashed);
+                        most = std::max(most, mem);
+                        if (kd == release) {
+                            stashed -= kept;
+                            if (kd == 2 && recompute) awaiting -= act;
+                        } else if (kd == 1 && split && recompute) {
+                            awaiting += act;
+                        }
+                        continue;
+                    }
                     if (kd == 0) stashed += sz;
                     double mem;
                     if (recompute) {
@@ -430,14 +496,15 @@ static py::tuple evaluate_split(I64 fsizes, I64 bsizes, I64 warmup, I64 wcap, bo
             };
             // a W: one B chunk's weight gradient as measured less the op's overhead, then the overhead
             auto dur = [&](int64_t s, int8_t kd, int64_t k) {
-                const double d = kd == 0 ? F[s * W + fp[s].size[k]]
-                                 : kd == 1 ? (wc(p, s) >= 0 ? Gi : G)[s * W + bp[s].size[k]]
-                                           : (0.0 + (Gw[s * W + bp[s].size[k]] - over[s])) + over[s];
+                const int64_t lo = kd == 0 ? fp[s].lo(k) : bp[s].lo(k), sz = kd == 0 ? fp[s].size[k] : bp[s].size[k];
+                const double d = kd == 0 ? c.f(s, lo, sz)
+                                 : kd == 1 ? (wc(p, s) >= 0 ? c.gi(Gi, s, lo, sz) : c.g(s, lo, sz))
+                                           : (0.0 + (c.gw(Gw, s, lo, sz) - over[s])) + over[s];
                 busy(p, s) += d;
                 return d;
             };
             for (int64_t s = 0; s < S; ++s) busy(p, s) = 0.0;
-            pl.score(p, pl.play(kind, chunk, fp, bp, L, W, ready, dur), c.optimizer_ms, finish, it);
+            pl.score(p, pl.play(kind, chunk, fp, bp, c, ready, dur), c.optimizer_ms, finish, it);
         }
     }
     return out.tuple();
@@ -445,8 +512,10 @@ static py::tuple evaluate_split(I64 fsizes, I64 bsizes, I64 warmup, I64 wcap, bo
 
 PYBIND11_MODULE(_population_sim, m) {
     m.doc() = "umopt's population scoring compiled (see umopt/population_sim.py)";
-    m.attr("VERSION") = 2;
-    py::class_<Costs>(m, "Costs").def(py::init<F64, F64, F64, F64, F64, F64, double, bool, int64_t>());
+    m.attr("VERSION") = 3;
+    py::class_<Costs>(m, "Costs")
+        .def(py::init<F64, F64, F64, F64, F64, F64, double, bool, int64_t>())
+        .def("set_ranged", &Costs::set_ranged);
     m.def("evaluate_gpipe", &evaluate_gpipe);
     m.def("evaluate_1f1b", &evaluate_1f1b);
     m.def("evaluate_split", &evaluate_split);

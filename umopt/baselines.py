@@ -46,6 +46,13 @@ def feasible_m(problem: Problem, lowest: int = 1) -> range:
 def _busiest_stage_ms(problem: Problem, ms: np.ndarray) -> np.ndarray:
     """For each chunk count M, the compute of the busiest stage: a lower bound on its iteration."""
     t = problem.tables
+    if t.ranged is not None:  # each chunk's own samples (see [Note: costs by sample range])
+        out = []
+        for m in ms:
+            ends = np.cumsum(equal_sizes(problem.minibatch, int(m)))
+            lo, hi = ends - np.asarray(equal_sizes(problem.minibatch, int(m))), ends
+            out.append(float((t.ranged.fwd[:, lo, hi] + t.ranged.bwd[:, lo, hi]).sum(axis=1).max()))
+        return np.array(out)
     q, r = np.divmod(problem.minibatch, ms)
     per = t.fwd + t.bwd  # (S, sizes)
     busy = r * per[:, np.minimum(q + 1, t.max_size)] + (ms - r) * per[:, q]

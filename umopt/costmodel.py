@@ -135,6 +135,40 @@ class CostTables:
     bwd_weight: np.ndarray | None = None  # one B chunk's weight gradient as a W op
     op_overhead: np.ndarray | None = None  # (S,) the runtime's cost per op, inside every entry above
     ranks: tuple[int, ...] | None = None  # the rank of each virtual stage (None: stage s on rank s)
+    # one minibatch of sequences of different lengths: every cost by sample range (None: by size)
+    ranged: RangeCosts | None = None
+
+    # --- a chunk's costs: by its size, or by its sample range (see [Note: costs by sample range])
+    def op_ms(self, table: str, s, lo, hi):
+        """The duration of an op on samples ``[lo, hi)`` of stage ``s`` from ``table`` ("fwd",
+        "bwd", "bwd_input", "bwd_weight"); ``lo``, ``hi`` may be arrays."""
+        if self.ranged is None:
+            return getattr(self, table)[s][hi - lo]
+        return getattr(self.ranged, table)[s][lo, hi]
+
+    def link_ms(self, ln: int, lo, hi):
+        """A message of samples ``[lo, hi)`` across boundary ``ln``."""
+        if self.ranged is None:
+            return self.link[ln][hi - lo]
+        return self.ranged.link[ln][lo, hi]
+
+    def stash_of(self, s: int, lo, hi):
+        """Bytes stage ``s`` keeps for the backward of samples ``[lo, hi)``."""
+        if self.ranged is None:
+            return (hi - lo) * self.stash_bytes[s]
+        return self.ranged.stash[s][lo, hi]
+
+    def input_of(self, s: int, lo, hi):
+        """Bytes of stage ``s``'s inputs for samples ``[lo, hi)`` (what recompute keeps)."""
+        if self.ranged is None:
+            return (hi - lo) * self.input_bytes[s]
+        return self.ranged.inputs[s][lo, hi]
+
+    @property
+    def additive(self) -> bool:
+        """Whether a range's bytes are the sum of its samples' (by size, or packed sequences; not
+        padded ones, whose chunk pads every sequence to its longest)."""
+        return self.ranged is None or self.ranged.mode == "packed"
 
     @property
     def num_stages(self) -> int:
@@ -275,12 +309,207 @@ def _step_bytes(
             st.output_bytes_per_sample if j < V - 1 else 0
         )
         out[j] = minibatch * per_sample
+    return out + _bucket_bytes(stages, ranks, dp)
+
+
+def _bucket_bytes(stages: Sequence, ranks: Sequence[int] | None, dp: AllReduceProfile | None) -> np.ndarray:
+    """With data-parallel replicas, the all-reduce's buckets, on the first virtual stage of each rank."""
+    out = np.zeros(len(stages), dtype=np.int64)
     if dp is not None and dp.replicas > 1:
-        ranks = list(ranks) if ranks is not None else list(range(V))
+        ranks = list(ranks) if ranks is not None else list(range(len(stages)))
         for r in sorted(set(ranks)):
             held = sum(st.param_bytes or 0 for st, rr in zip(stages, ranks) if rr == r)
             out[ranks.index(r)] += min(held, 2 * ALLREDUCE_BUCKET_BYTES)
     return out
+
+
+# [Note: costs by sample range]
+# With sequences of different lengths a chunk's cost depends on which samples it holds, not only
+# how many. A minibatch's samples (sequences, or rows of packed sequences), in the order the
+# planner chose, give each sample range [lo, hi) its tokens T (packed: the sum of its samples'
+# tokens; padded: its size times its longest) and its squares Q (the attention's work: the sum
+# of its sequences' squared lengths; padded: size times longest squared), and each op of a stage
+# costs a + b T + c Q, a message latency + T x bytes per token / bandwidth, a chunk's stash T x
+# bytes per token (docs/formats.md, "Sequences of different lengths"). RangeCosts holds every
+# range's costs of one minibatch, from prefix sums (packed) or running maxima (padded): dense
+# (B+1) x (B+1) per stage, as B is a minibatch's sequences, a few hundred at most, and every
+# evaluator then looks a range up as cheaply as a size. A CostTables with `ranged` set answers
+# op_ms() and its kin by range; its size-indexed tables then hold a sample of mean tokens'
+# costs, for the heuristics that reason by size alone (a first guess, never a predicted time).
+
+
+@dataclass(frozen=True)
+class RangeCosts:
+    """Every sample range's costs of one minibatch of sequences (see [Note: costs by sample
+    range]): ``fwd[s][lo, hi]`` and its kin, arrays of shape (B+1, B+1) per stage."""
+
+    tokens: np.ndarray  # each sample's tokens, in the planned order (padded: its own length)
+    mode: str  # "packed" or "padded"
+    fwd: np.ndarray
+    bwd: np.ndarray
+    link: np.ndarray
+    stash: np.ndarray
+    inputs: np.ndarray
+    bwd_input: np.ndarray | None = None
+    bwd_weight: np.ndarray | None = None
+
+
+def range_tokens(
+    tokens: np.ndarray, mode: str, squares: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(T, Q): every range's tokens and squares, (B+1, B+1) arrays, zero where ``lo >= hi``.
+    ``tokens[i]``: sample i's tokens (a sequence's length, or a packed row's); ``squares[i]``:
+    the sum of its sequences' squared lengths (default: it is one sequence, ``tokens[i]**2``)."""
+    L = np.asarray(tokens, dtype=float)
+    B = len(L)
+    lo = np.arange(B + 1)[:, None]
+    hi = np.arange(B + 1)[None, :]
+    valid = hi > lo
+    if mode == "packed":
+        sq = L * L if squares is None else np.asarray(squares, dtype=float)
+        p1 = np.concatenate([[0.0], np.cumsum(L)])
+        p2 = np.concatenate([[0.0], np.cumsum(sq)])
+        T = p1[None, :] - p1[:, None]
+        Q = p2[None, :] - p2[:, None]
+    elif mode == "padded":
+        longest = np.zeros((B + 1, B + 1))
+        for a in range(B):  # the longest of [a, hi) for every hi, as a running maximum
+            longest[a, a + 1 :] = np.maximum.accumulate(L[a:])
+        n = (hi - lo).astype(float)
+        T, Q = n * longest, n * longest * longest
+    else:
+        raise UmoptError(f"mode must be packed or padded, got {mode!r}")
+    return np.where(valid, T, 0.0), np.where(valid, Q, 0.0)
+
+
+def tables_for_lengths(
+    profile: Profile,
+    lengths,
+    mode: str = "packed",
+    recompute: bool = False,
+    dp: AllReduceProfile | None = None,
+    squares=None,
+) -> "CostTables":
+    """The cost tables of one minibatch of samples of ``lengths`` tokens (in that order: the
+    order the chunks cut), from the profile's costs by tokens in ``mode`` (see [Note: costs by
+    sample range]); a sample that is a row of packed sequences gives the sum of their squared
+    lengths in ``squares``. One chunk per rank."""
+    info = profile.lengths
+    if info is None:
+        raise UmoptError(
+            "the profile has no costs by tokens (profile with --lengths, or a variable-length sim profile)"
+        )
+    if mode not in info.modes:
+        raise UmoptError(f"the profile was timed in {' and '.join(info.modes)} mode, not {mode}")
+    L = np.asarray(lengths, dtype=np.int64)
+    if L.ndim != 1 or len(L) == 0 or L.min() < 1:
+        raise UmoptError("lengths must be one or more positive integers")
+    if L.max() > info.max_length:
+        raise UmoptError(
+            f"a sequence of {int(L.max())} tokens is longer than the profile timed ({info.max_length}): "
+            "profile with longer sequences, or cap them"
+        )
+    stages, links = profile.stages, profile.links
+    B = len(L)
+    if squares is not None and mode != "packed":
+        raise UmoptError("rows of packed sequences are in packed mode")
+    T, Q = range_tokens(L, mode, squares)
+    valid = T > 0
+    costs = [st.tokens[mode] for st in stages]
+    over = np.array([st.op_overhead_ms for st in stages])
+
+    def ms(fit, ov):
+        return np.where(valid, fit.a_ms + fit.b_ms * T + fit.c_ms * Q + ov, 0.0)
+
+    fwd = np.stack([ms(c.forward, o) for c, o in zip(costs, over)])
+    bwd = np.stack([ms(c.backward, o) for c, o in zip(costs, over)])
+    split = {}
+    if all(c.backward_input is not None and c.backward_weight is not None for c in costs):
+        split["bwd_input"] = np.stack([ms(c.backward_input, o) for c, o in zip(costs, over)])
+        split["bwd_weight"] = np.stack([ms(c.backward_weight, o) for c, o in zip(costs, over)])
+    if recompute:  # the recomputed forward runs inside the B op: one op, one overhead
+        bwd = np.where(valid, bwd + fwd - over[:, None, None], 0.0)
+        if split:
+            split["bwd_input"] = np.where(valid, split["bwd_input"] + fwd - over[:, None, None], 0.0)
+    link = np.stack(
+        [
+            np.where(
+                valid,
+                ln.latency_ms + ln.message_overhead_ms + T * c.output_bytes_per_token / ln.bytes_per_ms,
+                0.0,
+            )
+            for ln, c in zip(links, costs)
+        ]
+    ).reshape(len(links), B + 1, B + 1)
+    stash = np.stack([(T * c.stash_bytes_per_token).astype(np.int64) for c in costs])
+    inputs = np.stack([(T * c.input_bytes_per_token).astype(np.int64) for c in costs])
+    for what, arr in (("an F op", fwd), ("a B op", bwd), ("a message", link)):
+        if arr.size and not arr.max() <= MAX_MS:
+            raise UmoptError(
+                f"{what} on these lengths would take {arr.max():.3g} ms, over umopt's limit of {MAX_MS:.0e} ms"
+            )
+    for arr in (fwd, bwd, link, stash, inputs, *split.values()):
+        arr.setflags(write=False)
+    ranged = RangeCosts(
+        L, mode, fwd, bwd, link, stash, inputs, split.get("bwd_input"), split.get("bwd_weight")
+    )
+    mean = np.full(B, float(L.mean()))  # by size: sequences of the mean length (heuristics only)
+    Tm = np.arange(B + 1) * float(L.mean())
+    every = float(T[0, B])  # the minibatch's tokens (padded: at its longest)
+    buffers = np.array(
+        [
+            every
+            * (
+                (c.input_bytes_per_token if j > 0 else 0)
+                + (c.output_bytes_per_token if j < len(costs) - 1 else 0)
+            )
+            for j, c in enumerate(costs)
+        ],
+        dtype=np.int64,
+    )
+    return CostTables(
+        fwd=_by_size(costs, over, mean, "forward", recompute=False),
+        bwd=_by_size(costs, over, mean, "backward", recompute=recompute),
+        link=np.stack(
+            [
+                np.where(
+                    np.arange(B + 1) > 0,
+                    ln.latency_ms + ln.message_overhead_ms + Tm * c.output_bytes_per_token / ln.bytes_per_ms,
+                    0.0,
+                )
+                for ln, c in zip(links, costs)
+            ]
+        ).reshape(len(links), B + 1),
+        optimizer_ms=max(st.optimizer_ms for st in stages),
+        recompute=recompute,
+        static_bytes=np.array([st.static_bytes for st in stages], dtype=np.int64)
+        + buffers
+        + _bucket_bytes(stages, None, dp),
+        stash_bytes=np.array([int(round(c.stash_bytes_per_token * mean[0])) for c in costs], dtype=np.int64),
+        input_bytes=np.array([int(round(c.input_bytes_per_token * mean[0])) for c in costs], dtype=np.int64),
+        memory_limit=profile.memory_limit_bytes,
+        allreduce_ms=_allreduce_per_rank(stages, None, dp),
+        bwd_input=_by_size(costs, over, mean, "backward_input", recompute) if split else None,
+        bwd_weight=_by_size(costs, over, mean, "backward_weight", False) if split else None,
+        op_overhead=over.copy() if split else None,
+        ranged=ranged,
+    )
+
+
+def _by_size(costs, over, mean, kind: str, recompute: bool) -> np.ndarray:
+    """A cost by chunk size for sequences of the mean length (the heuristics' first guess)."""
+    m = float(mean[0])
+    b = np.arange(len(mean) + 1, dtype=float)
+    rows = []
+    for c, o in zip(costs, over):
+        fit = getattr(c, kind)
+        row = fit.a_ms + fit.b_ms * b * m + fit.c_ms * b * m * m + o
+        if recompute and kind in ("backward", "backward_input"):
+            f = c.forward
+            row = row + f.a_ms + f.b_ms * b * m + f.c_ms * b * m * m
+        row[0] = 0.0
+        rows.append(row)
+    return np.array(rows)
 
 
 def allreduce_ms(dp: AllReduceProfile, nbytes: float) -> float:
@@ -377,42 +606,60 @@ def rank_peak_memory(tables: CostTables, rank: int, ops: Sequence[Op | ChunkOp])
     A rank holds the static bytes of every chunk on it and what each chunk keeps for backward.
     On a chunk with W ops, what a sample keeps for backward is released by its W, not its B
     (the weight gradient needs the layers' inputs and output gradients); with recompute, the
-    activations its B recomputed are kept until its W too."""
+    activations its B recomputed are kept until its W too. Bytes are counted by sample range
+    (``stash_of``, ``input_of``): by size, or by the sequences a range holds."""
     F, B, W = OpKind.F, OpKind.B, OpKind.W  # locals: an enum member's lookup costs more than a comparison
+    rc = tables.recompute
     chunks = sorted({op_stage(op, rank) for op in ops}) or [rank]
     release = {j: B for j in chunks}
     for op in ops:
         if op[0] == W:
             release[op_stage(op, rank)] = W
-    stashed = dict.fromkeys(chunks, 0)  # samples forwarded and not yet released
-    awaiting = dict.fromkeys(
-        chunks, 0
-    )  # with recompute and W ops: samples whose B recomputed activations their W needs
+    stashed = dict.fromkeys(chunks, 0)  # bytes of samples forwarded and not yet released
+    awaiting = dict.fromkeys(chunks, 0)  # with recompute and W ops: what B recomputed for its W
+    live: dict[tuple, dict[tuple[int, int], int]] = {}  # padded chunks: each chunk's own bytes
     static = sum(int(tables.static_bytes[j]) for j in chunks)
     held = dict.fromkeys(chunks, 0)  # each chunk's bytes beyond its static ones
     peak = static
+
+    def kept(j: int, lo: int, hi: int) -> int:
+        return int(tables.input_of(j, lo, hi) if rc else tables.stash_of(j, lo, hi))
+
+    def freed(what: str, j: int, lo: int, hi: int, of) -> int:
+        """Bytes a release of [lo, hi) frees: the range's own where bytes add up over samples,
+        else those of the chunks it covers, whole (padded chunks pad to their own longest)."""
+        if tables.additive:
+            return int(of(j, lo, hi))
+        mine = live.setdefault((what, j), {})
+        inside = [c for c in mine if lo <= c[0] and c[1] <= hi]
+        if sum(c1 - c0 for c0, c1 in inside) != hi - lo:
+            raise UmoptError(
+                f"stage {j}: padded chunks: a B or W op must cover whole chunks before it, not [{lo},{hi})"
+            )
+        return sum(mine.pop(c) for c in inside)
+
     for op in ops:
         kind, lo, hi = op[0], op[1], op[2]
         j = op_stage(op, rank)
-        b = hi - lo
         if kind == F:
-            stashed[j] += b
-        if tables.recompute:
-            running = b if kind != W else 0  # a W runs on what its B kept (awaiting)
-            mine = stashed[j] * tables.input_bytes[j] + (awaiting[j] + running) * tables.stash_bytes[j]
+            stashed[j] += kept(j, lo, hi)
+            if not tables.additive:
+                live.setdefault(("kept", j), {})[(lo, hi)] = kept(j, lo, hi)
+        if rc:
+            running = int(tables.stash_of(j, lo, hi)) if kind != W else 0  # a W runs on what its B kept
+            mine = stashed[j] + awaiting[j] + running
         else:
-            mine = stashed[j] * tables.stash_bytes[j]
+            mine = stashed[j]
         peak = max(peak, int(static + sum(held.values()) - held[j] + mine))
         if kind == release[j]:
-            stashed[j] -= b
-            awaiting[j] -= b if kind == W and tables.recompute else 0
-        elif kind == B and release[j] == W and tables.recompute:
-            awaiting[j] += b
-        held[j] = int(
-            stashed[j] * tables.input_bytes[j] + awaiting[j] * tables.stash_bytes[j]
-            if tables.recompute
-            else stashed[j] * tables.stash_bytes[j]
-        )
+            stashed[j] -= freed("kept", j, lo, hi, lambda j, lo, hi: kept(j, lo, hi))
+            if kind == W and rc:
+                awaiting[j] -= freed("awaiting", j, lo, hi, tables.stash_of)
+        elif kind == B and release[j] == W and rc:
+            awaiting[j] += int(tables.stash_of(j, lo, hi))
+            if not tables.additive:
+                live.setdefault(("awaiting", j), {})[(lo, hi)] = int(tables.stash_of(j, lo, hi))
+        held[j] = stashed[j] + awaiting[j] if rc else stashed[j]
     return peak
 
 
@@ -420,7 +667,7 @@ def weight_ms(tables: CostTables, stage: int, b_chunks: Sequence[tuple[int, int]
     """A W op over whole B chunks: each chunk's weight gradient as measured (the runtime resumes
     each chunk's own saved backward; their graphs cannot be batched), one op's overhead."""
     over = float(tables.op_overhead[stage])
-    return sum(float(tables.bwd_weight[stage, hi - lo]) - over for lo, hi in b_chunks) + over
+    return sum(float(tables.op_ms("bwd_weight", stage, lo, hi)) - over for lo, hi in b_chunks) + over
 
 
 def _split_stages(
@@ -491,12 +738,20 @@ def simulate(
     ptr = [0] * R
     spans: list[list[Span]] = [[] for _ in range(R)]
     messages: list[Message] = []
-    fwd, bwd, link = tables.fwd, tables.bwd, tables.link
+    by_range = tables.ranged  # costs by sample range, or by size (see [Note: costs by sample range])
+    fwd, bwd, bwd_input, link = (
+        (tables.fwd, tables.bwd, tables.bwd_input, tables.link)
+        if by_range is None
+        else (by_range.fwd, by_range.bwd, by_range.bwd_input, by_range.link)
+    )
+    at = (
+        (lambda s, lo, hi: (s, hi - lo)) if by_range is None else (lambda s, lo, hi: (s, lo, hi))
+    )  # a chunk's entry
 
     def send(direction: str, ln: int, lo: int, hi: int, sent: float, dest: list[float]) -> None:
         ch = tables.channel(ln, direction)
         start = max(sent, link_free.get(ch, 0.0))
-        end = start + float(link[ln, hi - lo])
+        end = start + float(link[at(ln, lo, hi)])
         link_free[ch] = end
         dest[lo:hi] = [end] * (hi - lo)
         if record:
@@ -515,12 +770,12 @@ def simulate(
                     raise UmoptError(f"rank {r}: {kind}({lo},{hi}) names stage {s}, which is not on rank {r}")
                 if kind == F:
                     ready = max(act_at[s][lo:hi])
-                    dur = float(fwd[s, hi - lo])
+                    dur = float(fwd[at(s, lo, hi)])
                 elif kind == B:
                     if not all(fwd_done[s][lo:hi]):
                         raise UmoptError(f"stage {s}: B({lo},{hi}) comes before the F of its samples")
                     ready = max(grad_at[s][lo:hi])
-                    dur = float((tables.bwd_input if split[s] else bwd)[s, hi - lo])
+                    dur = float((bwd_input if split[s] else bwd)[at(s, lo, hi)])
                 else:  # W: local, after the B of its samples on this stage, which ran before it
                     if not all(bwd_done[s][lo:hi]):
                         raise UmoptError(f"stage {s}: W({lo},{hi}) comes before the B of its samples")

@@ -30,7 +30,7 @@ from .costmodel import CostTables, simulate
 from .errors import UmoptError
 
 # what this module calls the compiled evaluators with (their VERSION)
-_COMPILED_VERSION = 2
+_COMPILED_VERSION = 3
 try:  # both evaluators compiled (setup.py); where they did not build, numpy (and a Python loop for 1F1B)
     from . import _population_sim as _compiled
 except ImportError:  # pragma: no cover - depends on the install
@@ -89,6 +89,14 @@ class _Partition:
         self._minibatch, self._cols = minibatch, cols
         self._chunk_of = None
 
+    def costs(self, tables: CostTables, table: str, s: int) -> np.ndarray:
+        """(K, P) costs of every chunk from ``table`` of stage (or link) ``s``: by size, or by
+        sample range (see [Note: costs by sample range]; padding is an empty range, costs 0)."""
+        if tables.ranged is None:
+            return getattr(tables, table)[s][self.sizes]
+        hi = self.last + 1
+        return getattr(tables.ranged, table)[s][hi - self.sizes, hi]
+
     def chunk_of(self, samples: np.ndarray) -> np.ndarray:
         """Index of this partition's chunk that holds ``samples[k, p]`` (entries >= B are clipped).
 
@@ -141,7 +149,6 @@ def evaluate_gpipe(
     else:
         bsizes = np.asarray(bsizes)
         bparts = [_Partition(np.ascontiguousarray(bsizes[:, s].T, dtype=idx), B, cols) for s in range(S)]
-    fwd, bwd, link = tables.fwd, tables.bwd, tables.link
     busy = np.zeros((S, P))
     peak = np.zeros((S, P))
     fwd_end = np.zeros((S, P))
@@ -156,12 +163,12 @@ def evaluate_gpipe(
         else:
             holder = fparts[s - 1].chunk_of(part.last)
             ready = _gather(arrive, holder) + part.pad
-        d = fwd[s][part.sizes]
+        d = part.costs(tables, "fwd", s)
         end = _scan(ready, d, 0.0)
         fwd_end[s] = end[-1]
         busy[s] = d.sum(axis=0)
         if s + 1 < S:
-            arrive = _scan(end + part.pad, link[s][part.sizes], 0.0)
+            arrive = _scan(end + part.pad, part.costs(tables, "link", s), 0.0)
 
     # Backward sweep: gradients flow from S-1 to 0 and B chunks run in reverse sample order, so
     # the scans run backwards over the chunks and a chunk waits for the gradient message that
@@ -174,13 +181,13 @@ def evaluate_gpipe(
         else:
             holder = bparts[s + 1].chunk_of(part.first)
             ready = _gather(arrive, holder) + part.pad
-        d = bwd[s][part.sizes]
+        d = part.costs(tables, "bwd", s)
         end = _scan(ready, d, fwd_end[s], reverse=True)
         finish[s] = end[0]
         busy[s] += d.sum(axis=0)
         if s > 0:
-            arrive = _scan(end + part.pad, link[s - 1][part.sizes], 0.0, reverse=True)
-        peak[s] = _gpipe_peak(tables, s, fparts[s].sizes, part.sizes)
+            arrive = _scan(end + part.pad, part.costs(tables, "link", s - 1), 0.0, reverse=True)
+        peak[s] = _gpipe_peak(tables, s, fparts[s], part)
 
     return _with_allreduce(
         tables,
@@ -205,7 +212,7 @@ def _compiled_costs(tables: CostTables, minibatch: int):
     """The tables as the compiled evaluators take them (a few microseconds: views of the
     arrays and three short copies)."""
     t = tables
-    return _compiled.Costs(
+    costs = _compiled.Costs(
         t.fwd,
         t.bwd,
         t.link,
@@ -216,6 +223,19 @@ def _compiled_costs(tables: CostTables, minibatch: int):
         t.recompute,
         minibatch,
     )
+    if t.ranged is not None:  # by sample range (see [Note: costs by sample range])
+        R = t.ranged
+        none = np.zeros(0)
+        costs.set_ranged(
+            R.fwd,
+            R.bwd,
+            R.link if R.link.size else np.zeros((1,) + R.fwd.shape[1:]),
+            none if R.bwd_input is None else R.bwd_input,
+            none if R.bwd_weight is None else R.bwd_weight,
+            R.stash,
+            R.inputs,
+        )
+    return costs
 
 
 def _gather(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -224,17 +244,28 @@ def _gather(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return values.ravel()[rows * P + np.arange(P, dtype=rows.dtype)]
 
 
-def _gpipe_peak(tables: CostTables, s: int, f: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Peak memory of stage ``s`` in GPipe order (see costmodel.stage_peak_memory); (K, P) arrays."""
-    B = f.sum(axis=0)
+def _gpipe_peak(tables: CostTables, s: int, fpart: _Partition, bpart: _Partition) -> np.ndarray:
+    """Peak memory of stage ``s`` in GPipe order (see costmodel.rank_peak_memory), per individual."""
     static = float(tables.static_bytes[s])
+    if tables.ranged is None:
+        f, b = fpart.sizes, bpart.sizes
+        B = f.sum(axis=0)
+        if not tables.recompute:
+            return static + B * float(tables.stash_bytes[s])
+        inb, stash = float(tables.input_bytes[s]), float(tables.stash_bytes[s])
+        during_f = _running_sum(f) * inb + f * stash
+        # B ops run in reverse sample order: while chunk k runs, samples [0, its end) are still held.
+        during_b = np.where(b > 0, (_running_sum(b)) * inb + b * stash, 0.0)
+        return static + np.maximum(during_f.max(axis=0), during_b.max(axis=0))
+    # by sample range: the same, each chunk's own bytes
+    R = tables.ranged
+    fhi, bhi = fpart.last + 1, bpart.last + 1
+    flo, blo = fhi - fpart.sizes, bhi - bpart.sizes
     if not tables.recompute:
-        return static + B * float(tables.stash_bytes[s])
-    inb, stash = float(tables.input_bytes[s]), float(tables.stash_bytes[s])
-    during_f = _running_sum(f) * inb + f * stash
-    # B ops run in reverse sample order: while chunk k runs, samples [0, its end) are still held.
-    during_b = np.where(b > 0, (_running_sum(b)) * inb + b * stash, 0.0)
-    return static + np.maximum(during_f.max(axis=0), during_b.max(axis=0))
+        return static + R.stash[s][flo, fhi].sum(axis=0).astype(float)
+    during_f = _running_sum(R.inputs[s][flo, fhi]) + R.stash[s][flo, fhi]
+    during_b = np.where(bpart.sizes > 0, _running_sum(R.inputs[s][blo, bhi]) + R.stash[s][blo, bhi], 0)
+    return static + np.maximum(during_f.max(axis=0), during_b.max(axis=0)).astype(float)
 
 
 def evaluate_1f1b(
@@ -331,6 +362,9 @@ def evaluate_1f1b(
         slot_kind[s], slot_chunk[s] = kind, chunk
         # peak memory: samples forwarded and not yet backwarded, after each op
         delta = np.zeros((Q, P), dtype=np.int64)
+        if tables.ranged is not None:  # by sample range: each chunk's own bytes
+            _ranged_peak(tables, s, p, bp, f_pos, b_pos, real, breal, cols, peak)
+            continue
         delta.ravel()[(f_pos * P + cols)[real]] = p.sizes[real]
         delta.ravel()[(b_pos * P + cols)[breal]] = -bp.sizes[breal]
         held = np.cumsum(delta, axis=0) - np.minimum(delta, 0)  # a B's samples are held while it runs
@@ -357,6 +391,8 @@ def evaluate_1f1b(
         kind, chunk = slot_kind[s], slot_chunk[s]
         fsz = p.sizes.ravel()[chunk * P + cols]
         bsz = bp.sizes.ravel()[chunk * P + cols]
+        fhi, bhi = p.last.ravel()[chunk * P + cols] + 1, bp.last.ravel()[chunk * P + cols] + 1
+        cost = _slot_costs(tables, fsz, bsz, fhi, bhi)
         is_f = kind == 0
         if s == 0:
             f_src = zero + cols + 0 * chunk
@@ -368,12 +404,12 @@ def evaluate_1f1b(
             b_src = b_base + (s + 1) * KP + _gather(bparts[s + 1].chunk_of(bp.last), chunk) * P + cols
         f_dst = (l_base if s == S - 1 else f_base + s * KP) + chunk * P + cols
         b_dst = np.full_like(chunk, scratch) + cols if s == 0 else b_base + s * KP + chunk * P + cols
-        f_msg = tables.link[s][fsz] if s + 1 < S else np.zeros((Q, P))
-        b_msg = tables.link[s - 1][bsz] if s > 0 else np.zeros((Q, P))
+        f_msg = cost("link", s, True) if s + 1 < S else np.zeros((Q, P))
+        b_msg = cost("link", s - 1, False) if s > 0 else np.zeros((Q, P))
         plans.append(
             (
                 np.where(is_f, f_src, b_src).ravel(),
-                np.where(is_f, tables.fwd[s][fsz], tables.bwd[s][bsz]).ravel(),
+                np.where(is_f, cost("fwd", s, True), cost("bwd", s, False)).ravel(),
                 is_f.ravel(),
                 np.where(is_f, f_dst, b_dst).ravel(),
                 np.where(is_f, f_msg, b_msg).ravel(),
@@ -387,7 +423,7 @@ def evaluate_1f1b(
     finish = clock
     busy = np.array(
         [
-            tables.fwd[s][parts[s].sizes].sum(axis=0) + tables.bwd[s][bparts[s].sizes].sum(axis=0)
+            parts[s].costs(tables, "fwd", s).sum(axis=0) + bparts[s].costs(tables, "bwd", s).sum(axis=0)
             for s in range(S)
         ]
     )
@@ -395,6 +431,38 @@ def evaluate_1f1b(
     return _with_allreduce(
         tables, PopulationScore(iteration_ms=it, finish_ms=finish.T, busy_ms=busy.T, peak_memory_bytes=peak.T)
     )
+
+
+def _slot_costs(tables: CostTables, fsz: np.ndarray, bsz: np.ndarray, fhi: np.ndarray, bhi: np.ndarray):
+    """``cost(table, s, forward)``: the (Q, P) costs of every slot's F chunk (or B chunk), by size
+    or by sample range."""
+
+    def cost(table: str, s: int, forward: bool) -> np.ndarray:
+        size, hi = (fsz, fhi) if forward else (bsz, bhi)
+        if tables.ranged is None:
+            return getattr(tables, table)[s][size]
+        return getattr(tables.ranged, table)[s][hi - size, hi]
+
+    return cost
+
+
+def _ranged_peak(tables, s, p, bp, f_pos, b_pos, real, breal, cols, peak) -> None:
+    """Stage ``s``'s peak memory in 1F1B order by sample range (the 1F1B slots' held bytes)."""
+    R = tables.ranged
+    Q, P = f_pos.shape[0] * 2, cols.size
+    fhi, bhi = p.last + 1, bp.last + 1
+    flo, blo = fhi - p.sizes, bhi - bp.sizes
+    kept = R.inputs[s] if tables.recompute else R.stash[s]
+    delta = np.zeros((Q, P), dtype=np.int64)
+    delta.ravel()[(f_pos * P + cols)[real]] = kept[flo, fhi][real]
+    delta.ravel()[(b_pos * P + cols)[breal]] = -kept[blo, bhi][breal]
+    held = np.cumsum(delta, axis=0) - np.minimum(delta, 0)  # a B's samples are held while it runs
+    if tables.recompute:  # and the chunk that runs, its activations
+        running = np.zeros((Q, P), dtype=np.int64)
+        running.ravel()[(f_pos * P + cols)[real]] = R.stash[s][flo, fhi][real]
+        running.ravel()[(b_pos * P + cols)[breal]] = R.stash[s][blo, bhi][breal]
+        held = held + running
+    peak[s] = tables.static_bytes[s] + held.max(axis=0)
 
 
 def evaluate_split(

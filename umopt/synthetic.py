@@ -14,7 +14,7 @@ import numpy as np
 
 from .formats.profile import PROFILE_FORMAT, Profile, default_sizes
 
-__all__ = ["synthetic_profile"]
+__all__ = ["synthetic_profile", "synthetic_token_profile"]
 
 
 def synthetic_profile(
@@ -127,3 +127,100 @@ def _layers(stages: list[dict], n: int) -> list[dict]:
                 }
             )
     return out
+
+
+def synthetic_token_profile(
+    num_stages: int,
+    *,
+    blocks: int = 30,
+    d_model: int = 2048,
+    vocab: int = 50304,
+    tflops: float = 300.0,
+    op_ms: float = 0.08,
+    max_length: int = 32768,
+    link_gbps: float = 400.0,
+    latency_ms: float = 0.02,
+    memory_limit_bytes: int | None = 40 << 30,
+    reference_length: int = 512,
+    max_size: int = 64,
+    name: str = "gpt-tokens-sim",
+) -> Profile:
+    """A transformer language model's pipeline costed by tokens (``"type": "sim"``): ``blocks``
+    blocks of width ``d_model`` cut over the stages so that the slowest is as fast as it can be
+    (the LM head, ``vocab``, on the last; the embedding on the first), at ``tflops`` of bfloat16
+    matmul throughput per GPU.
+
+    A block's forward is 24 d^2 FLOPs per token (its projections and MLP) plus 2 d L FLOPs per
+    token of a causal attention over L tokens (so 2 d per squared length, summed over
+    sequences), an op ``op_ms`` of launches and sync; the backward twice the forward, half of it
+    the input gradient; the LM head 2 d vocab FLOPs per token. A token's stash is 34 d bytes per
+    block (Korthikanti et al.'s count in bfloat16), a message 2 d bytes per token. Packed and
+    padded modes share the costs (padded ones count the padding). The tables by sample count,
+    which every profile has, are those of sequences of ``reference_length``."""
+    S = num_stages
+    flop_ms = 1.0 / (tflops * 1e9)  # ms per FLOP
+    # the blocks cut over the stages as `umopt profile --stages` cuts layers: the slowest stage
+    # as fast as it can be, the LM head (2 d vocab FLOPs per token) counted with the last
+    block = 24 * d_model * d_model
+    head = 2 * d_model * vocab
+    from .chunks import min_max_cut
+
+    cut = min_max_cut([block] * blocks + [head], S)
+    counts = [hi - lo - (1 if hi == blocks + 1 else 0) for lo, hi in cut]
+    stages = []
+    sizes = default_sizes(max_size)
+    for s in range(S):
+        n = counts[s]
+        b_tok = 24 * d_model * d_model * n * flop_ms
+        c_sq = 2 * d_model * n * flop_ms
+        if s == S - 1:
+            b_tok += 2 * d_model * vocab * flop_ms  # the LM head
+        a = op_ms * (1 + n / 4)
+        fwd = {"a_ms": a, "b_ms": b_tok, "c_ms": c_sq}
+        bwd = {"a_ms": 2 * a, "b_ms": 2 * b_tok, "c_ms": 2 * c_sq}
+        half = {"a_ms": a, "b_ms": b_tok, "c_ms": c_sq}
+        costs = {
+            "forward": fwd,
+            "backward": bwd,
+            "backward_input": half,
+            "backward_weight": half,
+            "input_bytes_per_token": 0 if s == 0 else 2 * d_model,
+            "output_bytes_per_token": 2 * d_model if s + 1 < S else 0,
+            "stash_bytes_per_token": 34 * d_model * n + (4 * vocab if s == S - 1 else 0),
+        }
+        params = 12 * d_model * d_model * n + (d_model * vocab if s in (0, S - 1) else 0)
+        L = reference_length
+
+        def at(fit: dict, b: float) -> float:
+            return round(fit["a_ms"] + fit["b_ms"] * b * L + fit["c_ms"] * b * L * L, 6)
+
+        stages.append(
+            {
+                "layers": [s, s + 1],
+                "forward_ms": [at(fwd, b) for b in sizes],
+                "backward_ms": [at(bwd, b) for b in sizes],
+                "backward_input_ms": [at(half, b) for b in sizes],
+                "backward_weight_ms": [at(half, b) for b in sizes],
+                "input_bytes_per_sample": costs["input_bytes_per_token"] * L,
+                "output_bytes_per_sample": costs["output_bytes_per_token"] * L,
+                "stash_bytes_per_sample": costs["stash_bytes_per_token"] * L,
+                # bfloat16 weights, float32 gradients and AdamW's two states, and a float32 master copy
+                "static_bytes": int(params * (2 + 4 + 8 + 4)),
+                "param_bytes": int(params * 4),
+                "optimizer_ms": round(float(params * 16 / 2e9), 6),  # AdamW streaming its states at 2 TB/s
+                "tokens": {"packed": costs, "padded": costs},
+            }
+        )
+    gbps = link_gbps * 1e9 / 8 / 1e3  # bytes per ms
+    return Profile.model_validate(
+        {
+            "format": PROFILE_FORMAT,
+            "model": {"name": name, "args": {"blocks": blocks, "d_model": d_model, "vocab": vocab}},
+            "device": {"type": "sim", "name": f"synthetic {tflops:g} TFLOP/s", "dtype": "bfloat16"},
+            "sizes": sizes,
+            "stages": stages,
+            "links": [{"latency_ms": latency_ms, "bytes_per_ms": gbps} for _ in range(S - 1)],
+            "memory_limit_bytes": memory_limit_bytes,
+            "lengths": {"max_length": max_length, "modes": ["packed", "padded"]},
+        }
+    )

@@ -35,6 +35,9 @@ __all__ = [
     "PROFILE_FORMAT",
     "StageProfile",
     "LayerProfile",
+    "TokenFit",
+    "TokenCosts",
+    "LengthsInfo",
     "LinkProfile",
     "AllReduceProfile",
     "Profile",
@@ -64,6 +67,38 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
+class TokenFit(_Strict):
+    """An op's time on a chunk of sequences: ``a_ms + b_ms * tokens + c_ms * squares``, tokens the
+    sum of its sequences' lengths and squares the sum of their squares (padded: every sequence
+    counted at the chunk's longest). ``residual``: the fit's root-mean-square relative error."""
+
+    a_ms: NonNegFloat
+    b_ms: NonNegFloat
+    c_ms: NonNegFloat = 0.0
+    residual: Optional[NonNegFloat] = None
+
+
+class TokenCosts(_Strict):
+    """A stage's costs on sequences of different lengths, in one mode: "packed" (a chunk's
+    sequences concatenated, attention within each) or "padded" (each padded to the chunk's
+    longest). docs/formats.md, "Sequences of different lengths"."""
+
+    forward: TokenFit
+    backward: TokenFit
+    backward_input: Optional[TokenFit] = None
+    backward_weight: Optional[TokenFit] = None
+    input_bytes_per_token: NonNegInt
+    output_bytes_per_token: NonNegInt
+    stash_bytes_per_token: NonNegInt
+
+
+class LengthsInfo(_Strict):
+    """What a profile knows of sequence lengths: the longest it timed, and its modes."""
+
+    max_length: Annotated[int, Field(ge=1)]
+    modes: list[Literal["packed", "padded"]]
+
+
 class StageProfile(_Strict):
     layers: Annotated[list[NonNegInt], Len(2, 2)]
     forward_ms: list[NonNegFloat]
@@ -85,6 +120,8 @@ class StageProfile(_Strict):
     # weight gradient (a W op), one value per size each (None: not measured)
     backward_input_ms: Optional[list[NonNegFloat]] = None
     backward_weight_ms: Optional[list[NonNegFloat]] = None
+    # sequences of different lengths: the stage's costs by tokens, per mode (None: not profiled so)
+    tokens: Optional[dict[Literal["packed", "padded"], TokenCosts]] = None
 
 
 class LayerProfile(_Strict):
@@ -211,6 +248,8 @@ class Profile(_Strict):
     layers: Optional[list[LayerProfile]] = None
     memory_limit_bytes: Optional[Annotated[int, Field(gt=0, le=MAX_BYTES)]] = None
     allreduce: Optional[AllReduceProfile] = None
+    # sequences of different lengths: set where every stage has its costs by tokens
+    lengths: Optional[LengthsInfo] = None
     meta: ProfileMeta = Field(default_factory=ProfileMeta, strict=False)
 
     _path: Optional[str] = PrivateAttr(default=None)
@@ -253,6 +292,11 @@ class Profile(_Strict):
                 )
         if self.layers is not None:
             _check_layers(self.layers, self.stages, n)
+        if self.lengths is not None:
+            for s, st in enumerate(self.stages):
+                missing = [m for m in self.lengths.modes if not st.tokens or m not in st.tokens]
+                if missing:
+                    raise ValueError(f"stages[{s}] has no costs by tokens for mode {missing[0]}")
         if len(self.stages) * sizes[-1] > MAX_CELLS:
             raise ValueError(
                 f"{len(self.stages)} stages x chunk size {sizes[-1]} is over umopt's limit of {MAX_CELLS} cells"
