@@ -186,6 +186,7 @@ def virtual_stages(profile: Profile, chunks: Chunking) -> tuple[list[StageProfil
                 param_bytes=None if None in params else sum(params),
                 optimizer_ms=rank.optimizer_ms,
                 op_overhead_ms=rank.op_overhead_ms,
+                **_work_of(mine),
             )
         )
     links = [_link(profile, a, b) for a, b in zip(chunks.ranks, chunks.ranks[1:])]
@@ -232,6 +233,7 @@ def stages_from_layers(per_layer: Profile, cuts: Sequence[int]) -> Profile:
                 "static_bytes": sum(st.static_bytes for st in mine),
                 "param_bytes": None if None in params else sum(params),
                 "optimizer_ms": round(sum(st.optimizer_ms for st in mine), 6),
+                **_work_of(mine),
             }
         )
     layers = [
@@ -247,6 +249,9 @@ def stages_from_layers(per_layer: Profile, cuts: Sequence[int]) -> Profile:
                 "stash_bytes_per_sample",
                 "static_bytes",
                 "param_bytes",
+                "work_bytes",
+                "work_bytes_per_sample",
+                "optimizer_work_bytes",
             )
         }
         for st in src
@@ -260,3 +265,14 @@ def stages_from_layers(per_layer: Profile, cuts: Sequence[int]) -> Profile:
         layers=layers,
     )
     return Profile.model_validate(data)
+
+
+def _work_of(layers) -> dict[str, int]:
+    """What consecutive layers allocate while they run, beyond what they keep: one layer runs at a
+    time, so the largest of theirs (fixed part and part per sample each: a bound); the optimizer
+    step's temporaries add up over the layers it steps."""
+    return {
+        "work_bytes": max(ly.work_bytes for ly in layers),
+        "work_bytes_per_sample": max(ly.work_bytes_per_sample for ly in layers),
+        "optimizer_work_bytes": sum(ly.optimizer_work_bytes for ly in layers),
+    }

@@ -137,6 +137,11 @@ class CostTables:
     ranks: tuple[int, ...] | None = None  # the rank of each virtual stage (None: stage s on rank s)
     # one minibatch of sequences of different lengths: every cost by sample range (None: by size)
     ranged: RangeCosts | None = None
+    # what an op allocates while it runs, (S,) each: fixed, per sample (by size) or per token
+    # (by range), and the optimizer step's (see [Note: what an op allocates while it runs])
+    work_bytes: np.ndarray | None = None
+    work_per_unit: np.ndarray | None = None
+    optimizer_work_bytes: np.ndarray | None = None
 
     # --- a chunk's costs: by its size, or by its sample range (see [Note: costs by sample range])
     def op_ms(self, table: str, s, lo, hi):
@@ -163,6 +168,14 @@ class CostTables:
         if self.ranged is None:
             return (hi - lo) * self.input_bytes[s]
         return self.ranged.inputs[s][lo, hi]
+
+    def work_of(self, s: int, lo, hi):
+        """Bytes an F or B op on samples ``[lo, hi)`` of stage ``s`` allocates while it runs
+        beyond what the stage keeps (0 for an empty range, and where not measured)."""
+        if self.work_bytes is None:
+            return 0 * (hi - lo)
+        units = (hi - lo) if self.ranged is None else self.ranged.range_tokens[lo, hi]
+        return np.where(units > 0, self.work_bytes[s] + units * self.work_per_unit[s], 0)
 
     @property
     def additive(self) -> bool:
@@ -278,7 +291,30 @@ class CostTables:
             allreduce_ms=_allreduce_per_rank(stages, ranks, dp),
             ranks=ranks,
             **split,
+            **_work(stages, [st.work_bytes_per_sample for st in stages]),
         )
+
+
+# [Note: what an op allocates while it runs]
+# What a stage keeps for backward is not all a step allocates: while an F or B op runs it holds
+# temporaries besides (the loss's logits in float32, the gradients flowing back through the
+# layers), and the optimizer step holds its own for a moment after the last op. The profiler
+# measures both on CUDA (max_memory_allocated over a chunk's forward and backward, less what the
+# chunk keeps: a fixed part and a part per sample, fitted on two sizes; over an optimizer step,
+# less its state); CPUs keep no such count, and their profiles say 0. The model adds to a rank's
+# peak the largest temporaries of any F or B op on it (a bound: the op running at the peak may
+# be a smaller one) and takes the optimizer step's peak (static bytes and its temporaries, when
+# nothing else is held) if that is larger. The bound keeps every evaluator's peak equal: it
+# depends on the chunks' sizes, not on the order they run in.
+
+
+def _work(stages: Sequence, per_unit: Sequence[int]) -> dict[str, np.ndarray]:
+    """CostTables' work fields of ``stages`` (``per_unit``: per sample, or per token)."""
+    return {
+        "work_bytes": np.array([st.work_bytes for st in stages], dtype=np.int64),
+        "work_per_unit": np.array(per_unit, dtype=np.int64),
+        "optimizer_work_bytes": np.array([st.optimizer_work_bytes for st in stages], dtype=np.int64),
+    }
 
 
 # [Note: what a step holds besides its activations]
@@ -345,6 +381,7 @@ class RangeCosts:
 
     tokens: np.ndarray  # each sample's tokens, in the planned order (padded: its own length)
     mode: str  # "packed" or "padded"
+    range_tokens: np.ndarray  # (B+1, B+1): every range's tokens (padded: at its longest)
     fwd: np.ndarray
     bwd: np.ndarray
     link: np.ndarray
@@ -450,8 +487,9 @@ def tables_for_lengths(
             )
     for arr in (fwd, bwd, link, stash, inputs, *split.values()):
         arr.setflags(write=False)
+    T.setflags(write=False)
     ranged = RangeCosts(
-        L, mode, fwd, bwd, link, stash, inputs, split.get("bwd_input"), split.get("bwd_weight")
+        L, mode, T, fwd, bwd, link, stash, inputs, split.get("bwd_input"), split.get("bwd_weight")
     )
     mean = np.full(B, float(L.mean()))  # by size: sequences of the mean length (heuristics only)
     Tm = np.arange(B + 1) * float(L.mean())
@@ -493,6 +531,7 @@ def tables_for_lengths(
         bwd_weight=_by_size(costs, over, mean, "backward_weight", False) if split else None,
         op_overhead=over.copy() if split else None,
         ranged=ranged,
+        **_work(stages, [c.work_bytes_per_token for c in costs]),
     )
 
 
@@ -660,7 +699,17 @@ def rank_peak_memory(tables: CostTables, rank: int, ops: Sequence[Op | ChunkOp])
             if not tables.additive:
                 live.setdefault(("awaiting", j), {})[(lo, hi)] = int(tables.stash_of(j, lo, hi))
         held[j] = stashed[j] + awaiting[j] if rc else stashed[j]
-    return peak
+    return _with_work(tables, chunks, peak, [op for op in ops if op[0] != W], rank)
+
+
+def _with_work(tables: CostTables, chunks: Sequence[int], peak: int, ops, rank: int) -> int:
+    """A rank's peak with what its ops and its optimizer step allocate while they run: the
+    largest of its F and B ops' on top (see [Note: what an op allocates while it runs])."""
+    if tables.work_bytes is None:
+        return peak
+    work = max((int(tables.work_of(op_stage(op, rank), op[1], op[2])) for op in ops), default=0)
+    step = sum(int(tables.static_bytes[j]) + int(tables.optimizer_work_bytes[j]) for j in chunks)
+    return max(peak + work, step)
 
 
 def weight_ms(tables: CostTables, stage: int, b_chunks: Sequence[tuple[int, int]]) -> float:

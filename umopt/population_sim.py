@@ -137,8 +137,11 @@ def evaluate_gpipe(
         it, finish, busy, peak = _compiled.evaluate_gpipe(
             *_one_width(fsizes, bsizes), _compiled_costs(tables, B)
         )
-        return _with_allreduce(
-            tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
+        return _scored(
+            fsizes,
+            bsizes,
+            tables,
+            PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak),
         )
     idx = np.int32 if B * P < 2**31 else np.int64
     cols = np.arange(P, dtype=idx)
@@ -189,7 +192,9 @@ def evaluate_gpipe(
             arrive = _scan(end + part.pad, part.costs(tables, "link", s - 1), 0.0, reverse=True)
         peak[s] = _gpipe_peak(tables, s, fparts[s], part)
 
-    return _with_allreduce(
+    return _scored(
+        fsizes,
+        bsizes,
         tables,
         PopulationScore(
             iteration_ms=finish.max(axis=0) + tables.optimizer_ms,
@@ -307,8 +312,11 @@ def evaluate_1f1b(
     if _compiled is not None:
         warmups = np.broadcast_to(S - 1 - np.arange(S), (P, S)) if warmup is None else np.asarray(warmup)
         it, finish, busy, peak = _compiled.evaluate_1f1b(fsizes, bsizes, warmups, _compiled_costs(tables, B))
-        return _with_allreduce(
-            tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
+        return _scored(
+            fsizes,
+            bsizes,
+            tables,
+            PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak),
         )
     idx = np.int32 if (2 * S + 4) * K * P < 2**31 else np.int64
     cols = np.arange(P, dtype=idx)
@@ -428,8 +436,11 @@ def evaluate_1f1b(
         ]
     )
     it = np.where(settled, finish.max(axis=0) + tables.optimizer_ms, np.inf)
-    return _with_allreduce(
-        tables, PopulationScore(iteration_ms=it, finish_ms=finish.T, busy_ms=busy.T, peak_memory_bytes=peak.T)
+    return _scored(
+        fsizes,
+        bsizes,
+        tables,
+        PopulationScore(iteration_ms=it, finish_ms=finish.T, busy_ms=busy.T, peak_memory_bytes=peak.T),
     )
 
 
@@ -504,8 +515,11 @@ def evaluate_split(
             tables.bwd_weight,
             tables.op_overhead,
         )
-        return _with_allreduce(
-            tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
+        return _scored(
+            fsizes,
+            bsizes,
+            tables,
+            PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak),
         )
     from .schedules import (  # (the families score with this module)
         gpipe_ops,
@@ -530,6 +544,29 @@ def evaluate_split(
     return _with_allreduce(
         tables, PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak)
     )
+
+
+def _scored(fsizes, bsizes, tables: CostTables, score: PopulationScore) -> PopulationScore:
+    """``score`` of the partitions ``fsizes``, ``bsizes`` finished: each stage's peak with what
+    its ops and its optimizer step allocate while they run (see costmodel's [Note: what an op
+    allocates while it runs]: the largest of its chunks' on top), then the all-reduce."""
+    if tables.work_bytes is not None:
+        peak = np.asarray(score.peak_memory_bytes, dtype=float)
+        work = np.zeros_like(peak)
+        for part in _one_width(np.asarray(fsizes), bsizes):
+            if tables.ranged is None:
+                n = part.max(axis=2)
+                w = np.where(n > 0, tables.work_bytes + n * tables.work_per_unit, 0)
+            else:
+                hi = np.cumsum(part, axis=2)
+                T = tables.ranged.range_tokens[hi - part, hi]
+                w = np.where(T > 0, tables.work_bytes[:, None] + T * tables.work_per_unit[:, None], 0).max(
+                    axis=2
+                )
+            work = np.maximum(work, w)
+        step = (tables.static_bytes + tables.optimizer_work_bytes).astype(float)
+        score.peak_memory_bytes = np.maximum(peak + work, step)
+    return _with_allreduce(tables, score)
 
 
 def _with_allreduce(tables: CostTables, score: PopulationScore) -> PopulationScore:

@@ -90,6 +90,9 @@ class TokenCosts(_Strict):
     input_bytes_per_token: NonNegInt
     output_bytes_per_token: NonNegInt
     stash_bytes_per_token: NonNegInt
+    # what an op allocates while it runs beyond what it keeps, per token (beside the stage's
+    # work_bytes; 0 where not measured)
+    work_bytes_per_token: NonNegInt = 0
 
 
 class LengthsInfo(_Strict):
@@ -122,6 +125,11 @@ class StageProfile(_Strict):
     backward_weight_ms: Optional[list[NonNegFloat]] = None
     # sequences of different lengths: the stage's costs by tokens, per mode (None: not profiled so)
     tokens: Optional[dict[Literal["packed", "padded"], TokenCosts]] = None
+    # what an op allocates while it runs beyond what the stage keeps, and the optimizer step's
+    # temporaries (see [Note: what an op allocates while it runs]); 0 where not measured (CPUs)
+    work_bytes: NonNegInt = 0
+    work_bytes_per_sample: NonNegInt = 0
+    optimizer_work_bytes: NonNegInt = 0
 
 
 class LayerProfile(_Strict):
@@ -137,6 +145,9 @@ class LayerProfile(_Strict):
     param_bytes: Optional[NonNegInt] = None
     backward_input_ms: Optional[list[NonNegFloat]] = None
     backward_weight_ms: Optional[list[NonNegFloat]] = None
+    work_bytes: NonNegInt = 0
+    work_bytes_per_sample: NonNegInt = 0
+    optimizer_work_bytes: NonNegInt = 0
 
 
 class LinkProfile(_Strict):

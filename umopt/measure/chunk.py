@@ -8,7 +8,8 @@ shape and dtype elsewhere), runs its forward under the profile's autocast and it
 returns both times (CUDA events on GPUs, ``perf_counter`` on CPUs). Timing rounds, the busy loop
 of concurrent timing, layer balancing and traces all call it; what differs between them is
 which sizes they ask for and what they do with the times. The memory a stage keeps for backward
-(:func:`stash_bytes`) and its optimizer step are measured here too.
+(:func:`stash_bytes`), what it allocates while it runs, and its optimizer step are measured here
+too.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "stash_bytes",
     "optimizer_for",
     "optimizer_step_ms",
+    "optimizer_work_bytes",
 ]
 
 Cast = Callable[[], ContextManager]
@@ -133,19 +135,32 @@ class StageProbe:
             )
         return max(0, grow // (hi - lo))
 
-    def cuda_peak_bytes_per_sample(self) -> int:
-        """Per-sample growth of max_memory_allocated over one forward, a cross-check of the hooks."""
-        peaks = []
-        for b in (2, 6):
+    def work_bytes(self, lo: int = 2, hi: int = 6) -> tuple[int, int]:
+        """(fixed, per sample): what a chunk's forward and backward allocate at their peak beyond
+        what the chunk keeps for backward, fitted on two sizes (CUDA's ``max_memory_allocated``;
+        (0, 0) on CPUs, which keep no such count). See costmodel's [Note: what an op allocates
+        while it runs]."""
+        if self.device.type != "cuda":
+            return 0, 0
+        work = []
+        x, y = self.inputs(lo)
+        out = self.forward(x, y)
+        out.backward(self.output_grad(out))  # the gradients allocated, as in a run
+        for b in (lo, hi):
             x, y = self.inputs(b)
-            torch.cuda.synchronize()
+            with self.cast():
+                kept = stash_bytes(self.stage, x, y if self.last else None)
+            torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
             out = self.forward(x, y)
-            torch.cuda.synchronize()
-            peaks.append(torch.cuda.max_memory_allocated(self.device) - base)
-            del out
-        return int((peaks[1] - peaks[0]) // 4)
+            out.backward(self.output_grad(out))
+            torch.cuda.synchronize(self.device)
+            work.append(torch.cuda.max_memory_allocated(self.device) - base - kept)
+            del out, x, y
+        self.stage.zero_grad(set_to_none=True)
+        per = max(0, (work[1] - work[0]) // (hi - lo))
+        return max(0, work[0] - lo * per), per
 
     def trace(self, size: int, path: str) -> None:
         """One chunk's forward and backward under torch's profiler, as a Chrome trace."""
@@ -185,6 +200,26 @@ def optimizer_for(name: str, params) -> tuple[torch.optim.Optimizer, int]:
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3), 2
     raise UmoptError(f"unknown optimizer {name!r} (sgd or adamw)")
+
+
+def optimizer_work_bytes(stage: nn.Module, opts: ProfileOptions, device: torch.device) -> int:
+    """What one optimizer step over the stage's parameters allocates beyond its state (its
+    temporaries: CUDA's ``max_memory_allocated``; 0 on CPUs)."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    if device.type != "cuda" or not params:
+        return 0
+    opt, _ = optimizer_for(opts.optimizer, params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # its state, made at the first step
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    opt.step()
+    torch.cuda.synchronize(device)
+    work = torch.cuda.max_memory_allocated(device) - base
+    stage.zero_grad(set_to_none=True)
+    return int(work)
 
 
 def optimizer_step_ms(stage: nn.Module, opts: ProfileOptions, device: torch.device) -> float:

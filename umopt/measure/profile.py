@@ -24,7 +24,7 @@ from ..errors import UmoptError
 from ..formats.profile import PROFILE_FORMAT, ProbesMeta, Profile
 from ..noise import drift_warning, load_warning, noise_figure, noisy_warning, uneven_devices_warning
 from ..zoo import ModelParts, build_model
-from .chunk import StageProbe, boundaries, optimizer_for, optimizer_step_ms
+from .chunk import StageProbe, boundaries, optimizer_for, optimizer_step_ms, optimizer_work_bytes
 from .links import link_plan, measure_allreduce, measure_links
 from .options import ProfileOptions, ProgressFn, check_profile_options
 from .split import balanced_split
@@ -435,8 +435,8 @@ def _stage_entry(
         "param_bytes": int(sum(p.numel() * p.element_size() for p in stage.parameters() if p.requires_grad)),
         "optimizer_ms": opt_ms,
     }
-    if probe.device.type == "cuda":
-        entry["cuda_peak_bytes_per_sample"] = probe.cuda_peak_bytes_per_sample()
+    entry["work_bytes"], entry["work_bytes_per_sample"] = probe.work_bytes()
+    entry["optimizer_work_bytes"] = optimizer_work_bytes(stage, opts, probe.device)
     if opts.trace_dir:
         probe.trace(sizes[-1], os.path.join(opts.trace_dir, f"stage{s}.json"))
     return entry
