@@ -5,13 +5,14 @@
 They let ``umopt solve`` work without a profiler run and keep the examples and tests
 reproducible. Each stage is twelve equal layers (``layers``), so a rank's share can be cut into
 2, 3 or 4 chunks of several chunks per rank. Their shapes are chosen to look like real pipelines: a GPT whose last stage carries
-the LM head, and an 8-stage transformer with per-call overheads that differ between stages.
+the LM head, and an 8-stage transformer with per-call overheads that differ between stages; and
+a GPT costed by tokens on 4 and 8 stages, for sequences of different lengths (docs/varlen.md).
 """
 
 from pathlib import Path
 
 from umopt.formats.profile import save_profile
-from umopt.synthetic import synthetic_profile
+from umopt.synthetic import synthetic_profile, synthetic_token_profile
 
 ROOT = Path(__file__).resolve().parent.parent / "profiles"
 
@@ -44,7 +45,13 @@ PROFILES = {
     ),
 }
 
+# costed by tokens (umopt solve --lengths): a GPT of 30 blocks of d=2048, on 4 and 8 stages
+TOKEN_PROFILES = {"gpt-tokens-sim": 4, "gpt-tokens8-sim": 8}
+
 if __name__ == "__main__":
     for name, kw in PROFILES.items():
         save_profile(synthetic_profile(**kw), ROOT / f"{name}.json")
+        print(f"wrote {ROOT / f'{name}.json'}")
+    for name, S in TOKEN_PROFILES.items():
+        save_profile(synthetic_token_profile(S, name=name), ROOT / f"{name}.json")
         print(f"wrote {ROOT / f'{name}.json'}")

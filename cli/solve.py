@@ -69,8 +69,26 @@ from .app import BYTES, _ms, _progress_bar, cli, out
     help="Model chunks per rank (1-4, or auto: each): with more than one, interleaved and V-shaped schedules with unequal microbatches, against torch's multi-chunk schedules.",
 )
 @click.option(
-    "-o", "--output", type=click.Path(dir_okay=False), required=True, help="Schedule file to write."
+    "--lengths",
+    default=None,
+    metavar="SAMPLER|FILE",
+    help="Sequences of different lengths: -B sequences per minibatch drawn from a sampler (chat, instruction, lmsys, long-context) or read from a file of lengths; planned per stage by tokens, beside padding, packing, DynaPipe and WLB-LLM (docs/varlen.md).",
 )
+@click.option(
+    "--minibatches",
+    type=int,
+    default=1,
+    show_default=True,
+    help="With --lengths: plan a stream of this many minibatches, each warm-started from the last, and print tokens per second (no schedule file).",
+)
+@click.option(
+    "--budget-ms",
+    type=float,
+    default=15.0,
+    show_default=True,
+    help="With --lengths: the planner's time per minibatch (what a training step spends on it).",
+)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Schedule file to write.")
 @click.option(
     "--plot",
     type=click.Path(dir_okay=False),
@@ -96,6 +114,9 @@ def solve(
     dp_gbps,
     zero_bubble,
     chunks,
+    lengths,
+    minibatches,
+    budget_ms,
     output,
     plot,
     trace,
@@ -104,6 +125,30 @@ def solve(
     from umopt.solve_chunks import parse_chunks
 
     chunk_counts = parse_chunks(chunks)
+    if lengths is not None:
+        from .solve_lengths import solve_lengths
+
+        given = [
+            name
+            for name, on in (
+                ("--solver", solver != "auto"),
+                ("--order", order != "auto"),
+                ("--zero-bubble", zero_bubble),
+                ("--chunks", chunk_counts != (1,)),
+            )
+            if on
+        ]
+        if given:
+            raise UmoptError(f"--lengths plans on its own: it takes no {', '.join(given)}")
+        solve_lengths(
+            profile_path, lengths, minibatch, minibatches, budget_ms, recompute, time_limit, seed,
+            memory_limit, dp, dp_gbps, output, plot, trace,
+        )  # fmt: skip
+        return
+    if output is None:
+        raise UmoptError("give -o/--output, the schedule file to write")
+    if minibatches != 1:
+        raise UmoptError("--minibatches plans a stream of sequences of different lengths: give --lengths")
     from umopt.fileio import check_writable
     from umopt.formats.profile import load_profile
     from umopt.formats.schedule import save_schedule

@@ -309,7 +309,10 @@ class CostTables:
 
 
 def _work(stages: Sequence, per_unit: Sequence[int]) -> dict[str, np.ndarray]:
-    """CostTables' work fields of ``stages`` (``per_unit``: per sample, or per token)."""
+    """CostTables' work fields of ``stages`` (``per_unit``: per sample, or per token); none where
+    nothing was measured (the evaluators then skip them)."""
+    if not any(per_unit) and not any(st.work_bytes or st.optimizer_work_bytes for st in stages):
+        return {}
     return {
         "work_bytes": np.array([st.work_bytes for st in stages], dtype=np.int64),
         "work_per_unit": np.array(per_unit, dtype=np.int64),
@@ -417,6 +420,41 @@ def range_tokens(
     else:
         raise UmoptError(f"mode must be packed or padded, got {mode!r}")
     return np.where(valid, T, 0.0), np.where(valid, Q, 0.0)
+
+
+def sample_tokens(
+    lengths, samples: Sequence[Sequence[int]], row: int | None = None, pad_to: int | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Each sample's tokens and, where a sample is a row of packed sequences (``row``) or padded
+    to one length for all (``pad_to``), the sum of its squared lengths (the attention's work;
+    None: a sample is one sequence, its square). ``samples[k]``: the sequences (indices into
+    ``lengths``) sample k holds."""
+    L = np.asarray(lengths, dtype=np.int64)
+    if pad_to is not None:
+        n = len(samples)
+        return np.full(n, pad_to), np.full(n, pad_to * pad_to)
+    if row is not None:
+        return np.full(len(samples), row), np.array([sum(int(L[i]) ** 2 for i in u) for u in samples])
+    if any(len(u) != 1 for u in samples):
+        raise UmoptError("a sample of several sequences needs a row length")
+    return L[[u[0] for u in samples]], None
+
+
+def tables_for_samples(
+    profile: Profile,
+    lengths,
+    samples: Sequence[Sequence[int]],
+    mode: str = "packed",
+    row: int | None = None,
+    pad_to: int | None = None,
+    recompute: bool = False,
+    dp: AllReduceProfile | None = None,
+) -> "CostTables":
+    """The cost tables of a minibatch's sequences laid out as ``samples`` (see
+    :func:`sample_tokens`): rows, and samples padded to one length, cost as packed."""
+    tokens, squares = sample_tokens(lengths, samples, row, pad_to)
+    mode = "packed" if row is not None or pad_to is not None else mode
+    return tables_for_lengths(profile, tokens, mode, recompute, dp, squares)
 
 
 def tables_for_lengths(

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from .costmodel import OpKind, Timeline
 from .fileio import write_atomic
 
@@ -20,9 +22,15 @@ COLOURS = {OpKind.F: "#4C72B0", OpKind.B: "#DD8452", OpKind.W: "#8172B3"}
 ALLREDUCE = "#55A868"
 
 
-def _panel(ax, label: str, tl: Timeline, horizon: float) -> None:
-    """One timeline on ``ax``: a lane per stage (or rank), its ops, all-reduces and optimizer step."""
+def _count(n: float) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(int(n))
+
+
+def _panel(ax, label: str, tl: Timeline, horizon: float, tokens=None) -> None:
+    """One timeline on ``ax``: a lane per stage (or rank), its ops, all-reduces and optimizer step;
+    with ``tokens`` (each sample's), a box's number is its chunk's tokens, not its samples."""
     ranks = len(tl.spans)
+    ends = None if tokens is None else np.concatenate([[0], np.cumsum(tokens)])
     for s, spans in enumerate(tl.spans):
         for sp in spans:
             width = sp.end - sp.start
@@ -42,7 +50,7 @@ def _panel(ax, label: str, tl: Timeline, horizon: float) -> None:
                 ax.text(
                     sp.start + width / 2,
                     s,
-                    str(sp.hi - sp.lo),
+                    str(sp.hi - sp.lo) if ends is None else _count(ends[sp.hi] - ends[sp.lo]),
                     ha="center",
                     va="center",
                     fontsize=6 if width > horizon / 60 else 4,
@@ -73,23 +81,30 @@ def _panel(ax, label: str, tl: Timeline, horizon: float) -> None:
     ax.set_xlim(0, horizon * 1.01)
 
 
-def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: str = "") -> None:
-    """Draw each ``(label, timeline)`` as a panel of one figure and write it to ``path`` (PNG)."""
+def gantt(panels: Sequence[tuple], path: str | Path, *, title: str = "") -> None:
+    """Draw each ``(label, timeline)`` as a panel of one figure and write it to ``path`` (PNG);
+    ``(label, timeline, tokens)`` for a plan of sequences of different lengths (each sample's
+    tokens: the boxes say their chunks' tokens)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    S = max(len(tl.spans) for _, tl in panels)
-    horizon = max(tl.iteration_ms for _, tl in panels)
+    S = max(len(tl.spans) for _, tl, *_ in panels)
+    horizon = max(tl.iteration_ms for _, tl, *_ in panels)
     fig, axes = plt.subplots(
         len(panels), 1, figsize=(12, 0.9 + 0.45 * S * len(panels) + 0.4), sharex=True, squeeze=False
     )
-    for ax, (label, tl) in zip(axes[:, 0], panels):
-        _panel(ax, label, tl, horizon)
+    for ax, (label, tl, *tokens) in zip(axes[:, 0], panels):
+        _panel(ax, label, tl, horizon, tokens[0] if tokens else None)
+    what = (
+        "its chunk's tokens (k: thousands)"
+        if any(len(p) > 2 for p in panels)
+        else "the chunk's size in samples"
+    )
     axes[-1, 0].set_xlabel(
-        "time (ms); each box is one op, its number the chunk's size in samples (none where the box is too "
+        f"time (ms); each box is one op, its number {what} (none where the box is too "
         "narrow: umopt show lists every chunk)",
         fontsize=8,
     )
@@ -99,12 +114,12 @@ def gantt(panels: Sequence[tuple[str, Timeline]], path: str | Path, *, title: st
         Patch(color=COLOURS[OpKind.B], label="backward"),
         Patch(color="#BBBBBB", label="optimizer"),
     ]
-    if any(sp.kind == OpKind.W for _, tl in panels for spans in tl.spans for sp in spans):
+    if any(sp.kind == OpKind.W for _, tl, *_ in panels for spans in tl.spans for sp in spans):
         handles.insert(2, Patch(color=COLOURS[OpKind.W], label="weight gradient"))
-    if any(any(a > 0 for a in tl.allreduce_ms) for _, tl in panels):
+    if any(any(a > 0 for a in tl.allreduce_ms) for _, tl, *_ in panels):
         handles.insert(2, Patch(color=ALLREDUCE, label="all-reduce"))
     laps = max(
-        (max(sp.chunk, 0) // len(tl.spans) for _, tl in panels for spans in tl.spans for sp in spans),
+        (max(sp.chunk, 0) // len(tl.spans) for _, tl, *_ in panels for spans in tl.spans for sp in spans),
         default=0,
     )
     if laps:  # several chunks per rank: shades say which

@@ -210,7 +210,9 @@ def _one_width(fsizes: np.ndarray, bsizes: np.ndarray | None) -> tuple[np.ndarra
     number of chunks."""
     bsizes = fsizes if bsizes is None else np.asarray(bsizes)
     K = max(fsizes.shape[2], bsizes.shape[2])
-    return tuple(np.pad(a, ((0, 0), (0, 0), (0, K - a.shape[2]))) for a in (fsizes, bsizes))
+    return tuple(
+        a if a.shape[2] == K else np.pad(a, ((0, 0), (0, 0), (0, K - a.shape[2]))) for a in (fsizes, bsizes)
+    )
 
 
 def _compiled_costs(tables: CostTables, minibatch: int):

@@ -19,7 +19,16 @@ from typing import Annotated, Any, Literal, Optional, Sequence
 from annotated_types import Len
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..costmodel import Chunking, ChunkOp, CostTables, Op, OpKind, Timeline, simulate
+from ..costmodel import (
+    Chunking,
+    ChunkOp,
+    CostTables,
+    Op,
+    OpKind,
+    Timeline,
+    simulate,
+    tables_for_samples,
+)
 from ..errors import UmoptError
 from ..fileio import write_json
 from ..limits import MAX_MINIBATCH, MAX_STAGES
@@ -30,12 +39,14 @@ __all__ = [
     "Schedule",
     "ScheduleCandidate",
     "ChunksSpec",
+    "LengthsSpec",
     "validate_ops",
     "load_schedule",
     "save_schedule",
     "make_schedule",
     "check_against_profile",
     "require_one_chunk",
+    "require_fixed_lengths",
     "require_pick_layout",
 ]
 
@@ -131,6 +142,32 @@ class ScheduleCandidate(_Strict):
         return None if self.chunks is None else self.chunks.chunking()
 
 
+class LengthsSpec(_Strict):
+    """A plan for one minibatch of sequences of different lengths (docs/formats.md, "Sequences
+    of different lengths"): the sequences' lengths as the minibatch holds them, and the samples
+    the ops count, in order: ``samples[k]`` the sequences sample k holds (one each, or a row of
+    ``row`` tokens packed with several; every sample padded to ``pad_to`` where given). ``mode``:
+    a chunk's sequences "packed" (concatenated, attention within each) or "padded" (to the
+    chunk's longest)."""
+
+    mode: Literal["packed", "padded"]
+    lengths: Annotated[list[Annotated[int, Field(ge=1)]], Len(1, MAX_MINIBATCH)]
+    samples: Annotated[list[list[Annotated[int, Field(ge=0)]]], Len(1, MAX_MINIBATCH)]
+    row: Optional[Annotated[int, Field(ge=1)]] = None
+    pad_to: Optional[Annotated[int, Field(ge=1)]] = None
+
+    def tables(self, profile: Profile, recompute: bool, dp: Optional[AllReduceProfile]) -> CostTables:
+        """The cost tables of these samples (see costmodel's [Note: costs by sample range])."""
+        held = sorted(i for u in self.samples for i in u)
+        if self.row is None and held != list(range(len(self.lengths))):
+            raise UmoptError("lengths.samples must hold every sequence once")
+        if self.row is not None and set(held) != set(range(len(self.lengths))):
+            raise UmoptError("lengths.samples must hold every sequence (a long one may span rows)")
+        return tables_for_samples(
+            profile, self.lengths, self.samples, self.mode, self.row, self.pad_to, recompute, dp
+        )
+
+
 class Schedule(_Strict):
     format: Literal["umopt-schedule/1"]
     profile: ProfileRef
@@ -146,12 +183,27 @@ class Schedule(_Strict):
     candidates: list[ScheduleCandidate] = []
     # several chunks per rank (absent: one chunk per rank, stage s on rank s)
     chunks: Optional[ChunksSpec] = None
+    # a plan for sequences of different lengths (absent: every sample costs the same)
+    lengths: Optional[LengthsSpec] = None
 
     def op_lists(self) -> list[list[Op]]:
         return [st.op_list() for st in self.stages]
 
     def chunking(self) -> Optional[Chunking]:
         return None if self.chunks is None else self.chunks.chunking()
+
+    def tables(self, profile: Profile) -> CostTables:
+        """The cost tables its prediction is made on: by sample count, or by the sequences each
+        sample holds."""
+        if self.lengths is not None:
+            if len(self.lengths.samples) != self.minibatch:
+                raise UmoptError(
+                    f"lengths.samples has {len(self.lengths.samples)} samples but the minibatch is {self.minibatch}"
+                )
+            if self.chunks is not None:
+                raise UmoptError("a plan for sequences of different lengths has one chunk per rank")
+            return self.lengths.tables(profile, self.recompute, self.dp)
+        return CostTables.from_profile(profile, self.recompute, self.dp, self.chunking(), self.minibatch)
 
     def candidate_schedule(self, k: int) -> "Schedule":
         """Candidate ``k`` as a schedule of its own (same profile, minibatch, recompute, dp)."""
@@ -297,8 +349,10 @@ def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: 
             f"schedule was made for another profile (sha256 {schedule.profile.sha256[:12]}..., this one {profile.sha256[:12]}...)"
         )
     ops = schedule.op_lists()
-    tables = CostTables.from_profile(profile, schedule.recompute, schedule.dp, chunks, schedule.minibatch)
-    validate_ops(ops, schedule.minibatch, profile.max_size, schedule.recompute, chunks)
+    tables = schedule.tables(profile)
+    # by sequences, a chunk's costs are those of the sequences it holds, whatever its size
+    largest = profile.max_size if schedule.lengths is None else schedule.minibatch
+    validate_ops(ops, schedule.minibatch, largest, schedule.recompute, chunks)
     timeline = simulate(tables, ops, schedule.minibatch)
     limit = profile.memory_limit_bytes
     for name, tl in [("", timeline)] + [
@@ -312,6 +366,16 @@ def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: 
                         f"{name}{'rank' if chunks else 'stage'} {s} needs {peak} bytes at its peak, over the memory limit of {limit}"
                     )
     return timeline
+
+
+def require_fixed_lengths(schedule: Schedule) -> None:
+    """Refuse, in one line, a plan for sequences of different lengths where only minibatches of
+    one length are played (the runtime, so far)."""
+    if schedule.lengths is not None:
+        raise UmoptError(
+            "a plan for sequences of different lengths (umopt solve --lengths): the runtime plays "
+            "minibatches of one sequence length only, so far"
+        )
 
 
 def require_one_chunk(schedule: Schedule, where: str) -> None:

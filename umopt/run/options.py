@@ -22,7 +22,13 @@ from ..devices import check_trainable
 from ..errors import UmoptError
 from ..fileio import check_writable
 from ..formats.profile import Profile, load_profile, pydantic_error_line
-from ..formats.schedule import Schedule, check_against_profile, load_schedule, require_pick_layout
+from ..formats.schedule import (
+    Schedule,
+    check_against_profile,
+    load_schedule,
+    require_fixed_lengths,
+    require_pick_layout,
+)
 from ..zoo import build_model, import_object
 from .checkpoint import MANIFEST, read_manifest
 
@@ -118,6 +124,7 @@ def preflight(opts: RunOptions, verify_stages: Optional[list[int]] = None) -> Ru
     profile = load_profile(opts.profile or schedules[0].profile.path)
     for path, schedule in zip(opts.schedules, schedules):
         try:
+            require_fixed_lengths(schedule)
             check_against_profile(schedule, profile)
         except UmoptError as exc:
             raise UmoptError(f"{path}: {exc}") from None

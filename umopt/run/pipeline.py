@@ -32,7 +32,13 @@ from ..devices import TensorSpec, check_trainable, numerics, numerics_difference
 from ..errors import UmoptError
 from ..formats.profile import Profile, load_profile
 from ..formats.report import Selection
-from ..formats.schedule import Schedule, check_against_profile, load_schedule, require_pick_layout
+from ..formats.schedule import (
+    Schedule,
+    check_against_profile,
+    load_schedule,
+    require_fixed_lengths,
+    require_pick_layout,
+)
 from ..losses import ChunkLoss, chunk_loss
 from .comm import Comm, PipelineBroken, TorchComm, describe
 from .failures import guarded
@@ -67,6 +73,7 @@ def schedule_and_profile(
     against each other."""
     sched = schedule if isinstance(schedule, Schedule) else load_schedule(str(schedule))
     prof = profile if isinstance(profile, Profile) else load_profile(str(profile or sched.profile.path))
+    require_fixed_lengths(sched)
     check_against_profile(sched, prof)
     return sched, prof
 

@@ -1,0 +1,225 @@
+"""``umopt solve --lengths``: sequences of different lengths planned, one minibatch (a schedule
+file) or a stream of them (tokens per second), each beside what people run."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+from rich.table import Table
+
+from umopt.errors import UmoptError
+
+from .app import _ms, _progress_bar, out
+
+_FOOTER = (
+    "ms: predicted iteration; ktok/s: the minibatch's real tokens (no padding) per second; umopt vs it: "
+    "umopt's plan's speedup over the row; microbatches: per stage (a range where the stages differ); "
+    "plan ms: the time the method took to plan"
+)
+
+
+def solve_lengths(
+    profile_path: str,
+    lengths: str,
+    size: int,
+    count: int,
+    budget_ms: float,
+    recompute: bool,
+    time_limit: float,
+    seed: int,
+    memory_limit: Optional[int],
+    dp: int,
+    dp_gbps: Optional[float],
+    output: Optional[str],
+    plot: Optional[str],
+    trace: Optional[str],
+) -> None:
+    import time
+
+    started = time.perf_counter()  # the time limit covers the whole command
+    from umopt.fileio import check_writable
+    from umopt.formats.profile import load_profile
+    from umopt.solve import allreduce_for
+    from umopt.varlen.samplers import minibatches
+
+    if count < 1:
+        raise UmoptError(f"--minibatches must be at least 1, got {count}")
+    if budget_ms <= 0:
+        raise UmoptError(f"--budget-ms must be positive, got {budget_ms}")
+    if count > 1 and (output or plot or trace):
+        raise UmoptError(
+            "a stream (--minibatches > 1) writes no files: plan one minibatch for a schedule file"
+        )
+    if count == 1 and output is None:
+        raise UmoptError("give -o/--output, the schedule file to write")
+    for path in filter(None, (output, plot, trace)):
+        check_writable(path)
+    profile = load_profile(profile_path)
+    if memory_limit is not None:
+        if memory_limit <= 0:
+            raise UmoptError(f"--memory-limit must be positive, got {memory_limit}")
+        profile = profile.with_memory_limit(memory_limit)
+    allreduce = allreduce_for(profile, dp, dp_gbps)
+    spec = f"file:{lengths}" if os.path.isfile(lengths) else lengths
+    cap = profile.lengths.max_length if profile.lengths is not None else None
+    batches = minibatches(spec, count, size, seed=seed, cap=cap)
+    source = lengths if not spec.startswith("file:") else f"file {lengths}"
+    time_limit -= time.perf_counter() - started  # what is left of it
+    if count == 1:
+        _one(
+            profile,
+            batches[0],
+            source,
+            budget_ms,
+            recompute,
+            time_limit,
+            seed,
+            allreduce,
+            output,
+            plot,
+            trace,
+        )
+    else:
+        _stream(profile, batches, source, budget_ms, recompute, time_limit, allreduce)
+
+
+def _microbatches(plan) -> str:
+    counts = sorted({sum(1 for op in st if op[0] == "F") for st in plan.ops})
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
+
+
+def _how(plan) -> str:
+    k = plan.knobs
+    if plan.method.startswith("umopt"):
+        return f"{k.get('order', '')} order, {k.get('family', '')}" + (" + W" if k.get("weights") else "")
+    if plan.layout.pad_to:
+        return f"padded to {plan.layout.pad_to}"
+    if plan.layout.row:
+        return f"rows of {plan.layout.row} tokens ({len(plan.layout.units)} rows)"
+    return k.get("mode", plan.layout.mode) + (f", {k['microbatch_order']}" if "microbatch_order" in k else "")
+
+
+def _one(profile, L, source, budget_ms, recompute, time_limit, seed, dp, output, plot, trace) -> None:
+    from umopt.formats.schedule import save_schedule
+    from umopt.varlen.solve import schedule_of, solve_minibatch
+
+    with _progress_bar("plan (lengths)") as bar:
+        bar.add_task(f"{len(L)} sequences: fast plan, peers, then the long search", total=None)
+        report = solve_minibatch(profile, L, time_limit, budget_ms, recompute, dp, seed)
+    out.print(
+        f"minibatch: {len(L)} sequences from {source}, {int(L.sum()):,} tokens "
+        f"(longest {int(L.max()):,}, mean {L.mean():.0f}), {profile.num_stages} stages",
+        markup=False,
+        highlight=False,
+    )
+    rows = []
+    if report.best is not report.fast:
+        rows.append((f"umopt, searched {report.search_s:.0f} s", report.best))
+    rows.append((f"umopt, fast plan ({budget_ms:g} ms)", report.fast))
+    rows += [(name, p) for name, p in report.peers.items()]
+    pick = report.best
+    table = Table(title=None)
+    for col in ("method", "ms", "ktok/s", "umopt vs it", "microbatches", "how", "plan ms"):
+        table.add_column(col, justify="left" if col in ("method", "how") else "right", no_wrap=col != "how")
+    for name, p in rows:
+        if p is None:
+            table.add_row(name, "-", "-", "-", "-", "does not fit the memory limit", "")
+            continue
+        ratio = "" if p is pick else f"{p.iteration_ms / pick.iteration_ms:.2f}x"
+        table.add_row(
+            name,
+            _ms(p.iteration_ms),
+            f"{p.tokens_per_s / 1e3:.1f}",
+            ratio,
+            _microbatches(p),
+            _how(p),
+            f"{p.planning_ms:.0f}",
+        )
+    out.print(table)
+    out.print(_FOOTER, style="dim", markup=False, highlight=False)
+    schedule = schedule_of(report, profile, recompute, dp)
+    fitting = [(n, p) for n, p in report.peers.items() if p is not None]
+    panels = []
+    if fitting:
+        name, peer = min(fitting, key=lambda x: x[1].iteration_ms)
+        panels.append((f"best peer: {name}", peer.timeline, _tokens(peer, L)))
+    panels.append(("umopt", pick.timeline, _tokens(pick, L)))
+    if plot:
+        from umopt.plot import gantt
+
+        gantt(panels, plot, title=f"{profile.model.name}, {profile.num_stages} stages, {len(L)} sequences")
+    if trace:
+        from umopt.trace import write_trace
+
+        write_trace([(label, tl) for label, tl, _ in panels], trace)
+    save_schedule(schedule, output)
+    out.print(f"wrote {', '.join([output] + [p for p in (plot, trace) if p])}", markup=False, highlight=False)
+    out.print(
+        "next: umopt show "
+        + output
+        + " (umopt run does not play plans for sequences of different lengths yet)",
+        markup=False,
+        highlight=False,
+    )
+
+
+def _tokens(plan, L) -> np.ndarray:
+    """Each sample's real tokens (a row's: its sequences'), for the picture's labels."""
+    return np.array([sum(int(L[i]) for i in u) for u in plan.layout.units])
+
+
+def _stream(profile, batches, source, budget_ms, recompute, time_limit, dp) -> None:
+    from umopt.varlen.solve import solve_stream
+
+    with _progress_bar("plan (stream)") as bar:
+        task = bar.add_task("minibatches", total=len(batches))
+        report = solve_stream(
+            profile,
+            batches,
+            time_limit,
+            budget_ms,
+            recompute,
+            dp,
+            progress=lambda done, total: bar.update(task, completed=done),
+        )
+    n = report.planned
+    cut = f" (planned {n} within the {time_limit:g} s time limit)" if n < report.asked else ""
+    out.print(
+        f"stream: {report.asked} minibatches of {len(batches[0])} sequences from {source}, "
+        f"{profile.num_stages} stages{cut}",
+        markup=False,
+        highlight=False,
+    )
+    table = Table()
+    for col in ("method", "fits", "ktok/s", "umopt vs it", "plan ms p50", "plan ms p95"):
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
+    mine = report.fits("umopt")
+    for method in report.ms:
+        fits = report.fits(method)
+        both = fits & mine
+        rate = report.tokens_per_s(method)
+        ratio = (
+            ""
+            if method == "umopt" or not both
+            else f"{report.tokens_per_s('umopt', both) / report.tokens_per_s(method, both):.2f}x"
+        )
+        ms = report.planning_ms[method]
+        table.add_row(
+            method,
+            f"{len(fits)}/{n}",
+            "-" if rate is None else f"{rate / 1e3:.1f}",
+            ratio,
+            f"{np.percentile(ms, 50):.1f}" if ms else "-",
+            f"{np.percentile(ms, 95):.1f}" if ms else "-",
+        )
+    out.print(table)
+    out.print(
+        "fits: minibatches the method fits in the memory limit; ktok/s: real tokens (no padding) per second "
+        "over those; umopt vs it: over the minibatches both fit; plan ms: per minibatch, umopt's warm-started "
+        "from the last",
+        style="dim",
+        markup=False,
+        highlight=False,
+    )

@@ -1,0 +1,172 @@
+"""``umopt solve --lengths``: one minibatch of sequences planned (a schedule file), or a stream of
+them planned step after step (tokens per second), each beside what people run.
+
+One minibatch: umopt's fast plan (what a training step would use), the long search from it for
+what is left of the time limit, and every peer at its best knobs (:mod:`.peers`); the schedule
+file holds the best of umopt's plans, with the sequences each sample holds (``lengths``) and the
+peers as its baselines. A stream: every minibatch planned warm-started from the one before, as
+in training, with the peers beside it, until the stream or the time limit ends.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from ..errors import UmoptError
+from ..formats.profile import AllReduceProfile, Profile
+from ..formats.schedule import LengthsSpec, Schedule, make_schedule
+from .peers import PEERS, timed
+from .plan import Plan
+from .planner import plan, search
+
+__all__ = ["MinibatchReport", "StreamReport", "solve_minibatch", "solve_stream", "schedule_of"]
+
+# what is kept back from the time limit for writing the file and the picture
+_MARGIN_S = 1.5
+
+
+@dataclass
+class MinibatchReport:
+    lengths: np.ndarray
+    fast: Plan  # the planner's, within its budget
+    best: Plan  # the better of the fast plan and the long search's
+    peers: dict[str, Optional[Plan]]  # None: does not fit the memory limit
+    search_s: float  # seconds the long search ran (0: none)
+
+
+def _check(profile: Profile, lengths: np.ndarray) -> None:
+    if profile.lengths is None:
+        raise UmoptError(
+            f"profile {profile.path or ''} has no costs by tokens: --lengths needs a profile timed over "
+            "sequence lengths (a variable-length sim profile, see docs/varlen.md)"
+        )
+    if len(lengths) < profile.num_stages:
+        raise UmoptError(
+            f"a minibatch of {len(lengths)} sequences cannot fill {profile.num_stages} stages: give -B >= {profile.num_stages}"
+        )
+
+
+def solve_minibatch(
+    profile: Profile,
+    lengths,
+    time_limit: float,
+    budget_ms: float = 15.0,
+    recompute: bool = False,
+    dp: Optional[AllReduceProfile] = None,
+    seed: int = 0,
+) -> MinibatchReport:
+    """One minibatch (see the module docstring), within ``time_limit`` seconds."""
+    t0 = time.perf_counter()
+    L = np.asarray(lengths, dtype=np.int64)
+    _check(profile, L)
+    S = profile.num_stages
+    fast = plan(profile, L, budget_ms=budget_ms, recompute=recompute, dp=dp, seed=seed)
+    peers = {name: timed(fn, profile, L, S, recompute, dp) for name, fn in PEERS.items()}
+    left = time_limit - (time.perf_counter() - t0) - _MARGIN_S
+    best, ran = fast, 0.0
+    if left > 0.5:
+        t = time.perf_counter()
+        best = search(profile, L, fast, seconds=left, recompute=recompute, dp=dp, seed=seed)
+        ran = time.perf_counter() - t
+        if best is not fast:
+            best.planning_ms = fast.planning_ms + 1e3 * ran
+    return MinibatchReport(L, fast, best, peers, ran)
+
+
+def schedule_of(report: MinibatchReport, profile: Profile, recompute: bool, dp) -> Schedule:
+    """The schedule file of the report's best plan: its ops, its samples' sequences, the peers."""
+    p = report.best
+    status = "searched" if p is not report.fast else "planned"
+    baselines = {
+        name: {
+            "microbatches": None if q is None else len(q.ops[0]) // 2,
+            "iteration_ms": None if q is None else q.timeline.iteration_ms,
+        }
+        for name, q in report.peers.items()
+    }
+    sched = make_schedule(
+        profile,
+        len(p.layout.units),
+        recompute,
+        p.ops,
+        p.timeline,
+        {
+            "name": "umopt-lengths",
+            "status": status,
+            "seconds": report.fast.planning_ms / 1e3 + report.search_s,
+        },
+        baselines,
+        dp,
+    )
+    spec = LengthsSpec(
+        mode=p.layout.mode,
+        lengths=[int(x) for x in report.lengths],
+        samples=[[int(i) for i in u] for u in p.layout.units],
+        row=p.layout.row,
+        pad_to=p.layout.pad_to,
+    )
+    return sched.model_copy(update={"lengths": spec})
+
+
+@dataclass
+class StreamReport:
+    planned: int  # minibatches planned within the time limit
+    asked: int
+    tokens: list[int] = field(default_factory=list)  # each minibatch's real tokens
+    ms: dict[str, list[Optional[float]]] = field(
+        default_factory=dict
+    )  # method: iteration ms (None: does not fit)
+    planning_ms: dict[str, list[float]] = field(default_factory=dict)
+
+    def tokens_per_s(self, method: str, among: Optional[set[int]] = None) -> Optional[float]:
+        """Real tokens over the summed iteration times, over the minibatches ``method`` fits (and
+        ``among``, where given)."""
+        ks = [k for k, m in enumerate(self.ms[method]) if m is not None and (among is None or k in among)]
+        return 1e3 * sum(self.tokens[k] for k in ks) / sum(self.ms[method][k] for k in ks) if ks else None
+
+    def fits(self, method: str) -> set[int]:
+        return {k for k, m in enumerate(self.ms[method]) if m is not None}
+
+
+def solve_stream(
+    profile: Profile,
+    batches: Sequence[np.ndarray],
+    time_limit: float,
+    budget_ms: float = 15.0,
+    recompute: bool = False,
+    dp: Optional[AllReduceProfile] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> StreamReport:
+    """Every minibatch planned after the one before (see the module docstring), until the stream
+    or ``time_limit`` ends."""
+    t0 = time.perf_counter()
+    S = profile.num_stages
+    out = StreamReport(0, len(batches))
+    methods = ["umopt", *PEERS]
+    out.ms = {m: [] for m in methods}
+    out.planning_ms = {m: [] for m in methods}
+    previous = None
+    for k, L in enumerate(batches):
+        L = np.asarray(L, dtype=np.int64)
+        _check(profile, L)
+        if k and time.perf_counter() - t0 > time_limit - _MARGIN_S:
+            break
+        previous = plan(
+            profile, L, budget_ms=budget_ms, recompute=recompute, dp=dp, previous=previous, seed=k
+        )
+        got = {"umopt": previous}
+        got.update({name: timed(fn, profile, L, S, recompute, dp) for name, fn in PEERS.items()})
+        out.tokens.append(int(L.sum()))
+        for m in methods:
+            q = got[m]
+            out.ms[m].append(None if q is None else q.iteration_ms)
+            if q is not None:
+                out.planning_ms[m].append(q.planning_ms)
+        out.planned = k + 1
+        if progress:
+            progress(k + 1, len(batches))
+    return out
