@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Sequence
 
 import numpy as np
@@ -45,6 +46,7 @@ ORDERS = ("ends", "ascending", "balanced")
 RAMPS = ("flat", "ends", "tent")
 SLOPES = (0.0, 1.0, 2.0, 3.0)
 WARMUPS = ("pipedream", "double", "falling")
+ROTATION = 12  # a warm start screens one in ROTATION of every knob (see _screen_orders)
 
 
 def order_of(
@@ -86,18 +88,37 @@ def _shares(m: int, ramp: str) -> np.ndarray:
     return np.ones(m)
 
 
-def _cut_ends(cum: np.ndarray, m: int, ramp: str) -> np.ndarray:
-    """Chunk ends (exclusive, ascending) of ``m`` chunks whose weights follow ``ramp``, each at
-    least one sample; ``cum``: the weights' running sum."""
-    B = len(cum)
+@lru_cache(maxsize=4096)
+def _fractions(m: int, ramp: str, K: int) -> np.ndarray:
+    """Where ``m`` chunks following ``ramp`` end, as fractions of the total weight: (K - 1,),
+    past the ``m - 1`` cuts infinite."""
+    out = np.full(max(K - 1, 0), np.inf)
     shares = _shares(m, ramp)
-    bounds = np.cumsum(shares)[:-1] / shares.sum() * cum[-1]
-    ends = np.searchsorted(cum, bounds, side="left") + 1
-    k = np.arange(m - 1)
-    ends = np.maximum.accumulate(ends - k) + k  # every chunk at least one sample...
+    out[: m - 1] = np.cumsum(shares)[:-1] / shares.sum()
+    return out
+
+
+def _cut_table(weights: np.ndarray, keys: Sequence[tuple[int, str]]) -> np.ndarray:
+    """(R, len(keys), K) chunk sizes: for each row of ``weights`` (R, B) and each (count m, ramp)
+    in ``keys``, m chunks of contiguous samples whose weights follow the ramp, each at least one
+    sample, zero-padded to the largest count K. All keys and rows at once: a warm start cuts a
+    few hundred of them per step."""
+    R, B = weights.shape
+    K = max(m for m, _ in keys)
+    frac = np.array([_fractions(m, r, K) for m, r in keys]).reshape(len(keys), K - 1)
+    m = np.array([m for m, _ in keys])[:, None]
+    k = np.arange(K - 1)[None, :]
+    cut = k < m - 1  # the key's own cuts; the rest is padding
+    cum = np.cumsum(weights, axis=1)
+    ends = np.empty((R, len(keys), K - 1), dtype=np.int64)
+    for s in range(R):
+        ends[s] = np.searchsorted(cum[s], np.where(cut, frac * cum[s, -1], 0.0), side="left") + 1
+    ends = np.maximum.accumulate(ends - k, axis=-1) + k  # every chunk at least one sample...
     ends = np.minimum(ends, B - (m - 1 - k))  # ...and room left for the ones after
-    ends = np.minimum.accumulate((ends - k)[::-1])[::-1] + k
-    return np.append(ends, B)
+    ends = np.where(cut, ends - k, np.iinfo(np.int64).max // 2)
+    ends = np.minimum.accumulate(ends[..., ::-1], axis=-1)[..., ::-1] + k
+    ends = np.concatenate([np.where(cut, ends, B), np.full((R, len(keys), 1), B)], axis=-1)
+    return np.diff(ends, axis=-1, prepend=0)
 
 
 class _Cuts:
@@ -111,13 +132,8 @@ class _Cuts:
         self.index = {k: i for i, k in enumerate(self.keys)}
         self.K = max(self.counts)
         self.work = weights.sum(axis=1)
-        rows = list(weights) + [weights.sum(axis=0)]  # the stages', then the shared cut's
-        self.table = np.zeros((self.S + 1, len(self.keys), self.K), dtype=np.int64)
-        for s, w in enumerate(rows):
-            cum = np.cumsum(w)
-            for i, (m, r) in enumerate(self.keys):
-                ends = _cut_ends(cum, m, r)
-                self.table[s, i, :m] = np.diff(np.concatenate([[0], ends]))
+        # the stages' cuts, then the shared cut's (the stages' sum)
+        self.table = _cut_table(np.vstack([weights, weights.sum(axis=0)]), self.keys)
 
     def key(self, m: int, ramp: str) -> int:
         m = min(self.counts, key=lambda c: abs(c - m))  # the nearest count cut
@@ -201,72 +217,81 @@ def _screen(problem: Problem, cuts: _Cuts, knobs: list[tuple]) -> tuple[float, O
     return best
 
 
-def _moves(g: _Genes) -> tuple[np.ndarray, Optional[np.ndarray]]:
+# a move on one stage: a chunk end moved by d, two neighbouring chunks merged, a chunk split in
+# two, a warm-up moved by d
+END, MERGE, SPLIT, WARM = range(4)
+
+
+def _moves(g: _Genes) -> np.ndarray:
     """Every schedule one move away, on one stage (a chunk end moved a sample or two or a quarter
     of the smaller chunk, two chunks merged, one split in two; in 1F1B a warm-up a forward or two
-    up or down), as (P, S, K + 1) partitions and (P, S) warm-ups: built as arrays, a few hundred
-    moves in a fraction of a millisecond."""
+    up or down), as (N, 4) rows (kind, stage, chunk, d): the polish materializes only the moves
+    it scores (:func:`_apply`)."""
     parts = np.asarray(g.parts)
     S, K = parts.shape
-    base = np.zeros((S, K + 1), dtype=np.int64)
-    base[:, :K] = parts
-    n = (base > 0).sum(axis=1)
+    n = (parts > 0).sum(axis=1)
     blocks = []
     # a chunk end moved by d: 1, 2 or a quarter of the smaller chunk (where that is more), both ways
-    ss, ks = np.nonzero(np.arange(K + 1)[None, :] < (n - 1)[:, None])
+    ss, ks = np.nonzero(np.arange(K)[None, :] < (n - 1)[:, None])
     if len(ss):
-        quarter = np.maximum(np.minimum(base[ss, ks], base[ss, ks + 1]) // 4, 1)
+        quarter = np.maximum(np.minimum(parts[ss, ks], parts[ss, ks + 1]) // 4, 1)
         steps = np.stack([np.ones_like(quarter), np.full_like(quarter, 2), quarter], axis=1)
         keep = np.ones(steps.shape, dtype=bool)
         keep[:, 2] = quarter > 2  # a quarter of 1 or 2 is already there
         ds = np.concatenate([steps[keep], -steps[keep]])
         ss = np.tile(np.repeat(ss, keep.sum(axis=1)), 2)
         ks = np.tile(np.repeat(ks, keep.sum(axis=1)), 2)
-        out = np.repeat(base[None], len(ss), axis=0)
-        row = np.arange(len(ss))
-        out[row, ss, ks] += ds
-        out[row, ss, ks + 1] -= ds
-        ok = (out[row, ss, ks] >= 1) & (out[row, ss, ks + 1] >= 1)
-        blocks.append(out[ok])
-    j = np.arange(K + 1)
+        ok = (parts[ss, ks] + ds >= 1) & (parts[ss, ks + 1] - ds >= 1)
+        blocks.append(np.stack([np.full(ok.sum(), END), ss[ok], ks[ok], ds[ok]], axis=1))
     for s in range(S):
-        row = base[s]
-        m = n[s]
-        if m >= 2:  # two neighbouring chunks merged
-            k = np.arange(m - 1)[:, None]
-            src = j[None, :] + (j[None, :] > k)
-            merged = np.where(src <= K, row[np.minimum(src, K)], 0)
-            merged[np.arange(m - 1), k[:, 0]] += row[k[:, 0] + 1]
-            out = np.repeat(base[None], m - 1, axis=0)
-            out[:, s] = merged
-            blocks.append(out)
-        big = np.flatnonzero(row[:m] >= 2)
-        if len(big) and m < K + 1:  # a chunk split in two
-            k = big[:, None]
-            src = j[None, :] - (j[None, :] > k)
-            split = row[np.maximum(src, 0)]
-            split[np.arange(len(big)), big] = row[big] // 2
-            split[np.arange(len(big)), big + 1] = row[big] - row[big] // 2
-            out = np.repeat(base[None], len(big), axis=0)
-            out[:, s] = split
-            blocks.append(out)
-    sizes = np.concatenate(blocks) if blocks else np.zeros((0, S, K + 1), dtype=np.int64)
+        if n[s] >= 2:
+            k = np.arange(n[s] - 1)
+            blocks.append(np.stack([np.full(len(k), MERGE), np.full(len(k), s), k, 0 * k], axis=1))
+        big = np.flatnonzero(parts[s, : n[s]] >= 2)
+        if len(big):
+            blocks.append(np.stack([np.full(len(big), SPLIT), np.full(len(big), s), big, 0 * big], axis=1))
+    if g.warm is not None:
+        w = np.asarray(g.warm)
+        for s in range(S):
+            ds = np.array([d for d in (-2, -1, 1, 2) if max(0, w[s] + d) != w[s]], dtype=np.int64)
+            blocks.append(np.stack([np.full(len(ds), WARM), np.full(len(ds), s), 0 * ds, ds], axis=1))
+    return np.concatenate(blocks) if blocks else np.zeros((0, 4), dtype=np.int64)
+
+
+def _apply(g: _Genes, moves: np.ndarray) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """``moves`` (P, 4) of :func:`_moves` made on ``g``: (P, S, K + 1) partitions and, in 1F1B,
+    (P, S) warm-ups."""
+    parts = np.asarray(g.parts)
+    S, K = parts.shape
+    base = np.zeros((S, K + 1), dtype=np.int64)
+    base[:, :K] = parts
+    kind, ss, ks, ds = moves.T
+    out = np.repeat(base[None], len(moves), axis=0)
+    j = np.arange(K + 1)[None, :]
+    i = np.flatnonzero(kind == END)
+    out[i, ss[i], ks[i]] += ds[i]
+    out[i, ss[i], ks[i] + 1] -= ds[i]
+    i = np.flatnonzero(kind == MERGE)
+    if len(i):
+        rows, k = base[ss[i]], ks[i][:, None]
+        src = j + (j > k)
+        merged = np.where(src <= K, np.take_along_axis(rows, np.minimum(src, K), axis=1), 0)
+        merged[np.arange(len(i)), ks[i]] += rows[np.arange(len(i)), ks[i] + 1]
+        out[i, ss[i]] = merged
+    i = np.flatnonzero(kind == SPLIT)
+    if len(i):
+        rows, k = base[ss[i]], ks[i][:, None]
+        split = np.take_along_axis(rows, np.maximum(j - (j > k), 0), axis=1)
+        half = rows[np.arange(len(i)), ks[i]]
+        split[np.arange(len(i)), ks[i]] = half // 2
+        split[np.arange(len(i)), ks[i] + 1] = half - half // 2
+        out[i, ss[i]] = split
     if g.warm is None:
-        return sizes, None
-    warms = np.repeat(np.asarray(g.warm)[None], len(sizes), axis=0)
-    # a stage's warm-up up or down
-    wrows, wmoves = [], []
-    for s in range(S):
-        for d in (-2, -1, 1, 2):
-            w = np.array(g.warm)
-            w[s] = max(0, w[s] + d)
-            if (w != g.warm).any():
-                wrows.append(base)
-                wmoves.append(w)
-    if wrows:
-        sizes = np.concatenate([sizes, np.array(wrows)])
-        warms = np.concatenate([warms, np.array(wmoves)])
-    return sizes, warms
+        return out, None
+    warms = np.repeat(np.asarray(g.warm)[None], len(moves), axis=0)
+    i = np.flatnonzero(kind == WARM)
+    warms[i, ss[i]] = np.maximum(0, warms[i, ss[i]] + ds[i])
+    return out, warms
 
 
 def _counts(B: int, S: int, coarse: bool) -> list[int]:
@@ -321,56 +346,63 @@ def plan(
         raise UmoptError(
             "no plan fits the memory limit: fewer or shorter sequences per minibatch, or --recompute"
         )
-    # the polish stops short of the budget: what follows (the plan's ops) takes the rest
-    ms, g = _polish(problem, g, ms, t0 + 0.8 * budget_ms / 1e3, np.random.default_rng(seed))
+    # the polish stops short of the budget by what the plan's ops took last step to build
+    tail_ms = float(kn.get("ops_ms", 0.2 * budget_ms))
+    ms, g = _polish(problem, g, ms, t0 + (budget_ms - tail_ms) / 1e3, np.random.default_rng(seed))
+    t_ops = time.perf_counter()
+    ops = g.candidate().ops()
     out = score(
         "umopt",
         profile,
         L,
         layout,
-        g.candidate().ops(),
+        ops,
         recompute,
         dp,
         tables=problem.tables,
         predicted_ms=ms,
         order=how,
+        turn=int(kn.get("turn", -1)) + 1,
         family=g.order,
         **g.knobs,
         counts=sorted({len(p) for p in g.lists()}),
         warmups=None if g.warm is None else [int(w) for w in g.warm],
+        ops_ms=round((time.perf_counter() - t_ops) * 1e3, 3),
     )
     out.planning_ms = (time.perf_counter() - t0) * 1e3
     return out
 
 
 def _screen_orders(profile, L, mode, recompute, dp, orders, kn: Optional[dict], budget_ms: float, t0: float):
-    """The best screened plan over ``orders`` (cold), or over the last step's order and knobs,
-    the counts around its own (``kn``, warm): (ms, genes, layout, problem, order)."""
+    """The best screened plan (ms, genes, layout, problem, order): cold (``kn`` None), every knob
+    of each of ``orders`` while the budget's first half lasts; warm, the last step's order with
+    its knobs (the counts around its own) and one in ROTATION of every knob, a different share
+    each step, and the same for one other order in turn: what suits the stream better than the
+    last step's knobs is found within a few dozen steps."""
     B, S = len(L), profile.num_stages
     total = _stage_weights(profile, mode, L).sum(axis=0)
+    every = [
+        (m, r, sl) for m in _counts(B, S, coarse=budget_ms < 200) for r in RAMPS for sl in (None, *SLOPES)
+    ]
+    if kn:
+        turn = int(kn.get("turn", 0))
+        near = [(m, kn["ramp"], kn["slope"]) for m in range(kn["count"] - 3, kn["count"] + 4) if 1 <= m <= B]
+        knobs = near + every[turn % ROTATION :: ROTATION]
+        other = orders[turn % len(orders)]
+        tried = [(kn["order"], knobs)] + ([(other, knobs)] if other != kn["order"] else [])
+    else:
+        tried = [(how, every) for how in orders]
     best: tuple = (np.inf, None, None, None, "")
-    for n, how in enumerate([kn["order"]] if kn else orders):
+    for n, (how, knobs) in enumerate(tried):
         order = order_of(L, how, total, groups=2 * S)
         layout = Layout.of_order(order, mode)
         problem = Problem(layout.tables(profile, L, recompute, dp), B)
         weights = _stage_weights(profile, mode, L[order])
-        if kn:
-            knobs = [
-                (m, kn["ramp"], kn["slope"]) for m in range(kn["count"] - 3, kn["count"] + 4) if 1 <= m <= B
-            ]
-            ramps = (kn["ramp"],)
-        else:
-            knobs = [
-                (m, r, sl)
-                for m in _counts(B, S, coarse=budget_ms < 200)
-                for r in RAMPS
-                for sl in (None, *SLOPES)
-            ]
-            ramps = RAMPS
         ratio = weights.sum(axis=1).max() / np.maximum(weights.sum(axis=1), 1e-12)
         counts = {m for m, _, _ in knobs} | {
             int(np.clip(round(m * r**sl), 1, B)) for m, _, sl in knobs if sl is not None for r in ratio
         }
+        ramps = sorted({r for _, r, _ in knobs})
         ms, g = _screen(problem, _Cuts(weights, sorted(counts), ramps), knobs)
         if g is not None and ms < best[0]:
             best = (ms, g, layout, problem, how)
@@ -387,24 +419,25 @@ def _polish(
     first round scores a few moves only, to learn what one costs on this machine."""
     per_move = None  # seconds to score one schedule, as measured
     while time.perf_counter() < deadline:
-        sizes, warm = _moves(g)
-        if not len(sizes):
+        moves = _moves(g)
+        if not len(moves):
             break
         left = deadline - time.perf_counter()
-        take = min(len(sizes), 16) if per_move is None else max(8, min(len(sizes), int(left / per_move)))
+        take = min(len(moves), 16) if per_move is None else max(8, min(len(moves), int(left / per_move)))
         pick = (
-            np.sort(rng.choice(len(sizes), take, replace=False))
-            if take < len(sizes)
-            else np.arange(len(sizes))
+            np.sort(rng.choice(len(moves), take, replace=False))
+            if take < len(moves)
+            else np.arange(len(moves))
         )
         t = time.perf_counter()
-        it = _score(problem, sizes[pick], g.order, None if warm is None else warm[pick])
+        sizes, warm = _apply(g, moves[pick])
+        it = _score(problem, sizes, g.order, warm)
         per_move = (time.perf_counter() - t) / len(pick)
         k = int(np.argmin(it))
         if it[k] < ms - 1e-9:
             ms = float(it[k])
-            g = _Genes(sizes[pick[k]], g.order, None if warm is None else warm[pick[k]], g.knobs)
-        elif take == len(sizes):
+            g = _Genes(sizes[k], g.order, None if warm is None else warm[k], g.knobs)
+        elif take == len(moves):
             break  # a local optimum: no move pays
     return ms, g
 
