@@ -84,6 +84,17 @@ from .app import BYTES, _int_list, _progress_bar, _require_torch, cli, err, mode
     show_default=True,
     help="Time every layer on its own (one after another) so that each stage can be cut into up to this many chunks (solve --chunks); each stage is also timed whole and fitted to probe runs, and its layers scaled to it.",
 )
+@click.option(
+    "--lengths",
+    type=int,
+    default=None,
+    help="Also time chunks of sequences of different lengths up to this many tokens and fit each stage's costs by tokens (what solve --lengths plans with; models that take sequences, e.g. gpt).",
+)
+@click.option(
+    "--length-modes",
+    default=None,
+    help="With --lengths: packed, padded or both, comma-separated (default: packed where the model packs, and padded).",
+)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Profile file to write.")
 def profile(
     model,
@@ -109,6 +120,8 @@ def profile(
     split_backward,
     dp,
     chunks,
+    lengths,
+    length_modes,
     output,
 ) -> None:
     """Measure each stage's forward/backward time per chunk size, its memory and the links."""
@@ -127,6 +140,8 @@ def profile(
         raise UmoptError(f"--chunks must be 1-4, got {chunks}")
     if chunks > 1 and dp > 1:
         raise UmoptError("--chunks with --dp is not supported yet")
+    if lengths is not None and chunks > 1:
+        raise UmoptError("--lengths with --chunks is not supported yet (costs by tokens are per stage)")
     if probe_minibatch < 2:
         raise UmoptError(f"--probe-minibatch must be at least 2, got {probe_minibatch}")
     check_writable(output)
@@ -151,6 +166,8 @@ def profile(
         concurrent=concurrent,
         dp=dp,
         split_backward=split_backward,
+        lengths=lengths,
+        length_modes=tuple(m.strip() for m in length_modes.split(",")) if length_modes else None,
     )
     with _progress_bar("profile") as bar:
         task = bar.add_task("", total=None)
@@ -202,6 +219,8 @@ def _print_profile(prof, model: str) -> None:
             f"{st.output_bytes_per_sample / 1024:.1f} KiB",
         )
     out.print(table)
+    if prof.lengths:
+        _print_token_fits(prof)
     if prof.links:
         ln = prof.links[0]
         out.print(
@@ -223,3 +242,26 @@ def _print_profile(prof, model: str) -> None:
         out.print(f"note: no probe runs ({probed.why}): predictions do not include the runtime's own costs")
     for line in prof.meta.warnings:
         err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_token_fits(prof) -> None:
+    """Each stage's costs by tokens: the fits and how well they fit what was timed."""
+    table = Table(
+        title=f"costs by tokens (sequences up to {prof.lengths.max_length}): ms = a + b * tokens + c * sum(len^2)"
+    )
+    for col in ("stage", "mode", "op", "a ms", "b us/token", "c ns/len^2", "fit error (rms)", "stash/token"):
+        table.add_column(col, justify="right")
+    for s, st in enumerate(prof.stages):
+        for mode, c in (st.tokens or {}).items():
+            for op, f in (("F", c.forward), ("B", c.backward)):
+                table.add_row(
+                    str(s),
+                    mode,
+                    op,
+                    f"{f.a_ms:.3f}",
+                    f"{1e3 * f.b_ms:.3f}",
+                    f"{1e6 * f.c_ms:.3f}",
+                    "" if f.residual is None else f"{100 * f.residual:.1f}%",
+                    f"{c.stash_bytes_per_token / 1024:.1f} KiB" if op == "F" else "",
+                )
+    out.print(table)

@@ -172,6 +172,12 @@ def test_given_split_is_used(tmp_path):
         (["--model", "mlp", "--model-arg", "depth=3", "--stages", "2"], "bad arguments"),
         (["--model", "mlp", "--split", "0,2,9"], "--split must rise strictly from 0 to the model's 4 layers"),
         (["--model", "mlp"], "give --stages S or --split"),
+        (["--model", "mlp", "--stages", "2", "--lengths", "64"], "does not say how it takes sequences"),
+        (
+            ["--model", "gpt", "--stages", "2", "--lengths", "64", "--length-modes", "rows"],
+            "'rows' is not one of",
+        ),
+        (["--model", "gpt", "--stages", "2", "--lengths", "64", "--chunks", "2"], "--lengths with --chunks"),
         (
             ["--model", "mlp", "--stages", "2", "--link-gbps", "10"],
             "give both --link-latency-ms and --link-gbps",

@@ -6,6 +6,12 @@ and ``loss(outputs, targets)``, the loss *summed* over the samples (the runtime 
 minibatch, so gradients do not depend on how the minibatch is chunked).
 
 Built in: ``vgg16`` (13 conv + 3 FC), ``gpt`` (embedding, decoder blocks, LM head) and ``mlp``.
+
+A model of token sequences may also say how it takes sequences of different lengths
+(:class:`Sequences`): ``make(lengths, seed)`` gives each sequence's tokens and targets, and, where
+its layers accept a ``lengths`` keyword (the lengths of the documents concatenated in a packed
+row, see [Note: packed sequences]), chunks can be packed; any such model can be padded (each
+chunk to its own longest, padding targets ignored by the loss).
 Users bring their own with ``package.module:factory``: a callable taking the model args as
 keyword arguments and returning a :class:`ModelParts` or a ``(layers, make_batch, loss)`` tuple.
 Models are built under ``torch.manual_seed(seed)`` so every process gets the same weights.
@@ -19,7 +25,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -32,11 +38,58 @@ __all__ = ["import_object", "ModelParts", "MODELS", "build_model", "parse_model_
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+IGNORE = -100  # a target the summed cross-entropy skips: padding
+
+
+@dataclass
+class Sequences:
+    """How a model takes sequences of different lengths: ``make(lengths, seed)``, each sequence's
+    (tokens, targets) as 1-d tensors; ``max_length``, the longest it takes; ``packed``, whether
+    its layers take a packed row's document ``lengths`` (keyword) and keep each document's
+    positions and attention its own."""
+
+    make: Callable[[Sequence[int], int], list[Batch]]
+    max_length: int
+    packed: bool = False
+
+
 @dataclass
 class ModelParts:
     layers: list[nn.Module]
     make_batch: Callable[[int, int], Batch]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    sequences: Optional[Sequences] = None
+
+
+def takes_lengths(layer: nn.Module) -> bool:
+    """Whether ``layer`` takes a packed row's document lengths (a ``lengths`` keyword)."""
+    return "lengths" in inspect.signature(layer.forward).parameters
+
+
+def run_layers(layers: Sequence[nn.Module], x: torch.Tensor, lengths: Optional[torch.Tensor] = None):
+    """``layers`` one after the other on ``x``; a packed row's document ``lengths`` go to the
+    layers that take them."""
+    for layer in layers:
+        x = layer(x, lengths=lengths) if lengths is not None and takes_lengths(layer) else layer(x)
+    return x
+
+
+def pack(seqs: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequences concatenated into one row: (tokens (1, T), targets (1, T), lengths (n,))."""
+    lengths = torch.tensor([len(x) for x, _ in seqs], dtype=torch.long)
+    return torch.cat([x for x, _ in seqs])[None], torch.cat([y for _, y in seqs])[None], lengths
+
+
+def pad(seqs: Sequence[Batch], to: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences padded to ``to`` (default: the longest): (tokens (n, to), targets (n, to)), the
+    padding's targets ignored by the loss (causal attention keeps padding after a sequence out
+    of its tokens' outputs)."""
+    to = to or max(len(x) for x, _ in seqs)
+    xs = torch.zeros(len(seqs), to, dtype=seqs[0][0].dtype)
+    ys = torch.full((len(seqs), to), IGNORE, dtype=seqs[0][1].dtype)
+    for i, (x, y) in enumerate(seqs):
+        xs[i, : len(x)], ys[i, : len(y)] = x, y
+    return xs, ys
 
 
 def _sum_cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -79,14 +132,63 @@ def vgg16(image_size: int = 32, num_classes: int = 10, fc_width: int = 512) -> M
 # --- gpt ---------------------------------------------------------------------------------------
 
 
+# [Note: packed sequences]
+# A packed chunk is one row (1, T) of documents one after another, with the documents' lengths
+# beside it (not sent: every rank knows them from the step's plan). Each document is its own
+# sequence: positions restart at its first token, and attention stays within it (causal), so a
+# document's outputs do not depend on what it is packed with, and the attention's work is the
+# sum of the squared lengths, not T^2 (on CUDA in half precision one varlen flash-attention
+# kernel; elsewhere scaled-dot-product attention per document).
+
+
+def positions(lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Each token's position within its document, for documents of ``lengths`` packed in a row."""
+    starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+    return torch.arange(int(lengths.sum()), device=device) - starts.to(device)
+
+
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """Causal attention within each document of a packed row: q, k, v (1, heads, T, hd)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_attn() is not None:
+        cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(q.device, torch.int32)
+        m = int(lengths.max())
+        q1, k1, v1 = (z[0].transpose(0, 1) for z in (q, k, v))  # (T, heads, hd)
+        out = _varlen_attn()(q1, k1, v1, cu, cu, m, m, window_size=(-1, 0))
+        return out.transpose(0, 1)[None]
+    ends = torch.cumsum(lengths, 0).tolist()
+    starts = [0] + ends[:-1]
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
+            for a, b in zip(starts, ends)
+        ],
+        dim=2,
+    )
+
+
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # older torch
+        return None
+    return varlen_attn
+
+
 class Embedding(nn.Module):
     def __init__(self, vocab: int, d_model: int, seq_len: int):
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+    def forward(self, idx: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        pos = (
+            torch.arange(idx.shape[1], device=idx.device)
+            if lengths is None
+            else positions(lengths, idx.device)
+        )
+        return self.tok(idx) + self.pos(pos)
 
 
 class Block(nn.Module):
@@ -102,11 +204,14 @@ class Block(nn.Module):
         self.fc = nn.Linear(d_model, 4 * d_model)
         self.fc2 = nn.Linear(4 * d_model, d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         n, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(n, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if lengths is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # a packed row (see [Note: packed sequences])
+            y = packed_attention(q, k, v, lengths)
         x = x + self.proj(y.transpose(1, 2).reshape(n, t, d))
         return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
 
@@ -143,7 +248,15 @@ def gpt(
         tokens = torch.randint(0, vocab, (n, seq_len + 1), generator=g)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    return ModelParts(mods, make_batch, _sum_cross_entropy)
+    def make_sequences(lengths: Sequence[int], seed: int = 0) -> list[Batch]:
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for n in lengths:
+            tokens = torch.randint(0, vocab, (int(n) + 1,), generator=g)
+            out.append((tokens[:-1], tokens[1:]))
+        return out
+
+    return ModelParts(mods, make_batch, _sum_cross_entropy, Sequences(make_sequences, seq_len, packed=True))
 
 
 # --- mlp ---------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..devices import boundary_tensors
 from ..errors import UmoptError
-from ..zoo import ModelParts
+from ..zoo import ModelParts, run_layers
 from .options import ProfileOptions
 
 __all__ = [
@@ -50,8 +50,10 @@ class ProfiledStage(nn.Module):
         self.body = nn.Sequential(*layers)
         self.loss = loss
 
-    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
-        out = self.body(x)
+    def forward(
+        self, x: torch.Tensor, y: Optional[torch.Tensor] = None, lengths: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        out = run_layers(self.body, x, lengths)  # lengths: a packed row's documents
         return self.loss(out, y) if self.loss is not None else out
 
 
@@ -107,9 +109,11 @@ class StageProbe:
             act = torch.zeros(shape, dtype=self.boundary.dtype, device=self.device)
         return act, y.to(self.device)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, y: torch.Tensor, lengths: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         with self.cast():
-            return self.stage(x, y if self.last else None)
+            return self.stage(x, y if self.last else None, lengths)
 
     def output_grad(self, out: torch.Tensor) -> torch.Tensor:
         """What flows back into the stage: 1 into the last stage's loss, a random gradient elsewhere."""
@@ -177,7 +181,12 @@ def _untimed(fn: Callable[[], object]) -> tuple[float, object]:
     return 0.0, fn()
 
 
-def stash_bytes(stage: nn.Module, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> int:
+def stash_bytes(
+    stage: nn.Module,
+    x: torch.Tensor,
+    y: Optional[torch.Tensor] = None,
+    lengths: Optional[torch.Tensor] = None,
+) -> int:
     """Bytes of the distinct non-parameter tensors autograd saves during one forward."""
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     saved: dict[int, int] = {}
@@ -189,7 +198,7 @@ def stash_bytes(stage: nn.Module, x: torch.Tensor, y: Optional[torch.Tensor] = N
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        stage(x, y)
+        stage(x, y, lengths) if lengths is not None else stage(x, y)
     return sum(saved.values())
 
 

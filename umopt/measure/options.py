@@ -44,6 +44,10 @@ class ProfileOptions:
     # off by default, as it costs about a quarter more profiling time
     split_backward: bool = False
     dp: int = 1  # data-parallel replicas to measure the gradient all-reduce among (1: not measured)
+    # sequences of different lengths: time chunks of sequences up to this many tokens, in
+    # length_modes, and fit each stage's costs by tokens (None: not profiled so; measure/tokens.py)
+    lengths: Optional[int] = None
+    length_modes: Optional[tuple[str, ...]] = None  # default: packed where the model packs, padded
 
 
 def check_profile_options(opts: ProfileOptions) -> tuple[list[int], torch.device]:

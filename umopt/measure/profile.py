@@ -29,6 +29,7 @@ from .links import link_plan, measure_allreduce, measure_links
 from .options import ProfileOptions, ProgressFn, check_profile_options
 from .split import balanced_split
 from .timing import StageTimes, fitted, layer_ms, probes_of, time_concurrently, time_stages
+from .tokens import MODES, check_lengths, stage_token_costs
 
 __all__ = ["profile_model", "profile_for_chunks", "profile_stages", "fit_layers"]
 
@@ -277,6 +278,11 @@ def _profile_model(
 ) -> Profile:
     sizes, device = check_profile_options(opts)
     parts = parts or build_model(opts.model, opts.model_args, seed=opts.seed)
+    if opts.lengths is not None:
+        modes = opts.length_modes or (
+            MODES if parts.sequences is not None and parts.sequences.packed else ("padded",)
+        )
+        max_length = check_lengths(parts, opts.model, opts.lengths, modes)
     prev_threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(opts.threads)
@@ -308,6 +314,20 @@ def _profile_model(
             together = time_stages(probes, sizes, opts, ticks, "stages", opts.budget_s)
             timed = {s: (t, optimizer_step_ms(probes[s].stage, opts, device)) for s, t in enumerate(together)}
         stages = [_stage_entry(s, probes[s], cuts, bounds, *timed[s], opts, sizes) for s in range(S)]
+        if opts.lengths is not None:
+            by_tokens = stage_token_costs(
+                probes,
+                bounds,
+                cuts,
+                max_length,
+                modes,
+                opts.repeats,
+                opts.warmup,
+                opts.budget_s,
+                ticks.lengths,
+            )
+            for st, costs in zip(stages, by_tokens):
+                st["tokens"] = costs
         # stage 0's input is the model input; every later stage receives what the one before sent
         for s in range(1, S):
             stages[s]["input_bytes_per_sample"] = stages[s - 1]["output_bytes_per_sample"]
@@ -344,6 +364,7 @@ def _profile_model(
         ),
         "split": cuts,
         "layer_ms": per_layer,
+        **({"lengths": {"max_length": max_length, "modes": list(modes)}} if opts.lengths is not None else {}),
         "meta": {
             "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -373,6 +394,10 @@ class _Ticks:
     def say(self, what: str) -> None:
         if self.progress:
             self.progress(self.done, self.total, what)
+
+    def lengths(self, done: float, total: int, what: str) -> None:
+        if self.progress:
+            self.progress(done, total, what)
 
 
 def _cuts(

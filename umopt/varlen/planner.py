@@ -324,7 +324,7 @@ def _stage_weights(profile: Profile, mode: str, lengths: np.ndarray) -> np.ndarr
 def plan(
     profile: Profile,
     lengths,
-    mode: str = "packed",
+    mode: Optional[str] = None,
     recompute: bool = False,
     dp: Optional[AllReduceProfile] = None,
     budget_ms: float = 15.0,
@@ -333,14 +333,16 @@ def plan(
     seed: int = 0,
 ) -> Plan:
     """umopt's plan for one minibatch (see [Note: planning a minibatch of sequences]), within
-    about ``budget_ms`` of planning; ``previous``: the last step's plan, to start from."""
+    about ``budget_ms`` of planning; ``previous``: the last step's plan, to start from;
+    ``mode``: "packed" or "padded" (default: the better of the profile's modes, a knob too)."""
     t0 = time.perf_counter()
     L = np.asarray(lengths)
     kn = previous.knobs if previous is not None else {}
-    warm_start = kn.get("count") is not None and kn.get("order") in orders
-    best = _screen_orders(profile, L, mode, recompute, dp, orders, kn if warm_start else None, budget_ms, t0)
+    ways = [(m, how) for how in orders for m in ([mode] if mode else _modes(profile))]
+    warm_start = kn.get("count") is not None and (kn.get("mode"), kn.get("order")) in ways
+    best = _screen_orders(profile, L, recompute, dp, ways, kn if warm_start else None, budget_ms, t0)
     if best[1] is None and warm_start:  # the last step's knobs fit none of this minibatch's plans
-        best = _screen_orders(profile, L, mode, recompute, dp, orders, None, budget_ms, t0)
+        best = _screen_orders(profile, L, recompute, dp, ways, None, budget_ms, t0)
     ms, g, layout, problem, how = best
     if g is None:
         raise UmoptError(
@@ -361,6 +363,7 @@ def plan(
         dp,
         tables=problem.tables,
         predicted_ms=ms,
+        mode=layout.mode,
         order=how,
         turn=int(kn.get("turn", -1)) + 1,
         family=g.order,
@@ -373,14 +376,46 @@ def plan(
     return out
 
 
-def _screen_orders(profile, L, mode, recompute, dp, orders, kn: Optional[dict], budget_ms: float, t0: float):
+def _modes(profile: Profile) -> list[str]:
+    if profile.lengths is None:
+        raise UmoptError(
+            "the profile has no costs by tokens (profile with --lengths, or a variable-length sim profile)"
+        )
+    modes = list(profile.lengths.modes)
+    if (
+        "padded" in modes
+        and "packed" in modes
+        and all(_no_cheaper(st.tokens["padded"], st.tokens["packed"]) for st in profile.stages)
+    ):
+        modes.remove("padded")  # padding counts at least packing's tokens and squares: never better
+    return modes
+
+
+def _no_cheaper(padded, packed) -> bool:
+    """Whether every coefficient of ``padded``'s costs is at least ``packed``'s."""
+    fits = ("forward", "backward", "backward_input", "backward_weight")
+    for f in fits:
+        a, b = getattr(padded, f), getattr(packed, f)
+        if (a is None) != (b is None):
+            return False
+        if a is not None and (a.a_ms < b.a_ms or a.b_ms < b.b_ms or a.c_ms < b.c_ms):
+            return False
+    keys = (
+        "input_bytes_per_token",
+        "output_bytes_per_token",
+        "stash_bytes_per_token",
+        "work_bytes_per_token",
+    )
+    return all(getattr(padded, k) >= getattr(packed, k) for k in keys)
+
+
+def _screen_orders(profile, L, recompute, dp, ways, kn: Optional[dict], budget_ms: float, t0: float):
     """The best screened plan (ms, genes, layout, problem, order): cold (``kn`` None), every knob
-    of each of ``orders`` while the budget's first half lasts; warm, the last step's order with
-    its knobs (the counts around its own) and one in ROTATION of every knob, a different share
-    each step, and the same for one other order in turn: what suits the stream better than the
-    last step's knobs is found within a few dozen steps."""
+    of each (mode, order) of ``ways`` while the budget's first half lasts; warm, the last step's
+    with its knobs (the counts around its own) and one in ROTATION of every knob, a different
+    share each step, and the same for one other way in turn: what suits the stream better than
+    the last step's knobs is found within a few dozen steps."""
     B, S = len(L), profile.num_stages
-    total = _stage_weights(profile, mode, L).sum(axis=0)
     every = [
         (m, r, sl) for m in _counts(B, S, coarse=budget_ms < 200) for r in RAMPS for sl in (None, *SLOPES)
     ]
@@ -388,13 +423,13 @@ def _screen_orders(profile, L, mode, recompute, dp, orders, kn: Optional[dict], 
         turn = int(kn.get("turn", 0))
         near = [(m, kn["ramp"], kn["slope"]) for m in range(kn["count"] - 3, kn["count"] + 4) if 1 <= m <= B]
         knobs = near + every[turn % ROTATION :: ROTATION]
-        other = orders[turn % len(orders)]
-        tried = [(kn["order"], knobs)] + ([(other, knobs)] if other != kn["order"] else [])
+        last, other = (kn["mode"], kn["order"]), ways[turn % len(ways)]
+        tried = [(last, knobs)] + ([(other, knobs)] if other != last else [])
     else:
-        tried = [(how, every) for how in orders]
+        tried = [(way, every) for way in ways]
     best: tuple = (np.inf, None, None, None, "")
-    for n, (how, knobs) in enumerate(tried):
-        order = order_of(L, how, total, groups=2 * S)
+    for n, ((mode, how), knobs) in enumerate(tried):
+        order = order_of(L, how, _stage_weights(profile, mode, L).sum(axis=0), groups=2 * S)
         layout = Layout.of_order(order, mode)
         problem = Problem(layout.tables(profile, L, recompute, dp), B)
         weights = _stage_weights(profile, mode, L[order])
