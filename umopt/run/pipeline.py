@@ -40,12 +40,14 @@ from ..formats.schedule import (
     require_pick_layout,
 )
 from ..losses import ChunkLoss, chunk_loss
+from ..zoo import IGNORE
 from .comm import Comm, PipelineBroken, TorchComm, describe
 from .failures import guarded
 from .links import StepLinks, directions, messages
 from .player import Player, StepTimer, joined_output
 from .selection import Turns
 from .stage import Stage, check_samples, check_spec, tensors, warn_batch_norm
+from .tokens import TokenRows
 
 __all__ = ["Pipeline", "schedule_and_profile", "average_gradients"]
 
@@ -67,13 +69,16 @@ def _warn_numerics(profile: Profile) -> None:
 
 
 def schedule_and_profile(
-    schedule: Union[str, Path, Schedule], profile: Optional[Union[str, Path, Profile]]
+    schedule: Union[str, Path, Schedule],
+    profile: Optional[Union[str, Path, Profile]],
+    lengths: bool = False,
 ) -> tuple[Schedule, Profile]:
     """The schedule (a file or loaded) and its profile (given, else the file it names), checked
-    against each other."""
+    against each other (``lengths``: a plan for sequences of different lengths may be played)."""
     sched = schedule if isinstance(schedule, Schedule) else load_schedule(str(schedule))
     prof = profile if isinstance(profile, Profile) else load_profile(str(profile or sched.profile.path))
-    require_fixed_lengths(sched)
+    if not lengths:
+        require_fixed_lengths(sched)
     check_against_profile(sched, prof)
     return sched, prof
 
@@ -244,7 +249,9 @@ class Pipeline:
         )
         self._set_up(lambda: self._build(module, schedule, stage, profile, kw))
         self.turns: Optional[Turns] = None  # the pick and candidates taking turns (None: no candidates)
-        if select and self.schedule.candidates:  # the candidates' Pipelines, over the same modules
+        if (
+            select and self.schedule.candidates and self.schedule.lengths is None
+        ):  # the candidates' Pipelines, over the same modules
             require_pick_layout(self.schedule, "pass select=False")
             rival_kw = dict(kw, profile=self.profile, device=self.device, select=False, _comm=self.comm)
             self.turns = Turns(self, lambda sc: Pipeline(module, sc, stage, **rival_kw), select_steps, steps)
@@ -273,7 +280,7 @@ class Pipeline:
             raise
 
     def _build(self, module, schedule, stage: Optional[int], profile, kw: dict) -> None:
-        self.schedule, self.profile = schedule_and_profile(schedule, profile)
+        self.schedule, self.profile = schedule_and_profile(schedule, profile, lengths=True)
         sched, comm = self.schedule, self.comm
         self.group, self.dp_group = kw["group"], kw["dp_group"]
         self.ranks = comm.group_ranks(self.group)  # the global rank of each rank of the pipeline
@@ -317,7 +324,24 @@ class Pipeline:
         for j, m, sin, sout in zip(local, modules, specs_in, specs_out):
             warn_batch_norm(m, f"{label} {j}", kw["strict"])
             self.stages[j] = Stage(j, V, m, self.device, self.dtype, sin, sout, label=label)
+        if sched.lengths is not None:
+            for j, st in self.stages.items():
+                TokenRows(sched.lengths.mode, [[1]], row=sched.lengths.row).check_module(st.module, st.name)
+        self._timer = kw["timer"]
         self._connect(ops)
+        self._play(sched, ops)
+        self._ready = False
+
+    def _play(self, sched: Schedule, ops: list[list[ChunkOp]]) -> None:
+        """Play ``sched``'s ops from the next step on (with sequences of different lengths, its
+        samples' token rows too: see [Note: token rows] in umopt/run/tokens.py)."""
+        comm = self.comm
+        self.plan = sched
+        if sched.lengths is not None:
+            ln = sched.lengths
+            rows = TokenRows.of_plan(ln.lengths, ln.samples, ln.mode, ln.pad_to, ln.row)
+            for st in self.stages.values():
+                st.tokens = rows
         self.ops = ops[self.me]
         order = messages(ops, self.ranks_of)
         forwards = messages([[op for op in o if op.kind == OpKind.F] for o in ops], self.ranks_of)
@@ -327,9 +351,8 @@ class Pipeline:
             lambda: StepLinks(comm, self.me, self.ranks, self.ranks_of, order, self.stages),
             lambda: StepLinks(comm, self.me, self.ranks, self.ranks_of, forwards, self.stages),
             sched.recompute,
-            kw["timer"],
+            self._timer,
         )
-        self._ready = False
 
     def _my_rank(self, stage: Optional[int], R: int) -> int:
         if stage is not None:
@@ -396,8 +419,9 @@ class Pipeline:
     def _learn_specs(self, xs: tuple[torch.Tensor, ...]) -> None:
         """The shapes at every boundary of this rank, agreed along the pipeline in virtual stage
         order (a chain: no rank waits on a later one): each stage tells the next what it sends
-        (given, or from a forward of two samples: see [Note: what crosses a boundary])."""
-        B = self.schedule.minibatch
+        (given, or from a forward of two samples, with token rows of the first sample: see [Note:
+        what crosses a boundary])."""
+        B = self._rows_total()
         for j, st in sorted(self.stages.items()):
             if st.first:
                 st.specs_in = [TensorSpec.of(t) for t in xs]
@@ -418,7 +442,7 @@ class Pipeline:
                         raise UmoptError(
                             f"{st.name} learns what it sends from a forward: pass its inputs to prepare() or step()"
                         )
-                    n = min(2, B)
+                    n = min(2, B) if st.tokens is None else st.tokens.count(0, 1)
                     st.specs_out = st.learn_output(
                         tuple(t[:n] for t in xs) if st.first else st.sample_inputs(n)
                     )
@@ -454,6 +478,7 @@ class Pipeline:
         targets: Optional[Tensors] = None,
         target: Optional[Tensors] = None,
         losses: Optional[list] = None,
+        plan: Optional[Schedule] = None,
     ) -> Optional[torch.Tensor]:
         """Run one iteration's forwards and backwards on this rank; gradients accumulate in the
         modules' parameters (the optimizer step is yours). The rank holding the first stage passes
@@ -463,13 +488,21 @@ class Pipeline:
         replica's share of the global minibatch's loss), None elsewhere; ``losses``, a list, gets
         each chunk's own loss appended, as torch's schedules do.
 
+        With a plan for sequences of different lengths (``umopt solve --lengths``), the inputs
+        and targets are lists of the minibatch's sequences (1-d tensors, as the plan's lengths
+        list them), and ``plan`` is this minibatch's plan (the same on every rank; default: the
+        last step's, for a minibatch of the same lengths): its samples, each stage's chunks and
+        op order (see [Note: token rows] in umopt/run/tokens.py).
+
         A step that raises leaves this pipeline (and every other of this process) unable to step
         again, and makes the other ranks' steps fail at once instead of waiting (see [Note: a
         failed step breaks the pipeline]).
         """
 
         def run(p: Pipeline) -> Optional[torch.Tensor]:
-            out = p._guarded(lambda: p._step(*p._inputs(args, inputs, targets, target), losses=losses))
+            out = p._guarded(
+                lambda: p._use(plan) or p._step(*p._inputs(args, inputs, targets, target), losses=losses)
+            )
             self.spans = p.spans
             return out
 
@@ -504,6 +537,7 @@ class Pipeline:
         targets: Optional[Tensors] = None,
         target: Optional[Tensors] = None,
         outputs: bool = False,
+        plan: Optional[Schedule] = None,
     ) -> Any:
         """Forwards only, under ``torch.no_grad()``, chunked as the schedule's forwards: nothing is
         stashed and no gradient is touched. Returns, where the last stage is, the minibatch's loss
@@ -511,7 +545,9 @@ class Pipeline:
         stage's output of the whole minibatch), None elsewhere. Train or eval mode is the
         modules' own, as in one process (call ``module.eval()`` for dropout)."""
         play = self.playing
-        return play._guarded(lambda: play._eval(*play._inputs(args, inputs, targets, target), keep=outputs))
+        return play._guarded(
+            lambda: play._use(plan) or play._eval(*play._inputs(args, inputs, targets, target), keep=outputs)
+        )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every rank's parameters by their norm over the whole pipeline,
@@ -560,6 +596,15 @@ class Pipeline:
             raise UmoptError("give the inputs once: step(x) or step(inputs=x)")
         if targets is not None and target is not None:
             raise UmoptError("give the targets once: step(target=y) or step(targets=y)")
+        if self.plan.lengths is not None:
+            return (
+                self._sequences(args[0] if len(args) == 1 else (args or inputs), "inputs", 0)
+                if self.holds_first
+                else (),
+                self._sequences(targets if targets is not None else target, "targets", IGNORE)
+                if self.holds_last
+                else (),
+            )
         B = self.schedule.minibatch
         xs = (
             tensors(args[0] if len(args) == 1 else (args or inputs), "the inputs") if self.holds_first else ()
@@ -580,16 +625,68 @@ class Pipeline:
             check_samples(ys, B, "the last stage's target (the schedule's minibatch)")
         return xs, ys
 
+    def _rows_total(self) -> int:
+        """Rows of a boundary for the minibatch: its samples, or with token rows its tokens."""
+        rows = next(iter(self.stages.values())).tokens
+        return self.schedule.minibatch if rows is None else rows.total
+
+    def _use(self, plan: Optional[Schedule]) -> None:
+        """Play ``plan`` (a minibatch of sequences of different lengths) from this step on:
+        checked against the profile (valid ops, within the memory limit), its token rows set,
+        the receive buffers sized for it."""
+        if plan is None or plan is self.plan:
+            return
+        if self.schedule.lengths is None or plan.lengths is None:
+            raise UmoptError(
+                "plan= is for a pipeline built with a plan for sequences of different lengths (umopt solve --lengths), "
+                "and takes one such plan"
+            )
+        if plan.chunking() != self.schedule.chunking() or len(plan.stages) != len(self.schedule.stages):
+            raise UmoptError("the step's plan lays out the stages otherwise than the pipeline's schedule")
+        check_against_profile(plan, self.profile)
+        ops = [
+            [ChunkOp(op[0], op[1], op[2], op[3] if len(op) == 4 else r) for op in rank_ops]
+            for r, rank_ops in enumerate(plan.op_lists())
+        ]
+        for st in self.stages.values():
+            TokenRows(plan.lengths.mode, [[1]], row=plan.lengths.row).check_module(st.module, st.name)
+        self._play(plan, ops)
+        if self._ready:
+            for st in self.stages.values():
+                st.allocate(self._rows_total())
+
+    def _sequences(self, given: Any, what: str, pad: int) -> tuple[torch.Tensor, ...]:
+        """A minibatch's sequences (a list of tensors, as the plan's lengths list them) as one
+        tensor of rows in the plan's order (a packed row's padding filled with ``pad``)."""
+        ln = self.plan.lengths
+        seqs = list(given) if isinstance(given, (list, tuple)) else None
+        if not seqs or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in seqs):
+            raise UmoptError(
+                f"the {what} of a minibatch of sequences of different lengths are a list of tensors, one per sequence"
+            )
+        if len(seqs) != len(ln.lengths):
+            raise UmoptError(f"the plan is for {len(ln.lengths)} sequences, the {what} have {len(seqs)}")
+        bad = next((i for i, (t, n) in enumerate(zip(seqs, ln.lengths)) if t.shape[0] != n), None)
+        if bad is not None:
+            raise UmoptError(
+                f"sequence {bad} of the {what} has {seqs[bad].shape[0]} tokens, the plan says {ln.lengths[bad]}"
+            )
+        rows = next(iter(self.stages.values())).tokens
+        assert rows is not None
+        return (rows.arrange(seqs, pad).to(self.device),)
+
     def _loss_scale(self, ys: tuple[torch.Tensor, ...]) -> Callable[[int, int], Any]:
         assert self._loss is not None
-        return loss_scale(self.comm, self._loss, ys, self.schedule.minibatch, self.dp_group, self.device)
+        return loss_scale(self.comm, self._loss, ys, self._rows_total(), self.dp_group, self.device)
 
     def _chunk_loss(
         self, out: Any, ys: tuple[torch.Tensor, ...], lo: int, hi: int, scale, losses: Optional[list]
     ) -> torch.Tensor:
         """The loss of samples ``[lo, hi)``, counted as its part of the minibatch's (:mod:`umopt.losses`)."""
         assert self._loss is not None
-        y = tuple(t[lo:hi] for t in ys)
+        rows = self.stages[len(self.ranks_of) - 1].rows(lo, hi)
+        lo, hi = rows.start, rows.stop  # with token rows the loss counts by token
+        y = tuple(t[rows] for t in ys)
         y = y[0] if len(y) == 1 else y
         loss = self._loss.fn(out, y)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

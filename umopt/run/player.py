@@ -94,7 +94,7 @@ class Player:
 
         def forward(stage: Stage, x, lo: int, hi: int):
             with autocast(stage.device, stage.dtype):
-                out = stage.forward(x)
+                out = stage.forward(x, lo, hi)
                 return chunk_loss(out, lo, hi) if stage.last else out
 
         try:
@@ -154,7 +154,7 @@ class Player:
                     stage = self.stages[j]
                     links.wait(kind, j, lo, hi)
                     with autocast(stage.device, stage.dtype):
-                        out = stage.forward(stage.inputs(lo, hi, xs, False))
+                        out = stage.forward(stage.inputs(lo, hi, xs, False), lo, hi)
                         if stage.last:
                             loss_sum += chunk_loss(out, lo, hi).float()
                     if stage.last and keep:

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..devices import TensorSpec, autocast
 from ..errors import UmoptError
+from .tokens import TokenRows
 
 __all__ = ["Stage", "tensors", "grad_carrying", "batch_statistics_layers", "warn_batch_norm"]
 
@@ -139,14 +140,29 @@ class Stage:
         self.specs_out: Optional[list[TensorSpec]] = list(specs_out) if specs_out is not None else None
         self.act: list[torch.Tensor] = []
         self.grad: list[torch.Tensor] = []
+        # sequences of different lengths: this step's samples as rows of tokens (None: one
+        # row per sample, every sample one shape; see [Note: token rows] in tokens.py)
+        self.tokens: Optional[TokenRows] = None
+        self._pool: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
     @property
     def name(self) -> str:
         return f"{self.label} {self.index}"
 
-    def forward(self, x: tuple[torch.Tensor, ...]) -> Any:
-        """The module on one chunk's boundary tensors (a tuple is passed as ``module(*x)``)."""
-        return self.module(*x) if len(x) > 1 else self.module(x[0])
+    def rows(self, lo: int, hi: int) -> slice:
+        """The rows of a boundary tensor that samples [lo, hi) are."""
+        return slice(lo, hi) if self.tokens is None else self.tokens.rows(lo, hi)
+
+    def forward(self, x: tuple[torch.Tensor, ...], lo: int = 0, hi: int = 0) -> Any:
+        """The module on chunk [lo, hi)'s boundary tensors (a tuple is passed as ``module(*x)``);
+        with token rows, laid out for the module and its output back to rows."""
+        if self.tokens is None:
+            return self.module(*x) if len(x) > 1 else self.module(x[0])
+        args, kw = self.tokens.to_module(x, lo, hi)
+        out = self.tokens.from_module(
+            tensors(self.module(*args, **kw), f"{self.name}'s output"), lo, hi, f"{self.name}'s output"
+        )
+        return out[0] if len(out) == 1 else out
 
     def sample_forward(self, sample: tuple[torch.Tensor, ...]) -> Any:
         """One forward of ``sample``, leaving the module as it was: in eval mode (a small batch
@@ -157,7 +173,7 @@ class Stage:
         self.module.eval()
         try:
             with torch.no_grad(), autocast(self.device, self.dtype):
-                return self.forward(sample)
+                return self.forward(sample, 0, 1)
         finally:
             self.module.train(training)
             with torch.no_grad():
@@ -172,19 +188,29 @@ class Stage:
         return [TensorSpec.of(t) for t in ts]
 
     def sample_inputs(self, n: int) -> tuple[torch.Tensor, ...]:
-        """``n`` samples of zeros shaped as this stage's inputs."""
+        """``n`` samples (with token rows: rows) of zeros shaped as this stage's inputs."""
         assert self.specs_in is not None
         return tuple(spec.empty(n, self.device).zero_() for spec in self.specs_in)
 
     def allocate(self, minibatch: int) -> None:
-        """The receive buffers for a minibatch, from the agreed shapes."""
+        """The receive buffers for a minibatch (with token rows: for its rows; each buffer a view
+        of one kept for the largest minibatch so far, so steps of new lengths allocate nothing
+        until one is longer), from the agreed shapes."""
         assert self.specs_in is not None and (self.last or self.specs_out is not None)
-        self.act = [spec.empty(minibatch, self.device) for spec in self.specs_in] if not self.first else []
-        self.grad = (
-            [spec.empty(minibatch, self.device) for spec in self.specs_out if grad_carrying(spec)]
-            if not self.last
-            else []
-        )
+        want_act = list(self.specs_in) if not self.first else []
+        want_grad = [spec for spec in self.specs_out if grad_carrying(spec)] if not self.last else []
+        if self.tokens is None:
+            self.act = [spec.empty(minibatch, self.device) for spec in want_act]
+            self.grad = [spec.empty(minibatch, self.device) for spec in want_grad]
+            return
+        pool_act, pool_grad = self._pool
+        if not pool_act and not pool_grad or (pool_act or pool_grad)[0].shape[0] < minibatch:
+            self._pool = (
+                [spec.empty(minibatch, self.device) for spec in want_act],
+                [spec.empty(minibatch, self.device) for spec in want_grad],
+            )
+        self.act = [b[:minibatch] for b in self._pool[0]]
+        self.grad = [b[:minibatch] for b in self._pool[1]]
 
     def share(self, other: "Stage") -> None:
         """Use ``other``'s buffers where the shapes agree: pipelines of one stage whose steps never
@@ -197,16 +223,18 @@ class Stage:
     def recv_buffers(self, kind: str, lo: int, hi: int) -> list[torch.Tensor]:
         """What a message into this stage is received into: "act" from the stage before, "grad"
         (the gradients of this stage's outputs) from the stage after."""
-        return [buf[lo:hi] for buf in (self.act if kind == "act" else self.grad)]
+        rows = self.rows(lo, hi)
+        return [buf[rows] for buf in (self.act if kind == "act" else self.grad)]
 
     def inputs(self, lo: int, hi: int, xs: tuple[torch.Tensor, ...], grad: bool) -> tuple[torch.Tensor, ...]:
         """The chunk's inputs: the minibatch's on virtual stage 0, else views of the buffers as
         leaves of a graph of their own (``grad``: those that carry a gradient require one)."""
+        rows = self.rows(lo, hi)
         if self.first:
-            return tuple(t[lo:hi] for t in xs)
+            return tuple(t[rows] for t in xs)
         assert self.specs_in is not None
         return tuple(
-            buf[lo:hi].detach().requires_grad_(grad and grad_carrying(spec))
+            buf[rows].detach().requires_grad_(grad and grad_carrying(spec))
             for buf, spec in zip(self.act, self.specs_in)
         )
 
@@ -219,7 +247,9 @@ class Stage:
             raise UmoptError(
                 f"{self.name}'s output has {len(ts)} tensors, but had {len(self.specs_out)} at the first step"
             )
-        check_samples(ts, hi - lo, f"{self.name}'s output")
+        check_samples(
+            ts, hi - lo if self.tokens is None else self.tokens.count(lo, hi), f"{self.name}'s output"
+        )
         for i, (t, spec) in enumerate(zip(ts, self.specs_out)):
             check_spec(t, spec, f"{self.name}'s output {i}")
         return [t.detach() for t in ts]
@@ -235,7 +265,8 @@ class Stage:
         outs = [
             t for t, spec in zip(tensors(out, f"{self.name}'s output"), self.specs_out) if grad_carrying(spec)
         ]
-        pairs = [(o, g[lo:hi]) for o, g in zip(outs, self.grad) if o.requires_grad]
+        rows = self.rows(lo, hi)
+        pairs = [(o, g[rows]) for o, g in zip(outs, self.grad) if o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
     def input_grads(self, x: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:

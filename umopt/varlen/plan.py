@@ -67,6 +67,7 @@ class Plan:
     ops: list[list[Op]]
     tables: CostTables
     tokens: int  # the minibatch's real tokens (no padding): what throughput counts
+    lengths: np.ndarray  # the minibatch's sequences' lengths, in its own order
     planning_ms: float = 0.0
     knobs: dict = field(default_factory=dict)  # what the method chose (microbatches, order, row length)
     predicted_ms: Optional[float] = None  # as the planner's evaluator scored it (None: not yet)
@@ -104,7 +105,14 @@ def score(
     if tables is None:
         tables = layout.tables(profile, lengths, recompute, dp)
     plan = Plan(
-        method, layout, ops, tables, int(np.asarray(lengths).sum()), knobs=knobs, predicted_ms=predicted_ms
+        method,
+        layout,
+        ops,
+        tables,
+        int(np.asarray(lengths).sum()),
+        np.asarray(lengths),
+        knobs=knobs,
+        predicted_ms=predicted_ms,
     )
     if predicted_ms is None:
         plan.timeline  # noqa: B018 - played now

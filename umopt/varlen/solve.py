@@ -23,7 +23,14 @@ from .peers import PEERS, timed
 from .plan import Plan
 from .planner import plan, search
 
-__all__ = ["MinibatchReport", "StreamReport", "solve_minibatch", "solve_stream", "schedule_of"]
+__all__ = [
+    "MinibatchReport",
+    "StreamReport",
+    "solve_minibatch",
+    "solve_stream",
+    "schedule_of",
+    "plan_schedule",
+]
 
 # what is kept back from the time limit for writing the file and the picture
 _MARGIN_S = 1.5
@@ -80,7 +87,6 @@ def solve_minibatch(
 def schedule_of(report: MinibatchReport, profile: Profile, recompute: bool, dp) -> Schedule:
     """The schedule file of the report's best plan: its ops, its samples' sequences, the peers."""
     p = report.best
-    status = "searched" if p is not report.fast else "planned"
     baselines = {
         name: {
             "microbatches": None if q is None else len(q.ops[0]) // 2,
@@ -88,6 +94,22 @@ def schedule_of(report: MinibatchReport, profile: Profile, recompute: bool, dp) 
         }
         for name, q in report.peers.items()
     }
+    seconds = report.fast.planning_ms / 1e3 + report.search_s
+    status = "searched" if p is not report.fast else "planned"
+    return plan_schedule(p, profile, recompute, dp, status, seconds, baselines)
+
+
+def plan_schedule(
+    p: Plan,
+    profile: Profile,
+    recompute: bool = False,
+    dp=None,
+    status: str = "planned",
+    seconds: Optional[float] = None,
+    baselines: Optional[dict] = None,
+) -> Schedule:
+    """One minibatch's plan as a schedule (what ``umopt.Pipeline.step(plan=...)`` plays): its
+    ops, and its samples' sequences in the ``lengths`` block."""
     sched = make_schedule(
         profile,
         len(p.layout.units),
@@ -97,14 +119,14 @@ def schedule_of(report: MinibatchReport, profile: Profile, recompute: bool, dp) 
         {
             "name": "umopt-lengths",
             "status": status,
-            "seconds": report.fast.planning_ms / 1e3 + report.search_s,
+            "seconds": p.planning_ms / 1e3 if seconds is None else seconds,
         },
-        baselines,
+        baselines or {},
         dp,
     )
     spec = LengthsSpec(
         mode=p.layout.mode,
-        lengths=[int(x) for x in report.lengths],
+        lengths=[int(x) for x in p.lengths],
         samples=[[int(i) for i in u] for u in p.layout.units],
         row=p.layout.row,
         pad_to=p.layout.pad_to,

@@ -1,0 +1,162 @@
+"""Sequences of different lengths in ``umopt.Pipeline`` (umopt/run/tokens.py): each step plays its
+minibatch's plan (each stage its own chunks of tokens, packed or padded, no shape exchanged), and
+the gradients equal one process's on the whole minibatch, whatever the plan's order and cuts.
+Ranks are threads over tests/lazycomm.py's model of NCCL's transport."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import umopt
+from umopt.errors import UmoptError
+from umopt.problem import Candidate
+from umopt.synthetic import synthetic_token_profile
+from umopt.varlen.peers import PEERS
+from umopt.varlen.plan import Layout, score
+from umopt.varlen.planner import plan
+from umopt.varlen.solve import plan_schedule
+from umopt.zoo import build_model, run_layers
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lazycomm import World  # noqa: E402
+
+ARGS = {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 48}
+
+
+class Part(nn.Module):
+    """A user's stage: some of the model's layers, a packed row's lengths passed to those that take them."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x, lengths=None):
+        return run_layers(self.layers, x, lengths)
+
+
+def _model():
+    parts = build_model("gpt", ARGS, seed=0)
+    return parts, [Part(parts.layers[:2]), Part(parts.layers[2:])]
+
+
+def _minibatches(steps: int, n: int = 10) -> list[list[int]]:
+    rng = np.random.default_rng(4)
+    return [list(rng.integers(1, ARGS["seq_len"] + 1, n)) for _ in range(steps)]
+
+
+def _profile():
+    # costed as a two-stage pipeline of sequences up to the model's length (the plan's cuts and
+    # order are what matter here, not the times)
+    return synthetic_token_profile(2, blocks=2, max_length=ARGS["seq_len"], max_size=16)
+
+
+def _reference(batches, seqs_of):
+    """One process, the whole minibatch at once: each sequence alone (exact, no padding)."""
+    parts, _ = _model()
+    model = nn.ModuleList(parts.layers)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, L in enumerate(batches):
+        seqs = seqs_of(step, L)
+        tokens = sum(len(x) for x, _ in seqs)
+        loss = sum(loss_fn(run_layers(model, x[None])[0], y) for x, y in seqs) / tokens
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(plans, batches, seqs_of, ranks: int = 2):
+    _, stages = _model()
+    sched0 = plans[0]
+
+    def rank(comm):
+        r = comm.rank
+        pipe = umopt.Pipeline(
+            stages[r],
+            sched0,
+            profile=PROFILE,
+            loss_fn=nn.CrossEntropyLoss(),
+            dtype="float32",
+            _comm=comm,
+            select=False,
+        )
+        opt = torch.optim.SGD(stages[r].parameters(), lr=0.1)
+        for step, L in enumerate(batches):
+            seqs = seqs_of(step, L)
+            kw = {"inputs": [x for x, _ in seqs]} if r == 0 else {"targets": [y for _, y in seqs]}
+            pipe.step(plan=plans[step], **kw)
+            opt.step()
+            opt.zero_grad()
+
+    World(ranks).run(rank)
+    got = {}
+    for r, st in enumerate(stages):
+        for k, v in st.state_dict().items():  # "layers.i.rest" -> the model's layer index
+            i = int(k.split(".")[1]) + 2 * r
+            got[f"{i}.{k.split('.', 2)[2]}"] = v.detach().clone()
+    return got
+
+
+PROFILE = _profile()
+
+
+def _seqs(parts):
+    return lambda step, L: parts.sequences.make(L, 100 + step)
+
+
+@pytest.mark.parametrize("mode", ["packed", "padded"])
+def test_a_plan_per_step_trains_as_one_process(mode):
+    parts, _ = _model()
+    batches = _minibatches(3)
+    plans = []
+    previous = None
+    for L in batches[:2]:
+        previous = plan(PROFILE, np.array(L), mode=mode, previous=previous, budget_ms=50)
+        plans.append(plan_schedule(previous, PROFILE))
+    assert all(p.lengths.samples != [[i] for i in range(len(p.lengths.lengths))] for p in plans)  # reordered
+    # and one where each stage cuts its own way, the samples the other way round, in 1F1B
+    order = np.argsort(batches[2])[::-1]
+    ops = Candidate([[3, 3, 4], [6, 4]], [[3, 3, 4], [6, 4]], "1f1b").ops()
+    plans.append(
+        plan_schedule(
+            score("hand", PROFILE, np.array(batches[2]), Layout.of_order(order, mode), ops), PROFILE
+        )
+    )
+    got = _train(plans, batches, _seqs(parts))
+    want = _reference(batches, _seqs(parts))
+    for k, w in want.items():
+        torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)
+
+
+def test_the_peers_plans_play_too_and_bad_steps_are_one_line_errors():
+    """Padding to the longest (every chunk one width), packing into rows (each row's padding a
+    document of its own, its targets ignored) and sort-and-split, then umopt's, one per step."""
+    parts, _ = _model()
+    batches = _minibatches(4)
+    peers = [PEERS[name](PROFILE, np.array(L), 2) for name, L in zip(("pad", "pack", "sort-split"), batches)]
+    assert peers[0].layout.pad_to and peers[1].layout.row
+    assert any(len(u) > 1 for u in peers[1].layout.units)  # rows of several sequences
+    plans = [plan_schedule(p, PROFILE) for p in peers] + [
+        plan_schedule(plan(PROFILE, np.array(batches[3])), PROFILE)
+    ]
+    got = _train(plans, batches, _seqs(parts))
+    want = _reference(batches, _seqs(parts))
+    for k, w in want.items():
+        torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)
+
+    # a sequence of another length than the plan says is refused on the rank that holds it
+    def wrong(step, L):
+        seqs = parts.sequences.make(L, 0)
+        x, y = seqs[0]
+        seqs[0] = (x[:-1], y[:-1]) if len(x) > 1 else (torch.cat([x, x]), torch.cat([y, y]))
+        return seqs
+
+    with pytest.raises(UmoptError, match="sequence 0 of the"):
+        _train(plans[:1], batches[:1], wrong)
