@@ -160,3 +160,16 @@ def test_the_peers_plans_play_too_and_bad_steps_are_one_line_errors():
 
     with pytest.raises(UmoptError, match="sequence 0 of the"):
         _train(plans[:1], batches[:1], wrong)
+
+
+def test_a_packed_plan_needs_a_module_that_keeps_documents_apart():
+    parts, _ = _model()
+    L = np.array(_minibatches(1)[0])
+    sched = plan_schedule(plan(PROFILE, L, mode="packed"), PROFILE)
+
+    def rank(comm):
+        stage = nn.Sequential(*parts.layers[:2]) if comm.rank == 0 else Part(parts.layers[2:])
+        umopt.Pipeline(stage, sched, profile=PROFILE, loss_fn=nn.CrossEntropyLoss(), _comm=comm, select=False)
+
+    with pytest.raises(UmoptError, match="does not take lengths="):
+        World(2).run(rank)

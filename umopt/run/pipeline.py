@@ -324,12 +324,9 @@ class Pipeline:
         for j, m, sin, sout in zip(local, modules, specs_in, specs_out):
             warn_batch_norm(m, f"{label} {j}", kw["strict"])
             self.stages[j] = Stage(j, V, m, self.device, self.dtype, sin, sout, label=label)
-        if sched.lengths is not None:
-            for j, st in self.stages.items():
-                TokenRows(sched.lengths.mode, [[1]], row=sched.lengths.row).check_module(st.module, st.name)
         self._timer = kw["timer"]
+        self._play(sched, ops)  # before the links: a module that cannot play the plan is refused alone
         self._connect(ops)
-        self._play(sched, ops)
         self._ready = False
 
     def _play(self, sched: Schedule, ops: list[list[ChunkOp]]) -> None:
@@ -341,6 +338,7 @@ class Pipeline:
             ln = sched.lengths
             rows = TokenRows.of_plan(ln.lengths, ln.samples, ln.mode, ln.pad_to, ln.row)
             for st in self.stages.values():
+                rows.check_module(st.module, st.name)
                 st.tokens = rows
         self.ops = ops[self.me]
         order = messages(ops, self.ranks_of)
@@ -648,8 +646,6 @@ class Pipeline:
             [ChunkOp(op[0], op[1], op[2], op[3] if len(op) == 4 else r) for op in rank_ops]
             for r, rank_ops in enumerate(plan.op_lists())
         ]
-        for st in self.stages.values():
-            TokenRows(plan.lengths.mode, [[1]], row=plan.lengths.row).check_module(st.module, st.name)
         self._play(plan, ops)
         if self._ready:
             for st in self.stages.values():

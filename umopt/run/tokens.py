@@ -72,7 +72,9 @@ class TokenRows:
                 if used > row:
                     raise UmoptError(f"a row of {row} tokens holds {used}")
                 docs.append([int(lengths[i]) for i in u] + ([row - used] if used < row else []))
-        return cls(mode, docs, pad_to, [list(map(int, u)) for u in samples], row)
+        # every sample padded to one length (pad-to-longest) is a padded chunk of that width,
+        # whatever the plan calls it: its costs are those of pad_to tokens a sample
+        return cls("padded" if pad_to else mode, docs, pad_to, [list(map(int, u)) for u in samples], row)
 
     def arrange(self, seqs: Sequence[torch.Tensor], pad: int) -> torch.Tensor:
         """The minibatch's sequences (in its own order) as rows in the plan's: each sample's

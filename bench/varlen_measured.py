@@ -1,0 +1,216 @@
+"""Sequences of different lengths, measured on 2 CPU ranks (one thread each), in turns.
+
+    python bench/varlen_measured.py [--samplers chat long-context] [--minibatches 8] [--size 32]
+                                    [--max-length 256] [--rounds 2] [--markdown]
+
+A GPT nobody tuned umopt to (``gpt``: 4 blocks of width 128, 4 heads, a 1024 vocabulary) is
+profiled over lengths (``umopt profile --stages 2 --lengths``, probe runs included). Each
+sampler's ``--minibatches`` minibatches of ``--size`` sequences are drawn (seeded) and their
+lengths scaled by ``--max-length`` over the sampler's cap (this CPU cannot run 4k-token
+sequences at a useful pace; the scaling keeps the spread of the lengths). Every minibatch is
+planned ahead: umopt's planner (warm-started from the previous minibatch, as in training), and
+the peers at their best knobs as the cost model sees them: padding to the longest, packing into
+rows, DynaPipe's DP. Then two processes (gloo) build ``umopt.Pipeline`` once and play every
+minibatch with every method in turns (``--rounds`` rounds, the order rotating; one untimed
+warm-up round), each step timed from a barrier to the slower rank's end. Printed per sampler and
+method: measured tokens per second (real tokens, no padding), predicted, measured / predicted on
+the mean step, and umopt against it.
+
+Targets (issue 57): at least 1.5x pad-to-longest and 1.10x packing in tokens per second, and
+measured / predicted within 0.85-1.15 on the mean step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODEL = {"layers": 4, "d_model": 128, "heads": 4, "vocab": 1024}
+METHODS = ("umopt", "pad", "pack", "dynapipe")
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import umopt
+    from umopt.zoo import build_model, run_layers
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=2)
+    job = pickle.loads(Path(args.job).read_bytes())
+    profile = job["profile"]
+    parts = build_model("gpt", job["model_args"], seed=0)
+    a, b = profile.stages[rank].layers
+
+    class Part(nn.Module):
+        def __init__(self, layers):
+            super().__init__()
+            self.layers = nn.ModuleList(layers)
+
+        def forward(self, x, lengths=None):
+            return run_layers(self.layers, x, lengths)
+
+    stage = Part(parts.layers[a:b])
+    first = job["plans"][0]["umopt"]
+    pipe = umopt.Pipeline(stage, first, profile=profile, loss_fn=nn.CrossEntropyLoss(), select=False)
+    times: dict[str, list] = {m: [[] for _ in job["plans"]] for m in METHODS}
+
+    def play(k: int, m: str) -> float:
+        seqs = parts.sequences.make(job["lengths"][k], k)
+        kw = {"inputs": [x for x, _ in seqs]} if rank == 0 else {"targets": [y for _, y in seqs]}
+        dist.barrier()
+        t0 = time.perf_counter()
+        pipe.step(plan=job["plans"][k][m], **kw)
+        ms = torch.tensor([(time.perf_counter() - t0) * 1e3])
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+        stage.zero_grad(set_to_none=True)
+        return float(ms)
+
+    for r in range(args.rounds + 1):
+        for k in range(len(job["plans"])):
+            order = METHODS[(r + k) % len(METHODS) :] + METHODS[: (r + k) % len(METHODS)]
+            for m in order:
+                if job["plans"][k][m] is None:
+                    continue
+                ms = play(k, m)
+                if r:  # round 0 warms every plan's shapes up
+                    times[m][k].append(ms)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def plans_for(profile, batches):
+    """Every minibatch's plans (as schedules): umopt's warm-started, and each peer's."""
+    from umopt.errors import UmoptError
+    from umopt.varlen.peers import PEERS, timed
+    from umopt.varlen.planner import plan
+    from umopt.varlen.solve import plan_schedule
+
+    out, previous = [], None
+    for L in batches:
+        got = {}
+        try:
+            previous = plan(profile, L, previous=previous)
+            got["umopt"] = previous
+        except UmoptError:
+            got["umopt"] = None
+        for name in METHODS[1:]:
+            got[name] = timed(PEERS[name], profile, L, profile.num_stages)
+        out.append({m: None if p is None else (plan_schedule(p, profile), p) for m, p in got.items()})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samplers", nargs="+", default=["chat", "long-context"])
+    ap.add_argument("--minibatches", type=int, default=8)
+    ap.add_argument("--size", type=int, default=32)
+    ap.add_argument("--max-length", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--profile", help="a profile over lengths of this bench's model (default: measured now)")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--job")
+    ap.add_argument("--store")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    sys.path.insert(0, str(HERE))
+    import numpy as np
+    from tables import print_table
+
+    from umopt.formats.profile import load_profile
+    from umopt.varlen.samplers import SAMPLERS, minibatches
+
+    work = Path(tempfile.mkdtemp(prefix="umopt-varlen-"))
+    model_args = dict(MODEL, seq_len=args.max_length)
+    prof_path = Path(args.profile) if args.profile else work / "profile.json"
+    if not args.profile:
+        cmd = [sys.executable, "-m", "umopt.cli", "profile", "--model", "gpt", "--stages", "2"]
+        cmd += [f"--model-arg={k}={v}" for k, v in model_args.items()]
+        cmd += ["--max-size", "8", "--lengths", str(args.max_length), "-o", str(prof_path)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    profile = load_profile(prof_path)
+    cells, summary = [], []
+    for spec in args.samplers:
+        scale = args.max_length / SAMPLERS[spec].cap
+        batches = [
+            np.maximum(1, np.round(L * scale)).astype(np.int64)
+            for L in minibatches(spec, args.minibatches, args.size, seed=0)
+        ]
+        made = plans_for(profile, batches)
+        job = {
+            "profile": profile,
+            "model_args": model_args,
+            "lengths": [[int(x) for x in L] for L in batches],
+            "plans": [{m: None if got is None else got[0] for m, got in p.items()} for p in made],
+        }
+        (work / "job.pkl").write_bytes(pickle.dumps(job))
+        out = work / f"times-{spec}.json"
+        base = [sys.executable, __file__, "--worker", "--job", str(work / "job.pkl")]
+        base += ["--store", str(work / f"store-{spec}"), "--out", str(out), "--rounds", str(args.rounds)]
+        procs = [
+            subprocess.Popen(base, env=dict(os.environ, RANK=str(r), OMP_NUM_THREADS="1")) for r in range(2)
+        ]
+        for p in procs:
+            if p.wait() != 0:
+                raise SystemExit("a rank failed")
+        times = json.loads(out.read_text())
+        tokens = [int(L.sum()) for L in batches]
+        # over the minibatches every method fits, so the rates compare
+        ks = [k for k in range(len(batches)) if all(made[k][m] is not None for m in METHODS)]
+        measured = {m: [float(np.median(times[m][k])) for k in ks] for m in METHODS}
+        predicted = {m: [made[k][m][1].iteration_ms for k in ks] for m in METHODS}
+        rate = {m: 1e3 * sum(tokens[k] for k in ks) / sum(measured[m]) for m in METHODS}
+        for m in METHODS:
+            ratio = np.mean(measured[m]) / np.mean(predicted[m])
+            cells.append(
+                [
+                    spec,
+                    m,
+                    f"{len(ks)}/{len(batches)}",
+                    f"{rate[m] / 1e3:.2f}",
+                    f"{1e3 * sum(tokens[k] for k in ks) / sum(predicted[m]) / 1e3:.2f}",
+                    f"{ratio:.2f}",
+                    "" if m == "umopt" else f"{rate['umopt'] / rate[m]:.2f}x",
+                ]
+            )
+        summary.append(
+            f"{spec}: umopt {rate['umopt'] / rate['pad']:.2f}x pad-to-longest (target >= 1.5), "
+            f"{rate['umopt'] / rate['pack']:.2f}x packing (target >= 1.10); lengths x {scale:.4f} "
+            f"(mean {np.mean(np.concatenate(batches)):.0f}, longest {max(int(L.max()) for L in batches)})"
+        )
+    summary.append(f"profile {prof_path}; {args.rounds} timed rounds, medians per minibatch and method")
+    print_table(
+        f"gpt {MODEL['layers']} blocks of {MODEL['d_model']}, 2 CPU ranks, {args.size} sequences a minibatch",
+        [
+            "sampler",
+            "method",
+            "minibatches",
+            "measured ktok/s",
+            "predicted ktok/s",
+            "measured / predicted",
+            "umopt vs it",
+        ],
+        cells,
+        summary,
+        args.markdown,
+        left=("sampler", "method"),
+    )
+
+
+if __name__ == "__main__":
+    main()
