@@ -167,6 +167,10 @@ class LazyComm(Comm):
         with self.w.cond:
             return self.w.store[key]
 
+    def _delete(self, key: str) -> None:
+        with self.w.cond:
+            self.w.store.pop(key, None)
+
     def _first(self, key: str, value: str) -> None:
         with self.w.cond:
             self.w.store.setdefault(key, value.encode())

@@ -67,7 +67,9 @@ def test_a_measured_length_profile_plans_minibatches(tmp_path, capsys):
             assert c.input_bytes_per_token == (8 if s == 0 else 128 * 4)
             assert c.output_bytes_per_token == (128 * 4 if s == 0 else 0)
     sched = tmp_path / "plan.json"
-    code, stdout, err = run(["solve", str(out), "-B", "16", "--lengths", "chat", "--time-limit", "2", "-o", str(sched)], capsys)
+    code, stdout, err = run(
+        ["solve", str(out), "-B", "16", "--lengths", "chat", "--time-limit", "2", "-o", str(sched)], capsys
+    )
     assert code == 0, err
     assert sched.exists()
 

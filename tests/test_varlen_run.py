@@ -173,3 +173,42 @@ def test_a_packed_plan_needs_a_module_that_keeps_documents_apart():
 
     with pytest.raises(UmoptError, match="does not take lengths="):
         World(2).run(rank)
+
+
+def test_plans_made_ahead_by_the_first_stage_reach_every_rank():
+    """PlanAhead plans in a process of its own; only the rank holding the first stage passes the
+    plans, the other reads each step's from the store ([Note: one plan a step, one maker])."""
+    from umopt.varlen.ahead import PlanAhead
+
+    parts, stages = _model()
+    batches = _minibatches(3)
+    with PlanAhead(PROFILE, budget_ms=20) as ahead:
+        for L in batches:
+            ahead.submit(L)
+        plans = [ahead.next() for _ in batches]
+        with pytest.raises(UmoptError, match="nothing submitted"):
+            ahead.next()
+    assert [p.lengths.lengths for p in plans] == [list(map(int, L)) for L in batches]
+    seqs_of = _seqs(parts)
+
+    def rank(comm):
+        r = comm.rank
+        pipe = umopt.Pipeline(
+            stages[r], plans[0], profile=PROFILE, loss_fn=nn.CrossEntropyLoss(), dtype="float32", _comm=comm
+        )
+        opt = torch.optim.SGD(stages[r].parameters(), lr=0.1)
+        for step, L in enumerate(batches):
+            seqs = seqs_of(step, L)
+            if r == 0:
+                pipe.step(inputs=[x for x, _ in seqs], plan=plans[step])
+            else:
+                pipe.step(targets=[y for _, y in seqs])  # the plan comes from rank 0
+            opt.step()
+            opt.zero_grad()
+
+    World(2).run(rank)
+    want = _reference(batches, seqs_of)
+    for r, st in enumerate(stages):
+        for k, v in st.state_dict().items():
+            i = int(k.split(".")[1]) + 2 * r
+            torch.testing.assert_close(v, want[f"{i}.{k.split('.', 2)[2]}"], rtol=1e-5, atol=1e-6)

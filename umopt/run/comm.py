@@ -108,6 +108,9 @@ class Comm:
     def _get(self, key: str) -> bytes:
         raise NotImplementedError
 
+    def _delete(self, key: str) -> None:
+        raise NotImplementedError
+
     def _first(self, key: str, value: str) -> None:
         """Set ``key`` to ``value`` unless it is set already."""
         raise NotImplementedError
@@ -156,6 +159,10 @@ class Comm:
 
     def put(self, name: str, value: Any) -> None:
         self._set(self.prefix + name, pickle.dumps(value))
+
+    def forget(self, name: str) -> None:
+        """Delete what was ``put`` under ``name`` (the store keeps it otherwise)."""
+        self._delete(self.prefix + name)
 
     def get(
         self, name: str, what: str, failed: Optional[str] = None, timeout_s: Optional[float] = None
@@ -294,6 +301,9 @@ class TorchComm(Comm):
 
     def _get(self, key: str) -> bytes:
         return self.store.get(key)
+
+    def _delete(self, key: str) -> None:
+        self.store.delete_key(key)
 
     def _first(self, key: str, value: str) -> None:
         self.store.compare_set(key, "", value)

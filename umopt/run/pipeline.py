@@ -68,6 +68,18 @@ def _warn_numerics(profile: Profile) -> None:
         )
 
 
+# [Note: one plan a step, one maker]
+# With sequences of different lengths every rank must play the same plan each step (a rank that
+# plays another waits on messages that never come). The rank holding the first stage has the
+# minibatch's sequences, so it is the maker: the plan it plays at step n (None: the last one
+# again) goes into the store under step n's key, and a rank given no plan reads it there before
+# its step. The maker cannot be more than a step ahead of any rank (its step n ends only once
+# every rank has played its part of step n), so it deletes step n - PLAN_KEPT's key, read by
+# then, and the store holds a few plans, not one per step of the run. Planning itself is the maker's, ahead of
+# the step (umopt.varlen.ahead.PlanAhead plans in a process of its own).
+PLAN_KEPT = 4
+
+
 def schedule_and_profile(
     schedule: Union[str, Path, Schedule],
     profile: Optional[Union[str, Path, Profile]],
@@ -325,6 +337,7 @@ class Pipeline:
             warn_batch_norm(m, f"{label} {j}", kw["strict"])
             self.stages[j] = Stage(j, V, m, self.device, self.dtype, sin, sout, label=label)
         self._timer = kw["timer"]
+        self._plans_shared = 0  # steps whose plan was shared (sequences of different lengths)
         self._play(sched, ops)  # before the links: a module that cannot play the plan is refused alone
         self._connect(ops)
         self._ready = False
@@ -499,7 +512,10 @@ class Pipeline:
 
         def run(p: Pipeline) -> Optional[torch.Tensor]:
             out = p._guarded(
-                lambda: p._use(plan) or p._step(*p._inputs(args, inputs, targets, target), losses=losses)
+                lambda: (
+                    p._use(p._shared(plan))
+                    or p._step(*p._inputs(args, inputs, targets, target), losses=losses)
+                )
             )
             self.spans = p.spans
             return out
@@ -544,7 +560,10 @@ class Pipeline:
         modules' own, as in one process (call ``module.eval()`` for dropout)."""
         play = self.playing
         return play._guarded(
-            lambda: play._use(plan) or play._eval(*play._inputs(args, inputs, targets, target), keep=outputs)
+            lambda: (
+                play._use(play._shared(plan))
+                or play._eval(*play._inputs(args, inputs, targets, target), keep=outputs)
+            )
         )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -627,6 +646,23 @@ class Pipeline:
         """Rows of a boundary for the minibatch: its samples, or with token rows its tokens."""
         rows = next(iter(self.stages.values())).tokens
         return self.schedule.minibatch if rows is None else rows.total
+
+    def _shared(self, plan: Optional[Schedule]) -> Optional[Schedule]:
+        """This step's plan, one maker for all (see [Note: one plan a step, one maker])."""
+        if self.schedule.lengths is None:
+            return plan
+        n = self._plans_shared
+        self._plans_shared += 1
+        if self.holds_first:
+            self.comm.put(f"{self.id}/plan/{n}", plan)
+            if n >= PLAN_KEPT:
+                self.comm.forget(f"{self.id}/plan/{n - PLAN_KEPT}")
+            return plan
+        if plan is not None:
+            return plan
+        return self.comm.get(
+            f"{self.id}/plan/{n}", f"rank {self.ranks[self.ranks_of[0]]} to say step {n}'s plan"
+        )
 
     def _use(self, plan: Optional[Schedule]) -> None:
         """Play ``plan`` (a minibatch of sequences of different lengths) from this step on:

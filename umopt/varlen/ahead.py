@@ -1,0 +1,112 @@
+"""Plans made ahead of the steps that play them, in a process of their own.
+
+A data loader knows a minibatch's lengths before the step that trains on it (it prefetches), so
+its plan can be made while the steps before it run, on a core the training does not use: the
+step then costs no planning time. :class:`PlanAhead` is that process: :meth:`~PlanAhead.submit`
+the lengths of a minibatch as soon as they are known, :meth:`~PlanAhead.next` the plans in the
+order submitted (each warm-started from the one before, as :func:`umopt.varlen.planner.plan`
+does in a loop), as schedules ``umopt.Pipeline.step(plan=...)`` plays::
+
+    with PlanAhead(profile) as ahead:
+        ahead.submit(lengths_of(batch0))
+        for k, batch in enumerate(loader):
+            if k + 1 < len(loader):
+                ahead.submit(lengths_of(next_batch))      # the next one plans while this one trains
+            pipe.step(inputs=..., plan=ahead.next())
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+from typing import Optional
+
+import numpy as np
+
+from ..errors import UmoptError
+from ..formats.profile import AllReduceProfile, Profile
+from ..formats.schedule import Schedule
+from .planner import plan
+from .solve import plan_schedule
+
+__all__ = ["PlanAhead"]
+
+
+def _serve(profile: Profile, budget_ms: float, recompute: bool, dp, inbox, outbox) -> None:
+    """The planning process: one plan per lengths received, in order, until None."""
+    previous = None
+    while True:
+        lengths = inbox.get()
+        if lengths is None:
+            return
+        try:
+            previous = plan(
+                profile,
+                np.asarray(lengths),
+                budget_ms=budget_ms,
+                recompute=recompute,
+                dp=dp,
+                previous=previous,
+            )
+            outbox.put(plan_schedule(previous, profile, recompute, dp))
+        except UmoptError as exc:
+            outbox.put(exc)
+
+
+class PlanAhead:
+    """A planning process for ``profile``'s pipeline (see the module docstring): ``budget_ms``
+    per plan, as :func:`umopt.varlen.planner.plan`."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        budget_ms: float = 15.0,
+        recompute: bool = False,
+        dp: Optional[AllReduceProfile] = None,
+    ):
+        if profile.lengths is None:
+            raise UmoptError("the profile has no costs by tokens (profile with --lengths)")
+        ctx = mp.get_context("spawn")
+        self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+        self._process = ctx.Process(
+            target=_serve,
+            args=(profile, budget_ms, recompute, dp, self._inbox, self._outbox),
+            daemon=True,
+            name="umopt-plan-ahead",
+        )
+        self._process.start()
+        self.pending = 0
+
+    def submit(self, lengths) -> None:
+        """Plan a minibatch of sequences of ``lengths`` (after those submitted before)."""
+        self._inbox.put([int(n) for n in lengths])
+        self.pending += 1
+
+    def next(self, timeout_s: float = 120.0) -> Schedule:
+        """The plan of the earliest minibatch submitted and not yet taken (waiting for it)."""
+        if not self.pending:
+            raise UmoptError("PlanAhead.next() with nothing submitted")
+        try:
+            got = self._outbox.get(timeout=timeout_s)
+        except queue.Empty:
+            alive = self._process.is_alive()
+            raise UmoptError(
+                f"no plan within {timeout_s:g} s (the planning process is {'alive' if alive else 'gone'})"
+            ) from None
+        self.pending -= 1
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._inbox.put(None)
+            self._process.join(5)
+            if self._process.is_alive():
+                self._process.terminate()
+
+    def __enter__(self) -> "PlanAhead":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
