@@ -77,8 +77,17 @@ def prepare(args: argparse.Namespace) -> None:
         "seq_len": args.longest,
     }
     (out / "model.json").write_text(json.dumps({"model_args": model_args, "text": args.text}))
-    opts = ProfileOptions(model="gpt", model_args=model_args, stages=2, max_size=8, lengths=args.longest)
-    profile = profile_in_pipeline(opts, say=print)
+    opts = ProfileOptions(
+        model="gpt",
+        model_args=model_args,
+        stages=2,
+        max_size=8,
+        lengths=args.longest,
+        link_latency_ms=args.link_latency_ms,
+        link_gbps=args.link_gbps,
+        concurrent=False if args.sequential else None,
+    )
+    profile = profile_in_pipeline(opts, probes=not args.no_probes, say=print)
     save_profile(profile, out / "profile.json")
     print(f"wrote {out}/profile.json: 2 stages timed over sequences of up to {args.longest} tokens")
 
@@ -164,6 +173,14 @@ def main() -> None:
     pre.add_argument(
         "--text", nargs="*", default=[], help="text files (default: this repository's documents)"
     )
+    pre.add_argument(
+        "--no-probes", action="store_true", help="skip the probe runs that fit the runtime's costs"
+    )
+    pre.add_argument("--sequential", action="store_true", help="time the stages one after another")
+    pre.add_argument(
+        "--link-latency-ms", type=float, help="the link, given instead of measured (with --link-gbps)"
+    )
+    pre.add_argument("--link-gbps", type=float)
     pre.add_argument("--out", default="run-docs")
     tr = sub.add_parser("train", help="train under torchrun, one process per stage")
     tr.add_argument("--out", default="run-docs")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_text.py"
 
 
@@ -63,3 +65,51 @@ def test_the_text_example_profiles_solves_and_trains(tmp_path):
     # a mean over tokens, as one process prints it (a character vocabulary of ~100: about ln 100 = 4.6 at first), not a sum
     assert 2 < losses[0] < 6, train.stdout
     assert "umopt / equal = " in train.stdout
+
+
+DOCS = EXAMPLE.parent / "train_docs.py"
+
+
+def test_the_documents_example_profiles_over_lengths_and_trains_without_padding(tmp_path):
+    small = [
+        "--layers",
+        "1",
+        "--d",
+        "32",
+        "--longest",
+        "48",
+        "--no-probes",
+        "--sequential",
+        "--out",
+        str(tmp_path),
+    ]
+    small += ["--link-latency-ms", "0.05", "--link-gbps", "10"]
+    prep = subprocess.run(
+        [sys.executable, str(DOCS), "prepare", *small], capture_output=True, text=True, timeout=300
+    )
+    assert prep.returncode == 0, prep.stderr[-2000:]
+    train = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(DOCS)]
+        + [
+            "train",
+            "--out",
+            str(tmp_path),
+            "--steps",
+            "8",
+            "--turn",
+            "2",
+            "--every",
+            "1",
+            "--minibatch",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert train.returncode == 0, train.stderr[-2000:]
+    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", train.stdout)]
+    assert len(losses) == 8 and all(np.isfinite(losses))
+    assert "(umopt)" in train.stdout and "(pad  )" in train.stdout  # the two took turns
+    assert re.search(r"umopt / pad = [0-9.]+x", train.stdout), train.stdout

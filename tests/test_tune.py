@@ -12,6 +12,11 @@ from umopt.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# the link given, not measured: these tests are about tune's steps (the link's measurement is
+# tests/test_profiler.py's), and measuring it spawns a pair of processes
+FAST_LINK = ["--link-latency-ms", "0.05", "--link-gbps", "10"]
+
+
 def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
     out = tmp_path / "tune"
     main(
@@ -35,6 +40,7 @@ def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
             "20",
             "--time-limit",
             "1",
+            *FAST_LINK,
             "--out",
             str(out),
         ]
@@ -128,6 +134,7 @@ def test_tune_with_zero_bubble_measures_zb_h1_beside_the_others(tmp_path, capsys
             "1",
             "--zero-bubble",
             "--no-probes",
+            *FAST_LINK,
             "--out",
             str(out),
         ]
@@ -150,7 +157,7 @@ def test_tune_with_chunks_measures_torch_multi_chunk_schedules_beside_one_chunk(
     out = tmp_path / "tune"
     argv = ["tune", "--model", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32", "--stages", "2"]
     argv += ["--minibatch", "8", "--steps", "2", "--rounds", "2", "--budget", "10", "--time-limit", "3"]
-    main([*argv, "--chunks", "2", "--no-probes", "--out", str(out)])
+    main([*argv, "--chunks", "2", "--no-probes", *FAST_LINK, "--out", str(out)])
     stdout = capsys.readouterr().out
     prof = json.loads((out / "profile.json").read_text())
     assert len(prof["layers"]) >= 4
