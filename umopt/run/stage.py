@@ -5,7 +5,8 @@ with several chunks per rank, each chunk module is one. What crosses a boundary 
 tuple of tensors, each split on dim 0 by sample; a stage receives into one buffer per tensor for
 the whole minibatch and reads its chunks as views of it (its neighbours may chunk otherwise).
 :meth:`Stage.recv_buffers` is the one place that says what a message is received into: every
-message's shape comes from there.
+message's shape comes from there. With sequences of different lengths the rows are tokens, not
+samples (see [Note: token rows] in umopt/run/tokens.py).
 """
 
 from __future__ import annotations
@@ -203,8 +204,8 @@ class Stage:
             self.act = [spec.empty(minibatch, self.device) for spec in want_act]
             self.grad = [spec.empty(minibatch, self.device) for spec in want_grad]
             return
-        pool_act, pool_grad = self._pool
-        if not pool_act and not pool_grad or (pool_act or pool_grad)[0].shape[0] < minibatch:
+        held = self._pool[0] + self._pool[1]
+        if not held or held[0].shape[0] < minibatch:
             self._pool = (
                 [spec.empty(minibatch, self.device) for spec in want_act],
                 [spec.empty(minibatch, self.device) for spec in want_grad],
