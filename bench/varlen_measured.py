@@ -43,7 +43,7 @@ def worker(args) -> None:
     from torch import nn
 
     import umopt
-    from umopt.zoo import build_model, run_layers
+    from umopt.zoo import Layers, build_model
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -53,15 +53,7 @@ def worker(args) -> None:
     parts = build_model("gpt", job["model_args"], seed=0)
     a, b = profile.stages[rank].layers
 
-    class Part(nn.Module):
-        def __init__(self, layers):
-            super().__init__()
-            self.layers = nn.ModuleList(layers)
-
-        def forward(self, x, lengths=None):
-            return run_layers(self.layers, x, lengths)
-
-    stage = Part(parts.layers[a:b])
+    stage = Layers(parts.layers[a:b])
     first = job["plans"][0]["umopt"]
     pipe = umopt.Pipeline(stage, first, profile=profile, loss_fn=nn.CrossEntropyLoss(), select=False)
     times: dict[str, list] = {m: [[] for _ in job["plans"]] for m in METHODS}

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from umopt.zoo import run_layers
+from umopt.zoo import Layers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,17 +47,6 @@ def minibatch(docs: list[torch.Tensor], step: int, n: int) -> list[torch.Tensor]
     """``n`` documents drawn for ``step``: the same on every rank."""
     rng = np.random.default_rng(step)
     return [docs[i] for i in rng.choice(len(docs), n, replace=False)]
-
-
-class Part(nn.Module):
-    """A stage: some of the model's layers; a packed row's document lengths go to those that take them."""
-
-    def __init__(self, layers):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x, lengths=None):
-        return run_layers(self.layers, x, lengths)
 
 
 # --- the two phases -------------------------------------------------------------------------------
@@ -108,7 +97,7 @@ def train(args: argparse.Namespace) -> None:
     docs, _ = documents(cfg["text"], cfg["model_args"]["seq_len"])
     parts = build_model("gpt", cfg["model_args"], seed=0)
     a, b = profile.stages[rank].layers
-    stage = Part(parts.layers[a:b])
+    stage = Layers(parts.layers[a:b])
     first, last = rank == 0, rank == profile.num_stages - 1
     n = args.minibatch
 

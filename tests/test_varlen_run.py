@@ -21,7 +21,7 @@ from umopt.varlen.peers import PEERS
 from umopt.varlen.plan import Layout, score
 from umopt.varlen.planner import plan
 from umopt.varlen.solve import plan_schedule
-from umopt.zoo import build_model, run_layers
+from umopt.zoo import Layers, build_model, run_layers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lazycomm import World  # noqa: E402
@@ -29,20 +29,9 @@ from lazycomm import World  # noqa: E402
 ARGS = {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 48}
 
 
-class Part(nn.Module):
-    """A user's stage: some of the model's layers, a packed row's lengths passed to those that take them."""
-
-    def __init__(self, layers):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x, lengths=None):
-        return run_layers(self.layers, x, lengths)
-
-
 def _model():
     parts = build_model("gpt", ARGS, seed=0)
-    return parts, [Part(parts.layers[:2]), Part(parts.layers[2:])]
+    return parts, [Layers(parts.layers[:2]), Layers(parts.layers[2:])]
 
 
 def _minibatches(steps: int, n: int = 10) -> list[list[int]]:
@@ -168,7 +157,7 @@ def test_a_packed_plan_needs_a_module_that_keeps_documents_apart():
     sched = plan_schedule(plan(PROFILE, L, mode="packed"), PROFILE)
 
     def rank(comm):
-        stage = nn.Sequential(*parts.layers[:2]) if comm.rank == 0 else Part(parts.layers[2:])
+        stage = nn.Sequential(*parts.layers[:2]) if comm.rank == 0 else Layers(parts.layers[2:])
         umopt.Pipeline(stage, sched, profile=PROFILE, loss_fn=nn.CrossEntropyLoss(), _comm=comm, select=False)
 
     with pytest.raises(UmoptError, match="does not take lengths="):

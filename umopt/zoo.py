@@ -33,7 +33,18 @@ from torch.nn import functional as F
 
 from .errors import UmoptError, first_line
 
-__all__ = ["import_object", "ModelParts", "MODELS", "build_model", "parse_model_args"]
+__all__ = [
+    "import_object",
+    "ModelParts",
+    "Sequences",
+    "Layers",
+    "MODELS",
+    "build_model",
+    "parse_model_args",
+    "pack",
+    "pad",
+    "run_layers",
+]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -72,6 +83,18 @@ def run_layers(layers: Sequence[nn.Module], x: torch.Tensor, lengths: Optional[t
     for layer in layers:
         x = layer(x, lengths=lengths) if lengths is not None and takes_lengths(layer) else layer(x)
     return x
+
+
+class Layers(nn.Module):
+    """``layers`` as one module, run one after the other (a stage, or a chunk of one); a packed
+    row's document ``lengths`` go to the layers that take them."""
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return run_layers(self.layers, x, lengths)
 
 
 def pack(seqs: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

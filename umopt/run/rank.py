@@ -47,7 +47,7 @@ from ..errors import UmoptError, first_line
 from ..formats.profile import Profile
 from ..formats.report import Selection
 from ..formats.schedule import Schedule
-from ..zoo import ModelParts, build_model
+from ..zoo import ModelParts, build_model, run_layers
 from . import checkpoint, faults
 from .comm import TorchComm
 from .options import RunConfig, RunOptions, data_function, preflight
@@ -78,10 +78,8 @@ class StageModule(torch.nn.Module):
         super().__init__()
         self.layers = torch.nn.ModuleDict({str(first + i): m for i, m in enumerate(layers)})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for m in self.layers.values():
-            x = m(x)
-        return x
+    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return run_layers(self.layers.values(), x, lengths)  # lengths: a packed row's documents
 
 
 @dataclass
