@@ -134,7 +134,7 @@ def list_profiles() -> None:
     from umopt.formats.profile import bundled_profiles, load_profile
 
     table = Table()
-    for col in ("name", "model", "device", "stages", "sizes", "layers", "B/W"):
+    for col in ("name", "model", "device", "stages", "sizes", "layers", "B/W", "lengths"):
         table.add_column(col, no_wrap=col != "model")
     for name in bundled_profiles():
         p = load_profile(name)
@@ -147,11 +147,13 @@ def list_profiles() -> None:
             f"1..{p.max_size}",
             str(len(p.layers)) if p.layers is not None else "-",
             "split" if split else "-",
+            f"<={p.lengths.max_length}" if p.lengths else "-",
         )
     out.print(table)
     out.print(
         "layers: timed layer by layer, so solve --chunks can cut the stages into several chunks per rank; "
-        "B/W split: solve --zero-bubble can place W ops",
+        "B/W split: solve --zero-bubble can place W ops; lengths: costed by tokens up to that length, "
+        "so solve --lengths can plan sequences of different lengths",
         markup=False,
         highlight=False,
     )
