@@ -220,6 +220,19 @@ def _int_list(value: Optional[str], what: str) -> Optional[list[int]]:
         raise UmoptError(f"{what} must be comma-separated integers, got {value!r}") from None
 
 
+def load_solve_profile(path: str, memory_limit: Optional[int]):
+    """The profile a solve plans on: ``path`` (a file or a bundled name), with ``--memory-limit``
+    in place of its own where given."""
+    from umopt.formats.profile import load_profile
+
+    profile = load_profile(path)
+    if memory_limit is None:
+        return profile
+    if memory_limit <= 0:
+        raise UmoptError(f"--memory-limit must be positive, got {memory_limit}")
+    return profile.with_memory_limit(memory_limit)
+
+
 def _require_torch() -> None:
     """torch is needed to profile and run; say how to get it rather than fail on an import."""
     try:

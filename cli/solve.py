@@ -10,7 +10,7 @@ from rich.table import Table
 
 from umopt.errors import UmoptError
 
-from .app import BYTES, _ms, _progress_bar, cli, out
+from .app import BYTES, _ms, _progress_bar, cli, load_solve_profile, out
 
 
 @cli.command()
@@ -150,18 +150,13 @@ def solve(
     if minibatches != 1:
         raise UmoptError("--minibatches plans a stream of sequences of different lengths: give --lengths")
     from umopt.fileio import check_writable
-    from umopt.formats.profile import load_profile
     from umopt.formats.schedule import save_schedule
     from umopt.solve import allreduce_for
     from umopt.solve import solve as run_solve
 
     for path in filter(None, (output, plot, trace)):
         check_writable(path)
-    profile = load_profile(profile_path)
-    if memory_limit is not None:
-        if memory_limit <= 0:
-            raise UmoptError(f"--memory-limit must be positive, got {memory_limit}")
-        profile = profile.with_memory_limit(memory_limit)
+    profile = load_solve_profile(profile_path, memory_limit)
     allreduce = allreduce_for(profile, dp, dp_gbps)
     if chunk_counts != (1,):
         if solver != "auto" or order != "auto":

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from umopt.errors import UmoptError
 
-from .app import _ms, _progress_bar, out
+from .app import _ms, _progress_bar, load_solve_profile, out
 
 _FOOTER = (
     "ms: predicted iteration; ktok/s: the minibatch's real tokens (no padding) per second; umopt vs it: "
@@ -40,7 +40,6 @@ def solve_lengths(
 
     started = time.perf_counter()  # the time limit covers the whole command
     from umopt.fileio import check_writable
-    from umopt.formats.profile import load_profile
     from umopt.solve import allreduce_for
     from umopt.varlen.samplers import minibatches
 
@@ -56,11 +55,7 @@ def solve_lengths(
         raise UmoptError("give -o/--output, the schedule file to write")
     for path in filter(None, (output, plot, trace)):
         check_writable(path)
-    profile = load_profile(profile_path)
-    if memory_limit is not None:
-        if memory_limit <= 0:
-            raise UmoptError(f"--memory-limit must be positive, got {memory_limit}")
-        profile = profile.with_memory_limit(memory_limit)
+    profile = load_solve_profile(profile_path, memory_limit)
     allreduce = allreduce_for(profile, dp, dp_gbps)
     spec = f"file:{lengths}" if os.path.isfile(lengths) else lengths
     cap = profile.lengths.max_length if profile.lengths is not None else None
