@@ -201,3 +201,72 @@ def test_plans_made_ahead_by_the_first_stage_reach_every_rank():
         for k, v in st.state_dict().items():
             i = int(k.split(".")[1]) + 2 * r
             torch.testing.assert_close(v, want[f"{i}.{k.split('.', 2)[2]}"], rtol=1e-5, atol=1e-6)
+
+
+def test_three_stages_with_w_ops_recompute_and_replicas_each_planning_its_own_minibatch():
+    """Two data-parallel replicas of a 3-stage pipeline, each with its own minibatch of sequences
+    and so its own plan (one with the weight gradients split off into W ops, one recomputing
+    the forward in the backward): the gradients are one process's on both minibatches at once,
+    the loss a mean over every token of both."""
+    from umopt.schedules import with_weight_ops
+
+    S, dp = 3, 2
+    profile = synthetic_token_profile(S, blocks=2, max_length=ARGS["seq_len"], max_size=16)
+    spans = [(0, 2), (2, 3), (3, 4)]
+    rng = np.random.default_rng(7)
+    batches = [[list(rng.integers(1, ARGS["seq_len"] + 1, 7 + 2 * k)) for k in range(dp)] for _ in range(2)]
+
+    def w_ops(L):  # every B's weight gradient deferred (ZB-H1 without a cap), then scored
+        p = plan(profile, np.array(L), mode="packed", budget_ms=50)
+        ops = [with_weight_ops(st, None) for st in p.ops]
+        return plan_schedule(score("w", profile, np.array(L), p.layout, ops), profile)
+
+    def recompute(L):
+        return plan_schedule(
+            plan(profile, np.array(L), mode="padded", budget_ms=50, recompute=True), profile, recompute=True
+        )
+
+    plans = [[w_ops(L) for L in batches[0]], [recompute(L) for L in batches[1]]]
+    assert any(op[0] == "W" for st in plans[0][0].stages for op in st.ops) and plans[1][0].recompute
+    parts, _ = _model()
+    seqs_of = _seqs(parts)
+    models = [build_model("gpt", ARGS, seed=0).layers for _ in range(dp)]
+
+    def rank(comm):
+        replica, me = divmod(comm.rank, S)
+        dp_groups = [comm.new_group([k * S + s for k in range(dp)]) for s in range(S)]
+        stage = Layers(models[replica][slice(*spans[me])])
+        pipe = umopt.Pipeline(
+            stage,
+            plans[0][replica],
+            profile=profile,
+            loss_fn=nn.CrossEntropyLoss(),
+            dtype="float32",
+            group=[replica * S + s for s in range(S)],
+            dp_group=dp_groups[me],
+            _comm=comm,
+            select=False,
+        )
+        opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+        for step, per_replica in enumerate(batches):
+            seqs = seqs_of(10 * step + replica, per_replica[replica])
+            kw = {"inputs": [x for x, _ in seqs]} if me == 0 else {}
+            kw |= {"targets": [y for _, y in seqs]} if me == S - 1 else {}
+            # the replica's first stage says the plan; its other ranks read it (each replica its own)
+            pipe.step(plan=plans[step][replica] if me == 0 else None, **kw)
+            opt.step()
+            opt.zero_grad()
+
+    World(S * dp).run(rank)
+
+    def both(step, _):  # one process: both replicas' sequences as one minibatch
+        return [s for k in range(dp) for s in seqs_of(10 * step + k, batches[step][k])]
+
+    want = _reference(batches, both)
+    for replica in range(dp):
+        got = {}
+        for me, (lo, hi) in enumerate(spans):
+            for k, v in Layers(models[replica][lo:hi]).state_dict().items():
+                got[f"{lo + int(k.split('.')[1])}.{k.split('.', 2)[2]}"] = v
+        for k, w in want.items():
+            torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)

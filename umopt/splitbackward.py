@@ -35,5 +35,25 @@ def backward_input(
         return lambda: None
     if not inputs:
         return lambda: torch.autograd.backward(roots, grads)
+    if grads is not None:
+        roots, grads = map(list, zip(*(_own_tensor(r, g) for r, g in zip(roots, grads))))
     _, groups = stage_backward_input(roots, grads, inputs, module.parameters())
     return lambda: stage_backward_weight(module.parameters(), groups)
+
+
+def _own_tensor(root: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``root`` and its gradient as a tensor that is not a view: torch's input-gradient backward
+    frees each output's graph in place (``detach_``), which a view refuses (a packed chunk's
+    rows are its module's output without the batch dimension; a module may return a slice).
+    A view of all of its base, in the same order, is its base (no copy); another is copied."""
+    if not root._is_view():
+        return root, grad
+    base = root._base
+    if (
+        base.numel() == root.numel()
+        and root.is_contiguous()
+        and base.is_contiguous()
+        and root.storage_offset() == base.storage_offset()
+    ):
+        return base, grad.reshape(base.shape)
+    return root.clone(), grad

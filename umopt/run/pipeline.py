@@ -73,7 +73,8 @@ def _warn_numerics(profile: Profile) -> None:
 # plays another waits on messages that never come). The rank holding the first stage has the
 # minibatch's sequences, so it is the maker: the plan it plays at step n (None: the last one
 # again) goes into the store under step n's key, and a rank given no plan reads it there before
-# its step. The maker cannot be more than a step ahead of any rank (its step n ends only once
+# its step. Data-parallel replicas each have their own minibatch and so their own plan: the key
+# names the replica by its maker's rank. The maker cannot be more than a step ahead of any rank (its step n ends only once
 # every rank has played its part of step n), so it deletes step n - PLAN_KEPT's key, read by
 # then, and the store holds a few plans, not one per step of the run. Planning itself is the maker's, ahead of
 # the step (umopt.varlen.ahead.PlanAhead plans in a process of its own).
@@ -653,16 +654,15 @@ class Pipeline:
             return plan
         n = self._plans_shared
         self._plans_shared += 1
+        maker = self.ranks[self.ranks_of[0]]
         if self.holds_first:
-            self.comm.put(f"{self.id}/plan/{n}", plan)
+            self.comm.put(f"{self.id}/plan/{maker}/{n}", plan)
             if n >= PLAN_KEPT:
-                self.comm.forget(f"{self.id}/plan/{n - PLAN_KEPT}")
+                self.comm.forget(f"{self.id}/plan/{maker}/{n - PLAN_KEPT}")
             return plan
         if plan is not None:
             return plan
-        return self.comm.get(
-            f"{self.id}/plan/{n}", f"rank {self.ranks[self.ranks_of[0]]} to say step {n}'s plan"
-        )
+        return self.comm.get(f"{self.id}/plan/{maker}/{n}", f"rank {maker} to say step {n}'s plan")
 
     def _use(self, plan: Optional[Schedule]) -> None:
         """Play ``plan`` (a minibatch of sequences of different lengths) from this step on:
