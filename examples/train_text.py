@@ -117,7 +117,13 @@ def prepare(args: argparse.Namespace) -> None:
     (out / "model.json").write_text(json.dumps(cfg))
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= args.minibatch]
     profile = umopt.profile_stages(
-        stages(cfg), batch(data, 0, sizes[-1], args.seq), loss_fn, name="examples/train_text.py", sizes=sizes
+        stages(cfg),
+        batch(data, 0, sizes[-1], args.seq),
+        loss_fn,
+        name="examples/train_text.py",
+        sizes=sizes,
+        link_latency_ms=args.link_latency_ms,
+        link_gbps=args.link_gbps,
     )
     save_profile(profile, out / "profile.json")
     profile = load_profile(out / "profile.json")
@@ -142,7 +148,7 @@ def prepare(args: argparse.Namespace) -> None:
         str(out / "equal.json"),
     )
     print(
-        f"umopt's schedule: predicted {report.timeline.iteration_ms:.2f} ms ({report.schedule.solver.model_extra.get('recommended')}); "
+        f"umopt's schedule: predicted {report.timeline.iteration_ms:.2f} ms ({report.schedule.solver.recommended}); "
         f"best equal ({best.name}, M={best.microbatches}): {best.iteration_ms:.2f} ms; wrote {out}/"
     )
 
@@ -196,6 +202,10 @@ def main() -> None:
     pre.add_argument(
         "--text", nargs="*", default=[], help="text files (default: this repository's documents)"
     )
+    pre.add_argument(
+        "--link-latency-ms", type=float, help="the link, given instead of measured (with --link-gbps)"
+    )
+    pre.add_argument("--link-gbps", type=float)
     pre.add_argument("--out", default="run")
     tr = sub.add_parser("train", help="train under torchrun, one process per stage")
     tr.add_argument("--out", default="run")

@@ -30,6 +30,7 @@ def test_the_text_example_profiles_solves_and_trains(tmp_path):
         "--out",
         str(tmp_path),
     ]
+    small += ["--link-latency-ms", "0.05", "--link-gbps", "10"]  # given: measuring them is tested elsewhere
     prep = subprocess.run(
         [sys.executable, str(EXAMPLE), "prepare", *small], capture_output=True, text=True, timeout=300
     )
