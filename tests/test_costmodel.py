@@ -288,8 +288,9 @@ def test_placed_w_ops_beat_the_same_schedule_without_them_and_zb_h1_at_its_memor
     from umopt.solve import solve
 
     prof = load_profile(name)
-    plain = solve(prof, 32, time_limit=2, seed=0)
-    zb = solve(prof, 32, time_limit=8, seed=0, zero_bubble=True)
+    # short searches: seeded by the equal schedules, they clear the 5% by about 3x that margin
+    plain = solve(prof, 32, time_limit=1, seed=0)
+    zb = solve(prof, 32, time_limit=2, seed=0, zero_bubble=True)
     assert any(op[0] == "W" for st in zb.schedule.stages for op in st.ops)
     assert zb.timeline.iteration_ms < plain.timeline.iteration_ms
     assert zb.schedule.baselines["zbh1_equal"].iteration_ms == zb.zbh1.iteration_ms < zb.onef1b.iteration_ms
@@ -308,9 +309,9 @@ def test_zero_bubble_keeps_to_the_memory_limit():
     from umopt.solve import solve
 
     prof = load_profile("gpt-sim")
-    plain = solve(prof, 32, time_limit=2, seed=0)
+    plain = solve(prof, 32, time_limit=1, seed=0)
     limit = max(plain.timeline.peak_memory_bytes)
-    zb = solve(prof.with_memory_limit(limit), 32, time_limit=4, seed=0, zero_bubble=True)
+    zb = solve(prof.with_memory_limit(limit), 32, time_limit=2, seed=0, zero_bubble=True)
     assert max(zb.timeline.peak_memory_bytes) <= limit
     assert max(zb.zbh1_timeline.peak_memory_bytes) <= limit
     assert zb.schedule.predicted.peak_memory_bytes == zb.timeline.peak_memory_bytes

@@ -645,12 +645,12 @@ def test_memory_limited_schedules_stay_under_the_limit_in_every_order(recompute)
     else:  # without recompute the stash caps the samples in flight: GPipe order cannot hold all 12
         limit = int(t.static_bytes.max() + 7 * t.stash_bytes.max())
     problem = Problem(CostTables.from_profile(prof.with_memory_limit(limit), recompute), 12)
-    unlimited = SOLVERS["ga"](Problem(t, 12), time_limit=1, seed=0).candidate.simulate(Problem(t, 12))
+    unlimited = SOLVERS["ga"](Problem(t, 12), time_limit=0.5, seed=0).candidate.simulate(Problem(t, 12))
     assert max(unlimited.peak_memory_bytes) > limit  # the limit binds
     runs = [("cpsat", "auto"), ("ga", "auto"), ("auto", "auto")]
     runs += [("ga", "1f1b")] + ([("cpsat", "gpipe"), ("milp", "gpipe")] if recompute else [])
     for name, order in runs:
-        res = SOLVERS[name](problem, time_limit=0.75, seed=0, order=order)
+        res = SOLVERS[name](problem, time_limit=0.5, seed=0, order=order)
         tl = res.candidate.simulate(problem)
         assert max(tl.peak_memory_bytes) <= limit, (name, order)
 
