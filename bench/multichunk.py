@@ -82,7 +82,7 @@ def main() -> None:
                     "-" if limit is None else f"{limit / 2**20:.0f}",
                     "yes" if w else "no",
                     f"{one:.1f}",
-                    f"{best.iteration_ms:.1f} ({best_name.removeprefix('Schedule')} v={best.chunks} M={best.microbatches})",
+                    f"{best.iteration_ms:.1f} ({best_name.removeprefix('Schedule')} v={best.chunks} M={best.microbatches}, {best.cut})",
                     sol_cell,
                     f"{ms:.1f} ({rep.picked})",
                     f"{best.iteration_ms / ms:.3f}",

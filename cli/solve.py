@@ -351,7 +351,14 @@ def _solve_chunked(
         ("umopt, one chunk", 1, None, one.timeline.iteration_ms),
     ]
     rows += [
-        (f"torch {name.removeprefix('Schedule')}", p.chunks, p.microbatches, p.iteration_ms)
+        (
+            f"torch {name.removeprefix('Schedule')}"
+            + (f" ({p.cut})" if p.cut else "")
+            + ("" if p.complete else ", cut short"),
+            p.chunks,
+            p.microbatches,
+            p.iteration_ms,
+        )
         for name, p in report.peers.items()
     ]
     if sol is not None:
@@ -393,7 +400,8 @@ def _solve_chunked(
     out.print(table)
     out.print(
         "v: model chunks per rank; M: microbatches per chunk; x best torch: speedup over the fastest of "
-        "torch's schedules, each at its best v, M and cut; *: the schedule written",
+        "torch's schedules, each at its best v, M and cut (each stage or all layers, in pieces by cost or by layer count); "
+        "*: the schedule written",
         markup=False,
         highlight=False,
         style="dim",
@@ -403,6 +411,21 @@ def _solve_chunked(
         "polished from", "order polished from"
     )
     out.print(f"picked (*): {picked}, {picked_ms:.3f} ms{proven}", markup=False, highlight=False)
+    if sol is not None:
+        gained = (sol.screened_ms or sol.iteration_ms) - sol.iteration_ms
+        out.print(
+            f"umopt's search: {sol.screened} schedules screened, {sol.evaluated - sol.screened} more by the local "
+            f"search, {gained:.3f} ms gained over the screening's best",
+            markup=False,
+            highlight=False,
+        )
+    if report.cut_short:
+        out.print(
+            f"cut short by the time limit: {'; '.join(report.cut_short)} (a longer --time-limit does them in full)",
+            markup=False,
+            highlight=False,
+            style="yellow",
+        )
     lb = report.schedule.solver.lower_bound_ms
     if lb:
         scope = report.schedule.solver.model_extra.get("bound_holds_for", "one chunk per rank")

@@ -25,6 +25,7 @@ __all__ = [
     "chunking",
     "balanced_cut",
     "stage_cut",
+    "user_cuts",
     "check_chunking",
     "virtual_stages",
     "stages_from_layers",
@@ -106,6 +107,39 @@ def stage_cut(profile: Profile, chunks: int) -> tuple[tuple[int, int], ...]:
             raise UmoptError(f"stage {s} has {hi - lo} layers in the profile, too few for {chunks} chunks")
         out += [(lo + a, lo + b) for a, b in min_max_cut(cost[lo:hi], chunks)]
     return tuple(out)
+
+
+def user_cuts(profile: Profile, chunks: int) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The cuts a user of torch's schedules would try for ``chunks`` per rank, by name: each
+    stage in pieces balanced by cost or of equal layer counts, all layers in pieces balanced by
+    cost or of equal counts (those the layers allow; a cut two names give once, first name)."""
+    num_layers = len(_layers(profile))
+    ones = np.ones(num_layers)
+    out: dict[str, tuple[tuple[int, int], ...]] = {}
+
+    def by_count() -> tuple[tuple[int, int], ...]:
+        pieces = []
+        for s, st in enumerate(profile.stages):
+            lo, hi = st.layers
+            if hi - lo < chunks:
+                raise UmoptError(f"stage {s} has {hi - lo} layers, too few for {chunks} chunks")
+            pieces += [(lo + a, lo + b) for a, b in min_max_cut(ones[lo:hi], chunks)]
+        return tuple(pieces)
+
+    makers = {
+        "each stage by cost": lambda: stage_cut(profile, chunks),
+        "each stage by count": by_count,
+        "all layers by cost": lambda: balanced_cut(profile, chunks * profile.num_stages),
+        "all layers by count": lambda: tuple(min_max_cut(ones, chunks * profile.num_stages)),
+    }
+    for name, make in makers.items():
+        try:
+            cut = make()
+        except UmoptError:
+            continue
+        if cut not in out.values():
+            out[name] = cut
+    return out
 
 
 def chunking(

@@ -13,18 +13,27 @@ its best v and M under the cost model (memory limit respected).
 from __future__ import annotations
 
 import functools
+import time
 import types
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .chunks import balanced_cut, chunking, placement
+from .chunks import chunking, placement, user_cuts
 from .costmodel import Chunking, ChunkOp, CostTables, OpKind, Timeline, rank_peak_memory, simulate
 from .errors import UmoptError
 from .formats.profile import AllReduceProfile, Profile
 from .partition import chunks as sample_ranges
 from .partition import equal_sizes
 
-__all__ = ["TORCH_MULTI", "PeerResult", "torch_order", "torch_ops", "score_peer", "best_peers"]
+__all__ = [
+    "TORCH_MULTI",
+    "PeerResult",
+    "load_torch_schedules",
+    "torch_order",
+    "torch_ops",
+    "score_peer",
+    "best_peers",
+]
 
 # torch's multi-stage schedule classes: placement, the chunk counts per rank they allow here,
 # whether they split the backward into input (I) and weight (W) gradients
@@ -37,12 +46,19 @@ TORCH_MULTI: dict[str, tuple[str, tuple[int, ...], bool]] = {
 }
 
 
+def load_torch_schedules():
+    """torch's schedule classes (importing them takes seconds on a CPU: a solve on the clock
+    does it first, so that what is left is counted after it)."""
+    from torch.distributed.pipelining import schedules
+
+    return schedules
+
+
 @functools.lru_cache(maxsize=512)
 def torch_order(name: str, num_ranks: int, chunks: int, microbatches: int) -> dict[int, list]:
     """torch's action order of schedule class ``name``: rank -> its compute actions, in order
     (torch's idle slots dropped). Raises :class:`UmoptError` where torch refuses the shape."""
-    from torch.distributed.pipelining import schedules
-
+    schedules = load_torch_schedules()
     if name not in TORCH_MULTI:
         raise UmoptError(f"unknown torch schedule {name!r} (one of {', '.join(TORCH_MULTI)})")
     place = TORCH_MULTI[name][0]
@@ -132,6 +148,8 @@ class PeerResult:
     tables: Optional[CostTables] = None
     timeline: Optional[Timeline] = None
     chunking: Optional[Chunking] = None  # the layers each virtual stage holds, and where
+    cut: Optional[str] = None  # how those layers were cut (umopt.chunks.user_cuts' names)
+    complete: bool = True  # False: the time limit stopped the scoring before every (v, M, cut)
 
 
 def score_peer(
@@ -150,26 +168,25 @@ def _tables(
     return CostTables.from_profile(profile, recompute, dp, chunks=ch, minibatch=minibatch)
 
 
-def _cuts(profile: Profile, name: str, v: int) -> list[Chunking]:
-    """The cuts a torch user could make for v chunks per rank: each stage in v pieces (the split
-    they have), and all layers in even pieces (the split rebalanced); those the layers allow."""
+def _cuts(profile: Profile, name: str, v: int) -> list[tuple[str, Chunking]]:
+    """The cuts a torch user could make for v chunks per rank (:func:`umopt.chunks.user_cuts`),
+    named, under the placement of ``name``."""
     place = TORCH_MULTI[name][0]
-    out = []
-    for cut in (None, "balanced"):
+    out: list[tuple[str, Chunking]] = []
+    for cut_name, layers in user_cuts(profile, v).items():
         try:
-            layers = balanced_cut(profile, v * profile.num_stages) if cut else None
             ch = chunking(profile, v, place, layers)
         except UmoptError:
             continue
-        if ch not in out:
-            out.append(ch)
+        if all(ch != c for _, c in out):
+            out.append((cut_name, ch))
     return out
 
 
-def _same_layout(profile: Profile, name: str, v: int, on: Chunking) -> list[Chunking]:
+def _same_layout(profile: Profile, name: str, v: int, on: Chunking) -> list[tuple[str, Chunking]]:
     """``on`` where torch's ``name`` at v chunks per rank places virtual stages as it does."""
     try:
-        return [on] if chunking(profile, v, TORCH_MULTI[name][0], on.layers) == on else []
+        return [("umopt's", on)] if chunking(profile, v, TORCH_MULTI[name][0], on.layers) == on else []
     except UmoptError:  # another chunk count than on's
         return []
 
@@ -196,19 +213,28 @@ def best_peers(
     max_chunks: int = 4,
     dp: Optional[AllReduceProfile] = None,
     on: Optional[Chunking] = None,
+    until: Optional[float] = None,
 ) -> dict[str, PeerResult]:
     """For each of torch's multi-chunk schedules, its best chunk count (<= ``max_chunks``),
-    microbatch count and cut (each stage in v pieces, or all layers evenly) under the cost model,
+    microbatch count and cut (each a user would try: :func:`umopt.chunks.user_cuts`) under the cost model,
     within the profile's memory limit; with ``dp``, each rank paying its gradient all-reduce.
     ``on``: that layout only (a schedule whose placement differs from it has no result), as torch
     would run on the layers where umopt's pick puts them.
 
-    Every (v, M) is accounted for; those whose busiest rank alone is slower than the best found
-    are not simulated."""
+    Every (v, M, cut) is accounted for, the most promising first; those whose busiest rank alone
+    is slower than the best found are not simulated (their order: :func:`_busiest_rank_ms` with
+    interleaved 1F1B's fill and drain). ``until`` (a ``time.perf_counter()``): each
+    class gets an equal share of the time left, and one stopped by it says so (``complete``)."""
     limit = profile.memory_limit_bytes
     split = profile.layers is not None and all(ly.backward_input_ms is not None for ly in profile.layers)
     out = {}
-    for name in names or TORCH_MULTI:
+    todo = list(names or TORCH_MULTI)
+    S = profile.num_stages
+    tables_of: dict[Chunking, CostTables] = {}  # classes of one placement share their cuts
+    for i, name in enumerate(todo):
+        share = (
+            None if until is None else time.perf_counter() + (until - time.perf_counter()) / (len(todo) - i)
+        )
         _, vs, needs_w = TORCH_MULTI[name]
         best = PeerResult(name, None, None, None)
         if needs_w and not split:
@@ -216,15 +242,39 @@ def best_peers(
             continue
         shapes = []
         for v in (v for v in vs if v <= max_chunks):
-            for k, ch in enumerate(
+            for k, (cut, ch) in enumerate(
                 _cuts(profile, name, v) if on is None else _same_layout(profile, name, v, on)
             ):
-                tables = _tables(profile, ch, recompute, minibatch, dp)
+                if ch not in tables_of:
+                    tables_of[ch] = _tables(profile, ch, recompute, minibatch, dp)
+                tables = tables_of[ch]
                 for m in range(max(1, -(-minibatch // profile.max_size)), minibatch + 1):
-                    shapes.append((_busiest_rank_ms(tables, minibatch, m, needs_w), v, m, k, tables, ch))
-        for bound, v, m, _, tables, ch in sorted(shapes, key=lambda x: x[:4]):
+                    bound = _busiest_rank_ms(tables, minibatch, m, needs_w)
+                    # the order of promise: the bound with interleaved 1F1B's fill and drain,
+                    # (S - 1) / v of a microbatch's work on a rank, and with fewer microbatches
+                    # than ranks, the rounds of S slots they leave part empty
+                    estimate = bound * max(1.0, S / m) * (1 + (S - 1) / (v * max(m, S)))
+                    shapes.append((estimate, bound, v, m, k, tables, ch, cut))
+        # in turns over the chunk counts (the estimate misses what the messages cost, which
+        # grows with v), each count's shapes in order of promise
+        turn: dict[int, int] = {}
+        seen: dict[int, int] = {}
+        for x in sorted(shapes, key=lambda x: x[:5]):
+            turn[id(x)] = seen.get(x[2], 0)
+            seen[x[2]] = turn[id(x)] + 1
+        tried = 0
+        for _, bound, v, m, _, tables, ch, cut in sorted(shapes, key=lambda x: (turn[id(x)], *x[:5])):
             if best.iteration_ms is not None and bound >= best.iteration_ms:
+                continue
+            # past its share once it has a result (or a few tries found none within the memory limit)
+            if (
+                share is not None
+                and time.perf_counter() > share
+                and (best.iteration_ms is not None or tried >= 8)
+            ):
+                best.complete = False
                 break
+            tried += 1
             try:
                 ops = torch_ops(name, profile.num_stages, v, minibatch, m)
             except UmoptError:
@@ -234,7 +284,7 @@ def best_peers(
                 continue
             if limit is not None and any(rank_peak_memory(tables, r, o) > limit for r, o in enumerate(ops)):
                 continue
-            best = PeerResult(name, v, m, tl.iteration_ms, ops, tables, chunking=ch)
+            best = PeerResult(name, v, m, tl.iteration_ms, ops, tables, chunking=ch, cut=cut)
         if best.ops is not None:
             best.timeline = simulate(best.tables, best.ops, minibatch)
         out[name] = best

@@ -1,14 +1,14 @@
 """``umopt solve --chunks``: several chunks per rank, against every multi-chunk schedule torch ships.
 
-:func:`solve_chunked` runs the one-chunk solve (:func:`umopt.solve.solve`, a third of the time),
-scores torch's multi-chunk schedules at their best v and M (:func:`umopt.peers.best_peers`), and
-searches unequal per-virtual-stage partitions (:func:`umopt.solvers.multichunk.solve_chunks`, the
-rest of the time but a quarter), then polishes the fastest multi-chunk order found, umopt's or
-torch's, op by op (:func:`umopt.solvers.multichunk.improve_order`, the last quarter). On small
-instances the exact model (:mod:`umopt.solvers.cpsat_chunks`) takes a quarter of the time from
-the search, starts from the polished order and may prove it optimal for its cut and placement.
-The fastest within the memory limit is the schedule; every figure comes from the reference
-simulator.
+:func:`solve_chunked` runs the one-chunk solve (:func:`umopt.solve.solve`), scores torch's
+multi-chunk schedules at their best v, M and cut (:func:`umopt.peers.best_peers`), and searches
+unequal per-virtual-stage partitions (:func:`umopt.solvers.multichunk.solve_chunks`: a screening,
+then a local search), then polishes the fastest multi-chunk order found, umopt's or torch's, op
+by op (:func:`umopt.solvers.multichunk.improve_order`). On small instances the exact model
+(:mod:`umopt.solvers.cpsat_chunks`) takes half of the polish's time, starts from the polished
+order and may prove it optimal for its cut and placement. Every phase ends on one clock ([Note:
+one deadline for a chunked solve]). The fastest within the memory limit is the schedule; every
+figure comes from the reference simulator.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .costmodel import Chunking, CostTables, OpKind, Timeline, simulate
 from .errors import UmoptError
 from .formats.profile import AllReduceProfile, Profile
 from .formats.schedule import Schedule, make_schedule, validate_ops
-from .peers import TORCH_MULTI, PeerResult, best_peers
+from .peers import TORCH_MULTI, PeerResult, best_peers, load_torch_schedules
 from .problem import Progress
 from .solve import SolveReport, solve
 from .solvers.cpsat_chunks import MAX_CHUNK_MODEL, ExactChunks, chunk_model_size, solve_chunks_exact
@@ -31,9 +31,20 @@ from .solvers.multichunk import ChunkSolution, improve_order, solve_chunks
 
 __all__ = ["ChunkSolveReport", "solve_chunked", "parse_chunks"]
 
-ONE_CHUNK_SHARE = 1 / 3  # of --time-limit, for the one-chunk solve
-POLISH_SHARE = 1 / 4  # and for polishing the best order found
-EXACT_SHARE = 1 / 4  # and, on instances small enough, for the exact model
+# [Note: one deadline for a chunked solve]
+# `--time-limit T` holds for the whole command, so every phase ends at a point of one clock
+# (fractions of T from the start) rather than after a time of its own: a phase that runs late
+# shortens the next ones, never the promise. The one-chunk solve to ONE_CHUNK_END; torch's
+# schedules to PEERS_END (each class an equal share, its (v, M, cut) in order of promise); the
+# screening and the local search to SEARCH_END (the screening at most half of that, the most
+# promising shapes first); the polish (and on small instances the exact model) until TAIL before
+# the end (at most TAIL_S), kept for scoring torch on the pick's own cut and writing the file. A phase the clock stopped
+# before it was done is named in the report (ChunkSolveReport.cut_short).
+ONE_CHUNK_END = 0.25
+PEERS_END = 0.40
+SEARCH_END = 0.72
+EXACT_SHARE = 0.5  # of the refinement, on instances small enough, for the exact model
+TAIL, TAIL_S = 0.08, 2.0
 
 
 @dataclass
@@ -48,6 +59,8 @@ class ChunkSolveReport:
     # torch's schedules on the pick's own cut and placement (the file's candidates, and the pick
     # itself where one of them is faster than what umopt found there)
     on_layout: dict[str, PeerResult] = dataclasses.field(default_factory=dict)
+    # the phases the time limit stopped before they were done ([Note: one deadline for a chunked solve])
+    cut_short: list[str] = dataclasses.field(default_factory=list)
 
 
 def _w_everywhere(ops, num_virtual: int) -> Optional[bool]:
@@ -115,24 +128,40 @@ def solve_chunked(
             "(profile with --chunks, or solve without --chunks)"
         )
     started = time.perf_counter()
+
+    def at(share: float) -> float:
+        return started + share * time_limit
+
+    def left(share: float) -> float:
+        return max(0.0, at(share) - time.perf_counter())
+
+    cut_short = []
+    load_torch_schedules()
     one = solve(
         profile,
         minibatch,
         recompute=recompute,
-        time_limit=ONE_CHUNK_SHARE * time_limit,
+        time_limit=max(0.5, left(ONE_CHUNK_END)),
         seed=seed,
         zero_bubble=zero_bubble,
-        progress=_part(progress, 0.0, ONE_CHUNK_SHARE),
+        progress=_part(progress, 0.0, ONE_CHUNK_END),
         dp=dp,
     )
     names = [n for n, (_, _, w) in TORCH_MULTI.items() if zero_bubble or not w]
     peers = best_peers(
-        profile, minibatch, recompute=recompute, names=names, max_chunks=max(chunk_counts), dp=dp
+        profile,
+        minibatch,
+        recompute=recompute,
+        names=names,
+        max_chunks=max(chunk_counts),
+        dp=dp,
+        until=at(PEERS_END),
     )
+    stopped = [n.removeprefix("Schedule") for n, p in peers.items() if not p.complete]
+    if stopped:
+        cut_short.append(f"torch's schedules ({', '.join(stopped)} not at every v, M and cut)")
     V = max(chunk_counts) * profile.num_stages
     small = chunk_model_size(V, minibatch, profile.max_size) <= MAX_CHUNK_MODEL
-    exact_share = EXACT_SHARE if small else 0.0
-    left = max(1.0, (1 - POLISH_SHARE - exact_share) * time_limit - (time.perf_counter() - started))
     try:
         search: Optional[ChunkSolution] = solve_chunks(
             profile,
@@ -140,20 +169,24 @@ def solve_chunked(
             chunk_counts=chunk_counts,
             weights=zero_bubble,
             recompute=recompute,
-            seconds=left,
+            seconds=left(SEARCH_END),
             seed=seed,
-            progress=_part(progress, ONE_CHUNK_SHARE, 1 - POLISH_SHARE),
+            progress=_part(progress, PEERS_END, SEARCH_END),
             dp=dp,
         )
     except UmoptError:  # no multi-chunk schedule within the memory limit: the others still compete
         search = None
+    if search is not None and search.screen_cut:
+        cut_short.append("the screening (not every shape and M)")
     running = [_Contender.of_search(search)] if search is not None else []
     running += [_Contender.of_peer(name, p) for name, p in peers.items() if p.iteration_ms is not None]
     exact = None
     if running:
-        polish_s = max(0.5, (1 - exact_share) * time_limit - (time.perf_counter() - started))
+        refine_until = started + time_limit - min(TAIL * time_limit, TAIL_S)
+        refine_s = max(0.0, refine_until - time.perf_counter())
+        polish_s = refine_s * (1 - EXACT_SHARE) if small else refine_s
         found, exact = _refine(
-            min(running, key=lambda c: c.iteration_ms), minibatch, polish_s, small, started, time_limit, seed
+            min(running, key=lambda c: c.iteration_ms), minibatch, polish_s, small, refine_until, seed
         )
         running += found
     if progress is not None:
@@ -162,7 +195,9 @@ def solve_chunked(
     best = min(running, key=lambda c: c.iteration_ms, default=None)
     if best is None or one.timeline.iteration_ms <= best.iteration_ms + 1e-9:
         schedule = Schedule.model_validate({**one.schedule.model_dump(), "baselines": baselines})
-        return ChunkSolveReport(schedule, one.timeline, "umopt one chunk", one, peers, search, exact)
+        return ChunkSolveReport(
+            schedule, one.timeline, "umopt one chunk", one, peers, search, exact, cut_short=cut_short
+        )
     solver = {
         "seconds": time.perf_counter() - started,
         "seed": seed,
@@ -174,7 +209,14 @@ def solve_chunked(
     names = [n for n, (_, _, w) in TORCH_MULTI.items() if zero_bubble or not w]
     v = best.chunking.num_virtual // profile.num_stages
     on_layout = best_peers(
-        profile, minibatch, recompute=recompute, names=names, max_chunks=v, dp=dp, on=best.chunking
+        profile,
+        minibatch,
+        recompute=recompute,
+        names=names,
+        max_chunks=v,
+        dp=dp,
+        on=best.chunking,
+        until=started + time_limit,
     )
     scored = [(p.iteration_ms, n) for n, p in on_layout.items() if p.iteration_ms is not None]
     if scored and min(scored)[0] < best.iteration_ms - 1e-9:  # torch's order wins on umopt's own cut
@@ -184,7 +226,7 @@ def solve_chunked(
     schedule, timeline = _schedule_of(
         profile, minibatch, recompute, best, exact, solver, baselines, dp, candidates
     )
-    return ChunkSolveReport(schedule, timeline, best.name, one, peers, search, exact, on_layout)
+    return ChunkSolveReport(schedule, timeline, best.name, one, peers, search, exact, on_layout, cut_short)
 
 
 @dataclass
@@ -224,12 +266,11 @@ def _refine(
     minibatch: int,
     seconds: float,
     small: bool,
-    started: float,
-    time_limit: float,
+    until: float,
     seed: int,
 ) -> tuple[list[_Contender], Optional[ExactChunks]]:
     """``start``'s order polished op by op for ``seconds``; on a small instance, then the exact
-    model on its cut and placement, started from the polished order, until ``time_limit``."""
+    model on its cut and placement, started from the polished order, until ``until``."""
     out = []
     ops, ms, _ = improve_order(start.tables, start.ops, minibatch, seconds, seed)
     if ms < start.iteration_ms - 1e-9:
@@ -247,7 +288,9 @@ def _refine(
     weights = _w_everywhere(ops, start.tables.num_stages)
     if not small or weights is None:
         return out, None
-    left = max(0.5, time_limit - (time.perf_counter() - started))
+    left = until - time.perf_counter()
+    if left < 0.2:  # too little for the model to be built, let alone searched
+        return out, None
     exact = solve_chunks_exact(start.tables, minibatch, time_limit=left, weights=weights, hint=ops, seed=seed)
     if exact is not None:
         out.append(

@@ -47,6 +47,9 @@ class ChunkSolution:
     iteration_ms: float
     evaluated: int = 0
     equal_ms: Optional[float] = None  # the best equal schedule of the search's own screening
+    screened: int = 0  # of the evaluated, those the screening built (the local search the rest)
+    screened_ms: Optional[float] = None  # the screening's best: what the local search started from
+    screen_cut: bool = False  # the time limit ended the screening before every shape and M
 
 
 def shapes(
@@ -208,40 +211,65 @@ def _screen(
     dp: Optional[AllReduceProfile],
     keep: int,
     progress: Optional[Callable[[float, float], None]],
-) -> tuple[list[tuple[float, int, ChunkShape, CostTables, ChunkGenes, list]], int]:
-    """Every shape's equal schedules (their M from the busiest rank's load up, while within 2%
-    of the best) and its own-M variants, within the memory limit, and how many were built."""
+    until: float,
+) -> tuple[list[tuple[float, int, ChunkShape, CostTables, ChunkGenes, list]], int, bool]:
+    """Equal schedules of every shape and M, the most promising first: (shape, M) pairs in order
+    of their busiest rank's load (no schedule of them is faster), while within 2% of the best
+    found, then each shape's own-M variants; within the memory limit, until ``until`` (once
+    one schedule fits). Returns them, how many were built, and whether time cut it short."""
     screened: list[tuple[float, int, ChunkShape, CostTables, ChunkGenes, list]] = []
     evaluated = 0
     best_ms = float("inf")
     all_shapes = shapes(profile, chunk_counts)
+    tables = []
+    pairs = []  # (the pair's lower bound, M, shape's index)
     for n, shape in enumerate(all_shapes):
-        tables = CostTables.from_profile(profile, recompute, dp, chunks=shape.chunking, minibatch=B)
-        lows = []
+        tables.append(CostTables.from_profile(profile, recompute, dp, chunks=shape.chunking, minibatch=B))
         for m in range(max(1, -(-B // profile.max_size)), B + 1):
-            g = equal_genes(tables, B, m, weights=weights)
-            lows.append((max(rank_loads(tables, B, g)) + tables.optimizer_ms, m))
-        for low, m in sorted(lows):
-            if low >= best_ms * 1.02 and len(screened) >= keep:
-                break
-            for g in _variants(tables, B, m, weights):
-                ops, ms = build_ops(tables, B, g)
-                evaluated += 1
-                if not _fits(tables, ops):
-                    continue
-                screened.append((ms, evaluated, shape, tables, g, ops))
-                best_ms = min(best_ms, ms)
-        for g in _own_m_variants(tables, B, weights, profile.max_size):
-            ops, ms = build_ops(tables, B, g)
+            g = equal_genes(tables[n], B, m, weights=weights)
+            pairs.append((max(rank_loads(tables[n], B, g)) + tables[n].optimizer_ms, m, n))
+        if time.perf_counter() > until and n >= 1:
+            break  # the rest of the shapes are not screened at all
+    pairs.sort()
+    shapes_seen = len(tables)
+
+    def add(genes: list[ChunkGenes], n: int) -> None:
+        nonlocal evaluated, best_ms
+        for g in genes:
+            ops, ms = build_ops(tables[n], B, g)
             evaluated += 1
-            if _fits(tables, ops):
-                screened.append((ms, evaluated, shape, tables, g, ops))
+            if _fits(tables[n], ops):
+                screened.append((ms, evaluated, all_shapes[n], tables[n], g, ops))
                 best_ms = min(best_ms, ms)
-        if progress is not None:
-            progress(0.3 * (n + 1) / len(all_shapes), best_ms)
+
+    def out_of_time() -> bool:
+        return bool(screened) and time.perf_counter() > until
+
+    cut = shapes_seen < len(all_shapes)
+    for i, (low, m, n) in enumerate(pairs):
+        if low >= best_ms * 1.02 and len(screened) >= keep:
+            break
+        if out_of_time():
+            cut = True
+            break
+        add(_variants(tables[n], B, m, weights), n)
+        if progress is not None and i % 8 == 0:
+            progress(0.3 * min(1.0, i / len(pairs)), best_ms)
+    # each shape's own-M variants, the most promising shapes first
+    first_low = {}
+    for low, _, n in pairs:
+        first_low.setdefault(n, low)
+    for n in sorted(first_low, key=first_low.get):
+        if out_of_time():
+            cut = True
+            break
+        add(_own_m_variants(tables[n], B, weights, profile.max_size), n)
     if not screened:
         raise UmoptError("no schedule with several chunks per rank fits the memory limit")
-    return screened, evaluated
+    return screened, evaluated, cut
+
+
+SCREEN_SHARE = 0.5  # of solve_chunks' time at most, for the screening; the local search the rest
 
 
 def solve_chunks(
@@ -257,8 +285,8 @@ def solve_chunks(
     progress: Optional[Callable[[float, float], None]] = None,
     dp: Optional[AllReduceProfile] = None,
 ) -> ChunkSolution:
-    """The fastest multi-chunk schedule found within ``seconds`` (screening every shape takes
-    what it takes; the local search gets the rest)."""
+    """The fastest multi-chunk schedule found within ``seconds``: the screening (at most
+    :data:`SCREEN_SHARE` of them, once one schedule fits), then the local search."""
     start = time.perf_counter()
     rng = random.Random(seed)
     B = minibatch
@@ -266,7 +294,10 @@ def solve_chunks(
         raise UmoptError(
             "W ops need the profile's layers with backward_input_ms / backward_weight_ms (profile with --split-backward)"
         )
-    screened, evaluated = _screen(profile, B, chunk_counts, weights, recompute, dp, keep, progress)
+    screened, evaluated, cut = _screen(
+        profile, B, chunk_counts, weights, recompute, dp, keep, progress, start + SCREEN_SHARE * seconds
+    )
+    screened_count = evaluated
     screened.sort(key=lambda x: x[:2])
     equal_ms = screened[0][0]
     # the best few, each from a different shape, climbed in turns
@@ -279,6 +310,7 @@ def solve_chunks(
             break
     pool = [list(x) for x in starts]
     best = min(pool, key=lambda x: x[0])
+    screened_ms = best[0]
     deadline = start + seconds
     tried: set = set()
     cuts: dict[Chunking, CostTables] = {}
@@ -310,7 +342,18 @@ def solve_chunks(
         if progress is not None:
             progress(min(1.0, 0.3 + 0.7 * (time.perf_counter() - start) / max(seconds, 1e-9)), best[0])
     ms, _, shape, tables, g, ops = best
-    return ChunkSolution(shape, tables, g, ops, ms, evaluated, equal_ms)
+    return ChunkSolution(
+        shape,
+        tables,
+        g,
+        ops,
+        ms,
+        evaluated,
+        equal_ms,
+        screened=screened_count,
+        screened_ms=screened_ms,
+        screen_cut=cut,
+    )
 
 
 def improve_order(
