@@ -30,7 +30,7 @@ def main() -> None:
         prof = profile_model(opts)
         runs.append((time.perf_counter() - t0, prof))
         # the second run keeps the first run's stages, so that every entry has a twin
-        opts = ProfileOptions(**{**opts.__dict__, "stages": None, "split": prof.model_extra["split"]})
+        opts = ProfileOptions(**{**opts.__dict__, "stages": None, "split": prof.split})
     (t_a, a), (t_b, b) = runs
     table = Table(title="vgg16, image 32, 4 stages, sizes 1..64, CPU, 1 thread")
     for col in ("run", "seconds (incl. link ping-pong)", "split", "stage-0 F ms @1..64"):
@@ -39,7 +39,7 @@ def main() -> None:
         table.add_row(
             str(i + 1),
             f"{t:.1f}",
-            str(p.model_extra["split"]),
+            str(p.split),
             " ".join(f"{x:.1f}" for x in p.stages[0].forward_ms),
         )
     console = Console(width=160)

@@ -142,7 +142,7 @@ def run(
     )
     save_schedule(eqd, str(tmp / "equal_div.json"))
     say(
-        f"profile: {[st.layers for st in prof.stages]}, best equal GPipe M={gp.microbatches}, among divisors M={m_div}, solver: {report.schedule.solver.model_extra.get('winner', '')}"
+        f"profile: {[st.layers for st in prof.stages]}, best equal GPipe M={gp.microbatches}, among divisors M={m_div}, solver: {report.schedule.solver.winner or ''}"
     )
 
     results: dict[str, list[float]] = {"equal": [], "equal_div": [], "pipelining": [], "umopt": []}

@@ -224,7 +224,7 @@ def _print_profile(prof, model: str) -> None:
     if prof.links:
         ln = prof.links[0]
         out.print(
-            f"links: {ln.latency_ms:.3f} ms + {8 * ln.bytes_per_ms / 1e6:.2f} Gbit/s ({ln.model_extra.get('source', '')})"
+            f"links: {ln.latency_ms:.3f} ms + {8 * ln.bytes_per_ms / 1e6:.2f} Gbit/s ({ln.source or ''})"
         )
     if prof.allreduce:
         ar = prof.allreduce

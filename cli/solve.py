@@ -428,7 +428,7 @@ def _solve_chunked(
         )
     lb = report.schedule.solver.lower_bound_ms
     if lb:
-        scope = report.schedule.solver.model_extra.get("bound_holds_for", "one chunk per rank")
+        scope = report.schedule.solver.bound_holds_for or "one chunk per rank"
         holds = lb <= picked_ms + 1e-9
         out.print(
             f"lower bound {lb:.3f} ms for {scope}"
@@ -463,7 +463,7 @@ def _print_report(report) -> None:
     for col in ("chunks", "ms", "x gpipe", "x 1f1b", "gap", "bubble"):
         table.add_column(col, justify="right", no_wrap=True)
     solver = report.schedule.solver
-    scope = scope_of(solver.model_extra.get("bound_scope"))
+    scope = scope_of(solver.bound_scope)
     # the bound that holds for each row: the report's own where its scope covers the row, else
     # the fast one of every schedule
     bounds = {Scope.ANY: report.lower_bound_ms, scope: solver.lower_bound_ms}
@@ -536,7 +536,7 @@ def _print_bounds_and_notes(report, scope, has_w: bool) -> None:
             else " (the others' gap is to the one for every schedule)"
         )
     )
-    lb_w = solver.model_extra.get("lower_bound_w_ms")
+    lb_w = solver.lower_bound_w_ms
     if lb_w is not None:
         out.print(
             f"among schedules with a W op per B chunk the best possible is at least {lb_w:.2f} ms (CP-SAT): this one is within {100 * (tl.iteration_ms - lb_w) / lb_w:.1f}% of it"
@@ -550,7 +550,7 @@ def _print_bounds_and_notes(report, scope, has_w: bool) -> None:
             out.print(
                 f"against the best equal {name} (M={zb.microbatches}{peak}): {zb.iteration_ms / tl.iteration_ms:.3f}x"
             )
-    lb_1f1b = solver.model_extra.get("lower_bound_1f1b_ms")
+    lb_1f1b = solver.lower_bound_1f1b_ms
     if lb_1f1b is not None and scope != Scope.IN_ORDER and not has_w:
         out.print(
             f"among 1F1B-order schedules (B ops in sample order, any warm-ups) the best possible is at least "

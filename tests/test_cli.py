@@ -288,13 +288,12 @@ def test_order_option_restricts_the_search(order, tmp_path, capsys):
         from umopt.formats.profile import load_profile
         from umopt.solve import make_problem
 
-        extra = sched.solver.model_extra
-        assert extra["bound_scope"] == "1f1b order"
+        assert sched.solver.bound_scope == "1f1b order"
         any_order = fast_bound_ms(make_problem(load_profile("gpt-sim"), 16, recompute=False))
         assert (
             any_order
             < sched.solver.lower_bound_ms
-            == extra["lower_bound_1f1b_ms"]
+            == sched.solver.lower_bound_1f1b_ms
             <= sched.predicted.iteration_ms
         )
     assert sched.solver.model_extra["order"] == order

@@ -124,14 +124,14 @@ def test_balanced_split_beats_equal_layers_on_an_uneven_user_model():
             model="userzoo:uneven", stages=2, max_size=8, link_latency_ms=0.0, link_gbps=1.0, repeats=5
         )
     )
-    layer_ms = prof.model_extra["layer_ms"]
+    layer_ms = prof.layer_ms
     assert len(layer_ms) == 5
     assert np.argmax(layer_ms) == 1  # the heavy layer was measured as the heavy one
 
     def worst(cuts):
         return max(sum(layer_ms[a:b]) for a, b in zip(cuts, cuts[1:]))
 
-    balanced = prof.model_extra["split"]
+    balanced = prof.split
     naive = [0, 3, 5]  # equal layer counts, rounded up front
     assert worst(balanced) < worst(naive)
 

@@ -226,7 +226,7 @@ def _chunked_plans(
         )
     plans["umopt"] = report.schedule
     solver = report.schedule.solver
-    scope = solver.model_extra.get("bound_holds_for", "one chunk per rank")
+    scope = solver.bound_holds_for or "one chunk per rank"
     return plans, (solver.lower_bound_ms or 0.0, scope)
 
 

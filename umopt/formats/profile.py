@@ -155,6 +155,7 @@ class LinkProfile(_Strict):
     bytes_per_ms: Annotated[float, Field(gt=0, le=MAX_BYTES, allow_inf_nan=False)]
     # what each message costs beyond its transfer inside a running pipeline (fitted to runs)
     message_overhead_ms: NonNegFloat = 0.0
+    source: Optional[str] = None  # "measured" or "given" (umopt profile --link-latency-ms)
 
 
 class AllReduceProfile(_Strict):
@@ -261,6 +262,9 @@ class Profile(_Strict):
     allreduce: Optional[AllReduceProfile] = None
     # sequences of different lengths: set where every stage has its costs by tokens
     lengths: Optional[LengthsInfo] = None
+    # where `umopt profile` cut the model into stages, and each layer's time that chose the cut
+    split: Optional[list[int]] = None
+    layer_ms: Optional[list[float]] = None
     meta: ProfileMeta = Field(default_factory=ProfileMeta, strict=False)
 
     _path: Optional[str] = PrivateAttr(default=None)

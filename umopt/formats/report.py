@@ -121,6 +121,7 @@ class RunReport(BaseModel):
     numerics_differ: list[str] = []  # TF32 / cuDNN settings other than the profile's
     decision: Optional[Decision] = None
     selection: Optional[Selection] = None
+    chunks: Optional[dict[str, Any]] = None  # several chunks per rank: the schedule's chunks block
 
 
 def as_report(raw: Any, name: str) -> RunReport:

@@ -117,6 +117,12 @@ class SolverInfo(_Strict):
     seconds: Ms
     # the name the pick goes by beside its candidates (umopt, or the equal schedule it is)
     recommended: Optional[str] = None
+    # what the lower bound holds for, as the solve says it (auto's scope: "any order", ...)
+    bound_scope: Optional[str] = None
+    bound_holds_for: Optional[str] = None  # with several chunks per rank: the cut and placement
+    lower_bound_1f1b_ms: Optional[float] = None  # the bound over 1F1B-ordered schedules alone
+    lower_bound_w_ms: Optional[float] = None  # with --zero-bubble, no schedule with W ops is faster
+    winner: Optional[str] = None  # which of auto's solvers found the pick
 
 
 class Baseline(_Strict):
