@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import umopt
+from umopt.formats.profile import load_profile
 from umopt.formats.schedule import load_schedule
 
 D = 5
@@ -53,9 +54,10 @@ def train(schedule, rank: int, steps: int, chunks: list[nn.Module], select_steps
     """The user's loop on umopt.Pipeline over this rank's chunk modules: every layer's state after
     ``steps`` AdamW steps, and the schedule kept (with ``select_steps``). ``comm``: the transport
     (the tests run this loop as threads over tests/lazycomm.py's model); None: torch.distributed."""
-    spans = schedule.chunks.layers
-    mine = [j for j, r in enumerate(schedule.chunks.ranks) if r == rank]
-    V, B = len(schedule.chunks.ranks), schedule.minibatch
+    layout = schedule.layout(load_profile(schedule.profile.path))  # as docs/pipeline.md says
+    spans = layout.layers
+    mine = [j for j, r in enumerate(layout.ranks) if r == rank]
+    V, B = len(layout.ranks), schedule.minibatch
     more = {"select_steps": select_steps} if select_steps is not None else {}
     if comm is not None:
         more["_comm"] = comm
@@ -79,9 +81,10 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD"])
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     schedule = load_schedule(schedule_path)
-    spans = schedule.chunks.layers
+    layout = schedule.layout(load_profile(schedule.profile.path))
+    spans = layout.layers
     layers = spans[-1][1]
-    mine = [j for j, r in enumerate(schedule.chunks.ranks) if r == rank]
+    mine = [j for j, r in enumerate(layout.ranks) if r == rank]
     chunks = [nn.Sequential(*[layer(i, layers) for i in range(*spans[j])]) for j in mine]
     if len(sys.argv) > 5:  # torch's runtime on the exported plan
         state = torch_train(schedule, rank, steps, chunks, sys.argv[5])

@@ -167,10 +167,13 @@ def test_solve_with_chunks_writes_a_valid_schedule_that_beats_one_chunk(tmp_path
         if k.startswith("Schedule") and b["iteration_ms"]
     )
     assert data["predicted"]["iteration_ms"] <= best_torch + 1e-9
-    # beside the pick, torch's schedules on its own layout: what umopt run measures while training
+    # beside the pick, torch's schedules on its own layout and umopt's best equal one there (a
+    # V-shaped layout without W ops has no torch class): what umopt run measures while training
     cands = data["candidates"]
     assert cands and all(c["chunks"] == data["chunks"] and c["equal"] for c in cands)
-    assert all(c["name"].startswith("Schedule") and c["stages"] != data["stages"] for c in cands)
+    names = [c["name"] for c in cands]
+    assert all(n.startswith("Schedule") or n == f"{data['chunks']['placement']}_equal" for n in names)
+    assert all(c["stages"] != data["stages"] for c in cands)
     code, stdout, err = run_cli(["show", str(out)], capsys)
     assert code == 0, err
     assert "chunks per rank" in stdout
@@ -284,6 +287,22 @@ def _chunked_schedule(tmp_path, place, weights, recompute, seed):
     return _write_chunked(tmp_path, prof, B, recompute, ops, ch, place), 5, B
 
 
+def _one_chunk_schedule(tmp_path):
+    """The 5-layer model's profile (stages of layers [0, 3) and [3, 5)) solved with one chunk per rank."""
+    from umopt.formats.profile import save_profile
+    from umopt.formats.schedule import save_schedule
+    from umopt.solve import solve
+
+    prof = synthetic_profile(2, max_size=8, seed=3, layers_per_stage=3)
+    prof = prof.model_copy(update={"layers": prof.layers[:5]})
+    prof.stages[1].layers[1] = 5
+    save_profile(prof, tmp_path / "profile.json")
+    prof = load_profile(tmp_path / "profile.json")
+    path = tmp_path / "one.json"
+    save_schedule(solve(prof, 12, time_limit=1, solver="equal").schedule, str(path))
+    return str(path), 5, 12
+
+
 @pytest.mark.parametrize(
     "place,weights,recompute,via",
     [
@@ -291,13 +310,20 @@ def _chunked_schedule(tmp_path, place, weights, recompute, seed):
         ("vshape", True, False, "threads"),
         ("looped", True, True, "threads"),
         ("vshape", False, True, "threads"),
+        ("one", False, False, "threads"),
     ],
 )
 def test_chunked_pipeline_trains_as_one_process(tmp_path, place, weights, recompute, via):
     """Unequal partitions per virtual stage, looped and V placement, W ops and recompute, on 2 real
     processes (or, the same loop, 2 threads over the model of NCCL's transport): every parameter
-    after 3 AdamW steps equals one process's (rtol 1e-5)."""
-    schedule, layers, B = _chunked_schedule(tmp_path, place, weights, recompute, seed=len(place) + weights)
+    after 3 AdamW steps equals one process's (rtol 1e-5). "one": a schedule of one chunk per rank
+    (what solve --chunks writes where that is fastest), through the same loop and its layout."""
+    if place == "one":
+        schedule, layers, B = _one_chunk_schedule(tmp_path)
+    else:
+        schedule, layers, B = _chunked_schedule(
+            tmp_path, place, weights, recompute, seed=len(place) + weights
+        )
     if via == "processes":
         return _train_on_ranks(tmp_path, schedule, layers, B)
     import sys
@@ -312,12 +338,13 @@ def test_chunked_pipeline_trains_as_one_process(tmp_path, place, weights, recomp
     from umopt.formats.schedule import load_schedule
 
     sched = load_schedule(schedule)
-    spans = sched.chunks.layers
+    layout = sched.layout(load_profile(sched.profile.path))
+    spans = layout.layers
     every = [chunked_user.layer(i, layers) for i in range(layers)]  # (here: torch's seed is the process's)
     mods = {j: torch.nn.Sequential(*every[slice(*spans[j])]) for j in range(len(spans))}
 
     def rank(comm):
-        mine = [mods[j] for j, r in enumerate(sched.chunks.ranks) if r == comm.rank]
+        mine = [mods[j] for j, r in enumerate(layout.ranks) if r == comm.rank]
         return chunked_user.train(sched, comm.rank, 3, mine, comm=comm)[0]
 
     got = {}

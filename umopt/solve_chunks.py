@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .bounds.ranks import busiest_rank_bound
-from .costmodel import Chunking, CostTables, OpKind, Timeline, simulate
+from .costmodel import Chunking, CostTables, OpKind, Timeline, rank_peak_memory, simulate
 from .errors import UmoptError
 from .formats.profile import AllReduceProfile, Profile
 from .formats.schedule import Schedule, make_schedule, validate_ops
 from .peers import TORCH_MULTI, PeerResult, best_peers, load_torch_schedules
 from .problem import Progress
+from .schedules.multichunk import build_ops, equal_genes
 from .solve import SolveReport, solve
 from .solvers.cpsat_chunks import MAX_CHUNK_MODEL, ExactChunks, chunk_model_size, solve_chunks_exact
 from .solvers.multichunk import ChunkSolution, improve_order, solve_chunks
@@ -222,7 +223,7 @@ def solve_chunked(
     if scored and min(scored)[0] < best.iteration_ms - 1e-9:  # torch's order wins on umopt's own cut
         best = _Contender.of_peer(min(scored)[1], on_layout[min(scored)[1]])
         exact = None
-    candidates = _candidates(on_layout, best)
+    candidates = _candidates(on_layout, best, minibatch, started + time_limit)
     schedule, timeline = _schedule_of(
         profile, minibatch, recompute, best, exact, solver, baselines, dp, candidates
     )
@@ -360,22 +361,46 @@ def _schedule_of(
     return schedule, timeline
 
 
-def _candidates(on_layout: dict[str, PeerResult], pick: _Contender) -> list[dict]:
+def _equal_on_layout(pick: _Contender, minibatch: int, until: float) -> Optional[tuple[list, float]]:
+    """The best equal schedule on the pick's own cut and placement (every virtual stage M equal
+    chunks, interleaved 1F1B's warm-up as each rank's cap, W ops where the pick has them), within
+    the memory limit: the equal candidate where torch has no class for the layout (V-shaped
+    without W ops) or none fits."""
+    tables, weights = pick.tables, _w_everywhere(pick.ops, pick.tables.num_stages) is True
+    limit, best = tables.memory_limit, None
+    for m in range(1, minibatch + 1):
+        if best is not None and time.perf_counter() > until:
+            break
+        ops, ms = build_ops(tables, minibatch, equal_genes(tables, minibatch, m, weights=weights))
+        fits = limit is None or all(rank_peak_memory(tables, r, o) <= limit for r, o in enumerate(ops))
+        if fits and (best is None or ms < best[1] - 1e-9):
+            best = (ops, ms)
+    return best
+
+
+def _candidates(
+    on_layout: dict[str, PeerResult], pick: _Contender, minibatch: int, until: float
+) -> list[dict]:
     """What ``umopt run`` measures beside the pick while training: torch's schedules on the pick's
-    own layout (equal chunks, each at its best M within the memory limit), each once, the pick
-    itself left out. The pick's layout only: the candidates take turns on one model, which
-    another layout would not hold ([Note: selection while training] in umopt/run/selection.py)."""
+    own layout (equal chunks, each at its best M within the memory limit) and umopt's best equal
+    one there, each once, the pick itself left out. The pick's layout only: the candidates take
+    turns on one model, which another layout would not hold ([Note: selection while training]
+    in umopt/run/selection.py)."""
     seen, out = [pick.ops], []
-    for name, peer in on_layout.items():
-        if peer.ops is None or peer.ops in seen:
+    named = [(name, peer.ops, peer.iteration_ms) for name, peer in on_layout.items() if peer.ops is not None]
+    equal = _equal_on_layout(pick, minibatch, until)
+    if equal is not None:
+        named.append((f"{pick.placement}_equal", *equal))
+    for name, ops, ms in named:
+        if ops in seen:
             continue
-        seen.append(peer.ops)
+        seen.append(ops)
         out.append(
             {
                 "name": name,
                 "equal": True,
-                "stages": [{"ops": [list(op) for op in st]} for st in peer.ops],
-                "predicted_iteration_ms": peer.iteration_ms,
+                "stages": [{"ops": [list(op) for op in st]} for st in ops],
+                "predicted_iteration_ms": ms,
                 "chunks": {
                     "layers": [list(c) for c in pick.chunking.layers],
                     "ranks": list(pick.chunking.ranks),

@@ -198,6 +198,18 @@ class Schedule(_Strict):
     def chunking(self) -> Optional[Chunking]:
         return None if self.chunks is None else self.chunks.chunking()
 
+    def layout(self, profile: Profile) -> Chunking:
+        """Each virtual stage's layer range and rank, for one chunk per rank too (stage s: the
+        profile's ``stages[s].layers``, on rank s): what a rank builds its modules from,
+        whichever kind of schedule the solve wrote."""
+        if self.chunks is not None:
+            return self.chunks.chunking()
+        if len(profile.stages) != len(self.stages):
+            raise UmoptError(f"the schedule has {len(self.stages)} stages, the profile {len(profile.stages)}")
+        return Chunking(
+            tuple((st.layers[0], st.layers[1]) for st in profile.stages), tuple(range(len(self.stages)))
+        )
+
     def tables(self, profile: Profile) -> CostTables:
         """The cost tables its prediction is made on: by sample count, or by the sequences each
         sample holds."""
