@@ -893,3 +893,34 @@ def test_a_chunked_solve_keeps_one_clock_and_says_what_it_cut_short():
     assert time.perf_counter() - t0 < 3 * 3 + 5
     assert rep.search is not None and rep.search.evaluated > rep.search.screened > 0
     assert any(c.startswith("the screening") for c in rep.cut_short)
+
+
+def test_a_users_own_stages_profiled_per_layer_reach_solve_with_chunks():
+    """umopt.profile_stages(..., layers=True): each stage's layers timed one by one and scaled to
+    the stage timed whole, so solve --chunks can cut the user's stages; a stage that is not an
+    nn.Sequential is refused in one line, and without layers the solve says how to get them."""
+    import torch
+    from torch import nn
+
+    import umopt
+    from umopt.solve_chunks import solve_chunked
+
+    torch.manual_seed(0)
+    stages = [
+        nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3)]) for _ in range(2)
+    ]
+    sample = (torch.randn(8, 32), torch.randn(8, 32))
+    given = {"sizes": [1, 2, 4, 8], "link_latency_ms": 0.05, "link_gbps": 10, "repeats": 3}
+    prof = umopt.profile_stages(stages, sample, nn.MSELoss(), layers=True, **given)
+    assert len(prof.layers) == 6 and [st.layers for st in prof.stages] == [[0, 3], [3, 6]]
+    for st in prof.stages:  # the layers add up to their stage, timed whole
+        for k in range(len(prof.sizes)):
+            got = sum(prof.layers[i].forward_ms[k] for i in range(*st.layers))
+            assert got == pytest.approx(st.forward_ms[k], rel=1e-4)  # as rounded in the file
+    rep = solve_chunked(prof, 8, (1, 2), time_limit=2)
+    assert rep.timeline.iteration_ms <= rep.one_chunk.timeline.iteration_ms + 1e-9
+    with pytest.raises(UmoptError, match="stage 1 is a Linear"):
+        umopt.profile_stages([stages[0], nn.Linear(32, 32)], sample, nn.MSELoss(), layers=True, **given)
+    plain = umopt.profile_stages(stages, sample, nn.MSELoss(), **given)
+    with pytest.raises(UmoptError, match=r"profile_stages\(\.\.\., layers=True\)"):
+        solve_chunked(plain, 8, (2,), time_limit=2)

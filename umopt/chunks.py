@@ -55,7 +55,7 @@ def _layers(profile: Profile):
     if profile.layers is None:
         raise UmoptError(
             "the profile has no per-layer entries, so a rank's layers cannot be cut into chunks "
-            "(profile with --chunks, or use one chunk per rank)"
+            "(umopt profile --chunks, or umopt.profile_stages(..., layers=True) for your own stages; or use one chunk per rank)"
         )
     return profile.layers
 

@@ -126,7 +126,7 @@ def solve_chunked(
     if profile.layers is None:
         raise UmoptError(
             "the profile has no per-layer entries, so a rank's layers cannot be cut into chunks "
-            "(profile with --chunks, or solve without --chunks)"
+            "(umopt profile --chunks, or umopt.profile_stages(..., layers=True) for your own stages; or solve without --chunks)"
         )
     started = time.perf_counter()
 

@@ -175,6 +175,7 @@ def profile_stages(
     link_gbps: Optional[float] = None,
     memory_limit_bytes: Optional[int] = None,
     progress: Optional[ProgressFn] = None,
+    layers: bool = False,
 ) -> Profile:
     """Profile your own pipeline stages: the same profile file ``umopt profile`` writes, for
     ``umopt solve`` and :class:`umopt.Pipeline`.
@@ -188,6 +189,11 @@ def profile_stages(
         name: what the profile calls the model (``umopt run`` cannot rebuild it: run the schedule
             with :class:`umopt.Pipeline`).
         sizes: chunk sizes to measure (default: powers of two up to the sample's size, at most 64).
+        layers: also time each stage's layers one by one, as ``umopt profile --chunks`` does, so
+            that ``umopt solve --chunks`` can cut a rank's stage into several chunks: each stage
+            an ``nn.Sequential`` of its layers; the layers' times are scaled to their stage's,
+            timed whole (:func:`fit_layers`), and the link back from the last stage to the first
+            is measured too (looped placement).
         The other arguments are ``umopt profile``'s options of the same names.
 
     The stages are timed one after another in this process; the links are measured (or given)
@@ -211,10 +217,24 @@ def profile_stages(
     def summed(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # the profiler's losses are sums
         return loss_fn(out, y) * (y.shape[0] if loss_reduction == "mean" else 1)
 
-    parts = ModelParts(list(stages), make_batch, summed)
+    if layers:
+        bad = next((s for s, st in enumerate(stages) if not isinstance(st, nn.Sequential)), None)
+        if bad is not None:
+            raise UmoptError(
+                f"layers=True times each stage's layers one by one: give every stage as an nn.Sequential of its "
+                f"layers (stage {bad} is a {type(stages[bad]).__name__})"
+            )
+        flat = [m for st in stages for m in st]
+        cuts = [0]
+        for st in stages:
+            cuts.append(cuts[-1] + len(st))
+        parts = ModelParts(flat, make_batch, summed)
+    else:
+        parts = ModelParts(list(stages), make_batch, summed)
+        cuts = list(range(len(parts.layers) + 1))
     opts = ProfileOptions(
         model=name,
-        split=list(range(len(parts.layers) + 1)),
+        split=cuts,
         sizes=list(sizes) if sizes else None,
         max_size=min(64, n),
         device=device,
@@ -228,11 +248,45 @@ def profile_stages(
         concurrent=False,
     )
     prof = _profile_model(opts, progress, ["umopt.profile_stages"], parts=parts)
+    if layers:
+        prof = _with_layers(opts, prof, parts, progress)
     why = "stages given as modules: the runtime cannot rebuild them (fit with umopt calibrate to your own runs' reports)"
     for line in prof.meta.warnings:  # as the CLI prints them
         logging.getLogger("umopt").warning(line)
     return prof.model_copy(
         update={"meta": prof.meta.model_copy(update={"probes": ProbesMeta(ran=False, why=why)})}
+    )
+
+
+def _with_layers(
+    opts: ProfileOptions, whole: Profile, parts: ModelParts, progress: Optional[ProgressFn]
+) -> Profile:
+    """``whole`` (the user's stages timed whole) with per-layer entries: every layer timed as a
+    stage of its own, grouped back into the stages, scaled to their times (:func:`fit_layers`);
+    the links ``whole``'s, the one back from the last stage to the first measured besides."""
+    from dataclasses import replace
+
+    from ..chunks import stages_from_layers
+
+    L = len(parts.layers)
+    per_layer = _profile_model(
+        replace(opts, split=list(range(L + 1)), link_latency_ms=0.0, link_gbps=1e6),
+        progress,
+        ["umopt.profile_stages"],
+        parts=parts,
+    )
+    cuts = list(opts.split or [])
+    layered = fit_layers(stages_from_layers(per_layer, cuts), whole)
+    device = torch.device(opts.device)
+    biggest = max(st.output_bytes_per_sample for st in layered.stages) * max(layered.sizes)
+    _, wrap = _links(opts, device, len(cuts) - 1, biggest, _Ticks(progress, 0), wrap=True)
+    return Profile.model_validate(
+        {
+            **layered.model_dump(mode="json"),
+            "links": [ln.model_dump(mode="json") for ln in whole.links],
+            "wrap_link": wrap,
+            "meta": whole.meta.model_dump(mode="json"),
+        }
     )
 
 
