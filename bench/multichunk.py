@@ -35,7 +35,64 @@ ROWS = [
     ("transformer8-sim", 64),
     ("vgg16-chunks-cpu", 32),
     ("vgg16-chunks-cpu", 64),
+    ("heldout-llm", 32),
+    ("heldout-llm", 64),
+    ("heldout-mixed", 32),
+    ("heldout-mixed", 64),
 ]
+
+
+def heldout(name: str):
+    """Two layered profiles unlike the bundled ones, made here and kept out of umopt's tuning
+    (issue 58): ``heldout-llm``, 8 ranks of a language model (an embedding, 30 equal blocks and
+    an LM head costing about four blocks, its output large) cut where the layers balance;
+    ``heldout-mixed``, 6 ranks of 24 layers of three kinds (a large fixed cost per op and little
+    per sample, the other way round, and between), seeded, with one slow link (ranks 2-3, a
+    tenth of the bandwidth, five times the latency) and a memory limit of 1.2x the best equal
+    one-chunk 1F1B's peak."""
+    import numpy as np
+
+    from umopt.chunks import min_max_cut, stages_from_layers
+    from umopt.synthetic import synthetic_profile
+
+    if name == "heldout-llm":
+        over = [0.05] + [0.08] * 30 + [0.15]
+        per = [0.03] + [0.9] * 30 + [3.6]
+        params = [1 << 27] + [1 << 24] * 30 + [1 << 27]
+        S, common = 8, {"latency_ms": 0.02, "bytes_per_ms": 5e7, "bytes_per_sample": 1 << 20, "seed": 58}
+    elif name == "heldout-mixed":
+        rng = np.random.default_rng(58)
+        kinds = {"fixed": (0.6, 0.25), "per-sample": (0.05, 0.7), "between": (0.3, 0.45)}
+        order = rng.choice(list(kinds), 24)
+        over = [kinds[k][0] for k in order]
+        per = [kinds[k][1] for k in order]
+        params = [1 << 24] * 24
+        S, common = 6, {"latency_ms": 0.05, "bytes_per_ms": 2e7, "bytes_per_sample": 1 << 18, "seed": 59}
+    else:
+        raise SystemExit(f"unknown held-out profile {name}")
+    per_layer = synthetic_profile(
+        len(over),
+        max_size=64,
+        overhead_ms=over,
+        per_sample_ms=per,
+        exponent=0.95,
+        op_overhead_ms=0.02,
+        param_bytes=params,
+        name=name,
+        **common,
+    )
+    mid = len(per_layer.sizes) // 2
+    cost = [st.forward_ms[mid] + st.backward_ms[mid] for st in per_layer.stages]
+    cuts = [0] + [hi for _, hi in min_max_cut(cost, S, 4)]
+    prof = stages_from_layers(per_layer, cuts)
+    if name == "heldout-mixed":
+        links = [ln.model_copy() for ln in prof.links]
+        links[2] = links[2].model_copy(
+            update={"latency_ms": 5 * links[2].latency_ms, "bytes_per_ms": links[2].bytes_per_ms / 10}
+        )
+        prof = prof.model_copy(update={"links": links})
+        prof = prof.with_memory_limit(int(1.2 * onef1b_peak(prof, 32)))
+    return prof
 
 
 def onef1b_peak(profile, minibatch: int) -> int:
@@ -55,7 +112,7 @@ def main() -> None:
     args = ap.parse_args()
     cells, ratios, times = [], [], []
     for name, B in ROWS:
-        profile = load_profile(name)
+        profile = heldout(name) if name.startswith("heldout") else load_profile(name)
         limit = None
         if args.memory == "1f1b":
             limit = onef1b_peak(profile, B)

@@ -87,10 +87,9 @@ def worker(args) -> None:
     def play(k: int, m: str) -> float:
         seqs = parts.sequences.make(job["lengths"][k], k)
         kw = {"inputs": [x for x, _ in seqs]} if rank == 0 else {"targets": [y for _, y in seqs]}
-        chosen = plan_of(k, m)
         dist.barrier()
         t0 = time.perf_counter()
-        pipe.step(plan=chosen, **kw)
+        pipe.step(plan=plan_of(k, m), **kw)  # a plan not made yet is waited for within the step
         ms = torch.tensor([(time.perf_counter() - t0) * 1e3])
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
         stage.zero_grad(set_to_none=True)

@@ -18,6 +18,7 @@ does in a loop), as schedules ``umopt.Pipeline.step(plan=...)`` plays::
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 from typing import Optional
 
@@ -33,7 +34,13 @@ __all__ = ["PlanAhead"]
 
 
 def _serve(profile: Profile, budget_ms: float, recompute: bool, dp, inbox, outbox) -> None:
-    """The planning process: one plan per lengths received, in order, until None."""
+    """The planning process: one plan per lengths received, in order, until None. At a lower
+    priority than the training processes: a plan has a whole step to be made in, and where the
+    cores are all the ranks' (a CPU run), it should take its time from idle ones."""
+    try:
+        os.nice(5)
+    except OSError:  # not allowed here: plan at the same priority
+        pass
     previous = None
     while True:
         lengths = inbox.get()
