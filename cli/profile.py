@@ -178,7 +178,7 @@ def profile(
         ctx_obj = click.get_current_context().obj or {}
         argv = ctx_obj.get("argv", ["umopt", *sys.argv[1:]])
         if chunks > 1:
-            from umopt.measure import profile_for_chunks
+            from umopt.probes import profile_for_chunks
 
             prof = profile_for_chunks(
                 opts, chunks, progress, argv, probes=probes, probe_minibatch=probe_minibatch

@@ -20,7 +20,7 @@ import numpy as np
 
 from .partition import equal_sizes
 from .problem import Candidate, Problem, pack
-from .schedules import family
+from .schedules.family import family
 
 __all__ = ["Baseline", "feasible_m", "gpipe_equal", "onef1b_equal"]
 

@@ -11,11 +11,10 @@ per-op overhead is added once per op.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from .costmodel import Chunking
 from .errors import UmoptError
 from .formats.profile import LinkProfile, Profile, StageProfile
 
@@ -31,6 +30,20 @@ __all__ = [
     "stages_from_layers",
     "min_max_cut",
 ]
+
+
+class Chunking(NamedTuple):
+    """How a multi-chunk pipeline cuts the model: virtual stage ``j`` holds the profile's layers
+    ``layers[j]`` (contiguous, in model order) and runs on rank ``ranks[j]`` (docs/formats.md,
+    "Several chunks per rank")."""
+
+    layers: tuple[tuple[int, int], ...]
+    ranks: tuple[int, ...]
+
+    @property
+    def num_virtual(self) -> int:
+        return len(self.ranks)
+
 
 PLACEMENTS = ("looped", "vshape")
 

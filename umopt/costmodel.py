@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
+from .chunks import Chunking, virtual_stages
 from .errors import UmoptError
 from .limits import MAX_MS
 
@@ -82,19 +83,6 @@ class ChunkOp(NamedTuple):
     @property
     def size(self) -> int:
         return self.hi - self.lo
-
-
-class Chunking(NamedTuple):
-    """How a multi-chunk pipeline cuts the model: virtual stage ``j`` holds the profile's layers
-    ``layers[j]`` (contiguous, in model order) and runs on rank ``ranks[j]`` (docs/formats.md,
-    "Several chunks per rank")."""
-
-    layers: tuple[tuple[int, int], ...]
-    ranks: tuple[int, ...]
-
-    @property
-    def num_virtual(self) -> int:
-        return len(self.ranks)
 
 
 def op_stage(op: Sequence, rank: int) -> int:
@@ -224,8 +212,6 @@ class CostTables:
         if chunks is None:
             stages, links, ranks = profile.stages, profile.links, None
         else:
-            from .chunks import virtual_stages  # (it reads the profile's layers)
-
             stages, links = virtual_stages(profile, chunks)
             ranks = tuple(chunks.ranks)
         # an op costs its compute and the runtime's own cost per op; a message its transfer and

@@ -28,6 +28,9 @@ import numpy as np
 
 from .costmodel import CostTables, simulate
 from .errors import UmoptError
+from .schedules.gpipe import gpipe_ops
+from .schedules.onef1b import onef1b_schedule
+from .schedules.weights import with_weight_ops
 
 # what this module calls the compiled evaluators with (their VERSION)
 _COMPILED_VERSION = 3
@@ -523,11 +526,6 @@ def evaluate_split(
             tables,
             PopulationScore(iteration_ms=it, finish_ms=finish, busy_ms=busy, peak_memory_bytes=peak),
         )
-    from .schedules import (  # (the families score with this module)
-        gpipe_ops,
-        onef1b_schedule,
-        with_weight_ops,
-    )
 
     it, finish, busy, peak = np.full(P, np.inf), np.zeros((P, S)), np.zeros((P, S)), np.zeros((P, S))
     for p in range(P):

@@ -18,14 +18,19 @@ from typing import Optional
 
 import numpy as np
 
-from .calibrate import calibrate, run_ratios
+from .calibrate import Overheads, calibrate, run_ratios
+from .chunks import min_max_cut, stages_from_layers
+from .errors import UmoptError
 from .formats.profile import ProbesMeta, Profile
 from .formats.report import load_report
 from .formats.schedule import make_schedule, save_schedule
+from .measure.options import ProfileOptions, ProgressFn
+from .measure.profile import fit_layers, profile_model, with_links
 from .problem import Candidate, Problem
 from .run.launch import RunFailed, launch
 from .run.options import RunOptions
-from .schedules import RULED
+from .schedules.family import RULED
+from .zoo import build_model
 
 __all__ = [
     "PROBE_SIZES",
@@ -158,7 +163,6 @@ def profile_in_pipeline(
     import tempfile
 
     from .formats.profile import load_profile, save_profile
-    from .measure import profile_model
 
     profile = profile_model(opts, progress=progress, argv=argv)
     why = "--no-probes" if not probes else why_no_probes(profile)
@@ -188,3 +192,73 @@ def profile_in_pipeline(
                 }
             )
             return profile.model_copy(update={"meta": meta})
+
+
+def profile_for_chunks(
+    opts: ProfileOptions,
+    chunks: int,
+    progress: Optional[ProgressFn] = None,
+    argv: Optional[list[str]] = None,
+    *,
+    probes: bool = True,
+    probe_minibatch: int = 32,
+) -> Profile:
+    """The model of ``opts`` profiled layer by layer (each layer timed as a stage of its own, one
+    after another), then grouped into its stages (``opts.split``, or balanced on the layers' times
+    into ``opts.stages``) with the per-layer entries kept: a profile whose ranks' layers can be cut
+    into up to ``chunks`` chunks each (``umopt profile --chunks``).
+
+    With ``probes``, the stages are also profiled whole and fitted to probe runs of the runtime
+    (one chunk per rank): their op times become the stages' and scale their layers
+    (:func:`fit_layers`), and the runtime's own costs that fit (per op, per message, per
+    iteration) are the layered profile's too."""
+    from dataclasses import replace
+
+    L = len(build_model(opts.model, opts.model_args, seed=opts.seed).layers)
+    if opts.split is None and (opts.stages or 1) * chunks > L:
+        raise UmoptError(
+            f"{opts.stages} stages x {chunks} chunks need {(opts.stages or 1) * chunks} layers; {opts.model} has {L}"
+        )
+    # the layers' own links mean nothing (they share a device): given as placeholders, replaced below
+    per_layer = profile_model(
+        replace(
+            opts, split=list(range(L + 1)), stages=None, concurrent=False, link_latency_ms=0.0, link_gbps=1e6
+        ),
+        progress,
+        argv,
+    )
+    if opts.split is not None:
+        cuts = list(opts.split)
+    else:
+        # balanced on the layers' times, every stage with room for its chunks
+        mid = len(per_layer.sizes) // 2
+        cost = [st.forward_ms[mid] + st.backward_ms[mid] for st in per_layer.stages]
+        cuts = [0] + [hi for _, hi in min_max_cut(cost, opts.stages or 1, chunks)]
+    short = [s for s, (a, b) in enumerate(zip(cuts, cuts[1:])) if b - a < chunks]
+    if short:
+        raise UmoptError(
+            f"stage {short[0]} has {cuts[short[0] + 1] - cuts[short[0]]} layers, too few for {chunks} chunks"
+        )
+    layered = stages_from_layers(per_layer, cuts)
+    layered = with_links(opts, layered, progress)
+    if not probes:
+        return layered.model_copy(
+            update={
+                "meta": layered.meta.model_copy(update={"probes": ProbesMeta(ran=False, why="--no-probes")})
+            }
+        )
+    whole = profile_in_pipeline(
+        replace(opts, split=cuts, stages=None),
+        probes=True,
+        probe_minibatch=probe_minibatch,
+        progress=progress,
+        argv=argv,
+    )
+    cal = whole.meta.calibration
+    if cal is not None:
+        layered = Overheads(cal.op_overhead_ms, cal.message_overhead_ms, cal.step_overhead_ms, 0.0).apply(
+            fit_layers(layered, whole)
+        )
+    return layered.model_copy(
+        update={"meta": layered.meta.model_copy(update={"probes": whole.meta.probes, "calibration": cal})}
+    )

@@ -17,7 +17,8 @@ import numpy as np
 
 from .costmodel import CostTables, Op, Timeline, simulate
 from .partition import partitions_from_ops
-from .schedules import family, pipedream_warmup, place_weights
+from .schedules import pipedream_warmup, place_weights
+from .schedules.family import family
 
 __all__ = ["Problem", "Candidate", "SolverResult", "Progress", "ticking", "pack"]
 

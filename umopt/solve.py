@@ -24,7 +24,7 @@ from .formats.profile import AllReduceProfile, Profile
 from .formats.schedule import Schedule, make_schedule, validate_ops
 from .limits import check_problem_size
 from .problem import Candidate, Problem, Progress, SolverResult
-from .schedules import family
+from .schedules.family import family
 from .solvers import SOLVERS
 from .solvers.auto import EXACT_MAX_TERMS
 from .solvers.cpsat import solve_with_weight_ops

@@ -32,10 +32,10 @@ from .errors import UmoptError
 from .fileio import check_writable
 from .formats.profile import Profile, load_profile, save_profile
 from .formats.schedule import Schedule, make_schedule, save_schedule
-from .measure import ProfileOptions, check_profile_options, profile_for_chunks
+from .measure import ProfileOptions, check_profile_options
 from .noise import OFF_PREDICTION
 from .peers import TORCH_MULTI
-from .probes import profile_in_pipeline
+from .probes import profile_for_chunks, profile_in_pipeline
 from .problem import Candidate
 from .run.launch import launch
 from .run.options import RunOptions
@@ -111,7 +111,7 @@ def _check_runnable(opts: ProfileOptions) -> None:
 
 
 def _profile(opts: ProfileOptions, probes: bool, probe_minibatch: int, chunks: int) -> Profile:
-    """The profile (with ``chunks`` > 1, layer by layer: :func:`umopt.measure.profile_for_chunks`);
+    """The profile (with ``chunks`` > 1, layer by layer: :func:`umopt.probes.profile_for_chunks`);
     on CUDA measured in a child process, so that the CUDA context and whatever the allocator keeps
     leave with it and the run's stage 0 finds its GPU as empty as the others."""
     how = dict(probes=probes, probe_minibatch=probe_minibatch, argv=["umopt", "tune"])

@@ -23,7 +23,8 @@ from .costmodel import Op, OpKind, Timeline, simulate
 from .errors import UmoptError
 from .partition import equal_sizes
 from .problem import Candidate, Problem
-from .schedules import family, onef1b_schedule, with_weight_ops
+from .schedules import onef1b_schedule, with_weight_ops
+from .schedules.family import family
 from .solvers.ga import solve_ga
 
 __all__ = [

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from ..costmodel import Op
 from ..partition import backwards_in_sample_order
-from ..schedules import GPIPE, family
+from ..schedules.family import GPIPE, family
 
 __all__ = ["Scope", "scope_of", "bound_for", "reported_bounds"]
 

@@ -1,34 +1,4 @@
-"""The files umopt reads and writes: profiles (what each stage costs) and schedules (who runs
-which chunk when). docs/formats.md is their contract."""
-
-from .profile import (
-    PROFILE_FORMAT,
-    Profile,
-    bundled_profiles,
-    load_profile,
-    save_profile,
-)
-from .schedule import (
-    SCHEDULE_FORMAT,
-    Schedule,
-    check_against_profile,
-    load_schedule,
-    make_schedule,
-    save_schedule,
-    validate_ops,
-)
-
-__all__ = [
-    "PROFILE_FORMAT",
-    "Profile",
-    "bundled_profiles",
-    "load_profile",
-    "save_profile",
-    "SCHEDULE_FORMAT",
-    "Schedule",
-    "check_against_profile",
-    "load_schedule",
-    "make_schedule",
-    "save_schedule",
-    "validate_ops",
-]
+"""The files umopt reads and writes: profiles (what each stage costs, :mod:`.profile`), schedules
+(who runs which chunk when, :mod:`.schedule`) and run reports (:mod:`.report`). docs/formats.md is
+their contract. The modules are imported by name (a profile is read before the cost model exists,
+a schedule is checked with it), so this package imports none of them."""

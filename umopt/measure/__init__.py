@@ -14,7 +14,7 @@ It exposes what callers use; the rest stays inside its modules.
 from .chunk import ProfiledStage, StageProbe, stash_bytes
 from .links import link_plan, measure_allreduce, measure_link, measure_links, pingpong_sizes
 from .options import ProfileOptions, ProgressFn, check_profile_options
-from .profile import profile_for_chunks, profile_model, profile_stages
+from .profile import profile_model, profile_stages
 from .split import balanced_split
 
 __all__ = [
@@ -22,7 +22,6 @@ __all__ = [
     "ProgressFn",
     "check_profile_options",
     "profile_model",
-    "profile_for_chunks",
     "profile_stages",
     "balanced_split",
     "ProfiledStage",

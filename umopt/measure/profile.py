@@ -1,8 +1,9 @@
 """A whole profile: the stages cut, timed and sized, the links and all-reduce measured, assembled.
 
 :func:`profile_model` is ``umopt profile`` as a library call (the zoo's or a user's factory
-model); :func:`profile_for_chunks` profiles layer by layer (``--chunks``); :func:`profile_stages`
-profiles a user's own stage modules. Each follows the same steps: the cut points (given, or
+model); :func:`profile_stages` profiles a user's own stage modules (layer by layer too, for
+several chunks per rank: ``umopt profile --chunks`` is :func:`umopt.probes.profile_for_chunks`,
+which fits the layers to probe runs of the runtime). Each follows the same steps: the cut points (given, or
 balanced on measured layer times), every stage timed (:mod:`.timing`) and its memory counted
 (:mod:`.chunk`), the links and the all-reduce (:mod:`.links`), then the profile file's model.
 """
@@ -31,7 +32,7 @@ from .split import balanced_split
 from .timing import StageTimes, fitted, layer_ms, probes_of, time_concurrently, time_stages
 from .tokens import MODES, check_lengths, stage_token_costs
 
-__all__ = ["profile_model", "profile_for_chunks", "profile_stages", "fit_layers"]
+__all__ = ["profile_model", "profile_stages", "fit_layers", "with_links"]
 
 
 def profile_model(
@@ -48,84 +49,14 @@ def profile_model(
             torch.cuda.empty_cache()
 
 
-def profile_for_chunks(
-    opts: ProfileOptions,
-    chunks: int,
-    progress: Optional[ProgressFn] = None,
-    argv: Optional[list[str]] = None,
-    *,
-    probes: bool = True,
-    probe_minibatch: int = 32,
-) -> Profile:
-    """The model of ``opts`` profiled layer by layer (each layer timed as a stage of its own, one
-    after another), then grouped into its stages (``opts.split``, or balanced on the layers' times
-    into ``opts.stages``) with the per-layer entries kept: a profile whose ranks' layers can be cut
-    into up to ``chunks`` chunks each (``umopt profile --chunks``).
-
-    With ``probes``, the stages are also profiled whole and fitted to probe runs of the runtime
-    (one chunk per rank): their op times become the stages' and scale their layers
-    (:func:`fit_layers`), and the runtime's own costs that fit (per op, per message, per
-    iteration) are the layered profile's too."""
-    from dataclasses import replace
-
-    from ..chunks import min_max_cut, stages_from_layers
-
-    L = len(build_model(opts.model, opts.model_args, seed=opts.seed).layers)
-    if opts.split is None and (opts.stages or 1) * chunks > L:
-        raise UmoptError(
-            f"{opts.stages} stages x {chunks} chunks need {(opts.stages or 1) * chunks} layers; {opts.model} has {L}"
-        )
-    # the layers' own links mean nothing (they share a device): given as placeholders, replaced below
-    per_layer = profile_model(
-        replace(
-            opts, split=list(range(L + 1)), stages=None, concurrent=False, link_latency_ms=0.0, link_gbps=1e6
-        ),
-        progress,
-        argv,
-    )
-    if opts.split is not None:
-        cuts = list(opts.split)
-    else:
-        # balanced on the layers' times, every stage with room for its chunks
-        mid = len(per_layer.sizes) // 2
-        cost = [st.forward_ms[mid] + st.backward_ms[mid] for st in per_layer.stages]
-        cuts = [0] + [hi for _, hi in min_max_cut(cost, opts.stages or 1, chunks)]
-    short = [s for s, (a, b) in enumerate(zip(cuts, cuts[1:])) if b - a < chunks]
-    if short:
-        raise UmoptError(
-            f"stage {short[0]} has {cuts[short[0] + 1] - cuts[short[0]]} layers, too few for {chunks} chunks"
-        )
-    layered = stages_from_layers(per_layer, cuts)
-    # the links the ranks use: between neighbours, and from the last rank back to the first
-    # (looped placement), each measured between the devices the ranks run on
+def with_links(opts: ProfileOptions, layered: Profile, progress: Optional[ProgressFn] = None) -> Profile:
+    """``layered`` with the links its ranks use: between neighbours, and from the last rank back
+    to the first (looped placement), each measured between the devices the ranks run on (or
+    given in ``opts``)."""
     device = torch.device(opts.device)
     biggest = max(st.output_bytes_per_sample for st in layered.stages) * max(layered.sizes)
-    links, wrap = _links(opts, device, len(cuts) - 1, biggest, _Ticks(progress, 0), wrap=True)
-    layered = Profile.model_validate({**layered.model_dump(mode="json"), "links": links, "wrap_link": wrap})
-    if not probes:
-        return layered.model_copy(
-            update={
-                "meta": layered.meta.model_copy(update={"probes": ProbesMeta(ran=False, why="--no-probes")})
-            }
-        )
-    from ..calibrate import Overheads
-    from ..probes import profile_in_pipeline
-
-    whole = profile_in_pipeline(
-        replace(opts, split=cuts, stages=None),
-        probes=True,
-        probe_minibatch=probe_minibatch,
-        progress=progress,
-        argv=argv,
-    )
-    cal = whole.meta.calibration
-    if cal is not None:
-        layered = Overheads(cal.op_overhead_ms, cal.message_overhead_ms, cal.step_overhead_ms, 0.0).apply(
-            fit_layers(layered, whole)
-        )
-    return layered.model_copy(
-        update={"meta": layered.meta.model_copy(update={"probes": whole.meta.probes, "calibration": cal})}
-    )
+    links, wrap = _links(opts, device, layered.num_stages, biggest, _Ticks(progress, 0), wrap=True)
+    return Profile.model_validate({**layered.model_dump(mode="json"), "links": links, "wrap_link": wrap})
 
 
 _TIMES = ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms")

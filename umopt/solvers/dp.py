@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult, pack
-from ..schedules import GPIPE
+from ..schedules.family import GPIPE
 
 __all__ = ["shared_partition", "solve_dp"]
 

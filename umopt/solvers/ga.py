@@ -43,7 +43,8 @@ import numpy as np
 from ..baselines import feasible_m, gpipe_equal, onef1b_equal
 from ..partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
 from ..problem import Candidate, Problem, Progress, SolverResult
-from ..schedules import GPIPE, ONEF1B, family, pipedream_warmup
+from ..schedules import pipedream_warmup
+from ..schedules.family import GPIPE, ONEF1B, family
 from .local import hill_climb, iterated_climb
 
 __all__ = ["solve_ga"]

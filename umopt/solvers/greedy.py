@@ -18,7 +18,7 @@ from ..baselines import feasible_m, gpipe_equal
 from ..errors import UmoptError
 from ..partition import equal_sizes
 from ..problem import Candidate, Problem, Progress, SolverResult, pack
-from ..schedules import GPIPE
+from ..schedules.family import GPIPE
 
 __all__ = ["solve_greedy"]
 

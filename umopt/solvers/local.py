@@ -30,7 +30,7 @@ import numpy as np
 from ..costmodel import simulate, stage_peak_memory
 from ..partition import ends_to_sizes, sizes_to_ends
 from ..problem import Candidate, Problem, pack
-from ..schedules import family
+from ..schedules.family import family
 
 __all__ = ["moves", "aligned_moves", "score_batch", "hill_climb", "iterated_climb"]
 

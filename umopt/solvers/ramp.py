@@ -27,7 +27,7 @@ from ..baselines import gpipe_equal, onef1b_equal
 from ..errors import UmoptError
 from ..partition import equal_sizes
 from ..problem import Candidate, Problem, Progress, SolverResult, pack
-from ..schedules import GPIPE, ONEF1B
+from ..schedules.family import GPIPE, ONEF1B
 
 __all__ = ["ramped_partitions", "solve_ramp"]
 

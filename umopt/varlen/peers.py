@@ -39,7 +39,7 @@ import numpy as np
 from ..baselines import gpipe_equal, onef1b_equal
 from ..formats.profile import AllReduceProfile, Profile
 from ..problem import Candidate, Problem, pack
-from ..schedules import family
+from ..schedules.family import family
 from .plan import Layout, Plan, score
 
 __all__ = ["PEERS", "pad", "packed_rows", "sort_split", "dynapipe", "wlb"]

@@ -37,7 +37,7 @@ import numpy as np
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..problem import Candidate, Problem
-from ..schedules import family
+from ..schedules.family import family
 from .plan import Layout, Plan, score
 
 __all__ = ["ORDERS", "RAMPS", "plan", "search", "order_of"]
