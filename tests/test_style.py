@@ -18,3 +18,60 @@ def test_ruff_passes(command):
         [sys.executable, "-m", "ruff", *command, *DIRS], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-1000:]
+
+
+def _imports(root: Path) -> dict[str, set[str]]:
+    """Each module of the package under ``root`` and the package's modules it imports, at the
+    top or inside a function (not under TYPE_CHECKING: those never run); importing a submodule
+    imports its packages too (but for the module's own, already set up); a compiled extension is
+    no module here, so no edge."""
+    import ast
+
+    mods = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for n in ast.walk(block)
+        }
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = package[: len(package) - node.level + 1] if node.level else []
+                stem = ".".join(base + ([node.module] if node.module else []))
+                targets = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in mods else stem for a in node.names]
+            own = {".".join(name.split(".")[:k]) for k in range(1, name.count(".") + 1)}
+            for t in targets:
+                while t:  # the module and every package above it (its own packages are set up)
+                    if t in mods and t != name and t not in own:
+                        deps.add(t)
+                    t = t.rpartition(".")[0]
+        graph[name] = deps
+    return graph
+
+
+def test_no_module_of_umopt_imports_itself_back():
+    """Data flows one way: no import cycle among umopt's modules, top-level or inside a function."""
+    graph = _imports(ROOT / "umopt")
+    reach = {m: set(d) for m, d in graph.items()}
+    changed = True
+    while changed:  # the transitive closure (a few hundred edges)
+        changed = False
+        for m, r in reach.items():
+            more = set().union(*(reach[d] for d in r)) - r
+            if more:
+                r |= more
+                changed = True
+    cycles = sorted(m for m, r in reach.items() if m in r)
+    assert not cycles, f"modules on an import cycle: {cycles}"
