@@ -138,9 +138,13 @@ def main() -> None:
                 else f"{sol.evaluated - sol.screened} / {sol.screened_ms - sol.iteration_ms:.1f}"
             )
             shortened = "; ".join(c.split(" (")[0] for c in rep.cut_short) or "-"
-            timing = [added, f"{seconds:.1f} ({seconds / args.time_limit:.2f}x)", shortened]
+            # what no schedule of the pick's cut and placement beats (the solve's bound there)
+            lb = rep.schedule.solver.lower_bound_ms
+            bound = "-" if lb is None else f"{lb:.1f} ({100 * (ms - lb) / ms:.0f}% below)"
+            timing = [bound, added, f"{seconds:.1f} ({seconds / args.time_limit:.2f}x)", shortened]
             if not peers:  # none of torch's fits the memory limit
-                cells.append([name, str(B), f"{limit / 2**20:.0f}", "yes" if w else "no", f"{one:.1f}", "-"])
+                mib = "-" if limit is None else f"{limit / 2**20:.0f}"
+                cells.append([name, str(B), mib, "yes" if w else "no", f"{one:.1f}", "-"])
                 cells[-1] += [sol_cell, f"{ms:.1f} ({rep.picked})", "-", f"{one / ms:.3f}", *timing]
                 continue
             best_name, best = min(peers.items(), key=lambda kv: kv[1].iteration_ms)
@@ -175,13 +179,15 @@ def main() -> None:
             "pick ms",
             "x best torch",
             "x umopt 1 chunk",
+            "lower bound ms (pick's cut and placement)",
             "search adds (schedules / ms)",
             "s (x limit)",
             "cut short",
         ],
         cells,
         [
-            f"pick / best torch: worst {worst[3]:.3f} ({worst[0]}, B={worst[1]}, {'W' if worst[2] else 'no W'}); target 1.05 on every row",
+            f"pick / best torch: worst {worst[3]:.3f} ({worst[0]}, B={worst[1]}, {'W' if worst[2] else 'no W'}); "
+            "target 1.05 on every bundled row, 1.03 on the held-out ones",
             f"pick / umopt one chunk on transformer8-sim: worst {min(t8):.3f}; target 1.15",
             f"time: at most {max(times):.2f}x the limit; target 1.05x + 2 s",
         ],

@@ -263,26 +263,31 @@ def best_peers(
             turn[id(x)] = seen.get(x[2], 0)
             seen[x[2]] = turn[id(x)] + 1
         tried = 0
-        for _, bound, v, m, _, tables, ch, cut in sorted(shapes, key=lambda x: (turn[id(x)], *x[:5])):
+        # a shape over the memory limit: fewer (larger) microbatches of its v and cut hold more
+        too_big: dict[tuple[int, int], int] = {}
+        for _, bound, v, m, k, tables, ch, cut in sorted(shapes, key=lambda x: (turn[id(x)], *x[:5])):
             if best.iteration_ms is not None and bound >= best.iteration_ms:
                 continue
-            # past its share once it has a result (or a few tries found none within the memory limit)
+            if m <= too_big.get((v, k), 0):
+                continue
+            # past its share once it has a result (or many tries found none within the memory limit)
             if (
                 share is not None
                 and time.perf_counter() > share
-                and (best.iteration_ms is not None or tried >= 8)
+                and (best.iteration_ms is not None or tried >= 24)
             ):
                 best.complete = False
                 break
-            tried += 1
             try:
                 ops = torch_ops(name, profile.num_stages, v, minibatch, m)
-            except UmoptError:
+            except UmoptError:  # a shape torch's class refuses is no try
                 continue
+            tried += 1
             tl = simulate(tables, ops, minibatch, record=False)
             if best.iteration_ms is not None and tl.iteration_ms >= best.iteration_ms - 1e-9:
                 continue
             if limit is not None and any(rank_peak_memory(tables, r, o) > limit for r, o in enumerate(ops)):
+                too_big[(v, k)] = max(too_big.get((v, k), 0), m)
                 continue
             best = PeerResult(name, v, m, tl.iteration_ms, ops, tables, chunking=ch, cut=cut)
         if best.ops is not None:
