@@ -113,7 +113,7 @@ def main() -> None:
     cells, ratios, times = [], [], []
     for name, B in ROWS:
         profile = heldout(name) if name.startswith("heldout") else load_profile(name)
-        limit = None
+        limit = profile.memory_limit_bytes  # the held-out mixed model has its own
         if args.memory == "1f1b":
             limit = onef1b_peak(profile, B)
             profile = profile.with_memory_limit(limit)

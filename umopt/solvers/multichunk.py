@@ -233,26 +233,35 @@ def _screen(
     pairs.sort()
     shapes_seen = len(tables)
 
-    def add(genes: list[ChunkGenes], n: int) -> None:
+    def add(genes: list[ChunkGenes], n: int) -> bool:
+        """Build and keep those that fit; whether any did."""
         nonlocal evaluated, best_ms
+        fit = False
         for g in genes:
             ops, ms = build_ops(tables[n], B, g)
             evaluated += 1
             if _fits(tables[n], ops):
                 screened.append((ms, evaluated, all_shapes[n], tables[n], g, ops))
                 best_ms = min(best_ms, ms)
+                fit = True
+        return fit
 
     def out_of_time() -> bool:
         return bool(screened) and time.perf_counter() > until
 
     cut = shapes_seen < len(all_shapes)
+    # a shape whose M chunks fit in none of their variants: fewer, larger chunks hold more
+    too_big: dict[int, int] = {}
     for i, (low, m, n) in enumerate(pairs):
         if low >= best_ms * 1.02 and len(screened) >= keep:
             break
+        if m <= too_big.get(n, 0):
+            continue
         if out_of_time():
             cut = True
             break
-        add(_variants(tables[n], B, m, weights), n)
+        if not add(_variants(tables[n], B, m, weights), n):
+            too_big[n] = max(too_big.get(n, 0), m)
         if progress is not None and i % 8 == 0:
             progress(0.3 * min(1.0, i / len(pairs)), best_ms)
     # each shape's own-M variants, the most promising shapes first
