@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Optional
 
 import click
@@ -122,6 +123,7 @@ def solve(
     trace,
 ) -> None:
     """Search unequal per-stage partitions for PROFILE (a path or a bundled profile's name)."""
+    started = time.perf_counter()  # the time limit covers the whole command
     from umopt.solve_chunks import parse_chunks
 
     chunk_counts = parse_chunks(chunks)
@@ -166,7 +168,7 @@ def solve(
             minibatch,
             chunk_counts,
             recompute,
-            time_limit,
+            max(0.5, time_limit - (time.perf_counter() - started)),  # what is left of it
             seed,
             zero_bubble,
             output,
