@@ -13,6 +13,9 @@ from umopt.errors import UmoptError
 
 from .app import BYTES, _ms, _progress_bar, cli, load_solve_profile, out
 
+# the least --time-limit a solve with --chunks keeps (see the check below)
+CHUNKS_MIN_TIME_LIMIT = 5.0
+
 
 @cli.command()
 @click.argument("profile_path", metavar="PROFILE")
@@ -163,6 +166,11 @@ def solve(
     if chunk_counts != (1,):
         if solver != "auto" or order != "auto":
             raise UmoptError("--chunks searches on its own: it takes no --solver or --order")
+        if time_limit < CHUNKS_MIN_TIME_LIMIT:
+            raise UmoptError(
+                f"--chunks needs --time-limit {CHUNKS_MIN_TIME_LIMIT:g} or more (it imports torch's schedules, "
+                f"seconds on a CPU, and scores them before its own search), got {time_limit:g}"
+            )
         _solve_chunked(
             profile,
             minibatch,

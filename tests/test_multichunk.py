@@ -192,6 +192,12 @@ def test_solve_with_chunks_needs_layers(tmp_path, capsys):
     )
     assert code == 2 and "--chunks" in err
     assert load_profile("gpt-sim").layers is not None
+    # a limit it cannot keep (torch's schedules take seconds to import) is refused, not broken
+    code, _, err = run_cli(
+        ["solve", "gpt-sim", "-B", "8", "--chunks", "2", "--time-limit", "2", "-o", str(tmp_path / "s.json")],
+        capsys,
+    )
+    assert code == 2 and "--time-limit 5 or more" in err and not (tmp_path / "s.json").exists()
 
 
 def _write_chunked(tmp_path, prof, B, recompute, ops, ch, place, name="schedule"):
