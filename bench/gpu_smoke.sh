@@ -19,7 +19,8 @@
 #       through `umopt.Pipeline` under torchrun, gradients against one process; faults among ranks;
 #   3+  a looped schedule on 3 ranks (the deadlock NCCL's lazy connections would find), both ways;
 #   4+  --dp 2: two replicas of a 2-rank pipeline, one chunk and V-shaped;
-#   N>3 N stages under torchrun.
+#   N>3 N stages under torchrun;
+#   2+  last: sequences of different lengths (bench/varlen_measured.py --device cuda, 2 ranks).
 # Everything it makes, the profiles first, stays in OUT_DIR; logs/ holds each step's output.
 set -u
 OUT=${1:-gpu-smoke}
@@ -306,6 +307,19 @@ tune_extra=()
 step "tune --device $DEVICE" "profile, solve, every candidate measured in turns, recommended.json written" \
   umopt tune "${GPT[@]}" --stages "$RUN_STAGES" --minibatch "$B" --device "$DEVICE" \
   --dtype bfloat16 "${tune_extra[@]}" --steps 4 --rounds 2 --time-limit 10 --out "$OUT/tune"
+
+# sequences of different lengths, planned per minibatch, against padding and packing (issue 57)
+if [ "$DEVICE" = cuda ]; then VARLEN=(--max-length 2048 --minibatches 4 --size 32); else VARLEN=(--max-length 64 --minibatches 2 --size 8); fi
+varlen_step() {  # the bench's table and figures, kept in OUT and shown in the PASS line's notes
+  python "$HERE/varlen_measured.py" --device "$DEVICE" --samplers chat long-context --rounds 1 --markdown \
+    "${VARLEN[@]}" >"$OUT/varlen.md" && grep -E '^(\| (chat|long-context) |- )' "$OUT/varlen.md" | sed 's/^/SMOKE: /'
+}
+if [ "$GPUS" -lt 2 ]; then
+  skip "variable lengths, measured (2 ranks)" "needs 2 $UNIT (NCCL takes one rank per GPU)"
+else
+  step "variable lengths, measured (2 ranks)" "umopt's plans, padding, packing, DynaPipe in turns; tokens/s and measured/predicted" \
+    varlen_step
+fi
 
 N=$((GPUS > 8 ? 8 : GPUS))
 if [ "$DEVICE" != cuda ] || [ "$N" -le 3 ]; then

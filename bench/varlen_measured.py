@@ -1,7 +1,10 @@
 """Sequences of different lengths, measured on 2 CPU ranks (one thread each), in turns.
 
     python bench/varlen_measured.py [--samplers chat long-context] [--minibatches 8] [--size 32]
-                                    [--max-length 256] [--rounds 2] [--markdown]
+                                    [--max-length 256] [--rounds 2] [--device cpu|cuda] [--markdown]
+
+With ``--device cuda`` (bench/gpu_smoke.sh runs it): a GPT of 8 blocks of width 1024 in bfloat16
+on GPUs 0 and 1 (nccl; packed attention is varlen flash attention there).
 
 A GPT nobody tuned umopt to (``gpt``: 4 blocks of width 128, 4 heads, a 1024 vocabulary) is
 profiled over lengths (``umopt profile --stages 2 --lengths``, probe runs included). Each
@@ -40,6 +43,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MODEL = {"layers": 4, "d_model": 128, "heads": 4, "vocab": 1024}
+# with --device cuda: a model a GPU is not idle on, in bfloat16 (packed attention: varlen flash)
+MODEL_GPU = {"layers": 8, "d_model": 1024, "heads": 16, "vocab": 32768}
 METHODS = ("umopt", "pad", "pack", "dynapipe")
 AHEAD = "umopt, planned ahead"  # umopt's plans made during the steps, by umopt.varlen.ahead.PlanAhead
 
@@ -56,15 +61,23 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=2)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"file://{args.store}", rank=rank, world_size=2
+    )
     job = pickle.loads(Path(args.job).read_bytes())
     profile = job["profile"]
     parts = build_model("gpt", job["model_args"], seed=0)
     a, b = profile.stages[rank].layers
 
-    stage = Layers(parts.layers[a:b])
+    stage = Layers(parts.layers[a:b]).to(device)
     first = job["plans"][0]["umopt"]
-    pipe = umopt.Pipeline(stage, first, profile=profile, loss_fn=nn.CrossEntropyLoss(), select=False)
+    pipe = umopt.Pipeline(
+        stage, first, profile=profile, loss_fn=nn.CrossEntropyLoss(), select=False, device=device
+    )
     methods = (*METHODS, AHEAD)
     times: dict[str, list] = {m: [[] for _ in job["plans"]] for m in methods}
     predicted_ahead: list[list[float]] = [[] for _ in job["plans"]]
@@ -90,7 +103,9 @@ def worker(args) -> None:
         dist.barrier()
         t0 = time.perf_counter()
         pipe.step(plan=plan_of(k, m), **kw)  # a plan not made yet is waited for within the step
-        ms = torch.tensor([(time.perf_counter() - t0) * 1e3])
+        if cuda:
+            torch.cuda.synchronize(device)
+        ms = torch.tensor([(time.perf_counter() - t0) * 1e3], device=device)
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
         stage.zero_grad(set_to_none=True)
         return float(ms)
@@ -148,6 +163,12 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--profile", help="a profile over lengths of this bench's model (default: measured now)")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: a larger GPT in bfloat16 on GPUs 0 and 1",
+    )
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--job")
@@ -156,6 +177,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("--device cuda needs 2 GPUs (NCCL takes one rank per GPU)")
     sys.path.insert(0, str(HERE))
     import numpy as np
     from tables import print_table
@@ -164,12 +190,14 @@ def main() -> None:
     from umopt.varlen.samplers import SAMPLERS, minibatches
 
     work = Path(tempfile.mkdtemp(prefix="umopt-varlen-"))
-    model_args = dict(MODEL, seq_len=args.max_length)
+    model_args = dict(MODEL_GPU if args.device == "cuda" else MODEL, seq_len=args.max_length)
     prof_path = Path(args.profile) if args.profile else work / "profile.json"
     if not args.profile:
         cmd = [sys.executable, "-m", "umopt.cli", "profile", "--model", "gpt", "--stages", "2"]
         cmd += [f"--model-arg={k}={v}" for k, v in model_args.items()]
         cmd += ["--max-size", "8", "--lengths", str(args.max_length), "-o", str(prof_path)]
+        if args.device == "cuda":
+            cmd += ["--device", "cuda", "--dtype", "bfloat16"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     profile = load_profile(prof_path)
     cells, summary = [], []
@@ -190,6 +218,7 @@ def main() -> None:
         out = work / f"times-{spec}.json"
         base = [sys.executable, __file__, "--worker", "--job", str(work / "job.pkl")]
         base += ["--store", str(work / f"store-{spec}"), "--out", str(out), "--rounds", str(args.rounds)]
+        base += ["--device", args.device]
         procs = [
             subprocess.Popen(base, env=dict(os.environ, RANK=str(r), OMP_NUM_THREADS="1")) for r in range(2)
         ]
@@ -244,7 +273,8 @@ def main() -> None:
         )
     summary.append(f"profile {prof_path}; {args.rounds} timed rounds, medians per minibatch and method")
     print_table(
-        f"gpt {MODEL['layers']} blocks of {MODEL['d_model']}, 2 CPU ranks, {args.size} sequences a minibatch",
+        f"gpt {model_args['layers']} blocks of {model_args['d_model']}, 2 {args.device.upper()} ranks, "
+        f"{args.size} sequences a minibatch",
         [
             "sampler",
             "method",
