@@ -109,10 +109,13 @@ def balanced_cut(profile: Profile, num_virtual: int) -> tuple[tuple[int, int], .
     return tuple(min_max_cut(cost, num_virtual))
 
 
-def stage_cut(profile: Profile, chunks: int) -> tuple[tuple[int, int], ...]:
-    """Each of the profile's stages cut into ``chunks`` pieces (balanced within the stage): the
-    model split the user already has, in finer pieces; one chunk is the stages themselves."""
-    cost = _layer_cost(profile)
+def stage_cut(
+    profile: Profile, chunks: int, cost: Sequence[float] | None = None
+) -> tuple[tuple[int, int], ...]:
+    """Each of the profile's stages cut into ``chunks`` pieces (balanced within the stage by the
+    layers' ``cost``, by default their times): the model split the user already has, in finer
+    pieces; one chunk is the stages themselves."""
+    cost = _layer_cost(profile) if cost is None else np.asarray(cost, dtype=float)
     out: list[tuple[int, int]] = []
     for s, st in enumerate(profile.stages):
         lo, hi = st.layers
@@ -126,22 +129,11 @@ def user_cuts(profile: Profile, chunks: int) -> dict[str, tuple[tuple[int, int],
     """The cuts a user of torch's schedules would try for ``chunks`` per rank, by name: each
     stage in pieces balanced by cost or of equal layer counts, all layers in pieces balanced by
     cost or of equal counts (those the layers allow; a cut two names give once, first name)."""
-    num_layers = len(_layers(profile))
-    ones = np.ones(num_layers)
+    ones = np.ones(len(_layers(profile)))
     out: dict[str, tuple[tuple[int, int], ...]] = {}
-
-    def by_count() -> tuple[tuple[int, int], ...]:
-        pieces = []
-        for s, st in enumerate(profile.stages):
-            lo, hi = st.layers
-            if hi - lo < chunks:
-                raise UmoptError(f"stage {s} has {hi - lo} layers, too few for {chunks} chunks")
-            pieces += [(lo + a, lo + b) for a, b in min_max_cut(ones[lo:hi], chunks)]
-        return tuple(pieces)
-
     makers = {
         "each stage by cost": lambda: stage_cut(profile, chunks),
-        "each stage by count": by_count,
+        "each stage by count": lambda: stage_cut(profile, chunks, ones),
         "all layers by cost": lambda: balanced_cut(profile, chunks * profile.num_stages),
         "all layers by count": lambda: tuple(min_max_cut(ones, chunks * profile.num_stages)),
     }
