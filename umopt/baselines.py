@@ -82,7 +82,7 @@ def _best_equal(problem: Problem, order: str) -> Baseline:
                 batch.append(int(m))
             batch = batch or [int(todo[i])]
             n = len(batch)
-            it, _ = score(problem, pack([[equal_sizes(B, m)] * S for m in batch]))
+            it, _ = score(problem.tables, pack([[equal_sizes(B, m)] * S for m in batch]))
             for m, t in zip(batch, it):
                 if t < best_ms or (
                     t == best_ms and best_m is not None and m < best_m

@@ -12,18 +12,15 @@ implementations registered in ``tests/test_conformance.py``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
-from ..costmodel import Op
+from ..costmodel import CostTables, Op
 from ..errors import UmoptError
 from ..population_sim import PopulationScore, evaluate_1f1b, evaluate_gpipe
 from .gpipe import gpipe_ops
 from .onef1b import onef1b_schedule
-
-if TYPE_CHECKING:
-    from ..problem import Problem
 
 __all__ = ["ScheduleFamily", "GPIPE", "ONEF1B", "FREE", "FAMILIES", "RULED", "family"]
 
@@ -45,13 +42,13 @@ class ScheduleFamily:
         raise NotImplementedError
 
     def evaluate(
-        self, problem: Problem, fsizes: np.ndarray, bsizes: Optional[np.ndarray], warmup, wcap
+        self, tables: CostTables, fsizes: np.ndarray, bsizes: Optional[np.ndarray], warmup, wcap
     ) -> PopulationScore:
         raise UmoptError(f"the {self.name} family has no population evaluator (score its op lists)")
 
     def score(
         self,
-        problem: Problem,
+        tables: CostTables,
         fsizes: np.ndarray,
         bsizes: Optional[np.ndarray] = None,
         warmup: Optional[np.ndarray] = None,
@@ -59,11 +56,12 @@ class ScheduleFamily:
     ) -> tuple[np.ndarray, PopulationScore]:
         """Iteration ms of each of P individuals (zero-padded ``(P, S, K)`` partitions; ``bsizes``
         None: the forward ones; ``warmup`` (P, S) where the family has them; ``wcap`` (P, S): W
-        ops placed with those caps), ``inf`` where one breaks the memory limit; and the scores."""
-        sc = self.evaluate(problem, fsizes, bsizes, warmup, wcap)
+        ops placed with those caps), ``inf`` where one breaks the memory limit; and the scores,
+        all on ``tables`` (a :class:`umopt.problem.Problem`'s)."""
+        sc = self.evaluate(tables, fsizes, bsizes, warmup, wcap)
         it = sc.iteration_ms
-        if problem.memory_limit is not None:
-            it = np.where(sc.peak_memory_bytes.max(axis=1) <= problem.memory_limit, it, np.inf)
+        if tables.memory_limit is not None:
+            it = np.where(sc.peak_memory_bytes.max(axis=1) <= tables.memory_limit, it, np.inf)
         return it, sc
 
 
@@ -75,8 +73,8 @@ class GPipe(ScheduleFamily):
     def stage_ops(self, fsizes, bsizes, warmup=None) -> list[list[Op]]:
         return [gpipe_ops(f, b) for f, b in zip(fsizes, bsizes)]
 
-    def evaluate(self, problem, fsizes, bsizes, warmup, wcap) -> PopulationScore:
-        return evaluate_gpipe(problem.tables, fsizes, bsizes, wcap)
+    def evaluate(self, tables, fsizes, bsizes, warmup, wcap) -> PopulationScore:
+        return evaluate_gpipe(tables, fsizes, bsizes, wcap)
 
 
 class OneF1B(ScheduleFamily):
@@ -88,8 +86,8 @@ class OneF1B(ScheduleFamily):
     def stage_ops(self, fsizes, bsizes, warmup=None) -> list[list[Op]]:
         return onef1b_schedule(fsizes, bsizes, warmup)
 
-    def evaluate(self, problem, fsizes, bsizes, warmup, wcap) -> PopulationScore:
-        return evaluate_1f1b(problem.tables, fsizes, warmup, bsizes, wcap)
+    def evaluate(self, tables, fsizes, bsizes, warmup, wcap) -> PopulationScore:
+        return evaluate_1f1b(tables, fsizes, warmup, bsizes, wcap)
 
 
 class Free(ScheduleFamily):

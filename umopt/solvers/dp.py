@@ -78,7 +78,7 @@ def solve_dp(
     S = problem.num_stages
     sizes = shared_partition(problem)
     orders = [sizes, sizes[::-1]]
-    it, _ = GPIPE.score(problem, pack([[o] * S for o in orders]))
+    it, _ = GPIPE.score(problem.tables, pack([[o] * S for o in orders]))
     k = int(np.argmin(it))
     # the partition is chosen for GPipe order; asked for 1F1B, the same chunks run in 1F1B order
     cand = Candidate.uniform(orders[k], S, "1f1b" if order == "1f1b" else "gpipe")

@@ -103,7 +103,7 @@ class _Scorer:
             if who.any():
                 bs = ends_to_sizes(b_ends[who]) if rec else None
                 w_caps = None if wcap is None else wcap[who]
-                it, sc = fam.score(self.problem, ends_to_sizes(f_ends[who]), bs, warmup[who], w_caps)
+                it, sc = fam.score(self.problem.tables, ends_to_sizes(f_ends[who]), bs, warmup[who], w_caps)
                 fit[who] = it + 1e-7 * sc.finish_ms.mean(axis=1)
         return fit
 

@@ -69,7 +69,7 @@ def solve_greedy(
                         b[s] = part
                     trial_f.append(f)
                     trial_b.append(b)
-                it, sc = GPIPE.score(problem, pack(trial_f), pack(trial_b))
+                it, sc = GPIPE.score(problem.tables, pack(trial_f), pack(trial_b))
                 evaluated += len(fam)
                 own = np.where(np.isfinite(it), sc.finish_ms[:, s], np.inf)
                 k = int(np.lexsort((it, own))[0])

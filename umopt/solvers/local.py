@@ -238,7 +238,9 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
     orders = {c.order for c in cands}
     if orders in ({"gpipe"}, {"1f1b"}) and (split or all(c.wcap is None for c in cands)):
         n_warm = np.array([c.warmups for c in cands])
-        it, sc = family(orders.pop()).score(problem, pack([c.fsizes for c in cands]), bsizes(), n_warm, wcap)
+        it, sc = family(orders.pop()).score(
+            problem.tables, pack([c.fsizes for c in cands]), bsizes(), n_warm, wcap
+        )
         return it, sc.finish_ms.sum(axis=1)
     it = np.empty(len(cands))
     tie = np.empty(len(cands))
@@ -284,7 +286,7 @@ def hill_climb(
             cut = slice(a, a + _SLICE)
             wc_cut = None if n_caps is None else n_caps[cut]
             its_a, sc = family(cand.order).score(
-                problem,
+                problem.tables,
                 fs[cut],
                 None if bs is None else bs[cut],
                 None if n_warm is None else n_warm[cut],

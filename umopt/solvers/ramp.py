@@ -79,11 +79,11 @@ def solve_ramp(
     packed = pack([[p] * S for p in parts])
     scored: list[tuple[float, Candidate]] = []
     if order in ("auto", "gpipe"):
-        it, _ = GPIPE.score(problem, packed)
+        it, _ = GPIPE.score(problem.tables, packed)
         k = int(np.argmin(it))
         scored.append((float(it[k]), Candidate.uniform(parts[k], S, "gpipe")))
     if order in ("auto", "1f1b"):
-        it, _ = ONEF1B.score(problem, packed)
+        it, _ = ONEF1B.score(problem.tables, packed)
         k = int(np.argmin(it))
         scored.append((float(it[k]), Candidate.uniform(parts[k], S, "1f1b")))
     ms, cand = min(scored, key=lambda x: x[0])

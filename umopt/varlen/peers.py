@@ -91,7 +91,7 @@ def _best_shared(
             ok = [k for k, p in enumerate(partitions) if order == "gpipe" or len(p) >= S]
             if not ok:
                 continue
-            it, _ = family(order).score(problem, sizes[ok])
+            it, _ = family(order).score(problem.tables, sizes[ok])
             k = int(np.argmin(it))
             if np.isfinite(it[k]) and (best is None or it[k] < best[0]):
                 best = (float(it[k]), layout, partitions[ok[k]], order, knobs)

@@ -188,7 +188,7 @@ class _Genes:
 
 
 def _score(problem: Problem, sizes: np.ndarray, order: str, warm: Optional[np.ndarray]) -> np.ndarray:
-    it, _ = family(order).score(problem, sizes, warmup=warm)
+    it, _ = family(order).score(problem.tables, sizes, warmup=warm)
     return it
 
 
