@@ -87,7 +87,27 @@ _EACH = "; with several schedules a path with {name} in it, the schedule file's 
     "(default: the schedule's, else 1).",
 )
 @click.option("--threads", type=int, default=None, help="Intra-op threads per rank (default: the profile's).")
-@click.option("--data", default=None, help="package.module:fn, fn(step, minibatch) -> (inputs, targets).")
+@click.option(
+    "--data",
+    default=None,
+    help="package.module:fn, fn(step, minibatch) -> (inputs, targets); with a plan for sequences of "
+    "different lengths, two lists of 1-d tensors, a sequence each (any number of sequences).",
+)
+@click.option(
+    "--lengths",
+    default=None,
+    metavar="SAMPLER",
+    help="With a plan for sequences of different lengths and no --data: each step's lengths drawn from "
+    "this sampler (chat, instruction, lmsys, long-context) or a file of lengths, the model's own tokens "
+    "(default: the plan's lengths every step).",
+)
+@click.option(
+    "--methods",
+    default=None,
+    metavar="M,M",
+    help="With a plan for sequences of different lengths: who plans each step, umopt (default) or a "
+    "peer (pad, pack, pack-split, sort-split, dynapipe, wlb); several take turns on the same minibatches.",
+)
 @click.option("--report", default=None, help="Write report.json here" + _EACH)
 @click.option("--trace", default=None, help="Write a Chrome trace of measured and predicted ops here" + _EACH)
 @click.option("--plot", default=None, help="Write a Gantt PNG of measured beside predicted here" + _EACH)
@@ -116,7 +136,12 @@ def run(schedules, **options) -> None:
     from umopt.run.launch import launch
     from umopt.run.options import RunOptions
 
-    opts = RunOptions(schedules=list(schedules), **options)
+    methods = options.pop("methods")
+    opts = RunOptions(
+        schedules=list(schedules),
+        methods=[m.strip() for m in methods.split(",") if m.strip()] if methods is not None else None,
+        **options,
+    )
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun started this process as one rank
         from umopt.run.rank import main as run_one_rank
 
@@ -132,6 +157,9 @@ def run(schedules, **options) -> None:
     for r in result.reports:
         for line in run_warnings(r):
             err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
+    if result.reports[0].lengths is not None:
+        _print_lengths(result.reports)
+        return
     if len(result.reports) > 1:
         _print_turns(result.reports)
         return
@@ -178,6 +206,48 @@ def _print_run(r: RunReport) -> None:
         markup=False,
         highlight=False,
     )
+
+
+def _print_lengths(reports: list[RunReport]) -> None:
+    """Steps of sequences of different lengths, each planned by its method: tokens per second."""
+    first = reports[0]
+    umopt = next((r for r in reports if r.lengths.method == "umopt"), None)
+    table = Table(
+        title=f"{first.stages} stages x {first.dp}, {first.backend}: sequences of different lengths "
+        f"({first.lengths.data}), {first.rounds} rounds, {first.steps} measured steps each"
+    )
+    table.add_column("method", no_wrap=True)
+    for col in ("ktok/s", "pred", "ms", "pred ms", "meas/pred"):
+        table.add_column(col, justify="right", no_wrap=True)
+    if umopt is not None and len(reports) > 1:
+        table.add_column("umopt x", justify="right", no_wrap=True)
+    for r in reports:
+        ln = r.lengths
+        row = [
+            ln.method,
+            f"{ln.tokens_per_s / 1e3:.2f}",
+            f"{ln.predicted_tokens_per_s / 1e3:.2f}",
+            f"{r.measured_iteration_ms:.1f}",
+            f"{r.predicted_iteration_ms:.1f}",
+            f"{r.measured_over_predicted:.3f}",
+        ]
+        if umopt is not None and len(reports) > 1:
+            row.append(f"{umopt.lengths.tokens_per_s / ln.tokens_per_s:.2f}x")
+        table.add_row(*row)
+    out.print(table)
+    out.print(
+        "method: who planned each step; ktok/s: real tokens (no padding) per second over the measured "
+        "steps; ms: the mean step; pred: each step's plan as the cost model costs it; umopt x: umopt's "
+        "tokens per second over the row's; every method of a round trained on the same minibatches",
+        markup=False,
+        highlight=False,
+    )
+    d = first.decision
+    if d:
+        state = (
+            "decided" if d.decided else f"not decided at {100 * d.confidence_asked:.0f}% when the turns ended"
+        )
+        out.print(f"keep {d.winner}: {d.reason} ({state})", markup=False, highlight=False)
 
 
 def _print_selection(sel) -> None:

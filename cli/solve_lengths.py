@@ -152,9 +152,8 @@ def _one(profile, L, source, budget_ms, recompute, time_limit, seed, dp, output,
     save_schedule(schedule, output)
     out.print(f"wrote {', '.join([output] + [p for p in (plot, trace) if p])}", markup=False, highlight=False)
     out.print(
-        "next: umopt show "
-        + output
-        + " (umopt run does not play plans for sequences of different lengths yet)",
+        f"next: umopt run {output} --lengths {source if not source.startswith('file ') else source[5:]} "
+        "--methods umopt,pack (each step planned ahead; --data module:fn for your own sequences)",
         markup=False,
         highlight=False,
     )

@@ -5,6 +5,7 @@ Ranks are threads over tests/lazycomm.py's model of NCCL's transport."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import umopt
 from umopt.errors import UmoptError
@@ -270,3 +272,100 @@ def test_three_stages_with_w_ops_recompute_and_replicas_each_planning_its_own_mi
                 got[f"{lo + int(k.split('.')[1])}.{k.split('.', 2)[2]}"] = v
         for k, w in want.items():
             torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)
+
+
+def _run_profile(tmp_path):
+    """PROFILE as a profile of the zoo's gpt of ARGS (costs by tokens, device "sim")."""
+    from umopt.formats.profile import load_profile, save_profile
+
+    prof = PROFILE.model_copy(
+        update={
+            "model": PROFILE.model.model_copy(update={"name": "gpt", "args": dict(ARGS), "seed": 0}),
+            "device": PROFILE.device.model_copy(update={"dtype": "float32"}),
+            "stages": [
+                st.model_copy(update={"layers": [2 * s, 2 * s + 2]}) for s, st in enumerate(PROFILE.stages)
+            ],
+        }
+    )
+    save_profile(prof, tmp_path / "p.json")
+    return load_profile(tmp_path / "p.json")
+
+
+def test_umopt_run_plans_each_step_ahead_and_methods_take_turns_on_the_same_minibatches(
+    tmp_path, monkeypatch
+):
+    """``umopt run PLAN --data fn --methods umopt,pad``: each step's sequences from the user's
+    function (not always as many as the plan's), each planned ahead by its method; both methods
+    train on step 0's minibatch, and the last step's gradients equal one process's after the first
+    step's update (SGD with momentum, as the runtime's)."""
+    from userzoo import gpt_sequences
+
+    from umopt.formats.report import load_report
+    from umopt.formats.schedule import save_schedule
+    from umopt.run.launch import launch
+    from umopt.run.options import RunOptions
+
+    monkeypatch.setenv(
+        "PYTHONPATH", str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    )
+    profile = _run_profile(tmp_path)
+    x0, _ = gpt_sequences(0, 10)
+    first = plan_schedule(plan(profile, np.array([len(x) for x in x0])), profile)
+    save_schedule(first, str(tmp_path / "plan.json"))
+    opts = RunOptions(
+        schedules=[str(tmp_path / "plan.json")],
+        steps=1,
+        warmup=0,
+        data="userzoo:gpt_sequences",
+        methods=["umopt", "pad"],
+        report=str(tmp_path / "r-{name}.json"),
+        save_grads=str(tmp_path / "g"),
+    )
+    launch(opts, quiet=True)
+    reports = {m: load_report(tmp_path / f"r-{m}.json") for m in ("umopt", "pad")}
+    tokens = sum(len(x) for x in x0)
+    for m, r in reports.items():
+        assert r.lengths.method == m and r.lengths.tokens == [tokens]  # the same minibatch, step 0's
+        assert r.lengths.tokens_per_s == pytest.approx(tokens / (r.step_ms[0] / 1e3))
+        assert len(r.lengths.predicted_step_ms) == 1 and r.lengths.predicted_step_ms[0] > 0
+    got = {}
+    for s in range(2):
+        got.update(torch.load(tmp_path / "g" / f"grads_stage{s}.pt"))
+
+    parts, _ = _model()
+    model = nn.ModuleList(parts.layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    xs, ys = gpt_sequences(0, 10)
+    for _ in range(2):  # umopt's step, then pad's, on the same minibatch
+        opt.zero_grad()
+        loss = sum(F.cross_entropy(run_layers(model, x[None])[0], y, reduction="sum") for x, y in zip(xs, ys))
+        (loss / tokens).backward()
+        want = {f"layers.{k}": p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+    assert set(got) == set(want)
+    for k, w in want.items():
+        torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)
+
+
+def test_umopt_run_refuses_what_a_plan_of_sequences_cannot_do_in_one_line(tmp_path, capsys):
+    from conftest import run_cli
+
+    from umopt.formats.schedule import save_schedule
+
+    profile = _run_profile(tmp_path)
+    save_schedule(
+        plan_schedule(plan(profile, np.array([5, 9, 40, 12])), profile), str(tmp_path / "plan.json")
+    )
+    plan_file = str(tmp_path / "plan.json")
+    cases = [
+        ([plan_file, plan_file], "runs alone"),
+        ([plan_file, "--methods", "umopt,fifo"], "unknown 'fifo'"),
+        ([plan_file, "--lengths", "tweets"], "unknown lengths 'tweets'"),
+        ([plan_file, "--lengths", "chat", "--data", "userzoo:gpt_sequences"], "not both"),
+        ([plan_file, "--methods", "umopt,pad", "--report", str(tmp_path / "r.json")], "{name}"),
+        ([plan_file, "--methods", "pad,pack", "--decide", "0.9"], "compares umopt's plans"),
+    ]
+    for argv, said in cases:
+        code, out, err = run_cli(["run", *argv], capsys)
+        assert code == 2 and said in err and "Traceback" not in err, (argv, err)
+        assert len(err.strip().splitlines()) == 1

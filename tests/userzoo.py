@@ -46,3 +46,16 @@ def mlp_data(step: int, n: int):
     (log / f"rank{os.environ['RANK']}").touch()
     g = torch.Generator().manual_seed(step)
     return torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+def gpt_sequences(step: int, n: int):
+    """``--data`` for a plan of sequences of different lengths (tests/test_varlen_run.py): ``n``
+    sequences of the small gpt there, of lengths 1-48 drawn by the step, as two lists."""
+    import numpy as np
+
+    from umopt.zoo import build_model
+
+    parts = build_model("gpt", {"layers": 2, "d_model": 32, "heads": 4, "vocab": 64, "seq_len": 48}, seed=0)
+    lengths = np.random.default_rng(step).integers(1, 49, n + step % 3)  # not always the plan's count
+    pairs = parts.sequences.make([int(x) for x in lengths], step)
+    return [x for x, _ in pairs], [y for _, y in pairs]

@@ -19,6 +19,7 @@ from ..limits import MAX_MINIBATCH, MAX_MS
 from .profile import AllReduceProfile, pydantic_error_line
 
 __all__ = [
+    "LengthsRun",
     "Decision",
     "MeasuredPredicted",
     "PeakMemory",
@@ -86,6 +87,20 @@ class Selection(BaseModel):
     candidates: list[SelectionEntry]
 
 
+class LengthsRun(BaseModel):
+    """A run of sequences of different lengths: each step its own minibatch and plan, so the
+    iteration figures are means over the measured steps (not medians), and the prediction is each
+    step's plan's."""
+
+    method: str  # who planned the steps: umopt, or a peer (umopt.varlen.peers)
+    data: str  # where the sequences came from
+    tokens: list[int]  # each measured step's real tokens (no padding), all replicas together
+    predicted_step_ms: list[float]  # each measured step's plan's prediction (the slowest replica's)
+    tokens_per_s: float  # measured: the tokens over the measured steps' time
+    predicted_tokens_per_s: float
+    predicted_peak_memory_bytes: list[int] = []  # per rank, the most any of replica 0's plans needs
+
+
 class RunReport(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -122,6 +137,7 @@ class RunReport(BaseModel):
     decision: Optional[Decision] = None
     selection: Optional[Selection] = None
     chunks: Optional[dict[str, Any]] = None  # several chunks per rank: the schedule's chunks block
+    lengths: Optional[LengthsRun] = None  # sequences of different lengths, each step planned
 
 
 def as_report(raw: Any, name: str) -> RunReport:

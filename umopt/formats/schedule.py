@@ -46,7 +46,6 @@ __all__ = [
     "make_schedule",
     "check_against_profile",
     "require_one_chunk",
-    "require_fixed_lengths",
     "require_pick_layout",
 ]
 
@@ -384,16 +383,6 @@ def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: 
                         f"{name}{'rank' if chunks else 'stage'} {s} needs {peak} bytes at its peak, over the memory limit of {limit}"
                     )
     return timeline
-
-
-def require_fixed_lengths(schedule: Schedule) -> None:
-    """Refuse, in one line, a plan for sequences of different lengths where only minibatches of
-    one length are played (the runtime, so far)."""
-    if schedule.lengths is not None:
-        raise UmoptError(
-            "a plan for sequences of different lengths (umopt solve --lengths): the runtime plays "
-            "minibatches of one sequence length only, so far"
-        )
 
 
 def require_one_chunk(schedule: Schedule, where: str) -> None:

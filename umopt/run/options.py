@@ -10,7 +10,7 @@ one-line errors, and returns the :class:`RunConfig` the ranks play.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -26,13 +26,14 @@ from ..formats.schedule import (
     Schedule,
     check_against_profile,
     load_schedule,
-    require_fixed_lengths,
     require_pick_layout,
 )
+from ..varlen.ahead import METHODS
+from ..varlen.samplers import minibatch_of_step
 from ..zoo import build_model, import_object
 from .checkpoint import MANIFEST, read_manifest
 
-__all__ = ["RunOptions", "RunConfig", "preflight", "data_function"]
+__all__ = ["RunOptions", "RunConfig", "preflight", "data_function", "lengths_spec"]
 
 
 class RunOptions(BaseModel):
@@ -58,6 +59,8 @@ class RunOptions(BaseModel):
     dp: Optional[int] = None
     threads: Optional[int] = None
     data: Optional[str] = None
+    lengths: Optional[str] = None  # a plan for sequences of different lengths: each step's drawn so
+    methods: Optional[list[str]] = None  # ... and who plans each step (several take turns)
     report: Optional[str] = None
     trace: Optional[str] = None
     plot: Optional[str] = None
@@ -87,6 +90,19 @@ class RunConfig:
     schedules: list[Schedule]
     profile: Profile
     options: RunOptions
+    # what each schedule goes by in turns, logs and {name}: its file's stem, or with a plan for
+    # sequences of different lengths the method that plans its steps (its file once per method)
+    names: list[str] = field(default_factory=list)
+    methods: list[str] = field(default_factory=list)  # per schedule, its planning method (else empty)
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            self.names = [Path(p).stem for p in self.options.schedules]
+
+    @property
+    def varlen(self) -> bool:
+        """Whether the run trains on sequences of different lengths, each step its own plan."""
+        return bool(self.methods)
 
     @property
     def num_stages(self) -> int:
@@ -104,11 +120,12 @@ class RunConfig:
 
     def output(self, template: Optional[str], k: int) -> Optional[str]:
         """Where schedule ``k`` writes what ``template`` (--report, --trace, --plot) names."""
-        return None if template is None else template.replace("{name}", Path(self.options.schedules[k]).stem)
+        return None if template is None else template.replace("{name}", self.names[k])
 
 
 def data_function(spec: str) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
-    """The user's ``--data package.module:fn``, ``fn(step, minibatch) -> (inputs, targets)``."""
+    """The user's ``--data package.module:fn``, ``fn(step, minibatch) -> (inputs, targets)`` (with a
+    plan for sequences of different lengths, lists of sequences: :mod:`umopt.run.feed`)."""
     fn = import_object(spec, "--data")
     if not callable(fn):
         raise UmoptError(f"--data {spec}: not a function")
@@ -124,13 +141,16 @@ def preflight(opts: RunOptions, verify_stages: Optional[list[int]] = None) -> Ru
     profile = load_profile(opts.profile or schedules[0].profile.path)
     for path, schedule in zip(opts.schedules, schedules):
         try:
-            require_fixed_lengths(schedule)
             check_against_profile(schedule, profile)
         except UmoptError as exc:
             raise UmoptError(f"{path}: {exc}") from None
     _check_model(profile)
     _check_counts(opts)
-    _check_turns(opts, schedules)
+    methods = _methods(opts, schedules, profile)
+    if methods:  # one plan file, played once per method: each step planned by it
+        schedules = [schedules[0]] * len(methods)
+    names = methods or [Path(p).stem for p in opts.schedules]
+    _check_turns(opts, schedules, names, methods)
     if len({str(sc.chunks) for sc in schedules}) > 1 and (opts.checkpoint or opts.resume or opts.save_grads):
         raise UmoptError(
             "the schedules place the model's layers on the ranks differently (each layout trains its own "
@@ -154,7 +174,9 @@ def preflight(opts: RunOptions, verify_stages: Optional[list[int]] = None) -> Ru
         raise UmoptError(
             f"--backend nccl needs one GPU per stage and replica: {S} stages x {dp}, {torch.cuda.device_count()} GPUs here"
         )
-    cfg = RunConfig(schedules, profile, opts.model_copy(update={"dp": dp, "backend": backend}))
+    cfg = RunConfig(
+        schedules, profile, opts.model_copy(update={"dp": dp, "backend": backend}), names, methods
+    )
     # every output checked before a process starts, not found unwritable after the run
     outputs = [
         cfg.output(t, k) for t in (opts.report, opts.trace, opts.plot) if t for k in range(len(schedules))
@@ -189,13 +211,47 @@ def _check_counts(opts: RunOptions) -> None:
         raise UmoptError(f"--checkpoint-every must be at least 0, got {opts.checkpoint_every}")
 
 
-def _check_turns(opts: RunOptions, schedules: list[Schedule]) -> None:
+def _methods(opts: RunOptions, schedules: list[Schedule], profile: Profile) -> list[str]:
+    """With a plan for sequences of different lengths, who plans the steps (one schedule's turn
+    each); else none (and the options for it refused)."""
+    if all(sc.lengths is None for sc in schedules):
+        for flag, value in (("--lengths", opts.lengths), ("--methods", opts.methods)):
+            if value is not None:
+                raise UmoptError(
+                    f"{flag} is for a plan for sequences of different lengths (umopt solve --lengths -o PLAN)"
+                )
+        return []
+    if len(schedules) > 1:
+        raise UmoptError(
+            "a plan for sequences of different lengths runs alone (each step is planned anew): "
+            "give --methods umopt,pad,pack for turns with what people run"
+        )
+    if profile.lengths is None:
+        raise UmoptError(f"profile {profile.path} has no costs by tokens (umopt profile --lengths)")
+    if opts.data and opts.lengths:
+        raise UmoptError("give --data or --lengths, not both: --data says the sequences")
+    if opts.lengths:  # an unknown sampler or a bad file fails here, in one line
+        minibatch_of_step(lengths_spec(opts.lengths), 0, 1, profile.lengths.max_length)
+    methods = list(opts.methods or ["umopt"])
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise UmoptError(f"--methods: unknown {bad[0]!r}: each of {', '.join(METHODS)}")
+    if len(set(methods)) < len(methods):
+        raise UmoptError("--methods names a method twice")
+    return methods
+
+
+def lengths_spec(given: str) -> str:
+    """``--lengths``: a sampler's name, or a file of lengths (as ``umopt solve --lengths``)."""
+    return f"file:{given}" if os.path.isfile(given) else given
+
+
+def _check_turns(opts: RunOptions, schedules: list[Schedule], names: list[str], methods: list[str]) -> None:
     """Several schedules: one output file each; --decide: something to decide between."""
     if len(schedules) > 1:
-        stems = [Path(p).stem for p in opts.schedules]
-        if len(set(stems)) < len(stems):
+        if len(set(names)) < len(names):
             raise UmoptError(
-                f"two schedules named {next(n for n in stems if stems.count(n) > 1)}.json: their reports would overwrite each other"
+                f"two schedules named {next(n for n in names if names.count(n) > 1)}.json: their reports would overwrite each other"
             )
         for opt in ("report", "trace", "plot"):
             if getattr(opts, opt) is not None and "{name}" not in getattr(opts, opt):
@@ -208,7 +264,11 @@ def _check_turns(opts: RunOptions, schedules: list[Schedule]) -> None:
         raise UmoptError(f"--decide is a confidence between 0.5 and 1, got {opts.decide:g}")
     if len(schedules) < 2:
         raise UmoptError("--decide needs two schedules or more to decide between")
-    if not any(is_equal(sc.op_lists()) for sc in schedules):
+    if methods and "umopt" not in methods:
+        raise UmoptError(
+            "--decide with --methods compares umopt's plans with a peer's: give --methods umopt,pack"
+        )
+    if not methods and not any(is_equal(sc.op_lists()) for sc in schedules):
         raise UmoptError(
             "--decide compares with an equal schedule (every chunk one size): give one, e.g. the solve's gpipe_equal"
         )

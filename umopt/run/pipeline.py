@@ -36,7 +36,6 @@ from ..formats.schedule import (
     Schedule,
     check_against_profile,
     load_schedule,
-    require_fixed_lengths,
     require_pick_layout,
 )
 from ..losses import ChunkLoss, chunk_loss
@@ -82,16 +81,12 @@ PLAN_KEPT = 4
 
 
 def schedule_and_profile(
-    schedule: Union[str, Path, Schedule],
-    profile: Optional[Union[str, Path, Profile]],
-    lengths: bool = False,
+    schedule: Union[str, Path, Schedule], profile: Optional[Union[str, Path, Profile]]
 ) -> tuple[Schedule, Profile]:
     """The schedule (a file or loaded) and its profile (given, else the file it names), checked
-    against each other (``lengths``: a plan for sequences of different lengths may be played)."""
+    against each other."""
     sched = schedule if isinstance(schedule, Schedule) else load_schedule(str(schedule))
     prof = profile if isinstance(profile, Profile) else load_profile(str(profile or sched.profile.path))
-    if not lengths:
-        require_fixed_lengths(sched)
     check_against_profile(sched, prof)
     return sched, prof
 
@@ -293,7 +288,7 @@ class Pipeline:
             raise
 
     def _build(self, module, schedule, stage: Optional[int], profile, kw: dict) -> None:
-        self.schedule, self.profile = schedule_and_profile(schedule, profile, lengths=True)
+        self.schedule, self.profile = schedule_and_profile(schedule, profile)
         sched, comm = self.schedule, self.comm
         self.group, self.dp_group = kw["group"], kw["dp_group"]
         self.ranks = comm.group_ranks(self.group)  # the global rank of each rank of the pipeline

@@ -10,6 +10,11 @@ Several schedule files (of one profile) take turns on the same processes, ``--ro
 one model per layout, trained by each in turn, and one machine state, so that drift meets them
 all alike; each gets its own report.
 
+A plan for sequences of different lengths (``umopt solve --lengths``) trains on a minibatch of
+sequences each step, each step planned anew by its method while the step before runs
+(:mod:`umopt.run.feed`); several methods (``--methods umopt,pad,pack``) take turns as schedules
+do, every method of a round on the same minibatches, so that their tokens per second compare.
+
 Run locally with ``umopt run`` (it starts a rank per stage, :mod:`umopt.run.launch`), or on
 several machines with ``torchrun --nnodes ... -m umopt.cli run SCHEDULE [options]`` (each
 process one rank): the same code path.
@@ -45,15 +50,17 @@ from ..devices import (
 )
 from ..errors import UmoptError, first_line
 from ..formats.profile import Profile
-from ..formats.report import Selection
+from ..formats.report import LengthsRun, Selection
 from ..formats.schedule import Schedule
-from ..zoo import ModelParts, build_model, run_layers
+from ..losses import valid_targets
+from ..zoo import ModelParts, Sequences, build_model, run_layers
 from . import checkpoint, faults
 from .comm import TorchComm
-from .options import RunConfig, RunOptions, data_function, preflight
+from .feed import SequenceFeed, sequence_source
+from .options import RunConfig, RunOptions, data_function, lengths_spec, preflight
 from .pipeline import Pipeline
 from .player import StepTimer
-from .report import Measured, write_report
+from .report import Measured, run_allreduce, write_report
 from .signals import (
     Progress,
     exit_on_termination,
@@ -96,6 +103,7 @@ class StageSetup:
     output: Optional[TensorSpec]
     device: torch.device
     dtype: str  # the profile's autocast dtype
+    sequences: Optional[Sequences] = None  # how the model takes sequences of different lengths
 
     @property
     def module(self) -> torch.nn.Module:
@@ -124,6 +132,7 @@ def build_stage(profile: Profile, s: int, device: torch.device) -> StageSetup:
         TensorSpec.of(edges[b]),
         device,
         profile.device.dtype,
+        parts.sequences,
     )
     parts.layers.clear()  # the module holds this stage's layers; the others are not this rank's
     return setup
@@ -138,7 +147,9 @@ def build_chunks(profile: Profile, chunks: Chunking, rank: int, device: torch.de
         for (lo, hi), r in zip(chunks.layers, chunks.ranks)
         if r == rank
     ]
-    setup = StageSetup(mods, parts.make_batch, parts.loss, None, None, device, profile.device.dtype)
+    setup = StageSetup(
+        mods, parts.make_batch, parts.loss, None, None, device, profile.device.dtype, parts.sequences
+    )
     parts.layers.clear()
     return setup
 
@@ -169,6 +180,7 @@ class _Rank:
     speeds: list[float] = field(
         default_factory=list
     )  # a fixed matmul's time on this rank's device, each round
+    feed: Optional[SequenceFeed] = None  # sequences of different lengths: each step's, and its plan
 
     def ends(self, chunks: Optional[Chunking]) -> tuple[bool, bool]:
         """Whether this rank feeds the inputs and whether it computes the loss, in a layout."""
@@ -201,6 +213,7 @@ def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
         drawn = [secrets.token_hex(4) if rank == 0 else None]  # one name for this run's checkpoint files
         dist.broadcast_object_list(drawn, src=0, group=io_group)
     data_fn = data_function(opts.data) if opts.data else (lambda step, n: setup.make_batch(n, step))
+    feed = _feed(cfg, setup, replica, s) if cfg.varlen else None
     return _Rank(
         cfg,
         device,
@@ -217,6 +230,34 @@ def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
         start_step,
         [replica * S + j for j in range(S)],
         dp_group,
+        feed=feed,
+    )
+
+
+def _feed(cfg: RunConfig, setup: StageSetup, replica: int, s: int) -> Optional[SequenceFeed]:
+    """The sequences of the ranks that hold them (the first and last stage of each replica), and
+    the plans, made by each replica's first stage."""
+    if s not in (0, cfg.num_stages - 1):
+        return None
+    opts, sched, profile = cfg.options, cfg.schedules[0], cfg.profile
+    assert sched.lengths is not None and profile.lengths is not None
+    source = sequence_source(
+        data_function(opts.data) if opts.data else None,
+        setup.sequences.make if setup.sequences is not None else None,
+        lengths_spec(opts.lengths) if opts.lengths else None,
+        sched,
+        profile.lengths.max_length,
+        f"--data {opts.data}" if opts.data else f"model {profile.model.name}",
+    )
+    return SequenceFeed(
+        source,
+        len(sched.lengths.lengths) * cfg.dp,
+        cfg.dp,
+        replica,
+        profile,
+        sched.recompute,
+        run_allreduce(cfg, sched),
+        tuple(cfg.methods) if s == 0 else (),
     )
 
 
@@ -248,10 +289,16 @@ class _Play:
     op_ms: list[list[float]] = field(default_factory=list)  # each op's duration in every measured step
     warmup: int = 0
     selection_steps: int = 0
+    method: Optional[str] = None  # sequences of different lengths: who plans its steps
+    tokens: list[int] = field(default_factory=list)  # each measured step's real tokens (all replicas)
+    predicted_ms: list[float] = field(default_factory=list)  # each measured step's plan's prediction
+    predicted_peak: list[int] = field(default_factory=list)  # per rank, the most any plan played needs
 
     @property
     def schedule(self) -> Schedule:
-        return self.pipe.playing.schedule
+        """The schedule it plays (sequences of different lengths: the last step's plan)."""
+        pipe = self.pipe.playing
+        return pipe.plan if pipe.plan.lengths is not None else pipe.schedule
 
 
 def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]], select: bool) -> list[_Play]:
@@ -263,7 +310,7 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]], select: bool) ->
     opts = rk.cfg.options
     plays = []
     layouts = {str(rk.cfg.schedules[0].chunks): (rk.setup, rk.opt)}
-    for name, path, sched in entries:
+    for k, (name, path, sched) in enumerate(entries):
         B = sched.minibatch
         key = str(sched.chunks)
         if key not in layouts:
@@ -271,15 +318,18 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]], select: bool) ->
             layouts[key] = (setup, _optimizer(opts, setup.module))
         setup, opt = layouts[key]
         first, last = rk.ends(sched.chunks)
+        # sequences of different lengths: a mean over the minibatch's tokens, however grouped
+        per_token = dict(loss_fn=rk.setup.loss, loss_normalizer=valid_targets())
         pipe = Pipeline(
             setup.modules if sched.chunks is not None else setup.modules[0],
             sched,
-            loss_fn=lambda out, y, B=B: rk.setup.loss(out, y) / B,
+            **(per_token if rk.cfg.varlen else dict(loss_fn=lambda out, y, B=B: rk.setup.loss(out, y) / B)),
             loss_reduction="sum",
             profile=rk.cfg.profile,
             device=rk.device,
-            input_specs=[setup.input] if setup.input is not None else None,
-            output_specs=[setup.output] if setup.output is not None else None,
+            # sequences of different lengths: each message's shape from the step's plan
+            input_specs=[setup.input] if setup.input is not None and not rk.cfg.varlen else None,
+            output_specs=[setup.output] if setup.output is not None and not rk.cfg.varlen else None,
             timer=rk.timing,
             group=rk.pipe_ranks,
             dp_group=rk.dp_group,
@@ -290,19 +340,42 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]], select: bool) ->
         )
         if rk.rank == 0:
             faults.slow_down(pipe, name)
-        # the boundary shapes agreed now, not inside the first timed step
-        pipe.prepare(to_device(rk.data_fn(0, B * opts.dp)[0][:B], rk.device) if first else None)
-        plays.append(_Play(pipe, name, path, setup, opt, first, last))
+        if not rk.cfg.varlen:  # the boundary shapes agreed now, not inside the first timed step
+            pipe.prepare(to_device(rk.data_fn(0, B * opts.dp)[0][:B], rk.device) if first else None)
+        method = rk.cfg.methods[k] if rk.cfg.varlen else None
+        plays.append(_Play(pipe, name, path, setup, opt, first, last, method=method))
     return plays
 
 
-def _step(rk: _Rank, play: _Play, it: int, measured: bool, save_grads: bool) -> float:
+@dataclass
+class _Turn:
+    """Which minibatch a step of sequences of different lengths trains on (its data step: every
+    method of a round plays the same ones), and the step after it (its data step, and the play
+    whose method plans it), sent to be planned while this one runs."""
+
+    data: int
+    following: Optional[tuple[int, _Play]]
+
+
+def _step(
+    rk: _Rank, play: _Play, it: int, measured: bool, save_grads: bool, turn: Optional[_Turn] = None
+) -> float:
     """Step ``it`` of the run with ``play``'s schedule, then the optimizer; the slowest rank's
-    time of it (every rank gets the same), recorded in ``play`` where ``measured``."""
+    time of it (every rank gets the same), recorded in ``play`` where ``measured``. With
+    sequences of different lengths, ``turn`` says which minibatch (default: ``it``'s) and what
+    is planned next."""
     opts, B, dp = rk.cfg.options, play.pipe.schedule.minibatch, rk.cfg.dp
     faults.inject(rk.rank, it - rk.start_step, play.setup.modules)
-    inputs = targets = None
-    if play.first or play.last:  # the stages between never touch the data
+    inputs = targets = plan = None
+    if rk.cfg.varlen:
+        turn = turn or _Turn(it, None)
+        if rk.feed is not None:
+            xs, ys = rk.feed.batch(turn.data)
+            inputs, targets = (xs if play.first else None), (ys if play.last else None)
+            if rk.feed.methods:  # this replica's plan maker: the plan, the next one sent ahead
+                nxt = (turn.following[0], turn.following[1].method) if turn.following else None
+                plan = rk.feed.plan(turn.data, play.method, nxt)
+    elif play.first or play.last:  # the stages between never touch the data
         x, y = rk.data_fn(it, B * dp)  # the global minibatch: this replica's slice of it
         if len(x) != B * dp or len(y) != B * dp:  # not cut silently: the user meant other samples
             raise UmoptError(
@@ -314,7 +387,7 @@ def _step(rk: _Rank, play: _Play, it: int, measured: bool, save_grads: bool) -> 
     _barrier(rk.device)
     timing = rk.timing
     timing.start()
-    loss_sum = play.pipe.step(inputs, targets=targets)
+    loss_sum = play.pipe.step(inputs=inputs, targets=targets, plan=plan)
     spans = list(play.pipe.spans)
     # the gradients themselves, not copies: neither optimizer as built changes a gradient in
     # place, and zero_grad only drops the parameters' references to them
@@ -334,11 +407,21 @@ def _step(rk: _Rank, play: _Play, it: int, measured: bool, save_grads: bool) -> 
         checkpoint.save_atomic(
             {k: g.detach().cpu() for k, g in grads.items()}, Path(opts.save_grads) / f"grads_stage{rk.s}.pt"
         )
-    worst = torch.tensor([elapsed], dtype=torch.float64).to(rk.device)
+    # the slowest rank's time; and the slowest replica's plan's prediction (only makers have one)
+    predicted = plan.predicted.iteration_ms if plan is not None else 0.0
+    worst = torch.tensor([elapsed, predicted], dtype=torch.float64).to(rk.device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    ms = float(worst.item())
+    ms = float(worst[0].item())
     if play.last:
         play.losses.append(float(loss_sum))
+    if measured and rk.cfg.varlen:
+        assert turn is not None
+        play.predicted_ms.append(float(worst[1].item()))
+        play.tokens.append(rk.feed.tokens[turn.data] if rk.feed is not None else 0)
+        if plan is not None:
+            peaks = plan.predicted.peak_memory_bytes
+            play.predicted_peak = [max(a, b) for a, b in zip(play.predicted_peak or peaks, peaks)]
+        play.op_ms = []  # the ops are this step's plan's: their times are the last step's
     if measured:
         ops = play.pipe.playing.ops
         if not play.op_ms:
@@ -359,12 +442,17 @@ class _Steps:
     def __init__(self, rk: _Rank, total: int, progress: Optional[Progress]):
         self.rk, self.it, self.last, self.progress = rk, rk.start_step, rk.start_step + total - 1, progress
 
-    def play(self, play: _Play, measured: bool, end_of_round: bool, what: str) -> float:
+    def play(
+        self, play: _Play, measured: bool, end_of_round: bool, what: str, turn: Optional[_Turn] = None
+    ) -> float:
         rk, opts = self.rk, self.rk.cfg.options
-        ms = _step(rk, play, self.it, measured, bool(opts.save_grads) and self.it == self.last)
+        ms = _step(rk, play, self.it, measured, bool(opts.save_grads) and self.it == self.last, turn)
         self.it += 1
         if self.progress:
-            self.progress.step(what, ms, play.schedule.predicted.iteration_ms, end_of_round)
+            predicted = play.predicted_ms[-1] if measured and play.predicted_ms else None
+            if not rk.cfg.varlen:
+                predicted = play.schedule.predicted.iteration_ms
+            self.progress.step(what, ms, predicted, end_of_round)
         every = opts.checkpoint_every
         if opts.checkpoint and every and (self.it - rk.start_step) % every == 0 and self.it <= self.last:
             _checkpoint(rk, self.it)
@@ -402,21 +490,31 @@ def _turns(rk: _Rank, plays: list[_Play], steps: _Steps) -> tuple[int, Optional[
     decision: Optional[Decision] = None
     began = time.monotonic()
     turn = 0
+    base = rk.start_step  # the round's first data step (sequences of different lengths)
     while turn < opts.rounds or (decision is not None and not decision.decided):
         if turn >= opts.rounds and not _another_round(opts, turn, time.monotonic() - began, rk.device):
             break
         rk.speeds.append(reference_ms(rk.device))
+        n = (opts.warmup if turn == 0 else 0) + opts.steps
         for k, play in enumerate(plays):
-            n = (opts.warmup if turn == 0 else 0) + opts.steps
             for j in range(n):
                 warm = turn == 0 and j < opts.warmup
                 play.warmup += warm
+                following = (
+                    (base + j + 1, play)
+                    if j + 1 < n
+                    else (base, plays[k + 1])
+                    if k + 1 < len(plays)
+                    else (base + n, plays[0])
+                )
                 steps.play(
                     play,
                     measured=not warm,
                     end_of_round=j == n - 1 and k == len(plays) - 1,
                     what=f"round {turn + 1}, {play.name}" + (" (warm-up)" if warm else ""),
+                    turn=_Turn(base + j, following),
                 )
+        base += n
         turn += 1
         if opts.decide is not None:  # every rank has the same step times (all-reduced), so the same decision
             decision = _decision(plays, opts.steps, opts.decide)
@@ -427,7 +525,8 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
     opts = cfg.options
     rk = _set_up(cfg, device)
     selecting = _selects(cfg)
-    entries = [(Path(p).stem, p, sc) for p, sc in zip(opts.schedules, cfg.schedules)]
+    paths = opts.schedules if not cfg.varlen else opts.schedules * len(cfg.schedules)  # a file per method
+    entries = list(zip(cfg.names, paths, cfg.schedules))
     plays = _plays(rk, entries, select=selecting)
     total = opts.warmup + opts.steps if selecting else len(plays) * (opts.warmup + opts.rounds * opts.steps)
     if rk.rank == 0:
@@ -451,7 +550,11 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
         selection = _selecting(rk, plays[0], steps)
         rounds, decision = 1, None
     else:
-        rounds, decision = _turns(rk, plays, steps)
+        try:
+            rounds, decision = _turns(rk, plays, steps)
+        finally:
+            if rk.feed is not None:
+                rk.feed.close()
     if opts.checkpoint:
         _checkpoint(rk, steps.it)
     phase("the report")
@@ -491,8 +594,30 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
                 len(play.losses) if play.last else play.warmup + play.selection_steps + len(play.step_ms),
                 gathered[: cfg.num_stages],
                 play.pipe.played_schedules(),
+                lengths=_lengths_run(cfg, play) if cfg.varlen else None,
             )
             write_report(cfg, measured, k, rounds, decision, selection)
+
+
+def _lengths_run(cfg: RunConfig, play: _Play) -> LengthsRun:
+    """What a run of sequences of different lengths measured beyond the steps' times."""
+    opts = cfg.options
+    seconds = sum(play.step_ms) / 1e3
+    return LengthsRun(
+        method=play.method or "umopt",
+        data=f"--data {opts.data}"
+        if opts.data
+        else f"--lengths {opts.lengths}"
+        if opts.lengths
+        else "the plan's lengths",
+        tokens=play.tokens,
+        predicted_step_ms=play.predicted_ms,
+        tokens_per_s=sum(play.tokens) / seconds if seconds > 0 else 0.0,
+        predicted_tokens_per_s=sum(play.tokens) * 1e3 / sum(play.predicted_ms)
+        if sum(play.predicted_ms) > 0
+        else 0.0,
+        predicted_peak_memory_bytes=play.predicted_peak,
+    )
 
 
 def selection_winner_ms(play: _Play) -> list[float]:
@@ -508,8 +633,12 @@ def _decision(plays: list[_Play], steps: int, confidence: float) -> Decision:
         p.name: [statistics.median(p.step_ms[k : k + steps]) for k in range(0, len(p.step_ms), steps)]
         for p in plays
     }
-    # the equal schedules are the reference; with none among them, the first (the solve's pick)
-    equal = [p.name for p in plays if is_equal(p.schedule.op_lists())] or [plays[0].name]
+    # the equal schedules are the reference (sequences of different lengths: the peers' plans);
+    # with none among them, the first (the solve's pick)
+    if plays[0].method is not None:
+        equal = [p.name for p in plays if p.method != "umopt"]
+    else:
+        equal = [p.name for p in plays if is_equal(p.schedule.op_lists())] or [plays[0].name]
     return decide(rounds, equal, confidence=confidence)
 
 

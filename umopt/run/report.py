@@ -1,6 +1,10 @@
 """The run report of ``umopt run``: what a schedule measured on every rank, beside the simulator's
 prediction for exactly its ops, logged and written (report, Chrome trace, Gantt picture).
 
+With sequences of different lengths (each step its own minibatch and plan) the iteration figures
+are means over the measured steps, beside the tokens per second, and the prediction is each
+step's plan's; the trace and the picture are the last step's, beside its plan.
+
 Each figure says which steps it covers: ``steps`` measured steps (after ``warmup`` warm-up steps
 and ``selection_steps`` steps of selection's turns), whose median is the measured iteration and
 whose per-rank median busy time is ``busy_ms`` (so busy time never exceeds the iteration it is
@@ -18,7 +22,7 @@ from ..costmodel import CostTables, OpKind, Span, Timeline, simulate
 from ..decide import Decision
 from ..formats.profile import AllReduceProfile
 from ..formats.report import Decision as ReportDecision
-from ..formats.report import MeasuredPredicted, PeakMemory, RunReport, Selection, save_report
+from ..formats.report import LengthsRun, MeasuredPredicted, PeakMemory, RunReport, Selection, save_report
 from ..formats.schedule import Schedule
 from ..noise import run_warnings
 from .options import RunConfig
@@ -45,6 +49,7 @@ class Measured:
     played: list[
         Schedule
     ]  # every schedule that played (selection's candidates too): the memory they may need
+    lengths: Optional[LengthsRun] = None  # sequences of different lengths (schedule: the last step's plan)
 
 
 def measured_timeline(per_rank: list[dict]) -> Timeline:
@@ -95,18 +100,27 @@ def write_report(
     opts = cfg.options
     tl = measured_timeline(m.per_rank)
     allreduce = run_allreduce(cfg, m.schedule)
-    tables = CostTables.from_profile(
-        cfg.profile, m.schedule.recompute, allreduce, m.schedule.chunking(), m.schedule.minibatch
-    )
+    if m.lengths is not None:  # the last step's plan, as the planner costed it
+        tables = m.schedule.tables(cfg.profile)
+    else:
+        tables = CostTables.from_profile(
+            cfg.profile, m.schedule.recompute, allreduce, m.schedule.chunking(), m.schedule.minibatch
+        )
     pred_tl = simulate(tables, m.schedule.op_lists(), m.schedule.minibatch)
     report = _run_report(cfg, m, pred_tl, rounds, decision, selection, allreduce)
     measured, predicted = report.measured_iteration_ms, report.predicted_iteration_ms
     report_path, trace_path, plot_path = (cfg.output(t, k) for t in (opts.report, opts.trace, opts.plot))
+    tokens = (
+        f" (mean), {m.lengths.tokens_per_s:,.0f} tokens/s vs predicted {m.lengths.predicted_tokens_per_s:,.0f}"
+        if m.lengths is not None
+        else ""
+    )
     _log.info(
-        "%s: measured %.2f ms, predicted %.2f ms (measured / predicted %.3f) over %d steps%s",
+        "%s: measured %.2f ms, predicted %.2f ms%s (measured / predicted %.3f) over %d steps%s",
         m.name,
         measured,
         predicted,
+        tokens,
         measured / predicted,
         len(m.step_ms),
         f"; report {report_path}" if opts.report else "",
@@ -151,14 +165,19 @@ def _run_report(
     measured = statistics.median(m.step_ms)
     predicted = pred_tl.iteration_ms  # the simulator's, not what the file says
     ar_measured = [rec["allreduce_ms"] for rec in per_rank]
-    peaks = [
-        simulate(
-            CostTables.from_profile(cfg.profile, sc.recompute, allreduce, sc.chunking(), sc.minibatch),
-            sc.op_lists(),
-            sc.minibatch,
-        ).peak_memory_bytes
-        for sc in m.played
-    ]
+    if m.lengths is not None:  # every step its own plan: the means, and the most any plan needs
+        measured = statistics.fmean(m.step_ms)
+        predicted = statistics.fmean(m.lengths.predicted_step_ms)
+        peaks = [m.lengths.predicted_peak_memory_bytes or pred_tl.peak_memory_bytes]
+    else:
+        peaks = [
+            simulate(
+                CostTables.from_profile(cfg.profile, sc.recompute, allreduce, sc.chunking(), sc.minibatch),
+                sc.op_lists(),
+                sc.minibatch,
+            ).peak_memory_bytes
+            for sc in m.played
+        ]
     measured_peak = [rec["peak_memory_bytes"] for rec in per_rank]
     return RunReport(
         schedule=str(m.path),
@@ -211,4 +230,5 @@ def _run_report(
         ),
         selection=selection,
         **({"chunks": schedule.chunks.model_dump()} if schedule.chunks is not None else {}),
+        lengths=m.lengths,
     )

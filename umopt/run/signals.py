@@ -135,7 +135,7 @@ class Progress:
         self.total, self.every = total, every
         self.done, self.t_status, self.t_log = 0, 0.0, time.monotonic()
 
-    def step(self, what: str, ms: float, predicted_ms: float, end_of_round: bool) -> None:
+    def step(self, what: str, ms: float, predicted_ms: Optional[float], end_of_round: bool) -> None:
         self.done += 1
         now = time.monotonic()
         if now - self.t_status >= 1.0 or end_of_round:
@@ -145,7 +145,8 @@ class Progress:
             self.t_status = now
         if now - self.t_log >= self.every or end_of_round:
             of = f"/{self.total}" if self.total else ""
-            _log.info("step %d%s, %s: %.1f ms (predicted %.1f ms)", self.done, of, what, ms, predicted_ms)
+            said = f" (predicted {predicted_ms:.1f} ms)" if predicted_ms is not None else ""
+            _log.info("step %d%s, %s: %.1f ms%s", self.done, of, what, ms, said)
             self.t_log = now
 
 

@@ -5,7 +5,9 @@ its plan can be made while the steps before it run, on a core the training does 
 step then costs no planning time. :class:`PlanAhead` is that process: :meth:`~PlanAhead.submit`
 the lengths of a minibatch as soon as they are known, :meth:`~PlanAhead.next` the plans in the
 order submitted (each warm-started from the one before, as :func:`umopt.varlen.planner.plan`
-does in a loop), as schedules ``umopt.Pipeline.step(plan=...)`` plays::
+does in a loop), as schedules ``umopt.Pipeline.step(plan=...)`` plays. ``method``: umopt's
+planner, or one of the peers' (:data:`umopt.varlen.peers.PEERS`: what ``umopt tune --lengths``
+measures umopt against, planned the same way)::
 
     with PlanAhead(profile) as ahead:
         ahead.submit(lengths_of(batch0))
@@ -27,13 +29,27 @@ import numpy as np
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule
+from .peers import PEERS
 from .planner import plan
 from .solve import plan_schedule
 
-__all__ = ["PlanAhead"]
+__all__ = ["METHODS", "PlanAhead"]
+
+METHODS = ("umopt", *PEERS)  # who may plan the minibatches
 
 
-def _serve(profile: Profile, budget_ms: float, recompute: bool, dp, inbox, outbox) -> None:
+def _plan_one(profile: Profile, method: str, lengths: np.ndarray, budget_ms, recompute, dp, previous):
+    if method == "umopt":
+        return plan(profile, lengths, budget_ms=budget_ms, recompute=recompute, dp=dp, previous=previous)
+    got = PEERS[method](profile, lengths, profile.num_stages, recompute, dp)
+    if got is None:
+        raise UmoptError(f"{method}: no plan of this minibatch fits the memory limit")
+    return got
+
+
+def _serve(
+    profile: Profile, budget_ms: float, recompute: bool, dp, method: str, parent: int, inbox, outbox
+) -> None:
     """The planning process: one plan per lengths received, in order, until None. At a lower
     priority than the training processes: a plan has a whole step to be made in, and where the
     cores are all the ranks' (a CPU run), it should take its time from idle ones."""
@@ -43,18 +59,18 @@ def _serve(profile: Profile, budget_ms: float, recompute: bool, dp, inbox, outbo
         pass
     previous = None
     while True:
-        lengths = inbox.get()
+        try:
+            lengths = inbox.get(timeout=1.0)
+        except queue.Empty:
+            # a parent that left without closing this (a process ending by os._exit, as a failed
+            # rank does) must not leave it behind holding the parent's output pipes open
+            if os.getppid() != parent:
+                return
+            continue
         if lengths is None:
             return
         try:
-            previous = plan(
-                profile,
-                np.asarray(lengths),
-                budget_ms=budget_ms,
-                recompute=recompute,
-                dp=dp,
-                previous=previous,
-            )
+            previous = _plan_one(profile, method, np.asarray(lengths), budget_ms, recompute, dp, previous)
             outbox.put(plan_schedule(previous, profile, recompute, dp))
         except UmoptError as exc:
             outbox.put(exc)
@@ -70,14 +86,18 @@ class PlanAhead:
         budget_ms: float = 15.0,
         recompute: bool = False,
         dp: Optional[AllReduceProfile] = None,
+        method: str = "umopt",
     ):
         if profile.lengths is None:
             raise UmoptError("the profile has no costs by tokens (profile with --lengths)")
+        if method not in METHODS:
+            raise UmoptError(f"unknown planning method {method!r}: one of {', '.join(METHODS)}")
+        self.method = method
         ctx = mp.get_context("spawn")
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
         self._process = ctx.Process(
             target=_serve,
-            args=(profile, budget_ms, recompute, dp, self._inbox, self._outbox),
+            args=(profile, budget_ms, recompute, dp, method, os.getpid(), self._inbox, self._outbox),
             daemon=True,
             name="umopt-plan-ahead",
         )

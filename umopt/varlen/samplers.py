@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import UmoptError
 
-__all__ = ["SAMPLERS", "Sampler", "sampler", "minibatches"]
+__all__ = ["SAMPLERS", "Sampler", "sampler", "minibatches", "minibatch_of_step"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,17 @@ def minibatches(
     draw = sampler(spec, cap)
     rng = np.random.default_rng(seed)
     return [draw(rng, size) for _ in range(count)]
+
+
+def minibatch_of_step(spec: str, step: int, size: int, cap: Optional[int] = None) -> np.ndarray:
+    """The ``size`` lengths of step ``step``'s minibatch, the same whenever asked (a training run
+    that plays a step's minibatch again, as turns do, gets it again): a named sampler seeded by the
+    step, a file's lengths from position ``step * size`` on."""
+    if spec.startswith("file:"):
+        values = _read_lengths(spec[5:])
+        take = np.take(values, np.arange(step * size, (step + 1) * size), mode="wrap")
+        return np.minimum(take, cap) if cap else take
+    return sampler(spec, cap)(np.random.default_rng([7, step]), size)
 
 
 def _read_lengths(path: str) -> np.ndarray:
