@@ -5,6 +5,8 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
+from umopt.errors import UmoptError
+
 from .app import _require_torch, cli, err, model_options, out
 
 
@@ -62,6 +64,28 @@ from .app import _require_torch, cli, err, model_options, out
     show_default=True,
     help="Model chunks per rank, 1-4 or auto (1..4): above 1, profile layer by layer and measure umopt's and torch's multi-chunk schedules too.",
 )
+@click.option(
+    "--lengths",
+    default=None,
+    metavar="SAMPLER|FILE",
+    help="Sequences of different lengths: minibatches of -B sequences drawn from a sampler (chat, "
+    "instruction, lmsys, long-context; scaled to --max-length) or a file of lengths, each step planned by umopt and by the "
+    "peers (--methods) in turns on the same minibatches; tokens per second decide.",
+)
+@click.option(
+    "--max-length",
+    type=click.IntRange(2),
+    default=256,
+    show_default=True,
+    help="With --lengths: the longest sequence in tokens (longer ones are cut to it; the profile "
+    "costs sequences up to it).",
+)
+@click.option(
+    "--methods",
+    default=",".join(("umopt", "pad", "pack", "dynapipe")),
+    show_default=True,
+    help="With --lengths: who plans the steps, umopt and peers (pad, pack, pack-split, sort-split, dynapipe, wlb).",
+)
 def tune(
     model,
     model_args,
@@ -80,9 +104,37 @@ def tune(
     link_gbps,
     zero_bubble,
     chunks,
+    lengths,
+    max_length,
+    methods,
 ) -> None:
     """Profile, solve, run the candidates in turns and recommend what measured fastest."""
     _require_torch()
+    if lengths is not None:
+        if zero_bubble or chunks != "1":
+            raise UmoptError(
+                "--lengths plans one chunk per rank without W ops, so far: leave out --zero-bubble and --chunks"
+            )
+        _tune_lengths(
+            model,
+            model_args,
+            stages,
+            minibatch,
+            device,
+            steps,
+            rounds,
+            confidence,
+            budget,
+            out_dir,
+            probes,
+            dtype,
+            link_latency_ms,
+            link_gbps,
+            lengths,
+            max_length,
+            methods,
+        )
+        return
     from umopt.solve_chunks import parse_chunks
     from umopt.tune import DEFAULT
     from umopt.tune import tune as run_tune
@@ -164,3 +216,89 @@ def tune(
     for line in result.warnings:
         err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
     out.print(f"wrote {len(result.files)} files to {result.out_dir}/")
+
+
+def _tune_lengths(
+    model,
+    model_args,
+    stages,
+    minibatch,
+    device,
+    steps,
+    rounds,
+    confidence,
+    budget,
+    out_dir,
+    probes,
+    dtype,
+    link_latency_ms,
+    link_gbps,
+    lengths,
+    max_length,
+    methods,
+) -> None:
+    import os
+
+    from umopt.tune import DEFAULT, tune_lengths
+    from umopt.zoo import parse_model_args
+
+    args = parse_model_args(list(model_args)) or (DEFAULT["model_args"] if not model else {})
+    if (model or DEFAULT["model"]) == "gpt":
+        args = {**args, "seq_len": max_length}  # the model takes the longest sequence
+    result = tune_lengths(
+        model or DEFAULT["model"],
+        args,
+        stages or DEFAULT["stages"],
+        f"file:{lengths}" if os.path.isfile(lengths) else lengths,
+        minibatch or DEFAULT["minibatch"],
+        max_length,
+        methods=[m.strip() for m in methods.split(",") if m.strip()],
+        device=device,
+        steps=steps,
+        rounds=rounds,
+        confidence=confidence,
+        budget=budget,
+        out_dir=out_dir,
+        probes=probes,
+        dtype=dtype,
+        link_latency_ms=link_latency_ms,
+        link_gbps=link_gbps,
+        say=lambda m: err.print(f"umopt tune: {m}", markup=False),
+    )
+    umopt = next(r for r in result.rows if r.method == "umopt")
+    table = Table(
+        title=f"{model or DEFAULT['model']}, {stages or DEFAULT['stages']} stages, {minibatch or DEFAULT['minibatch']} "
+        f"sequences per minibatch from {lengths} (up to {max_length} tokens)"
+    )
+    table.add_column("method", no_wrap=True)
+    for col in ("ktok/s", "pred", "ms", "pred ms", "umopt x"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for row in result.rows:
+        mark = " *" if row.method == result.recommended else ""
+        table.add_row(
+            row.method + mark,
+            f"{row.tokens_per_s / 1e3:.2f}",
+            f"{row.predicted_tokens_per_s / 1e3:.2f}",
+            f"{row.measured_ms:.1f}",
+            f"{row.predicted_ms:.1f}",
+            f"{umopt.tokens_per_s / row.tokens_per_s:.2f}x",
+        )
+    out.print(table)
+    out.print(
+        "method: who planned each step (the same minibatches for all); ktok/s: real tokens (no padding) "
+        "per second, measured over the measured steps, and pred as the cost model costs each step's plan; "
+        "ms: the mean step; umopt x: umopt's tokens per second over the row's",
+        markup=False,
+        highlight=False,
+        style="dim",
+    )
+    state = "" if result.decided else "; not decided when the budget ended (more --budget or --steps decides)"
+    out.print(f"recommended (*): {result.recommended}, {result.reason}{state}", markup=False, highlight=False)
+    for line in result.warnings:
+        err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
+    out.print(
+        f"wrote {len(result.files)} files to {result.out_dir}/; train with: umopt run {result.out_dir}/plan.json "
+        f"--profile {result.out_dir}/profile.json --data package.module:fn (your sequences)",
+        markup=False,
+        highlight=False,
+    )

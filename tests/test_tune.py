@@ -170,3 +170,35 @@ def test_tune_with_chunks_measures_torch_multi_chunk_schedules_beside_one_chunk(
     for name in ("gpipe_equal", "1f1b_equal", "umopt_one_chunk", "umopt"):
         assert name in stdout and (out / f"report_{name}.json").exists()
     assert "recommended (*):" in stdout and (out / "recommended.json").exists()
+
+
+def test_tune_with_lengths_measures_umopt_plans_against_a_peers_on_the_same_minibatches(
+    tmp_path, capsys, monkeypatch
+):
+    """``umopt tune --lengths``: a profile by tokens (here a synthetic one of the same gpt, for
+    time: profiling by tokens is tests/test_lengths_profile.py's), then the steps planned by
+    umopt and by packing in turns; a sampler longer than --max-length is scaled to it."""
+    import sys
+
+    import umopt.tune
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_varlen_run import ARGS, _run_profile
+
+    monkeypatch.setattr(umopt.tune, "_profile", lambda *a, **k: _run_profile(tmp_path))
+    out = tmp_path / "tune"
+    args = [f"--model-arg={k}={v}" for k, v in ARGS.items() if k != "seq_len"]
+    argv = ["tune", "--model", "gpt", *args, "--lengths", "chat", "--max-length", "48", "-B", "8"]
+    argv += ["--methods", "umopt,pack", "--steps", "1", "--rounds", "2", "--budget", "1", "--out", str(out)]
+    main(argv)
+    cap = capsys.readouterr()
+    assert "chat's lengths scaled down" in cap.err
+    reports = {m: json.loads((out / f"report_{m}.json").read_text()) for m in ("umopt", "pack")}
+    assert (
+        reports["umopt"]["lengths"]["tokens"] == reports["pack"]["lengths"]["tokens"]
+    )  # the same minibatches
+    assert all(r["lengths"]["data"] == "--lengths chat/85.3333" for r in reports.values())
+    row = next(line for line in cap.out.splitlines() if line.startswith("│ pack"))
+    got = float(row.split("│")[2]) * 1e3
+    assert got == pytest.approx(reports["pack"]["lengths"]["tokens_per_s"], rel=0.01)
+    assert "umopt run" in cap.out and (out / "plan.json").exists()

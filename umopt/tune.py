@@ -16,6 +16,11 @@ too), umopt's one-chunk schedule and the equal GPipe and 1F1B, each layout train
 of the model in the same turns.
 Everything it makes lands in one folder: the profile, the schedules, the run reports and the
 Gantt pictures.
+
+With sequences of different lengths (:func:`tune_lengths`, ``umopt tune --lengths SAMPLER``) the
+profile is costed by tokens too, and ``umopt run`` trains on minibatches drawn from the sampler,
+each step planned ahead by umopt's planner and, in turns on the same minibatches, by the peers
+(padding to the longest, packing, DynaPipe ...): the measured tokens per second decide.
 """
 
 from __future__ import annotations
@@ -42,9 +47,23 @@ from .run.options import RunOptions
 from .solve import make_problem, solve
 from .solve_chunks import solve_chunked
 from .solvers import SOLVERS
+from .varlen.planner import plan
+from .varlen.samplers import SAMPLERS, minibatch_of_step
+from .varlen.solve import plan_schedule
 from .zerobubble import zb_h1
 
-__all__ = ["DEFAULT", "EQUAL", "TuneRow", "TuneResult", "pick", "tune"]
+__all__ = [
+    "DEFAULT",
+    "EQUAL",
+    "LENGTHS_METHODS",
+    "LengthsRow",
+    "LengthsResult",
+    "TuneRow",
+    "TuneResult",
+    "pick",
+    "tune",
+    "tune_lengths",
+]
 
 # a small GPT on 2 stages: tune's whole loop within minutes on a laptop's cores
 DEFAULT = {
@@ -54,6 +73,7 @@ DEFAULT = {
     "minibatch": 32,
 }
 EQUAL = ("gpipe_equal", "1f1b_equal")
+LENGTHS_METHODS = ("umopt", "pad", "pack", "dynapipe")  # what tune --lengths measures in turns
 
 
 @dataclass
@@ -396,3 +416,139 @@ def _measure(
             replace(measured[same], name=name, plot=str(out / f"measured_{name}.png"), same_as=same, **files),
         )
     return rows, decision, warnings
+
+
+@dataclass
+class LengthsRow:
+    method: str  # who planned the steps
+    tokens_per_s: float  # measured, real tokens
+    predicted_tokens_per_s: float
+    measured_ms: float  # the mean step
+    predicted_ms: float
+    rounds_ms: list[float]  # the median step of each round
+    report: str
+    plot: str
+
+
+@dataclass
+class LengthsResult:
+    rows: list[LengthsRow]
+    out_dir: str
+    recommended: str  # the method that measured fastest at the confidence (else the best peer)
+    reason: str
+    decided: bool
+    warnings: list[str]
+    files: list[str]
+
+
+def tune_lengths(
+    model: str,
+    model_args: dict,
+    stages: int,
+    lengths: str,
+    size: int,
+    max_length: int,
+    *,
+    methods: Sequence[str] = LENGTHS_METHODS,
+    device: str = "cpu",
+    steps: int = 4,
+    warmup: int = 2,
+    rounds: int = 4,
+    confidence: float = CONFIDENCE,
+    budget: float = 120.0,
+    out_dir: str = "umopt-tune",
+    seed: int = 0,
+    probes: bool = True,
+    dtype: str = "float32",
+    link_latency_ms: Optional[float] = None,
+    link_gbps: Optional[float] = None,
+    say: Callable[[str], None] = lambda _msg: None,
+) -> LengthsResult:
+    """Profile by tokens, then train on minibatches of ``size`` sequences drawn from ``lengths``
+    (a sampler or ``file:PATH``; at most ``max_length`` tokens each), every step planned by each
+    of ``methods`` in turns on the same minibatches, until the paired test over rounds decides
+    between umopt's plans and the best peer's (or the budget ends)."""
+    if "umopt" not in methods or len(methods) < 2:
+        raise UmoptError("tune --lengths measures umopt's plans against at least one peer's")
+    minibatch_of_step(lengths, 0, 1, max_length)  # an unknown sampler fails before any timing
+    name, _, by = lengths.partition("/")
+    if name in SAMPLERS and not by and SAMPLERS[name].cap > max_length:
+        k = SAMPLERS[name].cap / max_length
+        lengths = f"{name}/{k:g}"
+        say(
+            f"{name}'s lengths scaled down {k:g} times to at most {max_length} tokens, keeping their spread "
+            f"({name}/1 cuts them at {max_length} instead)"
+        )
+    opts = ProfileOptions(
+        model=model,
+        model_args=model_args,
+        stages=stages,
+        max_size=min(64, size),
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        link_latency_ms=link_latency_ms,
+        link_gbps=link_gbps,
+        lengths=max_length,
+    )
+    _check_runnable(opts)
+    out = Path(out_dir)
+    check_writable(out / "profile.json")
+    out.mkdir(parents=True, exist_ok=True)
+    say(
+        f"profiling {model} on {device}, {stages} stages, by tokens up to {max_length}"
+        + (", then probe runs of the runtime" if probes else "")
+    )
+    prof = _profile(opts, probes, min(size, 32), 1)
+    save_profile(prof, out / "profile.json")
+    prof = load_profile(out / "profile.json")
+    first = minibatch_of_step(lengths, 0, size, max_length)
+    save_schedule(plan_schedule(plan(prof, first), prof), str(out / "plan.json"))
+    say(
+        f"training on minibatches of {size} sequences from {lengths}, each step planned by "
+        f"{', '.join(methods)} in turns (rounds of {steps} steps, until decided at "
+        f"{100 * confidence:.0f}% confidence: at least {rounds} rounds, at most {budget:g} s)"
+    )
+    options = RunOptions(
+        schedules=[str(out / "plan.json")],
+        methods=list(methods),
+        lengths=lengths,
+        steps=steps,
+        warmup=warmup,
+        rounds=rounds,
+        decide=confidence,
+        budget=budget,
+        report=str(out / "report_{name}.json"),
+        plot=str(out / "measured_{name}.png"),
+        select=False,
+    )
+    result = launch(options, quiet=True)
+    rows, warnings = [], list(prof.meta.warnings)
+    for method, r, rep in zip(methods, result.reports, result.report_paths):
+        assert r.lengths is not None
+        rows.append(
+            LengthsRow(
+                method,
+                r.lengths.tokens_per_s,
+                r.lengths.predicted_tokens_per_s,
+                r.measured_iteration_ms,
+                r.predicted_iteration_ms,
+                r.round_ms,
+                rep,
+                str(out / f"measured_{method}.png"),
+            )
+        )
+        off = r.measured_over_predicted - 1
+        if abs(off) > OFF_PREDICTION:
+            warnings.append(f"{method}'s steps measured {100 * off:+.0f}% off their plans' predictions")
+    decision = result.reports[0].decision
+    assert decision is not None
+    return LengthsResult(
+        rows,
+        str(out),
+        decision.winner,
+        decision.reason,
+        decision.decided,
+        warnings,
+        sorted(str(p) for p in out.iterdir()),
+    )

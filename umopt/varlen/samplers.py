@@ -13,6 +13,8 @@ above 1), and are said below. Seeded, so a minibatch stream is reproducible.
 - ``long-context``: documents of a long-context pretraining corpus, median 1,914, mean 3,052,
   p90 6,051 and p99 16,269 tokens, for which a lognormal of mu 7.68 and sigma 0.74 stands (the
   longest 5% of documents carry a quarter of the tokens);
+- ``NAME/K``: a sampler's lengths divided by K (rounded up): the same spread at a length a CPU
+  trains at a useful pace (``chat/16``: conversations of a 256-token world);
 - ``file:PATH``: lengths from a file (one integer per line, or a JSON list), drawn in order and
   round again.
 """
@@ -86,11 +88,22 @@ def sampler(spec: str, cap: Optional[int] = None) -> Callable[[np.random.Generat
             return np.minimum(take, cap) if cap else take
 
         return from_file
-    if spec not in SAMPLERS:
-        raise UmoptError(f"unknown lengths {spec!r}: one of {', '.join(SAMPLERS)}, or file:PATH")
-    s = SAMPLERS[spec]
+    name, _, by = spec.partition("/")
+    if name not in SAMPLERS:
+        raise UmoptError(
+            f"unknown lengths {spec!r}: one of {', '.join(SAMPLERS)} (NAME/K: scaled down K times), or file:PATH"
+        )
+    try:
+        k = float(by) if by else 1.0
+    except ValueError:
+        k = 0.0
+    if not k >= 1:
+        raise UmoptError(
+            f"lengths {spec!r}: NAME/K scales the lengths down K times, K a number of at least 1"
+        )
+    s = SAMPLERS[name]
     limit = min(cap, s.cap) if cap else s.cap
-    return lambda rng, n: np.minimum(s.draw(rng, n), limit)
+    return lambda rng, n: np.minimum(np.maximum(1, np.ceil(s.draw(rng, n) / k).astype(np.int64)), limit)
 
 
 def minibatches(
