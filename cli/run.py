@@ -206,6 +206,21 @@ def _print_run(r: RunReport) -> None:
         markup=False,
         highlight=False,
     )
+    _print_memory(r)
+
+
+def _print_memory(r: RunReport, who: str = "") -> None:
+    mem = r.peak_memory_bytes
+    if mem is None or not mem.measured or len(mem.measured) != len(mem.predicted):
+        return
+    how = "over the run" if r.backend == "nccl" else "in the last warm-up step, by torch's profiler"
+    out.print(
+        f"{who}peak memory per rank, predicted / measured ({how}): "
+        + ", ".join(f"{p / 2**20:.1f}/{m / 2**20:.1f}" for p, m in zip(mem.predicted, mem.measured))
+        + " MiB",
+        markup=False,
+        highlight=False,
+    )
 
 
 def _print_lengths(reports: list[RunReport]) -> None:
@@ -248,6 +263,8 @@ def _print_lengths(reports: list[RunReport]) -> None:
             "decided" if d.decided else f"not decided at {100 * d.confidence_asked:.0f}% when the turns ended"
         )
         out.print(f"keep {d.winner}: {d.reason} ({state})", markup=False, highlight=False)
+    for r in reports:
+        _print_memory(r, f"{r.lengths.method}: ")
 
 
 def _print_selection(sel) -> None:

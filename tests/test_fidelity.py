@@ -68,6 +68,12 @@ def test_the_noise_warning_fires_on_a_noisy_series_and_not_on_a_quiet_one():
     lines = run_warnings(report)
     assert len(lines) == 2 and "1.30x its prediction" in lines[0] and "umopt calibrate" in lines[0]
     assert run_warnings(RunReport(measured_over_predicted=1.05, step_ms=[10.0, 10.1, 9.9, 10.0])) == []
+    # a rank allocating more than 10% over its predicted peak is said, by rank; within it, nothing
+    mem = {"predicted": [100 * 2**20, 50 * 2**20], "measured": [105 * 2**20, 60 * 2**20]}
+    lines = run_warnings(RunReport(schedule="s.json", measured_over_predicted=1.0, peak_memory_bytes=mem))
+    assert len(lines) == 1 and "rank 1 allocated 60.0 MiB" in lines[0] and "20% over" in lines[0]
+    mem["measured"][1] = 54 * 2**20
+    assert run_warnings(RunReport(measured_over_predicted=1.0, peak_memory_bytes=mem)) == []
 
 
 def test_round_speeds_take_out_a_drift_that_all_sizes_saw():

@@ -45,6 +45,7 @@ __all__ = [
 NOISY_SPREAD = 0.10
 # how far a run may be from its prediction before the run says the profile does not describe it
 OFF_PREDICTION = 0.15
+MEMORY_OVER = 0.10  # a rank allocating this much more than its predicted peak is warned of
 
 
 @dataclass(frozen=True)
@@ -256,6 +257,20 @@ def run_warnings(report: RunReport) -> list[str]:
             f"{name} ran with other numerics than its profile was timed under ({'; '.join(report.numerics_differ)}): "
             "its prediction may not hold; profile under the settings you train with"
         )
+    mem = report.peak_memory_bytes
+    if mem is not None and mem.measured and len(mem.measured) == len(mem.predicted):
+        over = [
+            (s, m / p - 1)
+            for s, (m, p) in enumerate(zip(mem.measured, mem.predicted))
+            if p and m > p * (1 + MEMORY_OVER)
+        ]
+        if over:
+            s, by = max(over, key=lambda x: x[1])
+            out.append(
+                f"{name}: rank {s} allocated {mem.measured[s] / 2**20:.1f} MiB at its peak, {100 * by:.0f}% over the "
+                f"{mem.predicted[s] / 2**20:.1f} MiB predicted: a memory limit is not safe with this profile's "
+                "memory figures (profile again on this device)"
+            )
     if len(report.step_ms) >= 4:
         s = summarize(report.step_ms)
         line = noisy_warning(f"{name}'s steps", s.spread)

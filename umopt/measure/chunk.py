@@ -26,6 +26,7 @@ from torch import nn
 from ..devices import boundary_tensors
 from ..errors import UmoptError
 from ..zoo import ModelParts, run_layers
+from .memory import peak_during
 from .options import ProfileOptions
 
 __all__ = [
@@ -139,29 +140,26 @@ class StageProbe:
             )
         return max(0, grow // (hi - lo))
 
+    def _forward_backward(self, x, y) -> None:
+        out = self.forward(x, y)
+        out.backward(self.output_grad(out))
+
     def work_bytes(self, lo: int = 2, hi: int = 6) -> tuple[int, int]:
         """(fixed, per sample): what a chunk's forward and backward allocate at their peak beyond
-        what the chunk keeps for backward, fitted on two sizes (CUDA's ``max_memory_allocated``;
-        (0, 0) on CPUs, which keep no such count). See costmodel's [Note: what an op allocates
-        while it runs]."""
-        if self.device.type != "cuda":
-            return 0, 0
+        what the chunk keeps for backward, fitted on two sizes (CUDA's count, or on CPUs torch's
+        profiler: :mod:`umopt.measure.memory`). See costmodel's [Note: what an op allocates while
+        it runs]."""
         work = []
         x, y = self.inputs(lo)
         out = self.forward(x, y)
         out.backward(self.output_grad(out))  # the gradients allocated, as in a run
+        del out
         for b in (lo, hi):
             x, y = self.inputs(b)
             with self.cast():
                 kept = stash_bytes(self.stage, x, y if self.last else None)
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            out = self.forward(x, y)
-            out.backward(self.output_grad(out))
-            torch.cuda.synchronize(self.device)
-            work.append(torch.cuda.max_memory_allocated(self.device) - base - kept)
-            del out, x, y
+            _, peak = peak_during(lambda: self._forward_backward(x, y), self.device)
+            work.append(peak - kept)
         self.stage.zero_grad(set_to_none=True)
         per = max(0, (work[1] - work[0]) // (hi - lo))
         return max(0, work[0] - lo * per), per
@@ -213,20 +211,15 @@ def optimizer_for(name: str, params) -> tuple[torch.optim.Optimizer, int]:
 
 def optimizer_work_bytes(stage: nn.Module, opts: ProfileOptions, device: torch.device) -> int:
     """What one optimizer step over the stage's parameters allocates beyond its state (its
-    temporaries: CUDA's ``max_memory_allocated``; 0 on CPUs)."""
+    temporaries: CUDA's count, or on CPUs torch's profiler)."""
     params = [p for p in stage.parameters() if p.requires_grad]
-    if device.type != "cuda" or not params:
+    if not params:
         return 0
     opt, _ = optimizer_for(opts.optimizer, params)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()  # its state, made at the first step
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    opt.step()
-    torch.cuda.synchronize(device)
-    work = torch.cuda.max_memory_allocated(device) - base
+    _, work = peak_during(opt.step, device)
     stage.zero_grad(set_to_none=True)
     return int(work)
 

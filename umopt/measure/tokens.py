@@ -27,6 +27,7 @@ from ..devices import TensorSpec
 from ..errors import UmoptError
 from ..zoo import ModelParts, pack, pad
 from .chunk import StageProbe, Timer, stash_bytes
+from .memory import peak_during
 from .options import ProgressFn
 
 __all__ = ["MODES", "TokenPoint", "grid", "check_lengths", "stage_token_costs", "fit"]
@@ -181,19 +182,30 @@ def _bytes_per_token(
     probe: StageProbe, bounds: list[torch.Tensor], a: int, b: int, mode: str, max_length: int
 ) -> dict:
     """What the stage receives, sends and keeps for backward per token: its boundaries' bytes
-    per sample over their sequence length; the stash from two chunks of one sequence."""
+    per sample over their sequence length; the stash, and what a forward and backward allocate
+    beyond it, from two chunks of one sequence."""
 
     def per_token(t: torch.Tensor) -> int:
         return int(TensorSpec.of(t).bytes_per_sample) // max(1, t.shape[1] if t.dim() > 1 else 1)
 
+    def forward_backward(x, y, lengths) -> None:
+        out = probe.forward(x, y, lengths)
+        out.backward(probe.output_grad(out))
+
     lo, hi = max(1, max_length // 4), max_length
-    kept = []
+    kept, work = [], []
     for L in (lo, hi):
         x, y, lengths = _chunk(probe, TokenPoint((L,)), mode, seed=0)
         with probe.cast():
             kept.append(stash_bytes(probe.stage, x, y if probe.last else None, lengths))
+        # what the forward and backward allocate beyond what backward keeps (the gradients of
+        # the first chunk stay, as in a step that accumulates them)
+        _, peak = peak_during(lambda: forward_backward(x, y, lengths), probe.device)
+        work.append(peak - kept[-1])
+    probe.stage.zero_grad(set_to_none=True)
     return {
         "input_bytes_per_token": per_token(bounds[a]),
         "output_bytes_per_token": 0 if probe.last else per_token(bounds[b]),
         "stash_bytes_per_token": max(0, (kept[1] - kept[0]) // max(1, hi - lo)),
+        "work_bytes_per_token": max(0, (work[1] - work[0]) // max(1, hi - lo)),
     }

@@ -53,6 +53,7 @@ from ..formats.profile import Profile
 from ..formats.report import LengthsRun, Selection
 from ..formats.schedule import Schedule
 from ..losses import valid_targets
+from ..measure.memory import held_bytes, peak_during, state_tensors
 from ..zoo import ModelParts, Sequences, build_model, run_layers
 from . import checkpoint, faults
 from .comm import TorchComm
@@ -293,6 +294,8 @@ class _Play:
     tokens: list[int] = field(default_factory=list)  # each measured step's real tokens (all replicas)
     predicted_ms: list[float] = field(default_factory=list)  # each measured step's plan's prediction
     predicted_peak: list[int] = field(default_factory=list)  # per rank, the most any plan played needs
+    peak_bytes: Optional[int] = None  # CPU: this rank's peak in the step measured for it
+    peak_predicted: list[int] = field(default_factory=list)  # ... and that step's plan's, per rank
 
     @property
     def schedule(self) -> Schedule:
@@ -358,12 +361,18 @@ class _Turn:
 
 
 def _step(
-    rk: _Rank, play: _Play, it: int, measured: bool, save_grads: bool, turn: Optional[_Turn] = None
+    rk: _Rank,
+    play: _Play,
+    it: int,
+    measured: bool,
+    save_grads: bool,
+    turn: Optional[_Turn] = None,
+    memory: bool = False,
 ) -> float:
     """Step ``it`` of the run with ``play``'s schedule, then the optimizer; the slowest rank's
     time of it (every rank gets the same), recorded in ``play`` where ``measured``. With
     sequences of different lengths, ``turn`` says which minibatch (default: ``it``'s) and what
-    is planned next."""
+    is planned next. ``memory``: a step whose peak memory is measured on a CPU (a warm-up step)."""
     opts, B, dp = rk.cfg.options, play.pipe.schedule.minibatch, rk.cfg.dp
     faults.inject(rk.rank, it - rk.start_step, play.setup.modules)
     inputs = targets = plan = None
@@ -387,18 +396,31 @@ def _step(
     _barrier(rk.device)
     timing = rk.timing
     timing.start()
-    loss_sum = play.pipe.step(inputs=inputs, targets=targets, plan=plan)
+    grads: Optional[dict] = None
+
+    def train() -> Any:
+        nonlocal grads
+        loss_sum = play.pipe.step(inputs=inputs, targets=targets, plan=plan)
+        # the gradients themselves, not copies: neither optimizer as built changes a gradient in
+        # place, and zero_grad only drops the parameters' references to them
+        # named as the model's layers ("layers.3.weight"), whichever rank and chunk holds them
+        if save_grads:
+            grads = {
+                k: p.grad for m in play.setup.modules for k, p in m.named_parameters() if p.grad is not None
+            }
+        t_opt = timing.mark()
+        play.opt.step()
+        return loss_sum, t_opt
+
+    if memory and rk.device.type == "cpu":  # see [Note: a CPU step's peak memory]
+        buffers = [t for st in play.pipe.playing.stages.values() for t in (*st.act, *st.grad)]
+        held = held_bytes(state_tensors(play.setup.modules, play.opt) + buffers)
+        (loss_sum, t_opt), extra = peak_during(train, rk.device)
+        play.peak_bytes = held + extra
+        play.peak_predicted = list(plan.predicted.peak_memory_bytes) if plan is not None else []
+    else:
+        loss_sum, t_opt = train()
     spans = list(play.pipe.spans)
-    # the gradients themselves, not copies: neither optimizer as built changes a gradient in
-    # place, and zero_grad only drops the parameters' references to them
-    # named as the model's layers ("layers.3.weight"), whichever rank and chunk holds them
-    grads = (
-        {k: p.grad for m in play.setup.modules for k, p in m.named_parameters() if p.grad is not None}
-        if save_grads
-        else None
-    )
-    t_opt = timing.mark()
-    play.opt.step()
     play.opt.zero_grad(set_to_none=True)
     spans.append(("OPT", 0, 0, -1, t_opt, timing.mark()))
     elapsed = timing.stop()
@@ -443,10 +465,16 @@ class _Steps:
         self.rk, self.it, self.last, self.progress = rk, rk.start_step, rk.start_step + total - 1, progress
 
     def play(
-        self, play: _Play, measured: bool, end_of_round: bool, what: str, turn: Optional[_Turn] = None
+        self,
+        play: _Play,
+        measured: bool,
+        end_of_round: bool,
+        what: str,
+        turn: Optional[_Turn] = None,
+        memory: bool = False,
     ) -> float:
         rk, opts = self.rk, self.rk.cfg.options
-        ms = _step(rk, play, self.it, measured, bool(opts.save_grads) and self.it == self.last, turn)
+        ms = _step(rk, play, self.it, measured, bool(opts.save_grads) and self.it == self.last, turn, memory)
         self.it += 1
         if self.progress:
             predicted = play.predicted_ms[-1] if measured and play.predicted_ms else None
@@ -479,6 +507,7 @@ def _selecting(rk: _Rank, play: _Play, steps: _Steps) -> Optional[Selection]:
             measured=not warm and not selecting,
             end_of_round=it == total - 1,
             what=f"{what}, {play.pipe.up_next}",
+            memory=it == opts.warmup - 1,
         )
     return play.pipe.selection
 
@@ -513,6 +542,7 @@ def _turns(rk: _Rank, plays: list[_Play], steps: _Steps) -> tuple[int, Optional[
                     end_of_round=j == n - 1 and k == len(plays) - 1,
                     what=f"round {turn + 1}, {play.name}" + (" (warm-up)" if warm else ""),
                     turn=_Turn(base + j, following),
+                    memory=turn == 0 and j == opts.warmup - 1,
                 )
         base += n
         turn += 1
@@ -576,7 +606,9 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
             "busy_ms": statistics.median(play.busy_ms) if play.busy_ms else 0.0,
             "allreduce_ms": statistics.median(play.allreduce_ms) if play.allreduce_ms else 0.0,
             "reference_ms": statistics.median(rk.speeds),
-            "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(device)
+            if device.type == "cuda"
+            else play.peak_bytes,
             "numerics_differ": differ,
         }
         gathered: list = [None] * rk.world
@@ -616,7 +648,8 @@ def _lengths_run(cfg: RunConfig, play: _Play) -> LengthsRun:
         predicted_tokens_per_s=sum(play.tokens) * 1e3 / sum(play.predicted_ms)
         if sum(play.predicted_ms) > 0
         else 0.0,
-        predicted_peak_memory_bytes=play.predicted_peak,
+        # what the measured peak is compared with: on CPUs, the measured step's plan's
+        predicted_peak_memory_bytes=play.peak_predicted or play.predicted_peak,
     )
 
 
