@@ -32,7 +32,7 @@ from umopt.baselines import gpipe_equal, onef1b_equal
 from umopt.bounds import Scope, fast_bound_ms, pair_bound_ms, spec_bound
 from umopt.formats.profile import load_profile
 from umopt.partition import backwards_in_sample_order
-from umopt.solve import make_problem
+from umopt.search.solve import make_problem
 from umopt.solvers import SOLVERS
 
 CASES = [

@@ -32,7 +32,7 @@ from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.problem import Candidate
 from umopt.run.checkpoint import MANIFEST, read_manifest
-from umopt.solve import make_problem
+from umopt.search.solve import make_problem
 from umopt.synthetic import synthetic_profile
 
 S, B = 3, 24

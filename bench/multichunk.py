@@ -10,7 +10,7 @@ torch's schedules scored at their best v <= 4, M and cut (each stage or all laye
 by layer count), and umopt's search over per-virtual-stage
 partitions, placement and cut; the pick is the fastest), against the best torch schedule of the
 same kind (without W ops: ScheduleLoopedBFS and ScheduleInterleaved1F1B; with them any of the
-five) and umopt's one-chunk pick. Torch's orders come from torch itself (umopt.peers). Targets
+five) and umopt's one-chunk pick. Torch's orders come from torch itself (umopt.search.peers). Targets
 (issue 45): umopt's pick at least 1.05x the best torch schedule on every row, at least 1.15x
 umopt's single-chunk pick on transformer8-sim, within 60 s at S=8, B=64; every solve within its
 limit + 5% + 2 s (issue 58). "search adds": schedules the local search scored beyond the
@@ -26,7 +26,7 @@ import time
 from tables import print_table
 
 from umopt.formats.profile import load_profile
-from umopt.solve_chunks import solve_chunked
+from umopt.search.solve_chunks import solve_chunked
 
 ROWS = [
     ("gpt-sim", 32),
@@ -98,7 +98,7 @@ def heldout(name: str):
 def onef1b_peak(profile, minibatch: int) -> int:
     """The best equal one-chunk 1F1B's peak memory on its busiest rank."""
     from umopt.baselines import onef1b_equal
-    from umopt.solve import make_problem
+    from umopt.search.solve import make_problem
 
     problem = make_problem(profile, minibatch, False, None)
     return max(onef1b_equal(problem).candidate.simulate(problem).peak_memory_bytes)

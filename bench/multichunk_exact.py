@@ -21,7 +21,7 @@ from tables import print_table
 from umopt.costmodel import simulate
 from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile
-from umopt.peers import TORCH_MULTI, torch_ops
+from umopt.search.peers import TORCH_MULTI, torch_ops
 from umopt.solvers.cpsat_chunks import solve_chunks_exact
 from umopt.solvers.multichunk import improve_order, solve_chunks
 from umopt.synthetic import synthetic_profile

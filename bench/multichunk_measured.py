@@ -113,8 +113,8 @@ def main() -> None:
     from umopt.errors import UmoptError
     from umopt.formats.profile import load_profile
     from umopt.formats.schedule import make_schedule, save_schedule
-    from umopt.peers import score_peer
-    from umopt.solve_chunks import solve_chunked
+    from umopt.search.peers import score_peer
+    from umopt.search.solve_chunks import solve_chunked
 
     work = Path(tempfile.mkdtemp(prefix="umopt-multichunk-"))
     model_args = {"layers": args.layers, "d_model": 128, "heads": 4, "vocab": 512, "seq_len": 32}

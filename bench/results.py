@@ -22,7 +22,7 @@ import solver_quality  # noqa: E402
 
 from umopt.formats.profile import load_profile  # noqa: E402
 from umopt.plot import gantt  # noqa: E402
-from umopt.solve import solve  # noqa: E402
+from umopt.search.solve import solve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- results:start -->", "<!-- results:end -->"

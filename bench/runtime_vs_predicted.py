@@ -36,11 +36,11 @@ from umopt.costmodel import simulate
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.measure import ProfileOptions, profile_model
-from umopt.probes import fit_to_probes
+from umopt.measure.probes import fit_to_probes
 from umopt.problem import Candidate
 from umopt.run.launch import launch
 from umopt.run.options import RunOptions
-from umopt.solve import make_problem, solve
+from umopt.search.solve import make_problem, solve
 
 GPT = {"layers": 4, "d_model": 128, "heads": 4, "vocab": 2048, "seq_len": 64}
 

@@ -28,10 +28,10 @@ from rich.console import Console
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import load_schedule, save_schedule
 from umopt.measure import ProfileOptions
-from umopt.probes import profile_in_pipeline
+from umopt.measure.probes import profile_in_pipeline
 from umopt.run.launch import launch
 from umopt.run.options import RunOptions
-from umopt.solve import solve
+from umopt.search.solve import solve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import MODELS  # noqa: E402  (a sibling script)

@@ -16,11 +16,11 @@ from .app import cli, out
 )
 def calibrate(profile_path, reports, output) -> None:
     """Scale PROFILE's op times to what runs measured (their --report files)."""
-    from umopt.calibrate import calibrate as fit
-    from umopt.calibrate import size_ratios
     from umopt.fileio import check_writable
     from umopt.formats.profile import load_profile, save_profile
     from umopt.formats.report import load_report
+    from umopt.measure.calibrate import calibrate as fit
+    from umopt.measure.calibrate import size_ratios
 
     check_writable(output)
     profile = load_profile(profile_path)

@@ -132,7 +132,7 @@ def run(schedules, **options) -> None:
     profile) take turns on the same processes, --rounds times, so that what drifts on the machine
     meets them all alike. Under torchrun (several machines) each process is one rank."""
     _require_torch()
-    from umopt.noise import run_warnings
+    from umopt.measure.noise import run_warnings
     from umopt.run.launch import launch
     from umopt.run.options import RunOptions
 

@@ -127,7 +127,7 @@ def solve(
 ) -> None:
     """Search unequal per-stage partitions for PROFILE (a path or a bundled profile's name)."""
     started = time.perf_counter()  # the time limit covers the whole command
-    from umopt.solve_chunks import parse_chunks
+    from umopt.search.solve_chunks import parse_chunks
 
     chunk_counts = parse_chunks(chunks)
     if lengths is not None:
@@ -156,8 +156,8 @@ def solve(
         raise UmoptError("--minibatches plans a stream of sequences of different lengths: give --lengths")
     from umopt.fileio import check_writable
     from umopt.formats.schedule import save_schedule
-    from umopt.solve import allreduce_for
-    from umopt.solve import solve as run_solve
+    from umopt.search.solve import allreduce_for
+    from umopt.search.solve import solve as run_solve
 
     for path in filter(None, (output, plot, trace)):
         check_writable(path)
@@ -305,7 +305,7 @@ def _solve_chunked(
     profile, minibatch, chunk_counts, recompute, time_limit, seed, zero_bubble, output, plot, trace, dp=None
 ):
     from umopt.formats.schedule import save_schedule
-    from umopt.solve_chunks import solve_chunked
+    from umopt.search.solve_chunks import solve_chunked
 
     with _progress_bar("solve (chunks)") as bar:
         progress = _best_so_far(bar)

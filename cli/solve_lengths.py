@@ -40,7 +40,7 @@ def solve_lengths(
 
     started = time.perf_counter()  # the time limit covers the whole command
     from umopt.fileio import check_writable
-    from umopt.solve import allreduce_for
+    from umopt.search.solve import allreduce_for
     from umopt.varlen.samplers import minibatches
 
     if count < 1:

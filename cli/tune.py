@@ -135,7 +135,7 @@ def tune(
             methods,
         )
         return
-    from umopt.solve_chunks import parse_chunks
+    from umopt.search.solve_chunks import parse_chunks
     from umopt.tune import DEFAULT
     from umopt.tune import tune as run_tune
     from umopt.zoo import parse_model_args

@@ -53,7 +53,7 @@ def minibatch(docs: list[torch.Tensor], step: int, n: int) -> list[torch.Tensor]
 def prepare(args: argparse.Namespace) -> None:
     from umopt.formats.profile import save_profile
     from umopt.measure import ProfileOptions
-    from umopt.probes import profile_in_pipeline
+    from umopt.measure.probes import profile_in_pipeline
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

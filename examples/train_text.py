@@ -100,7 +100,7 @@ def prepare(args: argparse.Namespace) -> None:
     from umopt.baselines import gpipe_equal, onef1b_equal
     from umopt.formats.profile import load_profile, save_profile
     from umopt.formats.schedule import make_schedule, save_schedule
-    from umopt.solve import make_problem, solve
+    from umopt.search.solve import make_problem, solve
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

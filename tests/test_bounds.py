@@ -382,7 +382,7 @@ def test_1f1b_bound_is_tighter_where_drains_queue():
     # gpt-sim, B=8: the any-order bound is 44.78 ms against a proven optimum of 47.19 ms (any
     # order, CP-SAT); knowing that later samples drain after a chunk lifts it to 45.79
     from umopt.formats.profile import load_profile
-    from umopt.solve import make_problem
+    from umopt.search.solve import make_problem
 
     problem = make_problem(load_profile("gpt-sim"), 8, recompute=False)
     assert _stage_cuts_ms(problem) < 44.8
@@ -413,7 +413,7 @@ def test_drains_through_one_partition_per_stage_lift_the_bound_below_the_optimum
 def test_large_chunk_cut_lifts_the_bound_below_the_proven_optimum(monkeypatch):
     from ortools.sat.python import cp_model
 
-    from umopt.solve import make_problem
+    from umopt.search.solve import make_problem
     from umopt.solvers.cpsat import build_free_model
 
     problem = _synthetic_problem(2, 8, 4, 190, 0.05, 1e5)

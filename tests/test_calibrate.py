@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from conftest import run_cli, two_stage_profile
 
-from umopt.calibrate import Overheads, calibrate
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
 from umopt.formats.profile import ProfileMeta
+from umopt.measure.calibrate import Overheads, calibrate
 from umopt.problem import Candidate
 from umopt.synthetic import synthetic_profile
 

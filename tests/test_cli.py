@@ -286,7 +286,7 @@ def test_order_option_restricts_the_search(order, tmp_path, capsys):
         # the bound is the 1F1B family's, tighter than the any-order one and below the schedule
         from umopt.bounds import fast_bound_ms
         from umopt.formats.profile import load_profile
-        from umopt.solve import make_problem
+        from umopt.search.solve import make_problem
 
         assert sched.solver.bound_scope == "1f1b order"
         any_order = fast_bound_ms(make_problem(load_profile("gpt-sim"), 16, recompute=False))

@@ -285,7 +285,7 @@ def test_w_ops_need_a_profile_with_the_split():
 @pytest.mark.parametrize("name", ["gpt-sim", "transformer8-sim"])
 def test_placed_w_ops_beat_the_same_schedule_without_them_and_zb_h1_at_its_memory(name):
     from umopt.formats.profile import load_profile
-    from umopt.solve import solve
+    from umopt.search.solve import solve
 
     prof = load_profile(name)
     # short searches: seeded by the equal schedules, they clear the 5% by about 3x that margin
@@ -306,7 +306,7 @@ def test_zero_bubble_keeps_to_the_memory_limit():
     """Deferred W ops keep their samples' stash: under a limit at the plain schedule's peak, the
     W schedule found stays within it."""
     from umopt.formats.profile import load_profile
-    from umopt.solve import solve
+    from umopt.search.solve import solve
 
     prof = load_profile("gpt-sim")
     plain = solve(prof, 32, time_limit=1, seed=0)
@@ -342,7 +342,7 @@ def test_zb_h1_and_h2_are_the_papers(f, b, w):
     than what the first forward's trip down the pipeline allows."""
     from umopt.baselines import onef1b_equal
     from umopt.problem import Problem
-    from umopt.zerobubble import zb_h1, zb_h2
+    from umopt.search.zerobubble import zb_h1, zb_h2
 
     S, M = 4, 8
     problem = Problem(CostTables.from_profile(_unit_profile(S, f, b, w)), M)

@@ -1,4 +1,4 @@
-"""The paired test over rounds that decides between schedules measured in turns (umopt.decide),
+"""The paired test over rounds that decides between schedules measured in turns (umopt.measure.decide),
 alone on constructed round times and in a run whose step times are made by construction."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from umopt.decide import compare, decide, is_equal
+from umopt.measure.decide import compare, decide, is_equal
 
 
 def rounds(ms, n, spread, seed):

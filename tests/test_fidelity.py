@@ -8,12 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from umopt import noise
-from umopt.choice import choose, complexity
 from umopt.costmodel import CostTables
 from umopt.formats.profile import ProfileMeta
 from umopt.formats.report import RunReport
-from umopt.noise import (
+from umopt.measure import noise
+from umopt.measure.noise import (
     drift_figure,
     drift_warning,
     monotone_fit,
@@ -25,6 +24,7 @@ from umopt.noise import (
     uneven_devices_warning,
 )
 from umopt.problem import Problem
+from umopt.search.choice import choose, complexity
 from umopt.synthetic import synthetic_profile
 from umopt.tune import TuneRow, pick
 
@@ -209,8 +209,8 @@ def test_where_the_model_cannot_tell_gpipe_from_1f1b_the_probe_runs_decide():
 
 
 def test_run_ratios_are_measured_over_the_profiles_prediction():
-    from umopt.calibrate import run_ratios
     from umopt.costmodel import simulate
+    from umopt.measure.calibrate import run_ratios
 
     prof, problem = _problem_with_spread(0.0, 0.0)
     cands = _candidates(problem)

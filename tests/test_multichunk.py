@@ -13,8 +13,8 @@ from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile
 from umopt.formats.schedule import validate_ops
 from umopt.partition import equal_sizes
-from umopt.peers import torch_ops
 from umopt.schedules.multichunk import ChunkGenes, build_ops, equal_genes
+from umopt.search.peers import torch_ops
 from umopt.synthetic import synthetic_profile
 
 
@@ -297,7 +297,7 @@ def _one_chunk_schedule(tmp_path):
     """The 5-layer model's profile (stages of layers [0, 3) and [3, 5)) solved with one chunk per rank."""
     from umopt.formats.profile import save_profile
     from umopt.formats.schedule import save_schedule
-    from umopt.solve import solve
+    from umopt.search.solve import solve
 
     prof = synthetic_profile(2, max_size=8, seed=3, layers_per_stage=3)
     prof = prof.model_copy(update={"layers": prof.layers[:5]})
@@ -534,7 +534,7 @@ def test_umopt_run_plays_a_chunked_schedule_and_reports_it(tmp_path, capsys):
 
 
 def test_polishing_an_order_keeps_it_valid_and_never_slower():
-    from umopt.peers import score_peer
+    from umopt.search.peers import score_peer
     from umopt.solvers.multichunk import improve_order
 
     prof = _profile()
@@ -579,7 +579,7 @@ def test_the_exact_chunk_model_proves_tiny_instances_and_bounds_every_schedule(p
     schedule is valid and is what the simulator plays. Under a memory limit below that schedule's
     peak, what it finds fits."""
     from umopt.bounds.ranks import busiest_rank_bound
-    from umopt.peers import TORCH_MULTI
+    from umopt.search.peers import TORCH_MULTI
     from umopt.solvers.cpsat_chunks import solve_chunks_exact
 
     B = 4
@@ -766,8 +766,8 @@ def test_data_parallel_replicas_of_a_chunked_pipeline_train_as_one_process(tmp_p
 def test_solve_with_chunks_and_replicas_counts_each_ranks_all_reduce():
     """--dp with --chunks: every schedule compared pays each rank's all-reduce of all its chunks'
     parameters, and the schedule file says for how many replicas it was solved."""
-    from umopt.solve import allreduce_for
-    from umopt.solve_chunks import solve_chunked
+    from umopt.search.solve import allreduce_for
+    from umopt.search.solve_chunks import solve_chunked
 
     prof = synthetic_profile(2, max_size=16, seed=3, layers_per_stage=6, param_bytes=[1 << 22, 1 << 22])
     dp = allreduce_for(prof, 2, 10.0)
@@ -870,7 +870,7 @@ def test_torch_is_scored_at_every_cut_a_user_would_try():
     """Each stage or all layers, in pieces by cost or by count: torch's best over them is never
     slower than over the two cuts alone, and names its cut."""
     from umopt.chunks import user_cuts
-    from umopt.peers import best_peers
+    from umopt.search.peers import best_peers
 
     prof = load_profile("transformer8-sim")
     cuts = user_cuts(prof, 2)
@@ -891,8 +891,8 @@ def test_a_chunked_solve_keeps_one_clock_and_says_what_it_cut_short():
     names what it cut short; the local search ran beyond the screening."""
     import time
 
-    from umopt.peers import load_torch_schedules
-    from umopt.solve_chunks import solve_chunked
+    from umopt.search.peers import load_torch_schedules
+    from umopt.search.solve_chunks import solve_chunked
 
     prof = load_profile("gpt-sim")
     load_torch_schedules()  # seconds to import, on the clock: here before it, so the phases get theirs
@@ -912,7 +912,7 @@ def test_a_users_own_stages_profiled_per_layer_reach_solve_with_chunks():
     from torch import nn
 
     import umopt
-    from umopt.solve_chunks import solve_chunked
+    from umopt.search.solve_chunks import solve_chunked
 
     torch.manual_seed(0)
     stages = [

@@ -217,7 +217,7 @@ def test_a_users_own_stages_profiled_solved_and_trained(tmp_path):
 
     import umopt
     from umopt.formats.schedule import save_schedule as save
-    from umopt.solve import solve
+    from umopt.search.solve import solve
 
     x, y = pipeline_user.batch(0)
     prof = umopt.profile_stages(

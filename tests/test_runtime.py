@@ -16,7 +16,7 @@ from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.report import RunReport
 from umopt.formats.schedule import make_schedule, save_schedule
-from umopt.noise import run_warnings
+from umopt.measure.noise import run_warnings
 from umopt.problem import Candidate
 from umopt.run.launch import RunFailed, launch
 from umopt.run.options import RunOptions
@@ -407,7 +407,7 @@ def test_zero_bubble_schedules_on_three_stages_give_single_process_gradients(tmp
     umopt's W placement on a random unequal schedule, run by `umopt run`."""
     from umopt.costmodel import simulate
     from umopt.problem import Problem
-    from umopt.zerobubble import best_with_weight_ops
+    from umopt.search.zerobubble import best_with_weight_ops
 
     profile = mlp_profile(tmp_path, 3)
     _, cand = write_schedule(tmp_path, profile, "1f1b", recompute, seed)
@@ -438,7 +438,7 @@ def test_zero_bubble_schedules_on_three_stages_give_single_process_gradients(tmp
 
 
 def test_a_run_on_more_ranks_than_cores_is_blamed_on_that_not_on_another_job(monkeypatch):
-    import umopt.noise as noise
+    import umopt.measure.noise as noise
 
     monkeypatch.setattr(noise.os, "cpu_count", lambda: 2)
     report = RunReport(schedule="s.json", measured_over_predicted=2.6, backend="gloo", stages=8, dp=1)

@@ -12,8 +12,8 @@ import torch
 from umopt.cli import main
 
 from umopt.costmodel import CostTables, simulate
-from umopt.decide import is_equal
 from umopt.formats.schedule import check_against_profile, load_schedule, make_schedule, save_schedule
+from umopt.measure.decide import is_equal
 from umopt.problem import Candidate
 
 
@@ -125,7 +125,7 @@ def test_run_says_when_too_few_steps_allow_no_selection_and_no_select_runs_the_p
 def test_a_schedule_found_slower_stops_taking_turns_and_measuring_stops_at_its_cost():
     from types import SimpleNamespace
 
-    from umopt.decide import decide
+    from umopt.measure.decide import decide
     from umopt.run.selection import SELECT_COST
     from umopt.run.selection import keep_measuring as _keep_measuring
 

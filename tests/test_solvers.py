@@ -332,7 +332,7 @@ def test_exact_models_prove_the_optimum_with_a_data_parallel_allreduce(solver):
 
 
 def test_solve_with_data_parallel_replicas_predicts_their_allreduce():
-    from umopt.solve import allreduce_for, solve
+    from umopt.search.solve import allreduce_for, solve
 
     prof = load_profile("gpt-sim")
     with pytest.raises(UmoptError, match="no all-reduce speed"):
@@ -644,7 +644,7 @@ def test_iterated_climb_escapes_a_local_optimum_of_single_moves():
 def test_solve_counts_the_bounds_before_the_solver_within_the_time_limit(monkeypatch):
     # the baselines and bounds computed before the solver (seconds at S=8, B=256) come out of
     # --time-limit, down to a tenth of it for the solver
-    import umopt.solve as solve_mod
+    import umopt.search.solve as solve_mod
 
     seen = []
 
@@ -671,7 +671,7 @@ def test_solve_counts_the_bounds_before_the_solver_within_the_time_limit(monkeyp
 def test_fast_bounds_run_beside_the_solver_where_they_take_seconds(monkeypatch):
     # past BOUNDS_BESIDE_CELLS a child process computes them while the solver keeps its whole
     # time limit; the report is the same as with the bounds computed here
-    import umopt.solve as solve_mod
+    import umopt.search.solve as solve_mod
 
     seen = []
 
@@ -704,8 +704,8 @@ def test_fast_bounds_run_beside_the_solver_where_they_take_seconds(monkeypatch):
 def test_ga_with_w_caps_beats_its_seeds_with_w_ops_placed_and_keeps_to_memory():
     """The GA carrying W caps (zero bubble): its schedule has W ops, scores as the simulator
     says, stays within a memory limit that binds, and beats the best seed's W placement."""
+    from umopt.search.zerobubble import best_with_weight_ops
     from umopt.solvers.ga import solve_ga
-    from umopt.zerobubble import best_with_weight_ops
 
     prof = load_profile("gpt-sim")
     free = Problem(CostTables.from_profile(prof), 16)

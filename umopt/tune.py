@@ -1,16 +1,16 @@
 """``umopt tune``: profile, solve, run the candidates in turns, and recommend what measured fastest.
 
 Profiles the model on this machine (fitted to probe runs of the runtime where there is a core or
-GPU per stage: :mod:`umopt.probes`), solves for the minibatch, and runs the few schedules worth
+GPU per stage: :mod:`umopt.measure.probes`), solves for the minibatch, and runs the few schedules worth
 choosing between (umopt's recommendation, the best schedule found if that is another, one shared
 ramped partition as a simpler runner-up, and the best equal GPipe and 1F1B schedules; with
 ``zero_bubble``, umopt's schedule with W ops and the best equal ZB-H1 too) on the same
 processes, taking turns, so that a machine's drift meets them all alike. The prediction chose the
 candidates; the measurement chooses among them, taking turns until a paired test over the rounds
-decides at a stated confidence or a time budget ends (:mod:`umopt.decide`): ``recommended.json``
+decides at a stated confidence or a time budget ends (:mod:`umopt.measure.decide`): ``recommended.json``
 is an unequal schedule only where it measured faster than the best equal schedule at that
 confidence, else the best equal schedule. With ``chunks`` the profile is taken layer by layer
-and the candidates are those of ``umopt solve --chunks`` (:mod:`umopt.solve_chunks`): umopt's
+and the candidates are those of ``umopt solve --chunks`` (:mod:`umopt.search.solve_chunks`): umopt's
 pick with several chunks per rank, torch's fastest multi-chunk schedule (an equal reference
 too), umopt's one-chunk schedule and the equal GPipe and 1F1B, each layout training its own copy
 of the model in the same turns.
@@ -32,25 +32,25 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .costmodel import OpKind, simulate
-from .decide import CONFIDENCE, Decision, decide
 from .errors import UmoptError
 from .fileio import check_writable
 from .formats.profile import Profile, load_profile, save_profile
 from .formats.schedule import Schedule, make_schedule, save_schedule
 from .measure import ProfileOptions, check_profile_options
-from .noise import OFF_PREDICTION
-from .peers import TORCH_MULTI
-from .probes import profile_for_chunks, profile_in_pipeline
+from .measure.decide import CONFIDENCE, Decision, decide
+from .measure.noise import OFF_PREDICTION
+from .measure.probes import profile_for_chunks, profile_in_pipeline
 from .problem import Candidate
 from .run.launch import launch
 from .run.options import RunOptions
-from .solve import make_problem, solve
-from .solve_chunks import solve_chunked
+from .search.peers import TORCH_MULTI
+from .search.solve import make_problem, solve
+from .search.solve_chunks import solve_chunked
+from .search.zerobubble import zb_h1
 from .solvers import SOLVERS
 from .varlen.planner import plan
 from .varlen.samplers import SAMPLERS, minibatch_of_step
 from .varlen.solve import plan_schedule
-from .zerobubble import zb_h1
 
 __all__ = [
     "DEFAULT",
@@ -97,7 +97,7 @@ class TuneResult:
     out_dir: str
     recommended: str  # the name of the row written as recommended.json
     reason: str
-    confidence: float  # of the decision (umopt.decide): the winner faster, or no candidate worth it
+    confidence: float  # of the decision (umopt.measure.decide): the winner faster, or no candidate worth it
     decided: bool  # reached the asked confidence before the budget ended
     warnings: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
@@ -112,7 +112,7 @@ class TuneResult:
 
 
 def pick(rows: list[TuneRow], confidence: float = CONFIDENCE, equal: Sequence[str] = EQUAL) -> Decision:
-    """The row to recommend, by the paired test over rounds of :mod:`umopt.decide` against the
+    """The row to recommend, by the paired test over rounds of :mod:`umopt.measure.decide` against the
     fastest of the ``equal`` rows (the schedules people run today)."""
     return decide({r.name: r.rounds_ms for r in rows}, equal, confidence)
 
@@ -131,7 +131,7 @@ def _check_runnable(opts: ProfileOptions) -> None:
 
 
 def _profile(opts: ProfileOptions, probes: bool, probe_minibatch: int, chunks: int) -> Profile:
-    """The profile (with ``chunks`` > 1, layer by layer: :func:`umopt.probes.profile_for_chunks`);
+    """The profile (with ``chunks`` > 1, layer by layer: :func:`umopt.measure.probes.profile_for_chunks`);
     on CUDA measured in a child process, so that the CUDA context and whatever the allocator keeps
     leave with it and the run's stage 0 finds its GPU as empty as the others."""
     how = dict(probes=probes, probe_minibatch=probe_minibatch, argv=["umopt", "tune"])

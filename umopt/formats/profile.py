@@ -196,7 +196,7 @@ class _Meta(BaseModel):
 
 
 class NoiseMeta(_Meta):
-    """How noisy the machine was while profiling (umopt.noise)."""
+    """How noisy the machine was while profiling (umopt.measure.noise)."""
 
     median_spread: Optional[float] = None  # the median interquartile spread over entries
     p90_spread: Optional[float] = None
@@ -206,7 +206,7 @@ class NoiseMeta(_Meta):
 
 
 class ProbesMeta(_Meta):
-    """The probe runs of the runtime the profile was fitted to (umopt.probes)."""
+    """The probe runs of the runtime the profile was fitted to (umopt.measure.probes)."""
 
     ran: bool = False
     why: Optional[str] = None  # where they did not run
@@ -218,7 +218,7 @@ class ProbesMeta(_Meta):
 
 
 class CalibrationMeta(_Meta):
-    """What ``umopt calibrate`` (or the probes) fitted the profile to (umopt.calibrate)."""
+    """What ``umopt calibrate`` (or the probes) fitted the profile to (umopt.measure.calibrate)."""
 
     reports: list[str] = []
     ratios: dict[str, dict[str, float]] = {}  # "stage1.F": {size: measured / profiled}

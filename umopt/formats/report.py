@@ -1,7 +1,7 @@
 """The run report (``umopt run --report``): what a run measured, beside what the profile predicted.
 
 The runtime writes it; ``umopt run`` and ``umopt tune`` print it, ``umopt calibrate`` fits a
-profile to it, :func:`umopt.noise.run_warnings` reads what went wrong from it. Reports written by
+profile to it, :func:`umopt.measure.noise.run_warnings` reads what went wrong from it. Reports written by
 older versions lack some fields: they load with those empty, and what needs them says so
 (calibrate needs ``ops``). docs/formats.md lists the fields.
 """
@@ -52,7 +52,7 @@ class PeakMemory(BaseModel):
 
 
 class Decision(BaseModel):
-    """``umopt run --decide``: which schedule the paired test over rounds keeps (umopt.decide)."""
+    """``umopt run --decide``: which schedule the paired test over rounds keeps (umopt.measure.decide)."""
 
     winner: str
     reference: str

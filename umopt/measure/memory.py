@@ -5,7 +5,8 @@ figures and ``umopt run``'s measured peaks are taken with).
 torch's CPU allocator keeps no statistics (CUDA's ``max_memory_allocated`` has no CPU twin), and
 tracemalloc sees Python's allocations, not tensors'. torch's profiler with ``profile_memory``
 records every tensor allocation and free with the running total allocated since it started, so
-one step run under it gives that step's peak over what was held when it began, as CUDA's
+one step run under it gives that step's peak over what was held when it began (its thread's
+allocations and frees summed in order: other threads' are not the step's), as CUDA's
 ``max_memory_allocated`` minus ``memory_allocated`` before it does. Where the whole is wanted (a
 rank's peak in ``umopt run``), what was held when the step began (the weights, the optimizer's
 state, the runtime's receive buffers, and the gradients where they are kept between steps) is
@@ -19,8 +20,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -57,12 +60,16 @@ def peak_during(run: Callable[[], Any], device: torch.device) -> tuple[Any, int]
             events = json.load(f).get("traceEvents", [])
     finally:
         os.unlink(path)
-    totals = [
-        e["args"]["Total Allocated"]
+    # this thread's allocations and frees only: the running total the profiler keeps counts every
+    # thread's, and a process may have others allocating meanwhile (a step's own run here)
+    me = threading.get_native_id()
+    mine = sorted(
+        (e["ts"], e["args"]["Bytes"])
         for e in events
-        if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == 0
-    ]
-    return out, int(max([0, *totals]))
+        if e.get("name") == "[memory]" and e.get("tid") == me and e.get("args", {}).get("Device Type") == 0
+    )
+    running = np.cumsum([b for _, b in mine]) if mine else np.zeros(1)
+    return out, int(max(0, running.max()))
 
 
 def state_tensors(modules: Iterable[torch.nn.Module], optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

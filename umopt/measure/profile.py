@@ -2,7 +2,7 @@
 
 :func:`profile_model` is ``umopt profile`` as a library call (the zoo's or a user's factory
 model); :func:`profile_stages` profiles a user's own stage modules (layer by layer too, for
-several chunks per rank: ``umopt profile --chunks`` is :func:`umopt.probes.profile_for_chunks`,
+several chunks per rank: ``umopt profile --chunks`` is :func:`umopt.measure.probes.profile_for_chunks`,
 which fits the layers to probe runs of the runtime). Each follows the same steps: the cut points (given, or
 balanced on measured layer times), every stage timed (:mod:`.timing`) and its memory counted
 (:mod:`.chunk`), the links and the all-reduce (:mod:`.links`), then the profile file's model.
@@ -23,10 +23,10 @@ from torch import nn
 from ..devices import TensorSpec, default_memory_limit, numerics
 from ..errors import UmoptError
 from ..formats.profile import PROFILE_FORMAT, ProbesMeta, Profile
-from ..noise import drift_warning, load_warning, noise_figure, noisy_warning, uneven_devices_warning
 from ..zoo import ModelParts, build_model
 from .chunk import StageProbe, boundaries, optimizer_for, optimizer_step_ms, optimizer_work_bytes
 from .links import link_plan, measure_allreduce, measure_links
+from .noise import drift_warning, load_warning, noise_figure, noisy_warning, uneven_devices_warning
 from .options import ProfileOptions, ProgressFn, check_profile_options
 from .split import balanced_split
 from .timing import StageTimes, fitted, layer_ms, probes_of, time_concurrently, time_stages

@@ -2,7 +2,7 @@
 
 :func:`time_stages` times every (stage, chunk size) entry once per round, in alternating order,
 with more rounds while an entry's spread is wide (within a budget); what every entry saw in a
-round is the machine's speed then, which :func:`umopt.noise.round_speeds` takes out. On a CPU
+round is the machine's speed then, which :func:`umopt.measure.noise.round_speeds` takes out. On a CPU
 :func:`time_concurrently` runs each stage in a process of its own at the same time, as a run
 will. :func:`layer_ms` times each layer alone (for balancing the stages).
 """
@@ -19,10 +19,10 @@ import torch
 
 from ..devices import autocast, reference_ms
 from ..errors import UmoptError
-from ..noise import Summary, drift_figure, monotone_fit, round_speeds, summarize
-from ..splitbackward import backward_input
+from ..run.splitbackward import backward_input
 from ..zoo import ModelParts, build_model
 from .chunk import ProfiledStage, StageProbe, Timer, boundaries, optimizer_step_ms
+from .noise import Summary, drift_figure, monotone_fit, round_speeds, summarize
 from .options import ProfileOptions, ProgressFn
 
 __all__ = ["StageTimes", "time_stages", "time_concurrently", "fitted", "layer_ms"]
@@ -51,7 +51,7 @@ def time_stages(
     budget_s: float,
 ) -> list[StageTimes]:
     """Each stage's forward and backward times at each size, and with ``opts.split_backward`` the
-    backward's input and weight gradients split as W ops run them (:mod:`umopt.splitbackward`,
+    backward's input and weight gradients split as W ops run them (:mod:`umopt.run.splitbackward`,
     after a forward of their own): the median and spread of the repeats, with more repeats (up
     to ``opts.max_repeats``, within ``budget_s``) while a spread is wider than
     ``opts.spread_target``. Several stages given are timed in one another's rounds (stages

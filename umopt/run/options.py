@@ -17,7 +17,6 @@ from typing import Callable, Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..decide import is_equal
 from ..devices import check_trainable
 from ..errors import UmoptError
 from ..fileio import check_writable
@@ -28,6 +27,7 @@ from ..formats.schedule import (
     load_schedule,
     require_pick_layout,
 )
+from ..measure.decide import is_equal
 from ..varlen.ahead import METHODS
 from ..varlen.samplers import minibatch_of_step
 from ..zoo import build_model, import_object

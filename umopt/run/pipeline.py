@@ -13,7 +13,7 @@ A step plays the rank's op list (:mod:`umopt.run.player`) over its virtual stage
 (:mod:`umopt.run.stage`; one chunk per rank is one virtual stage per rank), its messages in the
 order both ends agree on (:mod:`umopt.run.links`). The gradients left in the modules' parameters
 are those of ``loss_fn(whole_model(x), y).backward()`` in one process on the whole minibatch
-(:mod:`umopt.losses` says how each chunk's loss counts). Where the schedule file has candidates,
+(:mod:`umopt.run.losses` says how each chunk's loss counts). Where the schedule file has candidates,
 the first steps measure them in turns and keep the fastest (:mod:`umopt.run.selection`).
 """
 
@@ -38,11 +38,11 @@ from ..formats.schedule import (
     load_schedule,
     require_pick_layout,
 )
-from ..losses import ChunkLoss, chunk_loss
 from ..zoo import IGNORE
 from .comm import Comm, PipelineBroken, TorchComm, describe
 from .failures import guarded
 from .links import StepLinks, directions, messages
+from .losses import ChunkLoss, chunk_loss
 from .player import Player, StepTimer, joined_output
 from .selection import Turns
 from .stage import Stage, check_samples, check_spec, tensors, warn_batch_norm
@@ -94,7 +94,7 @@ def schedule_and_profile(
 def loss_scale(
     comm: Comm, loss: ChunkLoss, ys: tuple[torch.Tensor, ...], minibatch: int, dp_group, device: torch.device
 ) -> Callable[[int, int], Any]:
-    """What each chunk's loss counts by (:mod:`umopt.losses`); with data-parallel replicas a
+    """What each chunk's loss counts by (:mod:`umopt.run.losses`); with data-parallel replicas a
     normalizer is the global minibatch's (its replicas' sum), the gradients' average undone."""
     if loss.rule != "normalized":
         return loss.scale(ys[0] if len(ys) == 1 else ys, minibatch)
@@ -167,7 +167,7 @@ class Pipeline:
         stage: which stage this rank runs, one chunk per rank (default: its rank in ``group``).
         loss_fn: ``loss_fn(output, targets)`` on the rank holding the last stage (required
             there); it returns a scalar. A torch loss module is read for what its mean is over
-            (:func:`umopt.losses.chunk_loss`): ``nn.CrossEntropyLoss(ignore_index=...,
+            (:func:`umopt.run.losses.chunk_loss`): ``nn.CrossEntropyLoss(ignore_index=...,
             weight=..., label_smoothing=...)`` gives one process's gradients as it is.
         loss_reduction: for a plain function: ``"mean"`` (over the samples it is given, the
             default) or ``"sum"``; a loss module's own ``reduction`` is used instead.
@@ -709,7 +709,7 @@ class Pipeline:
     def _chunk_loss(
         self, out: Any, ys: tuple[torch.Tensor, ...], lo: int, hi: int, scale, losses: Optional[list]
     ) -> torch.Tensor:
-        """The loss of samples ``[lo, hi)``, counted as its part of the minibatch's (:mod:`umopt.losses`)."""
+        """The loss of samples ``[lo, hi)``, counted as its part of the minibatch's (:mod:`umopt.run.losses`)."""
         assert self._loss is not None
         rows = self.stages[len(self.ranks_of) - 1].rows(lo, hi)
         lo, hi = rows.start, rows.stop  # with token rows the loss counts by token

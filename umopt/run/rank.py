@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from ..costmodel import Chunking, OpKind
-from ..decide import Decision, decide, is_equal
 from ..devices import (
     TensorSpec,
     boundary_tensors,
@@ -52,12 +51,13 @@ from ..errors import UmoptError, first_line
 from ..formats.profile import Profile
 from ..formats.report import LengthsRun, Selection
 from ..formats.schedule import Schedule
-from ..losses import valid_targets
+from ..measure.decide import Decision, decide, is_equal
 from ..measure.memory import held_bytes, peak_during, state_tensors
 from ..zoo import ModelParts, Sequences, build_model, run_layers
 from . import checkpoint, faults
 from .comm import TorchComm
 from .feed import SequenceFeed, sequence_source
+from .losses import valid_targets
 from .options import RunConfig, RunOptions, data_function, lengths_spec, preflight
 from .pipeline import Pipeline
 from .player import StepTimer

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..costmodel import CostTables, OpKind, Span, Timeline, simulate
-from ..decide import Decision
 from ..formats.profile import AllReduceProfile
 from ..formats.report import Decision as ReportDecision
 from ..formats.report import LengthsRun, MeasuredPredicted, PeakMemory, RunReport, Selection, save_report
 from ..formats.schedule import Schedule
-from ..noise import run_warnings
+from ..measure.decide import Decision
+from ..measure.noise import run_warnings
 from .options import RunConfig
 
 __all__ = ["Measured", "run_allreduce", "write_report"]

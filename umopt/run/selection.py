@@ -1,7 +1,7 @@
 """Selection while training: a schedule file's pick and candidates take turns over the first
 steps of a run and the fastest plays the rest (``umopt.Pipeline``, and so ``umopt run``).
 
-[Note: selection while training] is the why; :mod:`umopt.decide` the test; :class:`Turns` the
+[Note: selection while training] is the why; :mod:`umopt.measure.decide` the test; :class:`Turns` the
 one mechanism. What takes turns is anything with a ``name``, its ``schedule`` and the steps
 measured so far.
 """
@@ -16,9 +16,9 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from ..decide import Decision, compare, decide, is_equal
 from ..formats.report import Selection, SelectionEntry
 from ..formats.schedule import Schedule
+from ..measure.decide import Decision, compare, decide, is_equal
 from .comm import Comm
 from .player import StepTimer
 
@@ -70,7 +70,7 @@ class Turn(Protocol):
 # real run, on the real machine, without changing the training at all. A turn is TURN_STEPS
 # steps of one schedule, the last measured (the first follows another schedule's step and may
 # run slower than that schedule would alone); each round a turn each, the paired test of
-# umopt.decide after each round from the third on. A schedule the test finds slower than the
+# umopt.measure.decide after each round from the third on. A schedule the test finds slower than the
 # fastest so far stops taking turns (it only costs time), and measuring stops when the test has
 # decided, when what the turns cost beyond the fastest one's pace reaches SELECT_COST of the run,
 # or when the steps allowed for it (--select-steps) are spent. The winner plays the rest: the

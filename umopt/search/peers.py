@@ -18,12 +18,12 @@ import types
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .chunks import chunking, placement, user_cuts
-from .costmodel import Chunking, ChunkOp, CostTables, OpKind, Timeline, rank_peak_memory, simulate
-from .errors import UmoptError
-from .formats.profile import AllReduceProfile, Profile
-from .partition import chunks as sample_ranges
-from .partition import equal_sizes
+from ..chunks import chunking, placement, user_cuts
+from ..costmodel import Chunking, ChunkOp, CostTables, OpKind, Timeline, rank_peak_memory, simulate
+from ..errors import UmoptError
+from ..formats.profile import AllReduceProfile, Profile
+from ..partition import chunks as sample_ranges
+from ..partition import equal_sizes
 
 __all__ = [
     "TORCH_MULTI",

@@ -35,17 +35,17 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .costmodel import OpKind
-from .errors import UmoptError
-from .formats.profile import AllReduceProfile, CalibrationMeta, Profile
-from .formats.report import RunReport, as_report
+from ..costmodel import OpKind
+from ..errors import UmoptError
+from ..formats.profile import AllReduceProfile, CalibrationMeta, Profile
+from ..formats.report import RunReport, as_report
 from .noise import monotone_fit
 
 __all__ = ["calibrate", "size_ratios", "fit_overheads", "Overheads", "run_ratios"]
 
 
 def _check_report(rep: RunReport, name: str, profile: Profile) -> None:
-    from .costmodel import CostTables
+    from ..costmodel import CostTables
 
     if rep.measured_iteration_ms is None:
         raise UmoptError(f"{name}: measured_iteration_ms is null: not a report of a finished run")
@@ -95,7 +95,7 @@ def fit_allreduce(profile: Profile, reports: list[RunReport]) -> Optional[AllRed
     """The profile's all-reduce with its latency fitted to the runs of data-parallel replicas
     (the median over stages and runs of measured minus bandwidth term: what the replicas'
     skew and the machine add to every all-reduce); None where no report ran replicas."""
-    from .costmodel import allreduce_ms
+    from ..costmodel import allreduce_ms
 
     extra = []
     base = None
@@ -234,7 +234,7 @@ def fit_overheads(profile: Profile, reports: list[RunReport]) -> Overheads:
     ``[0, what one op or message could at most hold]``, a few sweeps): the simulator is the model,
     so whatever a schedule's critical path makes of an op's cost is what the fit sees.
     """
-    from .costmodel import CostTables, simulate
+    from ..costmodel import CostTables, simulate
 
     if not reports:
         return Overheads(0.0, 0.0, 0.0, 0.0)
@@ -293,7 +293,7 @@ def fit_overheads(profile: Profile, reports: list[RunReport]) -> Overheads:
 def run_ratios(profile: Profile, reports: list[RunReport]) -> list[float]:
     """Each report's measured iteration over what ``profile`` predicts for its op list: what a
     fit leaves, run by run."""
-    from .costmodel import CostTables, simulate
+    from ..costmodel import CostTables, simulate
 
     out = []
     for rep in reports:

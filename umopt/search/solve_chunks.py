@@ -1,7 +1,7 @@
 """``umopt solve --chunks``: several chunks per rank, against every multi-chunk schedule torch ships.
 
-:func:`solve_chunked` runs the one-chunk solve (:func:`umopt.solve.solve`), scores torch's
-multi-chunk schedules at their best v, M and cut (:func:`umopt.peers.best_peers`), and searches
+:func:`solve_chunked` runs the one-chunk solve (:func:`umopt.search.solve.solve`), scores torch's
+multi-chunk schedules at their best v, M and cut (:func:`umopt.search.peers.best_peers`), and searches
 unequal per-virtual-stage partitions (:func:`umopt.solvers.multichunk.solve_chunks`: a screening,
 then a local search), then polishes the fastest multi-chunk order found, umopt's or torch's, op
 by op (:func:`umopt.solvers.multichunk.improve_order`). On small instances the exact model
@@ -18,17 +18,17 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .bounds.ranks import busiest_rank_bound
-from .costmodel import Chunking, CostTables, OpKind, Timeline, rank_peak_memory, simulate
-from .errors import UmoptError
-from .formats.profile import AllReduceProfile, Profile
-from .formats.schedule import Schedule, make_schedule, validate_ops
+from ..bounds.ranks import busiest_rank_bound
+from ..costmodel import Chunking, CostTables, OpKind, Timeline, rank_peak_memory, simulate
+from ..errors import UmoptError
+from ..formats.profile import AllReduceProfile, Profile
+from ..formats.schedule import Schedule, make_schedule, validate_ops
+from ..problem import Progress
+from ..schedules.multichunk import build_ops, equal_genes
+from ..solvers.cpsat_chunks import MAX_CHUNK_MODEL, ExactChunks, chunk_model_size, solve_chunks_exact
+from ..solvers.multichunk import ChunkSolution, improve_order, solve_chunks
 from .peers import TORCH_MULTI, PeerResult, best_peers, load_torch_schedules
-from .problem import Progress
-from .schedules.multichunk import build_ops, equal_genes
 from .solve import SolveReport, solve
-from .solvers.cpsat_chunks import MAX_CHUNK_MODEL, ExactChunks, chunk_model_size, solve_chunks_exact
-from .solvers.multichunk import ChunkSolution, improve_order, solve_chunks
 
 __all__ = ["ChunkSolveReport", "solve_chunked", "parse_chunks"]
 

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .formats.report import RunReport
+from ..formats.report import RunReport
 
 __all__ = [
     "NOISY_SPREAD",

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from .errors import UmoptError
+from ..errors import UmoptError
 
 __all__ = ["ChunkLoss", "chunk_loss", "valid_targets"]
 
