@@ -17,9 +17,9 @@ from rich.table import Table
 
 from umopt import population_sim
 from umopt.costmodel import CostTables, simulate
-from umopt.partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
-from umopt.population_sim import evaluate_1f1b, evaluate_gpipe
 from umopt.schedules import gpipe_ops
+from umopt.schedules.partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
+from umopt.schedules.population_sim import evaluate_1f1b, evaluate_gpipe
 from umopt.synthetic import synthetic_profile
 
 

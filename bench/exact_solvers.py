@@ -8,7 +8,7 @@
 Issue 3's table: for the bundled profiles at S=4, B=32 (gpt-sim, gpt-cpu, vgg16-cpu) and S=8,
 B=128 / 256 (transformer8-sim), every solver gets the same time limit. "bound" is the best lower
 bound anyone proved for *every* schedule (any op order): the fast stage-cut bound
-(``umopt.bounds``) or the free-order CP-SAT/MILP model's, whichever is higher; the spec's
+(``umopt.search.bounds``) or the free-order CP-SAT/MILP model's, whichever is higher; the spec's
 simple bound is shown beside it. "gap" = iteration / bound - 1, so it is how far from optimal a
 schedule is *at most*. ``cpsat[gpipe]`` and ``milp`` solve the GPipe-order models; their own
 bounds hold only in GPipe order, so they are listed but never used as the table's bound.
@@ -28,12 +28,12 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from umopt.baselines import gpipe_equal, onef1b_equal
-from umopt.bounds import Scope, fast_bound_ms, pair_bound_ms, spec_bound
 from umopt.formats.profile import load_profile
-from umopt.partition import backwards_in_sample_order
+from umopt.schedules.partition import backwards_in_sample_order
+from umopt.search.baselines import gpipe_equal, onef1b_equal
+from umopt.search.bounds import Scope, fast_bound_ms, pair_bound_ms, spec_bound
 from umopt.search.solve import make_problem
-from umopt.solvers import SOLVERS
+from umopt.search.solvers import SOLVERS
 
 CASES = [
     ("gpt-sim", 32),
@@ -269,11 +269,11 @@ def run_bounds(cases=BOUND_CASES, seconds: float = 60.0, say=print) -> Table:
     the pair program on top of it, untied, then tied from there (any
     order, where B <= 32: seconds, not fast; auto runs them beside the GA; each program within
     ``seconds``, what it proved by then) and the 1F1B-family bound."""
-    from umopt.bounds.heads import int_tables
-    from umopt.bounds.in_order import sample_order_bound
-    from umopt.bounds.pair_program import PASSES, UNTIED, pair_program_bound
-    from umopt.bounds.stage_cuts import stage_bound
-    from umopt.bounds.untied import untied_bound
+    from umopt.search.bounds.heads import int_tables
+    from umopt.search.bounds.in_order import sample_order_bound
+    from umopt.search.bounds.pair_program import PASSES, UNTIED, pair_program_bound
+    from umopt.search.bounds.stage_cuts import stage_bound
+    from umopt.search.bounds.untied import untied_bound
 
     tab = Table(
         title="lower bounds, ms (seconds): all but the last hold for every schedule, the last within the 1F1B family"

@@ -30,8 +30,8 @@ from rich.table import Table
 from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
-from umopt.problem import Candidate
 from umopt.run.checkpoint import MANIFEST, read_manifest
+from umopt.search.problem import Candidate
 from umopt.search.solve import make_problem
 from umopt.synthetic import synthetic_profile
 

@@ -97,7 +97,7 @@ def heldout(name: str):
 
 def onef1b_peak(profile, minibatch: int) -> int:
     """The best equal one-chunk 1F1B's peak memory on its busiest rank."""
-    from umopt.baselines import onef1b_equal
+    from umopt.search.baselines import onef1b_equal
     from umopt.search.solve import make_problem
 
     problem = make_problem(profile, minibatch, False, None)

@@ -2,9 +2,9 @@
 
     python bench/multichunk_exact.py [--search 10] [--exact 60] [--markdown]
 
-For each row, umopt's search (:func:`umopt.solvers.multichunk.solve_chunks`, v = 2, looped or
+For each row, umopt's search (:func:`umopt.search.solvers.multichunk.solve_chunks`, v = 2, looped or
 V-shaped, ``--search`` seconds, then its order polished for a quarter of that) picks a shape; on
-that shape's cut and placement the exact CP-SAT model (:mod:`umopt.solvers.cpsat_chunks`, no
+that shape's cut and placement the exact CP-SAT model (:mod:`umopt.search.solvers.cpsat_chunks`, no
 start given, ``--exact`` seconds) finds its own schedule and a lower bound on every schedule
 there (any partitions, any order; with W ops: every virtual stage split). torch's orders of the
 same placement and kind are scored on the same cut at every M. The last columns say how far the
@@ -22,8 +22,8 @@ from umopt.costmodel import simulate
 from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile
 from umopt.search.peers import TORCH_MULTI, torch_ops
-from umopt.solvers.cpsat_chunks import solve_chunks_exact
-from umopt.solvers.multichunk import improve_order, solve_chunks
+from umopt.search.solvers.cpsat_chunks import solve_chunks_exact
+from umopt.search.solvers.multichunk import improve_order, solve_chunks
 from umopt.synthetic import synthetic_profile
 
 ROWS = [  # (profile, B, W ops)

@@ -3,7 +3,7 @@ baseline) on the same two schedules of a 2-stage MLP (equal and unequal 1F1B chu
 four rounds with the order alternating: the medians, and their ratio round by round.
 
     git worktree add /tmp/baseline COMMIT
-    cp umopt/*.so /tmp/baseline/umopt/; cp umopt/bounds/*.so /tmp/baseline/umopt/bounds/
+    cp umopt/*.so /tmp/baseline/umopt/; cp umopt/search/bounds/*.so /tmp/baseline/umopt/bounds/
     python bench/pipeline_overhead.py --baseline /tmp/baseline      # about 4 minutes
 """
 
@@ -24,7 +24,7 @@ from rich.table import Table
 from umopt.costmodel import CostTables, simulate
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
-from umopt.problem import Candidate
+from umopt.search.problem import Candidate
 from umopt.synthetic import synthetic_profile
 
 MLP = {"layers": 6, "width": 512, "in_features": 256, "num_classes": 10}

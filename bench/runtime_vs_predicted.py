@@ -31,15 +31,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from umopt.baselines import gpipe_equal
 from umopt.costmodel import simulate
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.measure import ProfileOptions, profile_model
 from umopt.measure.probes import fit_to_probes
-from umopt.problem import Candidate
 from umopt.run.launch import launch
 from umopt.run.options import RunOptions
+from umopt.search.baselines import gpipe_equal
+from umopt.search.problem import Candidate
 from umopt.search.solve import make_problem, solve
 
 GPT = {"layers": 4, "d_model": 128, "heads": 4, "vocab": 2048, "seq_len": 64}

@@ -16,13 +16,13 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from umopt.baselines import gpipe_equal, onef1b_equal
-from umopt.bounds import Scope, fast_bound_ms
 from umopt.formats.profile import load_profile
-from umopt.partition import backwards_in_sample_order
+from umopt.schedules.partition import backwards_in_sample_order
+from umopt.search.baselines import gpipe_equal, onef1b_equal
+from umopt.search.bounds import Scope, fast_bound_ms
 from umopt.search.solve import make_problem
-from umopt.solvers import SOLVERS
-from umopt.solvers.local import hill_climb
+from umopt.search.solvers import SOLVERS
+from umopt.search.solvers.local import hill_climb
 
 CASES = [
     ("vgg16-cpu", 32),

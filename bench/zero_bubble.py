@@ -40,12 +40,12 @@ from umopt.formats.profile import bundled_profiles, load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.measure import ProfileOptions
 from umopt.measure.probes import profile_in_pipeline
-from umopt.problem import Problem
 from umopt.run.launch import launch
 from umopt.run.options import RunOptions
+from umopt.search.problem import Problem
 from umopt.search.solve import make_problem, solve
+from umopt.search.solvers.cpsat import solve_with_weight_ops
 from umopt.search.zerobubble import best_with_weight_ops, search_with_weight_ops, zb_h1, zb_h2
-from umopt.solvers.cpsat import solve_with_weight_ops
 from umopt.synthetic import synthetic_profile
 
 COLUMNS = (

@@ -456,7 +456,7 @@ def _solve_chunked(
 
 def _print_report(report) -> None:
     """The solve table, within 80 columns: names and the chunk counts abbreviated on purpose."""
-    from umopt.bounds import Scope, bound_for, scope_of
+    from umopt.search.bounds import Scope, bound_for, scope_of
 
     tl = report.timeline
     dp = report.schedule.dp
@@ -526,7 +526,7 @@ def _print_report(report) -> None:
 
 def _print_bounds_and_notes(report, scope, has_w: bool) -> None:
     """Below the solve table: what its bound holds for, the other bounds and rivals, the notes."""
-    from umopt.bounds import Scope
+    from umopt.search.bounds import Scope
 
     tl, solver = report.timeline, report.schedule.solver
     covers = {

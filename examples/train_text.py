@@ -97,9 +97,9 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 # --- the two phases -------------------------------------------------------------------------------
 def prepare(args: argparse.Namespace) -> None:
     import umopt
-    from umopt.baselines import gpipe_equal, onef1b_equal
     from umopt.formats.profile import load_profile, save_profile
     from umopt.formats.schedule import make_schedule, save_schedule
+    from umopt.search.baselines import gpipe_equal, onef1b_equal
     from umopt.search.solve import make_problem, solve
 
     out = Path(args.out)

@@ -13,8 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_solvers import _random_partition, _start, brute_force_any_order, compositions, stage_orders  # noqa: E402
 
-from umopt.baselines import gpipe_equal, onef1b_equal
-from umopt.bounds import (
+from umopt.costmodel import CostTables, simulate
+from umopt.errors import UmoptError
+from umopt.formats.profile import load_profile
+from umopt.schedules.partition import backwards_in_sample_order
+from umopt.search.baselines import gpipe_equal, onef1b_equal
+from umopt.search.bounds import (
     fast,
     fast_bound_ms,
     heads,
@@ -26,12 +30,8 @@ from umopt.bounds import (
     stage_cuts,
     untied,
 )
-from umopt.costmodel import CostTables, simulate
-from umopt.errors import UmoptError
-from umopt.formats.profile import load_profile
-from umopt.partition import backwards_in_sample_order
-from umopt.problem import Candidate, Problem
-from umopt.solvers import SOLVERS
+from umopt.search.problem import Candidate, Problem
+from umopt.search.solvers import SOLVERS
 from umopt.synthetic import synthetic_profile
 
 
@@ -414,7 +414,7 @@ def test_large_chunk_cut_lifts_the_bound_below_the_proven_optimum(monkeypatch):
     from ortools.sat.python import cp_model
 
     from umopt.search.solve import make_problem
-    from umopt.solvers.cpsat import build_free_model
+    from umopt.search.solvers.cpsat import build_free_model
 
     problem = _synthetic_problem(2, 8, 4, 190, 0.05, 1e5)
     bound = _stage_cuts_ms(problem)
@@ -662,7 +662,7 @@ def test_counted_and_sized_ties_never_exceed_a_schedule_in_any_order(S, B, mx, s
 def test_the_pair_program_is_compiled():
     # setup.py builds it (pybind11, a C++17 compiler); without it umopt runs the Python search
     assert pair_program.COMPILED, (
-        "umopt/bounds/_pair_program.cpp did not build: pip install -e . with a C++ compiler"
+        "umopt/search/bounds/_pair_program.cpp did not build: pip install -e . with a C++ compiler"
     )
 
 
@@ -698,7 +698,7 @@ def test_compiled_and_numpy_stage_programs_agree(S, B, mx, recompute, seed):
     # the fast bound's one-stage programs (setup.py builds them; CI has a compiler) give the
     # numpy versions' tables at targets from hopeless to loose, on every stage
     assert heads.COMPILED, (
-        "umopt/bounds/_stage_programs.cpp did not build: pip install -e . with a C++ compiler"
+        "umopt/search/bounds/_stage_programs.cpp did not build: pip install -e . with a C++ compiler"
     )
     problem = Problem(
         CostTables.from_profile(

@@ -12,7 +12,7 @@ from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
 from umopt.formats.profile import ProfileMeta
 from umopt.measure.calibrate import Overheads, calibrate
-from umopt.problem import Candidate
+from umopt.search.problem import Candidate
 from umopt.synthetic import synthetic_profile
 
 

@@ -166,8 +166,8 @@ def test_1f1b_with_recompute_gives_each_stage_its_own_backward_chunks(tmp_path, 
     # Megatron-style 1F1B with activation recomputation: the backward partitions are free
     from umopt.costmodel import CostTables, simulate
     from umopt.formats.profile import load_profile
-    from umopt.partition import partitions_from_ops
     from umopt.schedules import onef1b_schedule
+    from umopt.schedules.partition import partitions_from_ops
 
     out = tmp_path / "s.json"
     code, _, err = run(
@@ -268,8 +268,8 @@ def test_usage_errors_exit_2(capsys):
 
 @pytest.mark.parametrize("order", ["gpipe", "1f1b"])
 def test_order_option_restricts_the_search(order, tmp_path, capsys):
-    from umopt.partition import partitions_from_ops
     from umopt.schedules import gpipe_ops, onef1b_schedule
+    from umopt.schedules.partition import partitions_from_ops
 
     out = tmp_path / "s.json"
     code, _, err = run(
@@ -284,8 +284,8 @@ def test_order_option_restricts_the_search(order, tmp_path, capsys):
     else:
         assert ops == onef1b_schedule([f for f, _ in parts], [b for _, b in parts])
         # the bound is the 1F1B family's, tighter than the any-order one and below the schedule
-        from umopt.bounds import fast_bound_ms
         from umopt.formats.profile import load_profile
+        from umopt.search.bounds import fast_bound_ms
         from umopt.search.solve import make_problem
 
         assert sched.solver.bound_scope == "1f1b order"

@@ -27,7 +27,7 @@ import pytest
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
 from umopt.formats.profile import AllReduceProfile
-from umopt.problem import Candidate, Problem
+from umopt.search.problem import Candidate, Problem
 from umopt.synthetic import synthetic_profile
 
 
@@ -202,8 +202,8 @@ def reference_ms(problem: Problem, cand: Candidate) -> Optional[float]:
 
 def _population(compiled: bool) -> Callable[[Problem, Candidate], Optional[float]]:
     def run(problem: Problem, cand: Candidate) -> Optional[float]:
-        import umopt.population_sim as vec
-        from umopt.population_sim import evaluate_1f1b, evaluate_gpipe
+        import umopt.schedules.population_sim as vec
+        from umopt.schedules.population_sim import evaluate_1f1b, evaluate_gpipe
 
         if compiled and vec._compiled is None:
             pytest.skip("the compiled evaluators were not built")
@@ -257,7 +257,7 @@ def _cpsat(order: str) -> Callable:
     def run(problem: Problem, cand: Candidate, monkeypatch) -> Optional[float]:
         from ortools.sat.python import cp_model
 
-        import umopt.solvers.cpsat as cpsat
+        import umopt.search.solvers.cpsat as cpsat
 
         weights = cand.wcap is not None
         if problem.tables.ranged is not None:
@@ -308,7 +308,7 @@ def _milp(order: str) -> Callable:
     def run(problem: Problem, cand: Candidate, monkeypatch) -> Optional[float]:
         import pulp
 
-        import umopt.solvers.milp as milp
+        import umopt.search.solvers.milp as milp
 
         if problem.tables.ranged is not None:
             pytest.skip("the exact models cost chunks by size only (sequences of different lengths: not yet)")

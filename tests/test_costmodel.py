@@ -8,8 +8,8 @@ from conftest import two_stage_profile
 
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
-from umopt.partition import equal_sizes
 from umopt.schedules import gpipe_ops, onef1b_schedule
+from umopt.schedules.partition import equal_sizes
 from umopt.synthetic import synthetic_profile
 
 
@@ -340,8 +340,8 @@ def test_zb_h1_and_h2_are_the_papers(f, b, w):
     last stage, which cannot start before (p-1)F, sets the end), op for op the paper's figure
     with equal times; ZB-H2 warms up with 2(p-s)-1 forwards and ends no later
     than what the first forward's trip down the pipeline allows."""
-    from umopt.baselines import onef1b_equal
-    from umopt.problem import Problem
+    from umopt.search.baselines import onef1b_equal
+    from umopt.search.problem import Problem
     from umopt.search.zerobubble import zb_h1, zb_h2
 
     S, M = 4, 8
@@ -371,8 +371,8 @@ def test_exact_zero_bubble_model_bounds_every_w_schedule_and_reaches_its_bound()
     """The free-order CP-SAT model with a W op per B chunk: its schedule re-scores at its proven
     bound (to the microsecond rounding), and no random schedule with W ops beats that bound."""
     from umopt.costmodel import Op
-    from umopt.problem import Candidate, Problem
-    from umopt.solvers.cpsat import solve_with_weight_ops
+    from umopt.search.problem import Candidate, Problem
+    from umopt.search.solvers.cpsat import solve_with_weight_ops
 
     rng = np.random.default_rng(0)
     for S, B, seed in [(2, 6, 3), (3, 4, 2)]:
@@ -403,8 +403,8 @@ def test_exact_zero_bubble_model_bounds_every_w_schedule_and_reaches_its_bound()
 def test_exact_zero_bubble_model_keeps_to_the_memory_limit(recompute):
     """Under a limit that binds, the exact W model's schedule stays within it (a W releases its
     samples' memory), re-scores at its bound, and no random W schedule within the limit beats it."""
-    from umopt.problem import Candidate, Problem
-    from umopt.solvers.cpsat import solve_with_weight_ops
+    from umopt.search.problem import Candidate, Problem
+    from umopt.search.solvers.cpsat import solve_with_weight_ops
 
     S, B = 2, 4  # (B=6 with recompute takes CP-SAT 20 s to prove)
     prof = synthetic_profile(S, max_size=4, seed=3)
@@ -439,7 +439,7 @@ def test_a_step_holds_its_receive_buffers_and_the_all_reduce_buckets_whatever_th
     but the last), a minibatch each, and with replicas the all-reduce's buckets (two at most)."""
     from umopt.costmodel import ALLREDUCE_BUCKET_BYTES, rank_peak_memory
     from umopt.formats.profile import AllReduceProfile
-    from umopt.problem import Candidate
+    from umopt.search.problem import Candidate
     from umopt.synthetic import synthetic_profile
 
     prof = synthetic_profile(3, max_size=8, seed=1)

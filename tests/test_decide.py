@@ -63,7 +63,7 @@ def test_a_run_takes_turns_until_the_faster_schedule_is_decided(tmp_path, monkey
 
     from umopt.costmodel import CostTables, simulate
     from umopt.formats.schedule import make_schedule, save_schedule
-    from umopt.problem import Candidate
+    from umopt.search.problem import Candidate
 
     profile = mlp_profile(tmp_path, 2)
     tables = CostTables.from_profile(profile, False)

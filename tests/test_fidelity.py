@@ -23,8 +23,8 @@ from umopt.measure.noise import (
     summarize,
     uneven_devices_warning,
 )
-from umopt.problem import Problem
 from umopt.search.choice import choose, complexity
+from umopt.search.problem import Problem
 from umopt.synthetic import synthetic_profile
 from umopt.tune import TuneRow, pick
 
@@ -136,8 +136,8 @@ def _problem_with_spread(spread: float, rms: float):
 
 
 def _candidates(problem):
-    from umopt.baselines import gpipe_equal, onef1b_equal
-    from umopt.solvers import SOLVERS
+    from umopt.search.baselines import gpipe_equal, onef1b_equal
+    from umopt.search.solvers import SOLVERS
 
     gp, of = gpipe_equal(problem), onef1b_equal(problem)
     # (a generation cap and no kicks: the same schedule on every machine)

@@ -106,7 +106,7 @@ def test_solve_never_crashes_on_a_mutated_profile(tmp_path, capsys, doc, minibat
 
 def _schedule_doc(tmp_path):
     prof = load_profile("gpt-sim")
-    from umopt.baselines import gpipe_equal
+    from umopt.search.baselines import gpipe_equal
     from umopt.search.solve import make_problem
 
     problem = make_problem(prof, 8, False)

@@ -19,11 +19,11 @@ from umopt.chunks import chunking
 from umopt.costmodel import CostTables, simulate
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import make_schedule
-from umopt.problem import Candidate
 from umopt.run.comm import Comm, rounds
 from umopt.run.pipeline import Pipeline
 from umopt.schedules.multichunk import ChunkGenes, build_ops
 from umopt.search.peers import torch_ops
+from umopt.search.problem import Candidate
 from umopt.synthetic import synthetic_profile
 
 D = 4

@@ -12,8 +12,8 @@ from umopt.costmodel import ChunkOp, CostTables, rank_peak_memory, simulate
 from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile
 from umopt.formats.schedule import validate_ops
-from umopt.partition import equal_sizes
 from umopt.schedules.multichunk import ChunkGenes, build_ops, equal_genes
+from umopt.schedules.partition import equal_sizes
 from umopt.search.peers import torch_ops
 from umopt.synthetic import synthetic_profile
 
@@ -535,7 +535,7 @@ def test_umopt_run_plays_a_chunked_schedule_and_reports_it(tmp_path, capsys):
 
 def test_polishing_an_order_keeps_it_valid_and_never_slower():
     from umopt.search.peers import score_peer
-    from umopt.solvers.multichunk import improve_order
+    from umopt.search.solvers.multichunk import improve_order
 
     prof = _profile()
     tables, ops, tl = score_peer(prof, "ScheduleInterleaved1F1B", 2, 16, 8)
@@ -546,7 +546,7 @@ def test_polishing_an_order_keeps_it_valid_and_never_slower():
 
 
 def test_the_busiest_rank_bound_holds_for_random_schedules_of_the_shape():
-    from umopt.bounds.ranks import busiest_rank_bound
+    from umopt.search.bounds.ranks import busiest_rank_bound
 
     rng = random.Random(5)
     prof = _profile()
@@ -578,9 +578,9 @@ def test_the_exact_chunk_model_proves_tiny_instances_and_bounds_every_schedule(p
     placement; no random list-scheduled schedule and none of torch's orders beats its bound; its
     schedule is valid and is what the simulator plays. Under a memory limit below that schedule's
     peak, what it finds fits."""
-    from umopt.bounds.ranks import busiest_rank_bound
+    from umopt.search.bounds.ranks import busiest_rank_bound
     from umopt.search.peers import TORCH_MULTI
-    from umopt.solvers.cpsat_chunks import solve_chunks_exact
+    from umopt.search.solvers.cpsat_chunks import solve_chunks_exact
 
     B = 4
     prof = _profile(S=2)
@@ -825,7 +825,7 @@ def test_the_exact_chunk_model_times_a_pinned_schedule_no_later_than_the_simulat
     time at most (durations floored to microseconds)."""
     from ortools.sat.python import cp_model
 
-    from umopt.solvers.cpsat_chunks import _us, build_chunk_model
+    from umopt.search.solvers.cpsat_chunks import _us, build_chunk_model
 
     rng = random.Random(11)
     prof = _profile(S=4, layers=4)

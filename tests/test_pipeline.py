@@ -15,7 +15,7 @@ import torch
 from umopt.costmodel import CostTables, Op, simulate
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
-from umopt.problem import Candidate
+from umopt.search.problem import Candidate
 from umopt.synthetic import synthetic_profile
 
 HERE = Path(__file__).parent

@@ -11,10 +11,10 @@ from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
 from umopt.formats.profile import AllReduceProfile
 from umopt.formats.schedule import validate_ops
-from umopt.partition import ends_to_sizes, repair_ends, sizes_to_ends
-from umopt.population_sim import evaluate_1f1b, evaluate_gpipe
-from umopt.problem import Candidate
 from umopt.schedules import gpipe_ops, onef1b_schedule
+from umopt.schedules.partition import ends_to_sizes, repair_ends, sizes_to_ends
+from umopt.schedules.population_sim import evaluate_1f1b, evaluate_gpipe
+from umopt.search.problem import Candidate
 from umopt.synthetic import synthetic_profile
 
 
@@ -174,7 +174,7 @@ def test_split_evaluator_equals_reference(
 
 def test_split_evaluator_without_the_compiled_module():
     """Where the install did not compile, the reference simulator scores W schedules: the same."""
-    import umopt.population_sim as vec
+    import umopt.schedules.population_sim as vec
 
     rng = np.random.default_rng(3)
     S, B, mx = 4, 24, 8
@@ -215,7 +215,7 @@ def _allreduce(replicas: int, rng) -> AllReduceProfile | None:
 def _assert_same_in_numpy(score, evaluate, *args):
     """The compiled evaluator (where built) and the numpy one give the same scores, infinite
     ones (deadlocks) included, and the same work and memory."""
-    import umopt.population_sim as vec
+    import umopt.schedules.population_sim as vec
 
     if vec._compiled is None:
         return
@@ -233,7 +233,7 @@ def _assert_same_in_numpy(score, evaluate, *args):
 def test_compiled_evaluators_are_built_and_agree():
     """The install built them (CI has a compiler), and on a deep pipeline's population (with
     random warm-ups in 1F1B order) they score exactly as numpy does."""
-    import umopt.population_sim as vec
+    import umopt.schedules.population_sim as vec
 
     assert vec.COMPILED
     rng = np.random.default_rng(5)

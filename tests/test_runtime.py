@@ -17,9 +17,9 @@ from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.report import RunReport
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.measure.noise import run_warnings
-from umopt.problem import Candidate
 from umopt.run.launch import RunFailed, launch
 from umopt.run.options import RunOptions
+from umopt.search.problem import Candidate
 from umopt.synthetic import synthetic_profile
 from umopt.zoo import build_model
 
@@ -406,7 +406,7 @@ def test_zero_bubble_schedules_on_three_stages_give_single_process_gradients(tmp
     """W ops on every stage, the middle one included (inputs and outputs both carry gradients):
     umopt's W placement on a random unequal schedule, run by `umopt run`."""
     from umopt.costmodel import simulate
-    from umopt.problem import Problem
+    from umopt.search.problem import Problem
     from umopt.search.zerobubble import best_with_weight_ops
 
     profile = mlp_profile(tmp_path, 3)

@@ -14,7 +14,7 @@ from umopt.cli import main
 from umopt.costmodel import CostTables, simulate
 from umopt.formats.schedule import check_against_profile, load_schedule, make_schedule, save_schedule
 from umopt.measure.decide import is_equal
-from umopt.problem import Candidate
+from umopt.search.problem import Candidate
 
 
 def test_solve_writes_the_pick_and_its_rivals(tmp_path, capsys):

@@ -12,22 +12,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from umopt.baselines import gpipe_equal, onef1b_equal
-from umopt.bounds import (
-    fast_bound_ms,
-    spec_bound,
-)
-from umopt.bounds.fast import min_work
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
 from umopt.formats.profile import AllReduceProfile, load_profile
-from umopt.partition import chunks, equal_sizes
-from umopt.population_sim import evaluate_1f1b
-from umopt.problem import Candidate, Problem, pack, ticking
-from umopt.solvers import SOLVERS
-from umopt.solvers.dp import shared_partition
-from umopt.solvers.local import aligned_moves, hill_climb, iterated_climb
-from umopt.solvers.ramp import ramped_partitions
+from umopt.schedules.partition import chunks, equal_sizes
+from umopt.schedules.population_sim import evaluate_1f1b
+from umopt.search.baselines import gpipe_equal, onef1b_equal
+from umopt.search.bounds import (
+    fast_bound_ms,
+    spec_bound,
+)
+from umopt.search.bounds.fast import min_work
+from umopt.search.problem import Candidate, Problem, pack, ticking
+from umopt.search.solvers import SOLVERS
+from umopt.search.solvers.dp import shared_partition
+from umopt.search.solvers.local import aligned_moves, hill_climb, iterated_climb
+from umopt.search.solvers.ramp import ramped_partitions
 from umopt.synthetic import synthetic_profile
 
 
@@ -447,7 +447,7 @@ def test_auto_reports_the_exact_models_proof_for_the_orders_it_searched():
 
 
 class _FakeBeside:
-    """Stands in for :class:`umopt.bounds.BackgroundBounds` in auto: records what auto asks, answers ``proved``.
+    """Stands in for :class:`umopt.search.bounds.BackgroundBounds` in auto: records what auto asks, answers ``proved``.
     With ``meet``, every schedule offered is at once a bound it meets (a stand-in for a proof)."""
 
     made: list = []
@@ -476,7 +476,7 @@ class _FakeBeside:
 
 
 def _fake_beside(monkeypatch, **kw):
-    import umopt.solvers.auto as auto
+    import umopt.search.solvers.auto as auto
 
     _FakeBeside.made = []
     monkeypatch.setattr(
@@ -542,7 +542,7 @@ def test_ga_stops_when_asked_and_bounds_beside_end_at_once():
     assert res.candidate.simulate(problem).iteration_ms <= onef1b_equal(problem).candidate.iteration_ms + 1e-9
     # the pairs beside (and the pair program's process below them) end at once when stopped,
     # with what they proved: nothing of them is left running
-    from umopt.bounds import BackgroundBounds, pairs_job
+    from umopt.search.bounds import BackgroundBounds, pairs_job
 
     seen = []
     job = BackgroundBounds(
@@ -564,7 +564,7 @@ def test_ga_stops_when_asked_and_bounds_beside_end_at_once():
     assert proved["any order"] >= fast_bound_ms(problem) - 1e-9
     time.sleep(0.5)
     left = subprocess.run(
-        ["pgrep", "-f", "umopt.bounds.background"], capture_output=True, text=True
+        ["pgrep", "-f", "umopt.search.bounds.background"], capture_output=True, text=True
     ).stdout.split()
     assert left == []
 
@@ -591,7 +591,7 @@ def test_aligned_moves_move_a_shared_chunk_end_on_every_stage_holding_it():
 def test_climb_neighbours_are_every_schedule_one_move_away(S, B, mx, recompute, order, seed):
     # the climb builds its neighbours as arrays; they are exactly the schedules that moves(),
     # aligned_moves() and a warm-up step make from the centre, as lists
-    from umopt.solvers.local import _neighbours, _warmup, moves
+    from umopt.search.solvers.local import _neighbours, _warmup, moves
 
     rng = np.random.default_rng(seed)
     problem = Problem(CostTables.from_profile(synthetic_profile(S, max_size=mx, seed=seed), recompute), B)
@@ -704,8 +704,8 @@ def test_fast_bounds_run_beside_the_solver_where_they_take_seconds(monkeypatch):
 def test_ga_with_w_caps_beats_its_seeds_with_w_ops_placed_and_keeps_to_memory():
     """The GA carrying W caps (zero bubble): its schedule has W ops, scores as the simulator
     says, stays within a memory limit that binds, and beats the best seed's W placement."""
+    from umopt.search.solvers.ga import solve_ga
     from umopt.search.zerobubble import best_with_weight_ops
-    from umopt.solvers.ga import solve_ga
 
     prof = load_profile("gpt-sim")
     free = Problem(CostTables.from_profile(prof), 16)

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 import umopt
 from umopt.errors import UmoptError
-from umopt.problem import Candidate
+from umopt.search.problem import Candidate
 from umopt.synthetic import synthetic_token_profile
 from umopt.varlen.peers import PEERS
 from umopt.varlen.plan import Layout, score

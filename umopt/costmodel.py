@@ -3,7 +3,7 @@
 This module is the single source of predicted times. :func:`simulate` is the plain reference
 simulator of docs/formats.md ("Cost model"): it plays any op lists (GPipe, 1F1B or any other order)
 and returns the iteration time, per-stage busy time and peak memory, and the timeline of every op
-and message. Solvers that need speed use :mod:`umopt.population_sim`, which must agree with this to
+and message. Solvers that need speed use :mod:`umopt.schedules.population_sim`, which must agree with this to
 1e-9 and is tested against it.
 
 Times are milliseconds. Chunk sizes are whole samples, so per-size costs are tabulated once, with

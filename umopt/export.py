@@ -21,7 +21,7 @@ import itertools
 from .costmodel import OpKind
 from .errors import UmoptError
 from .formats.schedule import Schedule
-from .partition import partitions_from_ops
+from .schedules.partition import partitions_from_ops
 
 __all__ = ["FORMATS", "torch_csv"]
 

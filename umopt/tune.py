@@ -40,14 +40,14 @@ from .measure import ProfileOptions, check_profile_options
 from .measure.decide import CONFIDENCE, Decision, decide
 from .measure.noise import OFF_PREDICTION
 from .measure.probes import profile_for_chunks, profile_in_pipeline
-from .problem import Candidate
 from .run.launch import launch
 from .run.options import RunOptions
 from .search.peers import TORCH_MULTI
+from .search.problem import Candidate
 from .search.solve import make_problem, solve
 from .search.solve_chunks import solve_chunked
+from .search.solvers import SOLVERS
 from .search.zerobubble import zb_h1
-from .solvers import SOLVERS
 from .varlen.planner import plan
 from .varlen.samplers import SAMPLERS, minibatch_of_step
 from .varlen.solve import plan_schedule

@@ -23,10 +23,10 @@ from ..errors import UmoptError
 from ..formats.profile import ProbesMeta, Profile
 from ..formats.report import load_report
 from ..formats.schedule import make_schedule, save_schedule
-from ..problem import Candidate, Problem
 from ..run.launch import RunFailed, launch
 from ..run.options import RunOptions
 from ..schedules.family import RULED
+from ..search.problem import Candidate, Problem
 from ..zoo import build_model
 from .calibrate import Overheads, calibrate, run_ratios
 from .options import ProfileOptions, ProgressFn

@@ -6,7 +6,7 @@ with a warm-up per stage) and the free order of the exact models, each a
 scored at once); :mod:`.weights`, W placement, modifies any of them. Several chunks per rank:
 :mod:`.multichunk` (looped or V-shaped, each virtual stage with its own partition, the ranks'
 orders built by list scheduling). The families are imported from :mod:`.family` by name: they
-score populations with :mod:`umopt.population_sim`, which builds op lists with the modules here,
+score populations with :mod:`umopt.schedules.population_sim`, which builds op lists with the modules here,
 so this package does not import them.
 """
 

@@ -18,9 +18,9 @@ import numpy as np
 
 from ..costmodel import CostTables, Op
 from ..errors import UmoptError
-from ..population_sim import PopulationScore, evaluate_1f1b, evaluate_gpipe
 from .gpipe import gpipe_ops
 from .onef1b import onef1b_schedule
+from .population_sim import PopulationScore, evaluate_1f1b, evaluate_gpipe
 
 __all__ = ["ScheduleFamily", "GPIPE", "ONEF1B", "FREE", "FAMILIES", "RULED", "family"]
 
@@ -57,7 +57,7 @@ class ScheduleFamily:
         """Iteration ms of each of P individuals (zero-padded ``(P, S, K)`` partitions; ``bsizes``
         None: the forward ones; ``warmup`` (P, S) where the family has them; ``wcap`` (P, S): W
         ops placed with those caps), ``inf`` where one breaks the memory limit; and the scores,
-        all on ``tables`` (a :class:`umopt.problem.Problem`'s)."""
+        all on ``tables`` (a :class:`umopt.search.problem.Problem`'s)."""
         sc = self.evaluate(tables, fsizes, bsizes, warmup, wcap)
         it = sc.iteration_ms
         if tables.memory_limit is not None:
@@ -92,7 +92,7 @@ class OneF1B(ScheduleFamily):
 
 class Free(ScheduleFamily):
     """Any order per stage, chosen op by op (the exact models' answers, polished orders): its
-    op lists are its genes, kept whole (:class:`umopt.problem.Candidate`'s ``explicit_ops``)."""
+    op lists are its genes, kept whole (:class:`umopt.search.problem.Candidate`'s ``explicit_ops``)."""
 
     name = "free"
     by_rule = False

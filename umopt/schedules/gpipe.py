@@ -1,7 +1,7 @@
 """The GPipe family: every forward in sample order, then every backward in reverse sample order.
 
 Its genes are the stages' forward and backward partitions; its op lists come from
-:func:`gpipe_ops`; a population of it is scored by :func:`umopt.population_sim.evaluate_gpipe`
+:func:`gpipe_ops`; a population of it is scored by :func:`umopt.schedules.population_sim.evaluate_gpipe`
 (numpy, or the compiled evaluator with W ops).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..costmodel import Op, OpKind
-from ..partition import chunks
+from .partition import chunks
 
 __all__ = ["gpipe_ops"]
 

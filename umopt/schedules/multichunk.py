@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..costmodel import ChunkOp, CostTables, OpKind, weight_ms
-from ..partition import chunks as sample_ranges
+from .partition import chunks as sample_ranges
 
 __all__ = ["ChunkGenes", "build_ops", "equal_genes", "rank_loads"]
 
@@ -188,7 +188,7 @@ def equal_genes(
     tables: CostTables, minibatch: int, microbatches: int, *, weights: bool = False, deep: bool = True
 ) -> ChunkGenes:
     """Equal chunks on every virtual stage and interleaved 1F1B's warm-up as each rank's cap."""
-    from ..partition import equal_sizes
+    from .partition import equal_sizes
 
     S, R = tables.num_stages, tables.num_ranks
     sizes = equal_sizes(minibatch, microbatches)

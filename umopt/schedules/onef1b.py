@@ -3,7 +3,7 @@
 Its genes are the stages' partitions and each stage's warm-up (forwards before its first
 backward: PipeDream-flush's ``S - s - 1`` by default, fewer or more as the search finds); its op
 lists come from :func:`onef1b_schedule`; a population of it is scored by
-:func:`umopt.population_sim.evaluate_1f1b`.
+:func:`umopt.schedules.population_sim.evaluate_1f1b`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..costmodel import Op, OpKind
-from ..partition import chunks
+from .partition import chunks
 
 __all__ = ["pipedream_warmup", "onef1b_schedule"]
 

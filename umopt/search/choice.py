@@ -25,7 +25,7 @@ import numpy as np
 
 from ..costmodel import CostTables, simulate
 from ..formats.profile import Profile
-from ..problem import Candidate, Problem
+from .problem import Candidate, Problem
 
 __all__ = ["Choice", "complexity", "gain_uncertainty", "order_ratios", "choose"]
 

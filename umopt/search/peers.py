@@ -22,8 +22,8 @@ from ..chunks import chunking, placement, user_cuts
 from ..costmodel import Chunking, ChunkOp, CostTables, OpKind, Timeline, rank_peak_memory, simulate
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
-from ..partition import chunks as sample_ranges
-from ..partition import equal_sizes
+from ..schedules.partition import chunks as sample_ranges
+from ..schedules.partition import equal_sizes
 
 __all__ = [
     "TORCH_MULTI",

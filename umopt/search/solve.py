@@ -14,21 +14,21 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from ..baselines import Baseline, gpipe_equal, onef1b_equal
-from ..bounds import BackgroundBounds, Scope, fast_bound_ms, fast_job, reported_bounds, spec_bound
 from ..costmodel import CostTables, Op, Timeline, simulate
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule, make_schedule, validate_ops
 from ..limits import check_problem_size
 from ..measure.decide import is_equal
-from ..problem import Candidate, Problem, Progress, SolverResult
 from ..schedules.family import family
-from ..solvers import SOLVERS
-from ..solvers.auto import EXACT_MAX_TERMS
-from ..solvers.cpsat import solve_with_weight_ops
-from ..solvers.exact import model_terms
+from .baselines import Baseline, gpipe_equal, onef1b_equal
+from .bounds import BackgroundBounds, Scope, fast_bound_ms, fast_job, reported_bounds, spec_bound
 from .choice import Choice, choose
+from .problem import Candidate, Problem, Progress, SolverResult
+from .solvers import SOLVERS
+from .solvers.auto import EXACT_MAX_TERMS
+from .solvers.cpsat import solve_with_weight_ops
+from .solvers.exact import model_terms
 from .zerobubble import best_with_weight_ops, require_split, search_with_weight_ops, zb_h1, zb_h2
 
 __all__ = ["SolveReport", "solve", "make_problem", "allreduce_for"]

@@ -2,10 +2,10 @@
 
 :func:`solve_chunked` runs the one-chunk solve (:func:`umopt.search.solve.solve`), scores torch's
 multi-chunk schedules at their best v, M and cut (:func:`umopt.search.peers.best_peers`), and searches
-unequal per-virtual-stage partitions (:func:`umopt.solvers.multichunk.solve_chunks`: a screening,
+unequal per-virtual-stage partitions (:func:`umopt.search.solvers.multichunk.solve_chunks`: a screening,
 then a local search), then polishes the fastest multi-chunk order found, umopt's or torch's, op
-by op (:func:`umopt.solvers.multichunk.improve_order`). On small instances the exact model
-(:mod:`umopt.solvers.cpsat_chunks`) takes half of the polish's time, starts from the polished
+by op (:func:`umopt.search.solvers.multichunk.improve_order`). On small instances the exact model
+(:mod:`umopt.search.solvers.cpsat_chunks`) takes half of the polish's time, starts from the polished
 order and may prove it optimal for its cut and placement. Every phase ends on one clock ([Note:
 one deadline for a chunked solve]). The fastest within the memory limit is the schedule; every
 figure comes from the reference simulator.
@@ -18,17 +18,17 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..bounds.ranks import busiest_rank_bound
 from ..costmodel import Chunking, CostTables, OpKind, Timeline, rank_peak_memory, simulate
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule, make_schedule, validate_ops
-from ..problem import Progress
 from ..schedules.multichunk import build_ops, equal_genes
-from ..solvers.cpsat_chunks import MAX_CHUNK_MODEL, ExactChunks, chunk_model_size, solve_chunks_exact
-from ..solvers.multichunk import ChunkSolution, improve_order, solve_chunks
+from .bounds.ranks import busiest_rank_bound
 from .peers import TORCH_MULTI, PeerResult, best_peers, load_torch_schedules
+from .problem import Progress
 from .solve import SolveReport, solve
+from .solvers.cpsat_chunks import MAX_CHUNK_MODEL, ExactChunks, chunk_model_size, solve_chunks_exact
+from .solvers.multichunk import ChunkSolution, improve_order, solve_chunks
 
 __all__ = ["ChunkSolveReport", "solve_chunked", "parse_chunks"]
 

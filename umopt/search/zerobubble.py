@@ -18,14 +18,14 @@ from __future__ import annotations
 import time
 from typing import Optional, Sequence
 
-from ..baselines import feasible_m
 from ..costmodel import Op, OpKind, Timeline, simulate
 from ..errors import UmoptError
-from ..partition import equal_sizes
-from ..problem import Candidate, Problem
 from ..schedules import onef1b_schedule, with_weight_ops
 from ..schedules.family import family
-from ..solvers.ga import solve_ga
+from ..schedules.partition import equal_sizes
+from .baselines import feasible_m
+from .problem import Candidate, Problem
+from .solvers.ga import solve_ga
 
 __all__ = [
     "with_weight_ops",

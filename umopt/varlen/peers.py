@@ -36,10 +36,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..baselines import gpipe_equal, onef1b_equal
 from ..formats.profile import AllReduceProfile, Profile
-from ..problem import Candidate, Problem, pack
 from ..schedules.family import family
+from ..search.baselines import gpipe_equal, onef1b_equal
+from ..search.problem import Candidate, Problem, pack
 from .plan import Layout, Plan, score
 
 __all__ = ["PEERS", "pad", "packed_rows", "sort_split", "dynapipe", "wlb"]

@@ -36,8 +36,8 @@ import numpy as np
 
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
-from ..problem import Candidate, Problem
 from ..schedules.family import family
+from ..search.problem import Candidate, Problem
 from .plan import Layout, Plan, score
 
 __all__ = ["ORDERS", "RAMPS", "plan", "search", "order_of"]
@@ -489,7 +489,7 @@ def search(
     """The long search: the GA (umopt's dual-chromosome search: per-stage forward and backward
     partitions, GPipe or 1F1B order with per-stage warm-ups) on the plan's order, started from it,
     for ``seconds``: how far the fast plan is from the best found."""
-    from ..solvers.ga import solve_ga
+    from ..search.solvers.ga import solve_ga
 
     L = np.asarray(lengths)
     layout = start.layout

@@ -8,7 +8,7 @@ ops in any order: each op is an optional interval on the stage's no-overlap reso
 Both prove small instances optimal in seconds (tests compare them with brute force over every
 partition and order). On realistic sizes they do not close the gap: their bound rises to the
 bound they start from and stays there. The free-order model starts from the pair bounds (two
-stages at a time, :func:`umopt.bounds.start_bound_ms`) where they run, else from the fast bound.
+stages at a time, :func:`umopt.search.bounds.start_bound_ms`) where they run, else from the fast bound.
 
 Decision variables are the partitions themselves: for every stage and every chunk ``[lo, hi)`` of
 at most the profile's largest size, a boolean ``x[s][c]`` (the forward partition uses it) and
@@ -36,6 +36,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Optional
 
+from ...costmodel import Op, OpKind, simulate
+from ...errors import UmoptError
 from .. import stoppable
 from ..bounds import (
     Heads,
@@ -45,8 +47,6 @@ from ..bounds import (
     linear_cuts,
     start_bound_ms,
 )
-from ..costmodel import Op, OpKind, simulate
-from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult
 from .exact import (
     candidate_chunks,
@@ -74,7 +74,7 @@ def _us(ms: float) -> int:
 
 def build_gpipe_model(problem: Problem, horizon_us: int, hint: Optional[Candidate] = None):
     """The CP-SAT model; returns (model, x, y, makespan) with x[s][(lo, hi)] booleans."""
-    # one piece: [Note: one function per model] (umopt/solvers/cpsat.py)
+    # one piece: [Note: one function per model] (umopt/search/solvers/cpsat.py)
     from ortools.sat.python import cp_model  # imported where used: it pulls in pandas
 
     t = problem.tables
@@ -198,7 +198,7 @@ def build_free_model(
     them into send order, which can only make it optimistic, so its bound stays valid; the schedule
     is re-scored by the simulator, which does keep send order.
     """
-    # one piece: [Note: one function per model] (umopt/solvers/cpsat.py)
+    # one piece: [Note: one function per model] (umopt/search/solvers/cpsat.py)
     from ortools.sat.python import cp_model
 
     t = problem.tables
@@ -419,7 +419,7 @@ def _later_work(m, chunks, B: int, x: dict, y: dict, fdur: dict, bdur: dict, H: 
 def _add_heads(
     m, problem: Problem, heads: Heads, s: int, c, on, bon, fstart, bstart, fdur: int, bdur: int, makespan
 ) -> None:
-    """Redundant release, turnaround and tail constraints of one chunk (see :mod:`umopt.bounds.heads`)."""
+    """Redundant release, turnaround and tail constraints of one chunk (see :mod:`umopt.search.bounds.heads`)."""
     lo, hi = c
     b = hi - lo
     if heads.release[s, hi] > 0:
@@ -541,7 +541,7 @@ def _ops_by_start(
 
 
 def gpipe_ops_all(sizes: list[int], num_stages: int) -> list[list[Op]]:
-    from ..schedules import gpipe_ops
+    from ...schedules import gpipe_ops
 
     return [gpipe_ops(sizes, sizes) for _ in range(num_stages)]
 
@@ -554,7 +554,7 @@ def solve_with_weight_ops(
     found nothing in ``time_limit``. The op lists are re-scored by the simulator."""
     from ortools.sat.python import cp_model
 
-    from ..schedules import onef1b_schedule, with_weight_ops
+    from ...schedules import onef1b_schedule, with_weight_ops
 
     t = problem.tables
     if t.bwd_input is None:

@@ -14,11 +14,11 @@ from typing import Optional
 
 import numpy as np
 
+from ...errors import UmoptError
+from ...schedules.family import GPIPE
+from ...schedules.partition import equal_sizes
 from ..baselines import feasible_m, gpipe_equal
-from ..errors import UmoptError
-from ..partition import equal_sizes
 from ..problem import Candidate, Problem, Progress, SolverResult, pack
-from ..schedules.family import GPIPE
 
 __all__ = ["solve_greedy"]
 

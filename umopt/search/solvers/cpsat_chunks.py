@@ -3,10 +3,10 @@
 For one cut and placement (a :class:`umopt.costmodel.Chunking`), the model chooses every
 virtual stage's partitions and every rank's op order: each op is an optional interval on its
 rank's no-overlap resource, so interleaved 1F1B, ZB-V, DualPipeV, the list-scheduled orders of
-:mod:`umopt.solvers.multichunk` and every other order are in its search space. Its optimum is
+:mod:`umopt.search.solvers.multichunk` and every other order are in its search space. Its optimum is
 therefore a lower bound on every schedule of that cut and placement, and where it proves
 optimality it tells how far the search and torch's orders are from the best schedule there is.
-The model is as :func:`umopt.solvers.cpsat.build_free_model`, with these changes:
+The model is as :func:`umopt.search.solvers.cpsat.build_free_model`, with these changes:
 
 * ops of all the virtual stages on a rank share the rank's no-overlap resource and memory
   reservoir (the rank holds every chunk's static bytes);
@@ -31,10 +31,10 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ...costmodel import ChunkOp, CostTables, OpKind, simulate
+from ...errors import UmoptError
 from .. import stoppable
 from ..bounds.ranks import rank_ends
-from ..costmodel import ChunkOp, CostTables, OpKind, simulate
-from ..errors import UmoptError
 from .cpsat import _as_bool, memory_events
 
 __all__ = ["ExactChunks", "build_chunk_model", "solve_chunks_exact", "chunk_model_size", "MAX_CHUNK_MODEL"]
@@ -77,7 +77,7 @@ def build_chunk_model(
     """The model; returns (model, x, y, start, makespan) with ``x[j][c]`` (F partition of virtual
     stage j uses chunk c), ``y[j][c]`` (its B partition; ``x`` without recompute) and
     ``start[kind][j][c]`` for kind in F, B, W."""
-    # one piece: [Note: one function per model] (umopt/solvers/cpsat.py)
+    # one piece: [Note: one function per model] (umopt/search/solvers/cpsat.py)
     from ortools.sat.python import cp_model  # imported where used: it pulls in pandas
 
     t = tables
@@ -201,7 +201,7 @@ def build_chunk_model(
     for r in range(R):
         m.add_no_overlap(on_rank[r])
     # redundant: a rank's first op after one sample's way up to it, then all its work, then (no
-    # W ops) the way down from its last B (umopt.bounds.ranks); one microsecond per term floored
+    # W ops) the way down from its last B (umopt.search.bounds.ranks); one microsecond per term floored
     for r in range(R):
         mine = [j for j in range(V) if t.rank_of(j) == r]
         j0 = min(mine)

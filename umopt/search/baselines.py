@@ -2,7 +2,7 @@
 
 ``gpipe_equal``: M chunks of equal size (differing by at most one) on every stage, all F then all
 B, the best M. ``onef1b_equal``: the same chunks in 1F1B (PipeDream-flush) order, M >= S.
-M values whose peak memory breaks the limit are skipped. (The lower bounds are :mod:`umopt.bounds`.)
+M values whose peak memory breaks the limit are skipped. (The lower bounds are :mod:`umopt.search.bounds`.)
 
 Every M is accounted for, but not every M is simulated: no iteration is shorter than its busiest
 stage's compute, so once that alone exceeds the best M simulated, the M is out. With per-op
@@ -18,9 +18,9 @@ from typing import Optional
 
 import numpy as np
 
-from .partition import equal_sizes
+from ..schedules.family import family
+from ..schedules.partition import equal_sizes
 from .problem import Candidate, Problem, pack
-from .schedules.family import family
 
 __all__ = ["Baseline", "feasible_m", "gpipe_equal", "onef1b_equal"]
 

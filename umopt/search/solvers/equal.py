@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from ...errors import UmoptError
 from ..baselines import gpipe_equal, onef1b_equal
-from ..errors import UmoptError
 from ..problem import Problem, Progress, SolverResult
 
 __all__ = ["solve_equal"]

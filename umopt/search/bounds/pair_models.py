@@ -69,7 +69,7 @@ def build_pair_model(
     ``horizon`` bound the makespan (a known bound, a known schedule's makespan). With ``io``
     (:func:`.in_order.in_order_heads`), the model of the 1F1B family instead: both stages run
     their B ops in sample order, and a last stage runs each chunk's B right after its F."""
-    # one piece: [Note: one function per model] (umopt/solvers/cpsat.py)
+    # one piece: [Note: one function per model] (umopt/search/solvers/cpsat.py)
     from ortools.sat.python import cp_model  # imported where used: it pulls in pandas
 
     B, S = minibatch, F.shape[0]
@@ -177,7 +177,7 @@ def build_untied_pair_model(
     sizes; a B chunk waits for the F of its samples and their gradients. Every schedule, in any
     order, turns into one of these no later, so the model's least makespan bounds them all.
     Returns (model, makespan)."""
-    # one piece: [Note: one function per model] (umopt/solvers/cpsat.py)
+    # one piece: [Note: one function per model] (umopt/search/solvers/cpsat.py)
     from ortools.sat.python import cp_model
 
     B, S = minibatch, F.shape[0]

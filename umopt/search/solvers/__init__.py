@@ -1,10 +1,10 @@
-"""Solvers: each turns a :class:`umopt.problem.Problem` into a :class:`umopt.problem.SolverResult`.
+"""Solvers: each turns a :class:`umopt.search.problem.Problem` into a :class:`umopt.search.problem.SolverResult`.
 
 One module each: ``equal`` (best equal chunks), ``dp`` (one shared partition by dynamic
 programming), ``ramp`` (one shared partition, small chunks first and last), ``greedy`` (stage-by-stage local choice), ``ga`` (the paper's dual-chromosome
 genetic algorithm on the vectorized evaluator), ``cpsat`` and ``milp`` (exact models in OR-Tools
 CP-SAT and in PuLP, of free-order or GPipe-order schedules, seeded with the GA's best; their
-lower bounds come with :mod:`umopt.bounds`) and ``auto`` (the heuristics within a time budget).
+lower bounds come with :mod:`umopt.search.bounds`) and ``auto`` (the heuristics within a time budget).
 """
 
 from .auto import solve_auto

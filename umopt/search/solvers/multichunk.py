@@ -18,12 +18,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from ..chunks import balanced_cut, chunking, stage_cut
-from ..costmodel import Chunking, ChunkOp, CostTables, OpKind, rank_peak_memory
-from ..errors import UmoptError
-from ..formats.profile import AllReduceProfile, Profile
-from ..partition import equal_sizes
-from ..schedules.multichunk import ChunkGenes, build_ops, equal_genes, rank_loads
+from ...chunks import balanced_cut, chunking, stage_cut
+from ...costmodel import Chunking, ChunkOp, CostTables, OpKind, rank_peak_memory
+from ...errors import UmoptError
+from ...formats.profile import AllReduceProfile, Profile
+from ...schedules.multichunk import ChunkGenes, build_ops, equal_genes, rank_loads
+from ...schedules.partition import equal_sizes
 
 __all__ = ["ChunkShape", "ChunkSolution", "shapes", "solve_chunks"]
 
@@ -377,7 +377,7 @@ def improve_order(
     within the memory limit, and no slower). For a schedule list scheduling cannot express, such
     as torch's own orders, or to polish one it built. Returns the ops, their iteration time and
     the schedules scored."""
-    from ..costmodel import simulate
+    from ...costmodel import simulate
 
     rng = random.Random(seed)
     best = [list(r) for r in ops]

@@ -7,7 +7,7 @@ On instances small enough for the exact model to prove (about S=4, B=8), half th
 CP-SAT, warm-started with the best schedule found: the free-order model under ``--order auto``
 (its bound holds for every schedule), the GPipe-order one under ``--order gpipe``; its proof and
 bound are then the report's. On larger ones the GA has all the time, and up to S=4, B=32 the pair
-bounds run beside it on the other cores (:class:`umopt.bounds.BackgroundBounds`): first those of every
+bounds run beside it on the other cores (:class:`umopt.search.bounds.BackgroundBounds`): first those of every
 schedule (the report's bound; status "optimal" where the schedule meets it), then those of the
 1F1B family (B ops in sample order, the GA's schedules), reported where the schedule found is of
 that family (``lower_bound_1f1b_ms``; under ``--order 1f1b`` only they run, and they are the
@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from ...errors import UmoptError
+from ...schedules.partition import backwards_in_sample_order
 from ..bounds import IN_ORDER_MAX_CELLS, BackgroundBounds, Scope, pair_bound_runs, pairs_job
-from ..errors import UmoptError
-from ..partition import backwards_in_sample_order
 from ..problem import Problem, Progress, SolverResult
 from .cpsat import solve_cpsat
 from .dp import solve_dp

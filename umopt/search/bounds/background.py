@@ -2,7 +2,7 @@
 
 A bound that runs while the solver searches must not take the solver's core (the programs
 written in Python hold the GIL) and must end the moment it is no longer wanted, wherever it is.
-So it runs as ``python -m umopt.bounds.background``: the parent sends the problem as plain arrays
+So it runs as ``python -m umopt.search.bounds.background``: the parent sends the problem as plain arrays
 (``numpy`` ``.npy``, no pickle) after a JSON line naming the job (a function of this package,
 by module and name), then, line by line, the best
 schedule it knows (a tighter horizon for the pair models). The child prints every bound it
@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..costmodel import CostTables
+from ...costmodel import CostTables
 from ..problem import Problem
 
 __all__ = ["BackgroundBounds", "Job"]
@@ -54,7 +54,7 @@ class BackgroundBounds:
         self._on_bound = on_bound
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "umopt.bounds.background"],
+            [sys.executable, "-m", "umopt.search.bounds.background"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

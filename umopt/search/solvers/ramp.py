@@ -23,11 +23,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ...errors import UmoptError
+from ...schedules.family import GPIPE, ONEF1B
+from ...schedules.partition import equal_sizes
 from ..baselines import gpipe_equal, onef1b_equal
-from ..errors import UmoptError
-from ..partition import equal_sizes
 from ..problem import Candidate, Problem, Progress, SolverResult, pack
-from ..schedules.family import GPIPE, ONEF1B
 
 __all__ = ["ramped_partitions", "solve_ramp"]
 

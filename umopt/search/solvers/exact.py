@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional, Sequence
 
+from ...errors import UmoptError
 from ..baselines import gpipe_equal
-from ..errors import UmoptError
 from ..problem import Candidate, Problem, Progress, SolverResult, ticking
 
 __all__ = [

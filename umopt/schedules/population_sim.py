@@ -9,12 +9,12 @@ order, every recurrence of the cost model is a max-plus scan:
 and a link that carries one message at a time is the same scan over message durations. So each
 stage costs a handful of ``cumsum`` / ``maximum.accumulate`` passes over a (population x chunks)
 array, and which upstream message holds a chunk's last sample is one ``searchsorted``. Where the
-install built ``umopt/_population_sim.cpp``, both evaluators run compiled instead, an individual at a
+install built ``umopt/schedules/_population_sim.cpp``, both evaluators run compiled instead, an individual at a
 time with the same floating-point steps (``COMPILED``); the numpy code stays as the fallback
 and as what the compiled scores are tested against.
 
 An individual is, per stage, a forward partition and a backward partition (zero-padded chunk
-sizes in sample order, see :mod:`umopt.partition`). F ops run in sample order, B ops in reverse.
+sizes in sample order, see :mod:`umopt.schedules.partition`). F ops run in sample order, B ops in reverse.
 The result must equal :func:`umopt.costmodel.simulate` on the same ops to 1e-9 (tested).
 :func:`evaluate_1f1b` does the same for 1F1B order, where dependencies run both ways between
 stages and a different scheme is needed (see there).
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .costmodel import CostTables, simulate
-from .errors import UmoptError
-from .schedules.gpipe import gpipe_ops
-from .schedules.onef1b import onef1b_schedule
-from .schedules.weights import with_weight_ops
+from ..costmodel import CostTables, simulate
+from ..errors import UmoptError
+from .gpipe import gpipe_ops
+from .onef1b import onef1b_schedule
+from .weights import with_weight_ops
 
 # what this module calls the compiled evaluators with (their VERSION)
 _COMPILED_VERSION = 3
@@ -127,7 +127,7 @@ def evaluate_gpipe(
     ``fsizes``: int array (P, S, K) of forward chunk sizes per stage, zero-padded at the end.
     ``bsizes``: the same for backward chunks (sample order); ``None`` means the forward partition.
     ``wcap``: (P, S) W-op caps (see :func:`evaluate_split`); None: no W ops.
-    Compiled where the install built it (:mod:`umopt._population_sim`: the same scans an individual at
+    Compiled where the install built it (:mod:`umopt.schedules._population_sim`: the same scans an individual at
     a time, the same scores to the bit; faster than numpy at the GA's population, where numpy's
     work per call is large against its work per row).
     """
@@ -301,7 +301,7 @@ def evaluate_1f1b(
     stages alternating in direction, each step one vector operation over the population. An
     individual whose pointers stop short of the end deadlocked and gets an infinite time.
 
-    Where the install built it, all of this runs compiled (:mod:`umopt._population_sim`, the same
+    Where the install built it, all of this runs compiled (:mod:`umopt.schedules._population_sim`, the same
     rules an individual at a time, the same scores to the bit), construction of the slots included:
     that, not the play loop, is most of the numpy version's call (``python
     bench/evaluator_throughput.py`` compares them).

@@ -27,10 +27,10 @@ from typing import Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 
-from ..costmodel import simulate, stage_peak_memory
-from ..partition import ends_to_sizes, sizes_to_ends
+from ...costmodel import simulate, stage_peak_memory
+from ...schedules.family import family
+from ...schedules.partition import ends_to_sizes, sizes_to_ends
 from ..problem import Candidate, Problem, pack
-from ..schedules.family import family
 
 __all__ = ["moves", "aligned_moves", "score_batch", "hill_climb", "iterated_climb"]
 

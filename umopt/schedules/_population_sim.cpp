@@ -1,4 +1,4 @@
-// umopt/population_sim.py's evaluators compiled, one individual at a time: the same rules, the same
+// umopt/schedules/population_sim.py's evaluators compiled, one individual at a time: the same rules, the same
 // floating-point operations in the same order (so the same scores to the bit; tested).
 //
 // evaluate_1f1b: the op order of every stage follows the numpy construction there, from the last stage up: a B
@@ -369,7 +369,7 @@ static py::tuple evaluate_gpipe(I64 fsizes, I64 bsizes, const Costs& c) {
 
 // Both orders with each stage's backward split into B (input gradient) and W (weight gradient)
 // ops: the F/B slots of the individual's order (onef1b: 1F1B with its warm-ups, else GPipe), then
-// a W slot per B chunk placed as umopt.partition.with_weight_ops places it under the stage's cap
+// a W slot per B chunk placed as umopt.schedules.weights.with_weight_ops places it under the stage's cap
 // (wcap < 0: the stage's backward stays whole). The slots are played as evaluate_1f1b plays them,
 // each op waiting for every message that holds one of its samples (the latest), a W for nothing
 // but its stage; memory follows umopt.costmodel.stage_peak_memory (a W releases what its samples
@@ -511,7 +511,7 @@ static py::tuple evaluate_split(I64 fsizes, I64 bsizes, I64 warmup, I64 wcap, bo
 }
 
 PYBIND11_MODULE(_population_sim, m) {
-    m.doc() = "umopt's population scoring compiled (see umopt/population_sim.py)";
+    m.doc() = "umopt's population scoring compiled (see umopt/schedules/population_sim.py)";
     m.attr("VERSION") = 3;
     py::class_<Costs>(m, "Costs")
         .def(py::init<F64, F64, F64, F64, F64, F64, double, bool, int64_t>())

@@ -1,4 +1,4 @@
-// The pair program's label search (umopt/bounds/pair_program.py), compiled.
+// The pair program's label search (umopt/search/bounds/pair_program.py), compiled.
 //
 // Python prepares everything that depends on T (usable chunks, releases, latest ends, ...) and
 // hands it over as int64 arrays; this file only runs the dive and the program over states, the
@@ -345,7 +345,7 @@ py::object feasible(i64 T, int B, int mx, int tie_u, int tie_w, Arr use, Arr rel
 }
 
 PYBIND11_MODULE(_pair_program, m) {
-    m.doc() = "The pair program's label search, compiled (see umopt/bounds/pair_program.py).";
+    m.doc() = "The pair program's label search, compiled (see umopt/search/bounds/pair_program.py).";
     // what pair_program.py expects of it (the arguments of feasible): an in-place build that
     // failed leaves an older module behind, which it must not call
     m.attr("VERSION") = 2;

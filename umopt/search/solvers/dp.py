@@ -14,9 +14,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import UmoptError
+from ...errors import UmoptError
+from ...schedules.family import GPIPE
 from ..problem import Candidate, Problem, Progress, SolverResult, pack
-from ..schedules.family import GPIPE
 
 __all__ = ["shared_partition", "solve_dp"]
 

@@ -1,7 +1,7 @@
 """What a solver is asked (:class:`Problem`) and what it answers (:class:`Candidate`).
 
 A candidate is one forward and one backward partition per stage plus an op order; it turns into
-op lists with :mod:`umopt.partition` and is scored by the cost model. Every solver returns
+op lists with :mod:`umopt.schedules.partition` and is scored by the cost model. Every solver returns
 candidates; the final numbers always come from :func:`umopt.costmodel.simulate` on their ops.
 """
 
@@ -15,10 +15,10 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from .costmodel import CostTables, Op, Timeline, simulate
-from .partition import partitions_from_ops
-from .schedules import pipedream_warmup, place_weights
-from .schedules.family import family
+from ..costmodel import CostTables, Op, Timeline, simulate
+from ..schedules import pipedream_warmup, place_weights
+from ..schedules.family import family
+from ..schedules.partition import partitions_from_ops
 
 __all__ = ["Problem", "Candidate", "SolverResult", "Progress", "ticking", "pack"]
 
@@ -86,7 +86,7 @@ class Candidate:
     lists were chosen op by op (the exact models' free order) and are kept in ``explicit_ops``.
     In 1F1B order ``warmup[s]`` is how many forwards stage s runs before its first backward
     (None: PipeDream-flush's ``S - s - 1``). ``wcap[s]`` splits stage s's backward into B and W
-    ops, placed by :func:`umopt.partition.with_weight_ops` with that cap (samples awaiting their
+    ops, placed by :func:`umopt.schedules.partition.with_weight_ops` with that cap (samples awaiting their
     W; the minibatch defers every W to the end; negative: the stage's backward stays whole);
     None: no W ops.
     """
@@ -143,7 +143,7 @@ class SolverResult:
     lower_bound_ms: Optional[float] = None
     seconds: float = 0.0
     evaluated: int = 0  # schedules scored
-    # which schedules lower_bound_ms holds for (a umopt.bounds.Scope value: "any order", ...)
+    # which schedules lower_bound_ms holds for (a umopt.search.bounds.Scope value: "any order", ...)
     bound_scope: Optional[str] = None
     lower_bound_1f1b_ms: Optional[float] = None  # auto: a bound among schedules in 1F1B order
     lower_bound_w_ms: Optional[float] = None  # solve --zero-bubble, small instances: with W ops

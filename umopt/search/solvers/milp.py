@@ -4,10 +4,10 @@ small instances.
 
 The same decision variables (a binary per stage and chunk for the forward partition, another for
 the backward one with recompute) and the same per-sample chains, with each "if this chunk is
-used" written as a big-M term, plus the linear cuts of :mod:`umopt.bounds`. Times stay in float
+used" written as a big-M term, plus the linear cuts of :mod:`umopt.search.bounds`. Times stay in float
 milliseconds. Scope as for cpsat: with ``--order gpipe`` "optimal" and the bound hold among
 GPipe-order schedules, with ``auto`` among all. PuLP reports no bound when the solver is stopped
-by the time limit; then the bound the model started from is reported (:func:`umopt.bounds.start_bound_ms`).
+by the time limit; then the bound the model started from is reported (:func:`umopt.search.bounds.start_bound_ms`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Optional
 import numpy as np
 import pulp
 
+from ...costmodel import Op, OpKind
 from ..bounds import Scope, heads_and_tails, int_tables, linear_cuts, start_bound_ms
-from ..costmodel import Op, OpKind
 from ..problem import Candidate, Problem, Progress, SolverResult
 from .exact import candidate_chunks, chunk_fits, chunk_set, chunks_ending_at, start_or_skip, with_clock
 
@@ -30,7 +30,7 @@ __all__ = ["MIP_TOLERANCE_MS", "engine", "solve_milp", "build_milp", "build_free
 
 def build_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidate] = None):
     """The MILP; returns (problem, x, y, makespan) with x[s][(lo, hi)] binaries."""
-    # one piece: [Note: one function per model] (umopt/solvers/cpsat.py)
+    # one piece: [Note: one function per model] (umopt/search/solvers/cpsat.py)
     t = problem.tables
     S, B = problem.num_stages, problem.minibatch
     chunks = candidate_chunks(problem)
@@ -147,7 +147,7 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
     are used). The same ``z`` orders the two B ops' gradient messages, so the link sends them in
     op order, exactly as the cost model does. No memory limit (that is the CP-SAT model's job).
     """
-    # one piece: [Note: one function per model] (umopt/solvers/cpsat.py)
+    # one piece: [Note: one function per model] (umopt/search/solvers/cpsat.py)
     t = problem.tables
     S, B = problem.num_stages, problem.minibatch
     chunks = candidate_chunks(problem)
@@ -243,7 +243,7 @@ def build_free_milp(problem: Problem, horizon_ms: float, hint: Optional[Candidat
 def _add_cuts(
     lp, problem: Problem, heads, s: int, chunks, x: dict, y: dict, F, G, makespan, gpipe: bool
 ) -> None:
-    """The linear cuts of :func:`umopt.bounds.linear_cuts` (microseconds, turned into ms)."""
+    """The linear cuts of :func:`umopt.search.bounds.linear_cuts` (microseconds, turned into ms)."""
     fd = {c: int(F[s, c[1] - c[0]]) for c in chunks}
     bd = {c: int(G[s, c[1] - c[0]]) for c in chunks}
     later_f, later_b = _later_work(lp, s, chunks, problem.minibatch, x, y, fd, bd)

@@ -1,4 +1,4 @@
-// The one-stage programs of umopt/bounds (untied.py, stage_cuts.py), compiled: two_chains (a stage's F and B
+// The one-stage programs of umopt/search/bounds (untied.py, stage_cuts.py), compiled: two_chains (a stage's F and B
 // chains over states (i forwarded, j backwarded)) and _suffix_work's loop (a stage's partition
 // from its last chunk down, by the least tail of the suffix). The same moves in the same order as
 // the Python there, which stays as the fallback; at S=8, B=256 they were 7 of the fast bound's
@@ -92,7 +92,7 @@ static I64 suffix_work(int64_t T, py::array_t<bool, py::array::c_style | py::arr
 }
 
 PYBIND11_MODULE(_stage_programs, m) {
-    m.doc() = "umopt.bounds' one-stage programs, compiled";
+    m.doc() = "umopt.search.bounds' one-stage programs, compiled";
     m.attr("VERSION") = 1;
     m.def("two_chains", &two_chains);
     m.def("suffix_work", &suffix_work);

@@ -4,7 +4,7 @@ A rank cannot start before one sample's forward has reached its lowest virtual s
 finish before it has run the compute of all its chunks, and (without W ops) its last op is a B
 of its lowest stage, whose gradient still has to go down to stage 0. :func:`busiest_rank_bound`
 takes every stage at its cheapest cost per sample, so it holds whatever the partitions and the
-order; the exact model of :mod:`umopt.solvers.cpsat_chunks` adds the same reasoning as a
+order; the exact model of :mod:`umopt.search.solvers.cpsat_chunks` adds the same reasoning as a
 redundant constraint over its chosen partitions (:func:`rank_ends`).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..costmodel import CostTables
+from ...costmodel import CostTables
 
 __all__ = ["rank_ends", "busiest_rank_bound"]
 

@@ -11,15 +11,15 @@ evolve; with recompute both evolve independently, in either order. Each generati
   degenerates to copying a whole stage);
 * mutations shift, add or remove a chunk end, copy a neighbouring stage, or reset a stage to
   equal chunks; a repair pass splits any chunk longer than the profile's largest size;
-* the whole population is scored at once: :func:`umopt.population_sim.evaluate_gpipe` for GPipe
-  order, :func:`umopt.population_sim.evaluate_1f1b` for 1F1B order. An individual also carries its
+* the whole population is scored at once: :func:`umopt.schedules.population_sim.evaluate_gpipe` for GPipe
+  order, :func:`umopt.schedules.population_sim.evaluate_1f1b` for 1F1B order. An individual also carries its
   order as a gene, so the search picks the order along with the partitions, and a 1F1B
   individual carries each stage's warm-up (forwards before its first backward) as a third
   chromosome: PipeDream-flush fixes it at ``S - s - 1``, but the stage holding the most work
   often does best with fewer in flight and the stages feeding it with more (all forwards first,
   GPipe-like), which is how the best schedules of small instances look when solved exactly.
   With ``weights`` (zero bubble) each individual also carries a W cap per stage (how many samples
-  may await their weight gradient before a W op runs, :class:`umopt.problem.Candidate`), so the
+  may await their weight gradient before a W op runs, :class:`umopt.search.problem.Candidate`), so the
   partitions are searched with where their W ops go, not before it.
 
 Seeds (the best equal schedules and any the caller brings) start the population, so the result is
@@ -40,11 +40,11 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from ...schedules import pipedream_warmup
+from ...schedules.family import GPIPE, ONEF1B, family
+from ...schedules.partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
 from ..baselines import feasible_m, gpipe_equal, onef1b_equal
-from ..partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
 from ..problem import Candidate, Problem, Progress, SolverResult
-from ..schedules import pipedream_warmup
-from ..schedules.family import GPIPE, ONEF1B, family
 from .local import hill_climb, iterated_climb
 
 __all__ = ["solve_ga"]

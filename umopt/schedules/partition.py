@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .costmodel import Op, OpKind
+from ..costmodel import Op, OpKind
 
 __all__ = [
     "equal_sizes",

@@ -11,9 +11,9 @@ from __future__ import annotations
 from enum import Enum
 from typing import Optional, Sequence
 
-from ..costmodel import Op
-from ..partition import backwards_in_sample_order
-from ..schedules.family import GPIPE, family
+from ...costmodel import Op
+from ...schedules.family import GPIPE, family
+from ...schedules.partition import backwards_in_sample_order
 
 __all__ = ["Scope", "scope_of", "bound_for", "reported_bounds"]
 
