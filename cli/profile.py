@@ -247,9 +247,9 @@ def _print_profile(prof, model: str) -> None:
 def _print_token_fits(prof) -> None:
     """Each stage's costs by tokens: the fits and how well they fit what was timed."""
     table = Table(
-        title=f"costs by tokens (sequences up to {prof.lengths.max_length}): ms = a + b * tokens + c * sum(len^2)"
+        title=f"costs by tokens (sequences up to {prof.lengths.max_length}): ms = a + b tok + c len² + d seq"
     )
-    for col in ("stage", "mode", "op", "a ms", "b us/token", "c ns/len^2", "fit error (rms)", "stash/token"):
+    for col in ("stage", "mode", "op", "a ms", "b us/tok", "c ns/len²", "d us/seq", "fit error"):
         table.add_column(col, justify="right")
     for s, st in enumerate(prof.stages):
         for mode, c in (st.tokens or {}).items():
@@ -261,7 +261,7 @@ def _print_token_fits(prof) -> None:
                     f"{f.a_ms:.3f}",
                     f"{1e3 * f.b_ms:.3f}",
                     f"{1e6 * f.c_ms:.3f}",
+                    f"{1e3 * f.d_ms:.1f}",
                     "" if f.residual is None else f"{100 * f.residual:.1f}%",
-                    f"{c.stash_bytes_per_token / 1024:.1f} KiB" if op == "F" else "",
                 )
     out.print(table)

@@ -34,13 +34,15 @@ def test_gpt_packed_and_padded_give_each_sequence_what_it_gets_alone():
 def test_the_fit_recovers_known_costs_and_counts_padding_at_the_longest():
     points = grid(256)
     assert max(sum(p.lengths) for p in points) <= 4 * 256 and len({p.lengths[0] for p in points}) >= 4
-    assert TokenPoint((8, 2)).counted("packed") == (10, 68)
-    assert TokenPoint((8, 2)).counted("padded") == (16, 128)
+    assert TokenPoint((8, 2)).counted("packed") == (10, 68, 2)
+    assert TokenPoint((8, 2)).counted("padded") == (16, 128, 2)
     for mode in ("packed", "padded"):
-        truth = np.array([0.3, 0.002, 1e-5])
+        # a fixed part, per token, per squared length and per sequence (a packed chunk's
+        # attention called once per document)
+        truth = np.array([0.3, 0.002, 1e-5, 0.05])
         ms = [truth @ [1, *p.counted(mode)] for p in points]
         got = fit(points, ms, mode)
-        assert np.allclose([got["a_ms"], got["b_ms"], got["c_ms"]], truth, rtol=1e-6)
+        assert np.allclose([got["a_ms"], got["b_ms"], got["c_ms"], got["d_ms"]], truth, rtol=1e-6)
         assert got["residual"] < 1e-6
     # coefficients never go below zero, even where the times fall with tokens
     got = fit(points, [5.0 / (1 + sum(p.lengths)) for p in points], "packed")
@@ -56,7 +58,7 @@ def test_a_measured_length_profile_plans_minibatches(tmp_path, capsys):
         capsys,
     )
     assert code == 0, err
-    assert "costs by tokens (sequences up to 64)" in stdout and "fit error" in stdout
+    assert "costs by tokens (sequences up to 64)" in stdout and "d us/seq" in stdout and "fit error" in stdout
     prof = load_profile(str(out))
     assert prof.lengths.max_length == 64 and prof.lengths.modes == ["packed", "padded"]
     for s, st in enumerate(prof.stages):

@@ -381,16 +381,19 @@ class RangeCosts:
 
 
 def range_tokens(
-    tokens: np.ndarray, mode: str, squares: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """(T, Q): every range's tokens and squares, (B+1, B+1) arrays, zero where ``lo >= hi``.
-    ``tokens[i]``: sample i's tokens (a sequence's length, or a packed row's); ``squares[i]``:
-    the sum of its sequences' squared lengths (default: it is one sequence, ``tokens[i]**2``)."""
+    tokens: np.ndarray, mode: str, squares: np.ndarray | None = None, docs: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(T, Q, N): every range's tokens, squares and sequences, (B+1, B+1) arrays, zero where
+    ``lo >= hi``. ``tokens[i]``: sample i's tokens (a sequence's length, or a packed row's);
+    ``squares[i]``: the sum of its sequences' squared lengths (default: it is one sequence,
+    ``tokens[i]**2``); ``docs[i]``: its sequences (default 1)."""
     L = np.asarray(tokens, dtype=float)
     B = len(L)
     lo = np.arange(B + 1)[:, None]
     hi = np.arange(B + 1)[None, :]
     valid = hi > lo
+    p3 = np.concatenate([[0.0], np.cumsum(np.ones(B) if docs is None else np.asarray(docs, dtype=float))])
+    N = p3[None, :] - p3[:, None]
     if mode == "packed":
         sq = L * L if squares is None else np.asarray(squares, dtype=float)
         p1 = np.concatenate([[0.0], np.cumsum(L)])
@@ -405,25 +408,26 @@ def range_tokens(
         T, Q = n * longest, n * longest * longest
     else:
         raise UmoptError(f"mode must be packed or padded, got {mode!r}")
-    return np.where(valid, T, 0.0), np.where(valid, Q, 0.0)
+    return np.where(valid, T, 0.0), np.where(valid, Q, 0.0), np.where(valid, N, 0.0)
 
 
 def sample_tokens(
     lengths, samples: Sequence[Sequence[int]], row: int | None = None, pad_to: int | None = None
-) -> tuple[np.ndarray, np.ndarray | None]:
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Each sample's tokens and, where a sample is a row of packed sequences (``row``) or padded
     to one length for all (``pad_to``), the sum of its squared lengths (the attention's work;
-    None: a sample is one sequence, its square). ``samples[k]``: the sequences (indices into
-    ``lengths``) sample k holds."""
+    None: a sample is one sequence, its square) and its sequences (None: one each).
+    ``samples[k]``: the sequences (indices into ``lengths``) sample k holds."""
     L = np.asarray(lengths, dtype=np.int64)
     if pad_to is not None:
-        n = len(samples)
-        return np.full(n, pad_to), np.full(n, pad_to * pad_to)
+        n = len(samples)  # a batch of rows of one length: no sequence of its own cost
+        return np.full(n, pad_to), np.full(n, pad_to * pad_to), np.zeros(n)
     if row is not None:
-        return np.full(len(samples), row), np.array([sum(int(L[i]) ** 2 for i in u) for u in samples])
+        squares = np.array([sum(int(L[i]) ** 2 for i in u) for u in samples])
+        return np.full(len(samples), row), squares, np.array([len(u) for u in samples])
     if any(len(u) != 1 for u in samples):
         raise UmoptError("a sample of several sequences needs a row length")
-    return L[[u[0] for u in samples]], None
+    return L[[u[0] for u in samples]], None, None
 
 
 def tables_for_samples(
@@ -438,9 +442,9 @@ def tables_for_samples(
 ) -> "CostTables":
     """The cost tables of a minibatch's sequences laid out as ``samples`` (see
     :func:`sample_tokens`): rows, and samples padded to one length, cost as packed."""
-    tokens, squares = sample_tokens(lengths, samples, row, pad_to)
+    tokens, squares, docs = sample_tokens(lengths, samples, row, pad_to)
     mode = "packed" if row is not None or pad_to is not None else mode
-    return tables_for_lengths(profile, tokens, mode, recompute, dp, squares)
+    return tables_for_lengths(profile, tokens, mode, recompute, dp, squares, docs)
 
 
 def tables_for_lengths(
@@ -450,11 +454,12 @@ def tables_for_lengths(
     recompute: bool = False,
     dp: AllReduceProfile | None = None,
     squares=None,
+    docs=None,
 ) -> "CostTables":
     """The cost tables of one minibatch of samples of ``lengths`` tokens (in that order: the
     order the chunks cut), from the profile's costs by tokens in ``mode`` (see [Note: costs by
     sample range]); a sample that is a row of packed sequences gives the sum of their squared
-    lengths in ``squares``. One chunk per rank."""
+    lengths in ``squares`` and their count in ``docs`` (default: one each). One chunk per rank."""
     info = profile.lengths
     if info is None:
         raise UmoptError(
@@ -474,13 +479,13 @@ def tables_for_lengths(
     B = len(L)
     if squares is not None and mode != "packed":
         raise UmoptError("rows of packed sequences are in packed mode")
-    T, Q = range_tokens(L, mode, squares)
+    T, Q, N = range_tokens(L, mode, squares, docs)
     valid = T > 0
     costs = [st.tokens[mode] for st in stages]
     over = np.array([st.op_overhead_ms for st in stages])
 
     def ms(fit, ov):
-        return np.where(valid, fit.a_ms + fit.b_ms * T + fit.c_ms * Q + ov, 0.0)
+        return np.where(valid, fit.a_ms + fit.b_ms * T + fit.c_ms * Q + fit.d_ms * N + ov, 0.0)
 
     fwd = np.stack([ms(c.forward, o) for c, o in zip(costs, over)])
     bwd = np.stack([ms(c.backward, o) for c, o in zip(costs, over)])
@@ -566,10 +571,10 @@ def _by_size(costs, over, mean, kind: str, recompute: bool) -> np.ndarray:
     rows = []
     for c, o in zip(costs, over):
         fit = getattr(c, kind)
-        row = fit.a_ms + fit.b_ms * b * m + fit.c_ms * b * m * m + o
+        row = fit.a_ms + fit.b_ms * b * m + fit.c_ms * b * m * m + fit.d_ms * b + o
         if recompute and kind in ("backward", "backward_input"):
             f = c.forward
-            row = row + f.a_ms + f.b_ms * b * m + f.c_ms * b * m * m
+            row = row + f.a_ms + f.b_ms * b * m + f.c_ms * b * m * m + f.d_ms * b
         row[0] = 0.0
         rows.append(row)
     return np.array(rows)

@@ -68,13 +68,16 @@ class _Strict(BaseModel):
 
 
 class TokenFit(_Strict):
-    """An op's time on a chunk of sequences: ``a_ms + b_ms * tokens + c_ms * squares``, tokens the
-    sum of its sequences' lengths and squares the sum of their squares (padded: every sequence
-    counted at the chunk's longest). ``residual``: the fit's root-mean-square relative error."""
+    """An op's time on a chunk of sequences: ``a_ms + b_ms * tokens + c_ms * squares + d_ms *
+    sequences``, tokens the sum of its sequences' lengths and squares the sum of their squares
+    (padded: every sequence counted at the chunk's longest); ``d_ms`` what each sequence costs
+    of its own (a packed chunk's attention runs once per document where no varlen kernel takes
+    them all). ``residual``: the fit's root-mean-square relative error."""
 
     a_ms: NonNegFloat
     b_ms: NonNegFloat
     c_ms: NonNegFloat = 0.0
+    d_ms: NonNegFloat = 0.0
     residual: Optional[NonNegFloat] = None
 
 

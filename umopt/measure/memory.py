@@ -50,6 +50,9 @@ def peak_during(run: Callable[[], Any], device: torch.device) -> tuple[Any, int]
         out = run()
         torch.cuda.synchronize(device)
         return out, int(torch.cuda.max_memory_allocated(device) - base)
+    # kineto logs every start and stop of a profile to stderr at its "USDT" level (5): a run's
+    # output is not the place; read when the profiler first starts (a setting given is kept)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = run()
     fd, path = tempfile.mkstemp(suffix=".json", prefix="umopt-memory-")

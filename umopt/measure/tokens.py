@@ -41,12 +41,14 @@ class TokenPoint:
 
     lengths: tuple[int, ...]
 
-    def counted(self, mode: str) -> tuple[int, int]:
-        """(tokens, squares) as the cost model counts them in ``mode`` (padded: at the longest)."""
+    def counted(self, mode: str) -> tuple[int, int, int]:
+        """(tokens, squares, sequences) as the cost model counts them in ``mode`` (padded: at the
+        longest)."""
+        n = len(self.lengths)
         if mode == "padded":
-            n, m = len(self.lengths), max(self.lengths)
-            return n * m, n * m * m
-        return sum(self.lengths), sum(x * x for x in self.lengths)
+            m = max(self.lengths)
+            return n * m, n * m * m, n
+        return sum(self.lengths), sum(x * x for x in self.lengths), n
 
 
 def check_lengths(parts: ModelParts, model: str, max_length: int, modes: Sequence[str]) -> int:
@@ -90,8 +92,8 @@ def grid(max_length: int, max_tokens: Optional[int] = None) -> list[TokenPoint]:
 
 
 def fit(points: Sequence[TokenPoint], ms: Sequence[float], mode: str) -> dict:
-    """``a + b * tokens + c * squares`` fitted to the points' times, by relative error, with no
-    coefficient below zero: the TokenFit fields, with the fit's residual."""
+    """``a + b * tokens + c * squares + d * sequences`` fitted to the points' times, by relative
+    error, with no coefficient below zero: the TokenFit fields, with the fit's residual."""
     counted = np.array([p.counted(mode) for p in points], dtype=float)
     y = np.asarray(ms, dtype=float)
     X = np.column_stack([np.ones(len(y)), counted])
@@ -104,6 +106,7 @@ def fit(points: Sequence[TokenPoint], ms: Sequence[float], mode: str) -> dict:
         "a_ms": float(coef[0]),
         "b_ms": float(coef[1]),
         "c_ms": float(coef[2]),
+        "d_ms": float(coef[3]),
         "residual": round(residual, 4),
     }
 

@@ -312,12 +312,13 @@ def _counts(B: int, S: int, coarse: bool) -> list[int]:
 
 
 def _stage_weights(profile: Profile, mode: str, lengths: np.ndarray) -> np.ndarray:
-    """(S, B): each sequence's forward and backward work on each stage (b L + c L^2)."""
+    """(S, B): each sequence's forward and backward work on each stage (b L + c L^2 + d)."""
     L = lengths.astype(float)
     rows = []
     for st in profile.stages:
         c = st.tokens[mode]
-        rows.append((c.forward.b_ms + c.backward.b_ms) * L + (c.forward.c_ms + c.backward.c_ms) * L * L)
+        f, b = c.forward, c.backward
+        rows.append((f.b_ms + b.b_ms) * L + (f.c_ms + b.c_ms) * L * L + (f.d_ms + b.d_ms))
     return np.array(rows)
 
 
@@ -398,7 +399,7 @@ def _no_cheaper(padded, packed) -> bool:
         a, b = getattr(padded, f), getattr(packed, f)
         if (a is None) != (b is None):
             return False
-        if a is not None and (a.a_ms < b.a_ms or a.b_ms < b.b_ms or a.c_ms < b.c_ms):
+        if a is not None and (a.a_ms < b.a_ms or a.b_ms < b.b_ms or a.c_ms < b.c_ms or a.d_ms < b.d_ms):
             return False
     keys = (
         "input_bytes_per_token",
