@@ -220,6 +220,19 @@ def test_reports_from_elsewhere_or_malformed_are_refused(profile_file, tmp_path,
         calibrate(other, [rep], ["r.json"])
     with pytest.raises(UmoptError, match="no per-op times"):
         calibrate(prof, [{"measured_iteration_ms": 1.0}], ["old.json"])
+    varlen = {
+        **rep,
+        "lengths": {
+            "method": "umopt",
+            "data": "x",
+            "tokens": [10],
+            "predicted_step_ms": [1.0],
+            "tokens_per_s": 1.0,
+            "predicted_tokens_per_s": 1.0,
+        },
+    }
+    with pytest.raises(UmoptError, match="sequences of different lengths"):
+        calibrate(prof, [varlen], ["varlen.json"])
     path = profile_file(prof)
     bad = tmp_path / "bad.json"
     broken = json.loads(json.dumps(rep))

@@ -51,6 +51,11 @@ def _check_report(rep: RunReport, name: str, profile: Profile) -> None:
         raise UmoptError(f"{name}: measured_iteration_ms is null: not a report of a finished run")
     if rep.ops is None:
         raise UmoptError(f"{name}: no per-op times (written by an older umopt run; run it again)")
+    if rep.lengths is not None:
+        raise UmoptError(
+            f"{name}: a run of sequences of different lengths (each op's cost by its tokens); calibrate fits "
+            "costs by sample count from runs of one length (umopt profile --lengths fits the costs by tokens)"
+        )
     if rep.chunks:
         raise UmoptError(
             f"{name}: a run with several chunks per rank; calibrate from runs of one chunk per rank (umopt profile fits those itself)"
