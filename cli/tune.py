@@ -109,31 +109,14 @@ def tune(
     methods,
 ) -> None:
     """Profile, solve, run the candidates in turns and recommend what measured fastest."""
+    given = dict(locals())  # the options, as the command line gave them
     _require_torch()
     if lengths is not None:
         if zero_bubble or chunks != "1":
             raise UmoptError(
                 "--lengths plans one chunk per rank without W ops, so far: leave out --zero-bubble and --chunks"
             )
-        _tune_lengths(
-            model,
-            model_args,
-            stages,
-            minibatch,
-            device,
-            steps,
-            rounds,
-            confidence,
-            budget,
-            out_dir,
-            probes,
-            dtype,
-            link_latency_ms,
-            link_gbps,
-            lengths,
-            max_length,
-            methods,
-        )
+        _tune_lengths(given)
         return
     from umopt.search.solve_chunks import parse_chunks
     from umopt.tune import DEFAULT
@@ -218,57 +201,38 @@ def tune(
     out.print(f"wrote {len(result.files)} files to {result.out_dir}/")
 
 
-def _tune_lengths(
-    model,
-    model_args,
-    stages,
-    minibatch,
-    device,
-    steps,
-    rounds,
-    confidence,
-    budget,
-    out_dir,
-    probes,
-    dtype,
-    link_latency_ms,
-    link_gbps,
-    lengths,
-    max_length,
-    methods,
-) -> None:
+def _tune_lengths(o: dict) -> None:
+    """``tune --lengths``: umopt's plans against the peers', in turns (``o``: tune's options)."""
     import os
 
     from umopt.tune import DEFAULT, tune_lengths
     from umopt.zoo import parse_model_args
 
-    args = parse_model_args(list(model_args)) or (DEFAULT["model_args"] if not model else {})
-    if (model or DEFAULT["model"]) == "gpt":
-        args = {**args, "seq_len": max_length}  # the model takes the longest sequence
+    model = o["model"] or DEFAULT["model"]
+    args = parse_model_args(list(o["model_args"])) or (DEFAULT["model_args"] if not o["model"] else {})
+    if model == "gpt":
+        args = {**args, "seq_len": o["max_length"]}  # the model takes the longest sequence
+    lengths, stages, minibatch = (
+        o["lengths"],
+        o["stages"] or DEFAULT["stages"],
+        o["minibatch"] or DEFAULT["minibatch"],
+    )
     result = tune_lengths(
-        model or DEFAULT["model"],
+        model,
         args,
-        stages or DEFAULT["stages"],
+        stages,
         f"file:{lengths}" if os.path.isfile(lengths) else lengths,
-        minibatch or DEFAULT["minibatch"],
-        max_length,
-        methods=[m.strip() for m in methods.split(",") if m.strip()],
-        device=device,
-        steps=steps,
-        rounds=rounds,
-        confidence=confidence,
-        budget=budget,
-        out_dir=out_dir,
-        probes=probes,
-        dtype=dtype,
-        link_latency_ms=link_latency_ms,
-        link_gbps=link_gbps,
+        minibatch,
+        o["max_length"],
+        methods=[m.strip() for m in o["methods"].split(",") if m.strip()],
+        **{k: o[k] for k in ("device", "steps", "rounds", "confidence", "budget", "out_dir", "probes")},
+        **{k: o[k] for k in ("dtype", "link_latency_ms", "link_gbps")},
         say=lambda m: err.print(f"umopt tune: {m}", markup=False),
     )
     umopt = next(r for r in result.rows if r.method == "umopt")
     table = Table(
-        title=f"{model or DEFAULT['model']}, {stages or DEFAULT['stages']} stages, {minibatch or DEFAULT['minibatch']} "
-        f"sequences per minibatch from {lengths} (up to {max_length} tokens)"
+        title=f"{model}, {stages} stages, {minibatch} sequences per minibatch from {lengths} "
+        f"(up to {o['max_length']} tokens)"
     )
     table.add_column("method", no_wrap=True)
     for col in ("ktok/s", "pred", "ms", "pred ms", "umopt x"):

@@ -149,6 +149,23 @@ def _profile(opts: ProfileOptions, probes: bool, probe_minibatch: int, chunks: i
         return pool.submit(job).result()
 
 
+def _profiled(
+    opts: ProfileOptions, out_dir: str, probes: bool, probe_minibatch: int, chunks: int, say
+) -> tuple[Path, Profile]:
+    """The output folder, and the profile measured into it (checked runnable first)."""
+    _check_runnable(opts)
+    out = Path(out_dir)
+    check_writable(out / "profile.json")
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = f", by tokens up to {opts.lengths}" if opts.lengths else ""
+    say(
+        f"profiling {opts.model} on {opts.device}, {opts.stages} stages{tokens}"
+        + (", then probe runs of the runtime" if probes else "")
+    )
+    save_profile(_profile(opts, probes, probe_minibatch, chunks), out / "profile.json")
+    return out, load_profile(out / "profile.json")
+
+
 def _microbatches(schedule: Schedule) -> str:
     """The F ops of each stage (each virtual stage with several chunks per rank), as a range."""
     per_stage: dict[int, int] = {}
@@ -288,18 +305,8 @@ def tune(
         link_gbps=link_gbps,
         split_backward=zero_bubble,
     )
-    _check_runnable(opts)
-    out = Path(out_dir)
-    check_writable(out / "profile.json")
-    out.mkdir(parents=True, exist_ok=True)
-    say(
-        f"profiling {model} on {device}, {stages} stages"
-        + (", then probe runs of the runtime" if probes else "")
-    )
     v = max(chunks or (1,))
-    prof = _profile(opts, probes, min(minibatch, 32) if minibatch >= 4 else minibatch, v)
-    save_profile(prof, out / "profile.json")
-    prof = load_profile(out / "profile.json")
+    out, prof = _profiled(opts, out_dir, probes, min(minibatch, 32) if minibatch >= 4 else minibatch, v, say)
     warnings = list(prof.meta.warnings)
     say(
         f"solving for minibatch {minibatch} ({time_limit:g} s)"
@@ -491,17 +498,7 @@ def tune_lengths(
         link_gbps=link_gbps,
         lengths=max_length,
     )
-    _check_runnable(opts)
-    out = Path(out_dir)
-    check_writable(out / "profile.json")
-    out.mkdir(parents=True, exist_ok=True)
-    say(
-        f"profiling {model} on {device}, {stages} stages, by tokens up to {max_length}"
-        + (", then probe runs of the runtime" if probes else "")
-    )
-    prof = _profile(opts, probes, min(size, 32), 1)
-    save_profile(prof, out / "profile.json")
-    prof = load_profile(out / "profile.json")
+    out, prof = _profiled(opts, out_dir, probes, min(size, 32), 1, say)
     first = minibatch_of_step(lengths, 0, size, max_length)
     save_schedule(plan_schedule(plan(prof, first), prof), str(out / "plan.json"))
     say(
