@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from umopt.formats.profile import load_profile
+from umopt.schedules.family import GPIPE
 from umopt.schedules.partition import backwards_in_sample_order
 from umopt.search.baselines import gpipe_equal, onef1b_equal
 from umopt.search.bounds import Scope, fast_bound_ms, pair_bound_ms, spec_bound
@@ -42,16 +43,16 @@ CASES = [
     ("transformer8-sim", 128),
     ("transformer8-sim", 256),
 ]
-# (label, solver, order)
+# (label, solver, the family searched alone: None for every order)
 RUNS = [
-    ("dp", "dp", "auto"),
-    ("ramp", "ramp", "auto"),
-    ("greedy", "greedy", "auto"),
-    ("ga", "ga", "auto"),
-    ("cpsat", "cpsat", "auto"),
-    ("cpsat (gpipe)", "cpsat", "gpipe"),
-    ("milp", "milp", "auto"),
-    ("auto", "auto", "auto"),
+    ("dp", "dp", None),
+    ("ramp", "ramp", None),
+    ("greedy", "greedy", None),
+    ("ga", "ga", None),
+    ("cpsat", "cpsat", None),
+    ("cpsat (gpipe)", "cpsat", GPIPE),
+    ("milp", "milp", None),
+    ("auto", "auto", None),
 ]
 
 
@@ -173,10 +174,10 @@ def run_small(
     for name, B in cases:
         problem = make_problem(load_profile(name), B, recompute=False)
         t0 = time.perf_counter()
-        cp = SOLVERS["cpsat"](problem, time_limit=exact_time, seed=0, order="auto")
+        cp = SOLVERS["cpsat"](problem, time_limit=exact_time, seed=0, order=None)
         cp_s = time.perf_counter() - t0
         ga = (
-            SOLVERS["ga"](problem, time_limit=ga_time, seed=0, order="auto")
+            SOLVERS["ga"](problem, time_limit=ga_time, seed=0, order=None)
             .candidate.simulate(problem)
             .iteration_ms
         )
@@ -225,7 +226,7 @@ def run_pairs(ga_time: float, pair_times=(15.0, 60.0), cases=PAIR_CASES, say=pri
         tab.add_column(col, justify="right")
     for name, B in cases:
         problem = make_problem(load_profile(name), B, recompute=False)
-        res = SOLVERS["ga"](problem, time_limit=ga_time, seed=0, order="auto")
+        res = SOLVERS["ga"](problem, time_limit=ga_time, seed=0, order=None)
         ga = res.candidate.simulate(problem).iteration_ms
         fast, fast_io = fast_bound_ms(problem), fast_bound_ms(problem, Scope.IN_ORDER)
         pairs = [pair_bound_ms(problem, t, ga, max_cells=None) for t in pair_times]

@@ -29,10 +29,9 @@ CHUNKS_MIN_TIME_LIMIT = 5.0
 )
 @click.option(
     "--order",
-    type=click.Choice(["auto", "gpipe", "1f1b"]),
     default="auto",
     show_default=True,
-    help="Op order: GPipe, 1F1B, or auto (the GA tries both; cpsat/milp order each stage freely).",
+    help="Op order: a schedule family's name (gpipe, 1f1b), or auto (the GA tries every family; cpsat/milp order each stage freely).",
 )
 @click.option("--time-limit", type=float, default=20.0, show_default=True, help="Seconds of search.")
 @click.option(
@@ -256,9 +255,9 @@ def _pick_name(report) -> str:
     winner = report.result.winner
     name = f"umopt {solver.name}" if not winner or winner == solver.name else f"umopt ({winner})"
     ops = report.choice.candidate.ops()
-    for base, label in ((report.gpipe, "gpipe"), (report.onef1b, "1f1b")):
-        if report.choice.name == base.name or (base.candidate is not None and base.candidate.ops() == ops):
-            name = f"umopt: {label}"
+    for base in (report.gpipe, report.onef1b):
+        if base.candidate is not None and (report.choice.name == base.name or base.candidate.ops() == ops):
+            name = f"umopt: {base.candidate.order}"
     if any(op[0] == "W" for st in report.schedule.stages for op in st.ops):
         name += " + W"
     return name

@@ -302,7 +302,8 @@ def test_order_option_restricts_the_search(order, tmp_path, capsys):
 @pytest.mark.parametrize(
     "args,expected",
     [
-        (["--order", "1f1b", "--solver", "cpsat"], "cpsat does not model the 1F1B rule"),
+        (["--order", "1f1b", "--solver", "cpsat"], "cpsat does not model the 1f1b rule"),
+        (["--order", "zigzag"], "--order must be one of auto, gpipe, 1f1b, got 'zigzag'"),
     ],
 )
 def test_orders_a_solver_cannot_search_are_refused(args, expected, tmp_path, capsys):

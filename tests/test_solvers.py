@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from umopt.costmodel import CostTables, simulate
 from umopt.errors import UmoptError
 from umopt.formats.profile import AllReduceProfile, load_profile
+from umopt.schedules.family import GPIPE, ONEF1B
 from umopt.schedules.partition import chunks, equal_sizes
 from umopt.schedules.population_sim import evaluate_1f1b
 from umopt.search.baselines import gpipe_equal, onef1b_equal
@@ -238,7 +239,7 @@ def brute_force_gpipe(problem: Problem) -> float:
 def test_exact_models_prove_the_brute_force_gpipe_optimum(solver, S, B, recompute, seed):
     problem = Problem(CostTables.from_profile(_microsecond_profile(S, seed), recompute), B)
     best = brute_force_gpipe(problem)
-    res = SOLVERS[solver](problem, time_limit=10, seed=0, order="gpipe", hint=_start(problem))
+    res = SOLVERS[solver](problem, time_limit=10, seed=0, order=GPIPE, hint=_start(problem))
     assert res.status == "optimal" and res.candidate.order == "gpipe"
     assert res.candidate.simulate(problem).iteration_ms == pytest.approx(best, abs=1e-6)
     assert res.lower_bound_ms <= best + 1e-9
@@ -285,7 +286,7 @@ def brute_force_any_order(problem: Problem) -> float:
 def test_exact_models_prove_the_brute_force_optimum_over_every_order(solver, S, B, recompute, seed):
     problem = Problem(CostTables.from_profile(_microsecond_profile(S, seed), recompute), B)
     best = brute_force_any_order(problem)
-    res = SOLVERS[solver](problem, time_limit=20, seed=0, order="auto", hint=_start(problem))
+    res = SOLVERS[solver](problem, time_limit=20, seed=0, order=None, hint=_start(problem))
     assert res.status == "optimal" and res.bound_scope == "any order"
     assert res.candidate.simulate(problem).iteration_ms == pytest.approx(best, abs=1e-6)
     assert res.lower_bound_ms <= best + 1e-9
@@ -311,9 +312,9 @@ def test_exact_models_prove_the_optimum_with_a_data_parallel_allreduce(solver):
     best = brute_force_any_order(problem)
     unaware_problem = Problem(CostTables.from_profile(prof, False), 4)
     unaware = SOLVERS[solver](
-        unaware_problem, time_limit=20, seed=0, order="auto", hint=_start(unaware_problem)
+        unaware_problem, time_limit=20, seed=0, order=None, hint=_start(unaware_problem)
     ).candidate
-    res = SOLVERS[solver](problem, time_limit=20, seed=0, order="auto", hint=_start(problem))
+    res = SOLVERS[solver](problem, time_limit=20, seed=0, order=None, hint=_start(problem))
     assert res.status == "optimal"
     assert (
         res.candidate.simulate(problem).iteration_ms
@@ -360,7 +361,7 @@ def test_free_order_beats_both_textbook_orders_when_they_waste_time():
     prof = synthetic_profile(3, max_size=4, seed=0, latency_ms=0.3, bytes_per_ms=2e5)
     problem = Problem(CostTables.from_profile(prof), 3)
     best = brute_force_any_order(problem)
-    res = SOLVERS["cpsat"](problem, time_limit=20, seed=0, order="auto", hint=_start(problem))
+    res = SOLVERS["cpsat"](problem, time_limit=20, seed=0, order=None, hint=_start(problem))
     assert res.status == "optimal"
     assert res.candidate.iteration_ms == pytest.approx(best, abs=1e-2)
     assert res.candidate.iteration_ms < brute_force(problem, warmups=False) - 1.0
@@ -375,7 +376,7 @@ def test_free_order_beats_both_textbook_orders_when_they_waste_time():
             problem,
             time_limit=10,
             seed=0,
-            order="1f1b",
+            order=ONEF1B,
             stall_generations=60,
             max_restarts=0,
             polish_kicks=50,
@@ -425,8 +426,8 @@ def test_memory_limited_schedules_stay_under_the_limit_in_every_order(recompute)
     problem = Problem(CostTables.from_profile(prof.with_memory_limit(limit), recompute), 12)
     unlimited = SOLVERS["ga"](Problem(t, 12), time_limit=0.5, seed=0).candidate.simulate(Problem(t, 12))
     assert max(unlimited.peak_memory_bytes) > limit  # the limit binds
-    runs = [("cpsat", "auto"), ("ga", "auto"), ("auto", "auto")]
-    runs += [("ga", "1f1b")] + ([("cpsat", "gpipe"), ("milp", "gpipe")] if recompute else [])
+    runs = [("cpsat", None), ("ga", None), ("auto", None)]
+    runs += [("ga", ONEF1B)] + ([("cpsat", GPIPE), ("milp", GPIPE)] if recompute else [])
     for name, order in runs:
         res = SOLVERS[name](problem, time_limit=0.5, seed=0, order=order)
         tl = res.candidate.simulate(problem)
@@ -435,7 +436,7 @@ def test_memory_limited_schedules_stay_under_the_limit_in_every_order(recompute)
 
 def test_auto_reports_the_exact_models_proof_for_the_orders_it_searched():
     problem = Problem(CostTables.from_profile(_microsecond_profile(2, 1)), 5)
-    res = SOLVERS["auto"](problem, time_limit=6, seed=0, order="gpipe")
+    res = SOLVERS["auto"](problem, time_limit=6, seed=0, order=GPIPE)
     best = brute_force_gpipe(problem)
     assert res.status == "optimal" and res.bound_scope == "gpipe order"
     assert res.candidate.simulate(problem).iteration_ms == pytest.approx(best, abs=1e-6)
@@ -514,7 +515,7 @@ def test_auto_reports_the_pair_bound_where_the_exact_model_does_not_run(monkeypa
     assert res.status == "optimal" and res.lower_bound_ms == res.candidate.iteration_ms
     # under --order 1f1b only the family's, beside the GA for all its time, and then the bound
     made = _fake_beside(monkeypatch, proved={"1f1b order": 175.0})
-    res = SOLVERS["auto"](problem, time_limit=2, seed=0, order="1f1b")
+    res = SOLVERS["auto"](problem, time_limit=2, seed=0, order=ONEF1B)
     [job] = made
     assert job.params["any_seconds"] == 0 and job.params["family_seconds"] >= 1.5
     assert res.lower_bound_ms == 175.0 and res.bound_scope == "1f1b order"

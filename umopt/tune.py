@@ -208,7 +208,7 @@ def _one_chunk_plans(
         notes.append(
             f"umopt is what the solve recommends, not its fastest schedule (umopt_best): {report.choice.reason}"
         )
-    ramp = SOLVERS["ramp"](problem, order="auto").candidate
+    ramp = SOLVERS["ramp"](problem).candidate
     ramp_ms = ramp.simulate(problem).iteration_ms
     if ramp_ms < min(plans[n].predicted.iteration_ms for n in EQUAL if n in plans):
         plans["ramp"] = plan("ramp", ramp)  # one shared partition: a simpler runner-up

@@ -25,7 +25,7 @@ from ..formats.report import load_report
 from ..formats.schedule import make_schedule, save_schedule
 from ..run.launch import RunFailed, launch
 from ..run.options import RunOptions
-from ..schedules.family import RULED
+from ..schedules.family import ruled
 from ..search.problem import Candidate, Problem
 from ..zoo import build_model
 from .calibrate import Overheads, calibrate, run_ratios
@@ -97,7 +97,7 @@ def probe_runs(
         chunk_sizes = [b] * (minibatch // b) + ([minibatch % b] if minibatch % b else [])
         if b > profile.max_size or len(chunk_sizes) < 2:
             continue
-        for order in (f.name for f in RULED):
+        for order in (f.name for f in ruled()):
             cand = Candidate.uniform(chunk_sizes, profile.num_stages, order)
             name = f"probe_{order}_b{b}"
             solver = {"name": name, "status": "feasible", "seconds": 0.0}
@@ -133,7 +133,7 @@ def fit_to_probes(profile: Profile, minibatch: int, out: Path, **kw) -> Profile:
     # which the model (a time per kind and size) cannot hold and 1F1B meets at every step
     left = dict(zip((Path(r).name.removesuffix("_report.json") for r in reports), run_ratios(fitted, runs)))
     by_order = {
-        o: [v for k, v in left.items() if k.startswith(f"probe_{o}_")] for o in (f.name for f in RULED)
+        o: [v for k, v in left.items() if k.startswith(f"probe_{o}_")] for o in (f.name for f in ruled())
     }
     probes = ProbesMeta(
         ran=True,

@@ -18,11 +18,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..schedules.family import family
+from ..schedules.family import GPIPE, ONEF1B, ScheduleFamily
 from ..schedules.partition import equal_sizes
 from .problem import Candidate, Problem, pack
 
-__all__ = ["Baseline", "feasible_m", "gpipe_equal", "onef1b_equal"]
+__all__ = ["Baseline", "feasible_m", "best_equal", "gpipe_equal", "onef1b_equal"]
 
 # chunk counts simulated together, in a (batch, S, M) array of at most so many cells
 _BATCH = 32
@@ -59,18 +59,19 @@ def _busiest_stage_ms(problem: Problem, ms: np.ndarray) -> np.ndarray:
     return busy.max(axis=0)
 
 
-def _best_equal(problem: Problem, order: str) -> Baseline:
-    name = "gpipe_equal" if order == "gpipe" else "1f1b_equal"
+def best_equal(problem: Problem, fam: ScheduleFamily) -> Baseline:
+    """The best equal schedule of a family built by rule, over every feasible chunk count."""
+    name = fam.equal_name
     if name in problem.cache:
         return problem.cache[name]
     S, B = problem.num_stages, problem.minibatch
-    ms = np.array(feasible_m(problem, lowest=1 if order == "gpipe" else S))
+    ms = np.array(feasible_m(problem, lowest=fam.fewest_equal_chunks(S)))
     best_ms, best_m = np.inf, None
     if len(ms):
         lb = _busiest_stage_ms(problem, ms)
         todo = ms[np.argsort(lb, kind="stable")]
         lb = np.sort(lb, kind="stable")
-        score = family(order).score
+        score = fam.score
         i = 0
         while i < len(todo) and lb[i] <= best_ms:
             # the next few counts still in the running (few: each batch tightens the best), in one
@@ -92,7 +93,7 @@ def _best_equal(problem: Problem, order: str) -> Baseline:
     if best_m is None or not np.isfinite(best_ms):
         base = Baseline(name, None, None, None)
     else:
-        cand = Candidate.uniform(equal_sizes(B, best_m), S, order=order)
+        cand = Candidate.uniform(equal_sizes(B, best_m), S, order=fam.name)
         cand.iteration_ms = best_ms
         base = Baseline(name, best_m, best_ms, cand)
     problem.cache[name] = base
@@ -100,8 +101,8 @@ def _best_equal(problem: Problem, order: str) -> Baseline:
 
 
 def gpipe_equal(problem: Problem) -> Baseline:
-    return _best_equal(problem, "gpipe")
+    return best_equal(problem, GPIPE)
 
 
 def onef1b_equal(problem: Problem) -> Baseline:
-    return _best_equal(problem, "1f1b")
+    return best_equal(problem, ONEF1B)

@@ -105,13 +105,9 @@ def gain_uncertainty(
 
 
 def order_ratios(profile: Profile) -> dict[str, float]:
-    """Per order ("gpipe", "1f1b"): the geometric mean of measured / predicted over the profile's
+    """Per order (a family's name): the geometric mean of measured / predicted over the profile's
     probe runs of that order, after the fit (empty where no probes ran)."""
     return dict(profile.meta.probes.order_ratio) if profile.meta.probes else {}
-
-
-# the order each equal schedule runs in, to read its probe runs' ratio by
-ORDER_OF = {"gpipe_equal": "gpipe", "1f1b_equal": "1f1b"}
 
 
 def choose(
@@ -132,16 +128,16 @@ def choose(
     best_ms, best_name, best = timed[0]
     ratio = order_ratios(profile)
     by_model = [t for t in timed if t[1] in equal]
-    equals = sorted(by_model, key=lambda t: t[0] * ratio.get(ORDER_OF.get(t[1], ""), 1.0))
+    equals = sorted(by_model, key=lambda t: t[0] * ratio.get(t[2].order, 1.0))
     if not equals:
         return Choice(best_name, best, None, 0.0, "no equal schedule to compare with")
     ref_ms, ref_name, ref = equals[0]
     probes = ""
     if ref_name != by_model[0][1]:
-        other = by_model[0][1]
+        other, first = by_model[0][1], by_model[0][2].order
         probes = (
             f"; {ref_name} over {other} (predicted {100 * (ref_ms / by_model[0][0] - 1):.1f}% slower): in the probe runs "
-            f"{ORDER_OF[ref_name]} measured {ratio[ORDER_OF[ref_name]]:.2f}x the fitted model's time and {ORDER_OF[other]} {ratio[ORDER_OF[other]]:.2f}x"
+            f"{ref.order} measured {ratio[ref.order]:.2f}x the fitted model's time and {first} {ratio[first]:.2f}x"
         )
     if best_name in equal:
         return Choice(ref_name, ref, 0.0, 0.0, "the fastest predicted schedule is an equal one" + probes)

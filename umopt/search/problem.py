@@ -17,7 +17,7 @@ import numpy as np
 
 from ..costmodel import CostTables, Op, Timeline, simulate
 from ..schedules import pipedream_warmup, place_weights
-from ..schedules.family import family
+from ..schedules.family import FREE, GPIPE, family
 from ..schedules.partition import partitions_from_ops
 
 __all__ = ["Problem", "Candidate", "SolverResult", "Progress", "ticking", "pack"]
@@ -82,9 +82,9 @@ class Problem:
 class Candidate:
     """Per-stage forward and backward partitions (chunk sizes in sample order) and an order.
 
-    ``order`` is "gpipe" or "1f1b" (op lists follow from the partitions by rule) or "free": the op
-    lists were chosen op by op (the exact models' free order) and are kept in ``explicit_ops``.
-    In 1F1B order ``warmup[s]`` is how many forwards stage s runs before its first backward
+    ``order`` names its family (:mod:`umopt.schedules.family`): one built by rule ("gpipe",
+    "1f1b": op lists follow from the partitions) or "free": the op lists were chosen op by op (the
+    exact models' free order) and are kept in ``explicit_ops``. In 1F1B order ``warmup[s]`` is how many forwards stage s runs before its first backward
     (None: PipeDream-flush's ``S - s - 1``). ``wcap[s]`` splits stage s's backward into B and W
     ops, placed by :func:`umopt.schedules.partition.with_weight_ops` with that cap (samples awaiting their
     W; the minibatch defers every W to the end; negative: the stage's backward stays whole);
@@ -93,7 +93,7 @@ class Candidate:
 
     fsizes: list[list[int]]
     bsizes: list[list[int]]
-    order: str = "gpipe"
+    order: str = GPIPE.name
     iteration_ms: float = float("inf")  # as last scored; the simulator has the final word
     explicit_ops: Optional[list[list[Op]]] = None
     warmup: Optional[list[int]] = None
@@ -106,7 +106,7 @@ class Candidate:
         return cls(
             [f for f, _ in parts],
             [b for _, b in parts],
-            "free",
+            FREE.name,
             explicit_ops=[[Op(*op) for op in o] for o in ops],
         )
 
@@ -130,7 +130,7 @@ class Candidate:
         return limit is None or max(timeline.peak_memory_bytes) <= limit
 
     @classmethod
-    def uniform(cls, sizes: Sequence[int], num_stages: int, order: str = "gpipe") -> "Candidate":
+    def uniform(cls, sizes: Sequence[int], num_stages: int, order: str = GPIPE.name) -> "Candidate":
         """The same partition on every stage, for forward and backward."""
         return cls([list(sizes) for _ in range(num_stages)], [list(sizes) for _ in range(num_stages)], order)
 

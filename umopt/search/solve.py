@@ -20,7 +20,7 @@ from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule, make_schedule, validate_ops
 from ..limits import check_problem_size
 from ..measure.decide import is_equal
-from ..schedules.family import family
+from ..schedules.family import ScheduleFamily, family, parse_order
 from .baselines import Baseline, gpipe_equal, onef1b_equal
 from .bounds import BackgroundBounds, Scope, fast_bound_ms, fast_job, reported_bounds, spec_bound
 from .choice import Choice, choose
@@ -154,7 +154,7 @@ def solve(
     time_limit: float = 20.0,
     seed: int = 0,
     progress: Optional[Progress] = None,
-    order: str = "auto",
+    order: "str | ScheduleFamily | None" = "auto",
     dp: Optional[AllReduceProfile] = None,
     zero_bubble: bool = False,
 ) -> SolveReport:
@@ -166,27 +166,28 @@ def solve(
     The steps, each returning what the next takes: the equal baselines, the search (with the
     fast bounds), the choice between what it found and simpler schedules, the zero-bubble pass,
     the schedule file's content."""
-    _check_arguments(solver, order, time_limit)
+    _check_arguments(solver, time_limit)
+    fam = parse_order(order)  # None: every family (auto)
     started = time.perf_counter()
     problem = make_problem(profile, minibatch, recompute, dp)
     if zero_bubble:
         require_split(problem)
     gp, of = _equal_baselines(problem)
-    search = _search(problem, solver, order, time_limit, seed, progress, started, zero_bubble)
+    search = _search(problem, solver, fam, time_limit, seed, progress, started, zero_bubble)
     result = search.result
     found, choice = _choice(profile, problem, solver, result, (gp, of), seed)
     zb = _ZeroBubble(choice.candidate.ops(), choice.candidate.simulate(problem))
     seconds = search.seconds
     if zero_bubble:
         seconds = ZERO_BUBBLE_SHARE * time_limit
-        zb = _zero_bubble_pass(problem, result, choice, found, seconds, started, time_limit, seed, order)
+        zb = _zero_bubble_pass(problem, result, choice, found, seconds, started, time_limit, seed, fam)
     rivals = [("umopt", found[0][1]), *((n, c) for n, c in found[1:])]
     if zero_bubble:
         rivals.append(("umopt_without_w", choice.candidate))
         if zb.zbh1 is not None and zb.zbh1.candidate is not None:
             rivals.append(("zbh1_equal", zb.zbh1.candidate))
     bound, scope, lb_1f1b = reported_bounds(
-        search.fast, result.lower_bound_ms, result.bound_scope, result.lower_bound_1f1b_ms, zb.ops, order
+        search.fast, result.lower_bound_ms, result.bound_scope, result.lower_bound_1f1b_ms, zb.ops, fam
     )
     schedule = make_schedule(
         profile,
@@ -194,9 +195,7 @@ def solve(
         recompute,
         zb.ops,
         zb.timeline,
-        solver=_solver_block(
-            result, choice, solver, (bound, scope, lb_1f1b), seconds, seed, order, time_limit
-        ),
+        solver=_solver_block(result, choice, solver, (bound, scope, lb_1f1b), seconds, seed, fam, time_limit),
         baselines={
             "gpipe_equal": _baseline_entry(gp),
             "1f1b_equal": _baseline_entry(of),
@@ -226,11 +225,9 @@ def solve(
     )
 
 
-def _check_arguments(solver: str, order: str, time_limit: float) -> None:
+def _check_arguments(solver: str, time_limit: float) -> None:
     if solver not in SOLVERS:
         raise UmoptError(f"unknown solver {solver!r} (choose from {', '.join(SOLVERS)})")
-    if order not in ("auto", "gpipe", "1f1b"):
-        raise UmoptError(f"--order must be auto, gpipe or 1f1b, got {order!r}")
     if not (0 < time_limit < math.inf):  # also NaN
         raise UmoptError(f"--time-limit must be a positive number of seconds, got {time_limit}")
 
@@ -263,7 +260,7 @@ def _solver_block(
     bounds: tuple,
     seconds: float,
     seed: int,
-    order: str,
+    order: Optional[ScheduleFamily],
     time_limit: float,
 ) -> dict:
     """The schedule file's ``solver`` block: who found it, how, its bounds and what was recommended."""
@@ -276,7 +273,7 @@ def _solver_block(
         **({"lower_bound_1f1b_ms": lb_1f1b} if lb_1f1b is not None else {}),
         "seconds": seconds,
         "seed": seed,
-        "order": order,
+        "order": "auto" if order is None else order.name,
         "time_limit": time_limit,
         "evaluated": result.evaluated,
         **({"winner": result.winner} if result.winner else {}),
@@ -324,7 +321,7 @@ class _Search:
 def _search(
     problem: Problem,
     solver: str,
-    order: str,
+    order: Optional[ScheduleFamily],
     time_limit: float,
     seed: int,
     progress: Optional[Progress],
@@ -386,7 +383,7 @@ def _zero_bubble_pass(
     started: float,
     time_limit: float,
     seed: int,
-    order: str,
+    order: Optional[ScheduleFamily],
 ) -> _ZeroBubble:
     """The best equal ZB-H1 and ZB-H2, then W ops placed in the recommended schedule and in the
     other schedules the solve found (the best without W ops need not be the best with them), and

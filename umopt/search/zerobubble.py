@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 from ..costmodel import Op, OpKind, Timeline, simulate
 from ..errors import UmoptError
 from ..schedules import onef1b_schedule, with_weight_ops
-from ..schedules.family import family
+from ..schedules.family import ScheduleFamily, family
 from ..schedules.partition import equal_sizes
 from .baselines import feasible_m
 from .problem import Candidate, Problem
@@ -212,7 +212,11 @@ def _equal_zero_bubble(
 
 
 def search_with_weight_ops(
-    problem: Problem, seeds: Sequence[Candidate], seconds: float, seed: int = 0, order: str = "auto"
+    problem: Problem,
+    seeds: Sequence[Candidate],
+    seconds: float,
+    seed: int = 0,
+    order: Optional[ScheduleFamily] = None,
 ) -> Optional[tuple[list[list[Op]], Timeline]]:
     """The GA with W caps in every individual (partitions, order, warm-ups and where the W ops
     go searched together), started from ``seeds``, then its best with gaps filled and single W

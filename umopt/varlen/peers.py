@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..formats.profile import AllReduceProfile, Profile
-from ..schedules.family import family
+from ..schedules.family import GPIPE, ONEF1B
 from ..search.baselines import gpipe_equal, onef1b_equal
 from ..search.problem import Candidate, Problem, pack
 from .plan import Layout, Plan, score
@@ -87,14 +87,14 @@ def _best_shared(
         tables = layout.tables(profile, lengths, recompute, dp)
         problem = Problem(tables, len(layout.units))
         sizes = pack([[list(p)] * S for p in partitions])
-        for order in ("gpipe", "1f1b"):
-            ok = [k for k, p in enumerate(partitions) if order == "gpipe" or len(p) >= S]
+        for fam in (GPIPE, ONEF1B):  # the schedules of torch's that peers run equal microbatches in
+            ok = [k for k, p in enumerate(partitions) if len(p) >= fam.fewest_equal_chunks(S)]
             if not ok:
                 continue
-            it, _ = family(order).score(problem.tables, sizes[ok])
+            it, _ = fam.score(problem.tables, sizes[ok])
             k = int(np.argmin(it))
             if np.isfinite(it[k]) and (best is None or it[k] < best[0]):
-                best = (float(it[k]), layout, partitions[ok[k]], order, knobs)
+                best = (float(it[k]), layout, partitions[ok[k]], fam.name, knobs)
     if best is None:
         return None
     _, layout, sizes, order, knobs = best

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
-from ..schedules.family import family
+from ..schedules.family import ONEF1B, family, ruled
 from ..search.problem import Candidate, Problem
 from .plan import Layout, Plan, score
 
@@ -183,7 +183,7 @@ class _Genes:
 
     def candidate(self) -> Candidate:
         parts = self.lists()
-        warm = [int(w) for w in self.warm] if self.order == "1f1b" else None
+        warm = [int(w) for w in self.warm] if family(self.order).warmups else None
         return Candidate(parts, parts, self.order, warmup=warm)
 
 
@@ -193,15 +193,15 @@ def _score(problem: Problem, sizes: np.ndarray, order: str, warm: Optional[np.nd
 
 
 def _screen(problem: Problem, cuts: _Cuts, knobs: list[tuple]) -> tuple[float, Optional[_Genes]]:
-    """The best of every (count, ramp, slope) in ``knobs``, in GPipe and in 1F1B with each warm-up
-    style: all of them scored in one call per order and style."""
+    """The best of every (count, ramp, slope) in ``knobs``, in every family built by rule (GPipe,
+    and 1F1B with each warm-up style): all of them scored in one call per family and style."""
     S = cuts.S
     rows = np.array([cuts.rows(m, r, sl) for m, r, sl in knobs])
     shared = np.array([sl is None for _, _, sl in knobs])
     sizes = cuts.sizes(rows, shared)
     counts = (sizes > 0).sum(axis=2)
     best: tuple[float, Optional[_Genes]] = (np.inf, None)
-    for order, style in [("gpipe", None)] + [("1f1b", w) for w in WARMUPS]:
+    for order, style in [(f.name, w) for f in ruled() for w in (WARMUPS if f.warmups else [None])]:
         warm = _warm(style, counts, S) if style else None
         it = _score(problem, sizes, order, warm)
         k = int(np.argmin(it))
@@ -497,7 +497,7 @@ def search(
     problem = Problem(layout.tables(profile, L, recompute, dp), len(layout.units))
     parts = Candidate.from_ops(start.ops)
     seed_cand = Candidate(
-        parts.fsizes, parts.bsizes, start.knobs.get("family", "1f1b"), warmup=start.knobs.get("warmups")
+        parts.fsizes, parts.bsizes, start.knobs.get("family", ONEF1B.name), warmup=start.knobs.get("warmups")
     )
     res = solve_ga(problem, time_limit=seconds, seed=seed, seeds=[seed_cand])
     best = min((res.candidate, seed_cand), key=lambda c: c.simulate(problem).iteration_ms)

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from ...schedules.family import GPIPE, ScheduleFamily
 from ..problem import Problem
 from .background import BackgroundBounds
 from .fast import FAST_PROGRAM_CELLS, fast_bound_ms, fast_bound_us, spec_bound
@@ -115,10 +116,12 @@ def program_within(
 BESIDE_GRACE_S = 0.5
 
 
-def start_bound_ms(problem: Problem, order: str, seconds: float, upper_ms: float, seed: int = 0) -> float:
-    """The bound an exact model starts from: for the free-order one (``order`` "auto") the pair
+def start_bound_ms(
+    problem: Problem, order: Optional[ScheduleFamily], seconds: float, upper_ms: float, seed: int = 0
+) -> float:
+    """The bound an exact model starts from: for the free-order one (``order`` None) the pair
     bound in ``PAIR_SHARE`` of its ``seconds`` where that runs; otherwise the fast bound."""
-    if order == "gpipe":
+    if order is GPIPE:
         return fast_bound_ms(problem)
     return pair_bound_ms(problem, PAIR_SHARE * max(0.0, seconds), upper_ms, seed)
 

@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Optional, Sequence
 
 from ...costmodel import Op
-from ...schedules.family import GPIPE, family
+from ...schedules.family import GPIPE, ScheduleFamily, family
 from ...schedules.partition import backwards_in_sample_order
 
 __all__ = ["Scope", "scope_of", "bound_for", "reported_bounds"]
@@ -53,20 +53,22 @@ def reported_bounds(
     solver_scope: Optional[str],
     solver_family_bound: Optional[float],
     ops: Sequence[Sequence[Op]],
-    order: str,
+    order: Optional[ScheduleFamily],
 ) -> tuple[float, Optional["Scope"], Optional[float]]:
     """What a schedule file reports: its bound, that bound's scope (None: the fast any-order
     one), and the 1F1B family's bound where the schedule is of that family (else None).
 
     ``fast``: the fast bounds by scope (:attr:`Scope.IN_ORDER` None where there is none); the
-    solver's own bound and its scope; ``order``: the ``--order`` searched. Under ``--order 1f1b``
-    the family is the whole question, so its bound is the bound.
+    solver's own bound and its scope; ``order``: the family ``--order`` searched (None: auto).
+    Under ``--order 1f1b`` (a family whose backwards run in sample order) the family is the whole
+    question, so its bound is the bound.
     """
     scope = None if solver_scope is None else Scope(solver_scope)
     bound = max(fast[Scope.ANY], solver_bound or fast[Scope.ANY])
     family = None
-    if fast.get(Scope.IN_ORDER) is not None and (order == "1f1b" or backwards_in_sample_order(ops)):
+    in_order = order is not None and order.backwards_in_sample_order
+    if fast.get(Scope.IN_ORDER) is not None and (in_order or backwards_in_sample_order(ops)):
         family = max(bound, fast[Scope.IN_ORDER], solver_family_bound or 0.0)
-    if order == "1f1b" and family is not None:
+    if in_order and family is not None:
         bound, scope = family, Scope.IN_ORDER
     return bound, scope, family

@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...errors import UmoptError
+from ...schedules.family import ScheduleFamily, family
 from ...schedules.partition import backwards_in_sample_order
 from ..bounds import IN_ORDER_MAX_CELLS, BackgroundBounds, Scope, pair_bound_runs, pairs_job
 from ..problem import Problem, Progress, SolverResult
 from .cpsat import solve_cpsat
 from .dp import solve_dp
 from .equal import solve_equal
-from .exact import model_terms
+from .exact import model_terms, models_exactly
 from .ga import solve_ga
 from .ramp import solve_ramp
 
@@ -54,7 +55,7 @@ def solve_auto(
     time_limit: float = 20.0,
     seed: int = 0,
     progress: Optional[Progress] = None,
-    order: str = "auto",
+    order: Optional[ScheduleFamily] = None,
     **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
@@ -64,13 +65,18 @@ def solve_auto(
     # (a start that adds nothing still changes the random path, by several percent at S=8)
     best_equal = fast[0].candidate.iteration_ms if fast and fast[0].name == "equal" else float("inf")
     seeds = [r.candidate for r in fast if r.candidate.iteration_ms < best_equal - 1e-9]
-    exact = order != "1f1b" and model_terms(problem) <= EXACT_MAX_TERMS
+    exact = models_exactly(order) and model_terms(problem) <= EXACT_MAX_TERMS
     # where CP-SAT cannot prove the optimum (S=4, B=12 to 32), the pair bounds run beside the GA,
     # on the cores it does not use (it searches on one; CP-SAT releases the GIL), so the GA keeps
     # its whole time: under --order auto first the untied pairs (a bound on every schedule, for
-    # the report), then those of the 1F1B family (a bound on the schedules of that family, where
-    # the schedule found is one); under --order 1f1b only the latter
-    beside_runs = not exact and order != "gpipe" and pair_bound_runs(problem, IN_ORDER_MAX_CELLS)
+    # the report), then those of the in-order schedules (B ops in sample order: a bound on the
+    # 1F1B family's, where the schedule found is one); under --order 1f1b (a family of in-order
+    # schedules) only the latter
+    beside_runs = (
+        not exact
+        and (order is None or order.backwards_in_sample_order)
+        and pair_bound_runs(problem, IN_ORDER_MAX_CELLS)
+    )
     left = max(0.1, time_limit - (time.perf_counter() - t0))
     ga_time = left * (1 - (EXACT_SHARE if exact else 0))
     ga, pairs = _ga_with_pairs(
@@ -88,10 +94,11 @@ def solve_auto(
         scope = cp.bound_scope
     best = min(results, key=lambda r: r.candidate.iteration_ms)
     found = best.candidate.iteration_ms
-    if pairs.in_order_ms is not None and (order == "1f1b" or backwards_in_sample_order(best.candidate.ops())):
+    in_order = order is not None and order.backwards_in_sample_order  # all auto searched is in order
+    if pairs.in_order_ms is not None and (in_order or backwards_in_sample_order(best.candidate.ops())):
         in_order_bound = min(pairs.in_order_ms, found)
         bound_1f1b = in_order_bound
-        if order == "1f1b":  # that family is all auto searched
+        if in_order:
             bound, scope = in_order_bound, Scope.IN_ORDER.value
             status = "optimal" if found <= in_order_bound + close else status
     if pairs.any_ms is not None:
@@ -115,7 +122,9 @@ def solve_auto(
     )
 
 
-def _fast_starts(problem: Problem, order: str, t0: float, time_limit: float) -> list[SolverResult]:
+def _fast_starts(
+    problem: Problem, order: Optional[ScheduleFamily], t0: float, time_limit: float
+) -> list[SolverResult]:
     """The fast solvers' schedules (equal, DP, ramp), each re-scored by the simulator (inf where
     over the memory limit), within a share of the time limit."""
     fast = []
@@ -141,7 +150,7 @@ def _ga_with_pairs(
     seeds: list,
     ga_time: float,
     beside_runs: bool,
-    order: str,
+    order: Optional[ScheduleFamily],
     seed: int,
     progress: Optional[Progress],
     t0: float,
@@ -168,12 +177,12 @@ def _ga_with_pairs(
 
     def on_bound(scope: str, ms: float) -> None:
         # the GA searches every order under --order auto (bounded by the any-order pairs), only
-        # the 1F1B family under --order 1f1b (bounded by that family's)
-        if scope == Scope.ANY.value or order == "1f1b":
+        # an in-order family under --order 1f1b (bounded by the in-order pairs)
+        if scope == Scope.ANY.value or order is not None:
             pairs.searched_ms = max(pairs.searched_ms, ms)
 
     if beside_runs:
-        any_time = ANY_ORDER_SHARE * ga_time if order == "auto" else 0.0
+        any_time = ANY_ORDER_SHARE * ga_time if order is None else 0.0
         beside = BackgroundBounds(
             pairs_job,
             problem,
@@ -221,7 +230,7 @@ def _ga_with_pairs(
 def _exact_pass(
     problem: Problem,
     results: list[SolverResult],
-    order: str,
+    order: Optional[ScheduleFamily],
     left: float,
     t0: float,
     time_limit: float,
@@ -230,7 +239,7 @@ def _exact_pass(
 ) -> SolverResult:
     """The CP-SAT model, started from the best schedule found that it searches among, for its
     share of the time (at least; more if the GA's final polish ran over)."""
-    scope = [r for r in results if order == "auto" or r.candidate.order == "gpipe"]
+    scope = [r for r in results if order is None or family(r.candidate.order) is order]
     start = min(scope, key=lambda r: r.candidate.iteration_ms)
     # its share even if the GA's final polish ran over
     cp_time = max(EXACT_SHARE * left, time_limit - (time.perf_counter() - t0))

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ...costmodel import Op, OpKind, simulate
 from ...errors import UmoptError
+from ...schedules.family import GPIPE, ScheduleFamily
 from .. import stoppable
 from ..bounds import (
     Heads,
@@ -450,17 +451,22 @@ def solve_cpsat(
     seed: int = 0,
     progress: Optional[Progress] = None,
     hint: Optional[Candidate] = None,
-    order: str = "auto",
+    order: Optional[ScheduleFamily] = None,
     **_,
 ) -> SolverResult:
-    """``order="gpipe"``: the GPipe-order model; "auto": the free-order model (any op order)."""
+    """``order`` GPIPE: the GPipe-order model; None (auto): the free-order model (any op order)."""
     return with_clock(
         progress, time_limit, lambda found: _solve_cpsat(problem, time_limit, seed, hint, order, found)
     )
 
 
 def _solve_cpsat(
-    problem: Problem, time_limit: float, seed: int, hint: Optional[Candidate], order: str, found: list
+    problem: Problem,
+    time_limit: float,
+    seed: int,
+    hint: Optional[Candidate],
+    order: Optional[ScheduleFamily],
+    found: list,
 ) -> SolverResult:
     from ortools.sat.python import cp_model
 
@@ -476,7 +482,7 @@ def _solve_cpsat(
     base_ms = base.iteration_ms - opt
     n_ops = 2 * problem.num_stages * problem.minibatch
     horizon = _us(base_ms) + n_ops + 1
-    if order == "gpipe":
+    if order is GPIPE:
         model, x, y, makespan = build_gpipe_model(problem, horizon, base)
     else:
         model, x, y, fstart, bstart, makespan, _ = build_free_model(problem, horizon, base)
@@ -495,10 +501,10 @@ def _solve_cpsat(
     status = stoppable.solve(solver, model)
     S = problem.num_stages
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if order == "gpipe":
+        if order is GPIPE:
             fs = [_partition(solver.boolean_value, x[s]) for s in range(S)]
             bs = [_partition(solver.boolean_value, y[s]) for s in range(S)]
-            cand = Candidate(fs, bs, "gpipe")
+            cand = Candidate(fs, bs, GPIPE.name)
         else:
             cand = Candidate.from_ops(
                 [_ops_by_start(solver, x[s], y[s], fstart[s], bstart[s]) for s in range(S)]
@@ -523,7 +529,7 @@ def _solve_cpsat(
         lower_bound_ms=min(bound, cand.iteration_ms),
         seconds=time.perf_counter() - t0,
         evaluated=warm_scored,
-        bound_scope=(Scope.GPIPE if order == "gpipe" else Scope.ANY).value,
+        bound_scope=(Scope.GPIPE if order is GPIPE else Scope.ANY).value,
         engine_status=solver.status_name(status),
     )
 

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from ...errors import UmoptError
-from ...schedules.family import GPIPE
+from ...schedules.family import GPIPE, ScheduleFamily
 from ..problem import Candidate, Problem, Progress, SolverResult, pack
 
 __all__ = ["shared_partition", "solve_dp"]
@@ -71,7 +71,7 @@ def solve_dp(
     time_limit: float = 0.0,
     seed: int = 0,
     progress: Optional[Progress] = None,
-    order: str = "auto",
+    order: Optional[ScheduleFamily] = None,
     **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
@@ -80,7 +80,7 @@ def solve_dp(
     orders = [sizes, sizes[::-1]]
     it, _ = GPIPE.score(problem.tables, pack([[o] * S for o in orders]))
     k = int(np.argmin(it))
-    # the partition is chosen for GPipe order; asked for 1F1B, the same chunks run in 1F1B order
-    cand = Candidate.uniform(orders[k], S, "1f1b" if order == "1f1b" else "gpipe")
+    # the partition is chosen for GPipe order; asked for another family, the same chunks run in its order
+    cand = Candidate.uniform(orders[k], S, (order or GPIPE).name)
     cand.iteration_ms = cand.simulate(problem).iteration_ms
     return SolverResult("dp", cand, "feasible", seconds=time.perf_counter() - t0, evaluated=len(orders))

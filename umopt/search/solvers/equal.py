@@ -1,4 +1,4 @@
-"""The best equal schedule: the better of the best equal GPipe and the best equal 1F1B (or one of them)."""
+"""The best equal schedule: the best of every family's best equal one (or the one ``--order`` names)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import time
 from typing import Optional
 
 from ...errors import UmoptError
-from ..baselines import gpipe_equal, onef1b_equal
+from ...schedules.family import ScheduleFamily, ruled
+from ..baselines import best_equal
 from ..problem import Problem, Progress, SolverResult
 
 __all__ = ["solve_equal"]
@@ -18,12 +19,12 @@ def solve_equal(
     time_limit: float = 0.0,
     seed: int = 0,
     progress: Optional[Progress] = None,
-    order: str = "auto",
+    order: Optional[ScheduleFamily] = None,
     **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
-    makers = {"gpipe": [gpipe_equal], "1f1b": [onef1b_equal]}.get(order, [gpipe_equal, onef1b_equal])
-    options = [b for b in (make(problem) for make in makers) if b.candidate is not None]
+    families = ruled() if order is None else [order]
+    options = [b for b in (best_equal(problem, f) for f in families) if b.candidate is not None]
     if not options:
         raise UmoptError("no equal partition fits the memory limit")
     best = min(options, key=lambda b: b.iteration_ms)

@@ -8,6 +8,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from ...errors import UmoptError
+from ...schedules.family import GPIPE, ScheduleFamily, family
 from ..baselines import gpipe_equal
 from ..problem import Candidate, Problem, Progress, SolverResult, ticking
 
@@ -89,33 +90,38 @@ def model_too_large(problem: Problem) -> Optional[str]:
     return None
 
 
+def models_exactly(order: Optional[ScheduleFamily]) -> bool:
+    """Do the exact models search the schedules of ``--order``: every order's (None, the free-order
+    model) or GPipe order's (its own model)? Other families' rules they do not model."""
+    return order is None or order is GPIPE
+
+
 def warm_start(
     problem: Problem,
     name: str,
     time_limit: float,
     seed: int,
     hint: Optional[Candidate],
-    order: str,
+    order: Optional[ScheduleFamily],
     share: float = 0.3,
 ) -> tuple[Candidate, float, int]:
     """(start, time left, schedules scored): the caller's hint, else the GA's best schedule found in
-    ``share`` of the time. With ``order="gpipe"`` the start is a GPipe-order schedule; with "auto" (the
+    ``share`` of the time. With ``order`` GPIPE the start is a GPipe-order schedule; with None (the
     free-order model) any order will do."""
     from .ga import (
         solve_ga,  # the GA is itself a solver; imported here to keep this module light
     )
 
-    if order == "1f1b":
+    if not models_exactly(order):
         raise UmoptError(
-            f"{name} does not model the 1F1B rule; use --order auto (its free order includes 1F1B) or gpipe"
+            f"{name} does not model the {order.name} rule; use --order auto (its free order includes every family) or gpipe"
         )
     scored = 0
     if hint is None:
-        orders = ("gpipe",) if order == "gpipe" else ("gpipe", "1f1b")
-        warm = solve_ga(problem, time_limit=share * time_limit, seed=seed, orders=orders)
+        warm = solve_ga(problem, time_limit=share * time_limit, seed=seed, order=order)
         hint, scored = warm.candidate, warm.evaluated
         time_limit -= share * time_limit
-    base = hint if order != "gpipe" or hint.order == "gpipe" else gpipe_equal(problem).candidate
+    base = hint if order is not GPIPE or family(hint.order) is GPIPE else gpipe_equal(problem).candidate
     if base is None or not base.fits(base.simulate(problem), problem):
         raise UmoptError(f"{name}: no schedule to start from fits the memory limit (try --recompute)")
     return base, time_limit, scored
@@ -127,7 +133,7 @@ def start_or_skip(
     time_limit: float,
     seed: int,
     hint: Optional[Candidate],
-    order: str,
+    order: Optional[ScheduleFamily],
     t0: float,
 ) -> tuple[Candidate, float, int, Optional[SolverResult]]:
     """The exact solvers' common start: (warm start, time left, schedules scored, result), where

@@ -11,10 +11,11 @@ evolve; with recompute both evolve independently, in either order. Each generati
   degenerates to copying a whole stage);
 * mutations shift, add or remove a chunk end, copy a neighbouring stage, or reset a stage to
   equal chunks; a repair pass splits any chunk longer than the profile's largest size;
-* the whole population is scored at once: :func:`umopt.schedules.population_sim.evaluate_gpipe` for GPipe
-  order, :func:`umopt.schedules.population_sim.evaluate_1f1b` for 1F1B order. An individual also carries its
-  order as a gene, so the search picks the order along with the partitions, and a 1F1B
-  individual carries each stage's warm-up (forwards before its first backward) as a third
+* the whole population is scored at once, by each family's population evaluator
+  (:meth:`umopt.schedules.family.ScheduleFamily.score`). An individual also carries its order as a
+  gene (which of the families searched it is in: every family built by rule under ``--order auto``,
+  GPipe and 1F1B and any registered beside them), so the search picks the order along with the
+  partitions, and an individual of a family with warm-ups (1F1B) carries each stage's warm-up (forwards before its first backward) as a third
   chromosome: PipeDream-flush fixes it at ``S - s - 1``, but the stage holding the most work
   often does best with fewer in flight and the stages feeding it with more (all forwards first,
   GPipe-like), which is how the best schedules of small instances look when solved exactly.
@@ -41,9 +42,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ...schedules import pipedream_warmup
-from ...schedules.family import GPIPE, ONEF1B, family
+from ...schedules.family import ScheduleFamily, family, ruled
 from ...schedules.partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
-from ..baselines import feasible_m, gpipe_equal, onef1b_equal
+from ..baselines import best_equal, feasible_m
 from ..problem import Candidate, Problem, Progress, SolverResult
 from .local import hill_climb, iterated_climb
 
@@ -55,55 +56,61 @@ def _textbook(S: int) -> np.ndarray:
 
 
 def _to_ends(
-    problem: Problem, cands: Sequence[Candidate]
+    problem: Problem, cands: Sequence[Candidate], families: Sequence[ScheduleFamily]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Candidates as rows: forward and backward end masks, the order gene (the index of each
+    one's family in ``families``) and warm-ups."""
     B = problem.minibatch
     f_ends = np.array([[sizes_to_ends(p, B) for p in c.fsizes] for c in cands])
     b_ends = np.array([[sizes_to_ends(p, B) for p in c.bsizes] for c in cands])
     warm = np.array([c.warmups for c in cands], dtype=np.int64)
-    return f_ends, b_ends, np.array([family(c.order) is ONEF1B for c in cands]), warm
+    return f_ends, b_ends, np.array([families.index(family(c.order)) for c in cands]), warm
 
 
 def _to_candidate(
     f_ends: np.ndarray,
     b_ends: np.ndarray,
-    onef1b: bool,
+    fam: ScheduleFamily,
     warmup: np.ndarray,
     wcap: Optional[np.ndarray] = None,
 ) -> Candidate:
-    """One individual's (S, B) end masks (and warm-ups, in 1F1B order; W caps with W ops) as a candidate."""
+    """One individual's (S, B) end masks (and warm-ups, where its family has them; W caps with W
+    ops) as a candidate."""
     fs = [[int(x) for x in row if x] for row in ends_to_sizes(f_ends)]
     bs = [[int(x) for x in row if x] for row in ends_to_sizes(b_ends)]
     w_caps = None if wcap is None else [int(c) for c in wcap]
-    if not onef1b:
-        return Candidate(fs, bs, "gpipe", wcap=w_caps)
+    if not fam.warmups:
+        return Candidate(fs, bs, fam.name, wcap=w_caps)
     warm = [int(w) for w in warmup]
-    return Candidate(fs, bs, "1f1b", warmup=None if warm == list(_textbook(len(fs))) else warm, wcap=w_caps)
+    return Candidate(fs, bs, fam.name, warmup=None if warm == list(_textbook(len(fs))) else warm, wcap=w_caps)
 
 
 class _Scorer:
     """Fitness of populations of end masks (iteration ms, ties broken by a hair); counts calls."""
 
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: Problem, families: Sequence[ScheduleFamily]):
         self.problem = problem
+        self.families = families
         self.count = 0
 
     def __call__(
         self,
         f_ends: np.ndarray,
         b_ends: np.ndarray,
-        onef1b: np.ndarray,
+        gene: np.ndarray,
         warmup: np.ndarray,
         wcap: Optional[np.ndarray] = None,
     ) -> np.ndarray:
         self.count += f_ends.shape[0]
         fit = np.empty(f_ends.shape[0])
         rec = self.problem.recompute
-        for fam, who in ((GPIPE, ~onef1b), (ONEF1B, onef1b)):  # the order gene picks the family
+        for i, fam in enumerate(self.families):  # the order gene picks the family
+            who = gene == i
             if who.any():
                 bs = ends_to_sizes(b_ends[who]) if rec else None
                 w_caps = None if wcap is None else wcap[who]
-                it, sc = fam.score(self.problem.tables, ends_to_sizes(f_ends[who]), bs, warmup[who], w_caps)
+                warm = warmup[who] if fam.warmups else None
+                it, sc = fam.score(self.problem.tables, ends_to_sizes(f_ends[who]), bs, warm, w_caps)
                 fit[who] = it + 1e-7 * sc.finish_ms.mean(axis=1)
         return fit
 
@@ -112,14 +119,14 @@ def _polish(
     problem: Problem,
     f_ends: np.ndarray,
     b_ends: np.ndarray,
-    onef1b: bool,
+    fam: ScheduleFamily,
     warmup: np.ndarray,
     wcap: Optional[np.ndarray],
     deadline: float,
     free_warmup: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray], int]:
     cand, n = hill_climb(
-        problem, _to_candidate(f_ends, b_ends, onef1b, warmup, wcap), deadline, free_warmup=free_warmup
+        problem, _to_candidate(f_ends, b_ends, fam, warmup, wcap), deadline, free_warmup=free_warmup
     )
     B = problem.minibatch
     warm = np.array(cand.warmups)
@@ -209,12 +216,18 @@ def _mutate_warmup(rng: np.random.Generator, warm: np.ndarray, f_ends: np.ndarra
     warm[who, st] = np.where((kind == 2) | (new >= chunks), B, np.maximum(new, 0))
 
 
-def _initial_caps(rng: np.random.Generator, f_ends: np.ndarray, onef1b: np.ndarray) -> np.ndarray:
-    """(P, S) W caps: a third ZB-H1's (1F1B's peak, S of the stage's largest chunks; GPipe order:
-    every W at the end), a third every W at the end, a third random."""
+def _initial_caps(
+    rng: np.random.Generator, f_ends: np.ndarray, gene: np.ndarray, families: Sequence[ScheduleFamily]
+) -> np.ndarray:
+    """(P, S) W caps: a third each family's first caps (1F1B: ZB-H1's, 1F1B's peak, S of the
+    stage's largest chunks; GPipe order: every W at the end), a third every W at the end, a third
+    random."""
     P, S, B = f_ends.shape
     pick = rng.integers(0, 3, (P, S))
-    zb = np.where(onef1b[:, None], S * ends_to_sizes(f_ends).max(axis=2), B)
+    largest = ends_to_sizes(f_ends).max(axis=2)
+    zb = np.empty((P, S), dtype=np.int64)
+    for i, fam in enumerate(families):
+        zb[gene == i] = fam.first_wcaps(largest[gene == i], S, B)
     return np.where(pick == 0, np.minimum(zb, B), np.where(pick == 1, B, rng.integers(0, B + 1, (P, S))))
 
 
@@ -241,12 +254,13 @@ def _mutate_caps(
     wcap[who, st] = np.where(kind == 5, -1, np.clip(new, 0, minibatch))
 
 
-def _elite(fit: np.ndarray, onef1b: np.ndarray, k: int) -> np.ndarray:
-    """The ``k`` fittest, of which the best quarter of each order present, so that neither order
-    dies out once the other leads: which one wins often shows only after both have evolved."""
+def _elite(fit: np.ndarray, gene: np.ndarray, k: int, families: int) -> np.ndarray:
+    """The ``k`` fittest, of which the best quarter of each order present (the last family's
+    first), so that no order dies out once another leads: which one wins often shows only after
+    all have evolved."""
     order = np.argsort(fit, kind="stable")
     q = max(1, k // 4)
-    keep = list(order[onef1b[order]][:q]) + list(order[~onef1b[order]][:q])
+    keep = [i for o in reversed(range(families)) for i in order[gene[order] == o][:q]]
     keep += [i for i in order[: 2 * k] if i not in keep]
     return np.array(keep[:k])
 
@@ -263,12 +277,12 @@ def _crossover(rng: np.random.Generator, a: np.ndarray, b: np.ndarray) -> np.nda
 @dataclass
 class _Population:
     """Individuals as rows: forward chunk ends ``f_ends`` (P, S, B), backward ones (``f_ends`` itself
-    without recompute: one partition per stage), the order gene ``onef1b`` (P,), the 1F1B warm-ups
-    (P, S) and the fitness (P,)."""
+    without recompute: one partition per stage), the order gene ``gene`` (P,: the index of each
+    one's family among those searched), the warm-ups (P, S) and the fitness (P,)."""
 
     f_ends: np.ndarray
     b_ends_own: Optional[np.ndarray]  # only with recompute
-    onef1b: np.ndarray
+    gene: np.ndarray
     warmup: np.ndarray
     fit: np.ndarray
     wcap: Optional[np.ndarray] = None  # (P, S) W caps, only with W ops
@@ -283,7 +297,7 @@ class _Population:
         scorer: "_Scorer",
         f_ends,
         b_ends,
-        onef1b,
+        gene,
         warmup,
         recompute: bool,
         wcap: Optional[np.ndarray] = None,
@@ -291,9 +305,9 @@ class _Population:
         return cls(
             f_ends,
             b_ends if recompute else None,
-            onef1b,
+            gene,
             warmup,
-            scorer(f_ends, b_ends, onef1b, warmup, wcap),
+            scorer(f_ends, b_ends, gene, warmup, wcap),
             wcap,
         )
 
@@ -302,7 +316,7 @@ class _Population:
         return _Population(
             self.f_ends[idx],
             pick(self.b_ends_own),
-            self.onef1b[idx],
+            self.gene[idx],
             self.warmup[idx],
             self.fit[idx],
             pick(self.wcap),
@@ -313,17 +327,17 @@ class _Population:
         return _Population(
             cat(self.f_ends, other.f_ends),
             cat(self.b_ends_own, other.b_ends_own),
-            cat(self.onef1b, other.onef1b),
+            cat(self.gene, other.gene),
             cat(self.warmup, other.warmup),
             cat(self.fit, other.fit),
             cat(self.wcap, other.wcap),
         )
 
-    def candidate(self, k: int) -> Candidate:
+    def candidate(self, k: int, families: Sequence[ScheduleFamily]) -> Candidate:
         return _to_candidate(
             self.f_ends[k],
             self.b_ends[k],
-            bool(self.onef1b[k]),
+            families[int(self.gene[k])],
             self.warmup[k],
             None if self.wcap is None else self.wcap[k],
         )
@@ -342,8 +356,7 @@ def solve_ga(
     stall_generations: int = 300,
     max_restarts: Optional[int] = 0,
     max_generations: int = 1_000_000,
-    orders: Sequence[str] = ("gpipe", "1f1b"),
-    order: str = "auto",
+    order: Optional[ScheduleFamily] = None,
     polish_share: float = 0.1,
     polish_kicks: Optional[int] = None,
     stop: Optional[Callable[[float], bool]] = None,
@@ -352,14 +365,13 @@ def solve_ga(
 ) -> SolverResult:
     """The GA within ``time_limit`` seconds. ``stop(best ms)``, asked every generation and every
     kick of the polish, ends the search early when True (``auto``: a bound proved it optimal).
+    ``order``: the one family to search (None: every family built by rule, 1F1B's warm-ups free).
     ``weights``: every individual carries W caps too (a fourth chromosome, :class:`Candidate`'s
     ``wcap``: each stage's backward split into B and W ops, the W ops deferred under the cap),
     mutated and crossed over like the warm-ups; the profile must have the split."""
     t0 = time.perf_counter()
-    if order in ("gpipe", "1f1b"):
-        orders = (order,)
     deadline = t0 + (1 - polish_share) * time_limit
-    run = _Run(problem, np.random.default_rng(seed), population, elite, orders, order, weights)
+    run = _Run(problem, np.random.default_rng(seed), population, elite, order, weights)
     pop = run.initial(seeds)
     best_fit, stall, gen, polished, restarts = float(pop.fit.min()), 0, 0, 0, 0
     last_report = 0.0
@@ -388,7 +400,7 @@ def solve_ga(
             break
     end = max(deadline, time.perf_counter()) + polish_share * time_limit
     clock = (t0, time_limit, best_fit, last_report)
-    cand, n = _climb_leaders(problem, pop, end, seed, run.free_warmup, polish_kicks, progress, stop, clock)
+    cand, n = _climb_leaders(problem, pop, run, end, seed, polish_kicks, progress, stop, clock)
     if progress:
         progress(1.0, cand.iteration_ms)
     return SolverResult(
@@ -404,9 +416,9 @@ def solve_ga(
 
 class _Run:
     """One GA run's fixed settings and its steps: the first population, a restart, a
-    generation, the memetic polish of the best. Which families evolve (GPipe, 1F1B, both) is
-    the order gene's range; 1F1B individuals carry warm-ups, and with ``weights`` all carry W
-    caps (the W placement modifier's genes)."""
+    generation, the memetic polish of the best. Which families evolve (``order``'s, or every
+    family built by rule) is the order gene's range; individuals of a family with warm-ups carry
+    them, and with ``weights`` all carry W caps (the W placement modifier's genes)."""
 
     def __init__(
         self,
@@ -414,55 +426,47 @@ class _Run:
         rng: np.random.Generator,
         population: int,
         elite: int,
-        orders: Sequence[str],
-        order: str,
+        order: Optional[ScheduleFamily],
         weights: bool,
     ):
         self.problem, self.rng, self.P, self.elite = problem, rng, population, elite
         self.S, self.B, self.mx = problem.num_stages, problem.minibatch, problem.max_size
         self.rec = problem.recompute
-        self.use_1f1b = "1f1b" in orders
-        self.use_gpipe = "gpipe" in orders
-        self.free_warmup = self.use_1f1b and order == "auto"  # --order 1f1b means PipeDream-flush's warm-ups
+        self.families = ruled() if order is None else [order]
+        # --order 1f1b means PipeDream-flush's warm-ups; auto searches them
+        self.free_warmup = order is None and any(f.warmups for f in self.families)
         self.weights = weights
-        self.scorer = _Scorer(problem)
+        self.scorer = _Scorer(problem, self.families)
 
     def _random_orders(self, n: int) -> np.ndarray:
-        return self.use_1f1b & ((not self.use_gpipe) | (self.rng.random(n) < 0.5))
+        """Order genes drawn evenly over the families (the last for the lowest draws)."""
+        k = len(self.families)
+        return np.minimum(k - 1 - np.floor(self.rng.random(n) * k), k - 1).astype(np.int64)
 
     def initial(self, seeds: Sequence[Candidate]) -> _Population:
         """The best equal schedules and the caller's seeds (up to half), the rest random equal
         partitions, mutated."""
         problem, rng, P, S, B, rec = self.problem, self.rng, self.P, self.S, self.B, self.rec
-        use_1f1b, use_gpipe = self.use_1f1b, self.use_gpipe
-        start = [
-            c
-            for c in seeds
-            if (family(c.order) is ONEF1B and use_1f1b) or (family(c.order) is GPIPE and use_gpipe)
-        ]
-        if use_gpipe:
-            base = gpipe_equal(problem)
-            if base.candidate is not None:
-                start.insert(0, base.candidate)
-        if use_1f1b:
-            base = onef1b_equal(problem)
+        start = [c for c in seeds if family(c.order) in self.families]
+        for fam in self.families:  # the best equal schedules first, the last family's leading
+            base = best_equal(problem, fam)
             if base.candidate is not None:
                 start.insert(0, base.candidate)
         fwd_ends = np.empty((P, S, B), dtype=bool)
         bwd_ends = np.empty((P, S, B), dtype=bool)
-        onef1b = np.zeros(P, dtype=bool)
+        gene = np.zeros(P, dtype=np.int64)
         warmups = np.tile(_textbook(S), (P, 1))
         n_seed = min(len(start), P // 2)
         if n_seed:
-            fwd_ends[:n_seed], bwd_ends[:n_seed], onef1b[:n_seed], warmups[:n_seed] = _to_ends(
-                problem, start[:n_seed]
+            fwd_ends[:n_seed], bwd_ends[:n_seed], gene[:n_seed], warmups[:n_seed] = _to_ends(
+                problem, start[:n_seed], self.families
             )
         rest = P - n_seed
         fwd_ends[n_seed:] = _equal_rows(rng, rest * S, problem).reshape(rest, S, B)
         bwd_ends[n_seed:] = (
             fwd_ends[n_seed:] if not rec else _equal_rows(rng, rest * S, problem).reshape(rest, S, B)
         )
-        onef1b[n_seed:] = self._random_orders(rest)
+        gene[n_seed:] = self._random_orders(rest)
         _mutate(rng, fwd_ends[n_seed:], problem, 1.0)
         if self.free_warmup:
             warmups[n_seed:] = _initial_warmups(rng, rest, S, B)
@@ -470,17 +474,17 @@ class _Run:
             _mutate(rng, bwd_ends[n_seed:], problem, 1.0)
         caps = None
         if self.weights:  # seeds without W caps get them too: each start both ways
-            caps = _initial_caps(rng, fwd_ends, onef1b)
+            caps = _initial_caps(rng, fwd_ends, gene, self.families)
             for i, c in enumerate(start[:n_seed]):
                 if c.wcap is not None:
                     caps[i] = c.wcap
         bwd = bwd_ends if rec else fwd_ends
-        return _Population.scored(self.scorer, fwd_ends, bwd, onef1b, warmups, rec, caps)
+        return _Population.scored(self.scorer, fwd_ends, bwd, gene, warmups, rec, caps)
 
     def restart(self, pop: _Population) -> _Population:
         """The elite kept; the rest refilled with fresh and heavily mutated individuals."""
         problem, rng, P, S, B, elite = self.problem, self.rng, self.P, self.S, self.B, self.elite
-        kept = pop.take(_elite(pop.fit, pop.onef1b, elite))
+        kept = pop.take(_elite(pop.fit, pop.gene, elite, len(self.families)))
         fresh = P - elite
         new_f = np.concatenate(
             [
@@ -499,14 +503,14 @@ class _Run:
             )
             _mutate(rng, new_b, problem, 4.0)
         pick = rng.integers(0, elite, fresh // 2)
-        new_o = np.concatenate([kept.onef1b[pick], self._random_orders(fresh - fresh // 2)])
+        new_o = np.concatenate([kept.gene[pick], self._random_orders(fresh - fresh // 2)])
         new_w = np.concatenate([kept.warmup[pick], np.tile(_textbook(S), (fresh - fresh // 2, 1))])
         if self.free_warmup:
             _mutate_warmup(rng, new_w, new_f, 2.0)
         new_c = None
         if self.weights:
             new_c = np.concatenate(
-                [kept.wcap[pick], _initial_caps(rng, new_f[fresh // 2 :], new_o[fresh // 2 :])]
+                [kept.wcap[pick], _initial_caps(rng, new_f[fresh // 2 :], new_o[fresh // 2 :], self.families)]
             )
             _mutate_caps(rng, new_c, B, self.mx, 2.0)
         return kept + _Population.scored(self.scorer, new_f, new_b, new_o, new_w, self.rec, new_c)
@@ -514,16 +518,16 @@ class _Run:
     def generation(self, pop: _Population, mutation_rate: float) -> _Population:
         """The elite, and children of tournament-picked parents: crossed over, mutated, repaired."""
         rng, P, S, mx = self.rng, self.P, self.S, self.mx
-        elite_idx = _elite(pop.fit, pop.onef1b, self.elite)
+        k = len(self.families)
+        elite_idx = _elite(pop.fit, pop.gene, self.elite, k)
         nchild = P - self.elite
-        # tournament selection of 2 parents per child; with both orders, half the children come
-        # from tournaments among each order's individuals, so the trailing order keeps evolving
+        # tournament selection of 2 parents per child; with several orders, the children come
+        # evenly from tournaments among each order's individuals, so trailing orders keep evolving
         cand = rng.integers(0, P, (2, nchild, 3))
         rank = pop.fit[cand]
-        both = self.use_1f1b and self.use_gpipe
-        if both:
-            want = (np.arange(nchild) % 2).astype(bool)  # the order each child's tournaments favour
-            rank = np.where(pop.onef1b[cand] == want[None, :, None], rank, rank + 1e9)
+        if k > 1:
+            want = np.arange(nchild) % k  # the order each child's tournaments favour
+            rank = np.where(pop.gene[cand] == want[None, :, None], rank, rank + 1e9)
         parents = np.take_along_axis(cand, np.argmin(rank, axis=2)[..., None], axis=2)[..., 0]
         child_f = _crossover(rng, pop.f_ends[parents[0]], pop.f_ends[parents[1]])
         _mutate(rng, child_f, self.problem, mutation_rate)
@@ -536,9 +540,11 @@ class _Run:
             flip = rng.random((nchild, S)) < 0.02
             child_b[flip] = child_f[flip]
             repair_ends(child_b, mx)
-        child_o = pop.onef1b[parents[0]].copy()
-        if both:
-            child_o ^= rng.random(nchild) < 0.03
+        child_o = pop.gene[parents[0]].copy()
+        if k > 1:  # now and then a child moves to another order (draw / 0.03 picks which)
+            draw = rng.random(nchild)
+            moved = draw < 0.03
+            child_o[moved] = (child_o[moved] + 1 + (draw[moved] / 0.03 * (k - 1)).astype(np.int64)) % k
         child_w = np.where(rng.random((nchild, S)) < 0.5, pop.warmup[parents[0]], pop.warmup[parents[1]])
         if self.free_warmup:
             _mutate_warmup(rng, child_w, child_f, 0.3)
@@ -558,7 +564,7 @@ class _Run:
             self.problem,
             pop.f_ends[k],
             pop.b_ends[k],
-            bool(pop.onef1b[k]),
+            self.families[int(pop.gene[k])],
             pop.warmup[k],
             own_c,
             deadline,
@@ -572,16 +578,16 @@ class _Run:
             pop.wcap[k] = pc
         one = slice(k, k + 1)
         caps = None if pop.wcap is None else pop.wcap[one]
-        pop.fit[k] = self.scorer(pop.f_ends[one], pop.b_ends[one], pop.onef1b[one], pop.warmup[one], caps)[0]
+        pop.fit[k] = self.scorer(pop.f_ends[one], pop.b_ends[one], pop.gene[one], pop.warmup[one], caps)[0]
         return n
 
 
 def _climb_leaders(
     problem: Problem,
     pop: _Population,
+    run: _Run,
     end: float,
     seed: int,
-    free_warmup: bool,
     polish_kicks: Optional[int],
     progress: Optional[Progress],
     stop: Optional[Callable[[float], bool]],
@@ -591,11 +597,11 @@ def _climb_leaders(
     change the order, and the runner-up order's best is often a few moves away from beating the
     leader. ``clock``: the run's start, time limit, best so far and last report, for the bar."""
     t0, time_limit, best_fit, last_report = clock
-    is_1f1b, fit = pop.onef1b, pop.fit
+    gene, fit = pop.gene, pop.fit
     leaders = [
-        int(np.flatnonzero(is_1f1b == o)[np.argmin(fit[is_1f1b == o])])
-        for o in (False, True)
-        if (is_1f1b == o).any()
+        int(np.flatnonzero(gene == o)[np.argmin(fit[gene == o])])
+        for o in range(len(run.families))
+        if (gene == o).any()
     ]
     leaders.sort(key=lambda i: fit[i])
     cand, n = None, 0
@@ -611,10 +617,10 @@ def _climb_leaders(
         share = (end - time.perf_counter()) * (1.0 if j == len(leaders) - 1 else 0.75)
         c, m = iterated_climb(
             problem,
-            pop.candidate(k),
+            pop.candidate(k, run.families),
             time.perf_counter() + share,
             seed=seed + j,
-            free_warmup=free_warmup,
+            free_warmup=run.free_warmup,
             max_kicks=polish_kicks,
             report=report,
             stop=stop,

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from ...errors import UmoptError
-from ...schedules.family import GPIPE
+from ...schedules.family import GPIPE, ScheduleFamily
 from ...schedules.partition import equal_sizes
 from ..baselines import feasible_m, gpipe_equal
 from ..problem import Candidate, Problem, Progress, SolverResult, pack
@@ -40,7 +40,7 @@ def solve_greedy(
     seed: int = 0,
     progress: Optional[Progress] = None,
     max_sweeps: int = 20,
-    order: str = "auto",
+    order: Optional[ScheduleFamily] = None,
     **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
@@ -82,7 +82,8 @@ def solve_greedy(
                 progress(min(1.0, (sweep * S + s + 1) / (max_sweeps * S)), best_it)
         if not changed or time.perf_counter() - t0 > time_limit:
             break
-    # chosen for GPipe order; asked for 1F1B, the same partitions run in 1F1B order
-    cand = Candidate(fs, bs, "1f1b" if order == "1f1b" else "gpipe")
-    cand.iteration_ms = best_it if order != "1f1b" else cand.simulate(problem).iteration_ms
+    # chosen for GPipe order; asked for another family, the same partitions run in its order
+    fam = order or GPIPE
+    cand = Candidate(fs, bs, fam.name)
+    cand.iteration_ms = best_it if fam is GPIPE else cand.simulate(problem).iteration_ms
     return SolverResult("greedy", cand, "feasible", seconds=time.perf_counter() - t0, evaluated=evaluated)

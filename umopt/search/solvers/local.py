@@ -235,12 +235,11 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
     bsizes = (lambda: pack([c.bsizes for c in cands])) if problem.recompute else (lambda: None)
     split = {c.wcap is None for c in cands} == {False}
     wcap = np.array([c.wcap for c in cands]) if split else None
-    orders = {c.order for c in cands}
-    if orders in ({"gpipe"}, {"1f1b"}) and (split or all(c.wcap is None for c in cands)):
-        n_warm = np.array([c.warmups for c in cands])
-        it, sc = family(orders.pop()).score(
-            problem.tables, pack([c.fsizes for c in cands]), bsizes(), n_warm, wcap
-        )
+    families = {family(c.order) for c in cands}
+    fam = families.pop() if len(families) == 1 else None
+    if fam is not None and fam.by_rule and (split or all(c.wcap is None for c in cands)):
+        n_warm = np.array([c.warmups for c in cands]) if fam.warmups else None
+        it, sc = fam.score(problem.tables, pack([c.fsizes for c in cands]), bsizes(), n_warm, wcap)
         return it, sc.finish_ms.sum(axis=1)
     it = np.empty(len(cands))
     tie = np.empty(len(cands))

@@ -21,6 +21,7 @@ import numpy as np
 import pulp
 
 from ...costmodel import Op, OpKind
+from ...schedules.family import GPIPE, ScheduleFamily
 from ..bounds import Scope, heads_and_tails, int_tables, linear_cuts, start_bound_ms
 from ..problem import Candidate, Problem, Progress, SolverResult
 from .exact import candidate_chunks, chunk_fits, chunk_set, chunks_ending_at, start_or_skip, with_clock
@@ -299,10 +300,10 @@ def solve_milp(
     seed: int = 0,
     progress: Optional[Progress] = None,
     hint: Optional[Candidate] = None,
-    order: str = "auto",
+    order: Optional[ScheduleFamily] = None,
     **_,
 ) -> SolverResult:
-    """``order="gpipe"``: the GPipe-order model; "auto": the free-order model where it is small
+    """``order`` GPIPE: the GPipe-order model; None (auto): the free-order model where it is small
     enough and no memory limit is set, else the GPipe-order one (``extra["note"]`` says so)."""
     return with_clock(
         progress, time_limit, lambda found: _solve_milp(problem, time_limit, seed, hint, order, found)
@@ -310,18 +311,23 @@ def solve_milp(
 
 
 def _solve_milp(
-    problem: Problem, time_limit: float, seed: int, hint: Optional[Candidate], order: str, found: list
+    problem: Problem,
+    time_limit: float,
+    seed: int,
+    hint: Optional[Candidate],
+    order: Optional[ScheduleFamily],
+    found: list,
 ) -> SolverResult:
     t0 = time.perf_counter()
     note = None
-    if order != "gpipe":
+    if order is not GPIPE:
         pairs = count_order_pairs(candidate_chunks(problem)) * problem.num_stages
         if pairs > MAX_ORDER_PAIRS:
             note = f"the free-order model needs {pairs} ordering binaries (more than {MAX_ORDER_PAIRS}): solved in GPipe order"
         elif problem.memory_limit is not None:
             note = "the free-order model has no memory limit: solved in GPipe order (cpsat orders freely under one)"
         if note:
-            order = "gpipe"
+            order = GPIPE
     base, time_limit, warm_scored, skipped = start_or_skip(problem, "milp", time_limit, seed, hint, order, t0)
     if skipped:
         return skipped
@@ -329,7 +335,7 @@ def _solve_milp(
     t_model = time.perf_counter()  # building the model counts against the time limit
     opt = problem.tables.optimizer_ms
     horizon = base.iteration_ms - opt + 1.0
-    if order == "gpipe":
+    if order is GPIPE:
         lp, x, y, makespan = build_milp(problem, horizon, base)
     else:
         lp, x, y, fstart, bstart, makespan = build_free_milp(problem, horizon, base)
@@ -352,10 +358,10 @@ def _solve_milp(
     def on(v) -> bool:
         return (v.value() or 0) > 0.5
 
-    if solved and order == "gpipe":
+    if solved and order is GPIPE:
         fs = [[hi - lo for lo, hi in sorted(c for c, v in x[s].items() if on(v))] for s in range(S)]
         bs = [[hi - lo for lo, hi in sorted(c for c, v in y[s].items() if on(v))] for s in range(S)]
-        cand = Candidate(fs, bs, "gpipe")
+        cand = Candidate(fs, bs, GPIPE.name)
     elif solved:
         ops = []
         for s in range(S):
@@ -380,7 +386,7 @@ def _solve_milp(
         lower_bound_ms=min(bound, cand.iteration_ms),
         seconds=time.perf_counter() - t0,
         evaluated=warm_scored,
-        bound_scope=(Scope.GPIPE if order == "gpipe" else Scope.ANY).value,
+        bound_scope=(Scope.GPIPE if order is GPIPE else Scope.ANY).value,
         engine_status=status,
         engine=engine(),
         notes=[note] if note else [],

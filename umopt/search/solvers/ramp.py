@@ -10,8 +10,8 @@ chunk ends on every stage at once; started from the best ramp it does (``auto``)
 The family, for every middle size m up to the profile's largest: an up-ramp a, 2a, 4a, ... below
 m (a = 1 to 4, or none), chunks of m, the remainder as one smaller chunk after them, and a
 down-ramp (the up-ramp mirrored, or none); and the best equal partitions, so that the result is never
-worse than the best equal schedule. Every stage gets the same partition, in GPipe order and
-in 1F1B order with PipeDream-flush warm-ups, and the whole family is scored in one call of the
+worse than the best equal schedule. Every stage gets the same partition, in each family's
+order (1F1B with PipeDream-flush warm-ups), and the whole family is scored in one call of the
 population simulator (hundreds of partitions in about a second). ``auto`` hands the best to
 the GA as a start.
 """
@@ -24,9 +24,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ...errors import UmoptError
-from ...schedules.family import GPIPE, ONEF1B
+from ...schedules.family import ScheduleFamily, ruled
 from ...schedules.partition import equal_sizes
-from ..baselines import gpipe_equal, onef1b_equal
+from ..baselines import best_equal
 from ..problem import Candidate, Problem, Progress, SolverResult, pack
 
 __all__ = ["ramped_partitions", "solve_ramp"]
@@ -66,26 +66,20 @@ def solve_ramp(
     time_limit: float = 0.0,
     seed: int = 0,
     progress: Optional[Progress] = None,
-    order: str = "auto",
+    order: Optional[ScheduleFamily] = None,
     **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
     S = problem.num_stages
-    # the best equal partitions stand in for all of them (the baselines have scored them all)
-    equal = [
-        b.microbatches for b in (gpipe_equal(problem), onef1b_equal(problem)) if b.microbatches is not None
-    ]
+    # every family's best equal partition stands in for all of them (the baselines scored them all)
+    equal = sorted({best_equal(problem, f).microbatches for f in ruled()} - {None})
     parts = ramped_partitions(problem.minibatch, problem.max_size, equal)
     packed = pack([[p] * S for p in parts])
     scored: list[tuple[float, Candidate]] = []
-    if order in ("auto", "gpipe"):
-        it, _ = GPIPE.score(problem.tables, packed)
+    for fam in ruled() if order is None else [order]:
+        it, _ = fam.score(problem.tables, packed)
         k = int(np.argmin(it))
-        scored.append((float(it[k]), Candidate.uniform(parts[k], S, "gpipe")))
-    if order in ("auto", "1f1b"):
-        it, _ = ONEF1B.score(problem.tables, packed)
-        k = int(np.argmin(it))
-        scored.append((float(it[k]), Candidate.uniform(parts[k], S, "1f1b")))
+        scored.append((float(it[k]), Candidate.uniform(parts[k], S, fam.name)))
     ms, cand = min(scored, key=lambda x: x[0])
     if not np.isfinite(ms):
         raise UmoptError(
