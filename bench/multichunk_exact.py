@@ -22,6 +22,7 @@ from umopt.costmodel import simulate
 from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile
 from umopt.search.peers import TORCH_MULTI, torch_ops
+from umopt.search.problem import LayoutProblem
 from umopt.search.solvers.cpsat_chunks import solve_chunks_exact
 from umopt.search.solvers.multichunk import improve_order, solve_chunks
 from umopt.synthetic import synthetic_profile
@@ -52,7 +53,7 @@ def main() -> None:
     cells, gaps = [], []
     for name, B, w in ROWS:
         profile = _profile(name)
-        sol = solve_chunks(profile, B, chunk_counts=(2,), weights=w, seconds=args.search)
+        sol = solve_chunks(LayoutProblem(profile, B), chunk_counts=(2,), weights=w, seconds=args.search)
         ops, search_ms, _ = improve_order(sol.tables, sol.ops, B, args.search / 4)
         torch_ms, torch_name = float("inf"), "-"
         for peer, (place, _, with_w) in TORCH_MULTI.items():

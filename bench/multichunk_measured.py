@@ -114,6 +114,7 @@ def main() -> None:
     from umopt.formats.profile import load_profile
     from umopt.formats.schedule import make_schedule, save_schedule
     from umopt.search.peers import score_peer
+    from umopt.search.problem import LayoutProblem
     from umopt.search.solve_chunks import solve_chunked
 
     work = Path(tempfile.mkdtemp(prefix="umopt-multichunk-"))
@@ -129,9 +130,10 @@ def main() -> None:
     save_schedule(rep.schedule, str(work / "pick.json"))
     # M dividing B only: torch's runtime splits inputs and targets alike only then
     scored = []
+    problem = LayoutProblem(profile, B)
     for m in (m for m in range(2, B + 1) if B % m == 0):
         try:
-            scored.append((score_peer(profile, "ScheduleInterleaved1F1B", 2, B, m), m))
+            scored.append((score_peer(problem, "ScheduleInterleaved1F1B", 2, m), m))
         except UmoptError:
             continue
     (tables, ops, tl), M = min(scored, key=lambda x: x[0][2].iteration_ms)

@@ -15,6 +15,7 @@ from umopt.formats.schedule import validate_ops
 from umopt.schedules.multichunk import ChunkGenes, build_ops, equal_genes
 from umopt.schedules.partition import equal_sizes
 from umopt.search.peers import torch_ops
+from umopt.search.problem import LayoutProblem
 from umopt.synthetic import synthetic_profile
 
 
@@ -538,7 +539,7 @@ def test_polishing_an_order_keeps_it_valid_and_never_slower():
     from umopt.search.solvers.multichunk import improve_order
 
     prof = _profile()
-    tables, ops, tl = score_peer(prof, "ScheduleInterleaved1F1B", 2, 16, 8)
+    tables, ops, tl = score_peer(LayoutProblem(prof, 16), "ScheduleInterleaved1F1B", 2, 8)
     better, ms, n = improve_order(tables, ops, 16, 1.0, seed=1)
     assert n > 0 and ms <= tl.iteration_ms + 1e-9
     validate_ops(better, 16, 16, False, chunking(prof, 2, "looped"))
@@ -879,9 +880,10 @@ def test_torch_is_scored_at_every_cut_a_user_would_try():
         assert len(layers) == 2 * prof.num_stages and layers[0][0] == 0 and layers[-1][1] == prof.num_layers
         assert all(a[1] == b[0] for a, b in zip(layers, layers[1:]))
     names = ["ScheduleInterleaved1F1B"]
-    best = best_peers(prof, 16, names=names, max_chunks=2)["ScheduleInterleaved1F1B"]
+    problem = LayoutProblem(prof, 16)
+    best = best_peers(problem, names=names, max_chunks=2)["ScheduleInterleaved1F1B"]
     assert best.cut in cuts and best.complete
-    stage = best_peers(prof, 16, names=names, max_chunks=2, on=chunking(prof, 2, "looped"))
+    stage = best_peers(problem, names=names, max_chunks=2, on=chunking(prof, 2, "looped"))
     assert best.iteration_ms <= stage["ScheduleInterleaved1F1B"].iteration_ms + 1e-9
 
 

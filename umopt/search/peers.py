@@ -21,9 +21,10 @@ from typing import Optional, Sequence
 from ..chunks import chunking, placement, user_cuts
 from ..costmodel import Chunking, ChunkOp, CostTables, OpKind, Timeline, rank_peak_memory, simulate
 from ..errors import UmoptError
-from ..formats.profile import AllReduceProfile, Profile
+from ..formats.profile import Profile
 from ..schedules.partition import chunks as sample_ranges
 from ..schedules.partition import equal_sizes
+from .problem import LayoutProblem
 
 __all__ = [
     "TORCH_MULTI",
@@ -153,19 +154,13 @@ class PeerResult:
 
 
 def score_peer(
-    profile: Profile, name: str, chunks: int, minibatch: int, microbatches: int, recompute: bool = False
+    problem: LayoutProblem, name: str, chunks: int, microbatches: int
 ) -> tuple[CostTables, list[list[ChunkOp]], Timeline]:
     """torch's ``name`` at ``chunks`` per rank and ``microbatches`` equal chunks, each rank's stage
     cut into ``chunks`` pieces (:func:`umopt.chunks.stage_cut`), under the cost model."""
-    tables = _tables(profile, chunking(profile, chunks, TORCH_MULTI[name][0]), recompute, minibatch)
-    ops = torch_ops(name, profile.num_stages, chunks, minibatch, microbatches)
-    return tables, ops, simulate(tables, ops, minibatch)
-
-
-def _tables(
-    profile: Profile, ch: Chunking, recompute: bool, minibatch: int, dp: Optional[AllReduceProfile] = None
-) -> CostTables:
-    return CostTables.from_profile(profile, recompute, dp, chunks=ch, minibatch=minibatch)
+    tables = problem.tables(chunking(problem.profile, chunks, TORCH_MULTI[name][0]))
+    ops = torch_ops(name, problem.num_ranks, chunks, problem.minibatch, microbatches)
+    return tables, ops, simulate(tables, ops, problem.minibatch)
 
 
 def _cuts(profile: Profile, name: str, v: int) -> list[tuple[str, Chunking]]:
@@ -205,19 +200,17 @@ def _busiest_rank_ms(tables: CostTables, minibatch: int, m: int, split: bool) ->
 
 
 def best_peers(
-    profile: Profile,
-    minibatch: int,
+    problem: LayoutProblem,
     *,
-    recompute: bool = False,
     names: Sequence[str] | None = None,
     max_chunks: int = 4,
-    dp: Optional[AllReduceProfile] = None,
     on: Optional[Chunking] = None,
     until: Optional[float] = None,
 ) -> dict[str, PeerResult]:
     """For each of torch's multi-chunk schedules, its best chunk count (<= ``max_chunks``),
     microbatch count and cut (each a user would try: :func:`umopt.chunks.user_cuts`) under the cost model,
-    within the profile's memory limit; with ``dp``, each rank paying its gradient all-reduce.
+    within the profile's memory limit; with the problem's ``dp``, each rank paying its gradient
+    all-reduce.
     ``on``: that layout only (a schedule whose placement differs from it has no result), as torch
     would run on the layers where umopt's pick puts them.
 
@@ -225,19 +218,18 @@ def best_peers(
     is slower than the best found are not simulated (their order: :func:`_busiest_rank_ms` with
     interleaved 1F1B's fill and drain). ``until`` (a ``time.perf_counter()``): each
     class gets an equal share of the time left, and one stopped by it says so (``complete``)."""
+    profile, minibatch = problem.profile, problem.minibatch
     limit = profile.memory_limit_bytes
-    split = profile.layers is not None and all(ly.backward_input_ms is not None for ly in profile.layers)
     out = {}
     todo = list(names or TORCH_MULTI)
     S = profile.num_stages
-    tables_of: dict[Chunking, CostTables] = {}  # classes of one placement share their cuts
     for i, name in enumerate(todo):
         share = (
             None if until is None else time.perf_counter() + (until - time.perf_counter()) / (len(todo) - i)
         )
         _, vs, needs_w = TORCH_MULTI[name]
         best = PeerResult(name, None, None, None)
-        if needs_w and not split:
+        if needs_w and not problem.split:
             out[name] = best
             continue
         shapes = []
@@ -245,9 +237,7 @@ def best_peers(
             for k, (cut, ch) in enumerate(
                 _cuts(profile, name, v) if on is None else _same_layout(profile, name, v, on)
             ):
-                if ch not in tables_of:
-                    tables_of[ch] = _tables(profile, ch, recompute, minibatch, dp)
-                tables = tables_of[ch]
+                tables = problem.tables(ch)  # classes of one placement share their cuts
                 for m in range(max(1, -(-minibatch // profile.max_size)), minibatch + 1):
                     bound = _busiest_rank_ms(tables, minibatch, m, needs_w)
                     # the order of promise: the bound with interleaved 1F1B's fill and drain,

@@ -15,12 +15,13 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from ..costmodel import CostTables, Op, Timeline, simulate
+from ..costmodel import Chunking, CostTables, Op, Timeline, simulate
+from ..formats.profile import AllReduceProfile, Profile
 from ..schedules import pipedream_warmup, place_weights
 from ..schedules.family import FREE, GPIPE, family
 from ..schedules.partition import partitions_from_ops
 
-__all__ = ["Problem", "Candidate", "SolverResult", "Progress", "ticking", "pack"]
+__all__ = ["Problem", "LayoutProblem", "Candidate", "SolverResult", "Progress", "ticking", "pack"]
 
 # progress(fraction_done, best_iteration_ms_so_far); solvers call it now and then, the CLI draws it.
 # best is inf until a solver has a schedule.
@@ -76,6 +77,43 @@ class Problem:
     @property
     def memory_limit(self) -> Optional[int]:
         return self.tables.memory_limit
+
+
+@dataclass
+class LayoutProblem:
+    """``umopt solve --chunks``' problem: a profile with its layers at one minibatch, whose cost
+    tables depend on how the layers are cut into virtual stages and placed on the ranks (a
+    :class:`umopt.costmodel.Chunking`). Each cut's tables are built once, on first ask, and shared
+    by everyone who scores schedules on it (torch's classes, umopt's search, the polish): what
+    :class:`Problem` is to one chunk per rank."""
+
+    profile: Profile
+    minibatch: int
+    recompute: bool = False
+    dp: Optional[AllReduceProfile] = None
+    _tables: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def tables(self, chunking: Chunking) -> CostTables:
+        """The cost tables of the layers cut and placed as ``chunking`` says."""
+        if chunking not in self._tables:
+            self._tables[chunking] = CostTables.from_profile(
+                self.profile, self.recompute, self.dp, chunks=chunking, minibatch=self.minibatch
+            )
+        return self._tables[chunking]
+
+    @property
+    def num_ranks(self) -> int:
+        return self.profile.num_stages
+
+    @property
+    def max_size(self) -> int:
+        return self.profile.max_size
+
+    @property
+    def split(self) -> bool:
+        """Every layer's backward measured as B and W apart (W ops can be placed)."""
+        layers = self.profile.layers
+        return layers is not None and all(ly.backward_input_ms is not None for ly in layers)
 
 
 @dataclass

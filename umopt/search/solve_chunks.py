@@ -25,7 +25,7 @@ from ..formats.schedule import Schedule, make_schedule, validate_ops
 from ..schedules.multichunk import build_ops, equal_genes
 from .bounds.ranks import busiest_rank_bound
 from .peers import TORCH_MULTI, PeerResult, best_peers, load_torch_schedules
-from .problem import Progress
+from .problem import LayoutProblem, Progress
 from .solve import SolveReport, solve
 from .solvers.cpsat_chunks import MAX_CHUNK_MODEL, ExactChunks, chunk_model_size, solve_chunks_exact
 from .solvers.multichunk import ChunkSolution, improve_order, solve_chunks
@@ -138,6 +138,7 @@ def solve_chunked(
 
     cut_short = []
     load_torch_schedules()
+    problem = LayoutProblem(profile, minibatch, recompute, dp)
     one = solve(
         profile,
         minibatch,
@@ -149,15 +150,7 @@ def solve_chunked(
         dp=dp,
     )
     names = [n for n, (_, _, w) in TORCH_MULTI.items() if zero_bubble or not w]
-    peers = best_peers(
-        profile,
-        minibatch,
-        recompute=recompute,
-        names=names,
-        max_chunks=max(chunk_counts),
-        dp=dp,
-        until=at(PEERS_END),
-    )
+    peers = best_peers(problem, names=names, max_chunks=max(chunk_counts), until=at(PEERS_END))
     stopped = [n.removeprefix("Schedule") for n, p in peers.items() if not p.complete]
     if stopped:
         cut_short.append(f"torch's schedules ({', '.join(stopped)} not at every v, M and cut)")
@@ -165,15 +158,12 @@ def solve_chunked(
     small = chunk_model_size(V, minibatch, profile.max_size) <= MAX_CHUNK_MODEL
     try:
         search: Optional[ChunkSolution] = solve_chunks(
-            profile,
-            minibatch,
+            problem,
             chunk_counts=chunk_counts,
             weights=zero_bubble,
-            recompute=recompute,
             seconds=left(SEARCH_END),
             seed=seed,
             progress=_part(progress, PEERS_END, SEARCH_END),
-            dp=dp,
         )
     except UmoptError:  # no multi-chunk schedule within the memory limit: the others still compete
         search = None
@@ -209,24 +199,13 @@ def solve_chunked(
     }
     names = [n for n, (_, _, w) in TORCH_MULTI.items() if zero_bubble or not w]
     v = best.chunking.num_virtual // profile.num_stages
-    on_layout = best_peers(
-        profile,
-        minibatch,
-        recompute=recompute,
-        names=names,
-        max_chunks=v,
-        dp=dp,
-        on=best.chunking,
-        until=started + time_limit,
-    )
+    on_layout = best_peers(problem, names=names, max_chunks=v, on=best.chunking, until=started + time_limit)
     scored = [(p.iteration_ms, n) for n, p in on_layout.items() if p.iteration_ms is not None]
     if scored and min(scored)[0] < best.iteration_ms - 1e-9:  # torch's order wins on umopt's own cut
         best = _Contender.of_peer(min(scored)[1], on_layout[min(scored)[1]])
         exact = None
     candidates = _candidates(on_layout, best, minibatch, started + time_limit)
-    schedule, timeline = _schedule_of(
-        profile, minibatch, recompute, best, exact, solver, baselines, dp, candidates
-    )
+    schedule, timeline = _schedule_of(problem, best, exact, solver, baselines, candidates)
     return ChunkSolveReport(schedule, timeline, best.name, one, peers, search, exact, on_layout, cut_short)
 
 
@@ -307,19 +286,17 @@ def _refine(
 
 
 def _schedule_of(
-    profile: Profile,
-    minibatch: int,
-    recompute: bool,
+    problem: LayoutProblem,
     pick: _Contender,
     exact: Optional[ExactChunks],
     solver: dict,
     baselines: dict,
-    dp: Optional[AllReduceProfile] = None,
     candidates: Sequence[dict] = (),
 ) -> tuple[Schedule, Timeline]:
     """The picked schedule's file content, with its lower bound: the busiest rank's, or the
     exact model's where that ran on the pick's cut and placement (and then, where the pick is
     within its rounding, proven optimal there)."""
+    profile, minibatch, recompute, dp = problem.profile, problem.minibatch, problem.recompute, problem.dp
     tables, ops = pick.tables, pick.ops
     bound = busiest_rank_bound(tables, minibatch)
     holds_for = "schedules with this cut and placement, any partitions and order"

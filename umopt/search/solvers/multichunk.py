@@ -21,9 +21,10 @@ from typing import Callable, Optional, Sequence
 from ...chunks import balanced_cut, chunking, stage_cut
 from ...costmodel import Chunking, ChunkOp, CostTables, OpKind, rank_peak_memory
 from ...errors import UmoptError
-from ...formats.profile import AllReduceProfile, Profile
+from ...formats.profile import Profile
 from ...schedules.multichunk import ChunkGenes, build_ops, equal_genes, rank_loads
 from ...schedules.partition import equal_sizes
+from ..problem import LayoutProblem
 
 __all__ = ["ChunkShape", "ChunkSolution", "shapes", "solve_chunks"]
 
@@ -203,12 +204,9 @@ def _move_layer(shape: ChunkShape, rng: random.Random) -> Optional[ChunkShape]:
 
 
 def _screen(
-    profile: Profile,
-    B: int,
+    problem: LayoutProblem,
     chunk_counts: Sequence[int],
     weights: bool,
-    recompute: bool,
-    dp: Optional[AllReduceProfile],
     keep: int,
     progress: Optional[Callable[[float, float], None]],
     until: float,
@@ -217,6 +215,7 @@ def _screen(
     of their busiest rank's load (no schedule of them is faster), while within 2% of the best
     found, then each shape's own-M variants; within the memory limit, until ``until`` (once
     one schedule fits). Returns them, how many were built, and whether time cut it short."""
+    profile, B = problem.profile, problem.minibatch
     screened: list[tuple[float, int, ChunkShape, CostTables, ChunkGenes, list]] = []
     evaluated = 0
     best_ms = float("inf")
@@ -224,7 +223,7 @@ def _screen(
     tables = []
     pairs = []  # (the pair's lower bound, M, shape's index)
     for n, shape in enumerate(all_shapes):
-        tables.append(CostTables.from_profile(profile, recompute, dp, chunks=shape.chunking, minibatch=B))
+        tables.append(problem.tables(shape.chunking))
         for m in range(max(1, -(-B // profile.max_size)), B + 1):
             g = equal_genes(tables[n], B, m, weights=weights)
             pairs.append((max(rank_loads(tables[n], B, g)) + tables[n].optimizer_ms, m, n))
@@ -282,29 +281,26 @@ SCREEN_SHARE = 0.5  # of solve_chunks' time at most, for the screening; the loca
 
 
 def solve_chunks(
-    profile: Profile,
-    minibatch: int,
+    problem: LayoutProblem,
     *,
     chunk_counts: Sequence[int] = (1, 2, 3, 4),
     weights: bool = False,
-    recompute: bool = False,
     seconds: float = 30.0,
     seed: int = 0,
     keep: int = 3,
     progress: Optional[Callable[[float, float], None]] = None,
-    dp: Optional[AllReduceProfile] = None,
 ) -> ChunkSolution:
     """The fastest multi-chunk schedule found within ``seconds``: the screening (at most
     :data:`SCREEN_SHARE` of them, once one schedule fits), then the local search."""
     start = time.perf_counter()
     rng = random.Random(seed)
-    B = minibatch
-    if weights and (profile.layers is None or any(ly.backward_input_ms is None for ly in profile.layers)):
+    profile, B = problem.profile, problem.minibatch
+    if weights and not problem.split:
         raise UmoptError(
             "W ops need the profile's layers with backward_input_ms / backward_weight_ms (profile with --split-backward)"
         )
     screened, evaluated, cut = _screen(
-        profile, B, chunk_counts, weights, recompute, dp, keep, progress, start + SCREEN_SHARE * seconds
+        problem, chunk_counts, weights, keep, progress, start + SCREEN_SHARE * seconds
     )
     screened_count = evaluated
     screened.sort(key=lambda x: x[:2])
@@ -322,7 +318,6 @@ def solve_chunks(
     screened_ms = best[0]
     deadline = start + seconds
     tried: set = set()
-    cuts: dict[Chunking, CostTables] = {}
     while time.perf_counter() < deadline:
         for item in pool:
             ms, _, shape, tables, g, ops = item
@@ -331,11 +326,7 @@ def solve_chunks(
                 if moved is None:
                     continue
                 h, h_shape = g, moved
-                if moved.chunking not in cuts:
-                    cuts[moved.chunking] = CostTables.from_profile(
-                        profile, recompute, dp, chunks=moved.chunking, minibatch=B
-                    )
-                h_tables = cuts[moved.chunking]
+                h_tables = problem.tables(moved.chunking)
             else:
                 h = _mutate(g, tables, rng, profile.max_size)
                 h_shape, h_tables = shape, tables
