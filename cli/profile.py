@@ -140,8 +140,6 @@ def profile(
         raise UmoptError(f"--chunks must be 1-4, got {chunks}")
     if chunks > 1 and dp > 1:
         raise UmoptError("--chunks with --dp is not supported yet")
-    if lengths is not None and chunks > 1:
-        raise UmoptError("--lengths with --chunks is not supported yet (costs by tokens are per stage)")
     if probe_minibatch < 2:
         raise UmoptError(f"--probe-minibatch must be at least 2, got {probe_minibatch}")
     check_writable(output)

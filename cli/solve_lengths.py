@@ -15,7 +15,7 @@ from .app import _ms, _progress_bar, load_solve_profile, out
 
 _FOOTER = (
     "ms: predicted iteration; ktok/s: the minibatch's real tokens (no padding) per second; umopt vs it: "
-    "umopt's plan's speedup over the row; microbatches: per stage (a range where the stages differ); "
+    "umopt's plan's speedup over the row; microbatches: per stage, or per virtual stage with chunks (a range where they differ); "
     "plan ms: the time the method took to plan"
 )
 
@@ -35,6 +35,7 @@ def solve_lengths(
     output: Optional[str],
     plot: Optional[str],
     trace: Optional[str],
+    chunks: int = 1,
 ) -> None:
     import time
 
@@ -53,6 +54,8 @@ def solve_lengths(
         )
     if count == 1 and output is None:
         raise UmoptError("give -o/--output, the schedule file to write")
+    if count > 1 and chunks > 1:
+        raise UmoptError("--chunks plans one minibatch of sequences (--minibatches 1), not a stream yet")
     for path in filter(None, (output, plot, trace)):
         check_writable(path)
     profile = load_solve_profile(profile_path, memory_limit)
@@ -75,20 +78,34 @@ def solve_lengths(
             output,
             plot,
             trace,
+            chunks,
         )
     else:
         _stream(profile, batches, source, budget_ms, recompute, time_limit, allreduce)
 
 
 def _microbatches(plan) -> str:
-    counts = sorted({sum(1 for op in st if op[0] == "F") for st in plan.ops})
+    """F ops per (virtual) stage: one count, or the range where they differ."""
+    per: dict[tuple, int] = {}
+    for r, st in enumerate(plan.ops):
+        for op in st:
+            if op[0] == "F":
+                key = (r, op[3]) if len(op) > 3 else (r,)
+                per[key] = per.get(key, 0) + 1
+    counts = sorted(set(per.values()))
     return str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
 
 
 def _how(plan) -> str:
     k = plan.knobs
     if plan.method.startswith("umopt"):
+        if plan.chunking is not None:
+            return f"{k.get('order', '')} order, {k.get('placement', '')}, {k.get('cut', '')} cut"
         return f"{k.get('order', '')} order, {k.get('family', '')}" + (" + W" if k.get("weights") else "")
+    if plan.chunking is not None:
+        torch_name = str(k.get("order", "")).removeprefix("Schedule")
+        how = f"padded to {plan.layout.pad_to}" if plan.layout.pad_to else f"rows of {plan.layout.row} tokens"
+        return f"{how}, {torch_name} x{k.get('chunks')}"
     if plan.layout.pad_to:
         return f"padded to {plan.layout.pad_to}"
     if plan.layout.row:
@@ -96,13 +113,13 @@ def _how(plan) -> str:
     return k.get("mode", plan.layout.mode) + (f", {k['microbatch_order']}" if "microbatch_order" in k else "")
 
 
-def _one(profile, L, source, budget_ms, recompute, time_limit, seed, dp, output, plot, trace) -> None:
+def _one(profile, L, source, budget_ms, recompute, time_limit, seed, dp, output, plot, trace, chunks) -> None:
     from umopt.formats.schedule import save_schedule
     from umopt.varlen.solve import schedule_of, solve_minibatch
 
     with _progress_bar("plan (lengths)") as bar:
         bar.add_task(f"{len(L)} sequences: fast plan, peers, then the long search", total=None)
-        report = solve_minibatch(profile, L, time_limit, budget_ms, recompute, dp, seed)
+        report = solve_minibatch(profile, L, time_limit, budget_ms, recompute, dp, seed, chunks)
     out.print(
         f"minibatch: {len(L)} sequences from {source}, {int(L.sum()):,} tokens "
         f"(longest {int(L.max()):,}, mean {L.mean():.0f}), {profile.num_stages} stages",
@@ -110,7 +127,9 @@ def _one(profile, L, source, budget_ms, recompute, time_limit, seed, dp, output,
         highlight=False,
     )
     rows = []
-    if report.best is not report.fast:
+    if report.chunked is not None:
+        rows.append((f"umopt, {chunks} chunks per rank", report.chunked))
+    if report.best is not report.fast and report.best is not report.chunked:
         rows.append((f"umopt, searched {report.search_s:.0f} s", report.best))
     rows.append((f"umopt, fast plan ({budget_ms:g} ms)", report.fast))
     rows += [(name, p) for name, p in report.peers.items()]

@@ -369,3 +369,69 @@ def test_umopt_run_refuses_what_a_plan_of_sequences_cannot_do_in_one_line(tmp_pa
         code, out, err = run_cli(["run", *argv], capsys)
         assert code == 2 and said in err and "Traceback" not in err, (argv, err)
         assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("mode", ["packed", "padded"])
+def test_plans_with_several_chunks_per_rank_train_as_one_process(mode):
+    """Each rank holds two chunks (looped: the embedding and the second block on rank 0, the
+    first block and the head on rank 1), planned on the layers' costs by tokens; then torch's best
+    multi-chunk schedule on rows packed equally (the peer), then each virtual stage cut its own
+    way with W ops."""
+    from umopt.chunks import chunking
+    from umopt.schedules.multichunk import ChunkGenes, build_ops
+    from umopt.varlen.chunks import plan_chunks
+
+    profile = synthetic_token_profile(
+        2, blocks=2, max_length=ARGS["seq_len"], max_size=16, layers_per_stage=2
+    )
+    parts, _ = _model()
+    batches = _minibatches(4)
+    on = chunking(profile, 2, "looped")  # the pipeline's layout: every step's plan keeps it
+    planned = [
+        plan_chunks(profile, np.array(L), 2, mode=mode, budget_ms=150, seed=k, on=on)
+        for k, L in enumerate(batches[:2])
+    ]
+    planned.append(PEERS["pack"](profile, np.array(batches[2]), 2, chunks=2, on=on))
+    # and each virtual stage cut its own way by hand, W ops deferred, the samples longest first
+    L = np.array(batches[3])
+    layout = Layout.of_order(np.argsort(L)[::-1], mode)
+    tables = layout.tables(profile, L, chunks=on)
+    genes = ChunkGenes([[3, 7], [5, 5], [2, 3, 5], [10]], [10, 10], weights=True)
+    ops, _ = build_ops(tables, len(L), genes)
+    planned.append(score("hand", profile, L, layout, ops, tables=tables, chunking=on))
+    for p in planned:
+        assert p.chunking is not None and len(p.chunking.ranks) == 4
+    plans = [plan_schedule(p, profile) for p in planned]
+    assert {len(op) for sched in plans for st in sched.stages for op in st.ops} == {4}  # virtual stages named
+    seqs_of = _seqs(parts)
+    own = build_model("gpt", ARGS, seed=0).layers
+    layout = plans[0].layout(profile)
+    modules = {
+        r: [Layers(own[lo:hi]) for (lo, hi), rr in zip(layout.layers, layout.ranks) if rr == r]
+        for r in (0, 1)
+    }
+
+    def rank(comm):
+        r = comm.rank
+        pipe = umopt.Pipeline(
+            modules[r],
+            plans[0],
+            profile=profile,
+            loss_fn=nn.CrossEntropyLoss(),
+            dtype="float32",
+            _comm=comm,
+            select=False,
+        )
+        opt = torch.optim.SGD([p for m in modules[r] for p in m.parameters()], lr=0.1)
+        for step, L in enumerate(batches):
+            seqs = seqs_of(step, L)
+            kw = {"inputs": [x for x, _ in seqs]} if r == 0 else {"targets": [y for _, y in seqs]}
+            pipe.step(plan=plans[step], **kw)
+            opt.step()
+            opt.zero_grad()
+
+    World(2).run(rank)
+    want = _reference(batches, seqs_of)
+    for i, layer in enumerate(own):
+        for k, v in layer.state_dict().items():
+            torch.testing.assert_close(v, want[f"{i}.{k}"], rtol=1e-5, atol=1e-6)

@@ -11,12 +11,12 @@ per-op overhead is added once per op.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from .errors import UmoptError
-from .formats.profile import LinkProfile, Profile, StageProfile
+from .formats.profile import LayerProfile, LinkProfile, Profile, StageProfile, TokenCosts, TokenFit
 
 __all__ = [
     "PLACEMENTS",
@@ -225,11 +225,46 @@ def virtual_stages(profile: Profile, chunks: Chunking) -> tuple[list[StageProfil
                 param_bytes=None if None in params else sum(params),
                 optimizer_ms=rank.optimizer_ms,
                 op_overhead_ms=rank.op_overhead_ms,
+                tokens=token_costs_of(mine),
                 **_work_of(mine),
             )
         )
     links = [_link(profile, a, b) for a, b in zip(chunks.ranks, chunks.ranks[1:])]
     return stages, links
+
+
+def token_costs_of(layers) -> Optional[dict[str, TokenCosts]]:
+    """Consecutive layers' costs by tokens as one stage's, per mode (None unless every layer has
+    them): their fits summed term by term (each term is linear in the chunk's tokens, squares and
+    sequences, so the sum is the fit of the layers run one after another), what they keep summed,
+    the first layer's input and the last one's output, the largest temporaries (one layer runs at
+    a time)."""
+    if not layers or any(ly.tokens is None for ly in layers):
+        return None
+    modes = [m for m in layers[0].tokens if all(m in ly.tokens for ly in layers)]
+
+    def summed(fits) -> Optional[TokenFit]:
+        if any(f is None for f in fits):
+            return None
+        return TokenFit.model_construct(
+            **{k: float(sum(getattr(f, k) for f in fits)) for k in ("a_ms", "b_ms", "c_ms", "d_ms")},
+            residual=None,
+        )
+
+    out = {}
+    for m in modes:
+        costs = [ly.tokens[m] for ly in layers]
+        out[m] = TokenCosts.model_construct(
+            forward=summed([c.forward for c in costs]),
+            backward=summed([c.backward for c in costs]),
+            backward_input=summed([c.backward_input for c in costs]),
+            backward_weight=summed([c.backward_weight for c in costs]),
+            input_bytes_per_token=costs[0].input_bytes_per_token,
+            output_bytes_per_token=costs[-1].output_bytes_per_token,
+            stash_bytes_per_token=sum(c.stash_bytes_per_token for c in costs),
+            work_bytes_per_token=max(c.work_bytes_per_token for c in costs),
+        )
+    return out
 
 
 def stages_from_layers(per_layer: Profile, cuts: Sequence[int]) -> Profile:
@@ -272,29 +307,12 @@ def stages_from_layers(per_layer: Profile, cuts: Sequence[int]) -> Profile:
                 "static_bytes": sum(st.static_bytes for st in mine),
                 "param_bytes": None if None in params else sum(params),
                 "optimizer_ms": round(sum(st.optimizer_ms for st in mine), 6),
+                **({"tokens": token_costs_of(mine)} if mine[0].tokens is not None else {}),
                 **_work_of(mine),
             }
         )
-    layers = [
-        {
-            key: getattr(st, key)
-            for key in (
-                "forward_ms",
-                "backward_ms",
-                "backward_input_ms",
-                "backward_weight_ms",
-                "input_bytes_per_sample",
-                "output_bytes_per_sample",
-                "stash_bytes_per_sample",
-                "static_bytes",
-                "param_bytes",
-                "work_bytes",
-                "work_bytes_per_sample",
-                "optimizer_work_bytes",
-            )
-        }
-        for st in src
-    ]
+    # each layer's entry: what its stage entry says of every field a layer has
+    layers = [{key: getattr(st, key) for key in LayerProfile.model_fields} for st in src]
     if any(st.layers[1] - st.layers[0] != 1 for st in src) or src[0].layers[0] != 0:
         raise UmoptError("the per-layer profile must time every model layer as a stage of its own")
     data = per_layer.model_dump(mode="json")

@@ -439,12 +439,13 @@ def tables_for_samples(
     pad_to: int | None = None,
     recompute: bool = False,
     dp: AllReduceProfile | None = None,
+    chunks: Chunking | None = None,
 ) -> "CostTables":
     """The cost tables of a minibatch's sequences laid out as ``samples`` (see
     :func:`sample_tokens`): rows, and samples padded to one length, cost as packed."""
     tokens, squares, docs = sample_tokens(lengths, samples, row, pad_to)
     mode = "packed" if row is not None or pad_to is not None else mode
-    return tables_for_lengths(profile, tokens, mode, recompute, dp, squares, docs)
+    return tables_for_lengths(profile, tokens, mode, recompute, dp, squares, docs, chunks)
 
 
 def tables_for_lengths(
@@ -455,11 +456,13 @@ def tables_for_lengths(
     dp: AllReduceProfile | None = None,
     squares=None,
     docs=None,
+    chunks: Chunking | None = None,
 ) -> "CostTables":
     """The cost tables of one minibatch of samples of ``lengths`` tokens (in that order: the
     order the chunks cut), from the profile's costs by tokens in ``mode`` (see [Note: costs by
     sample range]); a sample that is a row of packed sequences gives the sum of their squared
-    lengths in ``squares`` and their count in ``docs`` (default: one each). One chunk per rank."""
+    lengths in ``squares`` and their count in ``docs`` (default: one each). With ``chunks``, per
+    virtual stage, from the layers' costs by tokens (:func:`umopt.chunks.virtual_stages`)."""
     info = profile.lengths
     if info is None:
         raise UmoptError(
@@ -475,7 +478,16 @@ def tables_for_lengths(
             f"a sequence of {int(L.max())} tokens is longer than the profile timed ({info.max_length}): "
             "profile with longer sequences, or cap them"
         )
-    stages, links = profile.stages, profile.links
+    if chunks is None:
+        stages, links, ranks = profile.stages, profile.links, None
+    else:
+        stages, links = virtual_stages(profile, chunks)
+        ranks = tuple(chunks.ranks)
+        if any(st.tokens is None or mode not in st.tokens for st in stages):
+            raise UmoptError(
+                f"the profile's layers have no costs by tokens in {mode} mode, so a rank's layers cannot be cut "
+                "into chunks for sequences of different lengths (umopt profile --lengths --chunks)"
+            )
     B = len(L)
     if squares is not None and mode != "packed":
         raise UmoptError("rows of packed sequences are in packed mode")
@@ -504,6 +516,8 @@ def tables_for_lengths(
                 ln.latency_ms + ln.message_overhead_ms + T * c.output_bytes_per_token / ln.bytes_per_ms,
                 0.0,
             )
+            if ln is not None
+            else np.zeros_like(T)  # two virtual stages on one rank: no message
             for ln, c in zip(links, costs)
         ]
     ).reshape(len(links), B + 1, B + 1)
@@ -544,18 +558,21 @@ def tables_for_lengths(
                     ln.latency_ms + ln.message_overhead_ms + Tm * c.output_bytes_per_token / ln.bytes_per_ms,
                     0.0,
                 )
+                if ln is not None
+                else np.zeros(B + 1)
                 for ln, c in zip(links, costs)
             ]
         ).reshape(len(links), B + 1),
-        optimizer_ms=max(st.optimizer_ms for st in stages),
+        optimizer_ms=max(st.optimizer_ms for st in profile.stages),
         recompute=recompute,
         static_bytes=np.array([st.static_bytes for st in stages], dtype=np.int64)
         + buffers
-        + _bucket_bytes(stages, None, dp),
+        + _bucket_bytes(stages, ranks, dp),
         stash_bytes=np.array([int(round(c.stash_bytes_per_token * mean[0])) for c in costs], dtype=np.int64),
         input_bytes=np.array([int(round(c.input_bytes_per_token * mean[0])) for c in costs], dtype=np.int64),
         memory_limit=profile.memory_limit_bytes,
-        allreduce_ms=_allreduce_per_rank(stages, None, dp),
+        allreduce_ms=_allreduce_per_rank(stages, ranks, dp),
+        ranks=ranks,
         bwd_input=_by_size(costs, over, mean, "backward_input", recompute) if split else None,
         bwd_weight=_by_size(costs, over, mean, "backward_weight", False) if split else None,
         op_overhead=over.copy() if split else None,

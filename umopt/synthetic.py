@@ -98,10 +98,20 @@ def synthetic_profile(
 
 def _layers(stages: list[dict], n: int) -> list[dict]:
     """Each stage's entry as ``n`` equal layers (the activations between them as big as the
-    stage's output)."""
+    stage's output), its costs by tokens too where it has them."""
 
     def part(values: list[float]) -> list[float]:
         return [round(x / n, 6) for x in values]
+
+    def tokens_part(costs: dict, k: int) -> dict:
+        inner = costs["output_bytes_per_token"] or costs["input_bytes_per_token"]
+        fits = ("forward", "backward", "backward_input", "backward_weight")
+        return {
+            **{f: {t: v / n for t, v in costs[f].items()} for f in fits if f in costs},
+            "input_bytes_per_token": costs["input_bytes_per_token"] if k == 0 else inner,
+            "output_bytes_per_token": costs["output_bytes_per_token"] if k == n - 1 else inner,
+            "stash_bytes_per_token": costs["stash_bytes_per_token"] // n,
+        }
 
     out = []
     for s, st in enumerate(stages):
@@ -124,6 +134,11 @@ def _layers(stages: list[dict], n: int) -> list[dict]:
                     "stash_bytes_per_sample": st["stash_bytes_per_sample"] // n,
                     "static_bytes": st["static_bytes"] // n,
                     "param_bytes": st["param_bytes"] // n,
+                    **(
+                        {"tokens": {m: tokens_part(c, k) for m, c in st["tokens"].items()}}
+                        if "tokens" in st
+                        else {}
+                    ),
                 }
             )
     return out
@@ -144,6 +159,7 @@ def synthetic_token_profile(
     reference_length: int = 512,
     max_size: int = 64,
     name: str = "gpt-tokens-sim",
+    layers_per_stage: int = 1,
 ) -> Profile:
     """A transformer language model's pipeline costed by tokens (``"type": "sim"``): ``blocks``
     blocks of width ``d_model`` cut over the stages so that the slowest is as fast as it can be
@@ -156,7 +172,9 @@ def synthetic_token_profile(
     the input gradient; the LM head 2 d vocab FLOPs per token. A token's stash is 34 d bytes per
     block (Korthikanti et al.'s count in bfloat16), a message 2 d bytes per token. Packed and
     padded modes share the costs (padded ones count the padding). The tables by sample count,
-    which every profile has, are those of sequences of ``reference_length``."""
+    which every profile has, are those of sequences of ``reference_length``. With
+    ``layers_per_stage`` > 1 each stage is that many equal layers, listed in ``layers`` with their
+    costs by tokens (so a rank's layers can be cut into several chunks)."""
     S = num_stages
     flop_ms = 1.0 / (tflops * 1e9)  # ms per FLOP
     # the blocks cut over the stages as `umopt profile --stages` cuts layers: the slowest stage
@@ -196,7 +214,7 @@ def synthetic_token_profile(
 
         stages.append(
             {
-                "layers": [s, s + 1],
+                "layers": [s * layers_per_stage, (s + 1) * layers_per_stage],
                 "forward_ms": [at(fwd, b) for b in sizes],
                 "backward_ms": [at(bwd, b) for b in sizes],
                 "backward_input_ms": [at(half, b) for b in sizes],
@@ -222,5 +240,6 @@ def synthetic_token_profile(
             "links": [{"latency_ms": latency_ms, "bytes_per_ms": gbps} for _ in range(S - 1)],
             "memory_limit_bytes": memory_limit_bytes,
             "lengths": {"max_length": max_length, "modes": ["packed", "padded"]},
+            **({"layers": _layers(stages, layers_per_stage)} if layers_per_stage > 1 else {}),
         }
     )

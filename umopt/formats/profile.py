@@ -151,6 +151,9 @@ class LayerProfile(_Strict):
     work_bytes: NonNegInt = 0
     work_bytes_per_sample: NonNegInt = 0
     optimizer_work_bytes: NonNegInt = 0
+    # sequences of different lengths: the layer's costs by tokens, per mode (what a virtual stage
+    # of several chunks per rank sums; None: not profiled so)
+    tokens: Optional[dict[Literal["packed", "padded"], TokenCosts]] = None
 
 
 class LinkProfile(_Strict):
@@ -315,6 +318,11 @@ class Profile(_Strict):
                 missing = [m for m in self.lengths.modes if not st.tokens or m not in st.tokens]
                 if missing:
                     raise ValueError(f"stages[{s}] has no costs by tokens for mode {missing[0]}")
+            if self.layers is not None and any(ly.tokens for ly in self.layers):
+                for i, ly in enumerate(self.layers):
+                    missing = [m for m in self.lengths.modes if not ly.tokens or m not in ly.tokens]
+                    if missing:
+                        raise ValueError(f"layers[{i}] has no costs by tokens for mode {missing[0]}")
         if len(self.stages) * sizes[-1] > MAX_CELLS:
             raise ValueError(
                 f"{len(self.stages)} stages x chunk size {sizes[-1]} is over umopt's limit of {MAX_CELLS} cells"

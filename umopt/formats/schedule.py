@@ -161,15 +161,22 @@ class LengthsSpec(_Strict):
     row: Optional[Annotated[int, Field(ge=1)]] = None
     pad_to: Optional[Annotated[int, Field(ge=1)]] = None
 
-    def tables(self, profile: Profile, recompute: bool, dp: Optional[AllReduceProfile]) -> CostTables:
-        """The cost tables of these samples (see costmodel's [Note: costs by sample range])."""
+    def tables(
+        self,
+        profile: Profile,
+        recompute: bool,
+        dp: Optional[AllReduceProfile],
+        chunks: Optional[Chunking] = None,
+    ) -> CostTables:
+        """The cost tables of these samples (see costmodel's [Note: costs by sample range]), per
+        virtual stage with ``chunks``."""
         held = sorted(i for u in self.samples for i in u)
         if self.row is None and held != list(range(len(self.lengths))):
             raise UmoptError("lengths.samples must hold every sequence once")
         if self.row is not None and set(held) != set(range(len(self.lengths))):
             raise UmoptError("lengths.samples must hold every sequence (a long one may span rows)")
         return tables_for_samples(
-            profile, self.lengths, self.samples, self.mode, self.row, self.pad_to, recompute, dp
+            profile, self.lengths, self.samples, self.mode, self.row, self.pad_to, recompute, dp, chunks
         )
 
 
@@ -217,9 +224,7 @@ class Schedule(_Strict):
                 raise UmoptError(
                     f"lengths.samples has {len(self.lengths.samples)} samples but the minibatch is {self.minibatch}"
                 )
-            if self.chunks is not None:
-                raise UmoptError("a plan for sequences of different lengths has one chunk per rank")
-            return self.lengths.tables(profile, self.recompute, self.dp)
+            return self.lengths.tables(profile, self.recompute, self.dp, self.chunking())
         return CostTables.from_profile(profile, self.recompute, self.dp, self.chunking(), self.minibatch)
 
     def candidate_schedule(self, k: int) -> "Schedule":

@@ -85,8 +85,34 @@ def fit_layers(layered: Profile, whole: Profile) -> Profile:
             iqr = key.replace("_ms", "_iqr_ms")
             if iqr in type(st).model_fields:
                 update[iqr] = getattr(timed, iqr)
+        if st.tokens is not None and timed.tokens is not None:
+            _fit_layer_tokens(layers, st.layers, timed.tokens)
+            update["tokens"] = timed.tokens
         stages.append(st.model_copy(update=update))
     return layered.model_copy(update={"stages": stages, "layers": layers})
+
+
+def _fit_layer_tokens(layers: list, span: Sequence[int], whole: dict) -> None:
+    """The costs by tokens of the layers ``span`` (in place) scaled term by term so that they sum
+    to ``whole``'s, their stage's timed whole: as :func:`fit_layers` scales their times (a term the
+    layers alone did not show is shared among them equally)."""
+    lo, hi = span
+    for mode, theirs in whole.items():
+        if any(layers[i].tokens is None or mode not in layers[i].tokens for i in range(lo, hi)):
+            continue
+        for kind in ("forward", "backward", "backward_input", "backward_weight"):
+            target = getattr(theirs, kind)
+            fits = [getattr(layers[i].tokens[mode], kind) for i in range(lo, hi)]
+            if target is None or any(f is None for f in fits):
+                continue
+            new = [{} for _ in fits]
+            for term in ("a_ms", "b_ms", "c_ms", "d_ms"):
+                total, want = sum(getattr(f, term) for f in fits), getattr(target, term)
+                for k, f in enumerate(fits):
+                    new[k][term] = getattr(f, term) * want / total if total > 0 else want / len(fits)
+            for k, i in enumerate(range(lo, hi)):
+                costs = layers[i].tokens[mode].model_copy(update={kind: fits[k].model_copy(update=new[k])})
+                layers[i] = layers[i].model_copy(update={"tokens": {**layers[i].tokens, mode: costs}})
 
 
 def profile_stages(

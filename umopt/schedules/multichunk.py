@@ -74,7 +74,7 @@ def build_ops(tables: CostTables, minibatch: int, genes: ChunkGenes) -> tuple[li
     local = [[j for j in range(S) if tables.rank_of(j) == r] for r in range(R)]
     fr = [sample_ranges(p) for p in genes.fwd]
     br = [sample_ranges(p) for p in (genes.bwd or genes.fwd)]
-    bwd_table = tables.bwd_input if genes.weights else tables.bwd
+    bwd_table = "bwd_input" if genes.weights else "bwd"
     act = [[0.0] * B] + [[_INF] * B for _ in range(S - 1)]
     grad = [[_INF] * B for _ in range(S)]
     fi, bi = [0] * S, [0] * S
@@ -117,7 +117,7 @@ def build_ops(tables: CostTables, minibatch: int, genes: ChunkGenes) -> tuple[li
     def send(direction: str, j: int, lo: int, hi: int, sent: float, dest: list[float]) -> None:
         ch = tables.channel(j, direction)
         start = max(sent, link_free.get(ch, 0.0))
-        end = start + float(tables.link[j, hi - lo])
+        end = start + float(tables.link_ms(j, lo, hi))
         link_free[ch] = end
         dest[lo:hi] = [end] * (hi - lo)
 
@@ -130,13 +130,13 @@ def build_ops(tables: CostTables, minibatch: int, genes: ChunkGenes) -> tuple[li
             lo, hi = fr[j][fi[j]]
             fi[j] += 1
             f_upto[j] = hi
-            dur = float(tables.fwd[j, hi - lo])
+            dur = float(tables.op_ms("fwd", j, lo, hi))
             inflight[r] += hi - lo
             left[r] -= 1
         else:
             lo, hi = br[j][bi[j]]
             bi[j] += 1
-            dur = float(bwd_table[j, hi - lo])
+            dur = float(tables.op_ms(bwd_table, j, lo, hi))
             inflight[r] -= 0 if genes.weights else hi - lo
             left[r] -= 1
         end = start + dur
@@ -187,28 +187,55 @@ def build_ops(tables: CostTables, minibatch: int, genes: ChunkGenes) -> tuple[li
 def equal_genes(
     tables: CostTables, minibatch: int, microbatches: int, *, weights: bool = False, deep: bool = True
 ) -> ChunkGenes:
-    """Equal chunks on every virtual stage and interleaved 1F1B's warm-up as each rank's cap."""
+    """Equal chunks on every virtual stage and interleaved 1F1B's warm-up as each rank's cap. By
+    sequences of different lengths (``tables.ranged``), equal in work instead: each virtual stage
+    cut where its own forward and backward time adds up to equal shares (UMPIPE's per-stage
+    partition), the cap counting samples of the mean size."""
     from .partition import equal_sizes
 
     S, R = tables.num_stages, tables.num_ranks
     sizes = equal_sizes(minibatch, microbatches)
+    parts = [list(sizes) for _ in range(S)]
+    if tables.ranged is not None:
+        parts = [_work_cut(tables, j, minibatch, microbatches) for j in range(S)]
     v = S // R
     per = max(sizes)
     # torch's _get_warmup_ops (multiply_factor 2): (v - 1) rounds of R microbatches + 2 (R - 1 - r)
     caps = [
         min(v * microbatches, (v - 1) * min(R, microbatches) + 2 * (R - 1 - r) + 1) * per for r in range(R)
     ]
-    return ChunkGenes([list(sizes) for _ in range(S)], caps, deep=deep, weights=weights)
+    return ChunkGenes(parts, caps, deep=deep, weights=weights)
+
+
+def _work_cut(tables: CostTables, stage: int, minibatch: int, m: int) -> list[int]:
+    """``m`` chunks of the samples in order, cut where the stage's time on the samples before
+    the cut (its F and B ops on that prefix) reaches each k/m of the whole; every chunk one
+    sample at least."""
+    import numpy as np
+
+    B = minibatch
+    r = tables.ranged
+    prefix = r.fwd[stage][0, : B + 1] + r.bwd[stage][0, : B + 1]
+    ends = np.searchsorted(prefix, prefix[B] * np.arange(1, m) / m)
+    cuts = [0]
+    for k, e in enumerate(ends, start=1):  # at least a sample per chunk, room for the rest
+        cuts.append(int(min(max(e, cuts[-1] + 1), B - (m - k))))
+    cuts.append(B)
+    return [b - a for a, b in zip(cuts, cuts[1:])]
 
 
 def rank_loads(tables: CostTables, minibatch: int, genes: ChunkGenes) -> list[float]:
     """Each rank's compute time under ``genes``: no iteration is shorter than the largest."""
     busy = [0.0] * tables.num_ranks
-    bwd = tables.bwd_input if genes.weights else tables.bwd
+    bwd = "bwd_input" if genes.weights else "bwd"
+
+    def total(table: str, j: int, part) -> float:
+        return sum(float(tables.op_ms(table, j, lo, hi)) for lo, hi in sample_ranges(part))
+
     for j, part in enumerate(genes.fwd):
         r = tables.rank_of(j)
-        busy[r] += sum(float(tables.fwd[j, b]) for b in part)
-        busy[r] += sum(float(bwd[j, b]) for b in (genes.bwd[j] if genes.bwd else part))
+        back = genes.bwd[j] if genes.bwd else part
+        busy[r] += total("fwd", j, part) + total(bwd, j, back)
         if genes.weights:
-            busy[r] += sum(float(tables.bwd_weight[j, b]) for b in (genes.bwd[j] if genes.bwd else part))
+            busy[r] += total("bwd_weight", j, back)
     return busy

@@ -187,15 +187,13 @@ def _same_layout(profile: Profile, name: str, v: int, on: Chunking) -> list[tupl
 
 
 def _busiest_rank_ms(tables: CostTables, minibatch: int, m: int, split: bool) -> float:
-    """No iteration is shorter than its busiest rank's compute (M equal chunks on every stage)."""
-    sizes = equal_sizes(minibatch, m)
+    """No iteration is shorter than its busiest rank's compute (M equal chunks on every stage;
+    by sequences, each chunk its own samples' costs)."""
+    ranges = sample_ranges(equal_sizes(minibatch, m))
     busy = [0.0] * tables.num_ranks
+    kinds = ("fwd", "bwd_input", "bwd_weight") if split else ("fwd", "bwd")
     for j in range(tables.num_stages):
-        if split:
-            per = tables.fwd[j] + tables.bwd_input[j] + tables.bwd_weight[j]
-        else:
-            per = tables.fwd[j] + tables.bwd[j]
-        busy[tables.rank_of(j)] += float(sum(per[b] for b in sizes))
+        busy[tables.rank_of(j)] += sum(float(tables.op_ms(k, j, lo, hi)) for k in kinds for lo, hi in ranges)
     return max(busy) + tables.optimizer_ms
 
 
@@ -238,7 +236,7 @@ def best_peers(
                 _cuts(profile, name, v) if on is None else _same_layout(profile, name, v, on)
             ):
                 tables = problem.tables(ch)  # classes of one placement share their cuts
-                for m in range(max(1, -(-minibatch // profile.max_size)), minibatch + 1):
+                for m in range(max(1, -(-minibatch // problem.max_size)), minibatch + 1):
                     bound = _busiest_rank_ms(tables, minibatch, m, needs_w)
                     # the order of promise: the bound with interleaved 1F1B's fill and drain,
                     # (S - 1) / v of a microbatch's work on a rank, and with fewer microbatches

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from ..costmodel import Chunking, CostTables, Op, Timeline, simulate
+from ..costmodel import Chunking, CostTables, Op, Timeline, simulate, tables_for_lengths
 from ..formats.profile import AllReduceProfile, Profile
 from ..schedules import pipedream_warmup, place_weights
 from ..schedules.family import FREE, GPIPE, family
@@ -85,20 +85,39 @@ class LayoutProblem:
     tables depend on how the layers are cut into virtual stages and placed on the ranks (a
     :class:`umopt.costmodel.Chunking`). Each cut's tables are built once, on first ask, and shared
     by everyone who scores schedules on it (torch's classes, umopt's search, the polish): what
-    :class:`Problem` is to one chunk per rank."""
+    :class:`Problem` is to one chunk per rank. With ``tokens``, a minibatch of sequences of
+    different lengths: sample k's tokens (in the planned order), costed by sample range in
+    ``mode`` (``squares`` and ``docs`` where samples are rows of packed sequences; see
+    :func:`umopt.costmodel.tables_for_lengths`)."""
 
     profile: Profile
     minibatch: int
     recompute: bool = False
     dp: Optional[AllReduceProfile] = None
+    tokens: Optional[np.ndarray] = None
+    mode: str = "packed"
+    squares: Optional[np.ndarray] = None
+    docs: Optional[np.ndarray] = None
     _tables: dict = field(default_factory=dict, repr=False, compare=False)
 
     def tables(self, chunking: Chunking) -> CostTables:
         """The cost tables of the layers cut and placed as ``chunking`` says."""
         if chunking not in self._tables:
-            self._tables[chunking] = CostTables.from_profile(
-                self.profile, self.recompute, self.dp, chunks=chunking, minibatch=self.minibatch
-            )
+            if self.tokens is None:
+                self._tables[chunking] = CostTables.from_profile(
+                    self.profile, self.recompute, self.dp, chunks=chunking, minibatch=self.minibatch
+                )
+            else:
+                self._tables[chunking] = tables_for_lengths(
+                    self.profile,
+                    self.tokens,
+                    self.mode,
+                    self.recompute,
+                    self.dp,
+                    self.squares,
+                    self.docs,
+                    chunks=chunking,
+                )
         return self._tables[chunking]
 
     @property
@@ -107,7 +126,8 @@ class LayoutProblem:
 
     @property
     def max_size(self) -> int:
-        return self.profile.max_size
+        """The largest chunk: the profile's largest size timed (by sequences: any, each range is costed)."""
+        return self.minibatch if self.tokens is not None else self.profile.max_size
 
     @property
     def split(self) -> bool:

@@ -24,7 +24,10 @@ each at the knobs that serve it best, scored by the same cost model as umopt's p
   (summed over stages), microbatches packed with attention masked per sequence, the best count.
 
 Every peer gives the same partition to every stage (that is what these tools run); umopt's
-planner (:mod:`.planner`) gives each stage its own. docs/varlen.md says what was chosen where the
+planner (:mod:`.planner`) gives each stage its own. With several chunks per rank (``chunks``),
+``pad`` and ``pack`` run torch's multi-chunk schedules (interleaved 1F1B, looped BFS, and with a
+split backward the zero-bubble ones) at their best chunk count, microbatch count and cut, as a
+torch user would pick them. docs/varlen.md says what was chosen where the
 descriptions leave room.
 """
 
@@ -36,19 +39,33 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from ..costmodel import Chunking, sample_tokens
 from ..formats.profile import AllReduceProfile, Profile
 from ..schedules.family import GPIPE, ONEF1B
 from ..search.baselines import gpipe_equal, onef1b_equal
-from ..search.problem import Candidate, Problem, pack
+from ..search.peers import best_peers, load_torch_schedules
+from ..search.problem import Candidate, LayoutProblem, Problem, pack
 from .plan import Layout, Plan, score
 
 __all__ = ["PEERS", "pad", "packed_rows", "sort_split", "dynapipe", "wlb"]
 
 
 def _best_equal(
-    method: str, profile: Profile, lengths, layout: Layout, S: int, recompute, dp, **knobs
+    method: str,
+    profile: Profile,
+    lengths,
+    layout: Layout,
+    S: int,
+    recompute,
+    dp,
+    chunks: int = 1,
+    on: Optional[Chunking] = None,
+    **knobs,
 ) -> Optional[Plan]:
-    """The best equal-microbatch schedule (GPipe or 1F1B, every count) of ``layout``."""
+    """The best equal-microbatch schedule (GPipe or 1F1B, every count) of ``layout``; with
+    ``chunks`` > 1, of torch's multi-chunk schedules instead (:func:`_best_torch_multi`)."""
+    if chunks > 1:
+        return _best_torch_multi(method, profile, lengths, layout, chunks, recompute, dp, on, **knobs)
     tables = layout.tables(profile, lengths, recompute, dp)
     problem = Problem(tables, len(layout.units))
     found = [b for b in (gpipe_equal(problem), onef1b_equal(problem)) if b.candidate is not None]
@@ -65,6 +82,49 @@ def _best_equal(
         dp,
         microbatches=best.microbatches,
         order=best.candidate.order,
+        **knobs,
+    )
+
+
+def _best_torch_multi(
+    method: str,
+    profile: Profile,
+    lengths,
+    layout: Layout,
+    chunks: int,
+    recompute,
+    dp,
+    on: Optional[Chunking] = None,
+    **knobs,
+) -> Optional[Plan]:
+    """torch's multi-chunk schedules (interleaved 1F1B, looped BFS; those with W ops need a split
+    backward) on ``layout``'s samples, each at its best chunk count up to ``chunks``, microbatch
+    count and cut (what a torch user would try, :func:`umopt.search.peers.best_peers`; ``on``: that
+    cut and placement only): the fastest within the memory limit."""
+    tokens, squares, docs = sample_tokens(lengths, layout.units, layout.row, layout.pad_to)
+    mode = "packed" if layout.row is not None or layout.pad_to is not None else layout.mode
+    problem = LayoutProblem(
+        profile, len(layout.units), recompute, dp, tokens=tokens, mode=mode, squares=squares, docs=docs
+    )
+    load_torch_schedules()
+    found = [p for p in best_peers(problem, max_chunks=chunks, on=on).values() if p.iteration_ms is not None]
+    if not found:
+        return None
+    best = min(found, key=lambda p: p.iteration_ms)
+    return score(
+        method,
+        profile,
+        lengths,
+        layout,
+        best.ops,
+        recompute,
+        dp,
+        tables=best.tables,
+        chunking=best.chunking,
+        microbatches=best.microbatches,
+        order=best.name,
+        chunks=best.chunks,
+        cut=best.cut,
         **knobs,
     )
 
@@ -105,11 +165,17 @@ def _best_shared(
 
 
 def pad(
-    profile: Profile, lengths, S: int, recompute: bool = False, dp: Optional[AllReduceProfile] = None
+    profile: Profile,
+    lengths,
+    S: int,
+    recompute: bool = False,
+    dp: Optional[AllReduceProfile] = None,
+    chunks: int = 1,
+    on: Optional[Chunking] = None,
 ) -> Optional[Plan]:
     L = np.asarray(lengths)
     layout = Layout(tuple((i,) for i in range(len(L))), "packed", pad_to=int(L.max()))
-    return _best_equal("pad", profile, L, layout, S, recompute, dp, padded_to=int(L.max()))
+    return _best_equal("pad", profile, L, layout, S, recompute, dp, chunks, on, padded_to=int(L.max()))
 
 
 def _rows(L: np.ndarray, row: int) -> tuple[tuple[int, ...], ...]:
@@ -143,6 +209,8 @@ def packed_rows(
     dp: Optional[AllReduceProfile] = None,
     rows: Optional[Sequence[int]] = None,
     split: bool = False,
+    chunks: int = 1,
+    on: Optional[Chunking] = None,
 ) -> Optional[Plan]:
     """``rows``: the row lengths to try (default: three powers of two from the longest
     sequence's up, within the profile's longest; with ``split``, also a half and a quarter of
@@ -167,6 +235,8 @@ def packed_rows(
             S,
             recompute,
             dp,
+            chunks,
+            on,
             row=int(r),
             rows=len(layout.units),
         )

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..costmodel import CostTables, Op, Timeline, simulate, tables_for_samples
+from ..costmodel import Chunking, CostTables, Op, Timeline, simulate, tables_for_samples
 from ..formats.profile import AllReduceProfile, Profile
 
 __all__ = ["Layout", "Plan", "score"]
@@ -50,9 +50,10 @@ class Layout:
         lengths: np.ndarray,
         recompute: bool = False,
         dp: Optional[AllReduceProfile] = None,
+        chunks: Optional[Chunking] = None,
     ) -> CostTables:
         return tables_for_samples(
-            profile, lengths, self.units, self.mode, self.row, self.pad_to, recompute, dp
+            profile, lengths, self.units, self.mode, self.row, self.pad_to, recompute, dp, chunks
         )
 
 
@@ -71,6 +72,8 @@ class Plan:
     planning_ms: float = 0.0
     knobs: dict = field(default_factory=dict)  # what the method chose (microbatches, order, row length)
     predicted_ms: Optional[float] = None  # as the planner's evaluator scored it (None: not yet)
+    # several chunks per rank: each virtual stage's layers and rank (None: one chunk per rank)
+    chunking: Optional[Chunking] = None
     _timeline: Optional[Timeline] = field(default=None, repr=False)
 
     @property
@@ -98,12 +101,14 @@ def score(
     dp: Optional[AllReduceProfile] = None,
     tables: Optional[CostTables] = None,
     predicted_ms: Optional[float] = None,
+    chunking: Optional[Chunking] = None,
     **knobs,
 ) -> Plan:
-    """``ops`` on ``layout`` (its cost tables given, or built), played by the reference simulator
-    (or, given ``predicted_ms``, when first asked)."""
+    """``ops`` on ``layout`` (its cost tables given, or built; per virtual stage with
+    ``chunking``), played by the reference simulator (or, given ``predicted_ms``, when first
+    asked)."""
     if tables is None:
-        tables = layout.tables(profile, lengths, recompute, dp)
+        tables = layout.tables(profile, lengths, recompute, dp, chunking)
     plan = Plan(
         method,
         layout,
@@ -113,6 +118,7 @@ def score(
         np.asarray(lengths),
         knobs=knobs,
         predicted_ms=predicted_ms,
+        chunking=chunking,
     )
     if predicted_ms is None:
         plan.timeline  # noqa: B018 - played now

@@ -311,7 +311,7 @@ def _counts(B: int, S: int, coarse: bool) -> list[int]:
     return sorted(out | {B})
 
 
-def _stage_weights(profile: Profile, mode: str, lengths: np.ndarray) -> np.ndarray:
+def stage_weights(profile: Profile, mode: str, lengths: np.ndarray) -> np.ndarray:
     """(S, B): each sequence's forward and backward work on each stage (b L + c L^2 + d)."""
     L = lengths.astype(float)
     rows = []
@@ -339,7 +339,7 @@ def plan(
     t0 = time.perf_counter()
     L = np.asarray(lengths)
     kn = previous.knobs if previous is not None else {}
-    ways = [(m, how) for how in orders for m in ([mode] if mode else _modes(profile))]
+    ways = [(m, how) for how in orders for m in ([mode] if mode else modes_of(profile))]
     warm_start = kn.get("count") is not None and (kn.get("mode"), kn.get("order")) in ways
     best = _screen_orders(profile, L, recompute, dp, ways, kn if warm_start else None, budget_ms, t0)
     if best[1] is None and warm_start:  # the last step's knobs fit none of this minibatch's plans
@@ -377,7 +377,7 @@ def plan(
     return out
 
 
-def _modes(profile: Profile) -> list[str]:
+def modes_of(profile: Profile) -> list[str]:
     if profile.lengths is None:
         raise UmoptError(
             "the profile has no costs by tokens (profile with --lengths, or a variable-length sim profile)"
@@ -430,10 +430,10 @@ def _screen_orders(profile, L, recompute, dp, ways, kn: Optional[dict], budget_m
         tried = [(way, every) for way in ways]
     best: tuple = (np.inf, None, None, None, "")
     for n, ((mode, how), knobs) in enumerate(tried):
-        order = order_of(L, how, _stage_weights(profile, mode, L).sum(axis=0), groups=2 * S)
+        order = order_of(L, how, stage_weights(profile, mode, L).sum(axis=0), groups=2 * S)
         layout = Layout.of_order(order, mode)
         problem = Problem(layout.tables(profile, L, recompute, dp), B)
-        weights = _stage_weights(profile, mode, L[order])
+        weights = stage_weights(profile, mode, L[order])
         ratio = weights.sum(axis=1).max() / np.maximum(weights.sum(axis=1), 1e-12)
         counts = {m for m, _, _ in knobs} | {
             int(np.clip(round(m * r**sl), 1, B)) for m, _, sl in knobs if sl is not None for r in ratio

@@ -4,7 +4,9 @@ them planned step after step (tokens per second), each beside what people run.
 One minibatch: umopt's fast plan (what a training step would use), the long search from it for
 what is left of the time limit, and every peer at its best knobs (:mod:`.peers`); the schedule
 file holds the best of umopt's plans, with the sequences each sample holds (``lengths``) and the
-peers as its baselines. A stream: every minibatch planned warm-started from the one before, as
+peers as its baselines. With several chunks per rank, umopt's multi-chunk plan
+(:func:`.chunks.plan_chunks`) takes half of the search's time and competes with the one-chunk
+plans, and padding and packing run torch's multi-chunk schedules too. A stream: every minibatch planned warm-started from the one before, as
 in training, with the peers beside it, until the stream or the time limit ends.
 """
 
@@ -19,7 +21,8 @@ import numpy as np
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import LengthsSpec, Schedule, make_schedule
-from .peers import PEERS, timed
+from .chunks import plan_chunks
+from .peers import PEERS, packed_rows, pad, timed
 from .plan import Plan
 from .planner import plan, search
 
@@ -43,6 +46,9 @@ class MinibatchReport:
     best: Plan  # the better of the fast plan and the long search's
     peers: dict[str, Optional[Plan]]  # None: does not fit the memory limit
     search_s: float  # seconds the long search ran (0: none)
+    chunked: Optional[Plan] = (
+        None  # umopt's plan with several chunks per rank (None: not asked, or none fits)
+    )
 
 
 def _check(profile: Profile, lengths: np.ndarray) -> None:
@@ -65,15 +71,30 @@ def solve_minibatch(
     recompute: bool = False,
     dp: Optional[AllReduceProfile] = None,
     seed: int = 0,
+    chunks: int = 1,
 ) -> MinibatchReport:
-    """One minibatch (see the module docstring), within ``time_limit`` seconds."""
+    """One minibatch (see the module docstring), within ``time_limit`` seconds; with ``chunks``,
+    up to that many chunks per rank."""
     t0 = time.perf_counter()
     L = np.asarray(lengths, dtype=np.int64)
     _check(profile, L)
     S = profile.num_stages
     fast = plan(profile, L, budget_ms=budget_ms, recompute=recompute, dp=dp, seed=seed)
     peers = {name: timed(fn, profile, L, S, recompute, dp) for name, fn in PEERS.items()}
+    if chunks > 1:
+        for name, fn in (("pad", pad), ("pack", packed_rows)):
+            peers[f"{name}, torch x{chunks}"] = timed(fn, profile, L, S, recompute, dp, chunks=chunks)
     left = time_limit - (time.perf_counter() - t0) - _MARGIN_S
+    chunked = None
+    if chunks > 1:
+        share = max(0.2, left / 2)
+        try:
+            chunked = plan_chunks(
+                profile, L, chunks, recompute=recompute, dp=dp, budget_ms=1e3 * share, seed=seed
+            )
+        except UmoptError:  # none within the memory limit: the one-chunk plans still compete
+            pass
+        left = time_limit - (time.perf_counter() - t0) - _MARGIN_S
     best, ran = fast, 0.0
     if left > 0.5:
         t = time.perf_counter()
@@ -81,7 +102,9 @@ def solve_minibatch(
         ran = time.perf_counter() - t
         if best is not fast:
             best.planning_ms = fast.planning_ms + 1e3 * ran
-    return MinibatchReport(L, fast, best, peers, ran)
+    if chunked is not None and chunked.iteration_ms < best.iteration_ms:
+        best = chunked
+    return MinibatchReport(L, fast, best, peers, ran, chunked)
 
 
 def schedule_of(report: MinibatchReport, profile: Profile, recompute: bool, dp) -> Schedule:
@@ -123,6 +146,8 @@ def plan_schedule(
         },
         baselines or {},
         dp,
+        chunks=p.chunking,
+        placement=p.knobs.get("placement", "custom"),
     )
     spec = LengthsSpec(
         mode=p.layout.mode,

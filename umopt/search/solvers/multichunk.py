@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from ...chunks import balanced_cut, chunking, stage_cut
+from ...chunks import balanced_cut, chunking, placement, stage_cut
 from ...costmodel import Chunking, ChunkOp, CostTables, OpKind, rank_peak_memory
 from ...errors import UmoptError
 from ...formats.profile import Profile
@@ -80,6 +80,15 @@ def shapes(
             f"no cut of the profile's {profile.num_layers} layers gives {', '.join(map(str, chunk_counts))} chunks per rank"
         )
     return out
+
+
+def given_shape(profile: Profile, chunking: Chunking) -> ChunkShape:
+    """A given cut and placement as a shape (its placement named where it is one of umopt's)."""
+    v = len(chunking.ranks) // profile.num_stages
+    for place in ("looped", "vshape"):
+        if tuple(chunking.ranks) == tuple(placement(place, profile.num_stages, v)):
+            return ChunkShape(v, place, "given", chunking)
+    return ChunkShape(v, "custom", "given", chunking)
 
 
 def _fits(tables: CostTables, ops: list[list[ChunkOp]]) -> bool:
@@ -210,6 +219,7 @@ def _screen(
     keep: int,
     progress: Optional[Callable[[float, float], None]],
     until: float,
+    on: Optional[Chunking] = None,
 ) -> tuple[list[tuple[float, int, ChunkShape, CostTables, ChunkGenes, list]], int, bool]:
     """Equal schedules of every shape and M, the most promising first: (shape, M) pairs in order
     of their busiest rank's load (no schedule of them is faster), while within 2% of the best
@@ -219,14 +229,20 @@ def _screen(
     screened: list[tuple[float, int, ChunkShape, CostTables, ChunkGenes, list]] = []
     evaluated = 0
     best_ms = float("inf")
-    all_shapes = shapes(profile, chunk_counts)
+    all_shapes = shapes(profile, chunk_counts) if on is None else [given_shape(profile, on)]
     tables = []
-    pairs = []  # (the pair's lower bound, M, shape's index)
+    pairs = []  # (the order of promise, the pair's lower bound, M, shape's index)
     for n, shape in enumerate(all_shapes):
         tables.append(problem.tables(shape.chunking))
-        for m in range(max(1, -(-B // profile.max_size)), B + 1):
+        R = tables[n].num_ranks
+        for m in range(max(1, -(-B // problem.max_size)), B + 1):
             g = equal_genes(tables[n], B, m, weights=weights)
-            pairs.append((max(rank_loads(tables[n], B, g)) + tables[n].optimizer_ms, m, n))
+            low = max(rank_loads(tables[n], B, g)) + tables[n].optimizer_ms
+            # by sequences a plan has milliseconds, not seconds, to screen: the bound with the
+            # fill and drain (R - 1 of a rank's V/R x M op slots) orders them, which the bound
+            # alone, lowest for the fewest chunks, does not
+            promise = low * (1 + (R - 1) / (shape.chunks * m)) if problem.tokens is not None else low
+            pairs.append((promise, low, m, n))
         if time.perf_counter() > until and n >= 1:
             break  # the rest of the shapes are not screened at all
     pairs.sort()
@@ -251,8 +267,8 @@ def _screen(
     cut = shapes_seen < len(all_shapes)
     # a shape whose M chunks fit in none of their variants: fewer, larger chunks hold more
     too_big: dict[int, int] = {}
-    for i, (low, m, n) in enumerate(pairs):
-        if low >= best_ms * 1.02 and len(screened) >= keep:
+    for i, (promise, low, m, n) in enumerate(pairs):
+        if promise >= best_ms * 1.02 and len(screened) >= keep:
             break
         if m <= too_big.get(n, 0):
             continue
@@ -265,13 +281,13 @@ def _screen(
             progress(0.3 * min(1.0, i / len(pairs)), best_ms)
     # each shape's own-M variants, the most promising shapes first
     first_low = {}
-    for low, _, n in pairs:
-        first_low.setdefault(n, low)
+    for promise, _, _, n in pairs:
+        first_low.setdefault(n, promise)
     for n in sorted(first_low, key=first_low.get):
         if out_of_time():
             cut = True
             break
-        add(_own_m_variants(tables[n], B, weights, profile.max_size), n)
+        add(_own_m_variants(tables[n], B, weights, problem.max_size), n)
     if not screened:
         raise UmoptError("no schedule with several chunks per rank fits the memory limit")
     return screened, evaluated, cut
@@ -289,18 +305,20 @@ def solve_chunks(
     seed: int = 0,
     keep: int = 3,
     progress: Optional[Callable[[float, float], None]] = None,
+    on: Optional[Chunking] = None,
 ) -> ChunkSolution:
     """The fastest multi-chunk schedule found within ``seconds``: the screening (at most
-    :data:`SCREEN_SHARE` of them, once one schedule fits), then the local search."""
+    :data:`SCREEN_SHARE` of them, once one schedule fits), then the local search. ``on``: that
+    cut and placement only (the layers a running pipeline's modules hold), no layer moves."""
     start = time.perf_counter()
     rng = random.Random(seed)
-    profile, B = problem.profile, problem.minibatch
+    B = problem.minibatch
     if weights and not problem.split:
         raise UmoptError(
             "W ops need the profile's layers with backward_input_ms / backward_weight_ms (profile with --split-backward)"
         )
     screened, evaluated, cut = _screen(
-        problem, chunk_counts, weights, keep, progress, start + SCREEN_SHARE * seconds
+        problem, chunk_counts, weights, keep, progress, start + SCREEN_SHARE * seconds, on
     )
     screened_count = evaluated
     screened.sort(key=lambda x: x[:2])
@@ -321,14 +339,14 @@ def solve_chunks(
     while time.perf_counter() < deadline:
         for item in pool:
             ms, _, shape, tables, g, ops = item
-            if rng.random() < LAYER_MOVES:  # [Note: layer moves]
+            if rng.random() < LAYER_MOVES and on is None:  # [Note: layer moves]
                 moved = _move_layer(shape, rng)
                 if moved is None:
                     continue
                 h, h_shape = g, moved
                 h_tables = problem.tables(moved.chunking)
             else:
-                h = _mutate(g, tables, rng, profile.max_size)
+                h = _mutate(g, tables, rng, problem.max_size)
                 h_shape, h_tables = shape, tables
             if h is None or (h_shape, h.signature()) in tried:
                 continue

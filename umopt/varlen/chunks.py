@@ -1,0 +1,108 @@
+"""umopt's plan for a minibatch of sequences of different lengths with several chunks per rank.
+
+Each rank's layers are cut into chunks (virtual stages, looped or V-shaped), and every virtual
+stage gets its own partition of the minibatch's samples, costed by sample range on the layers'
+costs by tokens. The planner orders the sequences as the one-chunk planner does
+(:func:`umopt.varlen.planner.order_of`: each order way of :data:`umopt.varlen.planner.ORDERS`, in
+each mode), then runs the multi-chunk search of ``umopt solve --chunks``
+(:func:`umopt.search.solvers.multichunk.solve_chunks`: equal partitions of every shape and count
+screened, then per-virtual-stage moves and layer moves, the ranks' orders built by list
+scheduling) on those costs, each way an equal share of the budget; the fastest within the memory
+limit is the plan.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..costmodel import Chunking
+from ..errors import UmoptError
+from ..formats.profile import AllReduceProfile, Profile
+from ..search.problem import LayoutProblem
+from ..search.solvers.multichunk import solve_chunks
+from .plan import Layout, Plan, score
+from .planner import ORDERS, modes_of, order_of, stage_weights
+
+__all__ = ["plan_chunks"]
+
+
+def plan_chunks(
+    profile: Profile,
+    lengths,
+    chunks: int,
+    mode: Optional[str] = None,
+    recompute: bool = False,
+    dp: Optional[AllReduceProfile] = None,
+    budget_ms: float = 200.0,
+    orders: Sequence[str] = ORDERS,
+    seed: int = 0,
+    on: Optional[Chunking] = None,
+    weights: Optional[bool] = None,
+) -> Plan:
+    """umopt's plan of ``lengths`` with ``chunks`` chunks per rank, within about ``budget_ms``
+    (see the module docstring); ``mode``: "packed" or "padded" (default: each of the profile's);
+    ``on``: that cut and placement only (a running pipeline's, whose modules hold its layers);
+    ``weights``: W ops (the backward split, zero bubble), by default where the layers' costs by
+    tokens have the split."""
+    t0 = time.perf_counter()
+    L = np.asarray(lengths, dtype=np.int64)
+    S, B = profile.num_stages, len(L)
+    if profile.layers is None:
+        raise UmoptError(
+            "the profile has no per-layer entries, so a rank's layers cannot be cut into chunks "
+            "(umopt profile --lengths --chunks)"
+        )
+    ways = [(m, how) for how in orders for m in ([mode] if mode else modes_of(profile))]
+    if weights is None:
+        weights = all(
+            ly.backward_input_ms is not None
+            and ly.tokens is not None
+            and all(c.backward_input is not None for c in ly.tokens.values())
+            for ly in profile.layers
+        )
+    best = None
+    for n, (m, how) in enumerate(ways):
+        left = budget_ms / 1e3 - (time.perf_counter() - t0)
+        order = order_of(L, how, stage_weights(profile, m, L).sum(axis=0), groups=2 * S)
+        problem = LayoutProblem(profile, B, recompute, dp, tokens=L[order], mode=m)
+        try:
+            sol = solve_chunks(
+                problem,
+                chunk_counts=(chunks,),
+                seconds=max(0.0, left / (len(ways) - n)),
+                seed=seed,
+                on=on,
+                weights=weights,
+            )
+        except UmoptError:  # no schedule of this way within the memory limit: the others may
+            continue
+        if best is None or sol.iteration_ms < best[0].iteration_ms:
+            best = (sol, Layout.of_order(order, m), how)
+    if best is None:
+        raise UmoptError(
+            "no plan fits the memory limit: fewer or shorter sequences per minibatch, or --recompute"
+        )
+    sol, layout, how = best
+    out = score(
+        "umopt",
+        profile,
+        L,
+        layout,
+        sol.ops,
+        recompute,
+        dp,
+        tables=sol.tables,
+        predicted_ms=sol.iteration_ms,
+        chunking=sol.shape.chunking,
+        mode=layout.mode,
+        order=how,
+        chunks=chunks,
+        placement=sol.shape.placement,
+        cut=sol.shape.cut,
+        counts=sorted({len(p) for p in sol.genes.fwd}),
+    )
+    out.planning_ms = (time.perf_counter() - t0) * 1e3
+    return out
