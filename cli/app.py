@@ -207,6 +207,29 @@ def _progress_bar(label: str):
     )
 
 
+_STARTED: list[Optional[float]] = [None]  # set by main() for a command run as its own process
+
+
+def command_start() -> float:
+    """Where a ``--time-limit`` counts from: the process's start where the command is the
+    process (the interpreter's start and the imports included, as the user's clock sees them),
+    else now."""
+    return time.perf_counter() if _STARTED[0] is None else _STARTED[0]
+
+
+def _process_start() -> Optional[float]:
+    """The ``time.perf_counter()`` at which this process started, where the system says (Linux)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start, in clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+    return time.perf_counter() - age if 0.0 <= age < 30.0 else None
+
+
 def _ms(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -261,6 +284,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         args = list(sys.argv[1:] if argv is None else argv)
+        _STARTED[0] = _process_start() if argv is None else None
         cli.main(args=args, prog_name="umopt", standalone_mode=False, obj={"argv": ["umopt", *args]})
     except UmoptError as exc:
         err.print(f"umopt: error: {exc}", markup=False, highlight=False, soft_wrap=True)

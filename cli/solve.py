@@ -11,7 +11,7 @@ from rich.table import Table
 
 from umopt.errors import UmoptError
 
-from .app import BYTES, _ms, _progress_bar, cli, load_solve_profile, out
+from .app import BYTES, _ms, _progress_bar, cli, command_start, load_solve_profile, out
 
 # the least --time-limit a solve with --chunks keeps (see the check below)
 CHUNKS_MIN_TIME_LIMIT = 5.0
@@ -125,7 +125,9 @@ def solve(
     trace,
 ) -> None:
     """Search unequal per-stage partitions for PROFILE (a path or a bundled profile's name)."""
-    started = time.perf_counter()  # the time limit covers the whole command
+    started = command_start()  # the time limit covers the whole command
+    if not (0 < time_limit < math.inf):  # also NaN; checked before what is left of it is computed
+        raise UmoptError(f"--time-limit must be a positive number of seconds, got {time_limit}")
     from umopt.search.solve_chunks import parse_chunks
 
     chunk_counts = parse_chunks(chunks)
@@ -191,7 +193,7 @@ def solve(
             minibatch,
             recompute=recompute,
             solver=solver,
-            time_limit=time_limit,
+            time_limit=max(0.5, time_limit - (time.perf_counter() - started)),  # what is left of it
             seed=seed,
             progress=progress,
             order=order,
@@ -229,16 +231,14 @@ def solve(
 def _print_next(schedule, output: str) -> None:
     """The next step: where the file has candidates, what selection measures and the steps it needs
     ([Note: selection while training])."""
-    from umopt.run.options import RunOptions
-    from umopt.run.selection import SELECT_MOST, selection_steps_needed
+    from umopt.run.steps import RUN_STEPS, RUN_WARMUP, SELECT_MOST, selection_steps_needed
 
     n = 1 + len(schedule.candidates)
     if n == 1:
         out.print(f"next: umopt run {output}", markup=False, highlight=False)
         return
     need = selection_steps_needed(n)
-    warmup = RunOptions.model_fields["warmup"].default
-    steps = max(RunOptions.model_fields["steps"].default, math.ceil(need / SELECT_MOST) - warmup)
+    steps = max(RUN_STEPS, math.ceil(need / SELECT_MOST) - RUN_WARMUP)
     rivals = " and ".join(f"{c.name} ({c.predicted_iteration_ms:.2f} ms)" for c in schedule.candidates)
     out.print(
         f"next: umopt run {output} --steps {steps}: its first {need} steps measure the pick beside {rivals} "

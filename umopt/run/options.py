@@ -32,6 +32,7 @@ from ..varlen.ahead import METHODS
 from ..varlen.samplers import minibatch_of_step
 from ..zoo import build_model, import_object
 from .checkpoint import MANIFEST, read_manifest
+from .steps import RUN_STEPS, RUN_WARMUP
 
 __all__ = ["RunOptions", "RunConfig", "preflight", "data_function", "lengths_spec"]
 
@@ -45,8 +46,8 @@ class RunOptions(BaseModel):
 
     schedules: list[str]
     profile: Optional[str] = None
-    steps: int = 40
-    warmup: int = 2
+    steps: int = RUN_STEPS
+    warmup: int = RUN_WARMUP
     rounds: int = 1
     decide: Optional[float] = None
     budget: float = 120.0

@@ -21,6 +21,15 @@ from ..formats.schedule import Schedule
 from ..measure.decide import Decision, compare, decide, is_equal
 from .comm import Comm
 from .player import StepTimer
+from .steps import (
+    MIN_SELECT_ROUNDS,
+    SELECT_MAX_STEPS,
+    SELECT_MOST,
+    SELECT_SHARE,
+    TURN_STEPS,
+    select_budget,
+    selection_steps_needed,
+)
 
 
 class TurnTaker(Protocol):
@@ -80,40 +89,8 @@ class Turn(Protocol):
 # and tells the others, so no rank can go on with another schedule than its neighbours or its
 # replicas. Only one schedule's activations are alive at a time (a step ends with its
 # backwards); the candidates share receive buffers, and the losers are let go at the decision.
-MIN_SELECT_ROUNDS = 3
-# steps in a turn: the first follows another schedule's step (other memory to allocate, other
-# messages in flight; docs/results.md, "Selection while training") and is not measured; the
-# second is
-TURN_STEPS = 2
-SELECT_SHARE = 0.25  # of the run's steps, by default, and at most SELECT_MAX_STEPS...
-SELECT_MAX_STEPS = 60
-SELECT_MOST = 0.5  # ...but at least what MIN_SELECT_ROUNDS rounds need, up to this share of the run
 SELECT_CONFIDENCE = 0.95
 SELECT_COST = 0.03  # of the run's time at the fastest schedule's pace: measuring stops there
-
-
-def selection_steps_needed(n: int) -> int:
-    """Steps that measure ``n`` schedules over MIN_SELECT_ROUNDS rounds, after a first round."""
-    return n + MIN_SELECT_ROUNDS * TURN_STEPS * n
-
-
-def select_budget(run_steps: Optional[int], select_steps: Optional[int], n: int) -> int:
-    """Steps that may be spent on ``n`` schedules in turns, the first round's included (0: too
-    few for a decision).
-
-    Given ``select_steps``, that many (within the run); else a quarter of the run (at most
-    SELECT_MAX_STEPS), raised to what MIN_SELECT_ROUNDS rounds need where that is at most half of
-    the run; without a known run, SELECT_MAX_STEPS."""
-    need = selection_steps_needed(n)
-    if select_steps is not None:
-        budget = select_steps if run_steps is None else min(select_steps, run_steps)
-    elif run_steps is None:
-        budget = max(SELECT_MAX_STEPS, need)
-    else:
-        budget = min(SELECT_MAX_STEPS, int(SELECT_SHARE * run_steps))
-        if budget < need <= SELECT_MOST * run_steps:
-            budget = need
-    return budget if budget >= need else 0
 
 
 def decide_turns(turns: Sequence[Turn]) -> Decision:
