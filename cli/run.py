@@ -227,8 +227,13 @@ def _print_lengths(reports: list[RunReport]) -> None:
     """Steps of sequences of different lengths, each planned by its method: tokens per second."""
     first = reports[0]
     umopt = next((r for r in reports if r.lengths.method == "umopt"), None)
+    ranks = (
+        f"{first.stages} stages"
+        if not first.chunks
+        else (f"{first.stages} ranks x {len(first.chunks['ranks']) // max(1, first.stages or 1)} chunks")
+    )
     table = Table(
-        title=f"{first.stages} stages x {first.dp}, {first.backend}: sequences of different lengths "
+        title=f"{ranks} x {first.dp}, {first.backend}: sequences of different lengths "
         f"({first.lengths.data}), {first.rounds} rounds, {first.steps} measured steps each"
     )
     table.add_column("method", no_wrap=True)

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from umopt.cli import main
 
-from umopt.costmodel import simulate, tables_for_samples
+from umopt.chunks import chunking
+from umopt.costmodel import simulate, tables_for_lengths, tables_for_samples
 from umopt.errors import UmoptError
-from umopt.formats.profile import load_profile
+from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import load_schedule, validate_ops
 from umopt.synthetic import synthetic_token_profile
 from umopt.varlen.peers import PEERS
@@ -248,3 +249,44 @@ def test_bundled_token_profiles_load():
     for name, S in (("gpt-tokens-sim", 4), ("gpt-tokens8-sim", 8)):
         p = load_profile(name)
         assert p.num_stages == S and p.lengths is not None and p.device.type == "sim"
+
+
+def test_a_virtual_stage_costs_what_its_layers_do_and_shares_no_link_with_its_rank():
+    """Layers carry costs by tokens; a virtual stage sums its layers' (terms add up), a rank's
+    chunks together cost what its one-chunk stage does (each op its own fixed part), and two
+    virtual stages on one rank (V-shaped) hand off without a message."""
+    prof = synthetic_token_profile(2, blocks=4, max_length=4096, layers_per_stage=2)
+    L = np.random.default_rng(3).integers(16, 4096, 12)
+    one = tables_for_lengths(prof, L, "packed")
+    looped = tables_for_lengths(prof, L, "packed", chunks=chunking(prof, 2, "looped"))
+    assert looped.ranks == (0, 1, 0, 1) and looped.num_ranks == 2
+    lo, hi = np.triu_indices(len(L) + 1, 1)
+    for j in range(4):
+        for table in ("fwd", "bwd", "bwd_input", "bwd_weight"):
+            np.testing.assert_allclose(looped.op_ms(table, j, lo, hi), one.op_ms(table, j // 2, lo, hi) / 2)
+    np.testing.assert_allclose(looped.link_ms(1, lo, hi), one.link_ms(0, lo, hi))  # the same activations
+    vshape = tables_for_lengths(prof, L, "padded", chunks=chunking(prof, 2, "vshape"))
+    assert vshape.ranks == (0, 1, 1, 0) and not vshape.link_ms(1, lo, hi).any()
+    layered = prof.model_copy(
+        update={"layers": [ly.model_copy(update={"tokens": None}) for ly in prof.layers]}
+    )
+    with pytest.raises(UmoptError, match="no costs by tokens in packed mode"):
+        tables_for_lengths(layered, L, "packed", chunks=chunking(prof, 2, "looped"))
+
+
+def test_solve_lengths_with_chunks_plans_per_virtual_stage_against_torchs_multi_chunk_schedules(
+    tmp_path, capsys
+):
+    path, sched = tmp_path / "p.json", tmp_path / "plan.json"
+    save_profile(synthetic_token_profile(4, blocks=8, max_length=4096, layers_per_stage=2), path)
+    argv = ["solve", str(path), "-B", "24", "--lengths", "chat", "--chunks", "2", "--time-limit", "4"]
+    code, out, err = _run([*argv, "-o", str(sched)], capsys)
+    assert code == 0, err
+    for row in ("umopt, 2 chunks", "pad, torch x2", "pack, torch x2", "dynapipe"):
+        assert row in out
+    s = load_schedule(str(sched))
+    assert s.lengths is not None and set(s.baselines) >= set(PEERS) | {"pack, torch x2"}
+    if s.chunks is not None:  # umopt's multi-chunk plan won: each virtual stage its own chunks
+        assert len(s.chunks.ranks) == 8 and all(len(op) == 4 for st in s.stages for op in st.ops)
+    code, _, err = _run([*argv[:-4], "--chunks", "auto", "-o", str(sched)], capsys)
+    assert code == 2 and "takes no --chunks auto" in err

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from ..costmodel import Chunking
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule
@@ -102,9 +103,11 @@ class SequenceFeed:
         recompute: bool,
         allreduce: Optional[AllReduceProfile],
         methods: tuple[str, ...] = (),
+        on: Optional[Chunking] = None,
     ):
         self.source, self.asked, self.dp, self.replica = source, asked, dp, replica
         self.profile, self.recompute, self.allreduce = profile, recompute, allreduce
+        self.on = on  # the pipeline's layout where ranks hold several chunks: every plan keeps it
         self.methods = methods
         self._steps: dict[int, Sequences] = {}
         self._ahead: dict[str, PlanAhead] = {}
@@ -145,7 +148,7 @@ class SequenceFeed:
             return
         if method not in self._ahead:
             self._ahead[method] = PlanAhead(
-                self.profile, recompute=self.recompute, dp=self.allreduce, method=method
+                self.profile, recompute=self.recompute, dp=self.allreduce, method=method, on=self.on
             )
         self._ahead[method].submit(self.lengths(step))
         self._queued[method].append(step)

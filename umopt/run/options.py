@@ -28,7 +28,7 @@ from ..formats.schedule import (
     require_pick_layout,
 )
 from ..measure.decide import is_equal
-from ..varlen.ahead import METHODS
+from ..varlen.ahead import CHUNKED_METHODS, METHODS
 from ..varlen.samplers import minibatch_of_step
 from ..zoo import build_model, import_object
 from .checkpoint import MANIFEST, read_manifest
@@ -237,6 +237,12 @@ def _methods(opts: RunOptions, schedules: list[Schedule], profile: Profile) -> l
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise UmoptError(f"--methods: unknown {bad[0]!r}: each of {', '.join(METHODS)}")
+    one_chunk = [m for m in methods if m not in CHUNKED_METHODS]
+    if schedules[0].chunks is not None and one_chunk:
+        raise UmoptError(
+            f"--methods: {one_chunk[0]} plans one chunk per rank, the plan has several: "
+            f"each of {', '.join(CHUNKED_METHODS)}"
+        )
     if len(set(methods)) < len(methods):
         raise UmoptError("--methods names a method twice")
     return methods

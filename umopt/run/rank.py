@@ -259,6 +259,7 @@ def _feed(cfg: RunConfig, setup: StageSetup, replica: int, s: int) -> Optional[S
         sched.recompute,
         run_allreduce(cfg, sched),
         tuple(cfg.methods) if s == 0 else (),
+        sched.chunking(),
     )
 
 

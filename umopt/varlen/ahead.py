@@ -7,7 +7,9 @@ the lengths of a minibatch as soon as they are known, :meth:`~PlanAhead.next` th
 order submitted (each warm-started from the one before, as :func:`umopt.varlen.planner.plan`
 does in a loop), as schedules ``umopt.Pipeline.step(plan=...)`` plays. ``method``: umopt's
 planner, or one of the peers' (:data:`umopt.varlen.peers.PEERS`: what ``umopt tune --lengths``
-measures umopt against, planned the same way)::
+measures umopt against, planned the same way). ``on``: the pipeline's layout where ranks hold
+several chunks (every plan keeps it: umopt's multi-chunk planner, :func:`umopt.varlen.chunks.plan_chunks`,
+or padding and packing on torch's multi-chunk schedules)::
 
     with PlanAhead(profile) as ahead:
         ahead.submit(lengths_of(batch0))
@@ -26,29 +28,44 @@ from typing import Optional
 
 import numpy as np
 
+from ..costmodel import Chunking
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule
+from .chunks import plan_chunks
 from .peers import PEERS
 from .planner import plan
 from .solve import plan_schedule
 
-__all__ = ["METHODS", "PlanAhead"]
+__all__ = ["METHODS", "CHUNKED_METHODS", "PlanAhead"]
 
 METHODS = ("umopt", *PEERS)  # who may plan the minibatches
+CHUNKED_METHODS = ("umopt", "pad", "pack")  # ...and where ranks hold several chunks
+# a plan's budget by default: one chunk per rank, several (the multi-chunk search screens at
+# least one schedule per order way: about 30 ms at 16 sequences on a CPU). Kept small: where the
+# ranks use every core (a CPU run), what the planner takes the steps lose (150 ms a plan
+# predicted 5% faster plans and measured 25% slower steps, 2 CPU ranks, 50 ms steps)
+BUDGET_MS, CHUNKED_BUDGET_MS = 15.0, 40.0
 
 
-def _plan_one(profile: Profile, method: str, lengths: np.ndarray, budget_ms, recompute, dp, previous):
-    if method == "umopt":
+def _plan_one(profile: Profile, method: str, lengths: np.ndarray, budget_ms, recompute, dp, previous, on):
+    S = profile.num_stages
+    if on is not None:
+        v = len(on.ranks) // S
+        if method == "umopt":
+            return plan_chunks(profile, lengths, v, recompute=recompute, dp=dp, budget_ms=budget_ms, on=on)
+        got = PEERS[method](profile, lengths, S, recompute, dp, chunks=v, on=on)
+    elif method == "umopt":
         return plan(profile, lengths, budget_ms=budget_ms, recompute=recompute, dp=dp, previous=previous)
-    got = PEERS[method](profile, lengths, profile.num_stages, recompute, dp)
+    else:
+        got = PEERS[method](profile, lengths, S, recompute, dp)
     if got is None:
         raise UmoptError(f"{method}: no plan of this minibatch fits the memory limit")
     return got
 
 
 def _serve(
-    profile: Profile, budget_ms: float, recompute: bool, dp, method: str, parent: int, inbox, outbox
+    profile: Profile, budget_ms: float, recompute: bool, dp, method: str, on, parent: int, inbox, outbox
 ) -> None:
     """The planning process: one plan per lengths received, in order, until None. At a lower
     priority than the training processes: a plan has a whole step to be made in, and where the
@@ -70,7 +87,7 @@ def _serve(
         if lengths is None:
             return
         try:
-            previous = _plan_one(profile, method, np.asarray(lengths), budget_ms, recompute, dp, previous)
+            previous = _plan_one(profile, method, np.asarray(lengths), budget_ms, recompute, dp, previous, on)
             outbox.put(plan_schedule(previous, profile, recompute, dp))
         except UmoptError as exc:
             outbox.put(exc)
@@ -78,26 +95,34 @@ def _serve(
 
 class PlanAhead:
     """A planning process for ``profile``'s pipeline (see the module docstring): ``budget_ms``
-    per plan, as :func:`umopt.varlen.planner.plan`."""
+    per plan, as :func:`umopt.varlen.planner.plan` (None: :data:`BUDGET_MS`, or with ``on``
+    :data:`CHUNKED_BUDGET_MS`)."""
 
     def __init__(
         self,
         profile: Profile,
-        budget_ms: float = 15.0,
+        budget_ms: Optional[float] = None,
         recompute: bool = False,
         dp: Optional[AllReduceProfile] = None,
         method: str = "umopt",
+        on: Optional[Chunking] = None,
     ):
         if profile.lengths is None:
             raise UmoptError("the profile has no costs by tokens (profile with --lengths)")
         if method not in METHODS:
             raise UmoptError(f"unknown planning method {method!r}: one of {', '.join(METHODS)}")
+        if on is not None and method not in CHUNKED_METHODS:
+            raise UmoptError(
+                f"{method} plans one chunk per rank; with several: one of {', '.join(CHUNKED_METHODS)}"
+            )
+        if budget_ms is None:
+            budget_ms = BUDGET_MS if on is None else CHUNKED_BUDGET_MS
         self.method = method
         ctx = mp.get_context("spawn")
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
         self._process = ctx.Process(
             target=_serve,
-            args=(profile, budget_ms, recompute, dp, method, os.getpid(), self._inbox, self._outbox),
+            args=(profile, budget_ms, recompute, dp, method, on, os.getpid(), self._inbox, self._outbox),
             daemon=True,
             name="umopt-plan-ahead",
         )
