@@ -74,7 +74,7 @@ def test_a_registered_family_is_searched_by_the_ga_and_reported_by_the_solve(toy
     SOLVERS["ga"](problem, time_limit=60, seed=0, max_generations=10, polish_kicks=0)
     assert toy.scored > 100
     # asked for alone, it is all the GA returns, and the solve's file and report say so
-    report = solve(profile, 8, solver="ga", order="gpipe-fifo", time_limit=3, seed=0)
+    report = solve(profile, 8, solver="ga", order="gpipe-fifo", time_limit=1, seed=0)
     block = report.schedule.solver
     assert block.order == "gpipe-fifo"
     found = report.result.candidate
@@ -86,7 +86,7 @@ def test_a_registered_family_is_searched_by_the_ga_and_reported_by_the_solve(toy
     prof = tmp_path / "p.json"
     save_profile(profile, prof)
     out = tmp_path / "s.json"
-    argv = ["solve", str(prof), "-B", "8", "--order", "gpipe-fifo", "--solver", "ga", "--time-limit", "2"]
+    argv = ["solve", str(prof), "-B", "8", "--order", "gpipe-fifo", "--solver", "ga", "--time-limit", "1"]
     code, _, err = run_cli([*argv, "-o", str(out)], capsys)
     assert code == 0, err
     assert json.loads(out.read_text())["solver"]["order"] == "gpipe-fifo"

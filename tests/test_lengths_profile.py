@@ -5,6 +5,7 @@ is one ``umopt solve --lengths`` plans with."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from conftest import run_cli as run
 
@@ -50,8 +51,20 @@ def test_the_fit_recovers_known_costs_and_counts_padding_at_the_longest():
 
 
 def test_a_measured_length_profile_plans_minibatches(tmp_path, capsys):
+    """Profiled layer by layer (``--chunks 2``): each layer's costs by tokens, the stages' their sums."""
     out = tmp_path / "gpt.json"
-    args = ["--model", "gpt", "--model-arg", "seq_len=64", "--model-arg", "layers=2", "--stages", "2"]
+    args = [
+        "--model",
+        "gpt",
+        "--model-arg",
+        "seq_len=64",
+        "--model-arg",
+        "layers=2",
+        "--stages",
+        "2",
+        "--chunks",
+        "2",
+    ]
     code, stdout, err = run(
         ["profile", *args, "--max-size", "2", "--repeats", "3", "--no-probes", "--sequential"]
         + ["--link-latency-ms", "0.05", "--link-gbps", "10", "--lengths", "64", "-o", str(out)],
@@ -61,9 +74,14 @@ def test_a_measured_length_profile_plans_minibatches(tmp_path, capsys):
     assert "costs by tokens (sequences up to 64)" in stdout and "d us/seq" in stdout and "fit error" in stdout
     prof = load_profile(str(out))
     assert prof.lengths.max_length == 64 and prof.lengths.modes == ["packed", "padded"]
+    assert len(prof.layers) == 4 and all(
+        ly.tokens["packed"].forward.residual is not None for ly in prof.layers
+    )
     for s, st in enumerate(prof.stages):
         for mode, c in st.tokens.items():
-            assert c.forward.b_ms > 0 and c.backward.b_ms > 0 and c.forward.residual is not None
+            layers = [ly.tokens[mode] for ly in prof.layers[st.layers[0] : st.layers[1]]]
+            assert c.forward.b_ms == pytest.approx(sum(ly.forward.b_ms for ly in layers))
+            assert c.forward.b_ms > 0 and c.backward.b_ms > 0
             assert c.stash_bytes_per_token > 0
             # a token of the boundary: the first stage takes int64 ids, the second a float32 row of 128
             assert c.input_bytes_per_token == (8 if s == 0 else 128 * 4)

@@ -177,7 +177,6 @@ def test_given_split_is_used(tmp_path):
             ["--model", "gpt", "--stages", "2", "--lengths", "64", "--length-modes", "rows"],
             "'rows' is not one of",
         ),
-        (["--model", "gpt", "--stages", "2", "--lengths", "64", "--chunks", "2"], "--lengths with --chunks"),
         (
             ["--model", "mlp", "--stages", "2", "--link-gbps", "10"],
             "give both --link-latency-ms and --link-gbps",
