@@ -122,10 +122,10 @@ def main() -> None:
             rep = solve_chunked(profile, B, (1, 2, 3, 4), time_limit=args.time_limit, zero_bubble=w)
             seconds = time.perf_counter() - t0
             times.append(seconds / args.time_limit)
-            peers = {k: p for k, p in rep.peers.items() if p.iteration_ms is not None}
+            peers = {k: p for k, p in rep.layouts.peers.items() if p.iteration_ms is not None}
             ms = rep.timeline.iteration_ms
-            one = rep.one_chunk.timeline.iteration_ms
-            sol = rep.search
+            one = rep.layouts.one_chunk_timeline.iteration_ms
+            sol = rep.layouts.search
             sol_cell = (
                 "-"
                 if sol is None
@@ -137,7 +137,7 @@ def main() -> None:
                 if sol is None
                 else f"{sol.evaluated - sol.screened} / {sol.screened_ms - sol.iteration_ms:.1f}"
             )
-            shortened = "; ".join(c.split(" (")[0] for c in rep.cut_short) or "-"
+            shortened = "; ".join(c.split(" (")[0] for c in rep.layouts.cut_short) or "-"
             # what no schedule of the pick's cut and placement beats (the solve's bound there)
             lb = rep.schedule.solver.lower_bound_ms
             bound = "-" if lb is None else f"{lb:.1f} ({100 * (ms - lb) / ms:.0f}% below)"
@@ -145,7 +145,7 @@ def main() -> None:
             if not peers:  # none of torch's fits the memory limit
                 mib = "-" if limit is None else f"{limit / 2**20:.0f}"
                 cells.append([name, str(B), mib, "yes" if w else "no", f"{one:.1f}", "-"])
-                cells[-1] += [sol_cell, f"{ms:.1f} ({rep.picked})", "-", f"{one / ms:.3f}", *timing]
+                cells[-1] += [sol_cell, f"{ms:.1f} ({rep.layouts.picked})", "-", f"{one / ms:.3f}", *timing]
                 continue
             best_name, best = min(peers.items(), key=lambda kv: kv[1].iteration_ms)
             ratios.append((name, B, w, best.iteration_ms / ms, one / ms))
@@ -158,7 +158,7 @@ def main() -> None:
                     f"{one:.1f}",
                     f"{best.iteration_ms:.1f} ({best_name.removeprefix('Schedule')} v={best.chunks} M={best.microbatches}, {best.cut})",
                     sol_cell,
-                    f"{ms:.1f} ({rep.picked})",
+                    f"{ms:.1f} ({rep.layouts.picked})",
                     f"{best.iteration_ms / ms:.3f}",
                     f"{one / ms:.3f}",
                     *timing,

@@ -178,7 +178,7 @@ def main() -> None:
     names = {
         "torch": f"torch ScheduleInterleaved1F1B, torch's runtime (v=2, M={M})",
         "equal": "the same order, umopt's runtime",
-        "pick": f"umopt's pick ({rep.picked})",
+        "pick": f"umopt's pick ({rep.layouts.picked})",
     }
     med = {k: statistics.median(v) for k, v in times.items()}
     cells = [

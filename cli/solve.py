@@ -165,6 +165,8 @@ def solve(
     profile = load_solve_profile(profile_path, memory_limit)
     allreduce = allreduce_for(profile, dp, dp_gbps)
     if chunk_counts != (1,):
+        from umopt.search.peers import TORCH_EXIT_S
+
         if solver != "auto" or order != "auto":
             raise UmoptError("--chunks searches on its own: it takes no --solver or --order")
         if time_limit < CHUNKS_MIN_TIME_LIMIT:
@@ -177,7 +179,8 @@ def solve(
             minibatch,
             chunk_counts,
             recompute,
-            max(0.5, time_limit - (time.perf_counter() - started)),  # what is left of it
+            # what is left of it, less the process's exit once torch's schedules are imported
+            max(0.5, time_limit - (time.perf_counter() - started) - TORCH_EXIT_S),
             seed,
             zero_bubble,
             output,
@@ -319,8 +322,11 @@ def _solve_chunked(
             progress=progress,
             dp=dp,
         )
-    one = report.one_chunk
-    panels = [("umopt, one chunk per rank", one.timeline), (f"picked: {report.picked}", report.timeline)]
+    found = report.layouts
+    panels = [
+        ("umopt, one chunk per rank", found.one_chunk_timeline),
+        (f"picked: {found.picked}", report.timeline),
+    ]
     if plot:
         from umopt.plot import gantt
 
@@ -341,7 +347,7 @@ def _solve_chunked(
         ("x best torch", "right"),
     ):
         table.add_column(col, justify=justify, no_wrap=True)
-    torch_ms = [p.iteration_ms for p in report.peers.values() if p.iteration_ms is not None]
+    torch_ms = [p.iteration_ms for p in found.peers.values() if p.iteration_ms is not None]
     best_torch = min(torch_ms, default=None)
     picked_ms = report.timeline.iteration_ms
 
@@ -352,12 +358,12 @@ def _solve_chunked(
         table.add_row(name + mark, str(v or "-"), str(m or "-"), _ms(ms), ratio)
 
     row.marked = False
-    sol = report.search
-    pick_row = (report.picked, report.schedule)
+    sol = found.search
+    pick_row = (found.picked, report.schedule)
     rows = [
-        ("GPipe equal", 1, one.gpipe.microbatches, one.gpipe.iteration_ms),
-        ("1F1B equal", 1, one.onef1b.microbatches, one.onef1b.iteration_ms),
-        ("umopt, one chunk", 1, None, one.timeline.iteration_ms),
+        ("GPipe equal", 1, report.gpipe.microbatches, report.gpipe.iteration_ms),
+        ("1F1B equal", 1, report.onef1b.microbatches, report.onef1b.iteration_ms),
+        ("umopt, one chunk", 1, None, found.one_chunk_timeline.iteration_ms),
     ]
     rows += [
         (
@@ -368,7 +374,7 @@ def _solve_chunked(
             p.microbatches,
             p.iteration_ms,
         )
-        for name, p in report.peers.items()
+        for name, p in found.peers.items()
     ]
     if sol is not None:
         counts = sorted({len(p) for p in sol.genes.fwd})
@@ -380,9 +386,9 @@ def _solve_chunked(
                 sol.iteration_ms,
             )
         )
-    if report.exact is not None:
-        optimal = " (optimal)" if report.exact.optimal else ""
-        rows.append((f"umopt, exact model{optimal}", None, None, report.exact.iteration_ms))
+    if found.exact is not None:
+        optimal = " (optimal)" if found.exact.optimal else ""
+        rows.append((f"umopt, exact model{optimal}", None, None, found.exact.iteration_ms))
     if report.schedule.chunks is not None:
         v = len(report.schedule.chunks.ranks) // len(report.schedule.stages)
         rows += [
@@ -392,7 +398,7 @@ def _solve_chunked(
                 p.microbatches,
                 p.iteration_ms,
             )
-            for name, p in report.on_layout.items()
+            for name, p in found.on_layout.items()
             if p.iteration_ms is not None
         ]
         if all(abs(ms - picked_ms) > 1e-9 for *_, ms in rows if ms is not None):
@@ -416,7 +422,7 @@ def _solve_chunked(
         style="dim",
     )
     proven = ", optimal for its cut and placement" if report.schedule.solver.status == "optimal" else ""
-    picked = report.picked.replace("umopt chunks", "umopt's search").replace(
+    picked = found.picked.replace("umopt chunks", "umopt's search").replace(
         "polished from", "order polished from"
     )
     out.print(f"picked (*): {picked}, {picked_ms:.3f} ms{proven}", markup=False, highlight=False)
@@ -428,9 +434,9 @@ def _solve_chunked(
             markup=False,
             highlight=False,
         )
-    if report.cut_short:
+    if found.cut_short:
         out.print(
-            f"cut short by the time limit: {'; '.join(report.cut_short)} (a longer --time-limit does them in full)",
+            f"cut short by the time limit: {'; '.join(found.cut_short)} (a longer --time-limit does them in full)",
             markup=False,
             highlight=False,
             style="yellow",

@@ -782,7 +782,7 @@ def test_solve_with_chunks_and_replicas_counts_each_ranks_all_reduce():
     for (lo, hi), r in zip(ch.layers, ch.ranks):
         held[r] += sum(ly.param_bytes for ly in prof.layers[lo:hi])
     assert tl.allreduce_ms == pytest.approx([2 * (2 - 1) / 2 * b / dp.bus_bytes_per_ms for b in held])
-    for p in rep.peers.values():  # torch's schedules pay it too
+    for p in rep.layouts.peers.values():  # torch's schedules pay it too
         if p.iteration_ms is not None:
             assert p.iteration_ms == pytest.approx(simulate(p.tables, p.ops, 8).iteration_ms)
             assert max(p.tables.allreduce_ms) > 0
@@ -901,9 +901,9 @@ def test_a_chunked_solve_keeps_one_clock_and_says_what_it_cut_short():
     t0 = time.perf_counter()
     rep = solve_chunked(prof, 32, (1, 2, 3, 4), time_limit=4)
     assert time.perf_counter() - t0 < 3 * 4 + 5
-    assert rep.search is not None and rep.search.evaluated > rep.search.screened > 0
+    assert rep.layouts.search is not None and rep.layouts.search.evaluated > rep.layouts.search.screened > 0
     # what a 3 s limit stops depends on the machine's speed; what it names is one of these
-    assert all(c.startswith(("the screening", "torch's schedules")) for c in rep.cut_short)
+    assert all(c.startswith(("the screening", "torch's schedules")) for c in rep.layouts.cut_short)
 
 
 def test_a_users_own_stages_profiled_per_layer_reach_solve_with_chunks():
@@ -929,7 +929,7 @@ def test_a_users_own_stages_profiled_per_layer_reach_solve_with_chunks():
             got = sum(prof.layers[i].forward_ms[k] for i in range(*st.layers))
             assert got == pytest.approx(st.forward_ms[k], rel=1e-4)  # as rounded in the file
     rep = solve_chunked(prof, 8, (1, 2), time_limit=2)
-    assert rep.timeline.iteration_ms <= rep.one_chunk.timeline.iteration_ms + 1e-9
+    assert rep.timeline.iteration_ms <= rep.layouts.one_chunk_timeline.iteration_ms + 1e-9
     with pytest.raises(UmoptError, match="stage 1 is a Linear"):
         umopt.profile_stages([stages[0], nn.Linear(32, 32)], sample, nn.MSELoss(), layers=True, **given)
     plain = umopt.profile_stages(stages, sample, nn.MSELoss(), **given)

@@ -232,10 +232,10 @@ def _chunked_plans(
     1F1B, umopt's one-chunk schedule, torch's fastest multi-chunk schedule (its own order, at its
     best v and M) and umopt's pick (named "umopt"), and its lower bound with what it holds for."""
     report = solve_chunked(prof, minibatch, chunks, time_limit=time_limit, seed=seed, zero_bubble=zero_bubble)
-    one = report.one_chunk
+    found = report.layouts
     problem = make_problem(prof, minibatch, False)
     plans: dict[str, Schedule] = {}
-    for b in (one.gpipe, one.onef1b):
+    for b in (report.gpipe, report.onef1b):
         if b.candidate is not None:
             plans[b.name] = make_schedule(
                 prof,
@@ -246,8 +246,8 @@ def _chunked_plans(
                 {"name": b.name, "status": "feasible", "seconds": 0.0},
                 {},
             )
-    plans["umopt_one_chunk"] = one.schedule
-    peers = [(name, p) for name, p in report.peers.items() if p.iteration_ms is not None]
+    plans["umopt_one_chunk"] = found.one_chunk_schedule
+    peers = [(name, p) for name, p in found.peers.items() if p.iteration_ms is not None]
     if peers:
         name, p = min(peers, key=lambda kv: kv[1].iteration_ms)
         plans[f"torch_{name.removeprefix('Schedule')}"] = make_schedule(

@@ -47,6 +47,11 @@ TORCH_MULTI: dict[str, tuple[str, tuple[int, ...], bool]] = {
 }
 
 
+# a process that imported torch's schedules takes about this long to exit (0.8 s measured on a
+# 2-core machine): a command on the clock keeps it back from its time limit
+TORCH_EXIT_S = 0.8
+
+
 def load_torch_schedules():
     """torch's schedule classes (importing them takes seconds on a CPU: a solve on the clock
     does it first, so that what is left is counted after it)."""

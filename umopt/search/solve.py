@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from ..costmodel import CostTables, Op, Timeline, simulate
@@ -24,18 +24,44 @@ from ..schedules.family import ScheduleFamily, family, parse_order
 from .baselines import Baseline, gpipe_equal, onef1b_equal
 from .bounds import BackgroundBounds, Scope, fast_bound_ms, fast_job, reported_bounds, spec_bound
 from .choice import Choice, choose
+from .peers import PeerResult
 from .problem import Candidate, Problem, Progress, SolverResult
 from .solvers import SOLVERS
 from .solvers.auto import EXACT_MAX_TERMS
 from .solvers.cpsat import solve_with_weight_ops
+from .solvers.cpsat_chunks import ExactChunks
 from .solvers.exact import model_terms
+from .solvers.multichunk import ChunkSolution
 from .zerobubble import best_with_weight_ops, require_split, search_with_weight_ops, zb_h1, zb_h2
 
-__all__ = ["SolveReport", "solve", "make_problem", "allreduce_for"]
+__all__ = ["SolveReport", "LayoutsReport", "solve", "make_problem", "allreduce_for"]
+
+
+@dataclass
+class LayoutsReport:
+    """What a solve with several chunks per rank (``umopt solve --chunks``) found beside one chunk
+    per rank: the one-chunk solve's schedule, torch's multi-chunk schedules at their best v, M and
+    cut, umopt's multi-chunk search (and exact model), and which of them the report's schedule is."""
+
+    picked: str  # "umopt chunks", "umopt one chunk", "umopt, polished from ...", "umopt exact, from ..." or a torch class
+    one_chunk_schedule: Schedule
+    one_chunk_timeline: Timeline
+    peers: dict[str, PeerResult]
+    search: Optional[ChunkSolution]  # None: no schedule with several chunks fits the memory limit
+    exact: Optional[ExactChunks] = None  # the exact model's, where the instance is small enough
+    # torch's schedules on the pick's own cut and placement (the file's candidates, and the pick
+    # itself where one of them is faster than what umopt found there)
+    on_layout: dict[str, PeerResult] = field(default_factory=dict)
+    # the phases the time limit stopped before they were done ([Note: one deadline for a chunked solve])
+    cut_short: list[str] = field(default_factory=list)
 
 
 @dataclass
 class SolveReport:
+    """What a solve found: the schedule written and its timeline, the solver's result, the choice,
+    the equal baselines and the bounds (those of one chunk per rank); with several chunks per rank,
+    ``layouts`` says what else was searched and which the schedule is."""
+
     schedule: Schedule
     timeline: Timeline
     result: SolverResult
@@ -49,6 +75,7 @@ class SolveReport:
     zbh1_timeline: Optional[Timeline] = None
     zbh2: Optional[Baseline] = None  # with --zero-bubble: the best equal ZB-H2 within the memory limit
     zbh2_timeline: Optional[Timeline] = None
+    layouts: Optional[LayoutsReport] = None
 
     def speedup_over(self, baseline: Baseline) -> Optional[float]:
         if baseline.iteration_ms is None:

@@ -26,11 +26,11 @@ from ..schedules.multichunk import build_ops, equal_genes
 from .bounds.ranks import busiest_rank_bound
 from .peers import TORCH_MULTI, PeerResult, best_peers, load_torch_schedules
 from .problem import LayoutProblem, Progress
-from .solve import SolveReport, solve
+from .solve import LayoutsReport, SolveReport, solve
 from .solvers.cpsat_chunks import MAX_CHUNK_MODEL, ExactChunks, chunk_model_size, solve_chunks_exact
 from .solvers.multichunk import ChunkSolution, improve_order, solve_chunks
 
-__all__ = ["ChunkSolveReport", "solve_chunked", "parse_chunks"]
+__all__ = ["solve_chunked", "parse_chunks"]
 
 # [Note: one deadline for a chunked solve]
 # `--time-limit T` holds for the whole command, so every phase ends at a point of one clock
@@ -40,28 +40,12 @@ __all__ = ["ChunkSolveReport", "solve_chunked", "parse_chunks"]
 # screening and the local search to SEARCH_END (the screening at most half of that, the most
 # promising shapes first); the polish (and on small instances the exact model) until TAIL before
 # the end (at most TAIL_S), kept for scoring torch on the pick's own cut and writing the file. A phase the clock stopped
-# before it was done is named in the report (ChunkSolveReport.cut_short).
+# before it was done is named in the report (SolveReport.layouts.cut_short).
 ONE_CHUNK_END = 0.25
 PEERS_END = 0.40
 SEARCH_END = 0.72
 EXACT_SHARE = 0.5  # of the refinement, on instances small enough, for the exact model
 TAIL, TAIL_S = 0.08, 2.0
-
-
-@dataclass
-class ChunkSolveReport:
-    schedule: Schedule
-    timeline: Timeline
-    picked: str  # "umopt chunks", "umopt one chunk", "umopt, polished from ...", "umopt exact, from ..." or a torch class
-    one_chunk: SolveReport
-    peers: dict[str, PeerResult]
-    search: Optional[ChunkSolution]  # None: no schedule with several chunks fits the memory limit
-    exact: Optional[ExactChunks] = None  # the exact model's, where the instance is small enough
-    # torch's schedules on the pick's own cut and placement (the file's candidates, and the pick
-    # itself where one of them is faster than what umopt found there)
-    on_layout: dict[str, PeerResult] = dataclasses.field(default_factory=dict)
-    # the phases the time limit stopped before they were done ([Note: one deadline for a chunked solve])
-    cut_short: list[str] = dataclasses.field(default_factory=list)
 
 
 def _w_everywhere(ops, num_virtual: int) -> Optional[bool]:
@@ -115,7 +99,7 @@ def solve_chunked(
     zero_bubble: bool = False,
     progress: Optional[Progress] = None,
     dp: Optional[AllReduceProfile] = None,
-) -> ChunkSolveReport:
+) -> SolveReport:
     """The fastest schedule with up to ``max(chunk_counts)`` chunks per rank that umopt finds,
     or one of torch's, or the one-chunk solve's, whichever the cost model says is fastest; with
     ``dp``, for that many data-parallel replicas (each rank's all-reduce of all its chunks).
@@ -186,9 +170,10 @@ def solve_chunked(
     best = min(running, key=lambda c: c.iteration_ms, default=None)
     if best is None or one.timeline.iteration_ms <= best.iteration_ms + 1e-9:
         schedule = Schedule.model_validate({**one.schedule.model_dump(), "baselines": baselines})
-        return ChunkSolveReport(
-            schedule, one.timeline, "umopt one chunk", one, peers, search, exact, cut_short=cut_short
+        found = LayoutsReport(
+            "umopt one chunk", one.schedule, one.timeline, peers, search, exact, cut_short=cut_short
         )
+        return dataclasses.replace(one, schedule=schedule, layouts=found)
     solver = {
         "seconds": time.perf_counter() - started,
         "seed": seed,
@@ -206,7 +191,8 @@ def solve_chunked(
         exact = None
     candidates = _candidates(on_layout, best, minibatch, started + time_limit)
     schedule, timeline = _schedule_of(problem, best, exact, solver, baselines, candidates)
-    return ChunkSolveReport(schedule, timeline, best.name, one, peers, search, exact, on_layout, cut_short)
+    found = LayoutsReport(best.name, one.schedule, one.timeline, peers, search, exact, on_layout, cut_short)
+    return dataclasses.replace(one, schedule=schedule, timeline=timeline, layouts=found)
 
 
 @dataclass

@@ -21,6 +21,7 @@ import numpy as np
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import LengthsSpec, Schedule, make_schedule
+from ..search.peers import TORCH_EXIT_S
 from .chunks import plan_chunks
 from .peers import PEERS, packed_rows, pad, timed
 from .plan import Plan
@@ -35,11 +36,9 @@ __all__ = [
     "plan_schedule",
 ]
 
-# what is kept back from the time limit for writing the file and the picture
+# what is kept back from the time limit for writing the file and the picture (and with several
+# chunks per rank, the peers having imported torch's schedules, for the process's exit)
 _MARGIN_S = 1.5
-# and with several chunks per rank, for the process's exit once the peers have imported torch's
-# schedules (about 0.7 s on a 2-core machine)
-_TORCH_EXIT_S = 0.8
 
 
 @dataclass
@@ -87,7 +86,7 @@ def solve_minibatch(
     if chunks > 1:
         for name, fn in (("pad", pad), ("pack", packed_rows)):
             peers[f"{name}, torch x{chunks}"] = timed(fn, profile, L, S, recompute, dp, chunks=chunks)
-    margin = _MARGIN_S + (_TORCH_EXIT_S if chunks > 1 else 0.0)
+    margin = _MARGIN_S + (TORCH_EXIT_S if chunks > 1 else 0.0)
     left = time_limit - (time.perf_counter() - t0) - margin
     chunked = None
     if chunks > 1:
