@@ -41,11 +41,11 @@ __all__ = ["METHODS", "CHUNKED_METHODS", "PlanAhead"]
 
 METHODS = ("umopt", *PEERS)  # who may plan the minibatches
 CHUNKED_METHODS = ("umopt", "pad", "pack")  # ...and where ranks hold several chunks
-# a plan's budget by default: one chunk per rank, several (the multi-chunk search screens at
-# least one schedule per order way: about 30 ms at 16 sequences on a CPU). Kept small: where the
-# ranks use every core (a CPU run), what the planner takes the steps lose (150 ms a plan
-# predicted 5% faster plans and measured 25% slower steps, 2 CPU ranks, 50 ms steps)
-BUDGET_MS, CHUNKED_BUDGET_MS = 15.0, 40.0
+# a plan's budget by default, one chunk per rank or several. Kept small: where the ranks use every
+# core (a CPU run), what the planner takes the steps lose (with several chunks, 150 ms a plan
+# predicted 5% faster plans and measured 25% slower steps: 2 CPU ranks, 50 ms steps). Warm
+# started, a multi-chunk plan takes about 11 ms at 16 sequences (cold, the first: 30 ms)
+BUDGET_MS, CHUNKED_BUDGET_MS = 15.0, 15.0
 
 
 def _plan_one(profile: Profile, method: str, lengths: np.ndarray, budget_ms, recompute, dp, previous, on):
@@ -53,7 +53,9 @@ def _plan_one(profile: Profile, method: str, lengths: np.ndarray, budget_ms, rec
     if on is not None:
         v = len(on.ranks) // S
         if method == "umopt":
-            return plan_chunks(profile, lengths, v, recompute=recompute, dp=dp, budget_ms=budget_ms, on=on)
+            return plan_chunks(
+                profile, lengths, v, recompute=recompute, dp=dp, budget_ms=budget_ms, on=on, previous=previous
+            )
         got = PEERS[method](profile, lengths, S, recompute, dp, chunks=v, on=on)
     elif method == "umopt":
         return plan(profile, lengths, budget_ms=budget_ms, recompute=recompute, dp=dp, previous=previous)
