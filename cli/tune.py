@@ -82,9 +82,9 @@ from .app import _require_torch, cli, err, model_options, out
 )
 @click.option(
     "--methods",
-    default=",".join(("umopt", "pad", "pack", "dynapipe")),
-    show_default=True,
-    help="With --lengths: who plans the steps, umopt and peers (pad, pack, pack-split, sort-split, dynapipe, wlb).",
+    default=None,
+    help="With --lengths: who plans the steps, umopt and peers (pad, pack, pack-split, sort-split, dynapipe, wlb; "
+    "with --chunks pad and pack). Default: umopt,pad,pack,dynapipe; with --chunks umopt,pad,pack.",
 )
 def tune(
     model,
@@ -112,9 +112,9 @@ def tune(
     given = dict(locals())  # the options, as the command line gave them
     _require_torch()
     if lengths is not None:
-        if zero_bubble or chunks != "1":
+        if zero_bubble or chunks == "auto":
             raise UmoptError(
-                "--lengths plans one chunk per rank without W ops, so far: leave out --zero-bubble and --chunks"
+                "--lengths plans without W ops and with one chunk count, so far: leave out --zero-bubble and --chunks auto"
             )
         _tune_lengths(given)
         return
@@ -217,6 +217,11 @@ def _tune_lengths(o: dict) -> None:
         o["stages"] or DEFAULT["stages"],
         o["minibatch"] or DEFAULT["minibatch"],
     )
+    from umopt.search.solve_chunks import parse_chunks
+    from umopt.tune import CHUNKED_LENGTHS_METHODS, LENGTHS_METHODS
+
+    chunks = parse_chunks(o["chunks"])[0]
+    given = o["methods"] or ",".join(LENGTHS_METHODS if chunks == 1 else CHUNKED_LENGTHS_METHODS)
     result = tune_lengths(
         model,
         args,
@@ -224,7 +229,8 @@ def _tune_lengths(o: dict) -> None:
         f"file:{lengths}" if os.path.isfile(lengths) else lengths,
         minibatch,
         o["max_length"],
-        methods=[m.strip() for m in o["methods"].split(",") if m.strip()],
+        methods=[m.strip() for m in given.split(",") if m.strip()],
+        chunks=chunks,
         **{k: o[k] for k in ("device", "steps", "rounds", "confidence", "budget", "out_dir", "probes")},
         **{k: o[k] for k in ("dtype", "link_latency_ms", "link_gbps")},
         say=lambda m: err.print(f"umopt tune: {m}", markup=False),

@@ -274,16 +274,22 @@ def test_three_stages_with_w_ops_recompute_and_replicas_each_planning_its_own_mi
             torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)
 
 
-def _run_profile(tmp_path):
-    """PROFILE as a profile of the zoo's gpt of ARGS (costs by tokens, device "sim")."""
+def _run_profile(tmp_path, layers: bool = False):
+    """PROFILE as a profile of the zoo's gpt of ARGS (costs by tokens, device "sim"); with
+    ``layers``, each of its 4 layers with its costs (for several chunks per rank)."""
     from umopt.formats.profile import load_profile, save_profile
 
-    prof = PROFILE.model_copy(
+    base = (
+        synthetic_token_profile(2, blocks=2, max_length=ARGS["seq_len"], max_size=16, layers_per_stage=2)
+        if layers
+        else PROFILE
+    )
+    prof = base.model_copy(
         update={
-            "model": PROFILE.model.model_copy(update={"name": "gpt", "args": dict(ARGS), "seed": 0}),
-            "device": PROFILE.device.model_copy(update={"dtype": "float32"}),
+            "model": base.model.model_copy(update={"name": "gpt", "args": dict(ARGS), "seed": 0}),
+            "device": base.device.model_copy(update={"dtype": "float32"}),
             "stages": [
-                st.model_copy(update={"layers": [2 * s, 2 * s + 2]}) for s, st in enumerate(PROFILE.stages)
+                st.model_copy(update={"layers": [2 * s, 2 * s + 2]}) for s, st in enumerate(base.stages)
             ],
         }
     )

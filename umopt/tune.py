@@ -48,6 +48,7 @@ from .search.solve import make_problem, solve
 from .search.solve_chunks import solve_chunked
 from .search.solvers import SOLVERS
 from .search.zerobubble import zb_h1
+from .varlen.chunks import plan_chunks
 from .varlen.planner import plan
 from .varlen.samplers import SAMPLERS, minibatch_of_step
 from .varlen.solve import plan_schedule
@@ -74,6 +75,7 @@ DEFAULT = {
 }
 EQUAL = ("gpipe_equal", "1f1b_equal")
 LENGTHS_METHODS = ("umopt", "pad", "pack", "dynapipe")  # what tune --lengths measures in turns
+CHUNKED_LENGTHS_METHODS = ("umopt", "pad", "pack")  # ...with several chunks per rank
 
 
 @dataclass
@@ -469,12 +471,16 @@ def tune_lengths(
     dtype: str = "float32",
     link_latency_ms: Optional[float] = None,
     link_gbps: Optional[float] = None,
+    chunks: int = 1,
     say: Callable[[str], None] = lambda _msg: None,
 ) -> LengthsResult:
     """Profile by tokens, then train on minibatches of ``size`` sequences drawn from ``lengths``
     (a sampler or ``file:PATH``; at most ``max_length`` tokens each), every step planned by each
     of ``methods`` in turns on the same minibatches, until the paired test over rounds decides
-    between umopt's plans and the best peer's (or the budget ends)."""
+    between umopt's plans and the best peer's (or the budget ends). With ``chunks`` > 1 the model
+    is profiled layer by layer and every rank holds that many chunks, laid out as umopt's plan of
+    the first minibatch lays them out (the peers: padding and packing on torch's multi-chunk
+    schedules)."""
     if "umopt" not in methods or len(methods) < 2:
         raise UmoptError("tune --lengths measures umopt's plans against at least one peer's")
     minibatch_of_step(lengths, 0, 1, max_length)  # an unknown sampler fails before any timing
@@ -498,9 +504,10 @@ def tune_lengths(
         link_gbps=link_gbps,
         lengths=max_length,
     )
-    out, prof = _profiled(opts, out_dir, probes, min(size, 32), 1, say)
+    out, prof = _profiled(opts, out_dir, probes, min(size, 32), chunks, say)
     first = minibatch_of_step(lengths, 0, size, max_length)
-    save_schedule(plan_schedule(plan(prof, first), prof), str(out / "plan.json"))
+    start = plan(prof, first) if chunks == 1 else plan_chunks(prof, first, chunks, budget_ms=500.0)
+    save_schedule(plan_schedule(start, prof), str(out / "plan.json"))
     say(
         f"training on minibatches of {size} sequences from {lengths}, each step planned by "
         f"{', '.join(methods)} in turns (rounds of {steps} steps, until decided at "
