@@ -11,6 +11,11 @@ scheduling) on those costs, each way an equal share of the budget; the fastest w
 limit is the plan. Warm (the last step's plan given), only the last step's way and one other in
 turn are tried: planning each step of a run then costs a third as much (the screening's floor is
 about 10 ms a way at 16 sequences on a CPU, taken from the ranks where they hold every core).
+
+Packing's plan on torch's multi-chunk schedules (:func:`umopt.varlen.peers.packed_rows`) is one
+of umopt's too: its rows' sequences in row order, each microbatch the sequences of its rows,
+without the rows' padding (:func:`_unpacked`); umopt's plan is never predicted slower than it,
+whatever the budget left the search.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..costmodel import Chunking
+from ..costmodel import Chunking, ChunkOp
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..search.problem import LayoutProblem
 from ..search.solvers.multichunk import solve_chunks
+from .peers import packed_rows
 from .plan import Layout, Plan, score
 from .planner import ORDERS, modes_of, order_of, stage_weights
 
@@ -73,6 +79,11 @@ def plan_chunks(
             and all(c.backward_input is not None for c in ly.tokens.values())
             for ly in profile.layers
         )
+    # packing's plan without its padding first (a few ms): the search has what is left, if any (its
+    # screening alone takes tens of ms at 32 sequences: a step's small budget may not hold it)
+    rows = _unpacked(profile, L, chunks, recompute, dp, on)
+    if rows is not None and time.perf_counter() - t0 > budget_ms / 1e3:
+        ways = []
     best = None
     for n, (m, how) in enumerate(ways):
         left = budget_ms / 1e3 - (time.perf_counter() - t0)
@@ -91,10 +102,14 @@ def plan_chunks(
             continue
         if best is None or sol.iteration_ms < best[0].iteration_ms:
             best = (sol, Layout.of_order(order, m), how)
-    if best is None:
+    if best is None and rows is None:
         raise UmoptError(
             "no plan fits the memory limit: fewer or shorter sequences per minibatch, or --recompute"
         )
+    if rows is not None and (best is None or rows.iteration_ms < best[0].iteration_ms):
+        rows.knobs.update(turn=turn, order=kn.get("order", "rows"), mode="packed")
+        rows.planning_ms = (time.perf_counter() - t0) * 1e3
+        return rows
     sol, layout, how = best
     out = score(
         "umopt",
@@ -117,3 +132,33 @@ def plan_chunks(
     )
     out.planning_ms = (time.perf_counter() - t0) * 1e3
     return out
+
+
+def _unpacked(profile: Profile, L: np.ndarray, chunks: int, recompute, dp, on) -> Optional[Plan]:
+    """Packing's plan on torch's multi-chunk schedules as a plan of umopt's: the rows' sequences
+    in row order, every op on the sequences of its rows (the rows' padding dropped: never slower);
+    None where packing has no plan within the memory limit."""
+    peer = packed_rows(profile, L, profile.num_stages, recompute, dp, chunks=chunks, on=on)
+    if peer is None or peer.chunking is None:
+        return None
+    units = peer.layout.units
+    if len({i for u in units for i in u}) != sum(len(u) for u in units):
+        return None  # a sequence cut across rows: not one of umopt's plans
+    start = np.concatenate([[0], np.cumsum([len(u) for u in units])]).astype(int)
+    ops = [[ChunkOp(op[0], int(start[op[1]]), int(start[op[2]]), op[3]) for op in rank] for rank in peer.ops]
+    layout = Layout.of_order([i for u in units for i in u], "packed")
+    return score(
+        "umopt",
+        profile,
+        L,
+        layout,
+        ops,
+        recompute,
+        dp,
+        chunking=peer.chunking,
+        chunks=chunks,
+        placement="rows",
+        cut=peer.knobs.get("cut"),
+        rows_of=peer.knobs.get("order"),
+        counts=[int(peer.knobs.get("microbatches") or 0)],
+    )
