@@ -377,12 +377,12 @@ def test_umopt_run_refuses_what_a_plan_of_sequences_cannot_do_in_one_line(tmp_pa
         assert len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("mode", ["packed", "padded"])
-def test_plans_with_several_chunks_per_rank_train_as_one_process(mode):
+@pytest.mark.parametrize("mode,recompute", [("packed", False), ("padded", True)])
+def test_plans_with_several_chunks_per_rank_train_as_one_process(mode, recompute):
     """Each rank holds two chunks (looped: the embedding and the second block on rank 0, the
     first block and the head on rank 1), planned on the layers' costs by tokens; then torch's best
     multi-chunk schedule on rows packed equally (the peer), then each virtual stage cut its own
-    way with W ops."""
+    way: with W ops, or recomputing its forwards in backward chunks cut otherwise."""
     from umopt.chunks import chunking
     from umopt.schedules.multichunk import ChunkGenes, build_ops
     from umopt.varlen.chunks import plan_chunks
@@ -394,20 +394,23 @@ def test_plans_with_several_chunks_per_rank_train_as_one_process(mode):
     batches = _minibatches(4)
     on = chunking(profile, 2, "looped")  # the pipeline's layout: every step's plan keeps it
     planned = [
-        plan_chunks(profile, np.array(L), 2, mode=mode, budget_ms=150, seed=k, on=on)
+        plan_chunks(profile, np.array(L), 2, mode=mode, recompute=recompute, budget_ms=150, seed=k, on=on)
         for k, L in enumerate(batches[:2])
     ]
-    planned.append(PEERS["pack"](profile, np.array(batches[2]), 2, chunks=2, on=on))
+    planned.append(PEERS["pack"](profile, np.array(batches[2]), 2, recompute, chunks=2, on=on))
     # and each virtual stage cut its own way by hand, W ops deferred, the samples longest first
     L = np.array(batches[3])
     layout = Layout.of_order(np.argsort(L)[::-1], mode)
-    tables = layout.tables(profile, L, chunks=on)
-    genes = ChunkGenes([[3, 7], [5, 5], [2, 3, 5], [10]], [10, 10], weights=True)
+    tables = layout.tables(profile, L, recompute, chunks=on)
+    genes = ChunkGenes([[3, 7], [5, 5], [2, 3, 5], [10]], [10, 10], weights=not recompute)
+    if recompute:
+        genes.bwd = [[10], [10], [5, 5], [10]]  # padded: whole forward chunks merged
     ops, _ = build_ops(tables, len(L), genes)
-    planned.append(score("hand", profile, L, layout, ops, tables=tables, chunking=on))
+    planned.append(score("hand", profile, L, layout, ops, recompute, tables=tables, chunking=on))
     for p in planned:
         assert p.chunking is not None and len(p.chunking.ranks) == 4
-    plans = [plan_schedule(p, profile) for p in planned]
+    plans = [plan_schedule(p, profile, recompute) for p in planned]
+    assert all(p.recompute == recompute for p in plans)
     assert {len(op) for sched in plans for st in sched.stages for op in st.ops} == {4}  # virtual stages named
     seqs_of = _seqs(parts)
     own = build_model("gpt", ARGS, seed=0).layers
