@@ -22,6 +22,7 @@ from ..chunks import chunking, placement, user_cuts
 from ..costmodel import Chunking, ChunkOp, CostTables, OpKind, Timeline, rank_peak_memory, simulate
 from ..errors import UmoptError
 from ..formats.profile import Profile
+from ..schedules.multichunk import build_ops, equal_genes
 from ..schedules.partition import chunks as sample_ranges
 from ..schedules.partition import equal_sizes
 from .problem import LayoutProblem
@@ -200,6 +201,28 @@ def _busiest_rank_ms(tables: CostTables, minibatch: int, m: int, split: bool) ->
     for j in range(tables.num_stages):
         busy[tables.rank_of(j)] += sum(float(tables.op_ms(k, j, lo, hi)) for k in kinds for lo, hi in ranges)
     return max(busy) + tables.optimizer_ms
+
+
+def equal_list_scheduled(
+    tables: CostTables, minibatch: int, weights: bool = False, until: Optional[float] = None
+) -> Optional[tuple[list[list[ChunkOp]], float, int]]:
+    """The best equal schedule on ``tables``' layout: every virtual stage M equal chunks (in
+    samples, by sequences too), each rank ordered by list scheduling under interleaved 1F1B's
+    warm-up, W ops with ``weights``; (ops, iteration ms, M) of the fastest M within the memory
+    limit, None where none fits. What stands for the equal peer where torch has no class for a
+    layout (V-shaped without W ops). ``until``: a ``time.perf_counter()`` after which no more M is
+    tried once one fits."""
+    limit, best = tables.memory_limit, None
+    for m in range(1, minibatch + 1):
+        if best is not None and until is not None and time.perf_counter() > until:
+            break
+        genes = equal_genes(tables, minibatch, m, weights=weights)
+        genes.fwd = [list(equal_sizes(minibatch, m)) for _ in genes.fwd]  # equal in samples
+        ops, ms = build_ops(tables, minibatch, genes)
+        fits = limit is None or all(rank_peak_memory(tables, r, o) <= limit for r, o in enumerate(ops))
+        if fits and (best is None or ms < best[1] - 1e-9):
+            best = (ops, ms, m)
+    return best
 
 
 def best_peers(

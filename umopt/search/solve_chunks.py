@@ -18,13 +18,12 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..costmodel import Chunking, CostTables, OpKind, Timeline, rank_peak_memory, simulate
+from ..costmodel import Chunking, CostTables, OpKind, Timeline, simulate
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule, make_schedule, validate_ops
-from ..schedules.multichunk import build_ops, equal_genes
 from .bounds.ranks import busiest_rank_bound
-from .peers import TORCH_MULTI, PeerResult, best_peers, load_torch_schedules
+from .peers import TORCH_MULTI, PeerResult, best_peers, equal_list_scheduled, load_torch_schedules
 from .problem import LayoutProblem, Progress
 from .solve import LayoutsReport, SolveReport, solve
 from .solvers.cpsat_chunks import MAX_CHUNK_MODEL, ExactChunks, chunk_model_size, solve_chunks_exact
@@ -325,20 +324,12 @@ def _schedule_of(
 
 
 def _equal_on_layout(pick: _Contender, minibatch: int, until: float) -> Optional[tuple[list, float]]:
-    """The best equal schedule on the pick's own cut and placement (every virtual stage M equal
-    chunks, interleaved 1F1B's warm-up as each rank's cap, W ops where the pick has them), within
-    the memory limit: the equal candidate where torch has no class for the layout (V-shaped
-    without W ops) or none fits."""
-    tables, weights = pick.tables, _w_everywhere(pick.ops, pick.tables.num_stages) is True
-    limit, best = tables.memory_limit, None
-    for m in range(1, minibatch + 1):
-        if best is not None and time.perf_counter() > until:
-            break
-        ops, ms = build_ops(tables, minibatch, equal_genes(tables, minibatch, m, weights=weights))
-        fits = limit is None or all(rank_peak_memory(tables, r, o) <= limit for r, o in enumerate(ops))
-        if fits and (best is None or ms < best[1] - 1e-9):
-            best = (ops, ms)
-    return best
+    """The best equal schedule on the pick's own cut and placement (W ops where the pick has
+    them), within the memory limit: the equal candidate where torch has no class for the layout
+    (V-shaped without W ops) or none fits."""
+    weights = _w_everywhere(pick.ops, pick.tables.num_stages) is True
+    best = equal_list_scheduled(pick.tables, minibatch, weights, until)
+    return None if best is None else best[:2]
 
 
 def _candidates(

@@ -39,13 +39,11 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..costmodel import Chunking, rank_peak_memory, sample_tokens
+from ..costmodel import Chunking, sample_tokens
 from ..formats.profile import AllReduceProfile, Profile
 from ..schedules.family import GPIPE, ONEF1B
-from ..schedules.multichunk import build_ops, equal_genes
-from ..schedules.partition import equal_sizes
 from ..search.baselines import gpipe_equal, onef1b_equal
-from ..search.peers import PeerResult, best_peers, load_torch_schedules
+from ..search.peers import PeerResult, best_peers, equal_list_scheduled, load_torch_schedules
 from ..search.problem import Candidate, LayoutProblem, Problem, pack
 from .plan import Layout, Plan, score
 
@@ -111,7 +109,14 @@ def _best_torch_multi(
     load_torch_schedules()
     found = [p for p in best_peers(problem, max_chunks=chunks, on=on).values() if p.iteration_ms is not None]
     if not found and on is not None:  # torch has no class for this layout (V-shaped without W ops)
-        found = [p for p in [_equal_list_scheduled(problem, on)] if p is not None]
+        equal = equal_list_scheduled(problem.tables(on), problem.minibatch)
+        if equal is not None:
+            ops, ms, m = equal
+            v = len(on.ranks) // problem.num_ranks
+            tables = problem.tables(on)
+            found = [
+                PeerResult("equal, list-scheduled", v, m, ms, ops, tables, chunking=on, cut="the plan's")
+            ]
     if not found:
         return None
     best = min(found, key=lambda p: p.iteration_ms)
@@ -131,25 +136,6 @@ def _best_torch_multi(
         cut=best.cut,
         **knobs,
     )
-
-
-def _equal_list_scheduled(problem: LayoutProblem, on: Chunking) -> Optional[PeerResult]:
-    """Equal microbatches on a layout torch has no class for, every count, each rank ordered by
-    list scheduling under interleaved 1F1B's warm-up (as ``umopt solve --chunks`` measures its
-    pick against there): the fastest within the memory limit."""
-    tables, B = problem.tables(on), problem.minibatch
-    best = None
-    for m in range(1, B + 1):
-        genes = equal_genes(tables, B, m)
-        genes.fwd = [list(equal_sizes(B, m)) for _ in genes.fwd]  # equal in samples, as the peers cut
-        ops, ms = build_ops(tables, B, genes)
-        limit = tables.memory_limit
-        if limit is not None and any(rank_peak_memory(tables, r, o) > limit for r, o in enumerate(ops)):
-            continue
-        if best is None or ms < best.iteration_ms:
-            v = len(on.ranks) // problem.num_ranks
-            best = PeerResult("equal, list-scheduled", v, m, ms, ops, tables, chunking=on, cut="the plan's")
-    return best
 
 
 def _best_shared(
