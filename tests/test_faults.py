@@ -111,13 +111,13 @@ def test_a_failed_checkpoint_write_keeps_the_last_complete_set(tmp_path, monkeyp
 
 
 def test_checkpoint_waits_are_bounded_by_the_io_timeout_not_the_steps(tmp_path, monkeypatch):
-    """[Note: two timeouts]: rank 1 writes its checkpoint file 4 s late. With the steps' bound at
+    """[Note: two timeouts]: rank 1 writes its checkpoint file 3 s late. With the steps' bound at
     2 s the run still completes (the wait for it is an I/O wait); with the I/O bound at 2 s the
     waiting rank fails, naming the wait and its bound."""
     profile = mlp_profile(tmp_path, 2)
     path, _ = write_schedule(tmp_path, profile, "gpipe", False, 4)
     monkeypatch.setenv("UMOPT_FAULT", "1:0:slowio")
-    monkeypatch.setenv("UMOPT_FAULT_SLOW_S", "4")
+    monkeypatch.setenv("UMOPT_FAULT_SLOW_S", "3")
     monkeypatch.setenv("UMOPT_TIMEOUT_S", "2")
     launch(RunOptions(schedules=[path], steps=1, warmup=0, checkpoint=str(tmp_path / "a")), quiet=True)
     assert read_manifest(tmp_path / "a", profile, "sgd").step == 1

@@ -279,7 +279,7 @@ def test_solve_lengths_with_chunks_plans_per_virtual_stage_against_torchs_multi_
 ):
     path, sched = tmp_path / "p.json", tmp_path / "plan.json"
     save_profile(synthetic_token_profile(4, blocks=8, max_length=4096, layers_per_stage=2), path)
-    argv = ["solve", str(path), "-B", "12", "--lengths", "chat", "--chunks", "2", "--time-limit", "2.5"]
+    argv = ["solve", str(path), "-B", "12", "--lengths", "chat", "--chunks", "2", "--time-limit", "1.5"]
     code, out, err = _run([*argv, "-o", str(sched)], capsys)
     assert code == 0, err
     for row in ("umopt, 2 chunks", "pad, torch x2", "pack, torch x2", "dynapipe"):
