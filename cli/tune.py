@@ -186,7 +186,9 @@ def tune(
         lb = result.lower_bound_ms
         gap = (fastest.predicted_ms - lb) / lb
         where = (
-            "meets it: no schedule can be faster there"
+            "is below it: a schedule with W ops, which the bound does not cover"
+            if gap < -1e-6
+            else "meets it: no schedule can be faster there"
             if gap <= 1e-6
             else f"is within {100 * gap:.1f}% of it (the bound is not always reachable)"
         )

@@ -18,6 +18,8 @@ FAST_LINK = ["--link-latency-ms", "0.05", "--link-gbps", "10"]
 
 
 def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
+    """Profile (backward split into B and W, probe runs), solve, then every schedule measured in
+    turns: the equal GPipe and 1F1B, umopt's with and without W ops, ZB-H1's equal schedule."""
     out = tmp_path / "tune"
     main(
         [
@@ -40,13 +42,14 @@ def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
             "20",
             "--time-limit",
             "1",
+            "--zero-bubble",
             *FAST_LINK,
             "--out",
             str(out),
         ]
     )
     stdout = capsys.readouterr().out
-    for name in ("gpipe_equal", "1f1b_equal", "umopt"):
+    for name in ("gpipe_equal", "1f1b_equal", "umopt", "zbh1_equal"):
         assert name in stdout
         report = json.loads((out / f"report_{name}.json").read_text())  # the file, as JSON
         assert report["measured_iteration_ms"] > 0 and report["predicted_iteration_ms"] > 0
@@ -60,6 +63,10 @@ def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
     # the profile was fitted to probe runs of the runtime (the machine has a core per stage)
     meta = json.loads((out / "profile.json").read_text())["meta"]
     assert meta["probes"]["ran"] and meta["calibration"]["op_overhead_ms"] >= 0
+    prof = json.loads((out / "profile.json").read_text())
+    assert all(st["backward_input_ms"] and st["backward_weight_ms"] for st in prof["stages"])
+    zb = json.loads((out / "zbh1_equal.json").read_text())
+    assert any(op[0] == "W" for st in zb["stages"] for op in st["ops"])
     # what measured fastest is recommended, and it is one of the schedules that ran
     assert "recommended (*):" in stdout and "confidence" in stdout
     report = json.loads((out / "report_gpipe_equal.json").read_text())
@@ -68,7 +75,7 @@ def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
     ran = [
         json.loads(p.read_text())
         for p in out.glob("*.json")
-        if p.stem in ("gpipe_equal", "1f1b_equal", "umopt", "umopt_best", "ramp")
+        if p.stem in ("gpipe_equal", "1f1b_equal", "umopt", "umopt_w", "zbh1_equal", "umopt_best", "ramp")
     ]
     assert any(r["stages"] == recommended["stages"] for r in ran)
     # the sentences cite the table: the lower bound's line names the fastest row at its time
@@ -80,6 +87,10 @@ def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
             pred[cells[0].split(" (=")[0].rstrip(" *")] = float(cells[2])
     m = re.search(r"the fastest schedule predicted, (\S+) \(([\d.]+) ms\)", text)
     assert m and pred[m[1]] == float(m[2]) == min(pred.values()), text
+    # a bound above the fastest schedule holds only for those without W ops, and says so
+    bound = re.search(r"lower bound ([\d.]+) ms for ([^:]+):", text)
+    if float(bound[1]) > min(pred.values()) + 0.005:
+        assert "without W ops" in bound[2] and "is below it" in text, text
     assert not re.search(r"-[\d.]+% faster than", text), text  # a gain below zero is not "faster"
 
 
@@ -107,47 +118,6 @@ def test_readme_quickstart_is_two_commands_and_ci_runs_the_test_one():
     assert "umopt tune" in install_and_run
     ci = (ROOT / ".ci" / "run").read_text()
     assert test in ci.splitlines()
-
-
-def test_tune_with_zero_bubble_measures_zb_h1_beside_the_others(tmp_path, capsys):
-    out = tmp_path / "tune"
-    main(
-        [
-            "tune",
-            "--model",
-            "mlp",
-            "--model-arg",
-            "layers=4",
-            "--model-arg",
-            "width=32",
-            "--stages",
-            "2",
-            "--minibatch",
-            "8",
-            "--steps",
-            "2",
-            "--rounds",
-            "2",
-            "--budget",
-            "20",
-            "--time-limit",
-            "1",
-            "--zero-bubble",
-            "--no-probes",
-            *FAST_LINK,
-            "--out",
-            str(out),
-        ]
-    )
-    stdout = capsys.readouterr().out
-    prof = json.loads((out / "profile.json").read_text())
-    assert all(st["backward_input_ms"] and st["backward_weight_ms"] for st in prof["stages"])
-    assert "zbh1_equal" in stdout
-    zb = json.loads((out / "zbh1_equal.json").read_text())
-    assert any(op[0] == "W" for st in zb["stages"] for op in st["ops"])
-    report = json.loads((out / "report_zbh1_equal.json").read_text())
-    assert report["measured_iteration_ms"] > 0 and report["predicted_iteration_ms"] > 0
-    assert "recommended (*):" in stdout and (out / "recommended.json").exists()
 
 
 def test_tune_with_chunks_measures_torch_multi_chunk_schedules_beside_one_chunk(tmp_path, capsys):

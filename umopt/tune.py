@@ -224,7 +224,12 @@ def _one_chunk_plans(
         if zb is not None:
             plans["zbh1_equal"] = plan("zbh1_equal", Candidate.from_ops(zb[1]))
     lb = report.schedule.solver.lower_bound_ms or report.lower_bound_ms
-    return plans, (lb, "one chunk per rank")
+    if not any(op[0] == "W" for p in plans.values() for st in p.stages for op in st.ops):
+        return plans, (lb, "one chunk per rank")
+    lb_w = report.schedule.solver.lower_bound_w_ms
+    if lb_w is not None:  # each bound holds for its own kind of schedule: the smaller for both
+        return plans, (min(lb, lb_w), "one chunk per rank, with W ops or without")
+    return plans, (lb, "one chunk per rank without W ops")
 
 
 def _chunked_plans(
