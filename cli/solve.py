@@ -140,7 +140,6 @@ def solve(
                 ("--solver", solver != "auto"),
                 ("--order", order != "auto"),
                 ("--zero-bubble", zero_bubble),
-                ("--chunks auto", len(chunk_counts) > 1),
             )
             if on
         ]
@@ -148,7 +147,7 @@ def solve(
             raise UmoptError(f"--lengths plans on its own: it takes no {', '.join(given)}")
         solve_lengths(
             profile_path, lengths, minibatch, minibatches, budget_ms, recompute, time_limit, seed,
-            memory_limit, dp, dp_gbps, output, plot, trace, chunk_counts[0],
+            memory_limit, dp, dp_gbps, output, plot, trace, chunk_counts,
         )  # fmt: skip
         return
     if output is None:

@@ -62,7 +62,7 @@ from .app import _require_torch, cli, err, model_options, out
     "--chunks",
     default="1",
     show_default=True,
-    help="Model chunks per rank, 1-4 or auto (1..4): above 1, profile layer by layer and measure umopt's and torch's multi-chunk schedules too.",
+    help="Model chunks per rank, 1-4 or auto (1..4): above 1, profile layer by layer and measure umopt's and torch's multi-chunk schedules too. With --lengths each method trains on the layout (one chunk per rank, or several) its plan of the first minibatch predicts fastest.",
 )
 @click.option(
     "--lengths",
@@ -112,10 +112,8 @@ def tune(
     given = dict(locals())  # the options, as the command line gave them
     _require_torch()
     if lengths is not None:
-        if zero_bubble or chunks == "auto":
-            raise UmoptError(
-                "--lengths plans without W ops and with one chunk count, so far: leave out --zero-bubble and --chunks auto"
-            )
+        if zero_bubble:
+            raise UmoptError("--lengths plans without W ops so far: leave out --zero-bubble")
         _tune_lengths(given)
         return
     from umopt.search.solve_chunks import parse_chunks
@@ -220,10 +218,10 @@ def _tune_lengths(o: dict) -> None:
         o["minibatch"] or DEFAULT["minibatch"],
     )
     from umopt.search.solve_chunks import parse_chunks
-    from umopt.tune import CHUNKED_LENGTHS_METHODS, LENGTHS_METHODS
+    from umopt.tune import LENGTHS_METHODS
 
-    chunks = parse_chunks(o["chunks"])[0]
-    given = o["methods"] or ",".join(LENGTHS_METHODS if chunks == 1 else CHUNKED_LENGTHS_METHODS)
+    chunks = tuple(sorted({1, *parse_chunks(o["chunks"])}))  # each method chooses its layout among them
+    given = o["methods"] or ",".join(LENGTHS_METHODS)
     result = tune_lengths(
         model,
         args,

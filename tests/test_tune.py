@@ -147,9 +147,9 @@ def test_tune_with_lengths_measures_umopt_plans_against_a_peers_on_the_same_mini
 ):
     """``umopt tune --lengths``: a profile by tokens (here a synthetic one of the same gpt, for
     time: profiling by tokens is tests/test_lengths_profile.py's), then the steps planned by
-    umopt and by packing in turns; a sampler longer than --max-length is scaled to it. (With
-    ``--chunks 2`` the same path, every plan on the layout: 5 s more, the planning processes
-    importing torch's schedules; its pieces are tests/test_varlen_run.py's.)"""
+    umopt, packing and DynaPipe in turns, each on the layout its plan of the first minibatch chose
+    among one chunk per rank and two (``--chunks 2``; DynaPipe has one only), each layout its own
+    model copy; a sampler longer than --max-length is scaled to it."""
     import sys
 
     import umopt.tune
@@ -157,7 +157,7 @@ def test_tune_with_lengths_measures_umopt_plans_against_a_peers_on_the_same_mini
     sys.path.insert(0, str(Path(__file__).parent))
     from test_varlen_run import ARGS, _run_profile
 
-    monkeypatch.setattr(umopt.tune, "_profile", lambda *a, **k: _run_profile(tmp_path))
+    monkeypatch.setattr(umopt.tune, "_profile", lambda *a, **k: _run_profile(tmp_path, layers=True))
     out = tmp_path / "tune"
     args = [f"--model-arg={k}={v}" for k, v in ARGS.items() if k != "seq_len"]
     argv = [
@@ -172,14 +172,17 @@ def test_tune_with_lengths_measures_umopt_plans_against_a_peers_on_the_same_mini
         "-B",
         "8",
     ]
-    argv += ["--methods", "umopt,pack", "--steps", "1", "--rounds", "2", "--budget", "1", "--out", str(out)]
-    main(argv)
+    argv += ["--methods", "umopt,pack,dynapipe", "--chunks", "2", "--steps", "1", "--rounds", "2"]
+    main([*argv, "--budget", "1", "--out", str(out)])
     cap = capsys.readouterr()
-    assert "chat's lengths scaled down" in cap.err
-    reports = {m: json.loads((out / f"report_{m}.json").read_text()) for m in ("umopt", "pack")}
-    assert (
-        reports["umopt"]["lengths"]["tokens"] == reports["pack"]["lengths"]["tokens"]
-    )  # the same minibatches
+    assert "chat's lengths scaled down" in cap.err and "layouts, each method's fastest" in cap.err
+    methods = ("umopt", "pack", "dynapipe")
+    reports = {m: json.loads((out / f"report_{m}.json").read_text()) for m in methods}
+    plans = {m: json.loads((out / f"plan_{m}.json").read_text()) for m in methods}
+    assert plans["dynapipe"]["chunks"] is None
+    for m in methods:  # each method's steps on its own plan's layout, on the same minibatches
+        assert reports[m]["chunks"] == plans[m]["chunks"], m
+        assert reports[m]["lengths"]["tokens"] == reports["umopt"]["lengths"]["tokens"]
     assert all(r["lengths"]["data"] == "--lengths chat/85.3333" for r in reports.values())
     row = next(line for line in cap.out.splitlines() if line.startswith("│ pack"))
     got = float(row.split("│")[2]) * 1e3

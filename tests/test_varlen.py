@@ -183,7 +183,7 @@ def test_solve_lengths_stream_and_its_errors(tmp_path, capsys):
         capsys,
     )
     assert code == 0, err
-    assert "3/3" in out and "wlb" in out and "plan ms p95" in out
+    assert "3/3" in out and "wlb" in out and "plan ms p50" in out and "p95" in out
     bad = [
         (
             ["solve", "gpt-tokens-sim", "-B", "16", "--lengths", "nope", "-o", str(tmp_path / "x.json")],
@@ -282,11 +282,17 @@ def test_solve_lengths_with_chunks_plans_per_virtual_stage_against_torchs_multi_
     argv = ["solve", str(path), "-B", "12", "--lengths", "chat", "--chunks", "2", "--time-limit", "1.5"]
     code, out, err = _run([*argv, "-o", str(sched)], capsys)
     assert code == 0, err
-    for row in ("umopt, 2 chunks", "pad, torch x2", "pack, torch x2", "dynapipe"):
+    for row in ("umopt, chunked", "pad, chunked", "pack, chunked", "dynapipe"):
         assert row in out
     s = load_schedule(str(sched))
-    assert s.lengths is not None and set(s.baselines) >= set(PEERS) | {"pack, torch x2"}
+    assert s.lengths is not None and set(s.baselines) >= set(PEERS) | {"pack, chunked"}
     if s.chunks is not None:  # umopt's multi-chunk plan won: each virtual stage its own chunks
         assert len(s.chunks.ranks) == 8 and all(len(op) == 4 for st in s.stages for op in st.ops)
-    code, _, err = _run([*argv[:-4], "--chunks", "auto", "-o", str(sched)], capsys)
-    assert code == 2 and "takes no --chunks auto" in err
+    # a stream, every count of chunks its layers allow (2 here: 2 layers a stage), each multi-chunk
+    # method keeping its first plan's layout: every minibatch planned by every method
+    argv = [*argv[:-4], "--chunks", "auto", "--minibatches", "3", "--time-limit", "20"]
+    code, out, err = _run(argv, capsys)
+    assert code == 0, err
+    rows = {line.split("│")[1].strip().rstrip(" *"): line for line in out.splitlines() if line.count("│") > 3}
+    for row in ("umopt", "umopt, chunked", "pad, chunked", "pack, chunked", "pack"):
+        assert " 3/3 " in rows[row], out

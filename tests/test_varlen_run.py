@@ -364,7 +364,7 @@ def test_umopt_run_refuses_what_a_plan_of_sequences_cannot_do_in_one_line(tmp_pa
     )
     plan_file = str(tmp_path / "plan.json")
     cases = [
-        ([plan_file, plan_file], "runs alone"),
+        ([plan_file, plan_file], "one per --methods entry"),
         ([plan_file, "--methods", "umopt,fifo"], "unknown 'fifo'"),
         ([plan_file, "--lengths", "tweets"], "unknown lengths 'tweets'"),
         ([plan_file, "--lengths", "chat", "--data", "userzoo:gpt_sequences"], "not both"),
@@ -377,12 +377,16 @@ def test_umopt_run_refuses_what_a_plan_of_sequences_cannot_do_in_one_line(tmp_pa
         assert len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("mode,recompute", [("packed", False), ("padded", True)])
-def test_plans_with_several_chunks_per_rank_train_as_one_process(mode, recompute):
+@pytest.mark.parametrize(
+    "mode,recompute,dp", [("packed", False, 1), ("padded", True, 1), ("packed", False, 2)]
+)
+def test_plans_with_several_chunks_per_rank_train_as_one_process(mode, recompute, dp):
     """Each rank holds two chunks (looped: the embedding and the second block on rank 0, the
     first block and the head on rank 1), planned on the layers' costs by tokens; then torch's best
     multi-chunk schedule on rows packed equally (the peer), then each virtual stage cut its own
-    way: with W ops, or recomputing its forwards in backward chunks cut otherwise."""
+    way: with W ops, or recomputing its forwards in backward chunks cut otherwise. With ``dp``
+    2, two replicas of the pipeline, each with minibatches and plans of its own: the gradients
+    are one process's on both minibatches at once."""
     from umopt.chunks import chunking
     from umopt.schedules.multichunk import ChunkGenes, build_ops
     from umopt.varlen.chunks import plan_chunks
@@ -391,56 +395,74 @@ def test_plans_with_several_chunks_per_rank_train_as_one_process(mode, recompute
         2, blocks=2, max_length=ARGS["seq_len"], max_size=16, layers_per_stage=2
     )
     parts, _ = _model()
-    batches = _minibatches(4)
     on = chunking(profile, 2, "looped")  # the pipeline's layout: every step's plan keeps it
-    planned = [
-        plan_chunks(profile, np.array(L), 2, mode=mode, recompute=recompute, budget_ms=150, seed=k, on=on)
-        for k, L in enumerate(batches[:2])
-    ]
-    planned.append(PEERS["pack"](profile, np.array(batches[2]), 2, recompute, chunks=2, on=on))
-    # and each virtual stage cut its own way by hand, W ops deferred, the samples longest first
-    L = np.array(batches[3])
-    layout = Layout.of_order(np.argsort(L)[::-1], mode)
-    tables = layout.tables(profile, L, recompute, chunks=on)
-    genes = ChunkGenes([[3, 7], [5, 5], [2, 3, 5], [10]], [10, 10], weights=not recompute)
-    if recompute:
-        genes.bwd = [[10], [10], [5, 5], [10]]  # padded: whole forward chunks merged
-    ops, _ = build_ops(tables, len(L), genes)
-    planned.append(score("hand", profile, L, layout, ops, recompute, tables=tables, chunking=on))
-    for p in planned:
-        assert p.chunking is not None and len(p.chunking.ranks) == 4
-    plans = [plan_schedule(p, profile, recompute) for p in planned]
-    assert all(p.recompute == recompute for p in plans)
-    assert {len(op) for sched in plans for st in sched.stages for op in st.ops} == {4}  # virtual stages named
+
+    def plans_of(batches):
+        planned = [
+            plan_chunks(profile, np.array(L), 2, mode=mode, recompute=recompute, budget_ms=150, seed=k, on=on)
+            for k, L in enumerate(batches[:2])
+        ]
+        planned.append(PEERS["pack"](profile, np.array(batches[2]), 2, recompute, chunks=2, on=on))
+        # and each virtual stage cut its own way by hand, W ops deferred, the samples longest first
+        L = np.array(batches[3])
+        layout = Layout.of_order(np.argsort(L)[::-1], mode)
+        tables = layout.tables(profile, L, recompute, chunks=on)
+        genes = ChunkGenes([[3, 7], [5, 5], [2, 3, 5], [10]], [10, 10], weights=not recompute)
+        if recompute:
+            genes.bwd = [[10], [10], [5, 5], [10]]  # padded: whole forward chunks merged
+        ops, _ = build_ops(tables, len(L), genes)
+        planned.append(score("hand", profile, L, layout, ops, recompute, tables=tables, chunking=on))
+        for p in planned:
+            assert p.chunking is not None and len(p.chunking.ranks) == 4
+        return [plan_schedule(p, profile, recompute) for p in planned]
+
+    # each replica its minibatches (the second's lengths mirror the first's)
+    batches = [_minibatches(4)]
+    batches += [[[ARGS["seq_len"] + 1 - n for n in L] for L in batches[0]]] * (dp - 1)
+    plans = [plans_of(b) for b in batches]
+    assert all(p.recompute == recompute for sched in plans for p in sched)
+    assert {len(op) for sched in plans[0] for st in sched.stages for op in st.ops} == {
+        4
+    }  # virtual stages named
     seqs_of = _seqs(parts)
-    own = build_model("gpt", ARGS, seed=0).layers
-    layout = plans[0].layout(profile)
+
+    def seqs(step, replica):
+        return seqs_of(10 * step + replica, batches[replica][step])
+
+    owns = [build_model("gpt", ARGS, seed=0).layers for _ in range(dp)]
+    layout = plans[0][0].layout(profile)
     modules = {
-        r: [Layers(own[lo:hi]) for (lo, hi), rr in zip(layout.layers, layout.ranks) if rr == r]
+        (k, r): [Layers(owns[k][lo:hi]) for (lo, hi), rr in zip(layout.layers, layout.ranks) if rr == r]
+        for k in range(dp)
         for r in (0, 1)
     }
 
     def rank(comm):
-        r = comm.rank
+        replica, r = divmod(comm.rank, 2)
+        dp_groups = [comm.new_group([k * 2 + s for k in range(dp)]) for s in range(2)] if dp > 1 else None
         pipe = umopt.Pipeline(
-            modules[r],
-            plans[0],
+            modules[replica, r],
+            plans[replica][0],
             profile=profile,
             loss_fn=nn.CrossEntropyLoss(),
             dtype="float32",
+            group=[replica * 2, replica * 2 + 1],
+            dp_group=dp_groups[r] if dp_groups else None,
             _comm=comm,
             select=False,
         )
-        opt = torch.optim.SGD([p for m in modules[r] for p in m.parameters()], lr=0.1)
-        for step, L in enumerate(batches):
-            seqs = seqs_of(step, L)
-            kw = {"inputs": [x for x, _ in seqs]} if r == 0 else {"targets": [y for _, y in seqs]}
-            pipe.step(plan=plans[step], **kw)
+        opt = torch.optim.SGD([p for m in modules[replica, r] for p in m.parameters()], lr=0.1)
+        for step in range(len(batches[0])):
+            xy = seqs(step, replica)
+            kw = {"inputs": [x for x, _ in xy]} if r == 0 else {"targets": [y for _, y in xy]}
+            pipe.step(plan=plans[replica][step], **kw)
             opt.step()
             opt.zero_grad()
 
-    World(2).run(rank)
-    want = _reference(batches, seqs_of)
-    for i, layer in enumerate(own):
-        for k, v in layer.state_dict().items():
-            torch.testing.assert_close(v, want[f"{i}.{k}"], rtol=1e-5, atol=1e-6)
+    World(2 * dp).run(rank)
+    # one process: every replica's sequences of a step as one minibatch
+    want = _reference(range(len(batches[0])), lambda step, _: [x for k in range(dp) for x in seqs(step, k)])
+    for own in owns:
+        for i, layer in enumerate(own):
+            for k, v in layer.state_dict().items():
+                torch.testing.assert_close(v, want[f"{i}.{k}"], rtol=1e-5, atol=1e-6)

@@ -21,6 +21,7 @@ from .formats.profile import LayerProfile, LinkProfile, Profile, StageProfile, T
 __all__ = [
     "PLACEMENTS",
     "placement",
+    "placement_name",
     "chunking",
     "balanced_cut",
     "stage_cut",
@@ -56,6 +57,13 @@ def placement(name: str, num_ranks: int, chunks: int) -> tuple[int, ...]:
     if name == "vshape":  # zig-zag: even rounds go down the ranks, odd rounds come back up
         return tuple(j % S if (j // S) % 2 == 0 else S - 1 - j % S for j in range(v * S))
     raise UmoptError(f"unknown placement {name!r} (one of {', '.join(PLACEMENTS)})")
+
+
+def placement_name(ranks: Sequence[int], num_ranks: int) -> str:
+    """Which placement ``ranks`` (each virtual stage's rank) follows: "looped", "vshape" or "custom"."""
+    v = len(ranks) // num_ranks
+    named = [name for name in PLACEMENTS if tuple(ranks) == placement(name, num_ranks, v)]
+    return named[0] if named else "custom"
 
 
 def _layer_cost(profile: Profile) -> np.ndarray:

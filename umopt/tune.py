@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from .chunks import placement_name
 from .costmodel import OpKind, simulate
 from .errors import UmoptError
 from .fileio import check_writable
@@ -48,8 +49,8 @@ from .search.solve import make_problem, solve
 from .search.solve_chunks import solve_chunked
 from .search.solvers import SOLVERS
 from .search.zerobubble import zb_h1
-from .varlen.chunks import plan_chunks
-from .varlen.planner import plan
+from .varlen.layouts import choose_layouts
+from .varlen.plan import Plan
 from .varlen.samplers import SAMPLERS, minibatch_of_step
 from .varlen.solve import plan_schedule
 
@@ -75,7 +76,6 @@ DEFAULT = {
 }
 EQUAL = ("gpipe_equal", "1f1b_equal")
 LENGTHS_METHODS = ("umopt", "pad", "pack", "dynapipe")  # what tune --lengths measures in turns
-CHUNKED_LENGTHS_METHODS = ("umopt", "pad", "pack")  # ...with several chunks per rank
 
 
 @dataclass
@@ -476,16 +476,15 @@ def tune_lengths(
     dtype: str = "float32",
     link_latency_ms: Optional[float] = None,
     link_gbps: Optional[float] = None,
-    chunks: int = 1,
+    chunks: Sequence[int] = (1,),
     say: Callable[[str], None] = lambda _msg: None,
 ) -> LengthsResult:
     """Profile by tokens, then train on minibatches of ``size`` sequences drawn from ``lengths``
     (a sampler or ``file:PATH``; at most ``max_length`` tokens each), every step planned by each
     of ``methods`` in turns on the same minibatches, until the paired test over rounds decides
-    between umopt's plans and the best peer's (or the budget ends). With ``chunks`` > 1 the model
-    is profiled layer by layer and every rank holds that many chunks, laid out as umopt's plan of
-    the first minibatch lays them out (the peers: padding and packing on torch's multi-chunk
-    schedules)."""
+    between umopt's plans and the best peer's (or the budget ends). ``chunks``: the counts of
+    chunks per rank each method may hold (above 1: the model profiled layer by layer); each method
+    trains on the layout its plan of the first minibatch chose (:mod:`umopt.varlen.layouts`)."""
     if "umopt" not in methods or len(methods) < 2:
         raise UmoptError("tune --lengths measures umopt's plans against at least one peer's")
     minibatch_of_step(lengths, 0, 1, max_length)  # an unknown sampler fails before any timing
@@ -509,17 +508,24 @@ def tune_lengths(
         link_gbps=link_gbps,
         lengths=max_length,
     )
-    out, prof = _profiled(opts, out_dir, probes, min(size, 32), chunks, say)
+    out, prof = _profiled(opts, out_dir, probes, min(size, 32), max(chunks), say)
     first = minibatch_of_step(lengths, 0, size, max_length)
-    start = plan(prof, first) if chunks == 1 else plan_chunks(prof, first, chunks, budget_ms=500.0)
-    save_schedule(plan_schedule(start, prof), str(out / "plan.json"))
+    chosen = choose_layouts(prof, first, methods, chunks)
+    for m, p in chosen.items():
+        save_schedule(plan_schedule(p, prof), str(out / f"plan_{m}.json"))
+    save_schedule(plan_schedule(chosen["umopt"], prof), str(out / "plan.json"))  # the one to train with
+    if max(chunks) > 1:
+        say(
+            "layouts, each method's fastest on the first minibatch: "
+            + ", ".join(f"{m} {_layout_name(p)}" for m, p in chosen.items())
+        )
     say(
         f"training on minibatches of {size} sequences from {lengths}, each step planned by "
         f"{', '.join(methods)} in turns (rounds of {steps} steps, until decided at "
         f"{100 * confidence:.0f}% confidence: at least {rounds} rounds, at most {budget:g} s)"
     )
     options = RunOptions(
-        schedules=[str(out / "plan.json")],
+        schedules=[str(out / f"plan_{m}.json") for m in methods],
         methods=list(methods),
         lengths=lengths,
         steps=steps,
@@ -561,3 +567,11 @@ def tune_lengths(
         warnings,
         sorted(str(p) for p in out.iterdir()),
     )
+
+
+def _layout_name(p: Plan) -> str:
+    """A plan's layout in a few words: "one chunk per rank", or "2 chunks per rank, vshape"."""
+    if p.chunking is None:
+        return "one chunk per rank"
+    S = len(set(p.chunking.ranks))
+    return f"{len(p.chunking.ranks) // S} chunks per rank, {placement_name(p.chunking.ranks, S)}"

@@ -91,7 +91,8 @@ def sequence_source(
 class SequenceFeed:
     """One rank's sequences and (where it makes them) plans, step by step (the module docstring).
 
-    ``methods``: the planning methods whose plans this rank makes (empty: it makes none)."""
+    ``layouts``: the planning methods whose plans this rank makes (empty: it makes none), each
+    with its pipeline's layout where its ranks hold several chunks (every plan of it keeps it)."""
 
     def __init__(
         self,
@@ -102,16 +103,15 @@ class SequenceFeed:
         profile: Profile,
         recompute: bool,
         allreduce: Optional[AllReduceProfile],
-        methods: tuple[str, ...] = (),
-        on: Optional[Chunking] = None,
+        layouts: Optional[dict[str, Optional[Chunking]]] = None,
     ):
         self.source, self.asked, self.dp, self.replica = source, asked, dp, replica
         self.profile, self.recompute, self.allreduce = profile, recompute, allreduce
-        self.on = on  # the pipeline's layout where ranks hold several chunks: every plan keeps it
-        self.methods = methods
+        self.layouts = layouts or {}
+        self.methods = tuple(self.layouts)
         self._steps: dict[int, Sequences] = {}
         self._ahead: dict[str, PlanAhead] = {}
-        self._queued: dict[str, list[int]] = {m: [] for m in methods}  # steps submitted, not taken
+        self._queued: dict[str, list[int]] = {m: [] for m in self.methods}  # steps submitted, not taken
         self.tokens: dict[int, int] = {}  # each step's real tokens, all replicas together
 
     def batch(self, step: int) -> Sequences:
@@ -148,7 +148,11 @@ class SequenceFeed:
             return
         if method not in self._ahead:
             self._ahead[method] = PlanAhead(
-                self.profile, recompute=self.recompute, dp=self.allreduce, method=method, on=self.on
+                self.profile,
+                recompute=self.recompute,
+                dp=self.allreduce,
+                method=method,
+                on=self.layouts[method],
             )
         self._ahead[method].submit(self.lengths(step))
         self._queued[method].append(step)

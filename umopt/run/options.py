@@ -28,7 +28,7 @@ from ..formats.schedule import (
     require_pick_layout,
 )
 from ..measure.decide import is_equal
-from ..varlen.ahead import CHUNKED_METHODS, METHODS
+from ..varlen.layouts import CHUNKED_METHODS, METHODS
 from ..varlen.samplers import minibatch_of_step
 from ..zoo import build_model, import_object
 from .checkpoint import MANIFEST, read_manifest
@@ -148,7 +148,7 @@ def preflight(opts: RunOptions, verify_stages: Optional[list[int]] = None) -> Ru
     _check_model(profile)
     _check_counts(opts)
     methods = _methods(opts, schedules, profile)
-    if methods:  # one plan file, played once per method: each step planned by it
+    if methods and len(schedules) == 1:  # one plan file, played once per method: each step planned by it
         schedules = [schedules[0]] * len(methods)
     names = methods or [Path(p).stem for p in opts.schedules]
     _check_turns(opts, schedules, names, methods)
@@ -222,11 +222,18 @@ def _methods(opts: RunOptions, schedules: list[Schedule], profile: Profile) -> l
                     f"{flag} is for a plan for sequences of different lengths (umopt solve --lengths -o PLAN)"
                 )
         return []
-    if len(schedules) > 1:
+    if any(sc.lengths is None for sc in schedules):
         raise UmoptError(
-            "a plan for sequences of different lengths runs alone (each step is planned anew): "
-            "give --methods umopt,pad,pack for turns with what people run"
+            "a plan for sequences of different lengths runs with plans of sequences only (each step is "
+            "planned anew): give --methods umopt,pad,pack for turns with what people run"
         )
+    if len(schedules) > 1 and len(schedules) != len(opts.methods or ["umopt"]):
+        raise UmoptError(
+            f"{len(schedules)} plans of sequences: give one (every method plans on its layout) or one per "
+            "--methods entry, in its order (each method on its plan's layout)"
+        )
+    if len({(len(sc.lengths.lengths), sc.recompute) for sc in schedules}) > 1:  # type: ignore[union-attr]
+        raise UmoptError("the plans differ in their count of sequences or in --recompute: plan them alike")
     if profile.lengths is None:
         raise UmoptError(f"profile {profile.path} has no costs by tokens (umopt profile --lengths)")
     if opts.data and opts.lengths:
@@ -237,12 +244,12 @@ def _methods(opts: RunOptions, schedules: list[Schedule], profile: Profile) -> l
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise UmoptError(f"--methods: unknown {bad[0]!r}: each of {', '.join(METHODS)}")
-    one_chunk = [m for m in methods if m not in CHUNKED_METHODS]
-    if schedules[0].chunks is not None and one_chunk:
-        raise UmoptError(
-            f"--methods: {one_chunk[0]} plans one chunk per rank, the plan has several: "
-            f"each of {', '.join(CHUNKED_METHODS)}"
-        )
+    for m, sc in zip(methods, schedules * len(methods) if len(schedules) == 1 else schedules):
+        if sc.chunks is not None and m not in CHUNKED_METHODS:
+            raise UmoptError(
+                f"--methods: {m} plans one chunk per rank, its plan has several: "
+                f"each of {', '.join(CHUNKED_METHODS)} (or give {m} a plan of its own with one chunk)"
+            )
     if len(set(methods)) < len(methods):
         raise UmoptError("--methods names a method twice")
     return methods

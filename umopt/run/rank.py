@@ -258,8 +258,7 @@ def _feed(cfg: RunConfig, setup: StageSetup, replica: int, s: int) -> Optional[S
         profile,
         sched.recompute,
         run_allreduce(cfg, sched),
-        tuple(cfg.methods) if s == 0 else (),
-        sched.chunking(),
+        {m: sc.chunking() for m, sc in zip(cfg.methods, cfg.schedules)} if s == 0 else {},
     )
 
 

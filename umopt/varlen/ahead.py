@@ -33,14 +33,13 @@ from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule
 from .chunks import plan_chunks
+from .layouts import CHUNKED_METHODS, METHODS
 from .peers import PEERS
 from .planner import plan
 from .solve import plan_schedule
 
-__all__ = ["METHODS", "CHUNKED_METHODS", "PlanAhead"]
+__all__ = ["PlanAhead"]
 
-METHODS = ("umopt", *PEERS)  # who may plan the minibatches
-CHUNKED_METHODS = ("umopt", "pad", "pack")  # ...and where ranks hold several chunks
 # a plan's budget by default, one chunk per rank or several. Kept small: where the ranks use every
 # core (a CPU run), what the planner takes the steps lose (with several chunks, 150 ms a plan
 # predicted 5% faster plans and measured 25% slower steps: 2 CPU ranks, 50 ms steps). Warm

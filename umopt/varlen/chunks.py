@@ -21,7 +21,7 @@ whatever the budget left the search.
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -40,7 +40,7 @@ __all__ = ["plan_chunks"]
 def plan_chunks(
     profile: Profile,
     lengths,
-    chunks: int,
+    chunks: Union[int, Sequence[int]],
     mode: Optional[str] = None,
     recompute: bool = False,
     dp: Optional[AllReduceProfile] = None,
@@ -51,8 +51,8 @@ def plan_chunks(
     weights: Optional[bool] = None,
     previous: Optional[Plan] = None,
 ) -> Plan:
-    """umopt's plan of ``lengths`` with ``chunks`` chunks per rank, within about ``budget_ms``
-    (see the module docstring); ``mode``: "packed" or "padded" (default: each of the profile's);
+    """umopt's plan of ``lengths`` with ``chunks`` chunks per rank (a count, or the counts to
+    search: ``--chunks auto``'s 2-4), within about ``budget_ms`` (see the module docstring); ``mode``: "packed" or "padded" (default: each of the profile's);
     ``on``: that cut and placement only (a running pipeline's, whose modules hold its layers);
     ``weights``: W ops (the backward split, zero bubble), by default where the layers' costs by
     tokens have the split; ``previous``: the last step's plan, to start from (see the module
@@ -65,6 +65,13 @@ def plan_chunks(
             "the profile has no per-layer entries, so a rank's layers cannot be cut into chunks "
             "(umopt profile --lengths --chunks)"
         )
+    counts = (
+        (len(on.ranks) // S,)
+        if on is not None
+        else tuple(sorted({chunks} if isinstance(chunks, int) else set(chunks)))
+    )
+    if not counts or min(counts) < 2:
+        raise UmoptError(f"plan_chunks plans 2 or more chunks per rank, got {counts}")
     ways = [(m, how) for how in orders for m in ([mode] if mode else modes_of(profile))]
     kn = previous.knobs if previous is not None and previous.chunking is not None else {}
     turn = int(kn.get("turn", -1)) + 1
@@ -81,7 +88,7 @@ def plan_chunks(
         )
     # packing's plan without its padding first (a few ms): the search has what is left, if any (its
     # screening alone takes tens of ms at 32 sequences: a step's small budget may not hold it)
-    rows = _unpacked(profile, L, chunks, recompute, dp, on)
+    rows = _unpacked(profile, L, max(counts), recompute, dp, on)
     if rows is not None and time.perf_counter() - t0 > budget_ms / 1e3:
         ways = []
     best = None
@@ -92,7 +99,7 @@ def plan_chunks(
         try:
             sol = solve_chunks(
                 problem,
-                chunk_counts=(chunks,),
+                chunk_counts=counts,
                 seconds=max(0.0, left / (len(ways) - n)),
                 seed=seed,
                 on=on,
@@ -124,7 +131,7 @@ def plan_chunks(
         chunking=sol.shape.chunking,
         mode=layout.mode,
         order=how,
-        chunks=chunks,
+        chunks=sol.shape.chunks,
         turn=turn,
         placement=sol.shape.placement,
         cut=sol.shape.cut,
@@ -156,7 +163,7 @@ def _unpacked(profile: Profile, L: np.ndarray, chunks: int, recompute, dp, on) -
         recompute,
         dp,
         chunking=peer.chunking,
-        chunks=chunks,
+        chunks=len(peer.chunking.ranks) // profile.num_stages,
         placement="rows",
         cut=peer.knobs.get("cut"),
         rows_of=peer.knobs.get("order"),

@@ -6,8 +6,10 @@ what is left of the time limit, and every peer at its best knobs (:mod:`.peers`)
 file holds the best of umopt's plans, with the sequences each sample holds (``lengths``) and the
 peers as its baselines. With several chunks per rank, umopt's multi-chunk plan
 (:func:`.chunks.plan_chunks`) takes half of the search's time and competes with the one-chunk
-plans, and padding and packing run torch's multi-chunk schedules too. A stream: every minibatch planned warm-started from the one before, as
-in training, with the peers beside it, until the stream or the time limit ends.
+plans, and padding and packing run torch's multi-chunk schedules too (each at its best count up
+to the largest asked). A stream: every minibatch planned warm-started from the one before, as in
+training, with the peers beside it, until the stream or the time limit ends; with several chunks
+per rank, each multi-chunk method keeps the layout of its first plan (a pipeline's modules).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from ..chunks import placement_name
+from ..costmodel import Chunking
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import LengthsSpec, Schedule, make_schedule
-from ..search.peers import TORCH_EXIT_S
+from ..search.peers import TORCH_EXIT_S, load_torch_schedules
 from .chunks import plan_chunks
 from .peers import PEERS, packed_rows, pad, timed
 from .plan import Plan
@@ -39,6 +43,8 @@ __all__ = [
 # what is kept back from the time limit for writing the file and the picture (and with several
 # chunks per rank, the peers having imported torch's schedules, for the process's exit)
 _MARGIN_S = 1.5
+# the rows of several chunks per rank ("pack, chunked": packing on torch's multi-chunk schedules)
+CHUNKED = "chunked"
 
 
 @dataclass
@@ -73,27 +79,28 @@ def solve_minibatch(
     recompute: bool = False,
     dp: Optional[AllReduceProfile] = None,
     seed: int = 0,
-    chunks: int = 1,
+    chunks: Sequence[int] = (1,),
 ) -> MinibatchReport:
-    """One minibatch (see the module docstring), within ``time_limit`` seconds; with ``chunks``,
-    up to that many chunks per rank."""
+    """One minibatch (see the module docstring), within ``time_limit`` seconds; ``chunks``: the
+    counts of chunks per rank to plan (``--chunks``: one count, or auto's 1-4)."""
     t0 = time.perf_counter()
     L = np.asarray(lengths, dtype=np.int64)
     _check(profile, L)
     S = profile.num_stages
+    many = tuple(c for c in chunks if c > 1)
     fast = plan(profile, L, budget_ms=budget_ms, recompute=recompute, dp=dp, seed=seed)
     peers = {name: timed(fn, profile, L, S, recompute, dp) for name, fn in PEERS.items()}
-    if chunks > 1:
+    if many:  # torch's multi-chunk schedules at their best count (up to the largest), M and cut
         for name, fn in (("pad", pad), ("pack", packed_rows)):
-            peers[f"{name}, torch x{chunks}"] = timed(fn, profile, L, S, recompute, dp, chunks=chunks)
-    margin = _MARGIN_S + (TORCH_EXIT_S if chunks > 1 else 0.0)
+            peers[f"{name}, {CHUNKED}"] = timed(fn, profile, L, S, recompute, dp, chunks=max(many))
+    margin = _MARGIN_S + (TORCH_EXIT_S if many else 0.0)
     left = time_limit - (time.perf_counter() - t0) - margin
     chunked = None
-    if chunks > 1:
+    if many:
         share = max(0.2, left / 2)
         try:
             chunked = plan_chunks(
-                profile, L, chunks, recompute=recompute, dp=dp, budget_ms=1e3 * share, seed=seed
+                profile, L, many, recompute=recompute, dp=dp, budget_ms=1e3 * share, seed=seed
             )
         except UmoptError:  # none within the memory limit: the one-chunk plans still compete
             pass
@@ -150,7 +157,7 @@ def plan_schedule(
         baselines or {},
         dp,
         chunks=p.chunking,
-        placement=p.knobs.get("placement", "custom"),
+        placement=placement_name(p.chunking.ranks, profile.num_stages) if p.chunking else "custom",
     )
     spec = LengthsSpec(
         mode=p.layout.mode,
@@ -190,26 +197,54 @@ def solve_stream(
     recompute: bool = False,
     dp: Optional[AllReduceProfile] = None,
     progress: Optional[Callable[[int, int], None]] = None,
+    chunks: Sequence[int] = (1,),
 ) -> StreamReport:
     """Every minibatch planned after the one before (see the module docstring), until the stream
-    or ``time_limit`` ends."""
+    or ``time_limit`` ends. With ``chunks`` above 1, umopt's, padding's and packing's plans on
+    several chunks per rank too, each method keeping the layout its plan of the first minibatch
+    chose (as a pipeline keeps its modules)."""
     t0 = time.perf_counter()
     S = profile.num_stages
+    many = tuple(c for c in chunks if c > 1)
     out = StreamReport(0, len(batches))
-    methods = ["umopt", *PEERS]
+    multi = (
+        {f"{m}, {CHUNKED}": fn for m, fn in (("umopt", None), ("pad", pad), ("pack", packed_rows))}
+        if many
+        else {}
+    )
+    if many:  # imported before the clock of any plan runs (seconds on a CPU)
+        load_torch_schedules()
+    methods = ["umopt", *PEERS, *multi]
     out.ms = {m: [] for m in methods}
     out.planning_ms = {m: [] for m in methods}
     previous = None
+    on: dict[str, Chunking] = {}  # each multi-chunk method's layout, once its first plan chose it
+    last: dict[str, Plan] = {}
+    margin = _MARGIN_S + (TORCH_EXIT_S if many else 0.0)
     for k, L in enumerate(batches):
         L = np.asarray(L, dtype=np.int64)
         _check(profile, L)
-        if k and time.perf_counter() - t0 > time_limit - _MARGIN_S:
+        if k and time.perf_counter() - t0 > time_limit - margin:
             break
         previous = plan(
             profile, L, budget_ms=budget_ms, recompute=recompute, dp=dp, previous=previous, seed=k
         )
         got = {"umopt": previous}
         got.update({name: timed(fn, profile, L, S, recompute, dp) for name, fn in PEERS.items()})
+        for name, fn in multi.items():
+            if fn is None:
+                try:
+                    got[name] = plan_chunks(
+                        profile, L, many, recompute=recompute, dp=dp, budget_ms=budget_ms,
+                        seed=k, on=on.get(name), previous=last.get(name),
+                    )  # fmt: skip
+                except UmoptError:  # none within the memory limit
+                    got[name] = None
+            else:
+                got[name] = timed(fn, profile, L, S, recompute, dp, chunks=max(many), on=on.get(name))
+            if got[name] is not None:
+                last[name] = got[name]
+                on.setdefault(name, got[name].chunking)
         out.tokens.append(int(L.sum()))
         for m in methods:
             q = got[m]
