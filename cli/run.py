@@ -227,17 +227,19 @@ def _print_lengths(reports: list[RunReport]) -> None:
     """Steps of sequences of different lengths, each planned by its method: tokens per second."""
     first = reports[0]
     umopt = next((r for r in reports if r.lengths.method == "umopt"), None)
-    ranks = (
-        f"{first.stages} stages"
-        if not first.chunks
-        else (f"{first.stages} ranks x {len(first.chunks['ranks']) // max(1, first.stages or 1)} chunks")
-    )
+
+    def chunks(r: RunReport) -> int:  # per rank, on the layout the method's steps ran on
+        return len(r.chunks["ranks"]) // max(1, r.stages or 1) if r.chunks else 1
+
+    def n(k: int, what: str) -> str:
+        return f"{k} {what}" + ("" if k == 1 else "s")
+
     table = Table(
-        title=f"{ranks} x {first.dp}, {first.backend}: sequences of different lengths "
-        f"({first.lengths.data}), {first.rounds} rounds, {first.steps} measured steps each"
+        title=f"{first.stages} ranks x {first.dp}, {first.backend}: sequences of different lengths "
+        f"({first.lengths.data}), {n(first.rounds, 'round')}, {n(first.steps, 'measured step')} each"
     )
     table.add_column("method", no_wrap=True)
-    for col in ("ktok/s", "pred", "ms", "pred ms", "meas/pred"):
+    for col in ("chunks", "ktok/s", "pred", "ms", "pred ms", "meas/pred"):
         table.add_column(col, justify="right", no_wrap=True)
     if umopt is not None and len(reports) > 1:
         table.add_column("umopt x", justify="right", no_wrap=True)
@@ -245,6 +247,7 @@ def _print_lengths(reports: list[RunReport]) -> None:
         ln = r.lengths
         row = [
             ln.method,
+            str(chunks(r)),
             f"{ln.tokens_per_s / 1e3:.2f}",
             f"{ln.predicted_tokens_per_s / 1e3:.2f}",
             f"{r.measured_iteration_ms:.1f}",
@@ -256,7 +259,7 @@ def _print_lengths(reports: list[RunReport]) -> None:
         table.add_row(*row)
     out.print(table)
     out.print(
-        "method: who planned each step; ktok/s: real tokens (no padding) per second over the measured "
+        "method: who planned each step; chunks: per rank, in the method's layout; ktok/s: real tokens (no padding) per second over the measured "
         "steps; ms: the mean step; pred: each step's plan as the cost model costs it; umopt x: umopt's "
         "tokens per second over the row's; every method of a round trained on the same minibatches",
         markup=False,

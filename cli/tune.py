@@ -241,12 +241,13 @@ def _tune_lengths(o: dict) -> None:
         f"(up to {o['max_length']} tokens)"
     )
     table.add_column("method", no_wrap=True)
-    for col in ("ktok/s", "pred", "ms", "pred ms", "umopt x"):
+    for col in ("chunks", "ktok/s", "pred", "ms", "pred ms", "umopt x"):
         table.add_column(col, justify="right", no_wrap=True)
     for row in result.rows:
         mark = " *" if row.method == result.recommended else ""
         table.add_row(
             row.method + mark,
+            str(row.chunks),
             f"{row.tokens_per_s / 1e3:.2f}",
             f"{row.predicted_tokens_per_s / 1e3:.2f}",
             f"{row.measured_ms:.1f}",
@@ -255,7 +256,8 @@ def _tune_lengths(o: dict) -> None:
         )
     out.print(table)
     out.print(
-        "method: who planned each step (the same minibatches for all); ktok/s: real tokens (no padding) "
+        "method: who planned each step (the same minibatches for all); chunks: per rank, the layout the method "
+        "chose on the first minibatch; ktok/s: real tokens (no padding) "
         "per second, measured over the measured steps, and pred as the cost model costs each step's plan; "
         "ms: the mean step; umopt x: umopt's tokens per second over the row's",
         markup=False,

@@ -185,6 +185,6 @@ def test_tune_with_lengths_measures_umopt_plans_against_a_peers_on_the_same_mini
         assert reports[m]["lengths"]["tokens"] == reports["umopt"]["lengths"]["tokens"]
     assert all(r["lengths"]["data"] == "--lengths chat/85.3333" for r in reports.values())
     row = next(line for line in cap.out.splitlines() if line.startswith("│ pack"))
-    got = float(row.split("│")[2]) * 1e3
+    got = float(row.split("│")[3]) * 1e3
     assert got == pytest.approx(reports["pack"]["lengths"]["tokens_per_s"], rel=0.01)
     assert "umopt run" in cap.out and (out / "plan.json").exists()

@@ -442,6 +442,7 @@ class LengthsRow:
     rounds_ms: list[float]  # the median step of each round
     report: str
     plot: str
+    chunks: int = 1  # per rank, in the layout the method chose
 
 
 @dataclass
@@ -551,6 +552,7 @@ def tune_lengths(
                 r.round_ms,
                 rep,
                 str(out / f"measured_{method}.png"),
+                len(r.chunks["ranks"]) // stages if r.chunks else 1,
             )
         )
         off = r.measured_over_predicted - 1

@@ -228,7 +228,12 @@ def run_warnings(report: RunReport) -> list[str]:
     """What a run's report says the user should know: a run far off its prediction (and what to
     do), and steps too scattered to trust."""
     out = []
-    name = report.schedule or "the schedule"
+    # sequences of different lengths: the method whose plans ran (every method runs one plan file)
+    name = (
+        f"{report.lengths.method}'s steps"
+        if report.lengths is not None
+        else report.schedule or "the schedule"
+    )
     if report.dp > 1 and not report.allreduce:
         out.append(
             f"{name} ran with {report.dp} data-parallel replicas but its prediction leaves out their all-reduce (no speed known): "

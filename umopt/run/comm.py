@@ -11,10 +11,13 @@ implements the primitives below; everything above them is shared.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import pickle
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Iterable, Optional, Sequence
 
@@ -292,6 +295,15 @@ class TorchComm(Comm):
         if self.backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.watching: Optional[threading.Thread] = None
+        atexit.register(_release_at_exit, weakref.ref(self))
+
+    def release(self) -> None:
+        """Let go of this world's groups (see [Note: groups freed before the interpreter ends])."""
+        self.links = {}
+        self.pg = None
+        if TorchComm._current is self:
+            TorchComm._current = None
+        gc.collect()
 
     def _set(self, key: str, value: bytes) -> None:
         self.store.set(key, value)
@@ -414,6 +426,20 @@ class TorchComm(Comm):
 
         self.watching = threading.Thread(target=watch, name="umopt-pipeline-failures", daemon=True)
         self.watching.start()
+
+
+# [Note: groups freed before the interpreter ends]
+# A user's script that trains with umopt.Pipeline on gloo, calls destroy_process_group() and
+# returns died at exit with SIGABRT ("terminate called without an active exception") in about
+# 1 run of 15 (2 of 30 on this machine; the same loop without umopt's groups: 0 of 30). torch's
+# registry lets go of the groups at destroy_process_group(), but this module still held them (the
+# world's Comm, its links), so they were freed while the interpreter was being torn down, and
+# gloo's threads and pending work died there. At exit, while the interpreter is whole, the Comm
+# lets go of them: 0 of 60 runs aborted after. umopt's own ranks leave by os._exit (rank.py).
+def _release_at_exit(ref: "weakref.ReferenceType[TorchComm]") -> None:
+    comm = ref()
+    if comm is not None:
+        comm.release()
 
 
 def describe(exc: BaseException, limit: int = 300) -> str:
