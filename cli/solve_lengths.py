@@ -14,8 +14,8 @@ from umopt.errors import UmoptError
 from .app import _ms, _progress_bar, load_solve_profile, out
 
 _FOOTER = (
-    "ms: predicted iteration; ktok/s: the minibatch's real tokens (no padding) per second; umopt vs it: "
-    "umopt's plan's speedup over the row; microbatches: per stage, or per virtual stage with chunks (a range where they differ); "
+    "ms: predicted iteration; ktok/s: the minibatch's real tokens (no padding) per second; umopt x: "
+    "umopt's plan's speedup over the row; M: microbatches per stage, or per virtual stage with chunks (a range where they differ); "
     "plan ms: the time the method took to plan; chunked: several chunks per rank (pad and pack: on torch's multi-chunk "
     "schedules at their best count, microbatches and cut)"
 )
@@ -134,11 +134,13 @@ def _one(profile, L, source, budget_ms, recompute, time_limit, seed, dp, output,
     rows += [(name, p) for name, p in report.peers.items()]
     pick = report.best
     table = Table(title=None)
-    for col in ("method", "ms", "ktok/s", "umopt vs it", "microbatches", "how", "plan ms"):
-        table.add_column(col, justify="left" if col in ("method", "how") else "right", no_wrap=col != "how")
+    for col in ("method", "ms", "ktok/s", "umopt x", "M", "plan ms"):
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
+    hows = []
     for name, p in rows:
         if p is None:
-            table.add_row(name, "-", "-", "-", "-", "does not fit the memory limit", "")
+            table.add_row(name, "-", "-", "-", "-", "")
+            hows.append(f"{name}: does not fit the memory limit")
             continue
         ratio = "" if p is pick else f"{p.iteration_ms / pick.iteration_ms:.2f}x"
         table.add_row(
@@ -147,11 +149,14 @@ def _one(profile, L, source, budget_ms, recompute, time_limit, seed, dp, output,
             f"{p.tokens_per_s / 1e3:.1f}",
             ratio,
             _microbatches(p),
-            _how(p),
             f"{p.planning_ms:.0f}",
         )
+        hows.append(f"{name}: {_how(p)}")
     out.print(table)
     out.print(_FOOTER, style="dim", markup=False, highlight=False)
+    out.print("how each method cut the minibatch:", markup=False, highlight=False)
+    for line in hows:  # below the table, where a narrow terminal keeps them whole
+        out.print(f"  {line}", markup=False, highlight=False)
     schedule = schedule_of(report, profile, recompute, dp)
     fitting = [(n, p) for n, p in report.peers.items() if p is not None]
     panels = []

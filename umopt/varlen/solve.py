@@ -91,6 +91,7 @@ def solve_minibatch(
     fast = plan(profile, L, budget_ms=budget_ms, recompute=recompute, dp=dp, seed=seed)
     peers = {name: timed(fn, profile, L, S, recompute, dp) for name, fn in PEERS.items()}
     if many:  # torch's multi-chunk schedules at their best count (up to the largest), M and cut
+        load_torch_schedules()  # imported before a plan's clock runs (seconds on a CPU)
         for name, fn in (("pad", pad), ("pack", packed_rows)):
             peers[f"{name}, {CHUNKED}"] = timed(fn, profile, L, S, recompute, dp, chunks=max(many))
     margin = _MARGIN_S + (TORCH_EXIT_S if many else 0.0)
