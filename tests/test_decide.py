@@ -29,6 +29,11 @@ def test_a_faster_schedule_wins_only_at_the_stated_confidence():
     )
     assert d.winner == "umopt" and d.reference == "gpipe_equal" and d.decided and d.confidence > 0.99
     assert re.search(r"4\.\d% faster than gpipe_equal over 6 paired rounds, at >99.9% confidence", d.reason)
+    assert "not told apart" not in d.reason
+    # the winner sure, two references not told apart by their noise: the turns go on, and say why
+    twin = [r * (1 + e) for r, e in zip(ref, np.random.default_rng(2).uniform(-0.06, 0.06, 6))]
+    d = decide({"pack": ref, "dynapipe": twin, "umopt": fast}, ["pack", "dynapipe"])
+    assert d.winner == "umopt" and not d.decided and "not told apart yet" in d.reason
     # the case: 4.6% faster overall, but slower in 2 of 4 rounds: not at 95%, so not decided,
     # and the equal schedule is kept
     ref4 = [100.0, 100.0, 100.0, 100.0]

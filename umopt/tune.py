@@ -53,6 +53,7 @@ from .varlen.layouts import choose_layouts
 from .varlen.plan import Plan
 from .varlen.samplers import SAMPLERS, minibatch_of_step
 from .varlen.solve import plan_schedule
+from .zoo import build_model
 
 __all__ = [
     "DEFAULT",
@@ -130,6 +131,19 @@ def _check_runnable(opts: ProfileOptions) -> None:
             raise UmoptError(
                 f"umopt tune runs each stage on its own GPU: {opts.stages} stages, {gpus} GPU(s) here (use --stages {gpus})"
             )
+
+
+def _counts_the_layers_allow(opts: ProfileOptions, chunks: Sequence[int], say) -> tuple[int, ...]:
+    """``--chunks auto``'s counts (several asked) that the model's layers allow on its stages; a
+    single count asked is kept (too few layers for it is an error, said by the profile)."""
+    many = [c for c in chunks if c > 1]
+    if len(many) < 2:
+        return tuple(chunks)
+    layers = len(build_model(opts.model, opts.model_args, seed=opts.seed).layers)
+    kept = tuple(c for c in chunks if c * (opts.stages or 1) <= layers)
+    if len(kept) < len(chunks):
+        say(f"{opts.model} has {layers} layers: up to {max(kept)} chunks per rank on {opts.stages} stages")
+    return kept
 
 
 def _profile(opts: ProfileOptions, probes: bool, probe_minibatch: int, chunks: int) -> Profile:
@@ -312,7 +326,8 @@ def tune(
         link_gbps=link_gbps,
         split_backward=zero_bubble,
     )
-    v = max(chunks or (1,))
+    chunks = _counts_the_layers_allow(opts, chunks or (1,), say)
+    v = max(chunks)
     out, prof = _profiled(opts, out_dir, probes, min(minibatch, 32) if minibatch >= 4 else minibatch, v, say)
     warnings = list(prof.meta.warnings)
     say(
@@ -509,6 +524,7 @@ def tune_lengths(
         link_gbps=link_gbps,
         lengths=max_length,
     )
+    chunks = _counts_the_layers_allow(opts, chunks, say)
     out, prof = _profiled(opts, out_dir, probes, min(size, 32), max(chunks), say)
     first = minibatch_of_step(lengths, 0, size, max_length)
     chosen = choose_layouts(prof, first, methods, chunks)

@@ -96,6 +96,12 @@ def decide(
     if winners:
         best = min(winners, key=lambda c: statistics.median(rounds_ms[c.name]))
         reason = f"{100 * best.gain:.1f}% faster than {ref} over {rounds} paired rounds, at {_percent(best.faster)} confidence"
+        # what keeps the turns going once the winner is sure: the references told apart, or not
+        open_refs = [
+            n for n, c in zip((n for n in refs if n != ref), peers) if max(c.faster, c.not_worth) < confidence
+        ]
+        if open_refs:
+            reason += f"; {ref} against {', '.join(open_refs)}: not told apart yet"
         return Decision(best.name, ref, best.faster, decided, rounds, comps, reason)
     sure = min([c.not_worth for c in comps] + [max(c.faster, c.not_worth) for c in peers], default=1.0)
     if comps:
