@@ -25,6 +25,9 @@ def calibrate(profile_path, reports, output) -> None:
     check_writable(output)
     profile = load_profile(profile_path)
     loaded = [load_report(r) for r in reports]
+    if any(r.lengths is not None for r in loaded):  # runs of sequences: their costs by tokens
+        _by_tokens(profile, loaded, list(reports), output)
+        return
     calibrated = fit(profile, loaded, list(reports))
     table = Table(title="measured / profiled, by chunk size (median over ops)")
     for col in ("stage", "kind", "ratios"):
@@ -36,6 +39,37 @@ def calibrate(profile_path, reports, output) -> None:
     out.print(
         f"the runtime's own costs: {cal.op_overhead_ms:.3f} ms per op, {cal.message_overhead_ms:.3f} ms per message, "
         f"{cal.step_overhead_ms:+.2f} ms per iteration; predictions within {100 * (cal.residual_rms or 0.0):.1f}% (rms) of these runs"
+    )
+    save_profile(calibrated, output)
+    out.print(f"wrote {output}")
+
+
+def _by_tokens(profile, loaded, names, output) -> None:
+    from umopt.formats.profile import save_profile
+    from umopt.measure.calibrate_tokens import calibrate_tokens
+
+    calibrated, refits = calibrate_tokens(profile, loaded, names)
+    table = Table(title="costs by tokens: measured = ratio x predicted + per op, over the runs' ops")
+    for col in ("stage", "mode", "fit", "ops", "ratio", "per op ms", "error before", "after"):
+        table.add_column(col, justify="left" if col in ("mode", "fit") else "right", no_wrap=True)
+    for f in refits:
+        table.add_row(
+            str(f.stage),
+            f.mode,
+            f.kind,
+            str(f.ops),
+            f"{f.ratio:.3f}",
+            f"{f.per_op_ms:+.3f}",
+            f"{100 * f.rms_before:.1f}%",
+            f"{100 * f.rms_after:.1f}%",
+        )
+    out.print(table)
+    out.print(
+        "error: the ops' predictions off their measured durations (relative, rms); the per-message and "
+        "per-iteration costs are left as they were",
+        style="dim",
+        markup=False,
+        highlight=False,
     )
     save_profile(calibrated, output)
     out.print(f"wrote {output}")

@@ -296,3 +296,65 @@ def test_solve_lengths_with_chunks_plans_per_virtual_stage_against_torchs_multi_
     rows = {line.split("│")[1].strip().rstrip(" *"): line for line in out.splitlines() if line.count("│") > 3}
     for row in ("umopt", "umopt, chunked", "pad, chunked", "pack, chunked", "pack"):
         assert " 3/3 " in rows[row], out
+
+
+def _varlen_report(pairs, **kw) -> dict:
+    from umopt.formats.report import LengthsRun, RunReport
+
+    lengths = LengthsRun(
+        method="umopt", data="test", tokens=[1], predicted_step_ms=[1.0], tokens_per_s=1.0,
+        predicted_tokens_per_s=1.0, op_pairs=pairs,
+    )  # fmt: skip
+    base = dict(stages=2, measured_iteration_ms=10.0, predicted_iteration_ms=10.0, lengths=lengths)
+    return RunReport(**(base | kw)).model_dump(mode="json")
+
+
+def test_calibrate_fits_costs_by_tokens_to_runs_of_sequences(tmp_path, capsys):
+    """Ops measured 1.3x their predictions plus 0.4 ms each: the fit finds both, and the calibrated
+    profile predicts them (its stages' layers moved alike); runs it cannot fit from are refused."""
+    from umopt.formats.profile import TokenFit
+
+    prof = synthetic_token_profile(2, blocks=2, max_length=48, max_size=16, layers_per_stage=2)
+    path = tmp_path / "p.json"
+    save_profile(prof, path)
+    prof = load_profile(path)
+    T = np.array([30, 60, 120, 240, 480])  # a chunk's tokens (one sequence each: squares T**2)
+
+    def op_ms(fit: TokenFit, s: int) -> np.ndarray:
+        return fit.a_ms + fit.b_ms * T + fit.c_ms * T**2 + fit.d_ms + prof.stages[s].op_overhead_ms
+
+    pairs = [
+        ("packed", s, kind, float(p), float(1.3 * p + 0.4))
+        for s in (0, 1)
+        for kind, field in (("F", "forward"), ("B", "backward"))
+        for p in op_ms(getattr(prof.stages[s].tokens["packed"], field), s)
+    ]
+    rep = tmp_path / "r.json"
+    rep.write_text(json.dumps(_varlen_report(pairs)))
+    code, out, err = _run(["calibrate", str(path), str(rep), "-o", str(tmp_path / "c.json")], capsys)
+    assert code == 0, err
+    cal = load_profile(tmp_path / "c.json")
+    fits = cal.meta.calibration.tokens
+    assert set(fits) == {f"stage{s}.packed.{f}" for s in (0, 1) for f in ("forward", "backward")}
+    for f in fits.values():
+        assert f["ratio"] == pytest.approx(1.3, rel=1e-3) and f["per_op_ms"] == pytest.approx(0.4, abs=1e-3)
+        assert f["rms_after"] < 1e-3 < f["rms_before"]
+    for s in (0, 1):
+        new, old = cal.stages[s].tokens["packed"].forward, prof.stages[s].tokens["packed"].forward
+        np.testing.assert_allclose(op_ms(new, s), 1.3 * op_ms(old, s) + 0.4, rtol=1e-6)
+        lo, hi = cal.stages[s].layers
+        layers = [cal.layers[i].tokens["packed"].forward for i in range(lo, hi)]
+        assert sum(ly.a_ms for ly in layers) == pytest.approx(new.a_ms)
+        assert sum(ly.b_ms for ly in layers) == pytest.approx(new.b_ms)
+    one_length = tmp_path / "one.json"  # beside a run of sequences: refused, not fitted half
+    one_length.write_text(json.dumps(_varlen_report([], lengths=None, ops=[[["F", 0, 1, 1.0, 1.0]]] * 2)))
+    for kw, more, said in (
+        ({"chunks": {"ranks": [0, 1, 0, 1]}}, [], "several chunks per rank"),
+        ({"recompute": True}, [], "--recompute"),
+        ({}, [str(one_length)], "a run of one length"),
+    ):
+        rep.write_text(json.dumps(_varlen_report(pairs, **kw)))
+        argv = ["calibrate", str(path), str(rep), *more, "-o", str(tmp_path / "x.json")]
+        code, _, err = _run(argv, capsys)
+        assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x.json").exists()

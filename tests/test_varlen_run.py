@@ -334,6 +334,11 @@ def test_umopt_run_plans_each_step_ahead_and_methods_take_turns_on_the_same_mini
         assert r.lengths.method == m and r.lengths.tokens == [tokens]  # the same minibatch, step 0's
         assert r.lengths.tokens_per_s == pytest.approx(tokens / (r.step_ms[0] / 1e3))
         assert len(r.lengths.predicted_step_ms) == 1 and r.lengths.predicted_step_ms[0] > 0
+        # every op of the measured step, both ranks, with its plan's prediction: what calibrate fits
+        assert len(r.lengths.op_pairs) == sum(len(st) for st in r.ops) and {
+            p[1] for p in r.lengths.op_pairs
+        } == {0, 1}
+        assert all(p[3] > 0 and p[4] > 0 for p in r.lengths.op_pairs)
     got = {}
     for s in range(2):
         got.update(torch.load(tmp_path / "g" / f"grads_stage{s}.pt"))

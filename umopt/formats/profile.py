@@ -232,6 +232,9 @@ class CalibrationMeta(_Meta):
     message_overhead_ms: float = 0.0
     step_overhead_ms: float = 0.0
     residual_rms: Optional[float] = None
+    # costs by tokens fitted to runs of sequences: "stage0.packed.forward": {"ratio", "per_op_ms",
+    # "ops", "rms_before", "rms_after"} (umopt.measure.calibrate_tokens)
+    tokens: dict[str, dict[str, float]] = {}
 
 
 class ProfileMeta(_Meta):

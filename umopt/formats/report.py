@@ -99,6 +99,9 @@ class LengthsRun(BaseModel):
     tokens_per_s: float  # measured: the tokens over the measured steps' time
     predicted_tokens_per_s: float
     predicted_peak_memory_bytes: list[int] = []  # per rank, the most any of replica 0's plans needs
+    # replica 0's ops of every measured step: (mode, virtual stage, kind, predicted ms by the step's
+    # plan, measured ms): what `umopt calibrate` fits the costs by tokens to
+    op_pairs: list[tuple[str, StrictInt, Literal["F", "B", "W"], _Ms, _Ms]] = []
 
 
 class RunReport(BaseModel):

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..costmodel import Chunking, OpKind
+from ..costmodel import Chunking, OpKind, simulate
 from ..devices import (
     TensorSpec,
     boundary_tensors,
@@ -296,6 +296,9 @@ class _Play:
     predicted_peak: list[int] = field(default_factory=list)  # per rank, the most any plan played needs
     peak_bytes: Optional[int] = None  # CPU: this rank's peak in the step measured for it
     peak_predicted: list[int] = field(default_factory=list)  # ... and that step's plan's, per rank
+    # sequences of different lengths: each measured step's plan and this rank's ops' durations in it
+    # (predicted at the report, not between steps): what `umopt calibrate` fits the costs by tokens to
+    step_ops: list[tuple[Schedule, list[float]]] = field(default_factory=list)
 
     @property
     def schedule(self) -> Schedule:
@@ -455,6 +458,8 @@ def _step(
         play.allreduce_ms.append(sum(t1 - t0 for k, *_, t0, t1 in done if k == "AR"))
         for d, (_, _, _, _, t0, t1) in zip(play.op_ms, done[: len(ops)]):
             d.append(t1 - t0)
+        if rk.cfg.varlen:
+            play.step_ops.append((play.pipe.playing.plan, [t1 - t0 for *_, t0, t1 in done[: len(ops)]]))
     return ms
 
 
@@ -610,6 +615,7 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
             if device.type == "cuda"
             else play.peak_bytes,
             "numerics_differ": differ,
+            "op_pairs": _op_pairs(rk, play) if cfg.varlen else [],
         }
         gathered: list = [None] * rk.world
         with waiting("the other ranks' measurements", io=True):  # rank 0 writes the last report meanwhile
@@ -626,12 +632,28 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
                 len(play.losses) if play.last else play.warmup + play.selection_steps + len(play.step_ms),
                 gathered[: cfg.num_stages],
                 play.pipe.played_schedules(),
-                lengths=_lengths_run(cfg, play) if cfg.varlen else None,
+                lengths=_lengths_run(
+                    cfg, play, [p for rec in gathered[: cfg.num_stages] for p in rec["op_pairs"]]
+                )
+                if cfg.varlen
+                else None,
             )
             write_report(cfg, measured, k, rounds, decision, selection)
 
 
-def _lengths_run(cfg: RunConfig, play: _Play) -> LengthsRun:
+def _op_pairs(rk: _Rank, play: _Play) -> list[tuple[str, int, str, float, float]]:
+    """This rank's ops of every measured step: (mode, virtual stage, kind, predicted ms by the
+    step's plan, measured ms)."""
+    out = []
+    for plan, measured in play.step_ops:
+        assert plan.lengths is not None
+        timeline = simulate(plan.tables(rk.cfg.profile), plan.op_lists(), plan.minibatch)
+        for sp, ms in zip(timeline.spans[rk.s], measured):
+            out.append((plan.lengths.mode, int(sp.chunk), str(sp.kind), sp.end - sp.start, ms))
+    return out
+
+
+def _lengths_run(cfg: RunConfig, play: _Play, op_pairs: list) -> LengthsRun:
     """What a run of sequences of different lengths measured beyond the steps' times."""
     opts = cfg.options
     seconds = sum(play.step_ms) / 1e3
@@ -650,6 +672,7 @@ def _lengths_run(cfg: RunConfig, play: _Play) -> LengthsRun:
         else 0.0,
         # what the measured peak is compared with: on CPUs, the measured step's plan's
         predicted_peak_memory_bytes=play.peak_predicted or play.predicted_peak,
+        op_pairs=op_pairs,
     )
 
 
