@@ -88,7 +88,7 @@ def plan_chunks(
         )
     # packing's plan without its padding first (a few ms): the search has what is left, if any (its
     # screening alone takes tens of ms at 32 sequences: a step's small budget may not hold it)
-    rows = _unpacked(profile, L, max(counts), recompute, dp, on)
+    rows = _unpacked(profile, L, max(counts), recompute, dp, on, until=t0 + budget_ms / 1e3)
     if rows is not None and time.perf_counter() - t0 > budget_ms / 1e3:
         ways = []
     best = None
@@ -141,11 +141,11 @@ def plan_chunks(
     return out
 
 
-def _unpacked(profile: Profile, L: np.ndarray, chunks: int, recompute, dp, on) -> Optional[Plan]:
+def _unpacked(profile: Profile, L: np.ndarray, chunks: int, recompute, dp, on, until=None) -> Optional[Plan]:
     """Packing's plan on torch's multi-chunk schedules as a plan of umopt's: the rows' sequences
     in row order, every op on the sequences of its rows (the rows' padding dropped: never slower);
     None where packing has no plan within the memory limit."""
-    peer = packed_rows(profile, L, profile.num_stages, recompute, dp, chunks=chunks, on=on)
+    peer = packed_rows(profile, L, profile.num_stages, recompute, dp, chunks=chunks, on=on, until=until)
     if peer is None or peer.chunking is None:
         return None
     units = peer.layout.units

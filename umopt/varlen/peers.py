@@ -60,12 +60,14 @@ def _best_equal(
     dp,
     chunks: int = 1,
     on: Optional[Chunking] = None,
+    until: Optional[float] = None,
     **knobs,
 ) -> Optional[Plan]:
     """The best equal-microbatch schedule (GPipe or 1F1B, every count) of ``layout``; with
-    ``chunks`` > 1, of torch's multi-chunk schedules instead (:func:`_best_torch_multi`)."""
+    ``chunks`` > 1, of torch's multi-chunk schedules instead (:func:`_best_torch_multi`, which
+    stops trying counts at ``until``, a ``time.perf_counter()``, once one fits)."""
     if chunks > 1:
-        return _best_torch_multi(method, profile, lengths, layout, chunks, recompute, dp, on, **knobs)
+        return _best_torch_multi(method, profile, lengths, layout, chunks, recompute, dp, on, until, **knobs)
     tables = layout.tables(profile, lengths, recompute, dp)
     problem = Problem(tables, len(layout.units))
     found = [b for b in (gpipe_equal(problem), onef1b_equal(problem)) if b.candidate is not None]
@@ -95,6 +97,7 @@ def _best_torch_multi(
     recompute,
     dp,
     on: Optional[Chunking] = None,
+    until: Optional[float] = None,
     **knobs,
 ) -> Optional[Plan]:
     """torch's multi-chunk schedules (interleaved 1F1B, looped BFS; those with W ops need a split
@@ -107,9 +110,13 @@ def _best_torch_multi(
         profile, len(layout.units), recompute, dp, tokens=tokens, mode=mode, squares=squares, docs=docs
     )
     load_torch_schedules()
-    found = [p for p in best_peers(problem, max_chunks=chunks, on=on).values() if p.iteration_ms is not None]
+    found = [
+        p
+        for p in best_peers(problem, max_chunks=chunks, on=on, until=until).values()
+        if p.iteration_ms is not None
+    ]
     if not found and on is not None:  # torch has no class for this layout (V-shaped without W ops)
-        equal = equal_list_scheduled(problem.tables(on), problem.minibatch)
+        equal = equal_list_scheduled(problem.tables(on), problem.minibatch, until=until)
         if equal is not None:
             ops, ms, m = equal
             v = len(on.ranks) // problem.num_ranks
@@ -220,6 +227,7 @@ def packed_rows(
     split: bool = False,
     chunks: int = 1,
     on: Optional[Chunking] = None,
+    until: Optional[float] = None,
 ) -> Optional[Plan]:
     """``rows``: the row lengths to try (default: three powers of two from the longest
     sequence's up, within the profile's longest; with ``split``, also a half and a quarter of
@@ -246,6 +254,7 @@ def packed_rows(
             dp,
             chunks,
             on,
+            until,
             row=int(r),
             rows=len(layout.units),
         )
