@@ -615,8 +615,9 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
             if device.type == "cuda"
             else play.peak_bytes,
             "numerics_differ": differ,
-            "op_pairs": _op_pairs(rk, play) if cfg.varlen else [],
         }
+        if cfg.varlen:  # every step its own plan: the predicted busy time is those plans' too
+            mine["op_pairs"], mine["busy_predicted_ms"] = _op_pairs(rk, play)
         gathered: list = [None] * rk.world
         with waiting("the other ranks' measurements", io=True):  # rank 0 writes the last report meanwhile
             dist.all_gather_object(gathered, mine, group=rk.io_group)
@@ -641,16 +642,18 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
             write_report(cfg, measured, k, rounds, decision, selection)
 
 
-def _op_pairs(rk: _Rank, play: _Play) -> list[tuple[str, int, str, float, float]]:
+def _op_pairs(rk: _Rank, play: _Play) -> tuple[list[tuple[str, int, str, float, float]], float]:
     """This rank's ops of every measured step: (mode, virtual stage, kind, predicted ms by the
-    step's plan, measured ms)."""
-    out = []
+    step's plan, measured ms); and the median over those steps of the rank's predicted busy time
+    (what its measured busy time, the same steps' median, compares with)."""
+    out, busy = [], []
     for plan, measured in play.step_ops:
         assert plan.lengths is not None
         timeline = simulate(plan.tables(rk.cfg.profile), plan.op_lists(), plan.minibatch)
         for sp, ms in zip(timeline.spans[rk.s], measured):
             out.append((plan.lengths.mode, int(sp.chunk), str(sp.kind), sp.end - sp.start, ms))
-    return out
+        busy.append(timeline.busy_ms[rk.s])
+    return out, statistics.median(busy) if busy else 0.0
 
 
 def _lengths_run(cfg: RunConfig, play: _Play, op_pairs: list) -> LengthsRun:

@@ -201,7 +201,13 @@ def _run_report(
         predicted_iteration_ms=predicted,
         measured_over_predicted=measured / predicted,
         step_ms=m.step_ms,
-        busy_ms=MeasuredPredicted(measured=[rec["busy_ms"] for rec in per_rank], predicted=pred_tl.busy_ms),
+        busy_ms=MeasuredPredicted(
+            measured=[rec["busy_ms"] for rec in per_rank],
+            # sequences: the measured steps' plans' median, as the measured figure is theirs
+            predicted=[rec["busy_predicted_ms"] for rec in per_rank]
+            if m.lengths is not None
+            else pred_tl.busy_ms,
+        ),
         allreduce_ms=MeasuredPredicted(measured=ar_measured, predicted=pred_tl.allreduce_ms)
         if opts.dp > 1
         else None,
