@@ -311,7 +311,8 @@ def _varlen_report(pairs, **kw) -> dict:
 
 def test_calibrate_fits_costs_by_tokens_to_runs_of_sequences(tmp_path, capsys):
     """Ops measured 1.3x their predictions plus 0.4 ms each: the fit finds both, and the calibrated
-    profile predicts them (its stages' layers moved alike); runs it cannot fit from are refused."""
+    profile predicts them (its stages' layers moved alike), with one chunk per rank or several;
+    runs it cannot fit from are refused."""
     from umopt.formats.profile import TokenFit
 
     prof = synthetic_token_profile(2, blocks=2, max_length=48, max_size=16, layers_per_stage=2)
@@ -346,10 +347,38 @@ def test_calibrate_fits_costs_by_tokens_to_runs_of_sequences(tmp_path, capsys):
         layers = [cal.layers[i].tokens["packed"].forward for i in range(lo, hi)]
         assert sum(ly.a_ms for ly in layers) == pytest.approx(new.a_ms)
         assert sum(ly.b_ms for ly in layers) == pytest.approx(new.b_ms)
+    # several chunks per rank (looped: virtual stage j holds layer j): each layer moves with its
+    # virtual stage's fit, and each stage's own fits become its layers' sums
+    looped = {"layers": [[j, j + 1] for j in range(4)], "ranks": [0, 1, 0, 1], "placement": "looped"}
+    fwd = [prof.layers[j].tokens["packed"].forward for j in range(4)]
+    ov = [prof.stages[r].op_overhead_ms for r in looped["ranks"]]
+    chunked = [
+        ("packed", j, "F", float(p), float(1.3 * p + 0.4))
+        for j in range(4)
+        for p in op_ms(fwd[j], 0) - prof.stages[0].op_overhead_ms + ov[j]
+    ]
+    rep.write_text(json.dumps(_varlen_report(chunked, chunks=looped)))
+    code, out, err = _run(["calibrate", str(path), str(rep), "-o", str(tmp_path / "c2.json")], capsys)
+    assert code == 0, err
+    cal = load_profile(tmp_path / "c2.json")
+    for j in range(4):
+        new = cal.layers[j].tokens["packed"].forward
+        np.testing.assert_allclose(
+            op_ms(new, 0) - prof.stages[0].op_overhead_ms + ov[j],
+            1.3 * (op_ms(fwd[j], 0) - prof.stages[0].op_overhead_ms + ov[j]) + 0.4,
+            rtol=1e-6,
+        )
+    for st in cal.stages:
+        lo, hi = st.layers
+        assert st.tokens["packed"].forward.b_ms == pytest.approx(
+            sum(cal.layers[i].tokens["packed"].forward.b_ms for i in range(lo, hi))
+        )
     one_length = tmp_path / "one.json"  # beside a run of sequences: refused, not fitted half
     one_length.write_text(json.dumps(_varlen_report([], lengths=None, ops=[[["F", 0, 1, 1.0, 1.0]]] * 2)))
+    other = tmp_path / "other.json"  # ...and so is a run on another layout
+    other.write_text(json.dumps(_varlen_report(chunked, chunks=looped)))
     for kw, more, said in (
-        ({"chunks": {"ranks": [0, 1, 0, 1]}}, [], "several chunks per rank"),
+        ({}, [str(other)], "different layouts"),
         ({"recompute": True}, [], "--recompute"),
         ({}, [str(one_length)], "a run of one length"),
     ):

@@ -10,16 +10,18 @@ B, W) this module fits ``measured = r * predicted + delta`` over those ops (leas
 the ops' predictions barely differ, as padding's equal rows, the ratio alone): ``r`` scales
 every term of the stage's fit (per token, per square, per sequence, per op) and ``delta`` is what
 each op costs beyond it. The stage's layers (a profile for several chunks per rank) move with it,
-each term scaled alike and ``delta`` shared out, so that they still sum to the stage.
+each term scaled alike and ``delta`` shared out, so that they still sum to the stage. From runs
+with several chunks per rank each virtual stage is fitted so and moves its own layers, and each
+stage's fits become its layers' sums; the reports must then share one layout (the same layer
+cut two ways would be fitted twice).
 
 What it leaves: the per-message and per-iteration costs (the probe runs of ``umopt profile`` fit
-those), runs with ``--recompute`` (their B ops hold a forward too) and runs with several chunks
-per rank (a virtual stage's ops cover part of a stage's layers, and the cut differs between
-layouts): both are refused in one line.
+those) and runs with ``--recompute`` (their B ops hold a forward too: refused in one line).
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
@@ -63,9 +65,9 @@ def _check(rep: RunReport, name: str, profile: Profile) -> None:
         raise UmoptError(
             f"{name}: no ops with their predictions (written by an older umopt run; run it again)"
         )
-    if rep.chunks:
+    if rep.chunks and profile.layers is None:
         raise UmoptError(
-            f"{name}: a run with several chunks per rank; calibrate costs by tokens from runs of one chunk per rank"
+            f"{name}: a run with several chunks per rank, and the profile has no per-layer entries"
         )
     if rep.recompute:
         raise UmoptError(
@@ -73,12 +75,22 @@ def _check(rep: RunReport, name: str, profile: Profile) -> None:
         )
     if rep.stages != profile.num_stages:
         raise UmoptError(f"{name}: has {rep.stages} stages, the profile {profile.num_stages}")
+    held = _held(rep, profile)
     for mode, s, *_ in rep.lengths.op_pairs:
-        costs = profile.stages[s].tokens
+        if not 0 <= s < len(held):
+            raise UmoptError(f"{name}: an op of stage {s}, and the run had {len(held)}")
+        costs = profile.stages[s].tokens if not rep.chunks else profile.layers[held[s][0]].tokens  # type: ignore[index]
         if costs is None or mode not in costs:
             raise UmoptError(
                 f"{name}: ran {mode} sequences on stage {s}, which the profile has no costs by tokens for"
             )
+
+
+def _held(rep: RunReport, profile: Profile) -> list[tuple[int, int, int]]:
+    """Each (virtual) stage of the run: its layers (lo, hi) and its rank."""
+    if rep.chunks:
+        return [(lo, hi, r) for (lo, hi), r in zip(rep.chunks["layers"], rep.chunks["ranks"])]
+    return [(st.layers[0], st.layers[1], s) for s, st in enumerate(profile.stages)]
 
 
 def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -107,14 +119,40 @@ def _scaled(fit: TokenFit, r: float, extra: float) -> TokenFit:
     )
 
 
+def _summed(st, layers):
+    """A stage whose costs by tokens are its layers' sums (each fit term by term)."""
+    if st.tokens is None:
+        return st
+    mine = layers[st.layers[0] : st.layers[1]]
+    tokens = {}
+    for mode, costs in st.tokens.items():
+        update = {}
+        for field in ("forward", "backward", "backward_input", "backward_weight"):
+            fits = [ly.tokens[mode].__dict__[field] for ly in mine if ly.tokens and mode in ly.tokens]
+            if getattr(costs, field) is None or len(fits) != len(mine) or None in fits:
+                continue
+            update[field] = getattr(costs, field).model_copy(
+                update={k: sum(getattr(f, k) for f in fits) for k in ("a_ms", "b_ms", "c_ms", "d_ms")}
+            )
+        tokens[mode] = costs.model_copy(update=update)
+    return st.model_copy(update={"tokens": tokens})
+
+
 def calibrate_tokens(
     profile: Profile, reports: Sequence[RunReport | dict], names: list[str]
 ) -> tuple[Profile, list[TokenRefit]]:
     """A copy of ``profile`` with its costs by tokens fitted to the reports' ops (see the module
-    docstring), and each fit."""
+    docstring), and each fit. With several chunks per rank, each virtual stage's fit moves its
+    layers, and each stage's own fits become its layers' sums."""
     reports = [as_report(rep, name) for rep, name in zip(reports, names)]
     for rep, name in zip(reports, names):
         _check(rep, name, profile)
+    if len({json.dumps(rep.chunks, sort_keys=True) for rep in reports}) > 1:
+        raise UmoptError(
+            "the reports ran on different layouts (chunks per rank, placement or cut): calibrate from the runs "
+            "of one layout at a time"
+        )
+    held = _held(reports[0], profile)
     pairs: dict[tuple[int, str, str], list[tuple[float, float]]] = defaultdict(list)
     for rep in reports:
         ops = rep.lengths.op_pairs  # type: ignore[union-attr]
@@ -125,22 +163,23 @@ def calibrate_tokens(
                 pairs[(s, mode, field)].append((predicted, measured))
     stages = list(profile.stages)
     layers = list(profile.layers) if profile.layers is not None else None
+    chunked = reports[0].chunks is not None
     refits = []
     for (s, mode, field), seen in sorted(pairs.items()):
         if len(seen) < MIN_OPS:
             continue
         x, y = (np.array(v) for v in zip(*seen))
         r, delta = _fit(x, y)
-        st = stages[s]
-        costs: TokenCosts = st.tokens[mode]  # type: ignore[index]
-        if getattr(costs, field) is None:
-            continue
-        # an op predicted fit + o (the runtime's per-op cost) measures r (fit + o) + delta
-        extra = (r - 1.0) * st.op_overhead_ms + delta
-        new = costs.model_copy(update={field: _scaled(getattr(costs, field), r, extra)})
-        stages[s] = st.model_copy(update={"tokens": {**st.tokens, mode: new}})  # type: ignore[dict-item]
+        lo, hi, rank = held[s]
+        # an op predicted fit + o (its rank's per-op cost) measures r (fit + o) + delta
+        extra = (r - 1.0) * profile.stages[rank].op_overhead_ms + delta
+        if not chunked:
+            costs: TokenCosts = stages[s].tokens[mode]  # type: ignore[index]
+            if getattr(costs, field) is None:
+                continue
+            new = costs.model_copy(update={field: _scaled(getattr(costs, field), r, extra)})
+            stages[s] = stages[s].model_copy(update={"tokens": {**stages[s].tokens, mode: new}})  # type: ignore[dict-item]
         if layers is not None:
-            lo, hi = st.layers
             for i in range(lo, hi):
                 ly = layers[i]
                 if ly.tokens is None or mode not in ly.tokens or getattr(ly.tokens[mode], field) is None:
@@ -151,6 +190,8 @@ def calibrate_tokens(
                 layers[i] = ly.model_copy(update={"tokens": {**ly.tokens, mode: mine}})
         rms = lambda p: float(np.sqrt(np.mean(((y - p) / y) ** 2)))  # noqa: E731
         refits.append(TokenRefit(s, mode, field, r, delta, len(seen), rms(x), rms(r * x + delta)))
+    if chunked and layers is not None:  # each stage's own fits: its layers' sums, term by term
+        stages = [_summed(st, layers) for st in stages]
     if not refits:
         raise UmoptError(
             f"the reports hold fewer than {MIN_OPS} ops of any stage, mode and kind: nothing to fit"
