@@ -64,9 +64,25 @@ def _by_tokens(profile, loaded, names, output) -> None:
             f"{100 * f.rms_after:.1f}%",
         )
     out.print(table)
+    dropped = sorted(set(profile.lengths.modes if profile.lengths else ()) - {f.mode for f in refits})
+    if dropped:
+        out.print(
+            f"dropped the {', '.join(dropped)} costs: the runs held no such op (a mode left as profiled beside "
+            "a fitted one would win the planner's choice by its error alone)",
+            markup=False,
+            highlight=False,
+        )
+    it = calibrated.meta.calibration.tokens.get("iteration")
+    if it is not None:
+        out.print(
+            f"a step beyond its ops: {it['step_ms']:+.2f} ms (over {it['steps']:.0f} steps, their predictions "
+            f"{100 * it['rms_before']:.1f}% off with the ops fitted, {100 * it['rms_after']:.1f}% after)",
+            markup=False,
+            highlight=False,
+        )
     out.print(
-        "error: the ops' predictions off their measured durations (relative, rms); the per-message and "
-        "per-iteration costs are left as they were",
+        "error: the ops' predictions off their measured durations (relative, rms); the per-message costs are "
+        "left as they were",
         style="dim",
         markup=False,
         highlight=False,

@@ -147,7 +147,8 @@ def test_tune_with_lengths_measures_umopt_plans_against_a_peers_on_the_same_mini
 ):
     """``umopt tune --lengths``: a profile by tokens (here a synthetic one of the same gpt, for
     time: profiling by tokens is tests/test_lengths_profile.py's), then the steps planned by
-    umopt, packing and DynaPipe in turns, each on the layout its plan of the first minibatch chose
+    umopt, packing and DynaPipe in turns (after a probe run of umopt's plans fitted the costs by
+    tokens), each on the layout its plan of the first minibatch chose
     among one chunk per rank and two (``--chunks 2``; DynaPipe has one only), each layout its own
     model copy; a sampler longer than --max-length is scaled to it."""
     import sys
@@ -176,6 +177,10 @@ def test_tune_with_lengths_measures_umopt_plans_against_a_peers_on_the_same_mini
     main([*argv, "--budget", "1", "--out", str(out)])
     cap = capsys.readouterr()
     assert "chat's lengths scaled down" in cap.err and "layouts, each method's fastest" in cap.err
+    # the costs by tokens were fitted to a probe run of sequences before the layouts were chosen
+    fitted = json.loads((out / "profile.json").read_text())["meta"]["calibration"]["tokens"]
+    assert "a probe run of sequences" in cap.err and (out / "probes" / "report.json").exists()
+    assert fitted["iteration"]["steps"] == 4 and any(k.startswith("stage1.") for k in fitted)
     methods = ("umopt", "pack", "dynapipe")
     reports = {m: json.loads((out / f"report_{m}.json").read_text()) for m in methods}
     plans = {m: json.loads((out / f"plan_{m}.json").read_text()) for m in methods}

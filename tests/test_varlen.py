@@ -335,6 +335,10 @@ def test_calibrate_fits_costs_by_tokens_to_runs_of_sequences(tmp_path, capsys):
     code, out, err = _run(["calibrate", str(path), str(rep), "-o", str(tmp_path / "c.json")], capsys)
     assert code == 0, err
     cal = load_profile(tmp_path / "c.json")
+    # the runs held packed ops only: padded costs, left as profiled, would win the planner's choice
+    # by their error alone; they are dropped
+    assert cal.lengths.modes == ["packed"] and all(set(st.tokens) == {"packed"} for st in cal.stages)
+    assert "dropped the padded costs" in out
     fits = cal.meta.calibration.tokens
     assert set(fits) == {f"stage{s}.packed.{f}" for s in (0, 1) for f in ("forward", "backward")}
     for f in fits.values():

@@ -339,6 +339,7 @@ def test_umopt_run_plans_each_step_ahead_and_methods_take_turns_on_the_same_mini
             p[1] for p in r.lengths.op_pairs
         } == {0, 1}
         assert all(p[3] > 0 and p[4] > 0 for p in r.lengths.op_pairs)
+        assert len(r.lengths.plans) == len(r.step_ms) and r.lengths.plans[0].lengths is not None
         for s, busy in enumerate(r.busy_ms.predicted):  # the measured step's plan's, as the measured
             assert busy == pytest.approx(sum(p[3] for p in r.lengths.op_pairs if p[1] == s))
     got = {}

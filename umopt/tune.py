@@ -38,6 +38,7 @@ from .fileio import check_writable
 from .formats.profile import Profile, load_profile, save_profile
 from .formats.schedule import Schedule, make_schedule, save_schedule
 from .measure import ProfileOptions, check_profile_options
+from .measure.calibrate_tokens import calibrate_tokens
 from .measure.decide import CONFIDENCE, Decision, decide
 from .measure.noise import OFF_PREDICTION
 from .measure.probes import profile_for_chunks, profile_in_pipeline
@@ -498,7 +499,8 @@ def tune_lengths(
     """Profile by tokens, then train on minibatches of ``size`` sequences drawn from ``lengths``
     (a sampler or ``file:PATH``; at most ``max_length`` tokens each), every step planned by each
     of ``methods`` in turns on the same minibatches, until the paired test over rounds decides
-    between umopt's plans and the best peer's (or the budget ends). ``chunks``: the counts of
+    between umopt's plans and the best peer's (or the budget ends); with ``probes``, the costs by
+    tokens are first fitted to a probe run of sequences (:func:`_fit_tokens_to_runs`). ``chunks``: the counts of
     chunks per rank each method may hold (above 1: the model profiled layer by layer); each method
     trains on the layout its plan of the first minibatch chose (:mod:`umopt.varlen.layouts`)."""
     if "umopt" not in methods or len(methods) < 2:
@@ -527,6 +529,8 @@ def tune_lengths(
     chunks = _counts_the_layers_allow(opts, chunks, say)
     out, prof = _profiled(opts, out_dir, probes, min(size, 32), max(chunks), say)
     first = minibatch_of_step(lengths, 0, size, max_length)
+    if probes:
+        prof = _fit_tokens_to_runs(prof, out, lengths, first, say)
     chosen = choose_layouts(prof, first, methods, chunks)
     for m, p in chosen.items():
         save_schedule(plan_schedule(p, prof), str(out / f"plan_{m}.json"))
@@ -585,6 +589,42 @@ def tune_lengths(
         warnings,
         sorted(str(p) for p in out.iterdir()),
     )
+
+
+PROBE_STEPS = 4  # measured steps of the probe run of sequences (after one warm-up)
+
+
+def _fit_tokens_to_runs(prof: Profile, out: Path, lengths: str, first, say) -> Profile:
+    """The profile's costs by tokens fitted to a probe run of sequences (umopt's plans, one chunk
+    per rank, packed and padded as it chooses; :mod:`umopt.measure.calibrate_tokens`), written
+    over ``out``/profile.json. The costs by tokens come from each stage timed alone; inside a
+    running pipeline its ops ran 1.2-1.45x those times on a 2-core CPU (2.3x padded), and every
+    method's steps 0.91-1.12x their plans' predictions after the fit (docs/varlen.md)."""
+    probes = out / "probes"
+    probes.mkdir(exist_ok=True)
+    save_schedule(
+        plan_schedule(choose_layouts(prof, first, ["umopt"])["umopt"], prof), str(probes / "plan.json")
+    )
+    say(f"a probe run of sequences ({PROBE_STEPS} steps of umopt's plans), to fit the costs by tokens")
+    options = RunOptions(
+        schedules=[str(probes / "plan.json")],
+        lengths=lengths,
+        steps=PROBE_STEPS,
+        warmup=1,
+        report=str(probes / "report.json"),
+        select=False,
+    )
+    result = launch(options, quiet=True)
+    fitted, refits = calibrate_tokens(prof, result.reports, result.report_paths)
+    worst = max(refits, key=lambda f: f.rms_before)
+    it = fitted.meta.calibration.tokens.get("iteration", {}) if fitted.meta.calibration else {}
+    say(
+        f"costs by tokens fitted to {sum(f.ops for f in refits)} ops (measured / predicted "
+        f"{min(f.ratio for f in refits):.2f}-{max(f.ratio for f in refits):.2f}; the worst fit's error "
+        f"{100 * worst.rms_before:.0f}% -> {100 * worst.rms_after:.0f}%), a step's own cost {it.get('step_ms', 0.0):+.1f} ms"
+    )
+    save_profile(fitted, out / "profile.json")
+    return load_profile(out / "profile.json")
 
 
 def _layout_name(p: Plan) -> str:

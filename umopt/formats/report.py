@@ -17,6 +17,7 @@ from ..errors import UmoptError
 from ..fileio import read_json, write_json
 from ..limits import MAX_MINIBATCH, MAX_MS
 from .profile import AllReduceProfile, pydantic_error_line
+from .schedule import Schedule
 
 __all__ = [
     "LengthsRun",
@@ -102,6 +103,9 @@ class LengthsRun(BaseModel):
     # replica 0's ops of every measured step: (mode, virtual stage, kind, predicted ms by the step's
     # plan, measured ms): what `umopt calibrate` fits the costs by tokens to
     op_pairs: list[tuple[str, StrictInt, Literal["F", "B", "W"], _Ms, _Ms]] = []
+    # each measured step's plan (replica 0's), in the order of the report's step_ms: what `umopt
+    # calibrate` predicts again on the fitted costs, to fit what a step costs beyond its ops
+    plans: list[Schedule] = []
 
 
 class RunReport(BaseModel):

@@ -15,8 +15,13 @@ with several chunks per rank each virtual stage is fitted so and moves its own l
 stage's fits become its layers' sums; the reports must then share one layout (the same layer
 cut two ways would be fitted twice).
 
-What it leaves: the per-message and per-iteration costs (the probe runs of ``umopt profile`` fit
-those) and runs with ``--recompute`` (their B ops hold a forward too: refused in one line).
+Then what a step costs beyond its ops: every measured step's plan (``lengths.plans``) is
+predicted again on the fitted costs, and what the measured steps leave over them (their mean, in
+relative least squares) is added to every stage's ``optimizer_ms``, as ``umopt calibrate`` fits
+runs of one length. A mode (packed or padded) the runs held no op of is dropped from the
+calibrated profile: left as profiled beside a fitted one, it would win the planner's choice by
+its error alone. What it leaves: the per-message costs (the probe runs of ``umopt profile``
+fit those) and runs with ``--recompute`` (their B ops hold a forward too: refused in one line).
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
+from ..costmodel import simulate
 from ..errors import UmoptError
 from ..formats.profile import CalibrationMeta, Profile, TokenCosts, TokenFit
 from ..formats.report import RunReport, as_report
@@ -119,6 +125,13 @@ def _scaled(fit: TokenFit, r: float, extra: float) -> TokenFit:
     )
 
 
+def _only(entry, modes: set[str]):
+    """A stage or layer entry with its costs by tokens in ``modes`` only."""
+    if entry.tokens is None:
+        return entry
+    return entry.model_copy(update={"tokens": {m: c for m, c in entry.tokens.items() if m in modes}})
+
+
 def _summed(st, layers):
     """A stage whose costs by tokens are its layers' sums (each fit term by term)."""
     if st.tokens is None:
@@ -196,27 +209,78 @@ def calibrate_tokens(
         raise UmoptError(
             f"the reports hold fewer than {MIN_OPS} ops of any stage, mode and kind: nothing to fit"
         )
+    # a mode the runs did not measure is dropped: a planner choosing between a fitted mode
+    # and one left as profiled chose the unfitted one (padded, on this CPU 1.4-2.3x over its costs
+    # where packed was fitted to 1.0x): the calibrated profile keeps the modes it fitted only
+    kept = {f.mode for f in refits}
+    stages = [_only(st, kept) for st in stages]
+    layers = [_only(ly, kept) for ly in layers] if layers is not None else None
+    lengths = profile.lengths.model_copy(  # type: ignore[union-attr]
+        update={"modes": [m for m in profile.lengths.modes if m in kept]}  # type: ignore[union-attr]
+    )
+    fitted = profile.model_copy(
+        update={"stages": stages, "lengths": lengths, **({"layers": layers} if layers is not None else {})}
+    )
+    fitted, iteration = _fit_iteration(fitted, reports)
     old = profile.meta.calibration or CalibrationMeta()
+    fits = {
+        f"stage{f.stage}.{f.mode}.{f.kind}": {
+            "ratio": round(f.ratio, 4),
+            "per_op_ms": round(f.per_op_ms, 5),
+            "ops": f.ops,
+            "rms_before": round(f.rms_before, 4),
+            "rms_after": round(f.rms_after, 4),
+        }
+        for f in refits
+    }
+    if iteration is not None:
+        fits["iteration"] = iteration
     calibration = old.model_copy(
         update={
             "reports": [*old.reports, *names],
-            "tokens": {
-                f"stage{f.stage}.{f.mode}.{f.kind}": {
-                    "ratio": round(f.ratio, 4),
-                    "per_op_ms": round(f.per_op_ms, 5),
-                    "ops": f.ops,
-                    "rms_before": round(f.rms_before, 4),
-                    "rms_after": round(f.rms_after, 4),
-                }
-                for f in refits
-            },
+            "step_overhead_ms": old.step_overhead_ms + (iteration or {}).get("step_ms", 0.0),
+            "tokens": fits,
         }
     )
+    return fitted.model_copy(
+        update={"meta": profile.meta.model_copy(update={"calibration": calibration})}
+    ), refits
+
+
+def _fit_iteration(profile: Profile, reports: list[RunReport]) -> tuple[Profile, Optional[dict[str, float]]]:
+    """What a step costs beyond its ops, fitted as ``umopt calibrate`` fits runs of one length:
+    each measured step's plan predicted again on the fitted op costs, and the mean of what its
+    measured time leaves (relative least squares) added to every stage's ``optimizer_ms`` (an
+    iteration's own cost never below zero). None where the reports hold no plans."""
+    steps = [(plan, ms) for rep in reports for plan, ms in zip(rep.lengths.plans, rep.step_ms)]  # type: ignore[union-attr]
+    if not steps:
+        return profile, None
+    measured = np.array([ms for _, ms in steps])
+
+    def predicted(p: Profile) -> np.ndarray:
+        return np.array(
+            [
+                simulate(plan.tables(p), plan.op_lists(), plan.minibatch, record=False).iteration_ms
+                for plan, _ in steps
+            ]
+        )
+
+    weight = 1.0 / measured**2
+    before = predicted(profile)
+    step = float((weight * (measured - before)).sum() / weight.sum())
+    step = max(step, -min(st.optimizer_ms for st in profile.stages))
     fitted = profile.model_copy(
         update={
-            "stages": stages,
-            **({"layers": layers} if layers is not None else {}),
-            "meta": profile.meta.model_copy(update={"calibration": calibration}),
+            "stages": [
+                st.model_copy(update={"optimizer_ms": st.optimizer_ms + step}) for st in profile.stages
+            ]
         }
     )
-    return fitted, refits
+    after = predicted(fitted)
+    rms = lambda p: float(np.sqrt(np.mean(((measured - p) / measured) ** 2)))  # noqa: E731
+    return fitted, {
+        "step_ms": round(step, 4),
+        "steps": len(steps),
+        "rms_before": round(rms(before), 4),
+        "rms_after": round(rms(after), 4),
+    }

@@ -676,6 +676,7 @@ def _lengths_run(cfg: RunConfig, play: _Play, op_pairs: list) -> LengthsRun:
         # what the measured peak is compared with: on CPUs, the measured step's plan's
         predicted_peak_memory_bytes=play.peak_predicted or play.predicted_peak,
         op_pairs=op_pairs,
+        plans=[plan for plan, _ in play.step_ops],
     )
 
 
