@@ -7,7 +7,9 @@ With ``--device cuda`` (bench/gpu_smoke.sh runs it): a GPT of 8 blocks of width 
 on GPUs 0 and 1 (nccl; packed attention is varlen flash attention there).
 
 A GPT nobody tuned umopt to (``gpt``: 4 blocks of width 128, 4 heads, a 1024 vocabulary) is
-profiled over lengths (``umopt profile --stages 2 --lengths``, probe runs included). Each
+profiled over lengths (``umopt profile --stages 2 --lengths``, probe runs included), and its
+costs by tokens fitted to a probe run of umopt's plans (``umopt run --report``, ``umopt
+calibrate``, as ``umopt tune --lengths`` does; ``--no-fit`` leaves it out). Each
 sampler's ``--minibatches`` minibatches of ``--size`` sequences are drawn (seeded) and their
 lengths scaled by ``--max-length`` over the sampler's cap (this CPU cannot run 4k-token
 sequences at a useful pace; the scaling keeps the spread of the lengths). Every minibatch is
@@ -155,6 +157,25 @@ def plans_for(profile, batches):
     return out
 
 
+def fit_to_a_run(prof_path: Path, work: Path, sampler: str, max_length: int, size: int) -> Path:
+    """The profile's costs by tokens fitted to a probe run of umopt's plans (4 steps of the first
+    sampler's lengths, drawn by `umopt run`'s own seeds, not the bench's minibatches), with the
+    commands a user runs: umopt solve --lengths, umopt run --report, umopt calibrate."""
+    from umopt.varlen.samplers import SAMPLERS
+
+    spec = f"{sampler}/{SAMPLERS[sampler].cap / max_length:g}"
+    umopt = [sys.executable, "-m", "umopt.cli"]
+    plan, report, fitted = work / "probe-plan.json", work / "probe-report.json", work / "profile-fitted.json"
+    quiet = dict(check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [*umopt, "solve", str(prof_path), "--lengths", spec, "-B", str(size), "-o", str(plan)], **quiet
+    )
+    run = ["run", str(plan), "--lengths", spec, "--steps", "4", "--warmup", "1", "--report", str(report)]
+    subprocess.run([*umopt, *run], **quiet)
+    subprocess.run([*umopt, "calibrate", str(prof_path), str(report), "-o", str(fitted)], **quiet)
+    return fitted
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samplers", nargs="+", default=["chat", "long-context"])
@@ -168,6 +189,9 @@ def main() -> None:
         choices=("cpu", "cuda"),
         default="cpu",
         help="cuda: a larger GPT in bfloat16 on GPUs 0 and 1",
+    )
+    ap.add_argument(
+        "--no-fit", action="store_true", help="leave out the probe run of sequences the costs are fitted to"
     )
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--worker", action="store_true")
@@ -199,6 +223,8 @@ def main() -> None:
         if args.device == "cuda":
             cmd += ["--device", "cuda", "--dtype", "bfloat16"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    if not args.no_fit:  # as umopt tune --lengths does: the costs by tokens fitted to a probe run
+        prof_path = fit_to_a_run(prof_path, work, args.samplers[0], args.max_length, args.size)
     profile = load_profile(prof_path)
     cells, summary = [], []
     for spec in args.samplers:

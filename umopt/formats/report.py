@@ -103,8 +103,9 @@ class LengthsRun(BaseModel):
     # replica 0's ops of every measured step: (mode, virtual stage, kind, predicted ms by the step's
     # plan, measured ms): what `umopt calibrate` fits the costs by tokens to
     op_pairs: list[tuple[str, StrictInt, Literal["F", "B", "W"], _Ms, _Ms]] = []
-    # each measured step's plan (replica 0's), in the order of the report's step_ms: what `umopt
-    # calibrate` predicts again on the fitted costs, to fit what a step costs beyond its ops
+    # the last measured steps' plans (replica 0's, at most 64; op_pairs are theirs), the last of
+    # the report's step_ms: what `umopt calibrate` predicts again on the fitted costs, to fit what
+    # a step costs beyond its ops
     plans: list[Schedule] = []
 
 

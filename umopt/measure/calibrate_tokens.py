@@ -141,7 +141,7 @@ def _summed(st, layers):
     for mode, costs in st.tokens.items():
         update = {}
         for field in ("forward", "backward", "backward_input", "backward_weight"):
-            fits = [ly.tokens[mode].__dict__[field] for ly in mine if ly.tokens and mode in ly.tokens]
+            fits = [getattr(ly.tokens[mode], field) for ly in mine if ly.tokens and mode in ly.tokens]
             if getattr(costs, field) is None or len(fits) != len(mine) or None in fits:
                 continue
             update[field] = getattr(costs, field).model_copy(
@@ -252,7 +252,12 @@ def _fit_iteration(profile: Profile, reports: list[RunReport]) -> tuple[Profile,
     each measured step's plan predicted again on the fitted op costs, and the mean of what its
     measured time leaves (relative least squares) added to every stage's ``optimizer_ms`` (an
     iteration's own cost never below zero). None where the reports hold no plans."""
-    steps = [(plan, ms) for rep in reports for plan, ms in zip(rep.lengths.plans, rep.step_ms)]  # type: ignore[union-attr]
+    # a report keeps the last measured steps' plans: they pair with the last step times
+    steps = [
+        (plan, ms)
+        for rep in reports
+        for plan, ms in zip(rep.lengths.plans, rep.step_ms[len(rep.step_ms) - len(rep.lengths.plans) :])  # type: ignore[union-attr]
+    ]
     if not steps:
         return profile, None
     measured = np.array([ms for _, ms in steps])

@@ -270,6 +270,9 @@ def _optimizer(opts: RunOptions, module: torch.nn.Module) -> torch.optim.Optimiz
     return torch.optim.AdamW(params, lr=lr)
 
 
+KEPT_PLANS = 64  # measured steps of sequences whose plans and ops a report keeps (the last ones)
+
+
 @dataclass
 class _Play:
     """One schedule file as this rank plays it (a Pipeline over a model copy of its layout), and
@@ -458,8 +461,9 @@ def _step(
         play.allreduce_ms.append(sum(t1 - t0 for k, *_, t0, t1 in done if k == "AR"))
         for d, (_, _, _, _, t0, t1) in zip(play.op_ms, done[: len(ops)]):
             d.append(t1 - t0)
-        if rk.cfg.varlen:
+        if rk.cfg.varlen:  # the last KEPT_PLANS steps': a long run's report stays small
             play.step_ops.append((play.pipe.playing.plan, [t1 - t0 for *_, t0, t1 in done[: len(ops)]]))
+            del play.step_ops[:-KEPT_PLANS]
     return ms
 
 
