@@ -228,9 +228,6 @@ def _print_lengths(reports: list[RunReport]) -> None:
     first = reports[0]
     umopt = next((r for r in reports if r.lengths.method == "umopt"), None)
 
-    def chunks(r: RunReport) -> int:  # per rank, on the layout the method's steps ran on
-        return len(r.chunks["ranks"]) // max(1, r.stages or 1) if r.chunks else 1
-
     def n(k: int, what: str) -> str:
         return f"{k} {what}" + ("" if k == 1 else "s")
 
@@ -247,7 +244,7 @@ def _print_lengths(reports: list[RunReport]) -> None:
         ln = r.lengths
         row = [
             ln.method,
-            str(chunks(r)),
+            str(r.chunks_per_rank()),  # on the layout the method's steps ran on
             f"{ln.tokens_per_s / 1e3:.2f}",
             f"{ln.predicted_tokens_per_s / 1e3:.2f}",
             f"{r.measured_iteration_ms:.1f}",

@@ -572,7 +572,7 @@ def tune_lengths(
                 r.round_ms,
                 rep,
                 str(out / f"measured_{method}.png"),
-                len(r.chunks["ranks"]) // stages if r.chunks else 1,
+                r.chunks_per_rank(),
             )
         )
         off = r.measured_over_predicted - 1

@@ -147,6 +147,10 @@ class RunReport(BaseModel):
     chunks: Optional[dict[str, Any]] = None  # several chunks per rank: the schedule's chunks block
     lengths: Optional[LengthsRun] = None  # sequences of different lengths, each step planned
 
+    def chunks_per_rank(self) -> int:
+        """Model chunks each rank held in the run (1 without a chunks block)."""
+        return len(self.chunks["ranks"]) // max(1, self.stages or 1) if self.chunks else 1
+
 
 def as_report(raw: Any, name: str) -> RunReport:
     """A report read from JSON (or already typed), checked; ``name`` heads its one-line errors."""
