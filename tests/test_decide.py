@@ -59,6 +59,58 @@ def test_an_equal_schedule_is_one_with_every_chunk_one_size():
         [[("F", 0, 4), ("F", 4, 8), ("B", 0, 4), ("B", 4, 8)], [("F", 0, 4), ("F", 4, 8), ("W", 0, 4)]]
     )
     assert not is_equal([[("F", 0, 4), ("F", 4, 8)], [("F", 0, 2), ("F", 2, 8)]])
+    # as equal as the minibatch allows: 11/11/10 of 32 is what torch and Megatron run
+    thirds = [("F", 0, 11), ("F", 11, 22), ("F", 22, 32), ("B", 0, 11), ("B", 11, 22), ("B", 22, 32)]
+    assert is_equal([thirds, thirds])
+    assert not is_equal([[("F", 0, 12), ("F", 12, 22), ("F", 22, 32)]])  # 12/10/10 differ by two
+    # sizes of one and two, but 2 chunks on one stage and 3 on the other: two partitions
+    assert not is_equal([[("F", 0, 2), ("F", 2, 4)], [("F", 0, 1), ("F", 1, 2), ("F", 2, 4)]])
+
+
+def _partition_schedule(tmp_path, profile, name, parts, minibatch):
+    from umopt.costmodel import CostTables, simulate
+    from umopt.formats.schedule import make_schedule, save_schedule
+    from umopt.search.problem import Candidate
+
+    ops = Candidate(parts, parts, "gpipe").ops()
+    tables = CostTables.from_profile(profile, False)
+    sched = make_schedule(
+        profile,
+        minibatch,
+        False,
+        ops,
+        simulate(tables, ops, minibatch),
+        {"name": name, "status": "feasible", "seconds": 0.0},
+        {},
+    )
+    save_schedule(sched, str(tmp_path / f"{name}.json"))
+    return str(tmp_path / f"{name}.json")
+
+
+def test_decide_takes_an_equal_schedule_that_the_minibatch_does_not_divide(tmp_path):
+    # the quickstart's first try: 3 microbatches best at B=32 gives 11/11/10, which --decide refused
+    from test_runtime import mlp_profile
+
+    from umopt.run.options import RunOptions, preflight
+
+    profile = mlp_profile(tmp_path, 2)
+    eq = _partition_schedule(tmp_path, profile, "eq", [[3, 3, 2]] * 2, 8)
+    un = _partition_schedule(tmp_path, profile, "un", [[2, 6], [6, 2]], 8)
+    cfg = preflight(RunOptions(schedules=[eq, un], decide=0.95))
+    assert len(cfg.schedules) == 2
+
+
+def test_schedules_of_different_minibatches_are_not_compared(tmp_path):
+    from test_runtime import mlp_profile
+
+    from umopt.errors import UmoptError
+    from umopt.run.options import RunOptions, preflight
+
+    profile = mlp_profile(tmp_path, 2)
+    a = _partition_schedule(tmp_path, profile, "a", [[4, 4]] * 2, 8)
+    b = _partition_schedule(tmp_path, profile, "b", [[4, 4, 1]] * 2, 9)
+    with pytest.raises(UmoptError, match="a trains 8 samples a step and b 9: .*same minibatch"):
+        preflight(RunOptions(schedules=[a, b]))
 
 
 @pytest.mark.parametrize("slow,winner", [("eq", "un"), ("un", "eq")])

@@ -129,6 +129,17 @@ def _percent(p: float) -> str:
 
 
 def is_equal(op_lists: Sequence[Sequence[tuple]]) -> bool:
-    """Every forward and backward chunk of every stage the same size: what a pipeline runs today."""
-    sizes = {hi - lo for ops in op_lists for kind, lo, hi, *_ in ops}
-    return len(sizes) == 1
+    """Whether a schedule is what a pipeline runs today: on every stage (and virtual stage) one
+    partition into M chunks, as equal as the minibatch allows (sizes differ by at most one, as
+    torch's and Megatron's microbatches of a minibatch that M does not divide), forwards and
+    backwards alike."""
+    counts: dict[tuple, int] = {}
+    sizes: set[int] = set()
+    for r, ops in enumerate(op_lists):
+        for kind, lo, hi, *rest in ops:
+            if kind not in ("F", "B"):  # a W op's chunk is its backward's
+                continue
+            key = (r, rest[0] if rest else r, kind)
+            counts[key] = counts.get(key, 0) + 1
+            sizes.add(hi - lo)
+    return bool(sizes) and len(set(counts.values())) == 1 and max(sizes) - min(sizes) <= 1

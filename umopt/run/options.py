@@ -272,6 +272,13 @@ def _check_turns(opts: RunOptions, schedules: list[Schedule], names: list[str], 
                 raise UmoptError(
                     f"--{opt} with {len(schedules)} schedules needs {{name}} in its path (one file each)"
                 )
+        fixed = [(n, sc.minibatch) for n, sc in zip(names, schedules) if sc.lengths is None]
+        if len({b for _, b in fixed}) > 1:
+            (a, ba), (b, bb) = fixed[0], next(x for x in fixed if x[1] != fixed[0][1])
+            raise UmoptError(
+                f"{a} trains {ba} samples a step and {b} {bb}: schedules compared in turns must train the same "
+                "minibatch (solve them with one -B)"
+            )
     if opts.decide is None:
         return
     if not 0.5 < opts.decide < 1:
@@ -284,7 +291,8 @@ def _check_turns(opts: RunOptions, schedules: list[Schedule], names: list[str], 
         )
     if not methods and not any(is_equal(sc.op_lists()) for sc in schedules):
         raise UmoptError(
-            "--decide compares with an equal schedule (every chunk one size): give one, e.g. the solve's gpipe_equal"
+            "--decide compares with an equal schedule (every stage one partition, its chunks' sizes differing by at "
+            "most one): give one, e.g. the solve's gpipe_equal"
         )
     if opts.save_grads or opts.checkpoint_every:
         raise UmoptError(
