@@ -104,3 +104,26 @@ def test_the_planner_pads_where_padding_is_cheaper_and_never_where_it_cannot_be(
     got = plan(cheaper, L, budget_ms=100)
     assert got.knobs["mode"] == "padded" and got.layout.mode == "padded"
     assert plan(cheaper, L, mode="packed", budget_ms=100).knobs["mode"] == "packed"
+
+
+def test_work_bytes_per_token_is_measured_the_same_with_gradients_absent_or_present():
+    # the first of the two measured sizes allocated every .grad inside its peak, the second only
+    # accumulated: the difference went below zero and was clamped to 0 on every stage
+    from umopt.measure.chunk import boundaries
+    from umopt.measure.timing import probes_of
+    from umopt.measure.tokens import _bytes_per_token
+
+    parts = build_model("gpt", {"seq_len": 64, "layers": 2, "d_model": 64, "vocab": 256})
+    device = torch.device("cpu")
+    bounds = boundaries(parts, device, "float32")
+    cuts = [0, 2, 4]  # the embedding and a block; a block and the head
+    probes = probes_of(parts, cuts, bounds, device, "float32")
+    for mode in ("packed", "padded"):
+        absent = _bytes_per_token(probes[0], bounds, 0, 2, mode, 64)
+        assert all(p.grad is None for p in probes[0].stage.parameters())
+        x, y = probes[0].inputs(3)
+        out = probes[0].forward(x, y)
+        out.backward(probes[0].output_grad(out))  # gradients present, as in a step that accumulates
+        present = _bytes_per_token(probes[0], bounds, 0, 2, mode, 64)
+        assert absent["work_bytes_per_token"] > 0
+        assert present["work_bytes_per_token"] == pytest.approx(absent["work_bytes_per_token"], rel=0.05)

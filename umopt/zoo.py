@@ -9,9 +9,11 @@ Built in: ``vgg16`` (13 conv + 3 FC), ``gpt`` (embedding, decoder blocks, LM hea
 
 A model of token sequences may also say how it takes sequences of different lengths
 (:class:`Sequences`): ``make(lengths, seed)`` gives each sequence's tokens and targets, and, where
-its layers accept a ``lengths`` keyword (the lengths of the documents concatenated in a packed
-row, see [Note: packed sequences]), chunks can be packed; any such model can be padded (each
-chunk to its own longest, padding targets ignored by the loss).
+its layers accept a ``lengths`` keyword (the lengths of the sequences in a chunk, see [Note:
+packed sequences]), chunks can be packed, one row of documents, or padded, one row a sequence
+(each chunk to its own longest, padding targets ignored by the loss); a model whose layers take
+no lengths can be padded only if it is causal (a token never sees a later one, so the padding
+after a sequence never reaches it), which it says (``causal=True``).
 Users bring their own with ``package.module:factory``: a callable taking the model args as
 keyword arguments and returning a :class:`ModelParts` or a ``(layers, make_batch, loss)`` tuple.
 Models are built under ``torch.manual_seed(seed)`` so every process gets the same weights.
@@ -40,9 +42,11 @@ __all__ = [
     "Layers",
     "MODELS",
     "build_model",
+    "blind_layer",
     "parse_model_args",
     "pack",
     "pad",
+    "padded_rows",
     "run_layers",
 ]
 
@@ -56,12 +60,20 @@ IGNORE = -100  # a target the summed cross-entropy skips: padding
 class Sequences:
     """How a model takes sequences of different lengths: ``make(lengths, seed)``, each sequence's
     (tokens, targets) as 1-d tensors; ``max_length``, the longest it takes; ``packed``, whether
-    its layers take a packed row's document ``lengths`` (keyword) and keep each document's
-    positions and attention its own."""
+    its layers take the chunk's sequence ``lengths`` (keyword) and honour them, packed and
+    padded ([Note: packed sequences]); ``causal``, whether every layer is causal, so that padding
+    after a sequence never reaches its tokens (padded chunks then need no lengths)."""
 
     make: Callable[[Sequence[int], int], list[Batch]]
     max_length: int
     packed: bool = False
+    causal: bool = False
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The ways its chunks can be laid out: packed where its layers take lengths, padded
+        where they take them or the model is causal."""
+        return (("packed",) if self.packed else ()) + (("padded",) if self.packed or self.causal else ())
 
 
 @dataclass
@@ -73,28 +85,81 @@ class ModelParts:
 
 
 def takes_lengths(layer: nn.Module) -> bool:
-    """Whether ``layer`` takes a packed row's document lengths (a ``lengths`` keyword)."""
+    """Whether ``layer`` takes a chunk's sequence lengths (a ``lengths`` keyword; see [Note:
+    packed sequences])."""
     return "lengths" in inspect.signature(layer.forward).parameters
 
 
+# torch's layers that compute each token on its own: they need no lengths in any chunk's shape
+TOKENWISE = (
+    nn.Linear,
+    nn.Embedding,
+    nn.LayerNorm,
+    nn.RMSNorm,
+    nn.Dropout,
+    nn.Identity,
+    nn.GELU,
+    nn.ReLU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Softmax,
+)
+
+
+def blind_layer(module: nn.Module, name: str = "", given: bool = True) -> Optional[str]:
+    """What lets a chunk's sequences (or its padding) reach one another in ``module``: its first
+    such layer, named, and why; None where there is none (see [Note: packed sequences]). A layer is safe if it
+    is given the lengths and takes ``lengths=``, is one of torch's token-wise layers (or says
+    ``tokenwise = True``), or holds safe layers: a :class:`Layers` gives its layers the lengths,
+    an ``nn.Sequential`` does not (``given``)."""
+    if isinstance(module, TOKENWISE) or getattr(module, "tokenwise", False):
+        return None
+    if isinstance(module, (Layers, nn.Sequential)):
+        inner = module.members() if isinstance(module, Layers) else list(module)
+        passes = given and isinstance(module, Layers)
+        for i, m in enumerate(inner):
+            bad = blind_layer(m, f"{name}.{i}" if name else str(i), passes)
+            if bad is not None:
+                return bad
+        return None
+    if given and takes_lengths(module):
+        return None
+    what = f"layer {name} ({type(module).__name__})" if name else type(module).__name__
+    if takes_lengths(module):
+        return f"{what} gets no lengths= inside an nn.Sequential (umopt.zoo.Layers passes them on)"
+    return f"{what} takes no lengths="
+
+
 def run_layers(layers: Sequence[nn.Module], x: torch.Tensor, lengths: Optional[torch.Tensor] = None):
-    """``layers`` one after the other on ``x``; a packed row's document ``lengths`` go to the
-    layers that take them."""
+    """``layers`` one after the other on ``x``; a chunk's sequence ``lengths`` go to the layers
+    that take them."""
     for layer in layers:
         x = layer(x, lengths=lengths) if lengths is not None and takes_lengths(layer) else layer(x)
     return x
 
 
+def padded_rows(x: torch.Tensor, lengths: torch.Tensor) -> bool:
+    """Whether a chunk ``x`` given ``lengths`` is padded rows, row i sequence i's ``lengths[i]``
+    tokens then padding, rather than one packed row of documents (see [Note: packed sequences]):
+    one length per row. (A packed row of one document is also one length per row, and the two
+    readings of it agree.)"""
+    return x.shape[0] == lengths.numel()
+
+
 class Layers(nn.Module):
-    """``layers`` as one module, run one after the other (a stage, or a chunk of one); a packed
-    row's document ``lengths`` go to the layers that take them."""
+    """``layers`` as one module, run one after the other (a stage, or a chunk of one); a chunk's
+    sequence ``lengths`` go to the layers that take them."""
 
     def __init__(self, layers: Sequence[nn.Module]):
         super().__init__()
         self.layers = nn.ModuleList(layers)
 
+    def members(self) -> list[nn.Module]:
+        return list(self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers)
+
     def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return run_layers(self.layers, x, lengths)
+        return run_layers(self.members(), x, lengths)
 
 
 def pack(seqs: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -156,12 +221,20 @@ def vgg16(image_size: int = 32, num_classes: int = 10, fc_width: int = 512) -> M
 
 
 # [Note: packed sequences]
-# A packed chunk is one row (1, T) of documents one after another, with the documents' lengths
-# beside it (not sent: every rank knows them from the step's plan). Each document is its own
-# sequence: positions restart at its first token, and attention stays within it (causal), so a
-# document's outputs do not depend on what it is packed with, and the attention's work is the
-# sum of the squared lengths, not T^2 (on CUDA in half precision one varlen flash-attention
-# kernel; elsewhere scaled-dot-product attention per document).
+# A chunk of sequences of different lengths reaches a layer that takes a ``lengths`` keyword in
+# one of two shapes, with the lengths beside it (not sent: every rank knows them from the step's
+# plan). Packed: one row (1, T) of documents one after another, ``lengths`` the documents' (they
+# sum to T). Each document is its own sequence: positions restart at its first token, and
+# attention stays within it, so a document's outputs do not depend on what it is packed with,
+# and the attention's work is the sum of the squared lengths, not T^2 (on CUDA in half precision
+# one varlen flash-attention kernel; elsewhere scaled-dot-product attention per document).
+# Padded: (n, w), row i sequence i's ``lengths[i]`` tokens then zeros: a layer that looks at
+# other positions (bidirectional attention, a centred convolution) must mask the padding with
+# them; a causal one need not, since padding comes after every token it could reach. A layer
+# tells the two apart by the count: one length per row is padded (`padded_rows`), and a packed
+# row of one document reads the same either way. A layer that takes no lengths gets neither,
+# so a model packs only if its layers take them, and pads only if they do or it is causal
+# (`Sequences.modes`; umopt.Pipeline's ``causal=``).
 
 
 def positions(lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -208,7 +281,7 @@ class Embedding(nn.Module):
     def forward(self, idx: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         pos = (
             torch.arange(idx.shape[1], device=idx.device)
-            if lengths is None
+            if lengths is None or padded_rows(idx, lengths)
             else positions(lengths, idx.device)
         )
         return self.tok(idx) + self.pos(pos)
@@ -231,7 +304,7 @@ class Block(nn.Module):
         n, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(n, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        if lengths is None:
+        if lengths is None or padded_rows(x, lengths):  # causal: a row's padding comes after its tokens
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # a packed row (see [Note: packed sequences])
             y = packed_attention(q, k, v, lengths)
@@ -240,6 +313,8 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
+    tokenwise = True  # each token's logits from its own state: no lengths needed
+
     def __init__(self, d_model: int, vocab: int):
         super().__init__()
         self.ln = nn.LayerNorm(d_model)
@@ -279,7 +354,9 @@ def gpt(
             out.append((tokens[:-1], tokens[1:]))
         return out
 
-    return ModelParts(mods, make_batch, _sum_cross_entropy, Sequences(make_sequences, seq_len, packed=True))
+    return ModelParts(
+        mods, make_batch, _sum_cross_entropy, Sequences(make_sequences, seq_len, packed=True, causal=True)
+    )
 
 
 # --- mlp ---------------------------------------------------------------------------------------

@@ -290,9 +290,7 @@ def _profile_model(
     sizes, device = check_profile_options(opts)
     parts = parts or build_model(opts.model, opts.model_args, seed=opts.seed)
     if opts.lengths is not None:
-        modes = opts.length_modes or (
-            MODES if parts.sequences is not None and parts.sequences.packed else ("padded",)
-        )
+        modes = opts.length_modes or (parts.sequences.modes if parts.sequences is not None else MODES)
         max_length = check_lengths(parts, opts.model, opts.lengths, modes)
     prev_threads = torch.get_num_threads()
     if device.type == "cpu":

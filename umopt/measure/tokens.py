@@ -63,10 +63,21 @@ def check_lengths(parts: ModelParts, model: str, max_length: int, modes: Sequenc
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise UmoptError(f"--length-modes: {bad[0]!r} is not one of {', '.join(MODES)}")
+    if not seqs.modes:
+        raise UmoptError(
+            f"--lengths: model {model}'s layers take no lengths= and it is not causal, so its chunks can neither "
+            "be packed nor padded without one sequence seeing another or its padding (see [Note: packed "
+            "sequences] in umopt/zoo.py)"
+        )
     if "packed" in modes and not seqs.packed:
         raise UmoptError(
             f"--length-modes packed: model {model}'s layers do not take a packed row's document lengths "
             "(use --length-modes padded)"
+        )
+    if "padded" in modes and "padded" not in seqs.modes:
+        raise UmoptError(
+            f"--length-modes padded: model {model} is not causal and its layers take no lengths= to mask the "
+            "padding with (use --length-modes packed)"
         )
     if max_length < 2:
         raise UmoptError(f"--lengths must be at least 2, got {max_length}")
@@ -113,12 +124,13 @@ def fit(points: Sequence[TokenPoint], ms: Sequence[float], mode: str) -> dict:
 
 def _chunk(probe: StageProbe, point: TokenPoint, mode: str, seed: int):
     """(input, targets, lengths) of a chunk entering the stage: tokens on the first stage, an
-    activation of the boundary's shape elsewhere; packed, one row with its documents' lengths."""
+    activation of the boundary's shape elsewhere; packed, one row with its documents' lengths;
+    padded, a row a sequence with their lengths."""
     seqs = probe.parts.sequences.make(point.lengths, seed)
     if mode == "packed":
         x, y, lengths = pack(seqs)
-    else:
-        (x, y), lengths = pad(seqs), None
+    else:  # each row's length, as the runtime gives a padded chunk (layers that take none ignore it)
+        (x, y), lengths = pad(seqs), torch.tensor(point.lengths, dtype=torch.long)
     if not probe.first:
         shape = tuple(x.shape) + tuple(probe.boundary.shape[2:])
         if probe.boundary.is_floating_point():
@@ -197,6 +209,10 @@ def _bytes_per_token(
 
     lo, hi = max(1, max_length // 4), max_length
     kept, work = [], []
+    # the gradients allocated before either size is measured: the first forward and backward
+    # would otherwise count them in its peak and the second not, and the difference came out
+    # below zero (0 bytes a token on every stage)
+    forward_backward(*_chunk(probe, TokenPoint((lo,)), mode, seed=0))
     for L in (lo, hi):
         x, y, lengths = _chunk(probe, TokenPoint((L,)), mode, seed=0)
         with probe.cast():

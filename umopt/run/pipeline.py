@@ -202,6 +202,10 @@ class Pipeline:
             or what three rounds need where that is at most half of ``steps``).
         steps: how many steps the run has, if known: measuring then also stops once it has cost
             3% of the run.
+        causal: with sequences of different lengths, every layer of the modules is causal (a
+            token never sees a later one), so a padded chunk's padding, after its tokens, never
+            reaches them: modules that take no ``lengths=`` may then play padded plans (see
+            [Note: packed sequences] in umopt/zoo.py).
 
     Constructing a Pipeline is collective over the world: every rank takes part in making the
     links' process groups (see [Note: one process group per link and direction]), and each of
@@ -231,6 +235,7 @@ class Pipeline:
         select: bool = True,
         select_steps: Optional[int] = None,
         steps: Optional[int] = None,
+        causal: bool = False,
         _comm: Optional[Comm] = None,  # the transport (tests: a model of NCCL's semantics)
     ):
         self.comm = _comm if _comm is not None else TorchComm.current()
@@ -255,13 +260,16 @@ class Pipeline:
             strict=strict,
             on_failure=on_failure,
         )
+        self.causal = causal
         self._set_up(lambda: self._build(module, schedule, stage, profile, kw))
         self.turns: Optional[Turns] = None  # the pick and candidates taking turns (None: no candidates)
         if (
             select and self.schedule.candidates and self.schedule.lengths is None
         ):  # the candidates' Pipelines, over the same modules
             require_pick_layout(self.schedule, "pass select=False")
-            rival_kw = dict(kw, profile=self.profile, device=self.device, select=False, _comm=self.comm)
+            rival_kw = dict(
+                kw, profile=self.profile, device=self.device, select=False, causal=causal, _comm=self.comm
+            )
             self.turns = Turns(self, lambda sc: Pipeline(module, sc, stage, **rival_kw), select_steps, steps)
 
     # --- set-up ------------------------------------------------------------------------------
@@ -347,7 +355,7 @@ class Pipeline:
             ln = sched.lengths
             rows = TokenRows.of_plan(ln.lengths, ln.samples, ln.mode, ln.pad_to, ln.row)
             for st in self.stages.values():
-                rows.check_module(st.module, st.name)
+                rows.check_module(st.module, st.name, self.causal)
                 st.tokens = rows
         self.ops = ops[self.me]
         order = messages(ops, self.ranks_of)

@@ -53,7 +53,7 @@ from ..formats.report import LengthsRun, Selection
 from ..formats.schedule import Schedule
 from ..measure.decide import Decision, decide, is_equal
 from ..measure.memory import held_bytes, peak_during, state_tensors
-from ..zoo import ModelParts, Sequences, build_model, run_layers
+from ..zoo import Layers, ModelParts, Sequences, build_model
 from . import checkpoint, faults
 from .comm import TorchComm
 from .feed import SequenceFeed, sequence_source
@@ -79,15 +79,12 @@ __all__ = ["StageSetup", "build_stage", "build_chunks", "init_distributed", "run
 _log = logging.getLogger("umopt.runtime")
 
 
-class StageModule(torch.nn.Module):
+class StageModule(Layers):
     """A stage's (or a chunk's) layers, run one after the other, named by their index in the model."""
 
     def __init__(self, layers, first: int):
-        super().__init__()
+        torch.nn.Module.__init__(self)
         self.layers = torch.nn.ModuleDict({str(first + i): m for i, m in enumerate(layers)})
-
-    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return run_layers(self.layers.values(), x, lengths)  # lengths: a packed row's documents
 
 
 @dataclass
@@ -346,6 +343,7 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]], select: bool) ->
             select=select,
             select_steps=opts.select_steps,
             steps=opts.warmup + opts.steps,
+            causal=setup.sequences is not None and setup.sequences.causal,
         )
         if rk.rank == 0:
             faults.slow_down(pipe, name)

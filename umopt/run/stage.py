@@ -19,6 +19,7 @@ from torch import nn
 
 from ..devices import TensorSpec, autocast
 from ..errors import UmoptError
+from ..zoo import takes_lengths
 from .tokens import TokenRows
 
 __all__ = ["Stage", "tensors", "grad_carrying", "batch_statistics_layers", "warn_batch_norm"]
@@ -144,6 +145,7 @@ class Stage:
         # sequences of different lengths: this step's samples as rows of tokens (None: one
         # row per sample, every sample one shape; see [Note: token rows] in tokens.py)
         self.tokens: Optional[TokenRows] = None
+        self.takes_lengths = takes_lengths(module)  # a padded chunk's lengths go to it too
         self._pool: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
     @property
@@ -159,7 +161,7 @@ class Stage:
         with token rows, laid out for the module and its output back to rows."""
         if self.tokens is None:
             return self.module(*x) if len(x) > 1 else self.module(x[0])
-        args, kw = self.tokens.to_module(x, lo, hi)
+        args, kw = self.tokens.to_module(x, lo, hi, self.takes_lengths)
         out = self.tokens.from_module(
             tensors(self.module(*args, **kw), f"{self.name}'s output"), lo, hi, f"{self.name}'s output"
         )

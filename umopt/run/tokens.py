@@ -9,7 +9,7 @@ samples [lo, hi) is a range of rows, and a stage's receive buffer and its neighb
 the step's plan: no shape is ever exchanged. Only the module sees a chunk otherwise: *packed*,
 one row ``(1, T, *rest)`` with its documents' lengths (``lengths=``, see [Note: packed
 sequences] in umopt/zoo.py); *padded*, ``(n, longest, *rest)``, padding's rows zero on the way in
-and dropped on the way out. Both conversions are autograd ops, so a chunk's backward runs on
+and dropped on the way out, with each row's length (``lengths=``) where the module takes them. Both conversions are autograd ops, so a chunk's backward runs on
 exactly its forward's graph, and no padding is ever sent. A plan of packed rows (Megatron's
 packing, a peer) pads each row that is not full with a document of its own, whose targets the
 loss ignores (-100, what ``nn.CrossEntropyLoss`` ignores unless told otherwise).
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import UmoptError
-from ..zoo import takes_lengths
+from ..zoo import blind_layer
 
 __all__ = ["TokenRows"]
 
@@ -107,19 +107,20 @@ class TokenRows:
         return int(self.pad_to or self.tokens[lo:hi].max())
 
     def to_module(
-        self, xs: tuple[torch.Tensor, ...], lo: int, hi: int
+        self, xs: tuple[torch.Tensor, ...], lo: int, hi: int, lengths: bool = True
     ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
-        """Chunk [lo, hi)'s rows as the module takes them: (its arguments, its keywords)."""
+        """Chunk [lo, hi)'s rows as the module takes them: (its arguments, its keywords; the
+        sequences' ``lengths`` where the module takes them)."""
         if self.mode == "packed":
-            lengths = torch.tensor([n for d in self.docs[lo:hi] for n in d], dtype=torch.long)
-            return tuple(x.unsqueeze(0) for x in xs), {"lengths": lengths}
+            docs = torch.tensor([n for d in self.docs[lo:hi] for n in d], dtype=torch.long)
+            return tuple(x.unsqueeze(0) for x in xs), {"lengths": docs}
         n, w = hi - lo, self.width(lo, hi)
         index = self._index(lo, hi, w).to(xs[0].device)
         out = []
         for x in xs:
             padded = x.new_zeros((n * w, *x.shape[1:])).index_copy(0, index, x)
             out.append(padded.view(n, w, *x.shape[1:]))
-        return tuple(out), {}
+        return tuple(out), ({"lengths": torch.from_numpy(self.tokens[lo:hi].copy())} if lengths else {})
 
     def from_module(
         self, out: tuple[torch.Tensor, ...], lo: int, hi: int, what: str
@@ -144,12 +145,23 @@ class TokenRows:
             flat.append(t.reshape(n * w, *t.shape[2:]).index_select(0, index))
         return tuple(flat)
 
-    def check_module(self, module: torch.nn.Module, where: str) -> None:
-        """A packed chunk needs a module that keeps its documents apart (a ``lengths`` keyword)."""
+    def check_module(self, module: torch.nn.Module, where: str, causal: bool = False) -> None:
+        """A chunk must reach layers that keep its sequences apart (see [Note: packed sequences]
+        in umopt/zoo.py): packed, layers that take ``lengths=`` (or compute each token alone);
+        padded, those or a causal model (``causal``: its owner says so)."""
         if self.mode == "padded" and self.row is not None:
             raise UmoptError("a plan of padded rows: rows are packed")
-        if self.mode == "packed" and not takes_lengths(module):
+        blind = blind_layer(module)
+        if blind is None or (self.mode == "padded" and causal):
+            return
+        if self.mode == "packed":
             raise UmoptError(
-                f"{where} does not take lengths=: a packed chunk's documents must stay apart (positions and "
-                "attention per document, see umopt/zoo.py's gpt), or plan padded (--length-modes padded)"
+                f"{where}: {blind}, so the documents of a packed chunk would see one another: give its "
+                "forward a lengths keyword (positions and attention per document, as umopt/zoo.py's gpt), or, if "
+                "every layer is causal, plan padded (--length-modes padded) and say so (causal=True)"
             )
+        raise UmoptError(
+            f"{where}: {blind}, so it would read a padded chunk's padding: give its forward a lengths "
+            "keyword (each row's tokens, to mask the rest), or, if every layer is causal (padding after a token "
+            "never reaches it), say so (umopt.Pipeline(..., causal=True); a factory's Sequences(causal=True))"
+        )

@@ -1,0 +1,149 @@
+"""Nothing silently wrong with a user's own model of sequences: a layer that looks ahead
+(bidirectional attention) gets what it needs to ignore padding, or the plan is refused; every
+rank plays the maker's plan; outputs come back in the minibatch's order. Ranks are threads over
+tests/lazycomm.py's model of NCCL's transport."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import umopt
+from umopt.errors import UmoptError
+from umopt.synthetic import synthetic_token_profile
+from umopt.varlen.peers import PEERS
+from umopt.varlen.planner import plan
+from umopt.varlen.solve import plan_schedule
+from umopt.zoo import Layers, padded_rows, run_layers
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lazycomm import World  # noqa: E402
+
+VOCAB, D, LONGEST = 50, 16, 40
+PROFILE = synthetic_token_profile(2, blocks=2, max_length=LONGEST, max_size=16)
+
+
+class Bidirectional(nn.Module):
+    """Self-attention in both directions, each sequence on its own: packed documents by a
+    block-diagonal mask, padded rows by a key-padding mask ([Note: packed sequences])."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x, lengths=None):
+        n, t, _ = x.shape
+        q, k, v = self.qkv(x).split(D, dim=2)
+        mask = None
+        if lengths is not None and padded_rows(x, lengths):
+            mask = (torch.arange(t)[None, :] < lengths[:, None])[:, None, :]  # (n, 1, t): the keys
+        elif lengths is not None:
+            doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+            mask = (doc[:, None] == doc[None, :])[None]  # (1, t, t)
+        return x + self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+class Blind(Bidirectional):
+    """The same layer, taking no lengths: it cannot keep sequences or padding apart."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+def _layers(kind=Bidirectional, seed=0):
+    torch.manual_seed(seed)
+    return [nn.Embedding(VOCAB, D), kind(), kind(), nn.Linear(D, VOCAB)]
+
+
+def _sequences(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        t = torch.randint(0, VOCAB, (int(n) + 1,), generator=g)
+        y = t[1:].clone()
+        y[torch.rand(int(n), generator=g) < 0.15] = -100  # ignored targets, as a fine-tune's prompt
+        out.append((t[:-1], y))
+    return out
+
+
+def _reference(layers, seqs):
+    """Gradients of the whole minibatch in one process, each sequence alone, token-mean loss."""
+    model = nn.ModuleList(copy.deepcopy(layers))
+    valid = sum(int((y != -100).sum()) for _, y in seqs)
+    loss = sum(F.cross_entropy(run_layers(model, x[None])[0], y, reduction="sum") for x, y in seqs) / valid
+    loss.backward()
+    return [p.grad for p in model.parameters()], float(loss.detach())
+
+
+def _pipeline_grads(layers, sched, seqs, causal=False):
+    """The same minibatch through a 2-stage umopt.Pipeline: each parameter's gradient, the loss."""
+    layers = copy.deepcopy(layers)
+    stages = [Layers(layers[:2]), Layers(layers[2:])]
+    losses = {}
+
+    def rank(comm):
+        r = comm.rank
+        pipe = umopt.Pipeline(
+            stages[r],
+            sched,
+            profile=PROFILE,
+            loss_fn=nn.CrossEntropyLoss(),
+            dtype="float32",
+            _comm=comm,
+            select=False,
+            causal=causal,
+        )
+        kw = {"inputs": [x for x, _ in seqs]} if r == 0 else {"targets": [y for _, y in seqs]}
+        losses[r] = pipe.step(plan=sched, **kw)
+
+    World(2).run(rank)
+    return [p.grad for m in layers for p in m.parameters()], float(losses[1])
+
+
+def _plans(lengths):
+    L = np.array(lengths)
+    return {
+        "planner, padded": plan_schedule(plan(PROFILE, L, mode="padded", budget_ms=30), PROFILE),
+        "planner, packed": plan_schedule(plan(PROFILE, L, mode="packed", budget_ms=30), PROFILE),
+        "pad to the longest": plan_schedule(PEERS["pad"](PROFILE, L, 2), PROFILE),
+        "packed rows": plan_schedule(PEERS["pack"](PROFILE, L, 2), PROFILE),
+    }
+
+
+def test_a_bidirectional_layer_gets_the_lengths_of_padded_and_packed_chunks_and_trains_as_one_process():
+    # skewed lengths, 1-token sequences among them: padding is most of a padded chunk
+    lengths = [3, 40, 1, 7, 22, 2, 35, 5, 1, 12]
+    seqs = _sequences(lengths, 1)
+    layers = _layers()
+    want, want_loss = _reference(layers, seqs)
+    for name, sched in _plans(lengths).items():
+        got, loss = _pipeline_grads(layers, sched, seqs)
+        assert loss == pytest.approx(want_loss, rel=1e-5), name
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_layer_that_takes_no_lengths_is_refused_packed_and_padded_unless_said_causal():
+    lengths = [3, 40, 1, 7, 22, 2]
+    seqs = _sequences(lengths, 2)
+    layers = _layers(Blind)
+    for name, sched in _plans(lengths).items():
+        mode = "packed" if "pack" in name else "padded"
+        with pytest.raises(
+            UmoptError,
+            match=f"takes no lengths=.*{'see one another' if mode == 'packed' else 'padding'}",
+        ):
+            _pipeline_grads(layers, sched, seqs)
+    # a model whose every layer is causal reads no padding: said so, it plays padded plans
+    causal_layers = [nn.Embedding(VOCAB, D), nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, VOCAB)]
+    want, _ = _reference(causal_layers, seqs)
+    got, _ = _pipeline_grads(causal_layers, _plans(lengths)["pad to the longest"], seqs, causal=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
