@@ -266,11 +266,22 @@ def _tune_lengths(o: dict) -> None:
     )
     state = "" if result.decided else "; not decided when the budget ended (more --budget or --steps decides)"
     out.print(f"recommended (*): {result.recommended}, {result.reason}{state}", markup=False, highlight=False)
+    most = max(result.rows, key=lambda r: r.tokens_per_s)
+    if most.method != result.recommended:
+        out.print(
+            f"note: {most.method} shows the most tokens/s above (a mean over every step, slow ones included); the "
+            f"recommendation goes by each round's median step, paired round by round, where {result.recommended} "
+            "came out ahead (the confidences above say how sure that is)",
+            markup=False,
+            highlight=False,
+        )
     for line in result.warnings:
         err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
+    methods = "" if result.recommended == "umopt" else f" --methods {result.recommended}"
     out.print(
-        f"wrote {len(result.files)} files to {result.out_dir}/; train with: umopt run {result.out_dir}/plan.json "
-        f"--profile {result.out_dir}/profile.json --data package.module:fn (your sequences)",
+        f"wrote {len(result.files)} files to {result.out_dir}/; train with ({result.recommended}'s plans): "
+        f"umopt run {result.out_dir}/plan.json{methods} --profile {result.out_dir}/profile.json "
+        "--data package.module:fn (your sequences)",
         markup=False,
         highlight=False,
     )

@@ -900,10 +900,31 @@ def test_a_chunked_solve_keeps_one_clock_and_says_what_it_cut_short():
     load_torch_schedules()  # seconds to import, on the clock: here before it, so the phases get theirs
     t0 = time.perf_counter()
     rep = solve_chunked(prof, 32, (1, 2, 3, 4), time_limit=4)
-    assert time.perf_counter() - t0 < 3 * 4 + 5
+    # the promise is the limit; a loaded machine stretches the last uninterruptible piece of work
+    assert time.perf_counter() - t0 < 4 * 1.25 + 1
     assert rep.layouts.search is not None and rep.layouts.search.evaluated > rep.layouts.search.screened > 0
-    # what a 3 s limit stops depends on the machine's speed; what it names is one of these
+    # what a 4 s limit stops depends on the machine's speed; what it names is one of these
     assert all(c.startswith(("the screening", "torch's schedules")) for c in rep.layouts.cut_short)
+    # a limit far too short for every phase: something is always cut short, and said
+    short = solve_chunked(prof, 32, (1, 2, 3, 4), time_limit=0.5)
+    assert short.layouts.cut_short and all(
+        c.startswith(("the screening", "torch's schedules")) for c in short.layouts.cut_short
+    )
+
+
+def test_a_chunked_solve_of_a_minibatch_above_the_profiles_largest_size_cuts_chunks_it_costs():
+    """The equal candidates on the pick's layout asked for chunks of the whole minibatch (an
+    IndexError after 58 s on a profile timed up to 32 solved with -B 64)."""
+    from umopt.search.peers import load_torch_schedules
+    from umopt.search.solve_chunks import solve_chunked
+
+    load_torch_schedules()
+    prof = synthetic_profile(2, max_size=8, seed=3, layers_per_stage=3)
+    rep = solve_chunked(prof, 24, (1, 2, 3), time_limit=2)
+    for st in rep.schedule.stages:
+        assert all(op[2] - op[1] <= 8 for op in st.ops)
+    for cand in rep.schedule.candidates or []:
+        assert all(op[2] - op[1] <= 8 for st in cand.stages for op in st.ops)
 
 
 def test_a_users_own_stages_profiled_per_layer_reach_solve_with_chunks():

@@ -192,4 +192,10 @@ def test_tune_with_lengths_measures_umopt_plans_against_a_peers_on_the_same_mini
     row = next(line for line in cap.out.splitlines() if line.startswith("│ pack"))
     got = float(row.split("│")[3]) * 1e3
     assert got == pytest.approx(reports["pack"]["lengths"]["tokens_per_s"], rel=0.01)
-    assert "umopt run" in cap.out and (out / "plan.json").exists()
+    # the last line trains what was recommended: its planner, on its plan's layout
+    winner = reports["umopt"]["decision"]["winner"]
+    assert (out / "plan.json").read_bytes() == (out / f"plan_{winner}.json").read_bytes()
+    train = " ".join(cap.out.split("train with", 1)[1].split())
+    assert f"({winner}'s plans)" in train and (
+        "--methods" not in train if winner == "umopt" else f"--methods {winner}" in train
+    )

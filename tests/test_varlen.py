@@ -95,6 +95,46 @@ def test_umopt_beats_padding_twice_on_chat_and_holds_its_own_against_the_peers(p
         assert mine.iteration_ms < PEERS[name](profile4, L, 4).iteration_ms, name
 
 
+def test_padding_to_the_longest_is_costed_by_the_padded_fits_and_needs_them(profile4):
+    from umopt.varlen.peers import unavailable
+
+    L = np.array([100, 300, 50, 400, 220, 90, 10, 330])
+    before = PEERS["pad"](profile4, L, 4).iteration_ms
+    cheaper = profile4.model_copy(deep=True)
+    for st in cheaper.stages:
+        for fit in (st.tokens["padded"].forward, st.tokens["padded"].backward):
+            fit.b_ms *= 0.5
+    assert PEERS["pad"](cheaper, L, 4).iteration_ms < 0.8 * before
+    # a model that cannot be padded (its profile has packed costs only) has no padding peer
+    packed_only = cheaper.model_copy(deep=True)
+    packed_only.lengths.modes = ["packed"]
+    assert PEERS["pad"](packed_only, L, 4) is None and "needs padded chunks" in unavailable(packed_only, "pad")
+    assert PEERS["pack"](packed_only, L, 4) is not None and unavailable(packed_only, "pack") is None
+
+
+def test_peers_run_1f1b_with_fewer_microbatches_than_stages_as_megatron_does():
+    """A long-tailed minibatch packs into a few rows: torch's 1F1B wants one per stage, Megatron's
+    runs fewer (each stage warming up min(S - s - 1, M)); the peer is scored at the better."""
+    from umopt.search.baselines import gpipe_equal, onef1b_equal
+    from umopt.search.problem import Problem
+
+    profile = load_profile("gpt-tokens8-sim")
+    gains = []
+    for seed in range(6):
+        L = minibatches("long-context", 1, 16, seed=seed, cap=profile.lengths.max_length)[0]
+        got = PEERS["pack"](profile, L, 8)
+        assert got.iteration_ms == pytest.approx(
+            simulate(got.tables, got.ops, len(got.layout.units)).iteration_ms
+        )
+        problem = Problem(got.layout.tables(profile, L), len(got.layout.units))
+        torch_only = min(b.iteration_ms for b in (gpipe_equal(problem), onef1b_equal(problem)) if b.candidate)
+        assert got.iteration_ms <= torch_only + 1e-9
+        gains.append(torch_only / got.iteration_ms)
+        if got.knobs["order"] == "1f1b":
+            assert got.knobs["microbatches"] < 8  # in these minibatches: fewer rows than stages
+    assert max(gains) > 1.03
+
+
 def test_a_warm_start_that_no_longer_fits_falls_back_to_a_cold_plan(profile4):
     """The last step's knobs (a chunk or two for the whole minibatch) on a minibatch whose long
     sequences cannot share so few chunks within the memory limit."""

@@ -412,22 +412,26 @@ def range_tokens(
 
 
 def sample_tokens(
-    lengths, samples: Sequence[Sequence[int]], row: int | None = None, pad_to: int | None = None
-) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """Each sample's tokens and, where a sample is a row of packed sequences (``row``) or padded
-    to one length for all (``pad_to``), the sum of its squared lengths (the attention's work;
-    None: a sample is one sequence, its square) and its sequences (None: one each).
-    ``samples[k]``: the sequences (indices into ``lengths``) sample k holds."""
+    lengths,
+    samples: Sequence[Sequence[int]],
+    mode: str = "packed",
+    row: int | None = None,
+    pad_to: int | None = None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, str]:
+    """Each sample's tokens, and where a sample is a row of packed sequences (``row``) the sum of
+    its squared lengths (the attention's work) and its sequences (None: a sample is one sequence,
+    its square, one each), and the mode its chunks cost in: a row is packed; samples padded to one
+    length for all (``pad_to``) are padded chunks of that width, costed by the padded fits as the
+    runtime plays them. ``samples[k]``: the sequences (indices into ``lengths``) sample k holds."""
     L = np.asarray(lengths, dtype=np.int64)
     if pad_to is not None:
-        n = len(samples)  # a batch of rows of one length: no sequence of its own cost
-        return np.full(n, pad_to), np.full(n, pad_to * pad_to), np.zeros(n)
+        return np.full(len(samples), pad_to), None, None, "padded"
     if row is not None:
         squares = np.array([sum(int(L[i]) ** 2 for i in u) for u in samples])
-        return np.full(len(samples), row), squares, np.array([len(u) for u in samples])
+        return np.full(len(samples), row), squares, np.array([len(u) for u in samples]), "packed"
     if any(len(u) != 1 for u in samples):
         raise UmoptError("a sample of several sequences needs a row length")
-    return L[[u[0] for u in samples]], None, None
+    return L[[u[0] for u in samples]], None, None, mode
 
 
 def tables_for_samples(
@@ -442,9 +446,8 @@ def tables_for_samples(
     chunks: Chunking | None = None,
 ) -> "CostTables":
     """The cost tables of a minibatch's sequences laid out as ``samples`` (see
-    :func:`sample_tokens`): rows, and samples padded to one length, cost as packed."""
-    tokens, squares, docs = sample_tokens(lengths, samples, row, pad_to)
-    mode = "packed" if row is not None or pad_to is not None else mode
+    :func:`sample_tokens`): rows cost as packed, samples padded to one length as padded."""
+    tokens, squares, docs, mode = sample_tokens(lengths, samples, mode, row, pad_to)
     return tables_for_lengths(profile, tokens, mode, recompute, dp, squares, docs, chunks)
 
 

@@ -51,6 +51,7 @@ from .search.solve_chunks import solve_chunked
 from .search.solvers import SOLVERS
 from .search.zerobubble import zb_h1
 from .varlen.layouts import choose_layouts
+from .varlen.peers import unavailable
 from .varlen.plan import Plan
 from .varlen.samplers import SAMPLERS, minibatch_of_step
 from .varlen.solve import plan_schedule
@@ -528,13 +529,17 @@ def tune_lengths(
     )
     chunks = _counts_the_layers_allow(opts, chunks, say)
     out, prof = _profiled(opts, out_dir, probes, min(size, 32), max(chunks), say)
+    for m in [m for m in methods if unavailable(prof, m)]:
+        say(f"{m} left out: {unavailable(prof, m)}")
+        methods = [k for k in methods if k != m]
+    if len(methods) < 2:
+        raise UmoptError("tune --lengths: no peer's plans can train this model to measure umopt's against")
     first = minibatch_of_step(lengths, 0, size, max_length)
     if probes:
         prof = _fit_tokens_to_runs(prof, out, lengths, first, say)
     chosen = choose_layouts(prof, first, methods, chunks)
     for m, p in chosen.items():
         save_schedule(plan_schedule(p, prof), str(out / f"plan_{m}.json"))
-    save_schedule(plan_schedule(chosen["umopt"], prof), str(out / "plan.json"))  # the one to train with
     if max(chunks) > 1:
         say(
             "layouts, each method's fastest on the first minibatch: "
@@ -580,6 +585,8 @@ def tune_lengths(
             warnings.append(f"{method}'s steps measured {100 * off:+.0f}% off their plans' predictions")
     decision = result.reports[0].decision
     assert decision is not None
+    # the one to train with: the recommended method's (its planner plans every step of a run)
+    shutil.copyfile(out / f"plan_{decision.winner}.json", out / "plan.json")
     return LengthsResult(
         rows,
         str(out),

@@ -29,6 +29,7 @@ from ..formats.schedule import (
 )
 from ..measure.decide import is_equal
 from ..varlen.layouts import CHUNKED_METHODS, METHODS
+from ..varlen.peers import unavailable
 from ..varlen.samplers import minibatch_of_step
 from ..zoo import build_model, import_object
 from .checkpoint import MANIFEST, read_manifest
@@ -252,6 +253,9 @@ def _methods(opts: RunOptions, schedules: list[Schedule], profile: Profile) -> l
             )
     if len(set(methods)) < len(methods):
         raise UmoptError("--methods names a method twice")
+    why = next((unavailable(profile, m) for m in methods if unavailable(profile, m)), None)
+    if why:
+        raise UmoptError(f"--methods: {why}")
     return methods
 
 

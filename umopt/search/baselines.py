@@ -59,13 +59,15 @@ def _busiest_stage_ms(problem: Problem, ms: np.ndarray) -> np.ndarray:
     return busy.max(axis=0)
 
 
-def best_equal(problem: Problem, fam: ScheduleFamily) -> Baseline:
-    """The best equal schedule of a family built by rule, over every feasible chunk count."""
+def best_equal(problem: Problem, fam: ScheduleFamily, lowest: Optional[int] = None) -> Baseline:
+    """The best equal schedule of a family built by rule, over every feasible chunk count from
+    ``lowest`` (default: the fewest the family's equal schedule is run with)."""
     name = fam.equal_name
-    if name in problem.cache:
-        return problem.cache[name]
+    key = name if lowest is None else f"{name}/{lowest}"
+    if key in problem.cache:
+        return problem.cache[key]
     S, B = problem.num_stages, problem.minibatch
-    ms = np.array(feasible_m(problem, lowest=fam.fewest_equal_chunks(S)))
+    ms = np.array(feasible_m(problem, lowest=fam.fewest_equal_chunks(S) if lowest is None else lowest))
     best_ms, best_m = np.inf, None
     if len(ms):
         lb = _busiest_stage_ms(problem, ms)
@@ -96,7 +98,7 @@ def best_equal(problem: Problem, fam: ScheduleFamily) -> Baseline:
         cand = Candidate.uniform(equal_sizes(B, best_m), S, order=fam.name)
         cand.iteration_ms = best_ms
         base = Baseline(name, best_m, best_ms, cand)
-    problem.cache[name] = base
+    problem.cache[key] = base
     return base
 
 
@@ -104,5 +106,8 @@ def gpipe_equal(problem: Problem) -> Baseline:
     return best_equal(problem, GPIPE)
 
 
-def onef1b_equal(problem: Problem) -> Baseline:
-    return best_equal(problem, ONEF1B)
+def onef1b_equal(problem: Problem, fewer_than_stages: bool = False) -> Baseline:
+    """1F1B's best equal schedule: with at least one microbatch per stage, as torch's Schedule1F1B
+    runs it (the spec's baseline); ``fewer_than_stages``, from one up, as Megatron-LM runs it
+    (each stage's warm-up min(S - s - 1, M))."""
+    return best_equal(problem, ONEF1B, 1 if fewer_than_stages else None)

@@ -213,7 +213,8 @@ def equal_list_scheduled(
     layout (V-shaped without W ops). ``until``: a ``time.perf_counter()`` after which no more M is
     tried once one fits."""
     limit, best = tables.memory_limit, None
-    for m in range(1, minibatch + 1):
+    # no chunk larger than the profile costs: at least minibatch / largest size of them
+    for m in range(max(1, -(-minibatch // tables.max_size)), minibatch + 1):
         if best is not None and until is not None and time.perf_counter() > until:
             break
         genes = equal_genes(tables, minibatch, m, weights=weights)

@@ -34,7 +34,7 @@ from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule
 from .chunks import plan_chunks
 from .layouts import CHUNKED_METHODS, METHODS
-from .peers import PEERS
+from .peers import PEERS, unavailable
 from .planner import plan
 from .solve import plan_schedule
 
@@ -112,6 +112,8 @@ class PlanAhead:
             raise UmoptError("the profile has no costs by tokens (profile with --lengths)")
         if method not in METHODS:
             raise UmoptError(f"unknown planning method {method!r}: one of {', '.join(METHODS)}")
+        if unavailable(profile, method):
+            raise UmoptError(unavailable(profile, method))
         if on is not None and method not in CHUNKED_METHODS:
             raise UmoptError(
                 f"{method} plans one chunk per rank; with several: one of {', '.join(CHUNKED_METHODS)}"

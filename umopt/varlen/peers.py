@@ -23,7 +23,10 @@ each at the knobs that serve it best, scored by the same cost model as umopt's p
   least workload so far, a sequence's workload ``b L + c L^2`` from the profile's costs by tokens
   (summed over stages), microbatches packed with attention masked per sequence, the best count.
 
-Every peer gives the same partition to every stage (that is what these tools run); umopt's
+Every peer plays its equal microbatches in GPipe or 1F1B order, whichever is faster, 1F1B with
+fewer microbatches than stages too, as Megatron-LM runs it (each stage warms up
+min(S - s - 1, M); torch's Schedule1F1B refuses M < S), so a minibatch packed into a few rows is
+not held to GPipe. Every peer gives the same partition to every stage (that is what these tools run); umopt's
 planner (:mod:`.planner`) gives each stage its own. With several chunks per rank (``chunks``),
 ``pad`` and ``pack`` run torch's multi-chunk schedules (interleaved 1F1B, looped BFS, and with a
 split backward the zero-bubble ones) at their best chunk count, microbatch count and cut, as a
@@ -47,7 +50,7 @@ from ..search.peers import PeerResult, best_peers, equal_list_scheduled, load_to
 from ..search.problem import Candidate, LayoutProblem, Problem, pack
 from .plan import Layout, Plan, score
 
-__all__ = ["PEERS", "pad", "packed_rows", "sort_split", "dynapipe", "wlb"]
+__all__ = ["PEERS", "pad", "packed_rows", "sort_split", "dynapipe", "wlb", "unavailable"]
 
 
 def _best_equal(
@@ -70,7 +73,11 @@ def _best_equal(
         return _best_torch_multi(method, profile, lengths, layout, chunks, recompute, dp, on, until, **knobs)
     tables = layout.tables(profile, lengths, recompute, dp)
     problem = Problem(tables, len(layout.units))
-    found = [b for b in (gpipe_equal(problem), onef1b_equal(problem)) if b.candidate is not None]
+    found = [
+        b
+        for b in (gpipe_equal(problem), onef1b_equal(problem, fewer_than_stages=True))
+        if b.candidate is not None
+    ]
     if not found:
         return None
     best = min(found, key=lambda b: b.iteration_ms)
@@ -104,8 +111,7 @@ def _best_torch_multi(
     backward) on ``layout``'s samples, each at its best chunk count up to ``chunks``, microbatch
     count and cut (what a torch user would try, :func:`umopt.search.peers.best_peers`; ``on``: that
     cut and placement only): the fastest within the memory limit."""
-    tokens, squares, docs = sample_tokens(lengths, layout.units, layout.row, layout.pad_to)
-    mode = "packed" if layout.row is not None or layout.pad_to is not None else layout.mode
+    tokens, squares, docs, mode = sample_tokens(lengths, layout.units, layout.mode, layout.row, layout.pad_to)
     problem = LayoutProblem(
         profile, len(layout.units), recompute, dp, tokens=tokens, mode=mode, squares=squares, docs=docs
     )
@@ -163,10 +169,9 @@ def _best_shared(
         tables = layout.tables(profile, lengths, recompute, dp)
         problem = Problem(tables, len(layout.units))
         sizes = pack([[list(p)] * S for p in partitions])
-        for fam in (GPIPE, ONEF1B):  # the schedules of torch's that peers run equal microbatches in
-            ok = [k for k, p in enumerate(partitions) if len(p) >= fam.fewest_equal_chunks(S)]
-            if not ok:
-                continue
+        # GPipe and 1F1B, 1F1B with fewer microbatches than stages too, as Megatron-LM runs it
+        for fam in (GPIPE, ONEF1B):
+            ok = list(range(len(partitions)))
             it, _ = fam.score(problem.tables, sizes[ok])
             k = int(np.argmin(it))
             if np.isfinite(it[k]) and (best is None or it[k] < best[0]):
@@ -189,8 +194,10 @@ def pad(
     chunks: int = 1,
     on: Optional[Chunking] = None,
 ) -> Optional[Plan]:
+    if unavailable(profile, "pad"):
+        return None
     L = np.asarray(lengths)
-    layout = Layout(tuple((i,) for i in range(len(L))), "packed", pad_to=int(L.max()))
+    layout = Layout(tuple((i,) for i in range(len(L))), "padded", pad_to=int(L.max()))
     return _best_equal("pad", profile, L, layout, S, recompute, dp, chunks, on, padded_to=int(L.max()))
 
 
@@ -232,6 +239,8 @@ def packed_rows(
     """``rows``: the row lengths to try (default: three powers of two from the longest
     sequence's up, within the profile's longest; with ``split``, also a half and a quarter of
     it, the longer sequences then cut into pieces of a row each)."""
+    if unavailable(profile, "pack"):
+        return None
     L = np.asarray(lengths)
     if rows is None:
         first = 1 << int(math.ceil(math.log2(max(int(L.max()), 1))))
@@ -349,6 +358,8 @@ def dynapipe(
 def wlb(
     profile: Profile, lengths, S: int, recompute: bool = False, dp: Optional[AllReduceProfile] = None
 ) -> Optional[Plan]:
+    if unavailable(profile, "wlb"):
+        return None
     L = np.asarray(lengths)
     costs = [st.tokens["packed"] for st in profile.stages]
     b = sum(c.forward.b_ms + c.backward.b_ms for c in costs)
@@ -367,6 +378,22 @@ def wlb(
         order = [i for g in groups for i in g]
         choices.append((Layout.of_order(order, "packed"), [[len(g) for g in groups]], {"mode": "packed"}))
     return _best_shared("wlb", profile, L, choices, S, recompute, dp)
+
+
+# the chunk layout each peer needs the profile to cost (the others choose among the profile's)
+NEEDS = {"pad": "padded", "pack": "packed", "pack-split": "packed", "wlb": "packed"}
+
+
+def unavailable(profile: Profile, method: str) -> Optional[str]:
+    """Why ``method`` cannot plan for ``profile``'s model (None: it can): a peer that pads needs
+    padded costs, one that packs packed ones, and the profile has those its model can take."""
+    need = NEEDS.get(method)
+    if need is None or profile.lengths is None or need in profile.lengths.modes:
+        return None
+    return (
+        f"{method} needs {need} chunks, and the profile's model takes only "
+        f"{' and '.join(profile.lengths.modes)} ones (see [Note: packed sequences] in umopt/zoo.py)"
+    )
 
 
 PEERS: dict[str, Callable[..., Optional[Plan]]] = {
