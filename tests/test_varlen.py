@@ -108,7 +108,9 @@ def test_padding_to_the_longest_is_costed_by_the_padded_fits_and_needs_them(prof
     # a model that cannot be padded (its profile has packed costs only) has no padding peer
     packed_only = cheaper.model_copy(deep=True)
     packed_only.lengths.modes = ["packed"]
-    assert PEERS["pad"](packed_only, L, 4) is None and "needs padded chunks" in unavailable(packed_only, "pad")
+    assert PEERS["pad"](packed_only, L, 4) is None and "needs padded chunks" in unavailable(
+        packed_only, "pad"
+    )
     assert PEERS["pack"](packed_only, L, 4) is not None and unavailable(packed_only, "pack") is None
 
 

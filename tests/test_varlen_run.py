@@ -162,7 +162,9 @@ def test_a_packed_plan_needs_a_module_that_keeps_documents_apart():
         stage = nn.Sequential(*parts.layers[:2]) if comm.rank == 0 else Layers(parts.layers[2:])
         umopt.Pipeline(stage, sched, profile=PROFILE, loss_fn=nn.CrossEntropyLoss(), _comm=comm, select=False)
 
-    with pytest.raises(UmoptError, match="stage 0: layer 0 .Embedding. gets no lengths= inside an nn.Sequential"):
+    with pytest.raises(
+        UmoptError, match="stage 0: layer 0 .Embedding. gets no lengths= inside an nn.Sequential"
+    ):
         World(2).run(rank)
 
 
