@@ -230,6 +230,11 @@ def _process_start() -> Optional[float]:
     return time.perf_counter() - age if 0.0 <= age < 30.0 else None
 
 
+def warn(line: str) -> None:
+    """A warning, one line on stderr, however long."""
+    err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
+
+
 def _ms(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.3f}"
 

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from umopt.errors import UmoptError
 
-from .app import BYTES, _int_list, _progress_bar, _require_torch, cli, err, model_options, out
+from .app import BYTES, _int_list, _progress_bar, _require_torch, cli, model_options, out, warn
 
 
 @cli.command()
@@ -239,7 +239,7 @@ def _print_profile(prof, model: str) -> None:
     elif probed:
         out.print(f"note: no probe runs ({probed.why}): predictions do not include the runtime's own costs")
     for line in prof.meta.warnings:
-        err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
+        warn(line)
 
 
 def _print_token_fits(prof) -> None:

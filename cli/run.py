@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Optional
 import click
 from rich.table import Table
 
-from .app import _progress_bar, _require_torch, cli, err, out
+from .app import _progress_bar, _require_torch, cli, err, out, warn
 
 if TYPE_CHECKING:
     from umopt.formats.report import RunReport
@@ -154,9 +154,8 @@ def run(schedules, **options) -> None:
             bar.update(task, completed=done, total=total, description=what)
 
         result = launch(opts, progress=progress)
-    for r in result.reports:
-        for line in run_warnings(r):
-            err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
+    for line in dict.fromkeys(line for r in result.reports for line in run_warnings(r)):  # each once
+        warn(line)
     if result.reports[0].lengths is not None:
         _print_lengths(result.reports)
         return

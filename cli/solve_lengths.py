@@ -11,7 +11,7 @@ from rich.table import Table
 
 from umopt.errors import UmoptError
 
-from .app import _ms, _progress_bar, load_solve_profile, out
+from .app import _ms, _progress_bar, load_solve_profile, out, warn
 
 _FOOTER = (
     "ms: predicted iteration; ktok/s: the minibatch's real tokens (no padding) per second; umopt x: "
@@ -43,7 +43,7 @@ def solve_lengths(
     started = time.perf_counter()  # the time limit covers the whole command
     from umopt.fileio import check_writable
     from umopt.search.solve import allreduce_for
-    from umopt.varlen.samplers import minibatches
+    from umopt.varlen.samplers import cut_note, minibatches
 
     if count < 1:
         raise UmoptError(f"--minibatches must be at least 1, got {count}")
@@ -62,6 +62,9 @@ def solve_lengths(
     spec = f"file:{lengths}" if os.path.isfile(lengths) else lengths
     cap = profile.lengths.max_length if profile.lengths is not None else None
     batches = minibatches(spec, count, size, seed=seed, cap=cap)
+    cut = cut_note(spec, cap, minibatches(spec, count, size, seed=seed)) if cap is not None else None
+    if cut:
+        warn(cut)
     source = lengths if not spec.startswith("file:") else f"file {lengths}"
     time_limit -= time.perf_counter() - started  # what is left of it
     if count == 1:

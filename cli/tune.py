@@ -7,7 +7,7 @@ from rich.table import Table
 
 from umopt.errors import UmoptError
 
-from .app import _require_torch, cli, err, model_options, out
+from .app import _require_torch, cli, err, model_options, out, warn
 
 
 @cli.command()
@@ -197,7 +197,7 @@ def tune(
             highlight=False,
         )
     for line in result.warnings:
-        err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
+        warn(line)
     out.print(f"wrote {len(result.files)} files to {result.out_dir}/")
 
 
@@ -276,7 +276,7 @@ def _tune_lengths(o: dict) -> None:
             highlight=False,
         )
     for line in result.warnings:
-        err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
+        warn(line)
     methods = "" if result.recommended == "umopt" else f" --methods {result.recommended}"
     out.print(
         f"wrote {len(result.files)} files to {result.out_dir}/; train with ({result.recommended}'s plans): "

@@ -433,3 +433,18 @@ def test_calibrate_fits_costs_by_tokens_to_runs_of_sequences(tmp_path, capsys):
         code, _, err = _run(argv, capsys)
         assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_lengths_longer_than_the_profile_costs_are_cut_and_the_cut_is_said(tmp_path, capsys):
+    from umopt.varlen.samplers import cut_note
+
+    lengths = tmp_path / "L.txt"
+    lengths.write_text("500\n40000\n90\n1000\n")
+    code, out, err = _run(
+        ["solve", "gpt-tokens-sim", "-B", "8", "--lengths", str(lengths), "--recompute", "--time-limit", "2"]
+        + ["-o", str(tmp_path / "p.json")],
+        capsys,
+    )
+    assert "2 of 8 of the lengths drawn from file" in err and "up to 40000): each is cut to 32768" in err
+    assert "1 of 4 of the lengths in file" in cut_note(f"file:{lengths}", 1000)
+    assert "of chat's lengths" in cut_note("chat", 128) and cut_note("chat/16", 1024) is None

@@ -53,7 +53,7 @@ from .search.zerobubble import zb_h1
 from .varlen.layouts import choose_layouts
 from .varlen.peers import unavailable
 from .varlen.plan import Plan
-from .varlen.samplers import SAMPLERS, minibatch_of_step
+from .varlen.samplers import SAMPLERS, cut_note, minibatch_of_step
 from .varlen.solve import plan_schedule
 from .zoo import build_model
 
@@ -515,6 +515,9 @@ def tune_lengths(
             f"{name}'s lengths scaled down {k:g} times to at most {max_length} tokens, keeping their spread "
             f"({name}/1 cuts them at {max_length} instead)"
         )
+    cut = cut_note(lengths, max_length)
+    if cut:
+        say(f"warning: {cut}")
     opts = ProfileOptions(
         model=model,
         model_args=model_args,

@@ -107,6 +107,7 @@ class LengthsRun(BaseModel):
     # the report's step_ms: what `umopt calibrate` predicts again on the fitted costs, to fit what
     # a step costs beyond its ops
     plans: list[Schedule] = []
+    cut: Optional[str] = None  # what the profile's longest length cut from --lengths, said once
 
 
 class RunReport(BaseModel):

@@ -234,6 +234,8 @@ def run_warnings(report: RunReport) -> list[str]:
         if report.lengths is not None
         else report.schedule or "the schedule"
     )
+    if report.lengths is not None and report.lengths.cut:
+        out.append(report.lengths.cut)
     if report.dp > 1 and not report.allreduce:
         out.append(
             f"{name} ran with {report.dp} data-parallel replicas but its prediction leaves out their all-reduce (no speed known): "

@@ -53,6 +53,7 @@ from ..formats.report import LengthsRun, Selection
 from ..formats.schedule import Schedule
 from ..measure.decide import Decision, decide, is_equal
 from ..measure.memory import held_bytes, peak_during, state_tensors
+from ..varlen.samplers import cut_note
 from ..zoo import Layers, ModelParts, Sequences, build_model
 from . import checkpoint, faults
 from .comm import TorchComm
@@ -679,6 +680,9 @@ def _lengths_run(cfg: RunConfig, play: _Play, op_pairs: list) -> LengthsRun:
         predicted_peak_memory_bytes=play.peak_predicted or play.predicted_peak,
         op_pairs=op_pairs,
         plans=[plan for plan, _ in play.step_ops],
+        cut=cut_note(lengths_spec(opts.lengths), cfg.profile.lengths.max_length)
+        if opts.lengths and cfg.profile.lengths is not None
+        else None,
     )
 
 

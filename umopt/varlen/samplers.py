@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import UmoptError
 
-__all__ = ["SAMPLERS", "Sampler", "sampler", "minibatches", "minibatch_of_step"]
+__all__ = ["SAMPLERS", "Sampler", "sampler", "minibatches", "minibatch_of_step", "cut_note"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,29 @@ def minibatches(
     draw = sampler(spec, cap)
     rng = np.random.default_rng(seed)
     return [draw(rng, size) for _ in range(count)]
+
+
+def cut_note(spec: str, cap: int, drawn: Optional[list[np.ndarray]] = None) -> Optional[str]:
+    """What a cap of ``cap`` tokens (the profile's longest) cuts from ``spec``'s lengths, in one
+    line (None: nothing): of ``drawn`` (minibatches drawn without the cap) where given, else of a
+    file's every length, or of the first 64 minibatches of 64 a run would draw."""
+    source = f"file {spec[5:]}" if spec.startswith("file:") else spec
+    if drawn is not None:
+        what = f"the lengths drawn from {source}"
+    elif spec.startswith("file:"):
+        drawn, what = [_read_lengths(spec[5:])], f"the lengths in {source}"
+    else:
+        drawn = [minibatch_of_step(spec, k, 64) for k in range(64)]
+        what = f"{source}'s lengths (64 minibatches of 64 drawn)"
+    every = np.concatenate([np.asarray(d) for d in drawn])
+    over = every[every > cap]
+    if not len(over):
+        return None
+    return (
+        f"{len(over)} of {len(every)} of {what} ({100 * len(over) / len(every):.1f}%) are longer than the "
+        f"{cap} tokens the profile costs (up to {int(over.max())}): each is cut to {cap} (profile with a larger "
+        "--lengths to train them whole)"
+    )
 
 
 def minibatch_of_step(spec: str, step: int, size: int, cap: Optional[int] = None) -> np.ndarray:
