@@ -235,6 +235,23 @@ def warn(line: str) -> None:
     err.print(f"umopt: warning: {line}", markup=False, highlight=False, soft_wrap=True)
 
 
+def own_model_hint(profile, lengths: bool) -> str:
+    """The next step after solving on a profile whose model nothing can run (a bundled synthetic
+    one): how to profile a model of one's own."""
+    with_lengths = (
+        (" --model-arg seq_len=1024 --lengths 1024", " --lengths chat", " --lengths chat")
+        if lengths
+        else ("", "", "")
+    )
+    out_file = "plan.json" if lengths else "schedule.json"
+    return (
+        f"next: {profile.model.name} is a synthetic model (device {profile.device.type}): nothing runs it. To train, "
+        f"profile your own: umopt profile --model gpt --stages {profile.num_stages}{with_lengths[0]} -o mine.json "
+        "(or --model package.module:factory), then umopt solve mine.json -B 32"
+        f"{with_lengths[1]} -o {out_file}, then umopt run {out_file}{with_lengths[2]}"
+    )
+
+
 def _ms(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.3f}"
 

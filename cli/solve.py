@@ -11,7 +11,7 @@ from rich.table import Table
 
 from umopt.errors import UmoptError
 
-from .app import BYTES, _ms, _progress_bar, cli, command_start, load_solve_profile, out
+from .app import BYTES, _ms, _progress_bar, cli, command_start, load_solve_profile, out, own_model_hint
 
 # the least --time-limit a solve with --chunks keeps (see the check below)
 CHUNKS_MIN_TIME_LIMIT = 5.0
@@ -227,14 +227,18 @@ def solve(
         )
     written = [output] + [p for p in (plot, trace) if p]
     out.print(f"wrote {', '.join(written)}")
-    _print_next(report.schedule, output)
+    _print_next(report.schedule, output, profile)
 
 
-def _print_next(schedule, output: str) -> None:
+def _print_next(schedule, output: str, profile) -> None:
     """The next step: where the file has candidates, what selection measures and the steps it needs
     ([Note: selection while training])."""
     from umopt.run.steps import RUN_STEPS, RUN_WARMUP, SELECT_MOST, selection_steps_needed
+    from umopt.zoo import runnable
 
+    if not runnable(profile.model.name):
+        out.print(own_model_hint(profile, lengths=False), markup=False, highlight=False)
+        return
     n = 1 + len(schedule.candidates)
     if n == 1:
         out.print(f"next: umopt run {output}", markup=False, highlight=False)
@@ -455,7 +459,7 @@ def _solve_chunked(
             highlight=False,
         )
     out.print(f"wrote {', '.join([output] + [p for p in (plot, trace) if p])}")
-    _print_next(report.schedule, output)
+    _print_next(report.schedule, output, profile)
 
 
 def _print_report(report) -> None:

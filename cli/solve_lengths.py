@@ -11,7 +11,7 @@ from rich.table import Table
 
 from umopt.errors import UmoptError
 
-from .app import _ms, _progress_bar, load_solve_profile, out, warn
+from .app import _ms, _progress_bar, load_solve_profile, out, own_model_hint, warn
 
 _FOOTER = (
     "ms: predicted iteration; ktok/s: the minibatch's real tokens (no padding) per second; umopt x: "
@@ -177,6 +177,11 @@ def _one(profile, L, source, budget_ms, recompute, time_limit, seed, dp, output,
         write_trace([(label, tl) for label, tl, _ in panels], trace)
     save_schedule(schedule, output)
     out.print(f"wrote {', '.join([output] + [p for p in (plot, trace) if p])}", markup=False, highlight=False)
+    from umopt.zoo import runnable
+
+    if not runnable(profile.model.name):
+        out.print(own_model_hint(profile, lengths=True), markup=False, highlight=False)
+        return
     out.print(
         f"next: umopt run {output} --lengths {source if not source.startswith('file ') else source[5:]} "
         "--methods umopt,pack (each step planned ahead; --data module:fn for your own sequences)",

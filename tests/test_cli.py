@@ -87,6 +87,9 @@ def test_solve_for_data_parallel_replicas_records_and_predicts_their_allreduce(t
         capsys,
     )
     assert code == 0 and "x4 data-parallel" in stdout
+    # a synthetic profile's model runs nowhere: the next step says how to profile one that does
+    nxt = " ".join(stdout.split("next:", 1)[1].split())
+    assert nxt.startswith("gpt-sim is a synthetic model") and "umopt profile --model gpt --stages 4" in nxt
     sched = load_schedule(str(out))
     prof = load_profile("gpt-sim")
     assert sched.dp.replicas == 4 and sched.dp.bus_bytes_per_ms == 1e6

@@ -194,6 +194,9 @@ def test_solve_lengths_writes_a_plan_that_show_reads_and_run_needs_a_model_for(t
     assert code == 0, err
     for name in ("umopt", "pad", "pack", "sort-split", "dynapipe", "wlb"):
         assert name in out
+    # the next step it prints works: a synthetic model runs nowhere, so it says how to profile one
+    nxt = " ".join(out.split("next:", 1)[1].split())
+    assert "synthetic" in nxt and "umopt profile --model gpt" in nxt and "--lengths 1024" in nxt
     assert png.stat().st_size > 10_000
     s = load_schedule(str(sched))
     assert s.lengths is not None and len(s.lengths.lengths) == 32 and s.minibatch == len(s.lengths.samples)
@@ -205,7 +208,7 @@ def test_solve_lengths_writes_a_plan_that_show_reads_and_run_needs_a_model_for(t
     # a synthetic profile names no model to build: umopt run says so in one line (the runtime's
     # plays of such plans are tests/test_varlen_run.py's)
     code, out, err = _run(["run", str(sched), "--steps", "1"], capsys)
-    assert code == 2 and "unknown model 'gpt-tokens-sim'" in err and "Traceback" not in err
+    assert code == 2 and "unknown model 'gpt-tokens-sim'" in err and "synthetic" in err and "Traceback" not in err
 
 
 def test_solve_lengths_stream_and_its_errors(tmp_path, capsys):

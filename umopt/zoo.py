@@ -48,6 +48,7 @@ __all__ = [
     "pad",
     "padded_rows",
     "run_layers",
+    "runnable",
 ]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -414,6 +415,12 @@ def import_object(spec: str, what: str) -> Any:
         raise UmoptError(
             f"{what} {spec}: cannot import it ({exc.__class__.__name__}: {first_line(exc)})"
         ) from None
+
+
+def runnable(name: str) -> bool:
+    """Whether a model of this name can be built to run: one of the zoo's, or a factory (a bundled
+    synthetic profile's model is neither)."""
+    return name in MODELS or ":" in name
 
 
 def build_model(name: str, args: dict[str, Any] | None = None, seed: int = 0) -> ModelParts:

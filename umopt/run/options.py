@@ -31,7 +31,7 @@ from ..measure.decide import is_equal
 from ..varlen.layouts import CHUNKED_METHODS, METHODS
 from ..varlen.peers import unavailable
 from ..varlen.samplers import minibatch_of_step
-from ..zoo import build_model, import_object
+from ..zoo import build_model, import_object, runnable
 from .checkpoint import MANIFEST, read_manifest
 from .steps import RUN_STEPS, RUN_WARMUP
 
@@ -194,6 +194,12 @@ def preflight(opts: RunOptions, verify_stages: Optional[list[int]] = None) -> Ru
 
 def _check_model(profile: Profile) -> None:
     check_trainable(profile.device.dtype)
+    if not runnable(profile.model.name):
+        raise UmoptError(
+            f"unknown model {profile.model.name!r}: profile {profile.path} is synthetic (device "
+            f"{profile.device.type}), a model nothing runs; profile your own to train it (umopt profile --model gpt "
+            "or --model package.module:factory, see README)"
+        )
     parts = build_model(profile.model.name, profile.model.args, seed=profile.model.seed)
     layers_needed = profile.stages[-1].layers[1]
     if layers_needed != len(parts.layers):
