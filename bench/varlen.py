@@ -32,7 +32,7 @@ import argparse
 import time
 
 import numpy as np
-from tables import print_table
+from tables import print_table, working
 
 from umopt.errors import UmoptError
 from umopt.synthetic import synthetic_token_profile
@@ -54,12 +54,14 @@ OTHERS = (
 )  # "best of peers": all but pad and pack-split (other training)
 
 
-def row(S: int, spec: str, args) -> tuple[list[list[str]], dict]:
+def row(S: int, spec: str, args, step) -> tuple[list[list[str]], dict]:
     profile = synthetic_token_profile(S, **MODELS[args.model])
     batches = minibatches(spec, args.minibatches, args.size, seed=args.seed)
     plans: dict[str, list] = {name: [] for name in ["umopt", *PEERS]}
     previous = None
-    for L in batches:
+    for k, L in enumerate(batches):
+        if k and k % 20 == 0:
+            step(f"{spec}, S={S}, minibatch {k}")
         for name, fn in PEERS.items():
             plans[name].append(timed(fn, profile, L, S))
         try:
@@ -140,18 +142,21 @@ def main() -> None:
     args = ap.parse_args()
     cells, summary = [], []
     t0 = time.perf_counter()
-    for S in args.stages:
-        for spec in args.samplers:
-            rows, out = row(S, spec, args)
-            cells += rows
-            line = (
-                f"{spec}, S={S}: umopt {out['pad']:.2f}x pad-to-longest, {out['best']} the best of peers "
-                f"(per minibatch); planning p50 {out['p50']:.1f} ms, p95 {out['p95']:.1f} ms, "
-                f"max {out['max']:.1f} ms warm ({out['cold']:.0f} ms cold)"
-            )
-            if "gap" in out:
-                line += f"; the long search finds {100 * out['gap']:.1f}% more on the mean (max {100 * out['gap_max']:.1f}%)"
-            summary.append(line)
+    per_row = -(-args.minibatches // 20)  # a progress step every 20 minibatches
+    with working(len(args.stages) * len(args.samplers) * per_row, "bench/varlen.py") as step:
+        for S in args.stages:
+            for spec in args.samplers:
+                rows, out = row(S, spec, args, step)
+                step(f"{spec}, S={S} done")
+                cells += rows
+                line = (
+                    f"{spec}, S={S}: umopt {out['pad']:.2f}x pad-to-longest, {out['best']} the best of peers "
+                    f"(per minibatch); planning p50 {out['p50']:.1f} ms, p95 {out['p95']:.1f} ms, "
+                    f"max {out['max']:.1f} ms warm ({out['cold']:.0f} ms cold)"
+                )
+                if "gap" in out:
+                    line += f"; the long search finds {100 * out['gap']:.1f}% more on the mean (max {100 * out['gap_max']:.1f}%)"
+                summary.append(line)
     summary.append(
         f"model {args.model}, {args.minibatches} minibatches of {args.size} sequences per row, "
         f"seed {args.seed}, {time.perf_counter() - t0:.0f} s"

@@ -124,6 +124,7 @@ class _Lines:
         return None
 
     def add_task(self, description: str, total: Optional[float] = None) -> int:
+        self.task = description  # what an update without a description of its own is doing
         return 0
 
     def update(
@@ -134,7 +135,7 @@ class _Lines:
         description: Optional[str] = None,
     ) -> None:
         now = time.monotonic()
-        what = description or self.last_what
+        what = description or self.last_what or getattr(self, "task", "")
         if now - self.last_t < (
             self.every if what == self.last_what else 1.0
         ):  # a new phase, unless the last line is under a second old
@@ -250,6 +251,13 @@ def own_model_hint(profile, lengths: bool) -> str:
         "(or --model package.module:factory), then umopt solve mine.json -B 32"
         f"{with_lengths[1]} -o {out_file}, then umopt run {out_file}{with_lengths[2]}"
     )
+
+
+def legend(meanings: dict[str, str], shown) -> None:
+    """What a table's columns (and marks) mean, only those ``shown``, dim, under the table."""
+    line = "; ".join(f"{k}: {v}" for k, v in meanings.items() if k in set(shown))
+    if line:
+        out.print(line, style="dim", markup=False, highlight=False)
 
 
 def _ms(x: Optional[float]) -> str:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Optional
 import click
 from rich.table import Table
 
+from umopt.words import count
+
 from .app import _progress_bar, _require_torch, cli, err, out, warn
 
 if TYPE_CHECKING:
@@ -227,12 +229,9 @@ def _print_lengths(reports: list[RunReport]) -> None:
     first = reports[0]
     umopt = next((r for r in reports if r.lengths.method == "umopt"), None)
 
-    def n(k: int, what: str) -> str:
-        return f"{k} {what}" + ("" if k == 1 else "s")
-
     table = Table(
         title=f"{first.stages} ranks x {first.dp}, {first.backend}: sequences of different lengths "
-        f"({first.lengths.data}), {n(first.rounds, 'round')}, {n(first.steps, 'measured step')} each"
+        f"({first.lengths.data}), {count(first.rounds, 'round')}, {count(first.steps, 'measured step')} each"
     )
     table.add_column("method", no_wrap=True)
     for col in ("chunks", "ktok/s", "pred", "ms", "pred ms", "meas/pred"):
@@ -274,7 +273,9 @@ def _print_lengths(reports: list[RunReport]) -> None:
 def _print_selection(sel) -> None:
     """The schedule file's pick and candidates as they took turns over the first steps."""
     table = Table(
-        title=f"the first {sel.steps} steps: the schedule file's pick and candidates in turns (ms: median of their measured steps)"
+        title=f"the first {count(sel.steps, 'step')}: the schedule file's pick and candidates in turns (ms: median of their measured steps)"
+        if sel.steps
+        else "the schedule file's pick and candidates (not measured in turns)"
     )
     table.add_column("schedule", no_wrap=True)
     for col in ("equal", "pred ms", "meas ms", "steps"):
@@ -300,7 +301,7 @@ def _print_turns(reports: list[RunReport]) -> None:
     """Schedules that took turns on the same processes, side by side; speedups over the first."""
     first = reports[0]
     table = Table(
-        title=f"{first.stages} stages, {first.backend}, {first.rounds} rounds of turns, {first.steps} measured steps each: speedups over {Path(first.schedule).name}"
+        title=f"{first.stages} stages, {first.backend}, {count(first.rounds, 'round')} of turns, {count(first.steps, 'measured step')} each: speedups over {Path(first.schedule).name}"
     )
     table.add_column("schedule", no_wrap=True)
     for col in ("pred ms", "meas ms", "meas / pred", "meas x", "pred x"):

@@ -131,6 +131,7 @@ def solve(
     from umopt.search.solve_chunks import parse_chunks
 
     chunk_counts = parse_chunks(chunks)
+    profile = load_solve_profile(profile_path, memory_limit)  # a wrong path is the first thing said
     if lengths is not None:
         from .solve_lengths import solve_lengths
 
@@ -146,7 +147,7 @@ def solve(
         if given:
             raise UmoptError(f"--lengths plans on its own: it takes no {', '.join(given)}")
         solve_lengths(
-            profile_path, lengths, minibatch, minibatches, budget_ms, recompute, time_limit, seed,
+            profile, lengths, minibatch, minibatches, budget_ms, recompute, time_limit, seed,
             memory_limit, dp, dp_gbps, output, plot, trace, chunk_counts,
         )  # fmt: skip
         return
@@ -161,7 +162,6 @@ def solve(
 
     for path in filter(None, (output, plot, trace)):
         check_writable(path)
-    profile = load_solve_profile(profile_path, memory_limit)
     allreduce = allreduce_for(profile, dp, dp_gbps)
     if chunk_counts != (1,):
         from umopt.search.peers import TORCH_EXIT_S

@@ -11,18 +11,21 @@ from rich.table import Table
 
 from umopt.errors import UmoptError
 
-from .app import _ms, _progress_bar, load_solve_profile, out, own_model_hint, warn
+from .app import _ms, _progress_bar, legend, out, own_model_hint, warn
 
-_FOOTER = (
-    "ms: predicted iteration; ktok/s: the minibatch's real tokens (no padding) per second; umopt x: "
-    "umopt's plan's speedup over the row; M: microbatches per stage, or per virtual stage with chunks (a range where they differ); "
-    "plan ms: the time the method took to plan; chunked: several chunks per rank (pad and pack: on torch's multi-chunk "
-    "schedules at their best count, microbatches and cut)"
-)
+_LEGEND = {
+    "ms": "predicted iteration",
+    "ktok/s": "the minibatch's real tokens (no padding) per second",
+    "umopt x": "umopt's plan's speedup over the row",
+    "M": "microbatches per stage, or per virtual stage with chunks (a range where they differ)",
+    "plan ms": "the time the method took to plan",
+    "chunked": "several chunks per rank (pad and pack: on torch's multi-chunk schedules at their best count, "
+    "microbatches and cut)",
+}
 
 
 def solve_lengths(
-    profile_path: str,
+    profile,
     lengths: str,
     size: int,
     count: int,
@@ -30,7 +33,7 @@ def solve_lengths(
     recompute: bool,
     time_limit: float,
     seed: int,
-    memory_limit: Optional[int],
+    memory_limit: Optional[int],  # applied to the profile already
     dp: int,
     dp_gbps: Optional[float],
     output: Optional[str],
@@ -57,7 +60,6 @@ def solve_lengths(
         raise UmoptError("give -o/--output, the schedule file to write")
     for path in filter(None, (output, plot, trace)):
         check_writable(path)
-    profile = load_solve_profile(profile_path, memory_limit)
     allreduce = allreduce_for(profile, dp, dp_gbps)
     spec = f"file:{lengths}" if os.path.isfile(lengths) else lengths
     cap = profile.lengths.max_length if profile.lengths is not None else None
@@ -117,6 +119,7 @@ def _how(plan) -> str:
 
 def _one(profile, L, source, budget_ms, recompute, time_limit, seed, dp, output, plot, trace, chunks) -> None:
     from umopt.formats.schedule import save_schedule
+    from umopt.varlen.peers import unavailable
     from umopt.varlen.solve import CHUNKED, schedule_of, solve_minibatch
 
     with _progress_bar("plan (lengths)") as bar:
@@ -143,7 +146,9 @@ def _one(profile, L, source, budget_ms, recompute, time_limit, seed, dp, output,
     for name, p in rows:
         if p is None:
             table.add_row(name, "-", "-", "-", "-", "")
-            hows.append(f"{name}: does not fit the memory limit")
+            hows.append(
+                f"{name}: {unavailable(profile, name.split(',')[0]) or 'does not fit the memory limit'}"
+            )
             continue
         ratio = "" if p is pick else f"{p.iteration_ms / pick.iteration_ms:.2f}x"
         table.add_row(
@@ -156,7 +161,9 @@ def _one(profile, L, source, budget_ms, recompute, time_limit, seed, dp, output,
         )
         hows.append(f"{name}: {_how(p)}")
     out.print(table)
-    out.print(_FOOTER, style="dim", markup=False, highlight=False)
+    legend(
+        _LEGEND, [*(c.header for c in table.columns), *(["chunked"] if report.chunked is not None else [])]
+    )
     out.print("how each method cut the minibatch:", markup=False, highlight=False)
     for line in hows:  # below the table, where a narrow terminal keeps them whole
         out.print(f"  {line}", markup=False, highlight=False)
@@ -211,7 +218,7 @@ def _stream(profile, batches, source, budget_ms, recompute, time_limit, dp, chun
             chunks=chunks,
         )
     n = report.planned
-    cut = f" (planned {n} within the {time_limit:g} s time limit)" if n < report.asked else ""
+    cut = f" (planned the first {n}: the rest did not fit in --time-limit)" if n < report.asked else ""
     out.print(
         f"stream: {report.asked} minibatches of {len(batches[0])} sequences from {source}, "
         f"{profile.num_stages} stages{cut}",
@@ -244,12 +251,14 @@ def _stream(profile, batches, source, budget_ms, recompute, time_limit, dp, chun
             f"{np.percentile(ms, 95):.1f}" if ms else "-",
         )
     out.print(table)
-    out.print(
-        "fits: minibatches the method fits in the memory limit; ktok/s: real tokens (no padding) per second "
-        "over those; umopt vs it: over the minibatches both fit (with several chunks per rank, umopt's faster "
-        "layout, *); plan ms: per minibatch, umopt's warm-started from the last; chunked: several chunks per rank, "
-        "each method keeping the layout its first plan chose",
-        style="dim",
-        markup=False,
-        highlight=False,
+    legend(
+        {
+            "fits": "minibatches the method fits in the memory limit",
+            "ktok/s": "real tokens (no padding) per second over those",
+            "umopt vs it": "over the minibatches both fit"
+            + (" (with several chunks per rank, umopt's faster layout, *)" if len(ours) > 1 else ""),
+            "plan ms": "per minibatch, umopt's warm-started from the last",
+            "chunked": "several chunks per rank, each method keeping the layout its first plan chose",
+        },
+        [*(c.header for c in table.columns), *(["chunked"] if len(ours) > 1 else [])],
     )

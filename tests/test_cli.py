@@ -225,6 +225,12 @@ def test_bad_arguments(args, expected, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("lengths", [[], ["--lengths", "chat"]])
+def test_a_wrong_profile_path_is_said_before_a_missing_output(lengths, capsys):
+    code, _, err = run(["solve", "nosuch.json", "-B", "8", *lengths], capsys)
+    assert code == 2 and "nosuch.json: no such file" in err and "-o" not in err
+
+
 def _schedule(tmp_path, capsys, profile_path):
     out = tmp_path / "good.json"
     code, _, err = run(["solve", profile_path, "-B", "2", "--solver", "equal", "-o", str(out)], capsys)

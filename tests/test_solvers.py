@@ -721,3 +721,35 @@ def test_ga_with_w_caps_beats_its_seeds_with_w_ops_placed_and_keeps_to_memory():
     assert max(tl.peak_memory_bytes) <= limit
     placed = best_with_weight_ops(problem, seed.ops())
     assert tl.iteration_ms < placed[1].iteration_ms
+
+
+def test_an_exact_models_warm_start_ends_once_the_ga_stalls(monkeypatch):
+    """The exact model gets what the GA does not need: the warm start stops after STALL_SHARE of
+    the limit without a better schedule (a small instance's proof went unmade while the GA spent
+    its whole share finding nothing better)."""
+    import umopt.search.solvers.exact as exact
+    import umopt.search.solvers.ga as ga
+
+    clock = [100.0]
+    monkeypatch.setattr(exact.time, "perf_counter", lambda: clock[0])
+    problem = Problem(CostTables.from_profile(synthetic_profile(3, max_size=4, seed=1)), 4)
+    asked = {}
+
+    def fake_ga(problem, *, time_limit, seed, order, stop):
+        asked["limit"] = time_limit
+        ms = 50.0
+        for step in range(1000):  # one generation a 0.01 s: better until step 100, then the same
+            clock[0] += 0.01
+            if step < 100:
+                ms -= 0.01
+            if stop(ms):
+                break
+        asked["stopped_at"] = clock[0] - 100.0
+        return SOLVERS["equal"](problem, time_limit=1)
+
+    monkeypatch.setattr(ga, "solve_ga", fake_ga)
+    base, left, _ = exact.warm_start(problem, "milp", 20.0, 0, None, None)
+    assert asked["limit"] == pytest.approx(0.3 * 20)
+    # the last better schedule at 1 s, then 5% of 20 s without one: 2 s in all, 18 s left to the model
+    assert asked["stopped_at"] == pytest.approx(1.0 + exact.STALL_SHARE * 20, abs=0.02)
+    assert left == pytest.approx(20.0 - asked["stopped_at"], abs=1e-6)

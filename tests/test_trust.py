@@ -147,3 +147,56 @@ def test_a_layer_that_takes_no_lengths_is_refused_packed_and_padded_unless_said_
     got, _ = _pipeline_grads(causal_layers, _plans(lengths)["pad to the longest"], seqs, causal=True)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_a_bad_sequence_from_data_names_its_step_and_index():
+    from umopt.run.feed import sequence_source
+
+    sched = _plans([3, 5, 7, 9])["pad to the longest"]
+
+    def data(step, n):
+        xs = [torch.ones(4, dtype=torch.long) for _ in range(n)]
+        if step == 1:
+            xs[2] = torch.ones(0, dtype=torch.long)
+        if step == 2:
+            xs[3] = torch.ones(4, 2, dtype=torch.long)
+        return xs, [x.clone() for x in xs]
+
+    source = sequence_source(data, None, None, sched, LONGEST, "--data m:f")
+    assert len(source(0, 4)[0]) == 4
+    with pytest.raises(UmoptError, match="sequence 2 of step 1 is empty"):
+        source(1, 4)
+    with pytest.raises(UmoptError, match=r"sequence 3 of step 2 has inputs \(4, 2\).*1-d tensor"):
+        source(2, 4)
+
+
+def test_eval_outputs_come_back_per_sequence_in_the_minibatchs_order_without_padding():
+    lengths = [3, 40, 1, 7, 22, 2, 35, 5]
+    seqs = _sequences(lengths, 3)
+    layers = _layers()
+    with torch.no_grad():
+        want = [run_layers(layers, x[None])[0] for x, _ in seqs]
+    for name, sched in _plans(lengths).items():
+        stages = [Layers(copy.deepcopy(layers[:2])), Layers(copy.deepcopy(layers[2:]))]
+        got = {}
+
+        def rank(comm):
+            r = comm.rank
+            pipe = umopt.Pipeline(
+                stages[r],
+                sched,
+                profile=PROFILE,
+                loss_fn=nn.CrossEntropyLoss(),
+                dtype="float32",
+                _comm=comm,
+                select=False,
+            )
+            kw = {"inputs": [x for x, _ in seqs]} if r == 0 else {"targets": [y for _, y in seqs]}
+            got[r] = pipe.eval_step(plan=sched, outputs=True, **kw)
+
+        World(2).run(rank)
+        loss, outputs = got[1]
+        assert got[0] is None and len(outputs) == len(lengths), name
+        for o, w in zip(outputs, want):
+            assert o.shape == w.shape, name  # (length, vocab): no padding, no packed row's padding document
+            torch.testing.assert_close(o, w, rtol=1e-4, atol=1e-5, msg=name)

@@ -63,6 +63,11 @@ def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
     # the profile was fitted to probe runs of the runtime (the machine has a core per stage)
     meta = json.loads((out / "profile.json").read_text())["meta"]
     assert meta["probes"]["ran"] and meta["calibration"]["op_overhead_ms"] >= 0
+    # the profile says how to measure it again: the umopt profile command tune ran
+    assert meta["command"].startswith(
+        "umopt profile --model mlp --model-arg layers=4 --model-arg width=32 --stages 2"
+    )
+    assert "--split-backward" in meta["command"]
     prof = json.loads((out / "profile.json").read_text())
     assert all(st["backward_input_ms"] and st["backward_weight_ms"] for st in prof["stages"])
     zb = json.loads((out / "zbh1_equal.json").read_text())

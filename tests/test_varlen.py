@@ -47,7 +47,13 @@ def test_lengths_from_a_file_wrap_and_bad_files_are_one_line_errors(tmp_path):
     f.write_text("10\n20\n30\n")
     assert [list(m) for m in minibatches(f"file:{f}", 2, 2)] == [[10, 20], [30, 10]]
     f.write_text("10\nabc\n")
-    with pytest.raises(UmoptError):
+    with pytest.raises(UmoptError, match="line 2: 'abc' is not a length"):
+        minibatches(f"file:{f}", 1, 2)
+    f.write_text("10\n\n20 0\n")  # the line named, blank lines counted
+    with pytest.raises(UmoptError, match="line 3: '0' is not a length"):
+        minibatches(f"file:{f}", 1, 2)
+    f.write_text("[10, 2.5]")
+    with pytest.raises(UmoptError, match="item 1: 2.5 is not a length"):
         minibatches(f"file:{f}", 1, 2)
     with pytest.raises(UmoptError):
         minibatches("no-such-sampler", 1, 2)
@@ -208,7 +214,12 @@ def test_solve_lengths_writes_a_plan_that_show_reads_and_run_needs_a_model_for(t
     # a synthetic profile names no model to build: umopt run says so in one line (the runtime's
     # plays of such plans are tests/test_varlen_run.py's)
     code, out, err = _run(["run", str(sched), "--steps", "1"], capsys)
-    assert code == 2 and "unknown model 'gpt-tokens-sim'" in err and "synthetic" in err and "Traceback" not in err
+    assert (
+        code == 2
+        and "unknown model 'gpt-tokens-sim'" in err
+        and "synthetic" in err
+        and "Traceback" not in err
+    )
 
 
 def test_solve_lengths_stream_and_its_errors(tmp_path, capsys):

@@ -55,6 +55,7 @@ from .varlen.peers import unavailable
 from .varlen.plan import Plan
 from .varlen.samplers import SAMPLERS, cut_note, minibatch_of_step
 from .varlen.solve import plan_schedule
+from .words import count
 from .zoo import build_model
 
 __all__ = [
@@ -152,7 +153,10 @@ def _profile(opts: ProfileOptions, probes: bool, probe_minibatch: int, chunks: i
     """The profile (with ``chunks`` > 1, layer by layer: :func:`umopt.measure.probes.profile_for_chunks`);
     on CUDA measured in a child process, so that the CUDA context and whatever the allocator keeps
     leave with it and the run's stage 0 finds its GPU as empty as the others."""
-    how = dict(probes=probes, probe_minibatch=probe_minibatch, argv=["umopt", "tune"])
+    # the profile says how to measure it again: the umopt profile command that asks for the same
+    how = dict(
+        probes=probes, probe_minibatch=probe_minibatch, argv=opts.command(chunks, probes, probe_minibatch)
+    )
     job = (
         functools.partial(profile_in_pipeline, opts, **how)
         if chunks == 1
@@ -391,7 +395,7 @@ def _measure(
         )
     else:
         say(
-            f"running {', '.join(names)} in turns, rounds of {steps} steps each, until decided at {100 * confidence:.0f}% confidence (at least {rounds} rounds, at most {budget:g} s)"
+            f"running {', '.join(names)} in turns, rounds of {count(steps, 'step')} each, until decided at {100 * confidence:.0f}% confidence (at least {count(rounds, 'round')}, at most {budget:g} s)"
         )
     options = RunOptions(
         schedules=paths,
@@ -550,8 +554,8 @@ def tune_lengths(
         )
     say(
         f"training on minibatches of {size} sequences from {lengths}, each step planned by "
-        f"{', '.join(methods)} in turns (rounds of {steps} steps, until decided at "
-        f"{100 * confidence:.0f}% confidence: at least {rounds} rounds, at most {budget:g} s)"
+        f"{', '.join(methods)} in turns (rounds of {count(steps, 'step')}, until decided at "
+        f"{100 * confidence:.0f}% confidence: at least {count(rounds, 'round')}, at most {budget:g} s)"
     )
     options = RunOptions(
         schedules=[str(out / f"plan_{m}.json") for m in methods],

@@ -26,6 +26,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from ..words import count
+
 __all__ = ["CONFIDENCE", "MARGIN", "Comparison", "Decision", "compare", "decide", "is_equal"]
 
 CONFIDENCE = 0.95
@@ -95,7 +97,7 @@ def decide(
     winners = [c for c in comps if c.faster >= confidence]
     if winners:
         best = min(winners, key=lambda c: statistics.median(rounds_ms[c.name]))
-        reason = f"{100 * best.gain:.1f}% faster than {ref} over {rounds} paired rounds, at {_percent(best.faster)} confidence"
+        reason = f"{100 * best.gain:.1f}% faster than {ref} over {count(rounds, 'paired round')}, at {_percent(best.faster)} confidence"
         # what keeps the turns going once the winner is sure: the references told apart, or not
         open_refs = [
             n for n, c in zip((n for n in refs if n != ref), peers) if max(c.faster, c.not_worth) < confidence
@@ -107,11 +109,11 @@ def decide(
     if comps:
         top = max(comps, key=lambda c: c.gain)
         reason = (
-            f"no other schedule faster than {ref} at {100 * confidence:.0f}% confidence over {rounds} paired rounds "
+            f"no other schedule faster than {ref} at {100 * confidence:.0f}% confidence over {count(rounds, 'paired round')} "
             f"(closest: {top.name}, {100 * top.gain:+.1f}%, {_percent(top.faster)} confidence)"
         )
     else:
-        reason = f"equal schedules only, over {rounds} paired rounds"
+        reason = f"equal schedules only, over {count(rounds, 'paired round')}"
     for n, c in zip((n for n in refs if n != ref), peers):
         if c.gain >= 0:
             reason += f"; {ref} {100 * c.gain:.1f}% faster than {n} at {_percent(c.faster)} confidence"

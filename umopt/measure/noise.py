@@ -280,7 +280,7 @@ def run_warnings(report: RunReport) -> list[str]:
             )
     if len(report.step_ms) >= 4:
         s = summarize(report.step_ms)
-        line = noisy_warning(f"{name}'s steps", s.spread)
+        line = noisy_warning(name if report.lengths is not None else f"{name}'s steps", s.spread)
         if line:
             out.append(line)
     return out

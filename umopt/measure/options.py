@@ -49,6 +49,50 @@ class ProfileOptions:
     lengths: Optional[int] = None
     length_modes: Optional[tuple[str, ...]] = None  # default: packed where the model packs, padded
 
+    def command(self, chunks: int = 1, probes: bool = True, probe_minibatch: int = 32) -> list[str]:
+        """The ``umopt profile`` command line that measures this (what a profile made by another
+        command, ``umopt tune``, records as its ``meta.command``): the options that differ from
+        the defaults."""
+        argv = ["umopt", "profile", "--model", self.model]
+        argv += [a for k, v in self.model_args.items() for a in ("--model-arg", f"{k}={v}")]
+        argv += (
+            ["--stages", str(self.stages)]
+            if self.split is None
+            else ["--split", ",".join(map(str, self.split))]
+        )
+        argv += (
+            ["--sizes", ",".join(map(str, self.sizes))] if self.sizes else ["--max-size", str(self.max_size)]
+        )
+        given = {
+            "--device": (self.device, "cpu"),
+            "--dtype": (self.dtype, "float32"),
+            "--threads": (self.threads, 1),
+            "--warmup": (self.warmup, 1),
+            "--repeats": (self.repeats, 5),
+            "--optimizer": (self.optimizer, "sgd"),
+            "--link-latency-ms": (self.link_latency_ms, None),
+            "--link-gbps": (self.link_gbps, None),
+            "--memory-limit": (self.memory_limit_bytes, None),
+            "--seed": (self.seed, 0),
+            "--dp": (self.dp, 1),
+            "--chunks": (chunks, 1),
+            "--lengths": (self.lengths, None),
+            "--probe-minibatch": (probe_minibatch, 32),
+        }
+        argv += [
+            a
+            for k, (v, default) in given.items()
+            if v != default
+            for a in (k, f"{v:g}" if isinstance(v, float) else str(v))
+        ]
+        if self.length_modes:
+            argv += ["--length-modes", ",".join(self.length_modes)]
+        if self.split_backward:
+            argv.append("--split-backward")
+        if not probes:
+            argv.append("--no-probes")
+        return argv
+
 
 def check_profile_options(opts: ProfileOptions) -> tuple[list[int], torch.device]:
     """The chunk sizes and the device of ``opts``; everything that would fail after the timing is

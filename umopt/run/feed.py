@@ -72,8 +72,17 @@ def sequence_source(
         if len(xs) != len(ys) or not xs:
             raise UmoptError(f"{what} returned {len(xs)} inputs and {len(ys)} targets for step {step}")
         for i, (x, y) in enumerate(zip(xs, ys)):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.dim() < 1:
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
                 raise UmoptError(f"{what}: sequence {i} of step {step} is not a tensor of tokens")
+            if x.dim() != 1 or y.dim() != 1:
+                raise UmoptError(
+                    f"{what}: sequence {i} of step {step} has inputs {tuple(x.shape)} and targets {tuple(y.shape)}: "
+                    "each is a 1-d tensor of tokens"
+                )
+            if x.shape[0] == 0:
+                raise UmoptError(
+                    f"{what}: sequence {i} of step {step} is empty (a sequence has a token or more)"
+                )
             if x.shape[0] != y.shape[0]:
                 raise UmoptError(
                     f"{what}: sequence {i} of step {step} has {x.shape[0]} inputs and {y.shape[0]} targets"

@@ -560,8 +560,10 @@ class Pipeline:
         """Forwards only, under ``torch.no_grad()``, chunked as the schedule's forwards: nothing is
         stashed and no gradient is touched. Returns, where the last stage is, the minibatch's loss
         exactly as one process computes it (with ``outputs=True``: ``(loss, output)``, the last
-        stage's output of the whole minibatch), None elsewhere. Train or eval mode is the
-        modules' own, as in one process (call ``module.eval()`` for dropout)."""
+        stage's output of the whole minibatch, in its samples' order; with a plan of sequences of
+        different lengths, a list of one output per sequence in the minibatch's order, each
+        ``(length, ...)`` without padding, as the inputs were given), None elsewhere. Train or
+        eval mode is the modules' own, as in one process (call ``module.eval()`` for dropout)."""
         play = self.playing
         return play._guarded(
             lambda: (
@@ -767,7 +769,17 @@ class Pipeline:
         )
         if not self.holds_last:
             return None
-        return (loss_sum, joined_output(kept)) if keep else loss_sum
+        if not keep:
+            return loss_sum
+        output = joined_output(kept)
+        rows = self.stages[len(self.ranks_of) - 1].tokens
+        if rows is not None:  # sequences: each its own output again, in the minibatch's order
+            output = (
+                rows.sequences(output)
+                if isinstance(output, torch.Tensor)
+                else list(zip(*(rows.sequences(t) for t in output)))
+            )
+        return loss_sum, output
 
 
 def _per_module(specs: Optional[Sequence[Any]], n: int, what: str) -> list[Optional[list[TensorSpec]]]:

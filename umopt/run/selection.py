@@ -19,6 +19,7 @@ import torch
 from ..formats.report import Selection, SelectionEntry
 from ..formats.schedule import Schedule
 from ..measure.decide import Decision, compare, decide, is_equal
+from ..words import count
 from .comm import Comm
 from .player import StepTimer
 from .steps import (
@@ -169,7 +170,7 @@ def selection_record(
             c = compare(chosen.name, plays[second].step_ms, chosen.step_ms)
             reason += (
                 f"; round by round it was {100 * abs(c.gain):.1f}% {'faster' if c.gain >= 0 else 'slower'} than "
-                f"{plays[second].name} on average over {len(chosen.step_ms)} rounds ({_percent(c.faster)} "
+                f"{plays[second].name} on average over {count(len(chosen.step_ms), 'round')} ({_percent(c.faster)} "
                 "confidence that it is faster)"
             )
     note = None

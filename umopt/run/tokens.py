@@ -87,6 +87,19 @@ class TokenRows:
                 parts.append(seqs[u[0]].new_full((d[-1], *seqs[u[0]].shape[1:]), pad))
         return torch.cat(parts)
 
+    def sequences(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """A tensor of the minibatch's rows (in the plan's order, a packed row's padding included)
+        as the minibatch's sequences again: one tensor each, in the minibatch's own order, without
+        padding (what :meth:`arrange` did, undone)."""
+        assert self.samples is not None
+        out: dict[int, torch.Tensor] = {}
+        for k, (u, d) in enumerate(zip(self.samples, self.docs)):
+            at = int(self.offsets[k])
+            for i, n in zip(u, d):
+                out[i] = rows[at : at + n]
+                at += n
+        return [out[i] for i in range(len(out))]
+
     @property
     def total(self) -> int:
         return int(self.offsets[-1])

@@ -156,13 +156,29 @@ def _read_lengths(path: str) -> np.ndarray:
         text = Path(path).read_text()
     except OSError as exc:
         raise UmoptError(f"lengths file {path}: {exc.strerror or exc}") from None
-    try:
-        values = json.loads(text) if text.lstrip().startswith("[") else [int(x) for x in text.split()]
-        arr = np.asarray(values, dtype=np.int64)
-    except (ValueError, TypeError):
+    if text.lstrip().startswith("["):
+        try:
+            values = json.loads(text)
+        except ValueError as exc:
+            raise UmoptError(f"lengths file {path}: not a JSON list ({exc})") from None
+        where = [f"item {i}" for i in range(len(values))] if isinstance(values, list) else []
+    else:  # one or more integers a line; each named by its line
+        values, where = [], []
+        for n, line in enumerate(text.splitlines(), 1):
+            for word in line.split():
+                values.append(word)
+                where.append(f"line {n}")
+    if not isinstance(values, list) or not values:
         raise UmoptError(
-            f"lengths file {path}: not a list of integers (one per line, or a JSON list)"
-        ) from None
-    if arr.ndim != 1 or arr.size == 0 or arr.min() < 1:
-        raise UmoptError(f"lengths file {path}: needs one or more positive integers")
-    return arr
+            f"lengths file {path}: needs one or more positive integers (one per line, or a JSON list)"
+        )
+    out = []
+    for v, w in zip(values, where):
+        try:
+            n = int(v) if not isinstance(v, float) or v.is_integer() else None
+        except (ValueError, TypeError):
+            n = None
+        if n is None or isinstance(v, bool) or n < 1:
+            raise UmoptError(f"lengths file {path}, {w}: {v!r} is not a length (a positive integer)")
+        out.append(n)
+    return np.asarray(out, dtype=np.int64)
