@@ -200,3 +200,133 @@ def test_eval_outputs_come_back_per_sequence_in_the_minibatchs_order_without_pad
         for o, w in zip(outputs, want):
             assert o.shape == w.shape, name  # (length, vocab): no padding, no packed row's padding document
             torch.testing.assert_close(o, w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _each_rank(ranks, body):
+    """``body(comm)`` on every rank; what each raised (None: nothing), by rank."""
+    raised = {}
+
+    def rank(comm):
+        try:
+            body(comm)
+            raised[comm.rank] = None
+        except Exception as exc:  # noqa: BLE001 - what each rank says is the point
+            raised[comm.rank] = exc
+
+    World(ranks).run(rank)
+    return raised
+
+
+def test_ranks_handed_plans_that_play_otherwise_stop_before_the_first_op_on_every_rank():
+    """Two equal-length sequences swapped: nothing in the shapes differs, so only the plans'
+    comparison can tell (the loss was silently wrong, 4.256108 against 4.247291)."""
+    lengths = [5, 9, 5, 12]
+    seqs = _sequences(lengths, 4)
+    a = _plans(lengths)["pad to the longest"]
+    samples = [list(u) for u in a.lengths.samples]
+    i, j = [k for k, u in enumerate(samples) if lengths[u[0]] == 5]
+    samples[i], samples[j] = samples[j], samples[i]
+    b = a.model_copy(update={"lengths": a.lengths.model_copy(update={"samples": samples})})
+    layers = _layers()
+    stages = [Layers(copy.deepcopy(layers[:2])), Layers(copy.deepcopy(layers[2:]))]
+
+    def body(comm):
+        r = comm.rank
+        pipe = umopt.Pipeline(
+            stages[r],
+            a,
+            profile=PROFILE,
+            loss_fn=nn.CrossEntropyLoss(),
+            dtype="float32",
+            _comm=comm,
+            select=False,
+        )
+        kw = {"inputs": [x for x, _ in seqs]} if r == 0 else {"targets": [y for _, y in seqs]}
+        pipe.step(plan=a if r == 0 else b, **kw)
+
+    raised = _each_rank(2, body)
+    assert all(isinstance(e, UmoptError) for e in raised.values()), raised
+    assert all("stage 1 was handed another plan for step 0 than rank 0" in str(e) for e in raised.values())
+    assert all(p.grad is None for st in stages for p in st.parameters())  # no op ran
+    # the same plan given to every rank, or given to the maker alone, plays
+    for given in ((a, a), (a, None)):
+        stages = [Layers(copy.deepcopy(layers[:2])), Layers(copy.deepcopy(layers[2:]))]
+
+        def body(comm, given=given):
+            r = comm.rank
+            pipe = umopt.Pipeline(
+                stages[r],
+                a,
+                profile=PROFILE,
+                loss_fn=nn.CrossEntropyLoss(),
+                dtype="float32",
+                _comm=comm,
+                select=False,
+            )
+            kw = {"inputs": [x for x, _ in seqs]} if r == 0 else {"targets": [y for _, y in seqs]}
+            pipe.step(plan=given[r], **kw)
+
+        assert _each_rank(2, body) == {0: None, 1: None}
+
+
+def test_a_plan_waited_for_inside_the_step_counts_there_and_one_that_fails_ends_every_rank():
+    """``step(plan=fn)``: the maker calls ``fn`` inside the step (a late plan is the step's time,
+    and the other ranks wait on the store, not in a collective under a watchdog); a plan that
+    never comes fails the step on every rank in one line."""
+    import time
+
+    lengths = [5, 9, 5, 12]
+    seqs = _sequences(lengths, 5)
+    sched = _plans(lengths)["planner, packed"]
+    layers = _layers()
+    took = {}
+
+    def late():
+        time.sleep(0.5)
+        return sched
+
+    def body(comm, plan_fn):
+        r = comm.rank
+        stage = Layers(copy.deepcopy(layers[:2] if r == 0 else layers[2:]))
+        pipe = umopt.Pipeline(
+            stage,
+            sched,
+            profile=PROFILE,
+            loss_fn=nn.CrossEntropyLoss(),
+            dtype="float32",
+            _comm=comm,
+            select=False,
+        )
+        kw = {"inputs": [x for x, _ in seqs]} if r == 0 else {"targets": [y for _, y in seqs]}
+        t0 = time.perf_counter()
+        pipe.step(plan=plan_fn if r == 0 else None, **kw)
+        took[r] = time.perf_counter() - t0
+
+    assert _each_rank(2, lambda comm: body(comm, late)) == {0: None, 1: None}
+    assert took[0] >= 0.5 and took[1] >= 0.45  # the wait is in the step, on both
+
+    def never():
+        raise UmoptError(
+            "no plan within 120 s: the planning process of umopt's plans is alive but has not answered"
+        )
+
+    raised = _each_rank(2, lambda comm: body(comm, never))
+    assert all("no plan within 120 s" in str(e) and "\n" not in str(e) for e in raised.values()), raised
+
+
+def test_a_planning_process_that_dies_is_said_within_seconds():
+    import os
+    import signal
+    import time
+
+    from umopt.varlen.ahead import PlanAhead
+
+    with PlanAhead(PROFILE, budget_ms=10) as ahead:
+        ahead.submit([3, 5, 7])
+        assert ahead.next().lengths.lengths == [3, 5, 7]
+        os.kill(ahead._process.pid, signal.SIGKILL)
+        ahead.submit([4, 6])
+        t0 = time.perf_counter()
+        with pytest.raises(UmoptError, match=r"planning process of umopt's plans .* was killed by signal 9"):
+            ahead.next()
+        assert time.perf_counter() - t0 < 5

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Sequence
 
 from annotated_types import Len
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from ..costmodel import (
     Chunking,
@@ -197,9 +197,22 @@ class Schedule(_Strict):
     chunks: Optional[ChunksSpec] = None
     # a plan for sequences of different lengths (absent: every sample costs the same)
     lengths: Optional[LengthsSpec] = None
+    # the sha256 of the profile it was checked against (check_against_profile), where it was made:
+    # a plan made ahead is checked in the planning process, once, not by every rank in its step
+    _checked: Optional[str] = PrivateAttr(default=None)
 
     def op_lists(self) -> list[list[Op]]:
         return [st.op_list() for st in self.stages]
+
+    def plays_alike(self, other: "Schedule") -> bool:
+        """Whether two ranks given these would play the same step: the same samples' sequences,
+        layout and ops (what they were predicted or planned in may differ)."""
+        return (self.lengths, self.chunks, self.recompute, self.minibatch) == (
+            other.lengths,
+            other.chunks,
+            other.recompute,
+            other.minibatch,
+        ) and [st.ops for st in self.stages] == [st.ops for st in other.stages]
 
     def chunking(self) -> Optional[Chunking]:
         return None if self.chunks is None else self.chunks.chunking()
@@ -387,7 +400,15 @@ def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: 
                     raise UmoptError(
                         f"{name}{'rank' if chunks else 'stage'} {s} needs {peak} bytes at its peak, over the memory limit of {limit}"
                     )
+    schedule._checked = profile.sha256
     return timeline
+
+
+def checked(schedule: Schedule, profile: Profile) -> None:
+    """``schedule`` checked against ``profile`` (:func:`check_against_profile`), unless it was
+    already, where it was made (its mark travels with it, pickled to another process)."""
+    if schedule._checked != profile.sha256:
+        check_against_profile(schedule, profile)
 
 
 def require_one_chunk(schedule: Schedule, where: str) -> None:

@@ -121,6 +121,7 @@ class SequenceFeed:
         self._steps: dict[int, Sequences] = {}
         self._ahead: dict[str, PlanAhead] = {}
         self._queued: dict[str, list[int]] = {m: [] for m in self.methods}  # steps submitted, not taken
+        self._early: dict[tuple[int, str], Schedule] = {}  # plans taken as soon as they were made
         self.tokens: dict[int, int] = {}  # each step's real tokens, all replicas together
 
     def batch(self, step: int) -> Sequences:
@@ -142,15 +143,36 @@ class SequenceFeed:
     def plan(self, step: int, method: str, following: Optional[tuple[int, str]]) -> Schedule:
         """``method``'s plan of ``step``, after sending ``following`` (the step after it, and who
         plans it) to be planned meanwhile."""
+        if (step, method) in self._early:
+            if following is not None:
+                self._submit(*following)
+            return self._early.pop((step, method))
         self._submit(step, method)
         if following is not None:
             self._submit(*following)
+        self._drop_before(step, method)
+        self._queued[method].pop(0)
+        return self._ahead[method].next()
+
+    def ready(self, step: int, method: str) -> Optional[Schedule]:
+        """``method``'s plan of ``step`` if it is made already (submitted earlier, by :meth:`plan`'s
+        ``following``), else None: a plan to share with the other ranks before the step starts."""
+        if (step, method) in self._early:
+            return self._early[(step, method)]
+        if step not in self._queued.get(method, []):
+            return None
+        self._drop_before(step, method)
+        got = self._ahead[method].ready()
+        if got is not None:
+            self._queued[method].pop(0)
+            self._early[(step, method)] = got
+        return got
+
+    def _drop_before(self, step: int, method: str) -> None:
         queued = self._queued[method]
         while queued[0] != step:  # planned ahead for a step this method did not play: dropped
             self._ahead[method].next()
             queued.pop(0)
-        queued.pop(0)
-        return self._ahead[method].next()
 
     def _submit(self, step: int, method: str) -> None:
         if step in self._queued[method]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -35,6 +36,7 @@ from ..formats.report import Selection
 from ..formats.schedule import (
     Schedule,
     check_against_profile,
+    checked,
     load_schedule,
     require_pick_layout,
 )
@@ -69,15 +71,33 @@ def _warn_numerics(profile: Profile) -> None:
 
 # [Note: one plan a step, one maker]
 # With sequences of different lengths every rank must play the same plan each step (a rank that
-# plays another waits on messages that never come). The rank holding the first stage has the
-# minibatch's sequences, so it is the maker: the plan it plays at step n (None: the last one
-# again) goes into the store under step n's key, and a rank given no plan reads it there before
-# its step. Data-parallel replicas each have their own minibatch and so their own plan: the key
-# names the replica by its maker's rank. The maker cannot be more than a step ahead of any rank (its step n ends only once
-# every rank has played its part of step n), so it deletes step n - PLAN_KEPT's key, read by
-# then, and the store holds a few plans, not one per step of the run. Planning itself is the maker's, ahead of
-# the step (umopt.varlen.ahead.PlanAhead plans in a process of its own).
+# plays another waits on messages that never come, or, where the shapes happen to agree, trains
+# on the wrong rows without a word). The rank holding the first stage has the minibatch's
+# sequences, so it is the maker: the plan it plays at step n (None: the last one again) goes into
+# the store under step n's key, and every other rank plays what it reads there; one that was
+# handed a plan of its own compares it (Schedule.plays_alike) and, where they differ, the step
+# fails on every rank before its first op. The maker checks a plan against the profile once
+# (a plan made ahead is checked in its planning process: the mark travels with it), and the
+# others play it unchecked. The maker may share step n + 1's plan between the steps
+# (share_next), as `umopt run` does with a plan made ahead that is ready: the others then find
+# it at once, and the store is read off the step's critical path. A plan given as a function is
+# called inside the step: waiting for a late plan counts in the step's time, and the others wait
+# on the store meanwhile (bounded, and cut short by a failure), never in a collective under a
+# watchdog. Data-parallel replicas each have their own minibatch and so their own plan: the key
+# names the replica by its maker's rank. The maker cannot be more than a step ahead of any rank
+# (its step n ends only once every rank has played its part of step n), so it deletes step
+# n - PLAN_KEPT's key, read by then, and the store holds a few plans, not one per step of the
+# run. Planning itself is the maker's, ahead of the step (umopt.varlen.ahead.PlanAhead plans in a
+# process of its own).
 PLAN_KEPT = 4
+
+
+def plan_wait_s() -> float:
+    """How long a rank waits for the maker's plan of a step at most: the maker's own wait for a
+    plan made ahead is bounded (``PlanAhead.next``, and a planning process that dies is said
+    within seconds), so this only ends a wait for a maker that left without a word
+    (UMOPT_PLAN_TIMEOUT_S, default 300 s)."""
+    return float(os.environ.get("UMOPT_PLAN_TIMEOUT_S", 300))
 
 
 def schedule_and_profile(
@@ -342,6 +362,7 @@ class Pipeline:
             self.stages[j] = Stage(j, V, m, self.device, self.dtype, sin, sout, label=label)
         self._timer = kw["timer"]
         self._plans_shared = 0  # steps whose plan was shared (sequences of different lengths)
+        self._ahead: Optional[tuple[int, Schedule]] = None  # a step's plan shared before it (share_next)
         self._play(sched, ops)  # before the links: a module that cannot play the plan is refused alone
         self._connect(ops)
         self._ready = False
@@ -493,7 +514,7 @@ class Pipeline:
         targets: Optional[Tensors] = None,
         target: Optional[Tensors] = None,
         losses: Optional[list] = None,
-        plan: Optional[Schedule] = None,
+        plan: Union[None, Schedule, Callable[[], Schedule]] = None,
     ) -> Optional[torch.Tensor]:
         """Run one iteration's forwards and backwards on this rank; gradients accumulate in the
         modules' parameters (the optimizer step is yours). The rank holding the first stage passes
@@ -505,9 +526,12 @@ class Pipeline:
 
         With a plan for sequences of different lengths (``umopt solve --lengths``), the inputs
         and targets are lists of the minibatch's sequences (1-d tensors, as the plan's lengths
-        list them), and ``plan`` is this minibatch's plan (the same on every rank; default: the
-        last step's, for a minibatch of the same lengths): its samples, each stage's chunks and
-        op order (see [Note: token rows] in umopt/run/tokens.py).
+        list them), and ``plan`` is this minibatch's plan, given where the first stage is (the
+        other ranks read it from there; one given them must play alike; default: the last
+        step's, for a minibatch of the same lengths): its samples, each stage's chunks and op
+        order (see [Note: token rows] in umopt/run/tokens.py). ``plan`` may be a function that
+        returns it (``PlanAhead.next``): it is called inside the step, so waiting for a late plan
+        counts in the step, and a plan that never comes fails the step on every rank.
 
         A step that raises leaves this pipeline (and every other of this process) unable to step
         again, and makes the other ranks' steps fail at once instead of waiting (see [Note: a
@@ -555,7 +579,7 @@ class Pipeline:
         targets: Optional[Tensors] = None,
         target: Optional[Tensors] = None,
         outputs: bool = False,
-        plan: Optional[Schedule] = None,
+        plan: Union[None, Schedule, Callable[[], Schedule]] = None,
     ) -> Any:
         """Forwards only, under ``torch.no_grad()``, chunked as the schedule's forwards: nothing is
         stashed and no gradient is touched. Returns, where the last stage is, the minibatch's loss
@@ -653,21 +677,58 @@ class Pipeline:
         rows = next(iter(self.stages.values())).tokens
         return self.schedule.minibatch if rows is None else rows.total
 
-    def _shared(self, plan: Optional[Schedule]) -> Optional[Schedule]:
-        """This step's plan, one maker for all (see [Note: one plan a step, one maker])."""
+    def _shared(self, plan: Union[None, Schedule, Callable[[], Schedule]]) -> Optional[Schedule]:
+        """This step's plan, one maker for all (see [Note: one plan a step, one maker]): the
+        maker's, checked once, where it is made; a plan another rank was handed must play alike,
+        or the step ends before its first op, on every rank, in one line."""
         if self.schedule.lengths is None:
-            return plan
+            return plan() if callable(plan) else plan
         n = self._plans_shared
         self._plans_shared += 1
         maker = self.ranks[self.ranks_of[0]]
+        key = f"{self.id}/plan/{maker}/{n}"
+        if self.holds_first and n >= PLAN_KEPT:
+            self.comm.forget(f"{self.id}/plan/{maker}/{n - PLAN_KEPT}")
+        if self._ahead is not None and self._ahead[0] == n:  # shared already (share_next)
+            ahead, self._ahead = self._ahead[1], None
+            given = plan() if callable(plan) else plan
+            if given is not None and given is not ahead and not given.plays_alike(ahead):
+                raise UmoptError(f"step {n} was given another plan than share_next() shared for it")
+            return ahead
         if self.holds_first:
+            plan = plan() if callable(plan) else plan  # waited for inside the step (a late plan is its cost)
+            if plan is not None and plan.lengths is not None:
+                checked(plan, self.profile)  # before it is shared: the others play it unchecked
+            self.comm.put(key, plan)
+            return plan
+        theirs = self.comm.get(key, f"rank {maker} to say step {n}'s plan", timeout_s=plan_wait_s())
+        mine = plan() if callable(plan) else plan
+        if mine is not None and not mine.plays_alike(theirs if theirs is not None else self.plan):
+            raise UmoptError(
+                f"{self.who} was handed another plan for step {n} than rank {maker}, which holds the first stage "
+                "and makes the plans: every rank plays the maker's, so pass plan= on that rank only (the others "
+                "read it) or the same plan on every rank"
+            )
+        return theirs
+
+    def share_next(self, plan: Schedule) -> None:
+        """Share the next step's plan with the other ranks now, between steps, where this rank
+        makes the plans: their next step then finds it at once instead of waiting on the maker's
+        (see [Note: one plan a step, one maker]). The next ``step`` plays it (its ``plan=``, if
+        given, must be this one)."""
+        if self.schedule.lengths is None or not self.holds_first:
+            raise UmoptError(
+                "share_next() is for the rank holding the first stage of a pipeline of sequences"
+            )
+
+        def share() -> None:
+            n = self._plans_shared
+            maker = self.ranks[self.ranks_of[0]]
+            checked(plan, self.profile)
             self.comm.put(f"{self.id}/plan/{maker}/{n}", plan)
-            if n >= PLAN_KEPT:
-                self.comm.forget(f"{self.id}/plan/{maker}/{n - PLAN_KEPT}")
-            return plan
-        if plan is not None:
-            return plan
-        return self.comm.get(f"{self.id}/plan/{maker}/{n}", f"rank {maker} to say step {n}'s plan")
+            self._ahead = (n, plan)
+
+        self._guarded(share)
 
     def _use(self, plan: Optional[Schedule]) -> None:
         """Play ``plan`` (a minibatch of sequences of different lengths) from this step on:
@@ -682,7 +743,7 @@ class Pipeline:
             )
         if plan.chunking() != self.schedule.chunking() or len(plan.stages) != len(self.schedule.stages):
             raise UmoptError("the step's plan lays out the stages otherwise than the pipeline's schedule")
-        check_against_profile(plan, self.profile)
+        checked(plan, self.profile)  # where it was made: by the maker, or by its planning process
         ops = [
             [ChunkOp(op[0], op[1], op[2], op[3] if len(op) == 4 else r) for op in rank_ops]
             for r, rank_ops in enumerate(plan.op_lists())

@@ -380,15 +380,24 @@ def _step(
     is planned next. ``memory``: a step whose peak memory is measured on a CPU (a warm-up step)."""
     opts, B, dp = rk.cfg.options, play.pipe.schedule.minibatch, rk.cfg.dp
     faults.inject(rk.rank, it - rk.start_step, play.setup.modules)
-    inputs = targets = plan = None
+    inputs = targets = None
+    planned: dict[str, Schedule] = {}  # this step's plan, where this rank makes it
+    make_plan: Optional[Callable[[], Schedule]] = None
     if rk.cfg.varlen:
         turn = turn or _Turn(it, None)
         if rk.feed is not None:
             xs, ys = rk.feed.batch(turn.data)
             inputs, targets = (xs if play.first else None), (ys if play.last else None)
             if rk.feed.methods:  # this replica's plan maker: the plan, the next one sent ahead
+                feed, data = rk.feed, turn.data
                 nxt = (turn.following[0], turn.following[1].method) if turn.following else None
-                plan = rk.feed.plan(turn.data, play.method, nxt)
+
+                def make_plan() -> Schedule:
+                    # waited for inside the step, after the barrier: a late plan is the method's
+                    # cost, and one that never comes fails the step on every rank at once
+                    planned["plan"] = feed.plan(data, play.method, nxt)
+                    return planned["plan"]
+
     elif play.first or play.last:  # the stages between never touch the data
         x, y = rk.data_fn(it, B * dp)  # the global minibatch: this replica's slice of it
         if len(x) != B * dp or len(y) != B * dp:  # not cut silently: the user meant other samples
@@ -405,7 +414,7 @@ def _step(
 
     def train() -> Any:
         nonlocal grads
-        loss_sum = play.pipe.step(inputs=inputs, targets=targets, plan=plan)
+        loss_sum = play.pipe.step(inputs=inputs, targets=targets, plan=make_plan)
         # the gradients themselves, not copies: neither optimizer as built changes a gradient in
         # place, and zero_grad only drops the parameters' references to them
         # named as the model's layers ("layers.3.weight"), whichever rank and chunk holds them
@@ -422,9 +431,11 @@ def _step(
         held = held_bytes(state_tensors(play.setup.modules, play.opt) + buffers)
         (loss_sum, t_opt), extra = peak_during(train, rk.device)
         play.peak_bytes = held + extra
+        plan = planned.get("plan")
         play.peak_predicted = list(plan.predicted.peak_memory_bytes) if plan is not None else []
     else:
         loss_sum, t_opt = train()
+    plan = planned.get("plan")
     spans = list(play.pipe.spans)
     play.opt.zero_grad(set_to_none=True)
     spans.append(("OPT", 0, 0, -1, t_opt, timing.mark()))
@@ -463,6 +474,13 @@ def _step(
         if rk.cfg.varlen:  # the last KEPT_PLANS steps': a long run's report stays small
             play.step_ops.append((play.pipe.playing.plan, [t1 - t0 for *_, t0, t1 in done[: len(ops)]]))
             del play.step_ops[:-KEPT_PLANS]
+    if turn is not None and turn.following is not None and rk.feed is not None and rk.feed.methods:
+        # between steps: the next step's plan, if made already, shared now, so that the other
+        # ranks find it at once when it starts (read without a wait on the step's critical path)
+        data, nxt = turn.following
+        early = rk.feed.ready(data, nxt.method)
+        if early is not None:
+            nxt.pipe.share_next(early)
     return ms
 
 

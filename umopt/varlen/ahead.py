@@ -16,7 +16,7 @@ or padding and packing on torch's multi-chunk schedules)::
         for k, batch in enumerate(loader):
             if k + 1 < len(loader):
                 ahead.submit(lengths_of(next_batch))      # the next one plans while this one trains
-            pipe.step(inputs=..., plan=ahead.next())
+            pipe.step(inputs=..., plan=ahead.next)  # called inside the step: its wait counts there
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import time
 from typing import Optional
 
 import numpy as np
@@ -31,7 +32,7 @@ import numpy as np
 from ..costmodel import Chunking
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
-from ..formats.schedule import Schedule
+from ..formats.schedule import Schedule, check_against_profile
 from .chunks import plan_chunks
 from .layouts import CHUNKED_METHODS, METHODS
 from .peers import PEERS, unavailable
@@ -45,6 +46,7 @@ __all__ = ["PlanAhead"]
 # predicted 5% faster plans and measured 25% slower steps: 2 CPU ranks, 50 ms steps). Warm
 # started, a multi-chunk plan takes about 11 ms at 16 sequences (cold, the first: 30 ms)
 BUDGET_MS, CHUNKED_BUDGET_MS = 15.0, 15.0
+POLL_S = 0.5  # how often a wait for a plan looks whether the planning process is still there
 
 
 def _plan_one(profile: Profile, method: str, lengths: np.ndarray, budget_ms, recompute, dp, previous, on):
@@ -89,7 +91,9 @@ def _serve(
             return
         try:
             previous = _plan_one(profile, method, np.asarray(lengths), budget_ms, recompute, dp, previous, on)
-            outbox.put(plan_schedule(previous, profile, recompute, dp))
+            sched = plan_schedule(previous, profile, recompute, dp)
+            check_against_profile(sched, profile)  # here, once: the ranks play it unchecked
+            outbox.put(sched)
         except UmoptError as exc:
             outbox.put(exc)
 
@@ -138,16 +142,49 @@ class PlanAhead:
         self.pending += 1
 
     def next(self, timeout_s: float = 120.0) -> Schedule:
-        """The plan of the earliest minibatch submitted and not yet taken (waiting for it)."""
+        """The plan of the earliest minibatch submitted and not yet taken (waiting for it at most
+        ``timeout_s``; a planning process that ends meanwhile is said within a second)."""
         if not self.pending:
             raise UmoptError("PlanAhead.next() with nothing submitted")
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                got = self._outbox.get(timeout=max(0.01, min(POLL_S, end - time.monotonic())))
+                break
+            except queue.Empty:
+                pass
+            if not self._process.is_alive():
+                try:  # it may have put the plan just before it ended
+                    got = self._outbox.get(timeout=0.1)
+                    break
+                except queue.Empty:
+                    code = self._process.exitcode
+                    how = (
+                        f"was killed by signal {-code}" if code and code < 0 else f"ended (exit code {code})"
+                    )
+                    raise UmoptError(
+                        f"the planning process of {self.method}'s plans (umopt-plan-ahead, pid {self._process.pid}) "
+                        f"{how} with {self.pending} plan(s) still to make"
+                    ) from None
+            if time.monotonic() >= end:
+                raise UmoptError(
+                    f"no plan within {timeout_s:g} s: the planning process of {self.method}'s plans is alive but "
+                    "has not answered (a minibatch too large to plan in time?)"
+                )
+        self.pending -= 1
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def ready(self) -> Optional[Schedule]:
+        """The plan :meth:`next` would return, if it is made already (None: not yet); it is then
+        taken, as :meth:`next` takes it."""
+        if not self.pending:
+            return None
         try:
-            got = self._outbox.get(timeout=timeout_s)
+            got = self._outbox.get_nowait()
         except queue.Empty:
-            alive = self._process.is_alive()
-            raise UmoptError(
-                f"no plan within {timeout_s:g} s (the planning process is {'alive' if alive else 'gone'})"
-            ) from None
+            return None
         self.pending -= 1
         if isinstance(got, BaseException):
             raise got
