@@ -15,6 +15,7 @@ from umopt.costmodel import simulate, tables_for_lengths, tables_for_samples
 from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import load_schedule, validate_ops
+from umopt.search.problem import LayoutProblem
 from umopt.synthetic import synthetic_token_profile
 from umopt.varlen.peers import PEERS
 from umopt.varlen.planner import plan
@@ -462,3 +463,39 @@ def test_lengths_longer_than_the_profile_costs_are_cut_and_the_cut_is_said(tmp_p
     assert "2 of 8 of the lengths drawn from file" in err and "up to 40000): each is cut to 32768" in err
     assert "1 of 4 of the lengths in file" in cut_note(f"file:{lengths}", 1000)
     assert "of chat's lengths" in cut_note("chat", 128) and cut_note("chat/16", 1024) is None
+
+
+@pytest.mark.parametrize("mode", ["packed", "padded"])
+def test_the_multi_chunk_planner_is_never_slower_than_its_modes_peer_and_its_search_counts(mode, monkeypatch):
+    """umopt's multi-chunk plan starts from the peer of its mode on torch's multi-chunk schedules
+    (packing's rows, padding's microbatches each padded to their own longest): a search that
+    finds only worse keeps that plan, and a search that finds better is the plan. Deterministic:
+    the search is bounded by schedules evaluated, not by the clock."""
+    import dataclasses
+
+    import umopt.varlen.chunks as chunked
+    from umopt.schedules.multichunk import build_ops, equal_genes
+    from umopt.varlen.peers import packed_rows, pad
+
+    profile = synthetic_token_profile(4, layers_per_stage=2)
+    L = minibatches("chat", 1, 12, seed=3, cap=profile.lengths.max_length)[0]
+    peer = (packed_rows if mode == "packed" else pad)(profile, L, 4, chunks=2)
+    real = chunked.solve_chunks
+
+    def worse(problem, **kw):  # one microbatch per virtual stage: a search that found little
+        sol = real(problem, **{**kw, "seconds": 0})
+        genes = equal_genes(sol.tables, problem.minibatch, 1)
+        ops, ms = build_ops(sol.tables, problem.minibatch, genes)
+        return dataclasses.replace(sol, genes=genes, ops=ops, iteration_ms=ms)
+
+    monkeypatch.setattr(chunked, "solve_chunks", worse)
+    kept = chunked.plan_chunks(profile, L, 2, mode=mode, budget_ms=1e6, orders=("ends",))
+    assert (
+        worse(LayoutProblem(profile, len(L), tokens=L, mode=mode), chunk_counts=(2,)).iteration_ms
+        > peer.iteration_ms
+    )
+    assert kept.layout.mode == mode and kept.iteration_ms <= peer.iteration_ms + 1e-9
+    monkeypatch.setattr(chunked, "solve_chunks", real)
+    searched = chunked.plan_chunks(profile, L, 2, mode=mode, budget_ms=1e6, evaluations=20, orders=("ends",))
+    assert searched.layout.mode == mode and searched.iteration_ms < 0.95 * peer.iteration_ms
+    assert searched.knobs["placement"] in ("looped", "vshape")  # the search's, not the peer's seed

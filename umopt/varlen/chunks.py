@@ -14,8 +14,10 @@ about 10 ms a way at 16 sequences on a CPU, taken from the ranks where they hold
 
 Packing's plan on torch's multi-chunk schedules (:func:`umopt.varlen.peers.packed_rows`) is one
 of umopt's too: its rows' sequences in row order, each microbatch the sequences of its rows,
-without the rows' padding (:func:`_unpacked`); umopt's plan is never predicted slower than it,
-whatever the budget left the search.
+without the rows' padding (:func:`_unpacked`); so is padding's (:func:`umopt.varlen.peers.pad`),
+each microbatch padded to its own longest instead of the minibatch's (:func:`_unpadded`). umopt's
+plan is never predicted slower than the peer of its mode, whatever the budget left the search,
+and is in the mode asked: padded means padded (a model that cannot pack gets no packed plan).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..search.problem import LayoutProblem
 from ..search.solvers.multichunk import solve_chunks
-from .peers import packed_rows
+from .peers import packed_rows, pad
 from .plan import Layout, Plan, score
 from .planner import ORDERS, modes_of, order_of, stage_weights
 
@@ -50,13 +52,15 @@ def plan_chunks(
     on: Optional[Chunking] = None,
     weights: Optional[bool] = None,
     previous: Optional[Plan] = None,
+    evaluations: Optional[int] = None,
 ) -> Plan:
     """umopt's plan of ``lengths`` with ``chunks`` chunks per rank (a count, or the counts to
     search: ``--chunks auto``'s 2-4), within about ``budget_ms`` (see the module docstring); ``mode``: "packed" or "padded" (default: each of the profile's);
     ``on``: that cut and placement only (a running pipeline's, whose modules hold its layers);
     ``weights``: W ops (the backward split, zero bubble), by default where the layers' costs by
     tokens have the split; ``previous``: the last step's plan, to start from (see the module
-    docstring)."""
+    docstring); ``evaluations``: each way's local search ends after so many schedules too (with
+    an ample budget, the same plan on every machine)."""
     t0 = time.perf_counter()
     L = np.asarray(lengths, dtype=np.int64)
     S, B = profile.num_stages, len(L)
@@ -86,9 +90,20 @@ def plan_chunks(
             and all(c.backward_input is not None for c in ly.tokens.values())
             for ly in profile.layers
         )
-    # packing's plan without its padding first (a few ms): the search has what is left, if any (its
-    # screening alone takes tens of ms at 32 sequences: a step's small budget may not hold it)
-    rows = _unpacked(profile, L, max(counts), recompute, dp, on, until=t0 + budget_ms / 1e3)
+    # the peers' plans as umopt's first (a few ms), in the modes asked: the search has what is left,
+    # if any (its screening alone takes tens of ms at 32 sequences: a step's small budget may not
+    # hold it)
+    modes = [mode] if mode else modes_of(profile)
+    until = t0 + budget_ms / 1e3
+    seeds = [
+        p
+        for p in (
+            _unpacked(profile, L, max(counts), recompute, dp, on, until) if "packed" in modes else None,
+            _unpadded(profile, L, max(counts), recompute, dp, on, until) if "padded" in modes else None,
+        )
+        if p is not None
+    ]
+    rows = min(seeds, key=lambda p: p.iteration_ms) if seeds else None
     if rows is not None and time.perf_counter() - t0 > budget_ms / 1e3:
         ways = []
     best = None
@@ -104,6 +119,7 @@ def plan_chunks(
                 seed=seed,
                 on=on,
                 weights=weights,
+                evaluations=evaluations,
             )
         except UmoptError:  # no schedule of this way within the memory limit: the others may
             continue
@@ -114,7 +130,7 @@ def plan_chunks(
             "no plan fits the memory limit: fewer or shorter sequences per minibatch, or --recompute"
         )
     if rows is not None and (best is None or rows.iteration_ms < best[0].iteration_ms):
-        rows.knobs.update(turn=turn, order=kn.get("order", "rows"), mode="packed")
+        rows.knobs.update(turn=turn, order=kn.get("order", "rows"), mode=rows.layout.mode)
         rows.planning_ms = (time.perf_counter() - t0) * 1e3
         return rows
     sol, layout, how = best
@@ -165,6 +181,30 @@ def _unpacked(profile: Profile, L: np.ndarray, chunks: int, recompute, dp, on, u
         chunking=peer.chunking,
         chunks=len(peer.chunking.ranks) // profile.num_stages,
         placement="rows",
+        cut=peer.knobs.get("cut"),
+        rows_of=peer.knobs.get("order"),
+        counts=[int(peer.knobs.get("microbatches") or 0)],
+    )
+
+
+def _unpadded(profile: Profile, L: np.ndarray, chunks: int, recompute, dp, on, until=None) -> Optional[Plan]:
+    """Padding's plan on torch's multi-chunk schedules as a plan of umopt's: the same ops on the
+    same samples, each microbatch padded to its own longest instead of the minibatch's (never
+    slower); None where padding has no plan within the memory limit."""
+    peer = pad(profile, L, profile.num_stages, recompute, dp, chunks=chunks, on=on)
+    if peer is None or peer.chunking is None:
+        return None
+    return score(
+        "umopt",
+        profile,
+        L,
+        Layout.of_order(range(len(L)), "padded"),
+        [list(rank) for rank in peer.ops],
+        recompute,
+        dp,
+        chunking=peer.chunking,
+        chunks=len(peer.chunking.ranks) // profile.num_stages,
+        placement="padding's",
         cut=peer.knobs.get("cut"),
         rows_of=peer.knobs.get("order"),
         counts=[int(peer.knobs.get("microbatches") or 0)],

@@ -306,10 +306,13 @@ def solve_chunks(
     keep: int = 3,
     progress: Optional[Callable[[float, float], None]] = None,
     on: Optional[Chunking] = None,
+    evaluations: Optional[int] = None,
 ) -> ChunkSolution:
     """The fastest multi-chunk schedule found within ``seconds``: the screening (at most
     :data:`SCREEN_SHARE` of them, once one schedule fits), then the local search. ``on``: that
-    cut and placement only (the layers a running pipeline's modules hold), no layer moves."""
+    cut and placement only (the layers a running pipeline's modules hold), no layer moves.
+    ``evaluations``: the local search ends after this many schedules too (with ample ``seconds``,
+    a search that is the same on every machine: tests, benches)."""
     start = time.perf_counter()
     rng = random.Random(seed)
     B = problem.minibatch
@@ -336,8 +339,11 @@ def solve_chunks(
     screened_ms = best[0]
     deadline = start + seconds
     tried: set = set()
-    while time.perf_counter() < deadline:
+    last = None if evaluations is None else evaluated + evaluations
+    while time.perf_counter() < deadline and (last is None or evaluated < last):
         for item in pool:
+            if last is not None and evaluated >= last:
+                break
             ms, _, shape, tables, g, ops = item
             if rng.random() < LAYER_MOVES and on is None:  # [Note: layer moves]
                 moved = _move_layer(shape, rng)
