@@ -185,3 +185,26 @@ def test_decide_refuses_what_it_cannot_decide(tmp_path):
         launch(RunOptions(schedules=[a], decide=0.95))
     with pytest.raises(UmoptError, match="--decide is a confidence between 0.5 and 1"):
         launch(RunOptions(schedules=[a, b], decide=95.0))
+
+
+def test_with_methods_the_peers_plans_are_the_reference_umopt_must_beat():
+    """A run of sequences (--methods): umopt's plans are the candidate, the peers' the reference;
+    a peer measured faster, even where the rounds cannot say so at 95%, is kept, never umopt."""
+    from types import SimpleNamespace
+
+    from umopt.run.rank import _decision
+
+    def play(method, ms):
+        return SimpleNamespace(name=method, method=method, step_ms=ms, schedule=None)
+
+    plays = [
+        play("umopt", [100.0, 100.0, 100.0]),
+        play("pack", [110.0, 111.0, 109.0]),
+        play("dynapipe", [86.0, 101.0, 90.0]),  # faster, not decided over three rounds
+    ]
+    d = _decision(plays, steps=1, confidence=0.95)
+    assert d.reference == "dynapipe" and d.winner == "dynapipe" and not d.decided
+    # umopt faster than every peer at 95%: then it is kept
+    plays[0].step_ms = [80.0, 81.0, 79.5]
+    d = _decision(plays, steps=1, confidence=0.95)
+    assert d.winner == "umopt" and d.reference == "dynapipe"

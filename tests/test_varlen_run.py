@@ -304,8 +304,9 @@ def test_umopt_run_plans_each_step_ahead_and_methods_take_turns_on_the_same_mini
 ):
     """``umopt run PLAN --data fn --methods umopt,pad``: each step's sequences from the user's
     function (not always as many as the plan's), each planned ahead by its method; both methods
-    train on step 0's minibatch, and the last step's gradients equal one process's after the first
-    step's update (SGD with momentum, as the runtime's)."""
+    train on steps 0-3's minibatches, and the last step's gradients equal one process's after the
+    seven updates before it (SGD with momentum, as the runtime's). A report's predictions are its
+    measured steps' plans': each step its own, the busy time their median."""
     from userzoo import gpt_sequences
 
     from umopt.formats.report import load_report
@@ -322,7 +323,7 @@ def test_umopt_run_plans_each_step_ahead_and_methods_take_turns_on_the_same_mini
     save_schedule(first, str(tmp_path / "plan.json"))
     opts = RunOptions(
         schedules=[str(tmp_path / "plan.json")],
-        steps=1,
+        steps=4,  # an even count: the median of the steps' plans is none of them, the last included
         warmup=0,
         data="userzoo:gpt_sequences",
         methods=["umopt", "pad"],
@@ -331,19 +332,27 @@ def test_umopt_run_plans_each_step_ahead_and_methods_take_turns_on_the_same_mini
     )
     launch(opts, quiet=True)
     reports = {m: load_report(tmp_path / f"r-{m}.json") for m in ("umopt", "pad")}
-    tokens = sum(len(x) for x in x0)
+    data = [gpt_sequences(k, 10) for k in range(4)]
+    tokens = [sum(len(x) for x in xs) for xs, _ in data]
+    from umopt.costmodel import simulate
+
     for m, r in reports.items():
-        assert r.lengths.method == m and r.lengths.tokens == [tokens]  # the same minibatch, step 0's
-        assert r.lengths.tokens_per_s == pytest.approx(tokens / (r.step_ms[0] / 1e3))
-        assert len(r.lengths.predicted_step_ms) == 1 and r.lengths.predicted_step_ms[0] > 0
-        # every op of the measured step, both ranks, with its plan's prediction: what calibrate fits
-        assert len(r.lengths.op_pairs) == sum(len(st) for st in r.ops) and {
+        assert r.lengths.method == m and r.lengths.tokens == tokens  # the same minibatches, steps 0-3's
+        assert r.lengths.tokens_per_s == pytest.approx(sum(tokens) / (sum(r.step_ms) / 1e3))
+        # every op of the measured steps, both ranks, with its plan's prediction: what calibrate fits
+        assert len(r.lengths.op_pairs) == sum(len(st.ops) for p in r.lengths.plans for st in p.stages) and {
             p[1] for p in r.lengths.op_pairs
         } == {0, 1}
         assert all(p[3] > 0 and p[4] > 0 for p in r.lengths.op_pairs)
-        assert len(r.lengths.plans) == len(r.step_ms) and r.lengths.plans[0].lengths is not None
-        for s, busy in enumerate(r.busy_ms.predicted):  # the measured step's plan's, as the measured
-            assert busy == pytest.approx(sum(p[3] for p in r.lengths.op_pairs if p[1] == s))
+        assert len(r.lengths.plans) == len(r.step_ms) == 4 and r.lengths.plans[0].lengths is not None
+        assert [p.lengths.lengths for p in r.lengths.plans] == [[len(x) for x in xs] for xs, _ in data]
+        # each step's prediction is its own plan's; the run's is their mean, its busy time their median
+        timelines = [simulate(p.tables(profile), p.op_lists(), p.minibatch) for p in r.lengths.plans]
+        assert r.lengths.predicted_step_ms == pytest.approx([tl.iteration_ms for tl in timelines])
+        assert len(set(r.lengths.predicted_step_ms)) == 4  # four plans, four predictions
+        assert r.predicted_iteration_ms == pytest.approx(np.mean(r.lengths.predicted_step_ms))
+        for s, busy in enumerate(r.busy_ms.predicted):
+            assert busy == pytest.approx(np.median([tl.busy_ms[s] for tl in timelines]))
     got = {}
     for s in range(2):
         got.update(torch.load(tmp_path / "g" / f"grads_stage{s}.pt"))
@@ -351,11 +360,11 @@ def test_umopt_run_plans_each_step_ahead_and_methods_take_turns_on_the_same_mini
     parts, _ = _model()
     model = nn.ModuleList(parts.layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    xs, ys = gpt_sequences(0, 10)
-    for _ in range(2):  # umopt's step, then pad's, on the same minibatch
+    for k in (0, 1, 2, 3, 0, 1, 2, 3):  # umopt's steps, then pad's, on the same minibatches
+        xs, ys = data[k]
         opt.zero_grad()
         loss = sum(F.cross_entropy(run_layers(model, x[None])[0], y, reduction="sum") for x, y in zip(xs, ys))
-        (loss / tokens).backward()
+        (loss / tokens[k]).backward()
         want = {f"layers.{k}": p.grad.clone() for k, p in model.named_parameters()}
         opt.step()
     assert set(got) == set(want)
