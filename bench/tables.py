@@ -52,7 +52,9 @@ def working(total: int, what: str) -> Iterator:
 
         def line(label: str) -> None:
             done[0] += 1
-            console.print(f"{what}: {done[0]}/{total} {label} [{time.perf_counter() - t0:.0f} s]", markup=False)
+            console.print(
+                f"{what}: {done[0]}/{total} {label} [{time.perf_counter() - t0:.0f} s]", markup=False
+            )
 
         yield line
         return

@@ -3,7 +3,8 @@
 
     python bench/varlen.py [--stages 4 8] [--samplers chat instruction lmsys long-context]
                            [--minibatches 200] [--size 64] [--model tuned|heldout]
-                           [--budget-ms 15] [--search 10 --search-seconds 5] [--markdown]
+                           [--budget-ms 15] [--search 10 --search-seconds 5] [--chunks 2]
+                           [--markdown]
 
 For every stage count and sampler, ``--minibatches`` minibatches of ``--size`` sequences (seeded)
 are planned one after another as in training: umopt's planner warm-started from the previous
@@ -17,6 +18,14 @@ umopt's warm-started plans on this core (the first, cold, plan apart).
 
 ``--search K`` runs the long search (the GA from the fast plan, ``--search-seconds`` each) on the
 first K minibatches of each row: how far the fast plan is from the best found.
+
+``--chunks V`` adds several chunks per rank (the profile's stages cut into two layers each): umopt's
+multi-chunk plans (umopt/varlen/chunks.py, warm-started step to step) and padding and packing on
+torch's multi-chunk schedules at their best chunk count up to V, microbatches and cut, as rows
+"umopt, chunked", "pad, chunked", "pack, chunked" beside the one-chunk ones.
+
+Its time on 2 cores: about 25 s a row of 200 minibatches at S=4, 60 s at S=8 (7 minutes for the
+default 8 rows); with ``--chunks 2`` several times that (one row of 40 minibatches: a minute).
 
 ``--model tuned`` is the transformer the planner's rules were developed on (30 blocks of
 d=2048 on 300 TFLOP/s GPUs, 40 GiB); ``heldout`` one it was not (32 blocks of d=4096, a 128k
@@ -36,6 +45,7 @@ from tables import print_table, working
 
 from umopt.errors import UmoptError
 from umopt.synthetic import synthetic_token_profile
+from umopt.varlen.chunks import plan_chunks
 from umopt.varlen.peers import PEERS, timed
 from umopt.varlen.planner import plan, search
 from umopt.varlen.samplers import minibatches
@@ -54,11 +64,16 @@ OTHERS = (
 )  # "best of peers": all but pad and pack-split (other training)
 
 
+CHUNKED = ("umopt, chunked", "pad, chunked", "pack, chunked")
+
+
 def row(S: int, spec: str, args, step) -> tuple[list[list[str]], dict]:
-    profile = synthetic_token_profile(S, **MODELS[args.model])
+    layered = {"layers_per_stage": 2} if args.chunks > 1 else {}
+    profile = synthetic_token_profile(S, **MODELS[args.model], **layered)
     batches = minibatches(spec, args.minibatches, args.size, seed=args.seed)
-    plans: dict[str, list] = {name: [] for name in ["umopt", *PEERS]}
-    previous = None
+    names = ["umopt", *PEERS, *(CHUNKED if args.chunks > 1 else ())]
+    plans: dict[str, list] = {name: [] for name in names}
+    previous = chunked = None
     for k, L in enumerate(batches):
         if k and k % 20 == 0:
             step(f"{spec}, S={S}, minibatch {k}")
@@ -69,6 +84,17 @@ def row(S: int, spec: str, args, step) -> tuple[list[list[str]], dict]:
             plans["umopt"].append(previous)
         except UmoptError:  # no plan fits the memory limit: counted as not fitting, as a peer's
             plans["umopt"].append(None)
+        if args.chunks > 1:  # each on the layout its first plan chose, as a pipeline keeps its modules
+            on = {n: plans[n][0].chunking for n in CHUNKED if plans[n] and plans[n][0] is not None}
+            try:
+                chunked = plan_chunks(
+                    profile, L, args.chunks, budget_ms=args.budget_ms, previous=chunked, on=on.get(CHUNKED[0])
+                )
+                plans[CHUNKED[0]].append(chunked)
+            except UmoptError:
+                plans[CHUNKED[0]].append(None)
+            for name, fn in zip(CHUNKED[1:], (PEERS["pad"], PEERS["pack"])):
+                plans[name].append(timed(fn, profile, L, S, chunks=args.chunks, on=on.get(name)))
     best = [
         min(
             (p for p in (plans[n][k] for n in OTHERS) if p is not None),
@@ -88,10 +114,12 @@ def row(S: int, spec: str, args, step) -> tuple[list[list[str]], dict]:
 
     cells = []
     ums = plans["umopt"]
-    for name in ["umopt", "best of peers", *PEERS]:
+    for name in ["umopt", "best of peers", *PEERS, *(CHUNKED if args.chunks > 1 else ())]:
+        # a chunked peer against umopt's chunked plans (the same kind of layout); the rest against umopt's
+        ref = CHUNKED[0] if name in CHUNKED[1:] else "umopt"
         fit = [k for k, p in enumerate(plans[name]) if p is not None]
-        both = set(fit) & {k for k, p in enumerate(ums) if p is not None}
-        ratio = rate("umopt", both) / rate(name, both) if name != "umopt" and both else float("nan")
+        both = set(fit) & {k for k, p in enumerate(plans[ref]) if p is not None}
+        ratio = rate(ref, both) / rate(name, both) if name != ref and both else float("nan")
         ms = [p.planning_ms for p in plans[name] if p is not None] if name != "best of peers" else []
         cells.append(
             [
@@ -100,7 +128,7 @@ def row(S: int, spec: str, args, step) -> tuple[list[list[str]], dict]:
                 name,
                 f"{len(fit)}/{len(batches)}",
                 f"{rate(name) / 1e3:.1f}",
-                "" if name == "umopt" else f"{ratio:.2f}x",
+                "" if name == ref else f"{ratio:.2f}x" + (" (chunked)" if ref != "umopt" else ""),
                 f"{np.median(ms):.1f}" if ms else "",
             ]
         )
@@ -138,6 +166,7 @@ def main() -> None:
     ap.add_argument("--search", type=int, default=0)
     ap.add_argument("--search-seconds", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chunks", type=int, default=1, help="also plan with up to this many chunks per rank")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     cells, summary = [], []

@@ -1,7 +1,8 @@
 """Sequences of different lengths, measured on 2 CPU ranks (one thread each), in turns.
 
     python bench/varlen_measured.py [--samplers chat long-context] [--minibatches 8] [--size 32]
-                                    [--max-length 256] [--rounds 2] [--device cpu|cuda] [--markdown]
+                                    [--max-length 256] [--rounds 2] [--device cpu|cuda]
+                                    [--chunks 2] [--markdown]
 
 With ``--device cuda`` (bench/gpu_smoke.sh runs it): a GPT of 8 blocks of width 1024 in bfloat16
 on GPUs 0 and 1 (nccl; packed attention is varlen flash attention there).
@@ -20,6 +21,15 @@ minibatch with every method in turns (``--rounds`` rounds, the order rotating; o
 warm-up round), each step timed from a barrier to the slower rank's end. Printed per sampler and
 method: measured tokens per second (real tokens, no padding), predicted, measured / predicted on
 the mean step, and umopt against it.
+
+``--chunks V``: the model profiled layer by layer (``umopt profile --chunks V``), and every method
+trains on the layout it chooses on the first minibatch, one chunk per rank or V
+(umopt/varlen/layouts.py, as ``umopt tune --lengths --chunks`` does): umopt's multi-chunk plans,
+padding and packing on torch's multi-chunk schedules, DynaPipe one chunk per rank; each layout
+its own copy of the model. The table's "chunks" column says which.
+
+It takes about 6 minutes on 2 cores (profile, probe run, 2 samplers of 8 minibatches, 3 rounds);
+with ``--chunks 2`` about 9.
 
 A fifth row, "umopt, planned ahead", plays umopt's plans made during the steps: rank 0 runs
 :class:`umopt.varlen.ahead.PlanAhead` (a process of its own), submits minibatch k + 1's lengths as
@@ -72,20 +82,31 @@ def worker(args) -> None:
     )
     job = pickle.loads(Path(args.job).read_bytes())
     profile = job["profile"]
-    parts = build_model("gpt", job["model_args"], seed=0)
-    a, b = profile.stages[rank].layers
-
-    stage = Layers(parts.layers[a:b]).to(device)
-    first = job["plans"][0]["umopt"]
-    pipe = umopt.Pipeline(
-        stage, first, profile=profile, loss_fn=nn.CrossEntropyLoss(), select=False, device=device
-    )
     methods = (*METHODS, AHEAD)
+    # each method's pipeline on its layout (the first plan's), each layout its own model copy
+    modules: dict[str, list] = {}
+    pipes: dict[str, umopt.Pipeline] = {}
+    for m in methods:
+        first = job["plans"][0][m if m != AHEAD else "umopt"]
+        layout = first.layout(profile)
+        key = str(layout)
+        if key not in modules:
+            parts = build_model("gpt", job["model_args"], seed=0)
+            modules[key] = [
+                Layers(parts.layers[lo:hi]).to(device)
+                for (lo, hi), r in zip(layout.layers, layout.ranks)
+                if r == rank
+            ]
+        mods = modules[key] if first.chunks is not None else modules[key][0]
+        pipes[m] = umopt.Pipeline(
+            mods, first, profile=profile, loss_fn=nn.CrossEntropyLoss(), select=False, device=device
+        )
+    parts = build_model("gpt", job["model_args"], seed=0)  # the sequences' maker
     times: dict[str, list] = {m: [[] for _ in job["plans"]] for m in methods}
     predicted_ahead: list[list[float]] = [[] for _ in job["plans"]]
     # rank 0 makes the planned-ahead plans: minibatch k + 1's planned while step k runs (a data
     # loader's prefetch); rank 1 reads each step's plan from the store
-    ahead = PlanAhead(profile) if rank == 0 else None
+    ahead = PlanAhead(profile, on=job["plans"][0]["umopt"].chunking()) if rank == 0 else None
     K = len(job["plans"])
 
     def plan_of(k: int, m: str):
@@ -104,12 +125,14 @@ def worker(args) -> None:
         kw = {"inputs": [x for x, _ in seqs]} if rank == 0 else {"targets": [y for _, y in seqs]}
         dist.barrier()
         t0 = time.perf_counter()
-        pipe.step(plan=plan_of(k, m), **kw)  # a plan not made yet is waited for within the step
+        pipes[m].step(plan=lambda: plan_of(k, m), **kw)  # a plan not made yet is waited for within the step
         if cuda:
             torch.cuda.synchronize(device)
         ms = torch.tensor([(time.perf_counter() - t0) * 1e3], device=device)
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-        stage.zero_grad(set_to_none=True)
+        for mods in modules.values():
+            for mod in mods:
+                mod.zero_grad(set_to_none=True)
         return float(ms)
 
     for r in range(args.rounds + 1):
@@ -136,23 +159,33 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def plans_for(profile, batches):
-    """Every minibatch's plans (as schedules): umopt's warm-started, and each peer's."""
+def plans_for(profile, batches, chunks: int = 1):
+    """Every minibatch's plans (as schedules): umopt's warm-started, and each peer's, each method
+    on the layout its plan of the first minibatch chose among one chunk per rank and ``chunks``."""
     from umopt.errors import UmoptError
+    from umopt.varlen.chunks import plan_chunks
+    from umopt.varlen.layouts import choose_layouts
     from umopt.varlen.peers import PEERS, timed
     from umopt.varlen.planner import plan
     from umopt.varlen.solve import plan_schedule
 
+    S = profile.num_stages
+    on = {m: p.chunking for m, p in choose_layouts(profile, batches[0], METHODS, (1, chunks)).items()}
     out, previous = [], None
     for L in batches:
         got = {}
         try:
-            previous = plan(profile, L, previous=previous)
+            previous = (
+                plan(profile, L, previous=previous)
+                if on["umopt"] is None
+                else plan_chunks(profile, L, chunks, previous=previous, on=on["umopt"], budget_ms=15)
+            )
             got["umopt"] = previous
         except UmoptError:
             got["umopt"] = None
         for name in METHODS[1:]:
-            got[name] = timed(PEERS[name], profile, L, profile.num_stages)
+            v = {} if on[name] is None else {"chunks": len(on[name].ranks) // S, "on": on[name]}
+            got[name] = timed(PEERS[name], profile, L, S, **v)
         out.append({m: None if p is None else (plan_schedule(p, profile), p) for m, p in got.items()})
     return out
 
@@ -193,6 +226,7 @@ def main() -> None:
     ap.add_argument(
         "--no-fit", action="store_true", help="leave out the probe run of sequences the costs are fitted to"
     )
+    ap.add_argument("--chunks", type=int, default=1, help="each method may hold this many chunks per rank")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--job")
@@ -220,6 +254,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "umopt.cli", "profile", "--model", "gpt", "--stages", "2"]
         cmd += [f"--model-arg={k}={v}" for k, v in model_args.items()]
         cmd += ["--max-size", "8", "--lengths", str(args.max_length), "-o", str(prof_path)]
+        cmd += ["--chunks", str(args.chunks)] if args.chunks > 1 else []
         if args.device == "cuda":
             cmd += ["--device", "cuda", "--dtype", "bfloat16"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -233,7 +268,7 @@ def main() -> None:
             np.maximum(1, np.round(L * scale)).astype(np.int64)
             for L in minibatches(spec, args.minibatches, args.size, seed=0)
         ]
-        made = plans_for(profile, batches)
+        made = plans_for(profile, batches, args.chunks)
         job = {
             "profile": profile,
             "model_args": model_args,
@@ -261,10 +296,13 @@ def main() -> None:
         rate = {m: 1e3 * sum(tokens[k] for k in ks) / sum(measured[m]) for m in METHODS}
         for m in METHODS:
             ratio = np.mean(measured[m]) / np.mean(predicted[m])
+            first = made[0][m][0] if made[0][m] is not None else None
+            v = 1 if first is None or first.chunks is None else len(first.chunks.ranks) // 2
             cells.append(
                 [
                     spec,
                     m,
+                    str(v),
                     f"{len(ks)}/{len(batches)}",
                     f"{rate[m] / 1e3:.2f}",
                     f"{1e3 * sum(tokens[k] for k in ks) / sum(predicted[m]) / 1e3:.2f}",
@@ -281,6 +319,7 @@ def main() -> None:
             [
                 spec,
                 AHEAD,
+                cells[-len(METHODS)][2],
                 f"{len(ks)}/{len(batches)}",
                 f"{1e3 * sum(tokens[k] for k in ks) / sum(ahead_ms) / 1e3:.2f}",
                 f"{1e3 * sum(tokens[k] for k in ks) / sum(ahead_pred) / 1e3:.2f}",
@@ -304,6 +343,7 @@ def main() -> None:
         [
             "sampler",
             "method",
+            "chunks",
             "minibatches",
             "measured ktok/s",
             "predicted ktok/s",
