@@ -59,3 +59,19 @@ def gpt_sequences(step: int, n: int):
     lengths = np.random.default_rng(step).integers(1, 49, n + step % 3)  # not always the plan's count
     pairs = parts.sequences.make([int(x) for x in lengths], step)
     return [x for x, _ in pairs], [y for _, y in pairs]
+
+
+def hf_sequences(step: int, n: int):
+    """``--data`` for a transformers model of a 128-token vocabulary (tests/test_hf.py): ``n``
+    sequences of 1-48 tokens drawn by the step, a seventh of the targets ignored (-100)."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(step)
+    xs, ys = [], []
+    for k in np.random.default_rng(step).integers(1, 49, n):
+        t = torch.randint(0, 128, (int(k) + 1,), generator=g)
+        y = t[1:].clone()
+        y[torch.rand(int(k), generator=g) < 0.15] = -100
+        xs.append(t[:-1])
+        ys.append(y)
+    return xs, ys

@@ -145,8 +145,10 @@ def boundary_tensors(
 
     The first ``release_before`` layers are moved to ``device`` for their step only and then to
     the meta device, which frees them: a rank learns what its stage receives without ever holding
-    the layers of the stages before it.
+    the layers of the stages before it. What they share with the layers kept (a tied embedding, a
+    rotary embedding every decoder layer holds) is kept.
     """
+    kept = {id(t) for layer in layers[release_before:] for t in (*layer.parameters(), *layer.buffers())}
     h = x.to(device)
     out = [h]
     with torch.no_grad(), autocast(device, dtype):
@@ -155,9 +157,20 @@ def boundary_tensors(
                 layer.to(device)
             h = layer(h)
             if i < release_before:
-                layer.to("meta")
+                _release(layer, kept)
             out.append(h)
     return out
+
+
+def _release(layer: nn.Module, kept: set[int]) -> None:
+    """``layer``'s tensors on the meta device (freed), but for those in ``kept`` (by id)."""
+    for m in layer.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and id(p) not in kept:
+                m._parameters[name] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+        for name, b in list(m._buffers.items()):
+            if b is not None and id(b) not in kept:
+                m._buffers[name] = b.to("meta")
 
 
 def rank_device(backend: str) -> torch.device:

@@ -1,32 +1,27 @@
-"""The model zoo: models as flat lists of layers that stages can slice.
+"""The model zoo: models as flat lists of layers that stages can slice, and how a model is built
+from its name (``build_model``).
 
-A model is three things (:class:`ModelParts`): ``layers``, a list of ``nn.Module`` run one after
-the other; ``make_batch(n, seed)``, a deterministic ``(inputs, targets)`` batch of ``n`` samples;
-and ``loss(outputs, targets)``, the loss *summed* over the samples (the runtime divides by the
-minibatch, so gradients do not depend on how the minibatch is chunked).
+A model is a :class:`~umopt.parts.ModelParts` (umopt/parts.py): ``layers``, a list of
+``nn.Module`` run one after the other; ``make_batch(n, seed)``, a deterministic ``(inputs,
+targets)`` batch of ``n`` samples; and ``loss(outputs, targets)``, the loss *summed* over the
+samples (the runtime divides by the minibatch, so gradients do not depend on how the minibatch
+is chunked); and, for a model of token sequences, how it takes sequences of different lengths.
 
 Built in: ``vgg16`` (13 conv + 3 FC), ``gpt`` (embedding, decoder blocks, LM head) and ``mlp``.
-
-A model of token sequences may also say how it takes sequences of different lengths
-(:class:`Sequences`): ``make(lengths, seed)`` gives each sequence's tokens and targets, and, where
-its layers accept a ``lengths`` keyword (the lengths of the sequences in a chunk, see [Note:
-packed sequences]), chunks can be packed, one row of documents, or padded, one row a sequence
-(each chunk to its own longest, padding targets ignored by the loss); a model whose layers take
-no lengths can be padded only if it is causal (a token never sees a later one, so the padding
-after a sequence never reaches it), which it says (``causal=True``).
-Users bring their own with ``package.module:factory``: a callable taking the model args as
-keyword arguments and returning a :class:`ModelParts` or a ``(layers, make_batch, loss)`` tuple.
-Models are built under ``torch.manual_seed(seed)`` so every process gets the same weights.
+``hf:NAME_OR_DIR`` is a transformers causal language model (umopt/hf.py). Users bring their own
+with ``package.module:factory``: a callable taking the model args as keyword arguments and
+returning a :class:`~umopt.parts.ModelParts` or a ``(layers, make_batch, loss)`` tuple. Models
+are built under ``torch.manual_seed(seed)`` so every process gets the same weights.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -34,6 +29,21 @@ from torch import nn
 from torch.nn import functional as F
 
 from .errors import UmoptError, first_line
+from .parts import (  # noqa: F401 - what a model is, re-exported for those who build one from here
+    IGNORE,
+    TOKENWISE,
+    Batch,
+    Layers,
+    ModelParts,
+    Sequences,
+    blind_layer,
+    pack,
+    pad,
+    padded_rows,
+    positions,
+    run_layers,
+    takes_lengths,
+)
 
 __all__ = [
     "import_object",
@@ -50,135 +60,6 @@ __all__ = [
     "run_layers",
     "runnable",
 ]
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-IGNORE = -100  # a target the summed cross-entropy skips: padding
-
-
-@dataclass
-class Sequences:
-    """How a model takes sequences of different lengths: ``make(lengths, seed)``, each sequence's
-    (tokens, targets) as 1-d tensors; ``max_length``, the longest it takes; ``packed``, whether
-    its layers take the chunk's sequence ``lengths`` (keyword) and honour them, packed and
-    padded ([Note: packed sequences]); ``causal``, whether every layer is causal, so that padding
-    after a sequence never reaches its tokens (padded chunks then need no lengths)."""
-
-    make: Callable[[Sequence[int], int], list[Batch]]
-    max_length: int
-    packed: bool = False
-    causal: bool = False
-
-    @property
-    def modes(self) -> tuple[str, ...]:
-        """The ways its chunks can be laid out: packed where its layers take lengths, padded
-        where they take them or the model is causal."""
-        return (("packed",) if self.packed else ()) + (("padded",) if self.packed or self.causal else ())
-
-
-@dataclass
-class ModelParts:
-    layers: list[nn.Module]
-    make_batch: Callable[[int, int], Batch]
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    sequences: Optional[Sequences] = None
-
-
-def takes_lengths(layer: nn.Module) -> bool:
-    """Whether ``layer`` takes a chunk's sequence lengths (a ``lengths`` keyword; see [Note:
-    packed sequences])."""
-    return "lengths" in inspect.signature(layer.forward).parameters
-
-
-# torch's layers that compute each token on its own: they need no lengths in any chunk's shape
-TOKENWISE = (
-    nn.Linear,
-    nn.Embedding,
-    nn.LayerNorm,
-    nn.RMSNorm,
-    nn.Dropout,
-    nn.Identity,
-    nn.GELU,
-    nn.ReLU,
-    nn.SiLU,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.Softmax,
-)
-
-
-def blind_layer(module: nn.Module, name: str = "", given: bool = True) -> Optional[str]:
-    """What lets a chunk's sequences (or its padding) reach one another in ``module``: its first
-    such layer, named, and why; None where there is none (see [Note: packed sequences]). A layer is safe if it
-    is given the lengths and takes ``lengths=``, is one of torch's token-wise layers (or says
-    ``tokenwise = True``), or holds safe layers: a :class:`Layers` gives its layers the lengths,
-    an ``nn.Sequential`` does not (``given``)."""
-    if isinstance(module, TOKENWISE) or getattr(module, "tokenwise", False):
-        return None
-    if isinstance(module, (Layers, nn.Sequential)):
-        inner = module.members() if isinstance(module, Layers) else list(module)
-        passes = given and isinstance(module, Layers)
-        for i, m in enumerate(inner):
-            bad = blind_layer(m, f"{name}.{i}" if name else str(i), passes)
-            if bad is not None:
-                return bad
-        return None
-    if given and takes_lengths(module):
-        return None
-    what = f"layer {name} ({type(module).__name__})" if name else type(module).__name__
-    if takes_lengths(module):
-        return f"{what} gets no lengths= inside an nn.Sequential (umopt.zoo.Layers passes them on)"
-    return f"{what} takes no lengths="
-
-
-def run_layers(layers: Sequence[nn.Module], x: torch.Tensor, lengths: Optional[torch.Tensor] = None):
-    """``layers`` one after the other on ``x``; a chunk's sequence ``lengths`` go to the layers
-    that take them."""
-    for layer in layers:
-        x = layer(x, lengths=lengths) if lengths is not None and takes_lengths(layer) else layer(x)
-    return x
-
-
-def padded_rows(x: torch.Tensor, lengths: torch.Tensor) -> bool:
-    """Whether a chunk ``x`` given ``lengths`` is padded rows, row i sequence i's ``lengths[i]``
-    tokens then padding, rather than one packed row of documents (see [Note: packed sequences]):
-    one length per row. (A packed row of one document is also one length per row, and the two
-    readings of it agree.)"""
-    return x.shape[0] == lengths.numel()
-
-
-class Layers(nn.Module):
-    """``layers`` as one module, run one after the other (a stage, or a chunk of one); a chunk's
-    sequence ``lengths`` go to the layers that take them."""
-
-    def __init__(self, layers: Sequence[nn.Module]):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def members(self) -> list[nn.Module]:
-        return list(self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers)
-
-    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return run_layers(self.members(), x, lengths)
-
-
-def pack(seqs: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sequences concatenated into one row: (tokens (1, T), targets (1, T), lengths (n,))."""
-    lengths = torch.tensor([len(x) for x, _ in seqs], dtype=torch.long)
-    return torch.cat([x for x, _ in seqs])[None], torch.cat([y for _, y in seqs])[None], lengths
-
-
-def pad(seqs: Sequence[Batch], to: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences padded to ``to`` (default: the longest): (tokens (n, to), targets (n, to)), the
-    padding's targets ignored by the loss (causal attention keeps padding after a sequence out
-    of its tokens' outputs)."""
-    to = to or max(len(x) for x, _ in seqs)
-    xs = torch.zeros(len(seqs), to, dtype=seqs[0][0].dtype)
-    ys = torch.full((len(seqs), to), IGNORE, dtype=seqs[0][1].dtype)
-    for i, (x, y) in enumerate(seqs):
-        xs[i, : len(x)], ys[i, : len(y)] = x, y
-    return xs, ys
 
 
 def _sum_cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -219,29 +100,6 @@ def vgg16(image_size: int = 32, num_classes: int = 10, fc_width: int = 512) -> M
 
 
 # --- gpt ---------------------------------------------------------------------------------------
-
-
-# [Note: packed sequences]
-# A chunk of sequences of different lengths reaches a layer that takes a ``lengths`` keyword in
-# one of two shapes, with the lengths beside it (not sent: every rank knows them from the step's
-# plan). Packed: one row (1, T) of documents one after another, ``lengths`` the documents' (they
-# sum to T). Each document is its own sequence: positions restart at its first token, and
-# attention stays within it, so a document's outputs do not depend on what it is packed with,
-# and the attention's work is the sum of the squared lengths, not T^2 (on CUDA in half precision
-# one varlen flash-attention kernel; elsewhere scaled-dot-product attention per document).
-# Padded: (n, w), row i sequence i's ``lengths[i]`` tokens then zeros: a layer that looks at
-# other positions (bidirectional attention, a centred convolution) must mask the padding with
-# them; a causal one need not, since padding comes after every token it could reach. A layer
-# tells the two apart by the count: one length per row is padded (`padded_rows`), and a packed
-# row of one document reads the same either way. A layer that takes no lengths gets neither,
-# so a model packs only if its layers take them, and pads only if they do or it is causal
-# (`Sequences.modes`; umopt.Pipeline's ``causal=``).
-
-
-def positions(lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Each token's position within its document, for documents of ``lengths`` packed in a row."""
-    starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-    return torch.arange(int(lengths.sum()), device=device) - starts.to(device)
 
 
 def packed_attention(
@@ -396,7 +254,7 @@ def parse_model_args(pairs: list[str]) -> dict[str, Any]:
             except ValueError:
                 continue
         else:
-            out[key] = value
+            out[key] = {"true": True, "false": False}.get(value.lower(), value)
     return out
 
 
@@ -418,20 +276,27 @@ def import_object(spec: str, what: str) -> Any:
 
 
 def runnable(name: str) -> bool:
-    """Whether a model of this name can be built to run: one of the zoo's, or a factory (a bundled
-    synthetic profile's model is neither)."""
+    """Whether a model of this name can be built to run: one of the zoo's, a factory, or a
+    transformers model (hf:NAME_OR_DIR); a bundled synthetic profile's model is none of them."""
     return name in MODELS or ":" in name
 
 
 def build_model(name: str, args: dict[str, Any] | None = None, seed: int = 0) -> ModelParts:
     """Build a zoo model by name, or a user model by ``package.module:factory``."""
     args = dict(args or {})
-    if ":" in name:
+    if name.startswith("hf:"):
+        from . import hf  # transformers is imported only for its models
+
+        factory = functools.partial(hf.causal_lm, name[3:])
+    elif ":" in name:
         factory = import_object(name, "--model")
     elif name in MODELS:
         factory = MODELS[name]
     else:
-        raise UmoptError(f"unknown model {name!r} (built in: {', '.join(MODELS)}; or package.module:factory)")
+        raise UmoptError(
+            f"unknown model {name!r} (built in: {', '.join(MODELS)}; or hf:NAME_OR_DIR, a transformers causal "
+            "language model; or package.module:factory)"
+        )
     if not callable(factory):
         raise UmoptError(f"--model {name}: not a function")
     if type(seed) is not int or not 0 <= seed < 2**63:
@@ -445,6 +310,8 @@ def build_model(name: str, args: dict[str, Any] | None = None, seed: int = 0) ->
     torch.manual_seed(seed)
     try:
         parts = factory(**args)
+    except UmoptError:  # said already, in one line
+        raise
     except Exception as exc:  # noqa: BLE001 - the user's factory may raise anything
         raise UmoptError(
             f"model {name}{args or ''}: the factory raised {exc.__class__.__name__}: {first_line(exc)}"

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..devices import boundary_tensors
 from ..errors import UmoptError
-from ..zoo import ModelParts, run_layers
+from ..parts import ModelParts, run_layers
 from .memory import peak_during
 from .options import ProfileOptions
 

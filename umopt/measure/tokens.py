@@ -25,7 +25,7 @@ from scipy.optimize import nnls
 
 from ..devices import TensorSpec
 from ..errors import UmoptError
-from ..zoo import ModelParts, pack, pad
+from ..parts import ModelParts, pack, pad
 from .chunk import StageProbe, Timer, stash_bytes
 from .memory import peak_during
 from .options import ProgressFn

@@ -149,6 +149,16 @@ class Comm:
         """Collective over the world: a group of ``ranks``."""
         raise NotImplementedError
 
+    def groups_of(self, members: Sequence[Sequence[int]]) -> dict[tuple[int, ...], Any]:
+        """Collective over the world: a group for each of ``members`` not made yet in this world
+        (every rank passes the same, in one order), and those this rank is in, by members."""
+        made = self.__dict__.setdefault("_groups", {})
+        for m in members:
+            key = tuple(sorted(m))
+            if key not in made:
+                made[key] = self.new_group(key)
+        return {tuple(sorted(m)): made[tuple(sorted(m))] for m in members if self.rank in m}
+
     def timeout_s(self) -> float:
         """The world's own timeout: what a set-up wait lasts by default."""
         return 1800.0

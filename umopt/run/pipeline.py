@@ -40,7 +40,7 @@ from ..formats.schedule import (
     load_schedule,
     require_pick_layout,
 )
-from ..zoo import IGNORE
+from ..parts import IGNORE
 from .comm import Comm, PipelineBroken, TorchComm, describe
 from .failures import guarded
 from .links import StepLinks, directions, messages
@@ -127,6 +127,27 @@ def loss_scale(
         comm.all_reduce(total, dp_group)
         total = total / replicas
     return lambda lo, hi: 1.0 / total
+
+
+# [Note: tied weights]
+# A weight two layers share (tied embeddings: the first stage's token embedding is the LM head's
+# matrix) is one parameter in one process, and its gradient the sum of both uses'. Where the two
+# layers sit on two ranks, each holds a copy, built from the same seed (or loaded from the same
+# file), and each step's backward leaves each copy its own use's gradient only. So after the step,
+# before the optimizer (and before the data-parallel average, which commutes with it), the copies'
+# gradients are summed over the ranks holding them, in a group of their own (Megatron-LM's
+# embedding group): every copy then has one process's gradient, and the optimizers, stepping alike
+# from alike, keep the copies equal. A rank holding both layers holds one parameter and takes part
+# once. clip_grad_norm_ counts the weight once. The sum's time is in the step, not yet in the cost
+# model (a few MiB for a small vocabulary; a large one's embedding is hundreds).
+
+
+def sum_tied(comm: Comm, ties: dict[str, tuple[nn.Parameter, Any]]) -> None:
+    """Sum each tied weight's gradient over the ranks holding a copy (see [Note: tied weights])."""
+    for param, group in ties.values():
+        if param.grad is None:  # this copy took no part in the step: it adds nothing
+            param.grad = torch.zeros_like(param)
+        comm.all_reduce(param.grad, group)
 
 
 # [Note: the all-reduce after the sends]
@@ -222,6 +243,10 @@ class Pipeline:
             or what three rounds need where that is at most half of ``steps``).
         steps: how many steps the run has, if known: measuring then also stops once it has cost
             3% of the run.
+        tied: this rank's copies of weights tied to other ranks' (an embedding the first stage
+            and the LM head share), by a key every holder gives the same (``ModelParts.tied_in``
+            names them): their gradients are summed over the ranks holding them after each step,
+            as one process's tied weight gets both uses' (see [Note: tied weights]).
         causal: with sequences of different lengths, every layer of the modules is causal (a
             token never sees a later one), so a padded chunk's padding, after its tokens, never
             reaches them: modules that take no ``lengths=`` may then play padded plans (see
@@ -256,6 +281,7 @@ class Pipeline:
         select_steps: Optional[int] = None,
         steps: Optional[int] = None,
         causal: bool = False,
+        tied: Optional[dict[str, nn.Parameter]] = None,
         _comm: Optional[Comm] = None,  # the transport (tests: a model of NCCL's semantics)
     ):
         self.comm = _comm if _comm is not None else TorchComm.current()
@@ -281,6 +307,9 @@ class Pipeline:
             on_failure=on_failure,
         )
         self.causal = causal
+        self.tied = dict(tied or {})
+        self._ties: dict[str, tuple[nn.Parameter, Any]] = {}  # key: (this rank's copy, its holders' group)
+        self._tie_owner: dict[str, bool] = {}  # key: whether this rank counts it in the norm
         self._set_up(lambda: self._build(module, schedule, stage, profile, kw))
         self.turns: Optional[Turns] = None  # the pick and candidates taking turns (None: no candidates)
         if (
@@ -288,7 +317,13 @@ class Pipeline:
         ):  # the candidates' Pipelines, over the same modules
             require_pick_layout(self.schedule, "pass select=False")
             rival_kw = dict(
-                kw, profile=self.profile, device=self.device, select=False, causal=causal, _comm=self.comm
+                kw,
+                profile=self.profile,
+                device=self.device,
+                select=False,
+                causal=causal,
+                tied=tied,
+                _comm=self.comm,
             )
             self.turns = Turns(self, lambda sc: Pipeline(module, sc, stage, **rival_kw), select_steps, steps)
 
@@ -438,17 +473,25 @@ class Pipeline:
         comm = self.comm
         mine = sorted((self.ranks[a], self.ranks[b]) for a, b in directions(self.ranks_of))
         failed = f"{self.id}/failed"
-        comm.put(f"{self.id}/links/{comm.rank}", mine)
+        comm.put(f"{self.id}/links/{comm.rank}", (mine, tuple(self.ranks), sorted(self.tied)))
         if comm.rank == 0:
             every: set = set()
+            holders: dict[tuple, list[int]] = {}  # (pipeline, tied key): the ranks holding a copy
             for r in range(comm.world):
-                every |= set(
-                    map(tuple, comm.get(f"{self.id}/links/{r}", f"rank {r} to build its pipeline", failed))
+                links, pipeline, keys = comm.get(
+                    f"{self.id}/links/{r}", f"rank {r} to build its pipeline", failed
                 )
-            comm.put(f"{self.id}/links", sorted(every))
-        every = comm.get(f"{self.id}/links", "rank 0 to gather the pipelines' links", failed)
+                every |= set(map(tuple, links))
+                for key in keys:
+                    holders.setdefault((pipeline, key), []).append(r)
+            ties = sorted((key, tuple(h)) for (_, key), h in holders.items() if len(h) > 1)
+            comm.put(f"{self.id}/links", (sorted(every), ties))
+        every, ties = comm.get(f"{self.id}/links", "rank 0 to gather the pipelines' links", failed)
         self._linking = True
         comm.link_groups(map(tuple, every))
+        groups = comm.groups_of([h for _, h in ties])  # [Note: tied weights]
+        self._ties = {k: (self.tied[k], groups[h]) for k, h in ties if comm.rank in h}
+        self._tie_owner = {k: min(h) == comm.rank for k, h in ties if comm.rank in h}
         if isinstance(comm, TorchComm):
             comm.watch_for_failures()
 
@@ -607,11 +650,19 @@ class Pipeline:
                 "clip_grad_norm_ sums the norm over the pipeline's group: give group= a process group"
             )
         grads = [p.grad for st in self.stages.values() for p in st.module.parameters() if p.grad is not None]
+        # a tied weight's copies hold one gradient: counted once, on its lowest rank, clipped on all
+        others = {id(p) for k, (p, _) in self.playing._ties.items() if not self.playing._tie_owner[k]}
+        counted = [
+            p.grad
+            for st in self.stages.values()
+            for p in st.module.parameters()
+            if p.grad is not None and id(p) not in others
+        ]
         device = self.device
         if math.isinf(norm_type):
             local = (
-                torch.stack([g.detach().abs().max().float() for g in grads]).max()
-                if grads
+                torch.stack([g.detach().abs().max().float() for g in counted]).max()
+                if counted
                 else torch.zeros(())
             )
             total = local.to(device).reshape(1)
@@ -619,7 +670,7 @@ class Pipeline:
             norm = total[0]
         else:
             local = sum(
-                (torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in grads),
+                (torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in counted),
                 torch.zeros(()),
             )
             total = torch.as_tensor(local, device=device).reshape(1)
@@ -811,9 +862,13 @@ class Pipeline:
         loss_sum, spans = self.player.step(
             xs, lambda out, lo, hi: self._chunk_loss(out, ys, lo, hi, scale, losses)
         )
+        mark = self.player.timer.mark if self.player.timer is not None else (lambda: None)
+        if self._ties:  # after this rank's last messages are through, as the all-reduce below
+            t0 = mark()
+            sum_tied(self.comm, self._ties)
+            spans.append(("TIE", 0, 0, -1, t0, mark()))
         if self.dp_group is not None and len(self.comm.group_ranks(self.dp_group)) > 1:
             # after this rank's last messages are through (see [Note: the all-reduce after the sends])
-            mark = self.player.timer.mark if self.player.timer is not None else (lambda: None)
             t0 = mark()
             params = [p for st in self.stages.values() for p in st.module.parameters()]
             average_gradients(self.comm, params, self.dp_group)

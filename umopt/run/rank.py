@@ -53,8 +53,9 @@ from ..formats.report import LengthsRun, Selection
 from ..formats.schedule import Schedule
 from ..measure.decide import Decision, decide, is_equal
 from ..measure.memory import held_bytes, peak_during, state_tensors
+from ..parts import Layers, ModelParts, Sequences
 from ..varlen.samplers import cut_note
-from ..zoo import Layers, ModelParts, Sequences, build_model
+from ..zoo import build_model
 from . import checkpoint, faults
 from .comm import TorchComm
 from .feed import SequenceFeed, sequence_source
@@ -103,6 +104,7 @@ class StageSetup:
     device: torch.device
     dtype: str  # the profile's autocast dtype
     sequences: Optional[Sequences] = None  # how the model takes sequences of different lengths
+    tied: dict[str, torch.nn.Parameter] = field(default_factory=dict)  # [Note: tied weights]
 
     @property
     def module(self) -> torch.nn.Module:
@@ -132,6 +134,7 @@ def build_stage(profile: Profile, s: int, device: torch.device) -> StageSetup:
         device,
         profile.device.dtype,
         parts.sequences,
+        parts.tied_in(range(a, b), parts.layers[a:b]),
     )
     parts.layers.clear()  # the module holds this stage's layers; the others are not this rank's
     return setup
@@ -141,13 +144,19 @@ def build_chunks(profile: Profile, chunks: Chunking, rank: int, device: torch.de
     """This rank's chunks of a schedule with several per rank (in virtual stage order), built with
     the profile's seed on ``device``; the boundary shapes are agreed by the Pipeline itself."""
     parts: ModelParts = build_model(profile.model.name, profile.model.args, seed=profile.model.seed)
-    mods = [
-        StageModule(parts.layers[lo:hi], lo).to(device)
-        for (lo, hi), r in zip(chunks.layers, chunks.ranks)
-        if r == rank
-    ]
+    mine = [(lo, hi) for (lo, hi), r in zip(chunks.layers, chunks.ranks) if r == rank]
+    mods = [StageModule(parts.layers[lo:hi], lo).to(device) for lo, hi in mine]
+    held = [i for lo, hi in mine for i in range(lo, hi)]
     setup = StageSetup(
-        mods, parts.make_batch, parts.loss, None, None, device, profile.device.dtype, parts.sequences
+        mods,
+        parts.make_batch,
+        parts.loss,
+        None,
+        None,
+        device,
+        profile.device.dtype,
+        parts.sequences,
+        parts.tied_in(held, [parts.layers[i] for i in held]),
     )
     parts.layers.clear()
     return setup
@@ -345,6 +354,7 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]], select: bool) ->
             select_steps=opts.select_steps,
             steps=opts.warmup + opts.steps,
             causal=setup.sequences is not None and setup.sequences.causal,
+            tied=setup.tied,
         )
         if rk.rank == 0:
             faults.slow_down(pipe, name)

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..devices import TensorSpec, autocast
 from ..errors import UmoptError
-from ..zoo import takes_lengths
+from ..parts import takes_lengths
 from .tokens import TokenRows
 
 __all__ = ["Stage", "tensors", "grad_carrying", "batch_statistics_layers", "warn_batch_norm"]

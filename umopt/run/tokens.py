@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import UmoptError
-from ..zoo import blind_layer
+from ..parts import blind_layer
 
 __all__ = ["TokenRows"]
 
