@@ -191,21 +191,24 @@ def plans_for(profile, batches, chunks: int = 1):
 
 
 def fit_to_a_run(prof_path: Path, work: Path, sampler: str, max_length: int, size: int) -> Path:
-    """The profile's costs by tokens fitted to a probe run of umopt's plans (4 steps of the first
+    """The profile's costs by tokens fitted to a probe run of umopt's and padding's plans (4 steps of the first
     sampler's lengths, drawn by `umopt run`'s own seeds, not the bench's minibatches), with the
     commands a user runs: umopt solve --lengths, umopt run --report, umopt calibrate."""
     from umopt.varlen.samplers import SAMPLERS
 
     spec = f"{sampler}/{SAMPLERS[sampler].cap / max_length:g}"
     umopt = [sys.executable, "-m", "umopt.cli"]
-    plan, report, fitted = work / "probe-plan.json", work / "probe-report.json", work / "profile-fitted.json"
+    plan, fitted = work / "probe-plan.json", work / "profile-fitted.json"
+    report = work / "probe-report-{name}.json"
     quiet = dict(check=True, stdout=subprocess.DEVNULL)
     subprocess.run(
         [*umopt, "solve", str(prof_path), "--lengths", spec, "-B", str(size), "-o", str(plan)], **quiet
     )
-    run = ["run", str(plan), "--lengths", spec, "--steps", "4", "--warmup", "1", "--report", str(report)]
-    subprocess.run([*umopt, *run], **quiet)
-    subprocess.run([*umopt, "calibrate", str(prof_path), str(report), "-o", str(fitted)], **quiet)
+    # umopt's plans and padding's: ops of both modes to fit (umopt's may all be packed)
+    run = ["run", str(plan), "--lengths", spec, "--methods", "umopt,pad", "--steps", "4", "--warmup", "1"]
+    subprocess.run([*umopt, *run, "--report", str(report)], **quiet)
+    reports = [str(report).replace("{name}", m) for m in ("umopt", "pad")]
+    subprocess.run([*umopt, "calibrate", str(prof_path), *reports, "-o", str(fitted)], **quiet)
     return fitted
 
 

@@ -184,8 +184,11 @@ def test_tune_with_lengths_measures_umopt_plans_against_a_peers_on_the_same_mini
     assert "chat's lengths scaled down" in cap.err and "layouts, each method's fastest" in cap.err
     # the costs by tokens were fitted to a probe run of sequences before the layouts were chosen
     fitted = json.loads((out / "profile.json").read_text())["meta"]["calibration"]["tokens"]
-    assert "a probe run of sequences" in cap.err and (out / "probes" / "report.json").exists()
-    assert fitted["iteration"]["steps"] == 4 and any(k.startswith("stage1.") for k in fitted)
+    assert "a probe run of sequences" in cap.err and (out / "probes" / "report_umopt.json").exists()
+    # padding's plans probed too: the padded costs are fitted, not dropped (pad would go with them)
+    assert (out / "probes" / "report_pad.json").exists()
+    assert json.loads((out / "profile.json").read_text())["lengths"]["modes"] == ["packed", "padded"]
+    assert fitted["iteration"]["steps"] == 8 and any(k.startswith("stage1.") for k in fitted)  # 4 of each
     methods = ("umopt", "pack", "dynapipe")
     reports = {m: json.loads((out / f"report_{m}.json").read_text()) for m in methods}
     plans = {m: json.loads((out / f"plan_{m}.json").read_text()) for m in methods}

@@ -619,13 +619,20 @@ def _fit_tokens_to_runs(prof: Profile, out: Path, lengths: str, first, say) -> P
     save_schedule(
         plan_schedule(choose_layouts(prof, first, ["umopt"])["umopt"], prof), str(probes / "plan.json")
     )
-    say(f"a probe run of sequences ({PROBE_STEPS} steps of umopt's plans), to fit the costs by tokens")
+    # umopt's plans and padding's in turns: the ops of every mode the model takes (umopt's plans
+    # may all be packed, and a mode the runs held no op of would be dropped, padding with it)
+    methods = ["umopt", *(["pad"] if not unavailable(prof, "pad") else [])]
+    say(
+        f"a probe run of sequences ({PROBE_STEPS} steps of {' and '.join(methods)}'s plans), to fit the costs by "
+        "tokens"
+    )
     options = RunOptions(
         schedules=[str(probes / "plan.json")],
+        methods=methods,
         lengths=lengths,
         steps=PROBE_STEPS,
         warmup=1,
-        report=str(probes / "report.json"),
+        report=str(probes / "report_{name}.json"),
         select=False,
     )
     result = launch(options, quiet=True)

@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from .chunks import plan_chunks
-from .peers import PEERS
+from .peers import PEERS, unavailable
 from .plan import Plan
 from .planner import plan
 
@@ -46,6 +46,8 @@ def choose_layouts(
     many = tuple(c for c in chunks if c > 1)
     out = {}
     for m in methods:
+        if unavailable(profile, m):
+            raise UmoptError(unavailable(profile, m))
         found: list[Optional[Plan]] = []
         if 1 in chunks:
             one = (
