@@ -130,7 +130,7 @@ def profile(
     from umopt.formats.profile import save_profile
     from umopt.measure import ProfileOptions
     from umopt.measure.probes import profile_in_pipeline
-    from umopt.zoo import parse_model_args
+    from umopt.zoo import model_name, parse_model_args
 
     if max_size < 1:
         raise UmoptError(f"--max-size must be at least 1, got {max_size}")
@@ -144,7 +144,7 @@ def profile(
         raise UmoptError(f"--probe-minibatch must be at least 2, got {probe_minibatch}")
     check_writable(output)
     opts = ProfileOptions(
-        model=model,
+        model=model_name(model),
         model_args=parse_model_args(list(model_args)),
         stages=stages,
         split=_int_list(split, "--split"),

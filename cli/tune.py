@@ -119,7 +119,7 @@ def tune(
     from umopt.search.solve_chunks import parse_chunks
     from umopt.tune import DEFAULT
     from umopt.tune import tune as run_tune
-    from umopt.zoo import parse_model_args
+    from umopt.zoo import model_name, parse_model_args
 
     args = (
         parse_model_args(list(model_args))
@@ -127,7 +127,7 @@ def tune(
         else (parse_model_args(list(model_args)) or DEFAULT["model_args"])
     )
     result = run_tune(
-        model or DEFAULT["model"],
+        model_name(model or DEFAULT["model"]),
         args,
         stages or DEFAULT["stages"],
         minibatch or DEFAULT["minibatch"],
@@ -206,9 +206,9 @@ def _tune_lengths(o: dict) -> None:
     import os
 
     from umopt.tune import DEFAULT, tune_lengths
-    from umopt.zoo import parse_model_args
+    from umopt.zoo import model_name, parse_model_args
 
-    model = o["model"] or DEFAULT["model"]
+    model = model_name(o["model"] or DEFAULT["model"])
     args = parse_model_args(list(o["model_args"])) or (DEFAULT["model_args"] if not o["model"] else {})
     if model == "gpt":
         args = {**args, "seq_len": o["max_length"]}  # the model takes the longest sequence

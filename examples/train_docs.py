@@ -11,7 +11,8 @@ microbatches (what pipeline tools do today), so the two are timed side by side.
     python examples/train_docs.py prepare --out run-docs/                 # profile over lengths
     torchrun --standalone --nproc-per-node 2 examples/train_docs.py train --out run-docs/ --steps 60
 
-``train`` prints the loss as it falls and, at the end, tokens per second of each.
+``train`` prints the loss as it falls and, at the end, tokens per second of each. The model is
+umopt's built-in GPT; examples/train_hf.py runs the same with a Llama of transformers.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -49,8 +51,13 @@ def minibatch(docs: list[torch.Tensor], step: int, n: int) -> list[torch.Tensor]
     return [docs[i] for i in rng.choice(len(docs), n, replace=False)]
 
 
+# --- the model: umopt's GPT (examples/train_hf.py gives another) ------------------------------------
+def gpt_args(vocab: int, longest: int, args: argparse.Namespace) -> dict:
+    return {"layers": args.layers, "d_model": args.d, "heads": 4, "vocab": vocab, "seq_len": longest}
+
+
 # --- the two phases -------------------------------------------------------------------------------
-def prepare(args: argparse.Namespace) -> None:
+def prepare(args: argparse.Namespace, model: str, model_args_of: Callable[..., dict]) -> None:
     from umopt.formats.profile import save_profile
     from umopt.measure import ProfileOptions
     from umopt.measure.probes import profile_in_pipeline
@@ -58,16 +65,12 @@ def prepare(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _, vocab = documents(args.text, args.longest)
-    model_args = {
-        "layers": args.layers,
-        "d_model": args.d,
-        "heads": 4,
-        "vocab": vocab,
-        "seq_len": args.longest,
-    }
-    (out / "model.json").write_text(json.dumps({"model_args": model_args, "text": args.text}))
+    model_args = model_args_of(vocab, args.longest, args)
+    (out / "model.json").write_text(
+        json.dumps({"model": model, "model_args": model_args, "text": args.text, "longest": args.longest})
+    )
     opts = ProfileOptions(
-        model="gpt",
+        model=model,
         model_args=model_args,
         stages=2,
         max_size=8,
@@ -94,10 +97,11 @@ def train(args: argparse.Namespace) -> None:
     out = Path(args.out)
     cfg = json.loads((out / "model.json").read_text())
     profile = load_profile(out / "profile.json")
-    docs, _ = documents(cfg["text"], cfg["model_args"]["seq_len"])
-    parts = build_model("gpt", cfg["model_args"], seed=0)
+    docs, _ = documents(cfg["text"], cfg["longest"])
+    parts = build_model(cfg["model"], cfg["model_args"], seed=0)
     a, b = profile.stages[rank].layers
     stage = Layers(parts.layers[a:b])
+    tied = parts.tied_in(range(a, b), parts.layers[a:b])  # a tied embedding's copy on this rank
     first, last = rank == 0, rank == profile.num_stages - 1
     n = args.minibatch
 
@@ -116,7 +120,7 @@ def train(args: argparse.Namespace) -> None:
         ahead.submit(lengths(0))
         made = [ahead.next()]
     dist.broadcast_object_list(made, src=0)  # the layout, for building the pipeline
-    pipe = umopt.Pipeline(stage, made[0], profile=profile, loss_fn=nn.CrossEntropyLoss())
+    pipe = umopt.Pipeline(stage, made[0], profile=profile, loss_fn=nn.CrossEntropyLoss(), tied=tied)
     opt = torch.optim.AdamW(stage.parameters(), lr=args.lr)
     tokens = {"umopt": 0, "pad": 0}
     seconds = {"umopt": 0.0, "pad": 0.0}
@@ -152,8 +156,8 @@ def train(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(model: str = "gpt", model_args_of: Callable[..., dict] = gpt_args, doc: str = __doc__) -> None:
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     sub = p.add_subparsers(dest="phase", required=True)
     pre = sub.add_parser("prepare", help="profile the model's stages over lengths")
     pre.add_argument("--layers", type=int, default=4)
@@ -179,7 +183,7 @@ def main() -> None:
     tr.add_argument("--every", type=int, default=10, help="print the loss every so many steps")
     tr.add_argument("--lr", type=float, default=3e-3)
     args = p.parse_args()
-    prepare(args) if args.phase == "prepare" else train(args)
+    prepare(args, model, model_args_of) if args.phase == "prepare" else train(args)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ umopt/run/pipeline.py), so training equals one process.
 from __future__ import annotations
 
 import glob
-import math
 import os
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
@@ -204,10 +203,9 @@ def _cut(model: nn.Module, spec: str) -> tuple[list[nn.Module], nn.Module]:
             "(a ModuleList of num_hidden_layers beside a final norm and an LM head)"
         )
     embed = Embed(
-        model.get_input_embeddings(),
+        model.get_input_embeddings(),  # (Gemma's scales itself)
         _find(base, ("wpe",)),  # learned absolute positions (GPT-2)
         _find(base, ("drop", "embed_dropout")),
-        math.sqrt(model.config.hidden_size) if model.config.model_type.startswith("gemma") else None,
     )
     rotary = _find(base, ("rotary_emb",))
     return [embed, *(Decoder(b, rotary) for b in blocks), Norm(norm), Head(head)], embed
@@ -222,16 +220,14 @@ def _positions(x: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor
 
 
 class Embed(nn.Module):
-    """Token embeddings (with learned positions, an embedding scale, dropout, where the family has them)."""
+    """Token embeddings (with learned positions and dropout, where the family has them)."""
 
-    def __init__(self, tokens: nn.Module, positions: Optional[nn.Module], drop: Optional[nn.Module], scale):
+    def __init__(self, tokens: nn.Module, positions: Optional[nn.Module], drop: Optional[nn.Module]):
         super().__init__()
-        self.tokens, self.positions, self.drop, self.scale = tokens, positions, drop, scale
+        self.tokens, self.positions, self.drop = tokens, positions, drop
 
     def forward(self, ids: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.tokens(ids)
-        if self.scale is not None:  # Gemma: times sqrt(width), in the embeddings' dtype
-            h = h * torch.tensor(self.scale, dtype=h.dtype)
         if self.positions is not None:
             h = h + self.positions(_positions(ids, lengths))
         return self.drop(h) if self.drop is not None else h
@@ -293,11 +289,20 @@ def attention(
     dropout: float = 0.0,
     sliding_window: Optional[int] = None,
     umopt_lengths: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    s_aux: Optional[torch.Tensor] = None,
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention as transformers' layers call it (q, k, v: (rows, heads, tokens, dim);
     returns (rows, tokens, heads, dim)): a padded or whole row at once, a packed row per document
-    (see [Note: transformers' layers in a pipeline])."""
+    (see [Note: transformers' layers in a pipeline]). What it does not compute is refused: a
+    capping of the scores (Gemma 2) or attention sinks would pass the check of a cut on small
+    random weights, and train otherwise."""
+    if softcap is not None or s_aux is not None:
+        raise UmoptError(
+            f"{type(module).__name__}: its attention caps its scores or has sinks, which umopt's attention does not "
+            "compute: its family is not supported yet"
+        )
     if attention_mask is not None:
         raise UmoptError("umopt's attention builds its own masks from the lengths: none is given to it")
     if key.shape[1] != query.shape[1]:  # grouped queries: each key head serves several
@@ -380,7 +385,10 @@ def _check_cut(layers: list[nn.Module], reference, spec: str) -> None:
         m.eval()
     try:
         with torch.no_grad():
-            packed = run_layers(layers, torch.cat(seqs)[None], lengths)[0].split(lengths.tolist())
+            try:
+                packed = run_layers(layers, torch.cat(seqs)[None], lengths)[0].split(lengths.tolist())
+            except UmoptError as exc:
+                raise UmoptError(f"--model hf:{spec}: {exc}") from None
             width = int(lengths.max())
             rows = torch.zeros(len(seqs), width, dtype=torch.long)
             for i, s in enumerate(seqs):

@@ -47,6 +47,7 @@ from .parts import (  # noqa: F401 - what a model is, re-exported for those who 
 
 __all__ = [
     "import_object",
+    "model_name",
     "ModelParts",
     "Sequences",
     "Layers",
@@ -273,6 +274,14 @@ def import_object(spec: str, what: str) -> Any:
         raise UmoptError(
             f"{what} {spec}: cannot import it ({exc.__class__.__name__}: {first_line(exc)})"
         ) from None
+
+
+def model_name(name: str) -> str:
+    """``name`` as a profile records it: a transformers model's directory absolute (the ranks may
+    start elsewhere), anything else as given."""
+    if name.startswith("hf:") and os.path.isdir(name[3:]):
+        return "hf:" + os.path.abspath(name[3:])
+    return name
 
 
 def runnable(name: str) -> bool:
