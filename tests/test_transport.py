@@ -57,3 +57,26 @@ def test_numerics_are_read_after_tf32_is_set_with_the_new_api():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_groups_made_for_the_pipelines_take_the_worlds_timeout():
+    """torch gives a new group its own default timeout (10 minutes under NCCL, 30 under gloo),
+    not the world's: the links', the tied weights' and the data-parallel groups would then wait that
+    long on a stuck peer instead of the run's UMOPT_TIMEOUT_S."""
+    from datetime import timedelta
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=37),
+    )
+    try:
+        comm = TorchComm.current()
+        assert comm.timeout_s() == 37
+        cpu = __import__("torch").device("cpu")
+        for group in (comm.new_group([0]), comm.split([[0]]), *comm.groups_of([[0]]).values()):
+            assert group._get_backend(cpu).options._timeout.total_seconds() == 37
+    finally:
+        dist.destroy_process_group()

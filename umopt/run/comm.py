@@ -344,12 +344,12 @@ class TorchComm(Comm):
         )
         for pairs in members:
             if split:  # one split of the world's communicator per round of disjoint pairs
-                mine = dist.split_group(split_ranks=[sorted(p) for p in pairs])
+                mine = dist.split_group(split_ranks=[sorted(p) for p in pairs], timeout=self._timeout())
                 for p in pairs:
                     made[p] = mine if self.rank in p else None
             else:
                 for p in pairs:
-                    g = dist.new_group(sorted(p))
+                    g = dist.new_group(sorted(p), timeout=self._timeout())
                     made[p] = g if self.rank in p else None
         return {p: g for p, g in made.items() if g is not None}
 
@@ -389,17 +389,22 @@ class TorchComm(Comm):
         else:
             dist.barrier(group=group)
 
+    def _timeout(self) -> timedelta:
+        """The world's timeout, for every group made from it (torch's default for a new group is
+        its own 10 or 30 minutes, not the world's: a stuck link would then wait that long)."""
+        return timedelta(seconds=self.timeout_s())
+
     def new_group(self, ranks: Sequence[int]) -> Any:
-        return dist.new_group(sorted(ranks))
+        return dist.new_group(sorted(ranks), timeout=self._timeout())
 
     def split(self, members: list[list[int]]) -> Any:
         """Collective over the world: a group for each of the disjoint ``members``; returns this
         rank's (None where it is in none). Under NCCL one split of the world's communicator."""
         if self.backend == "nccl" and self.pg.bound_device_id is not None and hasattr(dist, "split_group"):
-            return dist.split_group(split_ranks=[sorted(m) for m in members])
+            return dist.split_group(split_ranks=[sorted(m) for m in members], timeout=self._timeout())
         mine = None
         for m in members:
-            g = dist.new_group(sorted(m))
+            g = dist.new_group(sorted(m), timeout=self._timeout())
             if self.rank in m:
                 mine = g
         return mine
