@@ -130,6 +130,9 @@ class CostTables:
     work_bytes: np.ndarray | None = None
     work_per_unit: np.ndarray | None = None
     optimizer_work_bytes: np.ndarray | None = None
+    # of static_bytes, the receive buffers of the minibatch (None: not counted; [Note: what a step
+    # holds besides its activations]): what the runtime's pool holds instead where it is larger
+    buffer_bytes: np.ndarray | None = None
 
     # --- a chunk's costs: by its size, or by its sample range (see [Note: costs by sample range])
     def op_ms(self, table: str, s, lo, hi):
@@ -263,6 +266,7 @@ class CostTables:
                     f"{what.format(s=s, b=b)} would take {arr[s, b]:.3g} ms, over umopt's limit of {MAX_MS:.0e} ms"
                 )
             arr.setflags(write=False)
+        buffers = _buffer_bytes(stages, minibatch)
         return cls(
             fwd=fwd,
             bwd=bwd,
@@ -270,7 +274,9 @@ class CostTables:
             optimizer_ms=max(st.optimizer_ms for st in profile.stages),
             recompute=recompute,
             static_bytes=np.array([st.static_bytes for st in stages], dtype=np.int64)
-            + _step_bytes(stages, ranks, dp, minibatch),
+            + buffers
+            + _bucket_bytes(stages, ranks, dp),
+            buffer_bytes=buffers if minibatch is not None else None,
             stash_bytes=np.array([st.stash_bytes_per_sample for st in stages], dtype=np.int64),
             input_bytes=np.array([st.input_bytes_per_sample for st in stages], dtype=np.int64),
             memory_limit=profile.memory_limit_bytes,
@@ -320,11 +326,9 @@ def _work(stages: Sequence, per_unit: Sequence[int]) -> dict[str, np.ndarray]:
 ALLREDUCE_BUCKET_BYTES = 25 << 20  # the runtime's bucket (torch DDP's default)
 
 
-def _step_bytes(
-    stages: Sequence, ranks: Sequence[int] | None, dp: AllReduceProfile | None, minibatch: int | None
-) -> np.ndarray:
-    """What each (virtual) stage holds through a step of ``minibatch`` beside its static bytes:
-    its receive buffers, and (on the first virtual stage of each rank) the all-reduce's buckets."""
+def _buffer_bytes(stages: Sequence, minibatch: int | None) -> np.ndarray:
+    """Each (virtual) stage's receive buffers for a minibatch of ``minibatch`` samples (zeros:
+    none counted)."""
     V = len(stages)
     out = np.zeros(V, dtype=np.int64)
     if minibatch is None:
@@ -334,7 +338,7 @@ def _step_bytes(
             st.output_bytes_per_sample if j < V - 1 else 0
         )
         out[j] = minibatch * per_sample
-    return out + _bucket_bytes(stages, ranks, dp)
+    return out
 
 
 def _bucket_bytes(stages: Sequence, ranks: Sequence[int] | None, dp: AllReduceProfile | None) -> np.ndarray:
@@ -417,21 +421,26 @@ def sample_tokens(
     mode: str = "packed",
     row: int | None = None,
     pad_to: int | None = None,
-) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, str]:
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, str, np.ndarray]:
     """Each sample's tokens, and where a sample is a row of packed sequences (``row``) the sum of
     its squared lengths (the attention's work) and its sequences (None: a sample is one sequence,
-    its square, one each), and the mode its chunks cost in: a row is packed; samples padded to one
-    length for all (``pad_to``) are padded chunks of that width, costed by the padded fits as the
-    runtime plays them. ``samples[k]``: the sequences (indices into ``lengths``) sample k holds."""
+    its square, one each), the mode its chunks cost in, and the rows the runtime holds of it: a
+    row is packed (its padding held); samples padded to one length for all (``pad_to``) are padded
+    chunks of that width, costed by the padded fits as the runtime plays them (their padding not
+    held: [Note: token rows] in umopt/run/tokens.py). ``samples[k]``: the sequences (indices into
+    ``lengths``) sample k holds."""
     L = np.asarray(lengths, dtype=np.int64)
     if pad_to is not None:
-        return np.full(len(samples), pad_to), None, None, "padded"
+        own = np.array([sum(int(L[i]) for i in u) for u in samples])
+        return np.full(len(samples), pad_to), None, None, "padded", own
     if row is not None:
         squares = np.array([sum(int(L[i]) ** 2 for i in u) for u in samples])
-        return np.full(len(samples), row), squares, np.array([len(u) for u in samples]), "packed"
+        rows = np.full(len(samples), row)
+        return rows, squares, np.array([len(u) for u in samples]), "packed", rows
     if any(len(u) != 1 for u in samples):
         raise UmoptError("a sample of several sequences needs a row length")
-    return L[[u[0] for u in samples]], None, None, mode
+    own = L[[u[0] for u in samples]]
+    return own, None, None, mode, own
 
 
 def tables_for_samples(
@@ -447,8 +456,8 @@ def tables_for_samples(
 ) -> "CostTables":
     """The cost tables of a minibatch's sequences laid out as ``samples`` (see
     :func:`sample_tokens`): rows cost as packed, samples padded to one length as padded."""
-    tokens, squares, docs, mode = sample_tokens(lengths, samples, mode, row, pad_to)
-    return tables_for_lengths(profile, tokens, mode, recompute, dp, squares, docs, chunks)
+    tokens, squares, docs, mode, rows = sample_tokens(lengths, samples, mode, row, pad_to)
+    return tables_for_lengths(profile, tokens, mode, recompute, dp, squares, docs, chunks, rows)
 
 
 def tables_for_lengths(
@@ -460,12 +469,15 @@ def tables_for_lengths(
     squares=None,
     docs=None,
     chunks: Chunking | None = None,
+    rows=None,
 ) -> "CostTables":
     """The cost tables of one minibatch of samples of ``lengths`` tokens (in that order: the
     order the chunks cut), from the profile's costs by tokens in ``mode`` (see [Note: costs by
     sample range]); a sample that is a row of packed sequences gives the sum of their squared
     lengths in ``squares`` and their count in ``docs`` (default: one each). With ``chunks``, per
-    virtual stage, from the layers' costs by tokens (:func:`umopt.chunks.virtual_stages`)."""
+    virtual stage, from the layers' costs by tokens (:func:`umopt.chunks.virtual_stages`).
+    ``rows``: each sample's rows the runtime holds in its receive buffers (default: its tokens;
+    a padded sample holds its own tokens, not the chunk's padding)."""
     info = profile.lengths
     if info is None:
         raise UmoptError(
@@ -539,7 +551,8 @@ def tables_for_lengths(
     )
     mean = np.full(B, float(L.mean()))  # by size: sequences of the mean length (heuristics only)
     Tm = np.arange(B + 1) * float(L.mean())
-    every = float(T[0, B])  # the minibatch's tokens (padded: at its longest)
+    # the receive buffers hold the minibatch's rows: its tokens, no chunk's padding ([Note: token rows])
+    every = float(np.sum(L if rows is None else rows))
     buffers = np.array(
         [
             every
@@ -571,6 +584,7 @@ def tables_for_lengths(
         static_bytes=np.array([st.static_bytes for st in stages], dtype=np.int64)
         + buffers
         + _bucket_bytes(stages, ranks, dp),
+        buffer_bytes=buffers,
         stash_bytes=np.array([int(round(c.stash_bytes_per_token * mean[0])) for c in costs], dtype=np.int64),
         input_bytes=np.array([int(round(c.input_bytes_per_token * mean[0])) for c in costs], dtype=np.int64),
         memory_limit=profile.memory_limit_bytes,

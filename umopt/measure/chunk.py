@@ -185,7 +185,10 @@ def stash_bytes(
     y: Optional[torch.Tensor] = None,
     lengths: Optional[torch.Tensor] = None,
 ) -> int:
-    """Bytes of the distinct non-parameter tensors autograd saves during one forward."""
+    """Bytes a chunk keeps from its forward to its backward: the distinct non-parameter tensors
+    autograd saves, and the chunk's output, which the runtime keeps as its backward's root (and,
+    until it is through, a send's tensor: [Note: a send let go] in umopt/run/links.py), each
+    storage once."""
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     saved: dict[int, int] = {}
 
@@ -196,7 +199,10 @@ def stash_bytes(
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        stage(x, y, lengths) if lengths is not None else stage(x, y)
+        out = stage(x, y, lengths) if lengths is not None else stage(x, y)
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(saved.values())
 
 

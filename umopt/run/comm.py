@@ -92,6 +92,7 @@ class Comm:
     world: int
     backend: str
     device: torch.device  # where a connection's small message lives
+    polls_sends = True  # a send's request says when it is complete, without a wait ([Note: a send let go])
 
     def __init__(self, rank: int, world: int, backend: str, prefix: str):
         self.rank, self.world, self.backend, self.prefix = rank, world, backend, prefix
@@ -301,6 +302,7 @@ class TorchComm(Comm):
             prefix=f"umopt/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
         )
         self.pg = pg
+        self.polls_sends = self.backend == "nccl"  # gloo's say so only when waited on
         self.store = dist.distributed_c10d._get_default_store()
         if self.backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())

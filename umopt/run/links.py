@@ -50,6 +50,17 @@ def directions(ranks_of: Sequence[int]) -> set[Direction]:
     return out
 
 
+# [Note: a send let go]
+# A message's tensors must live until its send is through, so the step keeps them beside the
+# send's request; kept until the step's end, every chunk's output stayed after its backward (the
+# memory of all the step's outputs at once on a middle stage, where the model counts those of the
+# chunks in flight). So after each op the sends that are through are let go: under NCCL those
+# whose request says it is complete (asking costs nothing; waiting would make the compute stream
+# wait for the send); gloo's requests say so only when waited on, so there the sends issued
+# before the op that just ran are waited on, which returns at once in practice (every receive of
+# the step was posted at its start, so a send needs nothing more of its receiver).
+
+
 class StepLinks:
     """The messages of one step (or of one forwards-only pass) of one rank.
 
@@ -73,6 +84,7 @@ class StepLinks:
         self.ready: dict[Message, list[torch.Tensor]] = {}  # computed, not yet its turn
         self.recv: dict[tuple[str, int], dict[tuple[int, int], list[Any]]] = {}
         self.sends: list[tuple[Any, torch.Tensor]] = []
+        self._issued = 0  # of the sends, those issued before the last op (gloo: waited on at the next reap)
 
     def _receiver(self, kind: str, j: int) -> tuple[int, Stage | None]:
         """Who receives a message across boundary j, and its stage where it is this rank."""
@@ -125,6 +137,20 @@ class StepLinks:
             if mlo < hi and lo < mhi:
                 for w in works.pop((mlo, mhi)):
                     w.wait()
+
+    def reap(self) -> None:
+        """Let go of the sends that are through (see [Note: a send let go]): those the transport
+        says are complete, and under a transport whose sends cannot be asked (gloo) those issued
+        before the op that just ran, waited on (their receives were posted at the step's start)."""
+        if not self.sends:
+            return
+        if self.comm.polls_sends:
+            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+            return
+        older, self.sends = self.sends[: self._issued], self.sends[self._issued :]
+        for work, _ in older:
+            work.wait()
+        self._issued = len(self.sends)
 
     def finish(self) -> None:
         """Wait for everything in flight; every message of the step was sent."""

@@ -130,6 +130,7 @@ class Player:
                     for chunk in sorted(c for c in weights_later if c[0] == j and lo <= c[1] and c[2] <= hi):
                         weights_later.pop(chunk)()
                 spans.append((kind, lo, hi, j, t0, mark()))
+                links.reap()  # [Note: a send let go]
             links.finish()
         except BaseException:
             links.drop()  # no request of this step may keep a link open (see [Note: a failed step breaks the pipeline])

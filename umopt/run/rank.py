@@ -304,8 +304,13 @@ class _Play:
     tokens: list[int] = field(default_factory=list)  # each measured step's real tokens (all replicas)
     predicted_ms: list[float] = field(default_factory=list)  # each measured step's plan's prediction
     predicted_peak: list[int] = field(default_factory=list)  # per rank, the most any plan played needs
-    peak_bytes: Optional[int] = None  # CPU: this rank's peak in the step measured for it
+    peak_bytes: Optional[int] = (
+        None  # this rank's peak: CPU, in the step measured for it; CUDA, over its steps
+    )
     peak_predicted: list[int] = field(default_factory=list)  # ... and that step's plan's, per rank
+    # sequences of different lengths: this rank's prediction of the peak it measured, its plan's
+    # with what the rank's pools hold beyond the plan's buffers ([Note: one pool of token rows])
+    own_peak_predicted: Optional[int] = None
     # sequences of different lengths: each measured step's plan and this rank's ops' durations in it
     # (predicted at the report, not between steps): what `umopt calibrate` fits the costs by tokens to
     step_ops: list[tuple[Schedule, list[float]]] = field(default_factory=list)
@@ -360,6 +365,11 @@ def _plays(rk: _Rank, entries: list[tuple[str, str, Schedule]], select: bool) ->
             faults.slow_down(pipe, name)
         if not rk.cfg.varlen:  # the boundary shapes agreed now, not inside the first timed step
             pipe.prepare(to_device(rk.data_fn(0, B * opts.dp)[0][:B], rk.device) if first else None)
+            # the schedules of a layout take turns: one set of receive buffers (a layout's
+            # sequences share their pools by themselves: [Note: one pool of token rows])
+            same = next((p for p in plays if str(p.pipe.schedule.chunks) == key), None)
+            if same is not None:
+                pipe.share_buffers(same.pipe)
         method = rk.cfg.methods[k] if rk.cfg.varlen else None
         plays.append(_Play(pipe, name, path, setup, opt, first, last, method=method))
     return plays
@@ -436,13 +446,22 @@ def _step(
         play.opt.step()
         return loss_sum, t_opt
 
-    if memory and rk.device.type == "cpu":  # see [Note: a CPU step's peak memory]
+    cuda = rk.device.type == "cuda"
+    if memory and not cuda:  # see [Note: a CPU step's peak memory]
         buffers = [t for st in play.pipe.playing.stages.values() for t in (*st.act, *st.grad)]
         held = held_bytes(state_tensors(play.setup.modules, play.opt) + buffers)
         (loss_sum, t_opt), extra = peak_during(train, rk.device)
         play.peak_bytes = held + extra
         plan = planned.get("plan")
         play.peak_predicted = list(plan.predicted.peak_memory_bytes) if plan is not None else []
+        play.own_peak_predicted = _own_peak(rk, play, plan)
+    elif measured and cuda:  # each method's peak over its own steps, not the run's
+        torch.cuda.reset_peak_memory_stats(rk.device)
+        loss_sum, t_opt = train()
+        play.peak_bytes = max(play.peak_bytes or 0, torch.cuda.max_memory_allocated(rk.device))
+        own = _own_peak(rk, play, planned.get("plan"))
+        if own is not None:
+            play.own_peak_predicted = max(play.own_peak_predicted or 0, own)
     else:
         loss_sum, t_opt = train()
     plan = planned.get("plan")
@@ -492,6 +511,17 @@ def _step(
         if early is not None:
             nxt.pipe.share_next(early)
     return ms
+
+
+def _own_peak(rk: _Rank, play: _Play, plan: Optional[Schedule]) -> Optional[int]:
+    """This rank's predicted peak for a step of sequences: its plan's (the maker's; the others
+    read the step's plan from the pipeline) with what its pools hold beyond the plan's buffers
+    ([Note: one pool of token rows]); None for a schedule of one length (its report simulates it)."""
+    pipe = play.pipe.playing
+    plan = plan if plan is not None else pipe.plan
+    if plan.lengths is None or not plan.predicted.peak_memory_bytes:
+        return None
+    return int(plan.predicted.peak_memory_bytes[rk.s]) + sum(st.slack_bytes for st in pipe.stages.values())
 
 
 class _Steps:
@@ -642,9 +672,8 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
             "busy_ms": statistics.median(play.busy_ms) if play.busy_ms else 0.0,
             "allreduce_ms": statistics.median(play.allreduce_ms) if play.allreduce_ms else 0.0,
             "reference_ms": statistics.median(rk.speeds),
-            "peak_memory_bytes": torch.cuda.max_memory_allocated(device)
-            if device.type == "cuda"
-            else play.peak_bytes,
+            "peak_memory_bytes": play.peak_bytes,
+            "peak_predicted_bytes": play.own_peak_predicted,
             "numerics_differ": differ,
         }
         if cfg.varlen:  # every step its own plan: the predicted busy time is those plans' too

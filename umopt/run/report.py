@@ -179,6 +179,9 @@ def _run_report(
             for sc in m.played
         ]
     measured_peak = [rec["peak_memory_bytes"] for rec in per_rank]
+    own = [rec.get("peak_predicted_bytes") for rec in per_rank]
+    if None not in own:  # each rank's own, its pools counted ([Note: one pool of token rows])
+        peaks = [own]
     return RunReport(
         schedule=str(m.path),
         profile=cfg.profile.path,

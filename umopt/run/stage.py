@@ -12,6 +12,8 @@ samples (see [Note: token rows] in umopt/run/tokens.py).
 from __future__ import annotations
 
 import logging
+import math
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -116,6 +118,50 @@ def warn_batch_norm(module: nn.Module, where: str, strict: bool) -> None:
     logging.getLogger("umopt").warning(line)
 
 
+# [Note: one pool of token rows]
+# With sequences of different lengths a step's receive buffers are as long as its minibatch's
+# token rows, which change every step. Each virtual stage keeps one pool and plays each step in
+# a view of it; a longer minibatch grows the pool to 1.25 times what it held (or to the
+# minibatch, if more), so that a run's first steps, each a little longer than the last, do not
+# each allocate anew (with shapes changing every step a caching allocator's reserved memory runs
+# ahead of what is allocated: on CUDA, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets the
+# reserved segments grow in place instead, docs/pipeline.md). Every Pipeline over the same module
+# (the methods of a run in turns, selection's candidates) shares its pool: they play one at a
+# time. What a rank holds is then the pool, not the step's view of it: the run's memory
+# prediction counts the pool's slack beside the plan's own (run/rank.py).
+GROWTH = 1.25
+
+
+class Pool:
+    """One virtual stage's receive buffers of token rows (see [Note: one pool of token rows])."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.specs: tuple = ()
+        self.act: list[torch.Tensor] = []
+        self.grad: list[torch.Tensor] = []
+
+    def hold(
+        self, rows: int, act: Sequence[TensorSpec], grad: Sequence[TensorSpec], device: torch.device
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views of ``rows`` rows of a buffer per spec, grown where it holds fewer."""
+        specs = (tuple(act), tuple(grad))
+        if rows > self.rows or specs != self.specs:
+            n = max(rows, math.ceil(GROWTH * self.rows)) if specs == self.specs else rows
+            self.act, self.grad = [], []  # the old pool let go before the new one is made
+            self.act = [spec.empty(n, device) for spec in act]
+            self.grad = [spec.empty(n, device) for spec in grad]
+            self.rows, self.specs = n, specs
+        return [b[:rows] for b in self.act], [b[:rows] for b in self.grad]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (*self.act, *self.grad))
+
+
+_POOLS: "weakref.WeakKeyDictionary[nn.Module, dict[int, Pool]]" = weakref.WeakKeyDictionary()
+
+
 class Stage:
     """Virtual stage ``index`` of ``count``, on this rank.
 
@@ -146,7 +192,7 @@ class Stage:
         # row per sample, every sample one shape; see [Note: token rows] in tokens.py)
         self.tokens: Optional[TokenRows] = None
         self.takes_lengths = takes_lengths(module)  # a padded chunk's lengths go to it too
-        self._pool: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self.pool = _POOLS.setdefault(module, {}).setdefault(index, Pool())  # [Note: one pool of token rows]
 
     @property
     def name(self) -> str:
@@ -196,9 +242,8 @@ class Stage:
         return tuple(spec.empty(n, self.device).zero_() for spec in self.specs_in)
 
     def allocate(self, minibatch: int) -> None:
-        """The receive buffers for a minibatch (with token rows: for its rows; each buffer a view
-        of one kept for the largest minibatch so far, so steps of new lengths allocate nothing
-        until one is longer), from the agreed shapes."""
+        """The receive buffers for a minibatch (with token rows: for its rows, views of the
+        stage's pool: [Note: one pool of token rows]), from the agreed shapes."""
         assert self.specs_in is not None and (self.last or self.specs_out is not None)
         want_act = list(self.specs_in) if not self.first else []
         want_grad = [spec for spec in self.specs_out if grad_carrying(spec)] if not self.last else []
@@ -206,14 +251,14 @@ class Stage:
             self.act = [spec.empty(minibatch, self.device) for spec in want_act]
             self.grad = [spec.empty(minibatch, self.device) for spec in want_grad]
             return
-        held = self._pool[0] + self._pool[1]
-        if not held or held[0].shape[0] < minibatch:
-            self._pool = (
-                [spec.empty(minibatch, self.device) for spec in want_act],
-                [spec.empty(minibatch, self.device) for spec in want_grad],
-            )
-        self.act = [b[:minibatch] for b in self._pool[0]]
-        self.grad = [b[:minibatch] for b in self._pool[1]]
+        self.act, self.grad = self.pool.hold(minibatch, want_act, want_grad, self.device)
+
+    @property
+    def slack_bytes(self) -> int:
+        """What its pool holds beyond this step's buffers (0 without token rows)."""
+        if self.tokens is None:
+            return 0
+        return self.pool.nbytes - sum(b.numel() * b.element_size() for b in (*self.act, *self.grad))
 
     def share(self, other: "Stage") -> None:
         """Use ``other``'s buffers where the shapes agree: pipelines of one stage whose steps never

@@ -98,6 +98,7 @@ class LayoutProblem:
     mode: str = "packed"
     squares: Optional[np.ndarray] = None
     docs: Optional[np.ndarray] = None
+    rows: Optional[np.ndarray] = None  # each sample's rows the runtime's buffers hold (default: its tokens)
     _tables: dict = field(default_factory=dict, repr=False, compare=False)
 
     def tables(self, chunking: Chunking) -> CostTables:
@@ -117,6 +118,7 @@ class LayoutProblem:
                     self.squares,
                     self.docs,
                     chunks=chunking,
+                    rows=self.rows,
                 )
         return self._tables[chunking]
 

@@ -111,9 +111,19 @@ def _best_torch_multi(
     backward) on ``layout``'s samples, each at its best chunk count up to ``chunks``, microbatch
     count and cut (what a torch user would try, :func:`umopt.search.peers.best_peers`; ``on``: that
     cut and placement only): the fastest within the memory limit."""
-    tokens, squares, docs, mode = sample_tokens(lengths, layout.units, layout.mode, layout.row, layout.pad_to)
+    tokens, squares, docs, mode, rows = sample_tokens(
+        lengths, layout.units, layout.mode, layout.row, layout.pad_to
+    )
     problem = LayoutProblem(
-        profile, len(layout.units), recompute, dp, tokens=tokens, mode=mode, squares=squares, docs=docs
+        profile,
+        len(layout.units),
+        recompute,
+        dp,
+        tokens=tokens,
+        mode=mode,
+        squares=squares,
+        docs=docs,
+        rows=rows,
     )
     load_torch_schedules()
     found = [
