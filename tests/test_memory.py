@@ -44,6 +44,7 @@ def test_a_chunks_output_is_let_go_at_its_backward_not_at_the_steps_end(tmp_path
     import json
 
     from umopt.cli import main
+
     from umopt.costmodel import CostTables, simulate
     from umopt.formats.profile import load_profile, save_profile
     from umopt.formats.schedule import make_schedule, save_schedule
