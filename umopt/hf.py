@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .devices import to_device
 from .errors import UmoptError, first_line
 from .parts import IGNORE, ModelParts, Sequences, padded_rows, positions, run_layers
 
@@ -340,7 +341,7 @@ def _varlen(q, k, v, lengths, scaling) -> torch.Tensor:
     """A packed row's documents in one varlen flash-attention call (CUDA, half precision)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    cu = F.pad(torch.cumsum(lengths, 0), (1, 0)).to(q.device, torch.int32)
+    cu = to_device(F.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32), q.device)
     m = int(lengths.max())
     q1, k1, v1 = (z[0].transpose(0, 1) for z in (q, k, v))  # (tokens, heads, dim)
     out = varlen_attn(q1, k1, v1, cu, cu, m, m, window_size=(-1, 0), scale=scaling)

@@ -15,6 +15,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from .devices import to_device
+
 __all__ = [
     "IGNORE",
     "ModelParts",
@@ -194,4 +196,5 @@ def pad(seqs: Sequence[Batch], to: Optional[int] = None) -> tuple[torch.Tensor, 
 def positions(lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Each token's position within its document, for documents of ``lengths`` packed in a row."""
     starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-    return torch.arange(int(lengths.sum()), device=device) - starts.to(device)
+    # built on the host, copied without a wait for the device (a packed forward syncs with it nowhere)
+    return to_device(torch.arange(int(lengths.sum())) - starts, device)

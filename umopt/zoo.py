@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .devices import to_device
 from .errors import UmoptError, first_line
 from .parts import (  # noqa: F401 - what a model is, re-exported for those who build one from here
     IGNORE,
@@ -108,7 +109,7 @@ def packed_attention(
 ) -> torch.Tensor:
     """Causal attention within each document of a packed row: q, k, v (1, heads, T, hd)."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_attn() is not None:
-        cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(q.device, torch.int32)
+        cu = to_device(torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32), q.device)
         m = int(lengths.max())
         q1, k1, v1 = (z[0].transpose(0, 1) for z in (q, k, v))  # (T, heads, hd)
         out = _varlen_attn()(q1, k1, v1, cu, cu, m, m, window_size=(-1, 0))

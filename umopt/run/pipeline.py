@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..costmodel import ALLREDUCE_BUCKET_BYTES, ChunkOp, OpKind
-from ..devices import TensorSpec, check_trainable, numerics, numerics_differences
+from ..devices import TensorSpec, check_trainable, numerics, numerics_differences, to_device
 from ..errors import UmoptError
 from ..formats.profile import Profile, load_profile
 from ..formats.report import Selection
@@ -822,7 +822,7 @@ class Pipeline:
             )
         rows = next(iter(self.stages.values())).tokens
         assert rows is not None
-        return (rows.arrange(seqs, pad).to(self.device),)
+        return (to_device(rows.arrange(seqs, pad), self.device),)  # pinned: no wait for the device
 
     def _loss_scale(self, ys: tuple[torch.Tensor, ...]) -> Callable[[int, int], Any]:
         assert self._loss is not None

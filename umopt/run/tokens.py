@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from ..devices import to_device
 from ..errors import UmoptError
 from ..parts import blind_layer
 
@@ -128,7 +129,7 @@ class TokenRows:
             docs = torch.tensor([n for d in self.docs[lo:hi] for n in d], dtype=torch.long)
             return tuple(x.unsqueeze(0) for x in xs), {"lengths": docs}
         n, w = hi - lo, self.width(lo, hi)
-        index = self._index(lo, hi, w).to(xs[0].device)
+        index = to_device(self._index(lo, hi, w), xs[0].device)  # no wait for the device
         out = []
         for x in xs:
             padded = x.new_zeros((n * w, *x.shape[1:])).index_copy(0, index, x)
@@ -148,7 +149,7 @@ class TokenRows:
                     )
             return tuple(t[0] for t in out)
         n, w = hi - lo, self.width(lo, hi)
-        index = self._index(lo, hi, w).to(out[0].device)
+        index = to_device(self._index(lo, hi, w), out[0].device)
         flat = []
         for t in out:
             if t.dim() < 2 or tuple(t.shape[:2]) != (n, w):
