@@ -499,3 +499,13 @@ def test_the_multi_chunk_planner_is_never_slower_than_its_modes_peer_and_its_sea
     searched = chunked.plan_chunks(profile, L, 2, mode=mode, budget_ms=1e6, evaluations=20, orders=("ends",))
     assert searched.layout.mode == mode and searched.iteration_ms < 0.95 * peer.iteration_ms
     assert searched.knobs["placement"] in ("looped", "vshape")  # the search's, not the peer's seed
+
+
+def test_one_stage_plans_sequences_too():
+    """A one-stage profile has no link: its tables were stacked from none (a one-GPU profile
+    over lengths could not be planned)."""
+    profile = synthetic_token_profile(1)
+    L = minibatches("chat", 1, 16, seed=2)[0]
+    got = plan(profile, L)
+    _covers(got, L)
+    assert all(PEERS[name](profile, L, 1) is not None for name in ("pad", "pack", "dynapipe"))

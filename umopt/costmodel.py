@@ -524,7 +524,7 @@ def tables_for_lengths(
         bwd = np.where(valid, bwd + fwd - over[:, None, None], 0.0)
         if split:
             split["bwd_input"] = np.where(valid, split["bwd_input"] + fwd - over[:, None, None], 0.0)
-    link = np.stack(
+    link = np.array(
         [
             np.where(
                 valid,
@@ -534,8 +534,9 @@ def tables_for_lengths(
             if ln is not None
             else np.zeros_like(T)  # two virtual stages on one rank: no message
             for ln, c in zip(links, costs)
-        ]
-    ).reshape(len(links), B + 1, B + 1)
+        ],
+        dtype=float,
+    ).reshape(len(links), B + 1, B + 1)  # (one stage: no link at all)
     stash = np.stack([(T * c.stash_bytes_per_token).astype(np.int64) for c in costs])
     inputs = np.stack([(T * c.input_bytes_per_token).astype(np.int64) for c in costs])
     for what, arr in (("an F op", fwd), ("a B op", bwd), ("a message", link)):
@@ -567,7 +568,7 @@ def tables_for_lengths(
     return CostTables(
         fwd=_by_size(costs, over, mean, "forward", recompute=False),
         bwd=_by_size(costs, over, mean, "backward", recompute=recompute),
-        link=np.stack(
+        link=np.array(
             [
                 np.where(
                     np.arange(B + 1) > 0,
@@ -577,7 +578,8 @@ def tables_for_lengths(
                 if ln is not None
                 else np.zeros(B + 1)
                 for ln, c in zip(links, costs)
-            ]
+            ],
+            dtype=float,
         ).reshape(len(links), B + 1),
         optimizer_ms=max(st.optimizer_ms for st in profile.stages),
         recompute=recompute,

@@ -82,9 +82,14 @@ class StageOps(_Strict):
         return ops
 
     def op_list(self) -> list:
+        kind = _KINDS  # a dict lookup: OpKind(...) costs a microsecond an op, a step's plan thousands
         return [
-            Op(OpKind(op[0]), *op[1:]) if len(op) == 3 else ChunkOp(OpKind(op[0]), *op[1:]) for op in self.ops
+            Op(kind[op[0]], op[1], op[2]) if len(op) == 3 else ChunkOp(kind[op[0]], op[1], op[2], op[3])
+            for op in self.ops
         ]
+
+
+_KINDS = {k.value: k for k in OpKind}
 
 
 class ChunksSpec(_Strict):

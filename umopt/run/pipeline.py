@@ -370,6 +370,8 @@ class Pipeline:
             for r, rank_ops in enumerate(sched.op_lists())
         ]
         local = [j for j in range(V) if self.ranks_of[j] == self.me]
+        # the ranks this one exchanges messages with, and itself: whose ops a step's plan is read for
+        self._near = {self.me} | {self.ranks_of[k] for j in local for k in (j - 1, j + 1) if 0 <= k < V}
         modules = self._modules(module, local, chunking is not None)
         self.holds_first, self.holds_last = 0 in local, V - 1 in local
         if self.holds_last and kw["loss_fn"] is None:
@@ -411,7 +413,9 @@ class Pipeline:
             ln = sched.lengths
             rows = TokenRows.of_plan(ln.lengths, ln.samples, ln.mode, ln.pad_to, ln.row)
             for st in self.stages.values():
-                rows.check_module(st.module, st.name, self.causal)
+                if (rows.mode, rows.row is not None) not in st.modes_checked:  # once a way: the module is the same
+                    rows.check_module(st.module, st.name, self.causal)
+                    st.modes_checked.add((rows.mode, rows.row is not None))
                 st.tokens = rows
         self.ops = ops[self.me]
         order = messages(ops, self.ranks_of)
@@ -795,9 +799,13 @@ class Pipeline:
         if plan.chunking() != self.schedule.chunking() or len(plan.stages) != len(self.schedule.stages):
             raise UmoptError("the step's plan lays out the stages otherwise than the pipeline's schedule")
         checked(plan, self.profile)  # where it was made: by the maker, or by its planning process
+        # this rank's ops and its neighbours' (whose messages it receives): a step's plan of 8
+        # stages has a thousand ops, and converting every rank's took a millisecond a step
         ops = [
-            [ChunkOp(op[0], op[1], op[2], op[3] if len(op) == 4 else r) for op in rank_ops]
-            for r, rank_ops in enumerate(plan.op_lists())
+            [ChunkOp(op[0], op[1], op[2], op[3] if len(op) == 4 else r) for op in st.op_list()]
+            if r in self._near
+            else []
+            for r, st in enumerate(plan.stages)
         ]
         self._play(plan, ops)
         if self._ready:
