@@ -421,3 +421,11 @@ def test_a_schedule_finds_its_profile_from_any_folder_and_after_a_move(tmp_path,
         load_profile(load_schedule(str(moved / "bundled.json")).profile.path).sha256
         == load_profile("gpt-sim").sha256
     )
+
+
+def test_a_transformers_model_without_the_extra_says_what_to_install(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    code, _, err = run(["profile", "--model", "hf:llama", "--stages", "2", "-o", "x.json"], capsys)
+    assert code == 2 and "pip install '.[hf]'" in err and len(err.strip().splitlines()) == 1, err
