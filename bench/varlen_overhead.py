@@ -41,7 +41,9 @@ def take_up(sched, me: int = 3) -> None:
     aside): its ops and its neighbours'."""
     near = {me - 1, me, me + 1}
     ops = [
-        [ChunkOp(op[0], op[1], op[2], op[3] if len(op) == 4 else r) for op in st.op_list()] if r in near else []
+        [ChunkOp(op[0], op[1], op[2], op[3] if len(op) == 4 else r) for op in st.op_list()]
+        if r in near
+        else []
         for r, st in enumerate(sched.stages)
     ]
     ln = sched.lengths

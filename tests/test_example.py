@@ -3,6 +3,8 @@ under torchrun on text from disk; the loss falls and both schedules are timed.""
 
 from __future__ import annotations
 
+import pytest
+
 import re
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import numpy as np
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_text.py"
 
 
+@pytest.mark.slow
 def test_the_text_example_profiles_solves_and_trains(tmp_path):
     small = [
         "--stages",
@@ -71,6 +74,7 @@ def test_the_text_example_profiles_solves_and_trains(tmp_path):
 DOCS = EXAMPLE.parent / "train_docs.py"
 
 
+@pytest.mark.slow
 def test_the_documents_example_profiles_over_lengths_and_trains_without_padding(tmp_path):
     small = [
         "--layers",

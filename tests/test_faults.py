@@ -110,6 +110,7 @@ def test_a_failed_checkpoint_write_keeps_the_last_complete_set(tmp_path, monkeyp
     assert read_manifest(ck, profile, "sgd").step == 1  # every file there, every hash right
 
 
+@pytest.mark.slow
 def test_checkpoint_waits_are_bounded_by_the_io_timeout_not_the_steps(tmp_path, monkeypatch):
     """[Note: two timeouts]: rank 1 writes its checkpoint file 3 s late. With the steps' bound at
     2 s the run still completes (the wait for it is an I/O wait); with the I/O bound at 2 s the

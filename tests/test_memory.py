@@ -3,6 +3,8 @@ step's allocations, and what a rank holds counted from its tensors."""
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from umopt.measure.memory import held_bytes, peak_during, state_tensors
@@ -36,6 +38,7 @@ def test_what_a_rank_holds_is_its_weights_kept_gradients_and_optimizer_state():
     assert held_bytes(state_tensors([m], opt)) == 3 * weights  # weights, gradients, momentum
 
 
+@pytest.mark.slow
 def test_a_chunks_output_is_let_go_at_its_backward_not_at_the_steps_end(tmp_path):
     """1F1B on a middle stage holds the outputs of the chunks in flight, not all of the step's:
     with 16 chunks its peak is well under that of 4 (each chunk a quarter the size). While the

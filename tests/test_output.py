@@ -31,6 +31,7 @@ def test_library_warnings_reach_the_command_line_as_lines(capsys):
     assert "umopt: warning: a warning from deep inside" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_run_shows_its_steps_as_lines_and_torchrun_ranks_speak_for_themselves(tmp_path, capsys, monkeypatch):
     from test_runtime import mlp_profile, write_schedule
 

@@ -125,6 +125,7 @@ def test_readme_quickstart_is_two_commands_and_ci_runs_the_test_one():
     assert test in ci.splitlines()
 
 
+@pytest.mark.slow
 def test_tune_with_chunks_measures_torch_multi_chunk_schedules_beside_one_chunk(tmp_path, capsys):
     """`umopt tune --chunks 2`: a layer-by-layer profile, and torch's fastest multi-chunk
     schedule measured in the same turns as the one-chunk ones (each layout its own model copy),
@@ -147,6 +148,7 @@ def test_tune_with_chunks_measures_torch_multi_chunk_schedules_beside_one_chunk(
     assert "recommended (*):" in stdout and (out / "recommended.json").exists()
 
 
+@pytest.mark.slow
 def test_tune_with_lengths_measures_umopt_plans_against_a_peers_on_the_same_minibatches(
     tmp_path, capsys, monkeypatch
 ):
