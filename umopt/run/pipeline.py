@@ -412,10 +412,11 @@ class Pipeline:
         if sched.lengths is not None:
             ln = sched.lengths
             rows = TokenRows.of_plan(ln.lengths, ln.samples, ln.mode, ln.pad_to, ln.row)
+            way = (rows.mode, rows.row is not None)
             for st in self.stages.values():
-                if (rows.mode, rows.row is not None) not in st.modes_checked:  # once a way: the module is the same
+                if way not in st.modes_checked:  # once a way: the module stays the same
                     rows.check_module(st.module, st.name, self.causal)
-                    st.modes_checked.add((rows.mode, rows.row is not None))
+                    st.modes_checked.add(way)
                 st.tokens = rows
         self.ops = ops[self.me]
         order = messages(ops, self.ranks_of)

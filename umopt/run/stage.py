@@ -192,7 +192,8 @@ class Stage:
         # row per sample, every sample one shape; see [Note: token rows] in tokens.py)
         self.tokens: Optional[TokenRows] = None
         self.takes_lengths = takes_lengths(module)  # a padded chunk's lengths go to it too
-        self.modes_checked: set[tuple[str, bool]] = set()  # ways of laying out chunks its module was checked for
+        # the ways of laying out chunks (mode, rows) its module was checked for
+        self.modes_checked: set[tuple[str, bool]] = set()
         self.pool = _POOLS.setdefault(module, {}).setdefault(index, Pool())  # [Note: one pool of token rows]
 
     @property
