@@ -3,14 +3,13 @@ under torchrun on text from disk; the loss falls and both schedules are timed.""
 
 from __future__ import annotations
 
-import pytest
-
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_text.py"
 

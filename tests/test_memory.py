@@ -4,7 +4,6 @@ step's allocations, and what a rank holds counted from its tensors."""
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from umopt.measure.memory import held_bytes, peak_during, state_tensors

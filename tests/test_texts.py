@@ -20,8 +20,9 @@ def _rows(text: str) -> dict[str, list[str]]:
 
 def test_solve_cites_what_its_table_shows(tmp_path, capsys):
     out_file = tmp_path / "s.json"
+    # gpt-cpu: a model that runs (so no hint about synthetic profiles joins the output)
     code, out, err = run_cli(
-        ["solve", "gpt-cpu", "-B", "64", "--time-limit", "2", "--seed", "1", "-o", str(out_file)],  # a model that runs
+        ["solve", "gpt-cpu", "-B", "64", "--time-limit", "2", "--seed", "1", "-o", str(out_file)]
     )
     assert code == 0, err
     rows = _rows(out)
