@@ -110,6 +110,14 @@ _EACH = "; with several schedules a path with {name} in it, the schedule file's 
     help="With a plan for sequences of different lengths: who plans each step, umopt (default) or a "
     "peer (pad, pack, pack-split, sort-split, dynapipe, wlb); several take turns on the same minibatches.",
 )
+@click.option(
+    "--assign",
+    default=None,
+    metavar="A",
+    help="With --dp and a plan for sequences of different lengths: who gives each replica its share of "
+    "each step's global minibatch, umopt (default: the sequences that make the replicas finish together) "
+    "or a peer (contiguous, as torch's DistributedSampler; round-robin, tokens, wlb, hydraulis).",
+)
 @click.option("--report", default=None, help="Write report.json here" + _EACH)
 @click.option("--trace", default=None, help="Write a Chrome trace of measured and predicted ops here" + _EACH)
 @click.option("--plot", default=None, help="Write a Gantt PNG of measured beside predicted here" + _EACH)
@@ -232,6 +240,7 @@ def _print_lengths(reports: list[RunReport]) -> None:
     table = Table(
         title=f"{first.stages} ranks x {first.dp}, {first.backend}: sequences of different lengths "
         f"({first.lengths.data}), {count(first.rounds, 'round')}, {count(first.steps, 'measured step')} each"
+        + (f", each replica's share assigned by {first.lengths.assign}" if first.lengths.assign else "")
     )
     table.add_column("method", no_wrap=True)
     for col in ("chunks", "ktok/s", "pred", "ms", "pred ms", "meas/pred"):

@@ -69,6 +69,14 @@ def solve_lengths(
         warn(cut)
     source = lengths if not spec.startswith("file:") else f"file {lengths}"
     time_limit -= time.perf_counter() - started  # what is left of it
+    if dp > 1:  # -B is the global minibatch, split among the replicas
+        if count > 1 or chunks != (1,) or plot or trace:
+            raise UmoptError(
+                "--dp with --lengths plans one global minibatch across the replicas, one chunk per rank: "
+                "no --minibatches, --chunks, --plot or --trace (bench/replicas.py plays streams)"
+            )
+        _replicas(profile, batches[0], source, dp, budget_ms, recompute, allreduce, output)
+        return
     if count == 1:
         _one(
             profile,
@@ -86,6 +94,56 @@ def solve_lengths(
         )
     else:
         _stream(profile, batches, source, budget_ms, recompute, time_limit, allreduce, chunks)
+
+
+def _replicas(profile, L, source, replicas, budget_ms, recompute, allreduce, output) -> None:
+    from umopt.formats.replicas import save_replicas
+    from umopt.varlen.replicas import replicas_file, solve_global
+
+    with _progress_bar("plan (replicas)") as bar:
+        bar.add_task(
+            f"{len(L)} sequences among {replicas} replicas: every assignment, each replica planned",
+            total=None,
+        )
+        report = solve_global(profile, L, replicas, budget_ms, recompute, allreduce)
+    out.print(
+        f"global minibatch: {len(L)} sequences from {source}, {int(L.sum()):,} tokens (longest {int(L.max()):,}), "
+        f"{replicas} replicas of {profile.num_stages} stages",
+        markup=False,
+        highlight=False,
+    )
+    base = report.plans["contiguous"].step_ms
+    table = Table()
+    for col in ("assignment", "step ms", "ktok/s", "max/mean", "x contig.", "> bound", "assign ms"):
+        table.add_column(col, justify="left" if col == "assignment" else "right", no_wrap=True)
+    for name, g in report.plans.items():
+        table.add_row(
+            name + (" *" if name == report.pick else ""),
+            _ms(g.step_ms),
+            f"{g.tokens_per_s / 1e3:.1f}",
+            f"{g.step_ms / g.mean_ms:.3f}",
+            f"{base / g.step_ms:.3f}x",
+            f"{100 * (g.step_ms / report.lower_bound_ms - 1):.1f}%",
+            f"{1e3 * g.assignment.seconds:.1f}",
+        )
+    table.add_row("lower bound", _ms(report.lower_bound_ms), "", "", "", "", "")
+    out.print(table)
+    legend(
+        {
+            "assignment": "who gave each replica its sequences, each replica then planned by umopt's planner "
+            "(so the assignments compare, not the planners)",
+            "step ms": "the slowest replica's predicted step",
+            "max/mean": "the slowest replica over the mean one",
+            "x contig.": "the contiguous split's step over this one's (torch's DistributedSampler)",
+            "> bound": "above the lower bound no assignment beats: the larger of the mean replica's work spread "
+            "perfectly, with the least fill and drain, and the longest sequence's own path",
+            "assign ms": "the assignment's time, on this machine",
+        },
+        ["assignment", "step ms", "max/mean", "x contig.", "> bound", "assign ms"],
+    )
+    if output:
+        save_replicas(replicas_file(report, profile, recompute, allreduce), output)
+        out.print(f"wrote {output}: each replica's sequences and its plan", markup=False, highlight=False)
 
 
 def _microbatches(plan) -> str:

@@ -108,6 +108,7 @@ class LengthsRun(BaseModel):
     # a step costs beyond its ops
     plans: list[Schedule] = []
     cut: Optional[str] = None  # what the profile's longest length cut from --lengths, said once
+    assign: Optional[str] = None  # with several replicas: who gave each its share of the global minibatch
 
 
 class RunReport(BaseModel):

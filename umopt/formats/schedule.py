@@ -507,7 +507,7 @@ def load_schedule(path: str) -> Schedule:
     Its profile is found wherever the schedule is read from (see [Note: a schedule finds its
     profile]); where none is found the path stays as written, and loading it says so."""
     schedule = load_model_file(path, Schedule, SCHEDULE_FORMAT, "schedule")
-    found = _find_profile(Path(path), schedule.profile.path, schedule.profile.sha256)
+    found = find_profile(Path(path), schedule.profile.path, schedule.profile.sha256)
     if found is not None:
         schedule.profile.path = str(found)
     return schedule
@@ -520,7 +520,7 @@ def load_schedule(path: str) -> Schedule:
 # schedule, at the path as written (older files: relative to where they were written), the
 # bundled profile of that name, and then any profile beside the schedule or bundled whose sha256
 # is the one the schedule was made for.
-def _find_profile(schedule_path: Path, named: str, sha256: str) -> Optional[Path]:
+def find_profile(schedule_path: Path, named: str, sha256: str) -> Optional[Path]:
     from .profile import bundled_profiles
 
     if named:
@@ -546,7 +546,7 @@ def _find_profile(schedule_path: Path, named: str, sha256: str) -> Optional[Path
     return None
 
 
-def _stored_profile_path(profile_path: str, schedule_path: Path) -> str:
+def stored_profile_path(profile_path: str, schedule_path: Path) -> str:
     """How a schedule written at ``schedule_path`` names its profile (see [Note: a schedule finds its profile])."""
     if not profile_path:
         return profile_path
@@ -559,5 +559,5 @@ def _stored_profile_path(profile_path: str, schedule_path: Path) -> str:
 
 def save_schedule(schedule: Schedule, path: str) -> None:
     data = schedule.model_dump(mode="json")
-    data["profile"]["path"] = _stored_profile_path(schedule.profile.path, Path(path))
+    data["profile"]["path"] = stored_profile_path(schedule.profile.path, Path(path))
     write_json(path, data)

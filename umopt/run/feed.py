@@ -6,8 +6,11 @@ The sequences come from ``--data package.module:fn`` (``fn(step, n)`` returns th
 minibatch's inputs and targets, two lists of 1-d tensors, ``n`` the number of sequences the
 schedule file was planned for times the replicas: a hint, any count is taken), else from the
 model's own sequences (``umopt.zoo``) of lengths drawn from ``--lengths SAMPLER`` (seeded by the
-step), else of the schedule file's own lengths every step. Replica ``r`` of ``dp`` trains on the
-r-th of ``dp`` contiguous parts of the global minibatch.
+step), else of the schedule file's own lengths every step. Every rank that holds sequences reads
+the whole global minibatch and takes its replica's share: by default the sequences that make the
+replicas' pipelines finish together (:func:`umopt.varlen.replicas.assign`, the same on every rank
+without a word exchanged), or by ``--assign`` a peer's (``contiguous``: the r-th of ``dp``
+contiguous parts, as torch's DistributedSampler).
 
 The first stage of each replica makes that replica's plans (one maker a step, see [Note: one plan
 a step, one maker] in umopt/run/pipeline.py): a :class:`umopt.varlen.ahead.PlanAhead` process per
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 
 from ..costmodel import Chunking
@@ -27,6 +29,7 @@ from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule
 from ..varlen.ahead import PlanAhead
+from ..varlen.replicas import assign
 from ..varlen.samplers import minibatch_of_step
 
 __all__ = ["SequenceFeed", "sequence_source"]
@@ -113,8 +116,10 @@ class SequenceFeed:
         recompute: bool,
         allreduce: Optional[AllReduceProfile],
         layouts: Optional[dict[str, Optional[Chunking]]] = None,
+        assign: str = "umopt",
     ):
         self.source, self.asked, self.dp, self.replica = source, asked, dp, replica
+        self.assign = assign
         self.profile, self.recompute, self.allreduce = profile, recompute, allreduce
         self.layouts = layouts or {}
         self.methods = tuple(self.layouts)
@@ -131,7 +136,12 @@ class SequenceFeed:
             if len(xs) < self.dp:
                 raise UmoptError(f"step {step}'s minibatch has {len(xs)} sequences for {self.dp} replicas")
             self.tokens[step] = sum(int(x.shape[0]) for x in xs)
-            cut = np.array_split(np.arange(len(xs)), self.dp)[self.replica]
+            lengths = [int(x.shape[0]) for x in xs]
+            cut = (
+                assign(self.profile, lengths, self.dp, self.assign).replicas[self.replica]
+                if self.dp > 1
+                else range(len(xs))
+            )
             self._steps[step] = ([xs[i] for i in cut], [ys[i] for i in cut])
             for old in [k for k in self._steps if k <= step - _KEPT]:
                 del self._steps[old]

@@ -30,6 +30,7 @@ from ..formats.schedule import (
 from ..measure.decide import is_equal
 from ..varlen.layouts import CHUNKED_METHODS, METHODS
 from ..varlen.peers import unavailable
+from ..varlen.replicas import ASSIGNERS
 from ..varlen.samplers import minibatch_of_step
 from ..zoo import build_model, import_object, runnable
 from .checkpoint import MANIFEST, read_manifest
@@ -63,6 +64,9 @@ class RunOptions(BaseModel):
     data: Optional[str] = None
     lengths: Optional[str] = None  # a plan for sequences of different lengths: each step's drawn so
     methods: Optional[list[str]] = None  # ... and who plans each step (several take turns)
+    assign: Optional[str] = (
+        None  # ... and who gives each data-parallel replica its share of the global minibatch
+    )
     report: Optional[str] = None
     trace: Optional[str] = None
     plot: Optional[str] = None
@@ -223,7 +227,11 @@ def _methods(opts: RunOptions, schedules: list[Schedule], profile: Profile) -> l
     """With a plan for sequences of different lengths, who plans the steps (one schedule's turn
     each); else none (and the options for it refused)."""
     if all(sc.lengths is None for sc in schedules):
-        for flag, value in (("--lengths", opts.lengths), ("--methods", opts.methods)):
+        for flag, value in (
+            ("--lengths", opts.lengths),
+            ("--methods", opts.methods),
+            ("--assign", opts.assign),
+        ):
             if value is not None:
                 raise UmoptError(
                     f"{flag} is for a plan for sequences of different lengths (umopt solve --lengths -o PLAN)"
@@ -259,6 +267,8 @@ def _methods(opts: RunOptions, schedules: list[Schedule], profile: Profile) -> l
             )
     if len(set(methods)) < len(methods):
         raise UmoptError("--methods names a method twice")
+    if opts.assign is not None and opts.assign not in ASSIGNERS:
+        raise UmoptError(f"--assign: unknown {opts.assign!r}: one of {', '.join(ASSIGNERS)}")
     why = next((unavailable(profile, m) for m in methods if unavailable(profile, m)), None)
     if why:
         raise UmoptError(f"--methods: {why}")

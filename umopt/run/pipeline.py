@@ -41,6 +41,7 @@ from ..formats.schedule import (
     require_pick_layout,
 )
 from ..parts import IGNORE
+from ..varlen.replicas import assign as assign_replicas
 from .comm import Comm, PipelineBroken, TorchComm, describe
 from .failures import guarded
 from .links import StepLinks, directions, messages
@@ -643,6 +644,36 @@ class Pipeline:
                 or play._eval(*play._inputs(args, inputs, targets, target), keep=outputs)
             )
         )
+
+    def share(self, sequences: Sequence[Any], *more: Sequence[Any], assign: str = "umopt") -> Any:
+        """This replica's share of a global minibatch of sequences: with ``dp_group``, every
+        replica reads the step's whole global minibatch (the same on each, e.g. from a sampler
+        seeded by the step) and trains on the sequences this picks for it, by default those that
+        make the replicas' pipelines finish together (:func:`umopt.varlen.replicas.assign`, the
+        same on every rank without a word exchanged; ``assign="contiguous"``: the r-th of D
+        contiguous parts, as torch's DistributedSampler). Replica ``r`` is the ``r``-th rank of
+        ``dp_group``. ``sequences`` and each of ``more`` (the targets, say) are lists of 1-d
+        tensors, one per sequence, taken alike; returns the share of each (one list where only
+        ``sequences`` is given). The loss stays the global minibatch's: each step normalizes by
+        all the replicas' tokens."""
+        lists = [list(sequences), *(list(m) for m in more)]
+        if any(len(x) != len(lists[0]) for x in lists):
+            raise UmoptError(
+                f"share: lists of {', '.join(str(len(x)) for x in lists)} sequences: give them alike"
+            )
+        ranks = self.comm.group_ranks(self.dp_group) if self.dp_group is not None else [self.comm.rank]
+        if self.comm.rank not in ranks:
+            raise UmoptError(f"share: rank {self.comm.rank} is not in its dp_group {ranks}")
+        if self.profile.lengths is None:
+            raise UmoptError("share: the profile has no costs by tokens to assign sequences by")
+        if len(ranks) == 1:
+            return lists[0] if not more else tuple(lists)
+        lengths = [int(x.shape[0]) for x in lists[0]]
+        mine = assign_replicas(self.profile, lengths, len(ranks), assign).replicas[
+            ranks.index(self.comm.rank)
+        ]
+        out = [[x[i] for i in mine] for x in lists]
+        return out[0] if not more else tuple(out)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every rank's parameters by their norm over the whole pipeline,

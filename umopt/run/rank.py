@@ -266,6 +266,7 @@ def _feed(cfg: RunConfig, setup: StageSetup, replica: int, s: int) -> Optional[S
         sched.recompute,
         run_allreduce(cfg, sched),
         {m: sc.chunking() for m, sc in zip(cfg.methods, cfg.schedules)} if s == 0 else {},
+        opts.assign or "umopt",
     )
 
 
@@ -740,6 +741,7 @@ def _lengths_run(cfg: RunConfig, play: _Play, op_pairs: list) -> LengthsRun:
         cut=cut_note(lengths_spec(opts.lengths), cfg.profile.lengths.max_length)
         if opts.lengths and cfg.profile.lengths is not None
         else None,
+        assign=(opts.assign or "umopt") if cfg.dp > 1 else None,
     )
 
 
