@@ -22,7 +22,7 @@ dispatch also counts). umopt takes each sequence, heaviest first, to the replica
 busiest stage's work plus (S - 1) times its heaviest sequence's stays least, then moves or swaps
 sequences off the slowest replica while that lowers it. (A bound by the larger of the busiest
 stage's work and the longest sequence's path, tried first, gained 1.10x on chat at D=8 where
-this gains 1.18x; see docs/varlen.md.) Work is a sequence's own part of the profile's costs by
+this gains 1.16x; see docs/varlen.md.) Work is a sequence's own part of the profile's costs by
 tokens (``b L + c L^2 + d`` a stage, forward and backward; a chunk's fixed cost is the plan's to
 share out), in whole nanoseconds: every rank that assigns a step's minibatch gets the same
 assignment, on any machine, without a word exchanged. A replica with a very long sequence thus
