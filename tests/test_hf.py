@@ -162,6 +162,23 @@ def test_a_transformers_model_trains_as_transformers_computes_it(family):
             torch.testing.assert_close(g.grad, w, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_a_stage_after_several_decoder_layers_learns_its_edges_without_their_shared_parts():
+    """A rank learns what its stage receives by running the layers before it, freeing each after
+    its step: a Llama's decoder layers share one rotary embedding, which the first one's step must
+    not free for the others (a stage of only the norm and the head failed to build so)."""
+    from umopt.devices import boundary_tensors
+
+    parts = build_model("hf:llama", TINY["llama"], seed=0)
+    x = parts.make_batch(1, 0)[0]
+    want = boundary_tensors(parts.layers, x, torch.device("cpu"), "float32")
+    n = len(parts.layers)  # the embedding, 5 decoder layers, the norm, the head
+    got = boundary_tensors(parts.layers[: n - 1], x, torch.device("cpu"), "float32", release_before=n - 2)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert all(p.device.type != "meta" for layer in parts.layers[n - 2 :] for p in layer.parameters())
+    assert any(p.device.type == "meta" for p in parts.layers[1].parameters())  # the layers before: freed
+
+
 def test_a_saved_model_is_loaded_with_its_weights_and_bad_models_are_one_line(tmp_path):
     reference = _transformers_model("llama")
     reference.save_pretrained(tmp_path / "mine")

@@ -148,7 +148,11 @@ def boundary_tensors(
     the layers of the stages before it. What they share with the layers kept (a tied embedding, a
     rotary embedding every decoder layer holds) is kept.
     """
-    kept = {id(t) for layer in layers[release_before:] for t in (*layer.parameters(), *layer.buffers())}
+    # what each layer from i on holds: a layer's step frees only what no later layer shares (the
+    # layers before the kept ones may share a module among themselves, a rotary embedding)
+    later: list[set[int]] = [set() for _ in range(len(layers) + 1)]
+    for i in range(len(layers) - 1, -1, -1):
+        later[i] = later[i + 1] | {id(t) for t in (*layers[i].parameters(), *layers[i].buffers())}
     h = x.to(device)
     out = [h]
     with torch.no_grad(), autocast(device, dtype):
@@ -157,7 +161,7 @@ def boundary_tensors(
                 layer.to(device)
             h = layer(h)
             if i < release_before:
-                _release(layer, kept)
+                _release(layer, later[i + 1])
             out.append(h)
     return out
 
