@@ -22,7 +22,7 @@ def test_solve_cites_what_its_table_shows(tmp_path, capsys):
     out_file = tmp_path / "s.json"
     # gpt-cpu: a model that runs (so no hint about synthetic profiles joins the output)
     code, out, err = run_cli(
-        ["solve", "gpt-cpu", "-B", "64", "--time-limit", "2", "--seed", "1", "-o", str(out_file)]
+        ["solve", "gpt-cpu", "-B", "64", "--time-limit", "2", "--seed", "1", "-o", str(out_file)], capsys
     )
     assert code == 0, err
     rows = _rows(out)
