@@ -50,7 +50,7 @@ def test_umopt_balances_predicted_steps_not_tokens():
     assert len(long_one) < len(L) / 4 - 10
     # the balance is of time, not of tokens: the others hold far more tokens than it
     tokens = sorted(int(L[r].sum()) for r in a.replicas)
-    assert tokens[0] == L[long_one].sum() and tokens[1] > 2 * tokens[0]
+    assert tokens[0] == L[long_one].sum() and tokens[1] > 1.5 * tokens[0]
     steps = {m: plan_global(PROFILE, L, 4, m).step_ms for m in ASSIGNERS}
     bound = lower_bound_ms(PROFILE, L, 4)
     assert all(s >= bound * (1 - 1e-9) for s in steps.values())
