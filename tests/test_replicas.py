@@ -62,9 +62,8 @@ def test_umopt_balances_predicted_steps_not_tokens():
 @pytest.mark.parametrize("spec", ["chat", "long-context"])
 def test_umopt_beats_the_contiguous_split_and_the_bound_holds(spec):
     """On minibatches of 4 replicas x 32 sequences, umopt's assignment's step is shorter than the
-    contiguous split's on the mean (not on every minibatch: its bound of a replica's step counts
-    the heaviest sequence's fill and drain in full, which a shallow pipeline partly overlaps), and
-    no assignment's step beats the lower bound."""
+    contiguous split's on the mean (a proxy of each replica's step, not its plan: not on every
+    minibatch), and no assignment's step beats the lower bound."""
     ratios = []
     for L in minibatches(spec, 4, 128, seed=1, cap=8192):
         bound = lower_bound_ms(PROFILE, L, 4)
