@@ -26,7 +26,7 @@ from rich.table import Table
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.measure import ProfileOptions
-from umopt.measure.probes import fit_to_probes, profile_in_pipeline
+from umopt.probes import fit_to_probes, profile_in_pipeline
 from umopt.run.launch import launch
 from umopt.run.options import RunOptions
 from umopt.search.solve import allreduce_for, make_problem, solve

@@ -33,7 +33,7 @@ from tables import print_table  # a sibling script (bench/ is on the path of a s
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.measure import ProfileOptions, profile_model
-from umopt.measure.probes import profile_in_pipeline
+from umopt.probes import profile_in_pipeline
 from umopt.run.launch import launch
 from umopt.run.options import RunOptions
 from umopt.search.solve import make_problem, solve

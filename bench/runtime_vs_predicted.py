@@ -35,7 +35,7 @@ from umopt.costmodel import simulate
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.measure import ProfileOptions, profile_model
-from umopt.measure.probes import fit_to_probes
+from umopt.probes import fit_to_probes
 from umopt.run.launch import launch
 from umopt.run.options import RunOptions
 from umopt.search.baselines import gpipe_equal

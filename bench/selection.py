@@ -28,7 +28,7 @@ from rich.console import Console
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import load_schedule, save_schedule
 from umopt.measure import ProfileOptions
-from umopt.measure.probes import profile_in_pipeline
+from umopt.probes import profile_in_pipeline
 from umopt.run.launch import launch
 from umopt.run.options import RunOptions
 from umopt.search.solve import solve

@@ -39,7 +39,7 @@ from umopt.costmodel import CostTables, simulate
 from umopt.formats.profile import bundled_profiles, load_profile, save_profile
 from umopt.formats.schedule import make_schedule, save_schedule
 from umopt.measure import ProfileOptions
-from umopt.measure.probes import profile_in_pipeline
+from umopt.probes import profile_in_pipeline
 from umopt.run.launch import launch
 from umopt.run.options import RunOptions
 from umopt.search.problem import Problem

@@ -129,7 +129,7 @@ def profile(
     from umopt.fileio import check_writable
     from umopt.formats.profile import save_profile
     from umopt.measure import ProfileOptions
-    from umopt.measure.probes import profile_in_pipeline
+    from umopt.probes import profile_in_pipeline
     from umopt.zoo import model_name, parse_model_args
 
     if max_size < 1:
@@ -176,7 +176,7 @@ def profile(
         ctx_obj = click.get_current_context().obj or {}
         argv = ctx_obj.get("argv", ["umopt", *sys.argv[1:]])
         if chunks > 1:
-            from umopt.measure.probes import profile_for_chunks
+            from umopt.probes import profile_for_chunks
 
             prof = profile_for_chunks(
                 opts, chunks, progress, argv, probes=probes, probe_minibatch=probe_minibatch

@@ -60,7 +60,7 @@ def gpt_args(vocab: int, longest: int, args: argparse.Namespace) -> dict:
 def prepare(args: argparse.Namespace, model: str, model_args_of: Callable[..., dict]) -> None:
     from umopt.formats.profile import save_profile
     from umopt.measure import ProfileOptions
-    from umopt.measure.probes import profile_in_pipeline
+    from umopt.probes import profile_in_pipeline
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """``umopt tune``: profile, solve, run the candidates in turns, and recommend what measured fastest.
 
 Profiles the model on this machine (fitted to probe runs of the runtime where there is a core or
-GPU per stage: :mod:`umopt.measure.probes`), solves for the minibatch, and runs the few schedules worth
+GPU per stage: :mod:`umopt.probes`), solves for the minibatch, and runs the few schedules worth
 choosing between (umopt's recommendation, the best schedule found if that is another, one shared
 ramped partition as a simpler runner-up, and the best equal GPipe and 1F1B schedules; with
 ``zero_bubble``, umopt's schedule with W ops and the best equal ZB-H1 too) on the same
@@ -41,7 +41,7 @@ from .measure import ProfileOptions, check_profile_options
 from .measure.calibrate_tokens import calibrate_tokens
 from .measure.decide import CONFIDENCE, Decision, decide
 from .measure.noise import OFF_PREDICTION
-from .measure.probes import profile_for_chunks, profile_in_pipeline
+from .probes import profile_for_chunks, profile_in_pipeline
 from .run.launch import launch
 from .run.options import RunOptions
 from .search.peers import TORCH_MULTI
@@ -150,7 +150,7 @@ def _counts_the_layers_allow(opts: ProfileOptions, chunks: Sequence[int], say) -
 
 
 def _profile(opts: ProfileOptions, probes: bool, probe_minibatch: int, chunks: int) -> Profile:
-    """The profile (with ``chunks`` > 1, layer by layer: :func:`umopt.measure.probes.profile_for_chunks`);
+    """The profile (with ``chunks`` > 1, layer by layer: :func:`umopt.probes.profile_for_chunks`);
     on CUDA measured in a child process, so that the CUDA context and whatever the allocator keeps
     leave with it and the run's stage 0 finds its GPU as empty as the others."""
     # the profile says how to measure it again: the umopt profile command that asks for the same

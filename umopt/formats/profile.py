@@ -212,7 +212,7 @@ class NoiseMeta(_Meta):
 
 
 class ProbesMeta(_Meta):
-    """The probe runs of the runtime the profile was fitted to (umopt.measure.probes)."""
+    """The probe runs of the runtime the profile was fitted to (umopt.probes)."""
 
     ran: bool = False
     why: Optional[str] = None  # where they did not run

@@ -2,7 +2,7 @@
 
 :func:`profile_model` is ``umopt profile`` as a library call (the zoo's or a user's factory
 model); :func:`profile_stages` profiles a user's own stage modules (layer by layer too, for
-several chunks per rank: ``umopt profile --chunks`` is :func:`umopt.measure.probes.profile_for_chunks`,
+several chunks per rank: ``umopt profile --chunks`` is :func:`umopt.probes.profile_for_chunks`,
 which fits the layers to probe runs of the runtime). Each follows the same steps: the cut points (given, or
 balanced on measured layer times), every stage timed (:mod:`.timing`) and its memory counted
 (:mod:`.chunk`), the links and the all-reduce (:mod:`.links`), then the profile file's model.

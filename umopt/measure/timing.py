@@ -19,7 +19,7 @@ import torch
 
 from ..devices import autocast, reference_ms
 from ..errors import UmoptError
-from ..run.splitbackward import backward_input
+from ..splitbackward import backward_input
 from ..zoo import ModelParts, build_model
 from .chunk import ProfiledStage, StageProbe, Timer, boundaries, optimizer_step_ms
 from .noise import Summary, drift_figure, monotone_fit, round_speeds, summarize
@@ -51,7 +51,7 @@ def time_stages(
     budget_s: float,
 ) -> list[StageTimes]:
     """Each stage's forward and backward times at each size, and with ``opts.split_backward`` the
-    backward's input and weight gradients split as W ops run them (:mod:`umopt.run.splitbackward`,
+    backward's input and weight gradients split as W ops run them (:mod:`umopt.splitbackward`,
     after a forward of their own): the median and spread of the repeats, with more repeats (up
     to ``opts.max_repeats``, within ``budget_s``) while a spread is wider than
     ``opts.spread_target``. Several stages given are timed in one another's rounds (stages

@@ -17,8 +17,8 @@ import torch
 
 from ..costmodel import ChunkOp, OpKind
 from ..devices import autocast
+from ..splitbackward import backward_input
 from .links import StepLinks
-from .splitbackward import backward_input
 from .stage import Stage, tensors
 
 __all__ = ["Player", "StepTimer"]

@@ -18,19 +18,19 @@ from typing import Optional
 
 import numpy as np
 
-from ..chunks import min_max_cut, stages_from_layers
-from ..errors import UmoptError
-from ..formats.profile import ProbesMeta, Profile
-from ..formats.report import load_report
-from ..formats.schedule import make_schedule, save_schedule
-from ..run.launch import RunFailed, launch
-from ..run.options import RunOptions
-from ..schedules.family import ruled
-from ..search.problem import Candidate, Problem
-from ..zoo import build_model
-from .calibrate import Overheads, calibrate, run_ratios
-from .options import ProfileOptions, ProgressFn
-from .profile import fit_layers, profile_model, with_links
+from .chunks import min_max_cut, stages_from_layers
+from .errors import UmoptError
+from .formats.profile import ProbesMeta, Profile
+from .formats.report import load_report
+from .formats.schedule import make_schedule, save_schedule
+from .measure.calibrate import Overheads, calibrate, run_ratios
+from .measure.options import ProfileOptions, ProgressFn
+from .measure.profile import fit_layers, profile_model, with_links
+from .run.launch import RunFailed, launch
+from .run.options import RunOptions
+from .schedules.family import ruled
+from .search.problem import Candidate, Problem
+from .zoo import build_model
 
 __all__ = [
     "PROBE_SIZES",
@@ -86,7 +86,7 @@ def probe_runs(
     """Run each equal GPipe and 1F1B schedule with chunks of ``sizes`` (where the minibatch holds
     two or more and the profile measured them), all in one launch, taking turns; the reports'
     paths. ``profile`` must have been loaded from its file (the runtime reads it there)."""
-    from ..costmodel import CostTables
+    from .costmodel import CostTables
 
     out.mkdir(parents=True, exist_ok=True)
     # with the profile's replicas (umopt profile --dp), as the runs of its schedules will be
@@ -162,7 +162,7 @@ def profile_in_pipeline(
     probe runs of the real runtime (``meta.probes`` says whether they ran, and if not why)."""
     import tempfile
 
-    from ..formats.profile import load_profile, save_profile
+    from .formats.profile import load_profile, save_profile
 
     profile = profile_model(opts, progress=progress, argv=argv)
     why = "--no-probes" if not probes else why_no_probes(profile)
