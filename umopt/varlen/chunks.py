@@ -170,6 +170,24 @@ def _unpacked(profile: Profile, L: np.ndarray, chunks: int, recompute, dp, on, u
     start = np.concatenate([[0], np.cumsum([len(u) for u in units])]).astype(int)
     ops = [[ChunkOp(op[0], int(start[op[1]]), int(start[op[2]]), op[3]) for op in rank] for rank in peer.ops]
     layout = Layout.of_order([i for u in units for i in u], "packed")
+    return _as_umopts(peer, profile, L, layout, ops, recompute, dp, "rows")
+
+
+def _unpadded(profile: Profile, L: np.ndarray, chunks: int, recompute, dp, on, until=None) -> Optional[Plan]:
+    """Padding's plan on torch's multi-chunk schedules as a plan of umopt's: the same ops on the
+    same samples, each microbatch padded to its own longest instead of the minibatch's (never
+    slower); None where padding has no plan within the memory limit."""
+    peer = pad(profile, L, profile.num_stages, recompute, dp, chunks=chunks, on=on)
+    if peer is None or peer.chunking is None:
+        return None
+    layout = Layout.of_order(range(len(L)), "padded")
+    return _as_umopts(peer, profile, L, layout, [list(rank) for rank in peer.ops], recompute, dp, "padding's")
+
+
+def _as_umopts(
+    peer: Plan, profile: Profile, L: np.ndarray, layout: Layout, ops, recompute, dp, placement: str
+) -> Plan:
+    """A peer's multi-chunk ops on ``layout``'s samples, scored as a plan of umopt's (its knobs kept)."""
     return score(
         "umopt",
         profile,
@@ -180,31 +198,7 @@ def _unpacked(profile: Profile, L: np.ndarray, chunks: int, recompute, dp, on, u
         dp,
         chunking=peer.chunking,
         chunks=len(peer.chunking.ranks) // profile.num_stages,
-        placement="rows",
-        cut=peer.knobs.get("cut"),
-        rows_of=peer.knobs.get("order"),
-        counts=[int(peer.knobs.get("microbatches") or 0)],
-    )
-
-
-def _unpadded(profile: Profile, L: np.ndarray, chunks: int, recompute, dp, on, until=None) -> Optional[Plan]:
-    """Padding's plan on torch's multi-chunk schedules as a plan of umopt's: the same ops on the
-    same samples, each microbatch padded to its own longest instead of the minibatch's (never
-    slower); None where padding has no plan within the memory limit."""
-    peer = pad(profile, L, profile.num_stages, recompute, dp, chunks=chunks, on=on)
-    if peer is None or peer.chunking is None:
-        return None
-    return score(
-        "umopt",
-        profile,
-        L,
-        Layout.of_order(range(len(L)), "padded"),
-        [list(rank) for rank in peer.ops],
-        recompute,
-        dp,
-        chunking=peer.chunking,
-        chunks=len(peer.chunking.ranks) // profile.num_stages,
-        placement="padding's",
+        placement=placement,
         cut=peer.knobs.get("cut"),
         rows_of=peer.knobs.get("order"),
         counts=[int(peer.knobs.get("microbatches") or 0)],
