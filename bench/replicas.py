@@ -5,7 +5,7 @@ assignment beats.
 
     python bench/replicas.py [--replicas 8] [--stages 8] [--size 32] [--minibatches 8]
                              [--samplers chat lmsys long-context] [--model tuned|heldout]
-                             [--delay 2] [--scale] [--markdown]
+                             [--delay 2] [--scale] [--sweep] [--markdown]
 
 For each sampler, ``--minibatches`` global minibatches of ``--size`` sequences per replica
 (seeded). Per assignment: the mean over minibatches of the step (the slowest replica's plan),
@@ -15,7 +15,9 @@ time on this core. ``--delay K``: WLB-LLM's outlier delay beside it (sequences l
 threshold wait until there is one for each replica, at most K steps; the best of the stream's
 90th, 95th and 99th percentiles as the threshold), reported apart: it changes which step trains
 a sequence. ``--scale``: the assignment's time and its step (every replica planned) against the
-contiguous split's, from D=4 to 64 replicas, up to 8192 sequences of chat. ``--model heldout``: a transformer the assignment was not developed on (32 blocks of
+contiguous split's, from D=4 to 64 replicas, up to 8192 sequences of chat. ``--sweep``: the
+share of the heaviest sequence's fill umopt counts (1 - 2/S) against all of it, on synthetic
+profiles of 2 to 16 stages (about 3 minutes). ``--model heldout``: a transformer the assignment was not developed on (32 blocks of
 width 4096, a 128k vocabulary, 400 TFLOP/s): its figures are the check.
 
 Targets (issue 70), D=8, S=8: >= 1.10x contiguous on chat and lmsys, >= 1.05x on long-context;
@@ -119,6 +121,40 @@ def scale(profile, args) -> list[str]:
     return out
 
 
+def sweep(args) -> list[str]:
+    """The fill share umopt counts (1 - 2/S) against all of it, on synthetic profiles of 2 to 16
+    stages (seed 7: minibatches the share was not chosen on), each sampler's 4 minibatches of
+    D x 32 sequences; and Hydraulis beside them."""
+    from umopt.varlen import replicas
+
+    rule = replicas.fill_share
+    out = []
+    for S, blocks, D in ((2, 8, 8), (4, 8, 4), (4, 16, 8), (8, None, 8), (8, 16, 8), (16, 32, 8)):
+        profile = synthetic_token_profile(
+            S, **({} if blocks is None else {"blocks": blocks, "max_length": 8192})
+        )
+        ratios = []
+        for spec in ("chat", "lmsys", "long-context"):
+            Ls = minibatches(spec, 4, D * 32, seed=7, cap=profile.lengths.max_length)
+
+            def mean(method: str) -> float:
+                return float(np.mean([plan_global(profile, L, D, method).step_ms for L in Ls]))
+
+            base, hyd = mean("contiguous"), mean("hydraulis")
+            replicas.fill_share = lambda stages: 1.0
+            whole = mean("umopt")
+            replicas.fill_share = rule
+            share = mean("umopt")
+            ratios.append((base / whole, base / share, hyd / share))
+        r = np.mean(ratios, axis=0)
+        name = "the tuned model" if blocks is None else f"{blocks} blocks"
+        out.append(
+            f"S={S} ({name}), D={D}: umopt {r[1]:.3f}x contiguous counting 1-2/S of the fill, {r[0]:.3f}x counting "
+            f"all of it; {r[2]:.3f}x Hydraulis"
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replicas", type=int, default=8)
@@ -131,6 +167,7 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(MODELS), default="tuned")
     ap.add_argument("--delay", type=int, default=2, help="outlier delay's most steps (0: not shown)")
     ap.add_argument("--scale", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="the fill share against all of it, 2-16 stages")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
@@ -144,6 +181,8 @@ def main() -> None:
             summary.append(line)
     if args.scale:
         summary += scale(profile, args)
+    if args.sweep:
+        summary += sweep(args)
     summary.append(
         f"model {args.model}, {args.replicas} replicas of {args.stages} stages, {args.minibatches} global minibatches "
         f"of {args.replicas * args.size} sequences per sampler, seed {args.seed}, {time.perf_counter() - t0:.0f} s"

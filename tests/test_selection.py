@@ -181,3 +181,33 @@ def test_a_users_pipeline_selects_too_and_trains_as_one_process(tmp_path):
     for g, w in zip(got, want):
         for k in w:
             torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)
+
+
+def test_schedules_taking_turns_start_each_round_with_the_next_one():
+    """The first to play a minibatch meets its shapes first (caches of kernels and allocators): each
+    round starts with the next schedule, and each turn says, in its order, what is planned after it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from umopt.run.options import RunOptions
+    from umopt.run.rank import _turns
+
+    played = []
+
+    class Steps:
+        def play(self, play, measured, end_of_round, what, turn, memory):
+            played.append((play.name, turn.data, turn.following[1].name, turn.following[0], end_of_round))
+
+    plays = [SimpleNamespace(name=n, warmup=0) for n in ("a", "b", "c")]
+    opts = RunOptions(schedules=["x"], rounds=3, steps=1, warmup=0)
+    rk = SimpleNamespace(
+        cfg=SimpleNamespace(options=opts), speeds=[], device=torch.device("cpu"), start_step=0
+    )
+    rounds, _ = _turns(rk, plays, Steps())
+    assert rounds == 3
+    assert [p[0] for p in played] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [p[1] for p in played] == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # every schedule of a round on its minibatch
+    # what is planned next: the round's next schedule, and after its last the next round's first
+    assert [(p[2], p[3]) for p in played[:4]] == [("b", 0), ("c", 0), ("b", 1), ("c", 1)]
+    assert [p[4] for p in played] == [False, False, True] * 3

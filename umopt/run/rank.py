@@ -581,7 +581,8 @@ def _selecting(rk: _Rank, play: _Play, steps: _Steps) -> Optional[Selection]:
 
 def _turns(rk: _Rank, plays: list[_Play], steps: _Steps) -> tuple[int, Optional[Decision]]:
     """The schedules given take turns, --rounds times (with --decide until decided), so that
-    whatever drifts on the machine meets each alike. Returns the rounds played and the decision."""
+    whatever drifts on the machine meets each alike, each round starting with the next one.
+    Returns the rounds played and the decision."""
     opts = rk.cfg.options
     decision: Optional[Decision] = None
     began = time.monotonic()
@@ -592,21 +593,25 @@ def _turns(rk: _Rank, plays: list[_Play], steps: _Steps) -> tuple[int, Optional[
             break
         rk.speeds.append(reference_ms(rk.device))
         n = (opts.warmup if turn == 0 else 0) + opts.steps
-        for k, play in enumerate(plays):
+        # the order turns each round: the first to play a minibatch meets its shapes first (the
+        # kernels' and allocators' caches), which cost one CPU rank's steps 2x the next method's
+        order = plays[turn % len(plays) :] + plays[: turn % len(plays)]
+        after = plays[(turn + 1) % len(plays)]  # the next round's first
+        for k, play in enumerate(order):
             for j in range(n):
                 warm = turn == 0 and j < opts.warmup
                 play.warmup += warm
                 following = (
                     (base + j + 1, play)
                     if j + 1 < n
-                    else (base, plays[k + 1])
-                    if k + 1 < len(plays)
-                    else (base + n, plays[0])
+                    else (base, order[k + 1])
+                    if k + 1 < len(order)
+                    else (base + n, after)
                 )
                 steps.play(
                     play,
                     measured=not warm,
-                    end_of_round=j == n - 1 and k == len(plays) - 1,
+                    end_of_round=j == n - 1 and k == len(order) - 1,
                     what=f"round {turn + 1}, {play.name}" + (" (warm-up)" if warm else ""),
                     turn=_Turn(base + j, following),
                     memory=turn == 0 and j == opts.warmup - 1,

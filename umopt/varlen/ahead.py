@@ -46,6 +46,11 @@ __all__ = ["PlanAhead"]
 # predicted 5% faster plans and measured 25% slower steps: 2 CPU ranks, 50 ms steps). Warm
 # started, a multi-chunk plan takes about 11 ms at 16 sequences (cold, the first: 30 ms)
 BUDGET_MS, CHUNKED_BUDGET_MS = 15.0, 15.0
+# A plan has one step to be made in: where steps are shorter than the budget (a small model, a
+# CPU), a plan made in the full budget is late every step and the step waits for it (one CPU
+# rank of 5 ms steps measured 2.0x its plans' predictions, padding's instant plans 1.25x). Warm
+# started, a plan is budgeted at most this share of the last plan's predicted step (at least 1 ms).
+STEP_SHARE, LEAST_BUDGET_MS = 0.5, 1.0
 POLL_S = 0.5  # how often a wait for a plan looks whether the planning process is still there
 
 
@@ -90,7 +95,12 @@ def _serve(
         if lengths is None:
             return
         try:
-            previous = _plan_one(profile, method, np.asarray(lengths), budget_ms, recompute, dp, previous, on)
+            budget = (
+                budget_ms
+                if previous is None
+                else min(budget_ms, max(LEAST_BUDGET_MS, STEP_SHARE * previous.iteration_ms))
+            )
+            previous = _plan_one(profile, method, np.asarray(lengths), budget, recompute, dp, previous, on)
             sched = plan_schedule(previous, profile, recompute, dp)
             check_against_profile(sched, profile)  # here, once: the ranks play it unchecked
             outbox.put(sched)
@@ -101,7 +111,7 @@ def _serve(
 class PlanAhead:
     """A planning process for ``profile``'s pipeline (see the module docstring): ``budget_ms``
     per plan, as :func:`umopt.varlen.planner.plan` (None: :data:`BUDGET_MS`, or with ``on``
-    :data:`CHUNKED_BUDGET_MS`)."""
+    :data:`CHUNKED_BUDGET_MS`), at most half the last plan's predicted step (:data:`STEP_SHARE`)."""
 
     def __init__(
         self,
