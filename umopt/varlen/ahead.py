@@ -47,9 +47,9 @@ __all__ = ["PlanAhead"]
 # started, a multi-chunk plan takes about 11 ms at 16 sequences (cold, the first: 30 ms)
 BUDGET_MS, CHUNKED_BUDGET_MS = 15.0, 15.0
 # A plan has one step to be made in: where steps are shorter than the budget (a small model, a
-# CPU), a plan made in the full budget is late every step and the step waits for it (one CPU
-# rank of 5 ms steps measured 2.0x its plans' predictions, padding's instant plans 1.25x). Warm
-# started, a plan is budgeted at most this share of the last plan's predicted step (at least 1 ms).
+# CPU), a plan made in the full budget would be late every step and the step would wait for it.
+# Warm started, a plan is budgeted at most this share of the last plan's predicted step (at least
+# 1 ms; one CPU rank's 5 ms steps: plans of about 2 ms, waited for under 1 ms a step).
 STEP_SHARE, LEAST_BUDGET_MS = 0.5, 1.0
 POLL_S = 0.5  # how often a wait for a plan looks whether the planning process is still there
 
