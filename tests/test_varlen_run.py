@@ -488,3 +488,16 @@ def test_plans_with_several_chunks_per_rank_train_as_one_process(mode, recompute
         for i, layer in enumerate(own):
             for k, v in layer.state_dict().items():
                 torch.testing.assert_close(v, want[f"{i}.{k}"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_plan_made_ahead_takes_at_most_half_the_last_steps_predicted_time():
+    """A plan has one step to be made in: the budget is cut to half the last plan's predicted step
+    (at least a millisecond), so short steps do not wait for plans made in the whole budget."""
+    from types import SimpleNamespace
+
+    from umopt.varlen.ahead import plan_budget
+
+    assert plan_budget(15.0, None) == 15.0  # the first plan: the whole budget
+    assert plan_budget(15.0, SimpleNamespace(iteration_ms=4.8)) == pytest.approx(2.4)
+    assert plan_budget(15.0, SimpleNamespace(iteration_ms=0.5)) == 1.0
+    assert plan_budget(15.0, SimpleNamespace(iteration_ms=400.0)) == 15.0
