@@ -36,10 +36,11 @@ from ..formats.schedule import Schedule, check_against_profile
 from .chunks import plan_chunks
 from .layouts import CHUNKED_METHODS, METHODS
 from .peers import PEERS, unavailable
+from .plan import Plan
 from .planner import plan
 from .solve import plan_schedule
 
-__all__ = ["PlanAhead"]
+__all__ = ["PlanAhead", "plan_budget"]
 
 # a plan's budget by default, one chunk per rank or several. Kept small: where the ranks use every
 # core (a CPU run), what the planner takes the steps lose (with several chunks, 150 ms a plan
@@ -52,6 +53,14 @@ BUDGET_MS, CHUNKED_BUDGET_MS = 15.0, 15.0
 # 1 ms; one CPU rank's 5 ms steps: plans of about 2 ms, waited for under 1 ms a step).
 STEP_SHARE, LEAST_BUDGET_MS = 0.5, 1.0
 POLL_S = 0.5  # how often a wait for a plan looks whether the planning process is still there
+
+
+def plan_budget(budget_ms: float, previous: Optional[Plan]) -> float:
+    """What the next plan may take: ``budget_ms``, at most :data:`STEP_SHARE` of the last plan's
+    predicted step where there is one (at least :data:`LEAST_BUDGET_MS`)."""
+    if previous is None:
+        return budget_ms
+    return min(budget_ms, max(LEAST_BUDGET_MS, STEP_SHARE * previous.iteration_ms))
 
 
 def _plan_one(profile: Profile, method: str, lengths: np.ndarray, budget_ms, recompute, dp, previous, on):
@@ -95,11 +104,7 @@ def _serve(
         if lengths is None:
             return
         try:
-            budget = (
-                budget_ms
-                if previous is None
-                else min(budget_ms, max(LEAST_BUDGET_MS, STEP_SHARE * previous.iteration_ms))
-            )
+            budget = plan_budget(budget_ms, previous)
             previous = _plan_one(profile, method, np.asarray(lengths), budget, recompute, dp, previous, on)
             sched = plan_schedule(previous, profile, recompute, dp)
             check_against_profile(sched, profile)  # here, once: the ranks play it unchecked
