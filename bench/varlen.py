@@ -46,7 +46,8 @@ from tables import print_table, working
 from umopt.errors import UmoptError
 from umopt.synthetic import synthetic_token_profile
 from umopt.varlen.chunks import plan_chunks
-from umopt.varlen.peers import PEERS, timed
+from umopt.varlen.method import Request
+from umopt.varlen.peers import PEERS
 from umopt.varlen.planner import plan, search
 from umopt.varlen.samplers import minibatches
 
@@ -77,8 +78,8 @@ def row(S: int, spec: str, args, step) -> tuple[list[list[str]], dict]:
     for k, L in enumerate(batches):
         if k and k % 20 == 0:
             step(f"{spec}, S={S}, minibatch {k}")
-        for name, fn in PEERS.items():
-            plans[name].append(timed(fn, profile, L, S))
+        for name, peer in PEERS.items():
+            plans[name].append(peer.plan(Request(profile, L)))
         try:
             previous = plan(profile, L, budget_ms=args.budget_ms, previous=previous)
             plans["umopt"].append(previous)
@@ -93,8 +94,8 @@ def row(S: int, spec: str, args, step) -> tuple[list[list[str]], dict]:
                 plans[CHUNKED[0]].append(chunked)
             except UmoptError:
                 plans[CHUNKED[0]].append(None)
-            for name, fn in zip(CHUNKED[1:], (PEERS["pad"], PEERS["pack"])):
-                plans[name].append(timed(fn, profile, L, S, chunks=args.chunks, on=on.get(name)))
+            for name, peer in zip(CHUNKED[1:], (PEERS["pad"], PEERS["pack"])):
+                plans[name].append(peer.plan(Request(profile, L, chunks=(args.chunks,), on=on.get(name))))
     best = [
         min(
             (p for p in (plans[n][k] for n in OTHERS) if p is not None),

@@ -162,30 +162,16 @@ def worker(args) -> None:
 def plans_for(profile, batches, chunks: int = 1):
     """Every minibatch's plans (as schedules): umopt's warm-started, and each peer's, each method
     on the layout its plan of the first minibatch chose among one chunk per rank and ``chunks``."""
-    from umopt.errors import UmoptError
-    from umopt.varlen.chunks import plan_chunks
     from umopt.varlen.layouts import choose_layouts
-    from umopt.varlen.peers import PEERS, timed
-    from umopt.varlen.planner import plan
+    from umopt.varlen.method import Request
+    from umopt.varlen.methods import named
     from umopt.varlen.solve import plan_schedule
 
-    S = profile.num_stages
     on = {m: p.chunking for m, p in choose_layouts(profile, batches[0], METHODS, (1, chunks)).items()}
-    out, previous = [], None
+    out, last = [], {}
     for L in batches:
-        got = {}
-        try:
-            previous = (
-                plan(profile, L, previous=previous)
-                if on["umopt"] is None
-                else plan_chunks(profile, L, chunks, previous=previous, on=on["umopt"], budget_ms=15)
-            )
-            got["umopt"] = previous
-        except UmoptError:
-            got["umopt"] = None
-        for name in METHODS[1:]:
-            v = {} if on[name] is None else {"chunks": len(on[name].ranks) // S, "on": on[name]}
-            got[name] = timed(PEERS[name], profile, L, S, **v)
+        got = {m: named(m).plan(Request(profile, L, on=on[m], previous=last.get(m))) for m in METHODS}
+        last.update({m: p for m, p in got.items() if p is not None})
         out.append({m: None if p is None else (plan_schedule(p, profile), p) for m, p in got.items()})
     return out
 

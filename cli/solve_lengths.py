@@ -177,7 +177,7 @@ def _how(plan) -> str:
 
 def _one(profile, L, source, budget_ms, recompute, time_limit, seed, dp, output, plot, trace, chunks) -> None:
     from umopt.formats.schedule import save_schedule
-    from umopt.varlen.peers import unavailable
+    from umopt.varlen.methods import METHODS
     from umopt.varlen.solve import CHUNKED, schedule_of, solve_minibatch
 
     with _progress_bar("plan (lengths)") as bar:
@@ -205,7 +205,7 @@ def _one(profile, L, source, budget_ms, recompute, time_limit, seed, dp, output,
         if p is None:
             table.add_row(name, "-", "-", "-", "-", "")
             hows.append(
-                f"{name}: {unavailable(profile, name.split(',')[0]) or 'does not fit the memory limit'}"
+                f"{name}: {METHODS[name.split(',')[0]].unavailable(profile) or 'does not fit the memory limit'}"
             )
             continue
         ratio = "" if p is pick else f"{p.iteration_ms / pick.iteration_ms:.2f}x"

@@ -88,6 +88,7 @@ def train(args: argparse.Namespace) -> None:
     import umopt
     from umopt.formats.profile import load_profile
     from umopt.varlen.ahead import PlanAhead
+    from umopt.varlen.method import Request
     from umopt.varlen.peers import PEERS
     from umopt.varlen.solve import plan_schedule
     from umopt.zoo import build_model
@@ -112,7 +113,7 @@ def train(args: argparse.Namespace) -> None:
         return "umopt" if (step // args.turn) % 2 == 0 else "pad"
 
     def pad_plan(step: int):
-        return plan_schedule(PEERS["pad"](profile, np.array(lengths(step)), profile.num_stages), profile)
+        return plan_schedule(PEERS["pad"].plan(Request(profile, lengths(step))), profile)
 
     ahead = PlanAhead(profile) if first else None
     made = [None]

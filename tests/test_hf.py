@@ -22,6 +22,7 @@ import umopt  # noqa: E402
 from umopt.errors import UmoptError  # noqa: E402
 from umopt.synthetic import synthetic_token_profile  # noqa: E402
 from umopt.varlen.chunks import plan_chunks  # noqa: E402
+from umopt.varlen.method import Request  # noqa: E402
 from umopt.varlen.peers import PEERS  # noqa: E402
 from umopt.varlen.planner import plan  # noqa: E402
 from umopt.varlen.solve import plan_schedule  # noqa: E402
@@ -82,8 +83,8 @@ def _plans():
     out = {
         "planner, packed": plan(PROFILE, L, mode="packed", budget_ms=30),
         "planner, padded": plan(PROFILE, L, mode="padded", budget_ms=30),
-        "pad to the longest": PEERS["pad"](PROFILE, L, 2),
-        "packed rows": PEERS["pack"](PROFILE, L, 2),
+        "pad to the longest": PEERS["pad"].plan(Request(PROFILE, L)),
+        "packed rows": PEERS["pack"].plan(Request(PROFILE, L)),
         "two chunks a rank, packed": plan_chunks(PROFILE, L, 2, mode="packed", budget_ms=200),
         "two chunks a rank, padded": plan_chunks(PROFILE, L, 2, mode="padded", budget_ms=200),
     }

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 import umopt
 from umopt.errors import UmoptError
 from umopt.synthetic import synthetic_token_profile
+from umopt.varlen.method import Request
 from umopt.varlen.peers import PEERS
 from umopt.varlen.planner import plan
 from umopt.varlen.solve import plan_schedule
@@ -112,8 +113,8 @@ def _plans(lengths):
     return {
         "planner, padded": plan_schedule(plan(PROFILE, L, mode="padded", budget_ms=30), PROFILE),
         "planner, packed": plan_schedule(plan(PROFILE, L, mode="packed", budget_ms=30), PROFILE),
-        "pad to the longest": plan_schedule(PEERS["pad"](PROFILE, L, 2), PROFILE),
-        "packed rows": plan_schedule(PEERS["pack"](PROFILE, L, 2), PROFILE),
+        "pad to the longest": plan_schedule(PEERS["pad"].plan(Request(PROFILE, L)), PROFILE),
+        "packed rows": plan_schedule(PEERS["pack"].plan(Request(PROFILE, L)), PROFILE),
     }
 
 

@@ -17,6 +17,7 @@ from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import load_schedule, validate_ops
 from umopt.search.problem import LayoutProblem
 from umopt.synthetic import synthetic_token_profile
+from umopt.varlen.method import Request
 from umopt.varlen.peers import PEERS
 from umopt.varlen.planner import plan
 from umopt.varlen.samplers import SAMPLERS, minibatches
@@ -78,8 +79,8 @@ def _covers(plan_, L) -> None:
 @pytest.mark.parametrize("spec", ["chat", "long-context"])
 def test_every_peer_and_umopt_plan_every_sequence_validly(profile4, spec):
     L = minibatches(spec, 1, 32, seed=3)[0]
-    for name, fn in PEERS.items():
-        p = fn(profile4, L, 4)
+    for name, peer in PEERS.items():
+        p = peer.plan(Request(profile4, L))
         if p is None:  # does not fit the memory limit: padding and packing, on long documents
             assert name in ("pad", "pack", "pack-split") and spec == "long-context"
             continue
@@ -97,28 +98,28 @@ def test_umopt_beats_padding_twice_on_chat_and_holds_its_own_against_the_peers(p
     bench/varlen.py), so a slower machine's shorter polish cannot flip them."""
     L = minibatches("chat", 1, 64, seed=11)[0]
     mine = plan(profile4, L, budget_ms=200)
-    assert mine.tokens_per_s > 2 * PEERS["pad"](profile4, L, 4).tokens_per_s
+    assert mine.tokens_per_s > 2 * PEERS["pad"].plan(Request(profile4, L)).tokens_per_s
     for name in ("pack", "sort-split", "dynapipe", "wlb"):
-        assert mine.iteration_ms < PEERS[name](profile4, L, 4).iteration_ms, name
+        assert mine.iteration_ms < PEERS[name].plan(Request(profile4, L)).iteration_ms, name
 
 
 def test_padding_to_the_longest_is_costed_by_the_padded_fits_and_needs_them(profile4):
-    from umopt.varlen.peers import unavailable
-
     L = np.array([100, 300, 50, 400, 220, 90, 10, 330])
-    before = PEERS["pad"](profile4, L, 4).iteration_ms
+    before = PEERS["pad"].plan(Request(profile4, L)).iteration_ms
     cheaper = profile4.model_copy(deep=True)
     for st in cheaper.stages:
         for fit in (st.tokens["padded"].forward, st.tokens["padded"].backward):
             fit.b_ms *= 0.5
-    assert PEERS["pad"](cheaper, L, 4).iteration_ms < 0.8 * before
+    assert PEERS["pad"].plan(Request(cheaper, L)).iteration_ms < 0.8 * before
     # a model that cannot be padded (its profile has packed costs only) has no padding peer
     packed_only = cheaper.model_copy(deep=True)
     packed_only.lengths.modes = ["packed"]
-    assert PEERS["pad"](packed_only, L, 4) is None and "needs padded chunks" in unavailable(
-        packed_only, "pad"
+    assert PEERS["pad"].plan(Request(packed_only, L)) is None
+    assert "needs padded chunks" in PEERS["pad"].unavailable(packed_only)
+    assert (
+        PEERS["pack"].plan(Request(packed_only, L)) is not None
+        and PEERS["pack"].unavailable(packed_only) is None
     )
-    assert PEERS["pack"](packed_only, L, 4) is not None and unavailable(packed_only, "pack") is None
 
 
 def test_peers_run_1f1b_with_fewer_microbatches_than_stages_as_megatron_does():
@@ -131,7 +132,7 @@ def test_peers_run_1f1b_with_fewer_microbatches_than_stages_as_megatron_does():
     gains = []
     for seed in range(6):
         L = minibatches("long-context", 1, 16, seed=seed, cap=profile.lengths.max_length)[0]
-        got = PEERS["pack"](profile, L, 8)
+        got = PEERS["pack"].plan(Request(profile, L))
         assert got.iteration_ms == pytest.approx(
             simulate(got.tables, got.ops, len(got.layout.units)).iteration_ms
         )
@@ -475,11 +476,10 @@ def test_the_multi_chunk_planner_is_never_slower_than_its_modes_peer_and_its_sea
 
     import umopt.varlen.chunks as chunked
     from umopt.schedules.multichunk import build_ops, equal_genes
-    from umopt.varlen.peers import packed_rows, pad
 
     profile = synthetic_token_profile(4, layers_per_stage=2)
     L = minibatches("chat", 1, 12, seed=3, cap=profile.lengths.max_length)[0]
-    peer = (packed_rows if mode == "packed" else pad)(profile, L, 4, chunks=2)
+    peer = PEERS["pack" if mode == "packed" else "pad"].plan(Request(profile, L, chunks=(2,)))
     real = chunked.solve_chunks
 
     def worse(problem, **kw):  # one microbatch per virtual stage: a search that found little
@@ -508,4 +508,4 @@ def test_one_stage_plans_sequences_too():
     L = minibatches("chat", 1, 16, seed=2)[0]
     got = plan(profile, L)
     _covers(got, L)
-    assert all(PEERS[name](profile, L, 1) is not None for name in ("pad", "pack", "dynapipe"))
+    assert all(PEERS[name].plan(Request(profile, L)) is not None for name in ("pad", "pack", "dynapipe"))

@@ -19,6 +19,7 @@ import umopt
 from umopt.errors import UmoptError
 from umopt.search.problem import Candidate
 from umopt.synthetic import synthetic_token_profile
+from umopt.varlen.method import Request
 from umopt.varlen.peers import PEERS
 from umopt.varlen.plan import Layout, score
 from umopt.varlen.planner import plan
@@ -131,7 +132,7 @@ def test_the_peers_plans_play_too_and_bad_steps_are_one_line_errors():
     document of its own, its targets ignored) and sort-and-split, then umopt's, one per step."""
     parts, _ = _model()
     batches = _minibatches(4)
-    peers = [PEERS[name](PROFILE, np.array(L), 2) for name, L in zip(("pad", "pack", "sort-split"), batches)]
+    peers = [PEERS[name].plan(Request(PROFILE, L)) for name, L in zip(("pad", "pack", "sort-split"), batches)]
     assert peers[0].layout.pad_to and peers[1].layout.row
     assert any(len(u) > 1 for u in peers[1].layout.units)  # rows of several sequences
     plans = [plan_schedule(p, PROFILE) for p in peers] + [
@@ -421,7 +422,7 @@ def test_plans_with_several_chunks_per_rank_train_as_one_process(mode, recompute
             plan_chunks(profile, np.array(L), 2, mode=mode, recompute=recompute, budget_ms=150, seed=k, on=on)
             for k, L in enumerate(batches[:2])
         ]
-        planned.append(PEERS["pack"](profile, np.array(batches[2]), 2, recompute, chunks=2, on=on))
+        planned.append(PEERS["pack"].plan(Request(profile, batches[2], recompute, on=on)))
         # and each virtual stage cut its own way by hand, W ops deferred, the samples longest first
         L = np.array(batches[3])
         layout = Layout.of_order(np.argsort(L)[::-1], mode)

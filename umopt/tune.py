@@ -51,7 +51,7 @@ from .search.solve_chunks import solve_chunked
 from .search.solvers import SOLVERS
 from .search.zerobubble import zb_h1
 from .varlen.layouts import choose_layouts
-from .varlen.peers import unavailable
+from .varlen.methods import METHODS
 from .varlen.plan import Plan
 from .varlen.samplers import SAMPLERS, cut_note, minibatch_of_step
 from .varlen.solve import plan_schedule
@@ -536,8 +536,8 @@ def tune_lengths(
     )
     chunks = _counts_the_layers_allow(opts, chunks, say)
     out, prof = _profiled(opts, out_dir, probes, min(size, 32), max(chunks), say)
-    for m in [m for m in methods if unavailable(prof, m)]:
-        say(f"{m} left out: {unavailable(prof, m)}")
+    for m in [m for m in methods if METHODS[m].unavailable(prof)]:
+        say(f"{m} left out: {METHODS[m].unavailable(prof)}")
         methods = [k for k in methods if k != m]
     if len(methods) < 2:
         raise UmoptError("tune --lengths: no peer's plans can train this model to measure umopt's against")
@@ -621,7 +621,7 @@ def _fit_tokens_to_runs(prof: Profile, out: Path, lengths: str, first, say) -> P
     )
     # umopt's plans and padding's in turns: the ops of every mode the model takes (umopt's plans
     # may all be packed, and a mode the runs held no op of would be dropped, padding with it)
-    methods = ["umopt", *(["pad"] if not unavailable(prof, "pad") else [])]
+    methods = ["umopt", *(["pad"] if not METHODS["pad"].unavailable(prof) else [])]
     say(
         f"a probe run of sequences ({PROBE_STEPS} steps of {' and '.join(methods)}'s plans), to fit the costs by "
         "tokens"

@@ -28,8 +28,7 @@ from ..formats.schedule import (
     require_pick_layout,
 )
 from ..measure.decide import is_equal
-from ..varlen.layouts import CHUNKED_METHODS, METHODS
-from ..varlen.peers import unavailable
+from ..varlen.methods import METHODS, chunked_names
 from ..varlen.replicas import ASSIGNERS
 from ..varlen.samplers import minibatch_of_step
 from ..zoo import build_model, import_object, runnable
@@ -260,16 +259,16 @@ def _methods(opts: RunOptions, schedules: list[Schedule], profile: Profile) -> l
     if bad:
         raise UmoptError(f"--methods: unknown {bad[0]!r}: each of {', '.join(METHODS)}")
     for m, sc in zip(methods, schedules * len(methods) if len(schedules) == 1 else schedules):
-        if sc.chunks is not None and m not in CHUNKED_METHODS:
+        if sc.chunks is not None and not METHODS[m].chunked:
             raise UmoptError(
                 f"--methods: {m} plans one chunk per rank, its plan has several: "
-                f"each of {', '.join(CHUNKED_METHODS)} (or give {m} a plan of its own with one chunk)"
+                f"each of {', '.join(chunked_names())} (or give {m} a plan of its own with one chunk)"
             )
     if len(set(methods)) < len(methods):
         raise UmoptError("--methods names a method twice")
     if opts.assign is not None and opts.assign not in ASSIGNERS:
         raise UmoptError(f"--assign: unknown {opts.assign!r}: one of {', '.join(ASSIGNERS)}")
-    why = next((unavailable(profile, m) for m in methods if unavailable(profile, m)), None)
+    why = next((METHODS[m].unavailable(profile) for m in methods if METHODS[m].unavailable(profile)), None)
     if why:
         raise UmoptError(f"--methods: {why}")
     return methods

@@ -6,7 +6,7 @@ step then costs no planning time. :class:`PlanAhead` is that process: :meth:`~Pl
 the lengths of a minibatch as soon as they are known, :meth:`~PlanAhead.next` the plans in the
 order submitted (each warm-started from the one before, as :func:`umopt.varlen.planner.plan`
 does in a loop), as schedules ``umopt.Pipeline.step(plan=...)`` plays. ``method``: umopt's
-planner, or one of the peers' (:data:`umopt.varlen.peers.PEERS`: what ``umopt tune --lengths``
+planner, or one of the peers' (:data:`umopt.varlen.methods.METHODS`: what ``umopt tune --lengths``
 measures umopt against, planned the same way). ``on``: the pipeline's layout where ranks hold
 several chunks (every plan keeps it: umopt's multi-chunk planner, :func:`umopt.varlen.chunks.plan_chunks`,
 or padding and packing on torch's multi-chunk schedules)::
@@ -33,11 +33,9 @@ from ..costmodel import Chunking
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule, check_against_profile
-from .chunks import plan_chunks
-from .layouts import CHUNKED_METHODS, METHODS
-from .peers import PEERS, unavailable
+from .method import Method, Request
+from .methods import chunked_names, named
 from .plan import Plan
-from .planner import plan
 from .solve import plan_schedule
 
 __all__ = ["PlanAhead", "plan_budget"]
@@ -63,26 +61,15 @@ def plan_budget(budget_ms: float, previous: Optional[Plan]) -> float:
     return min(budget_ms, max(LEAST_BUDGET_MS, STEP_SHARE * previous.iteration_ms))
 
 
-def _plan_one(profile: Profile, method: str, lengths: np.ndarray, budget_ms, recompute, dp, previous, on):
-    S = profile.num_stages
-    if on is not None:
-        v = len(on.ranks) // S
-        if method == "umopt":
-            return plan_chunks(
-                profile, lengths, v, recompute=recompute, dp=dp, budget_ms=budget_ms, on=on, previous=previous
-            )
-        got = PEERS[method](profile, lengths, S, recompute, dp, chunks=v, on=on)
-    elif method == "umopt":
-        return plan(profile, lengths, budget_ms=budget_ms, recompute=recompute, dp=dp, previous=previous)
-    else:
-        got = PEERS[method](profile, lengths, S, recompute, dp)
+def _plan_one(profile: Profile, m: Method, lengths: np.ndarray, budget_ms, recompute, dp, previous, on):
+    got = m.plan(Request(profile, lengths, recompute, dp, on=on, budget_ms=budget_ms, previous=previous))
     if got is None:
-        raise UmoptError(f"{method}: no plan of this minibatch fits the memory limit")
+        raise UmoptError(f"{m.name}: no plan of this minibatch fits the memory limit")
     return got
 
 
 def _serve(
-    profile: Profile, budget_ms: float, recompute: bool, dp, method: str, on, parent: int, inbox, outbox
+    profile: Profile, budget_ms: float, recompute: bool, dp, method: Method, on, parent: int, inbox, outbox
 ) -> None:
     """The planning process: one plan per lengths received, in order, until None. At a lower
     priority than the training processes: a plan has a whole step to be made in, and where the
@@ -129,13 +116,12 @@ class PlanAhead:
     ):
         if profile.lengths is None:
             raise UmoptError("the profile has no costs by tokens (profile with --lengths)")
-        if method not in METHODS:
-            raise UmoptError(f"unknown planning method {method!r}: one of {', '.join(METHODS)}")
-        if unavailable(profile, method):
-            raise UmoptError(unavailable(profile, method))
-        if on is not None and method not in CHUNKED_METHODS:
+        m = named(method)
+        if m.unavailable(profile):
+            raise UmoptError(m.unavailable(profile))
+        if on is not None and not m.chunked:
             raise UmoptError(
-                f"{method} plans one chunk per rank; with several: one of {', '.join(CHUNKED_METHODS)}"
+                f"{method} plans one chunk per rank; with several: one of {', '.join(chunked_names())}"
             )
         if budget_ms is None:
             budget_ms = BUDGET_MS if on is None else CHUNKED_BUDGET_MS
@@ -144,7 +130,7 @@ class PlanAhead:
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
         self._process = ctx.Process(
             target=_serve,
-            args=(profile, budget_ms, recompute, dp, method, on, os.getpid(), self._inbox, self._outbox),
+            args=(profile, budget_ms, recompute, dp, m, on, os.getpid(), self._inbox, self._outbox),
             daemon=True,
             name="umopt-plan-ahead",
         )

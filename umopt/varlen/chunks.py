@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from ..costmodel import Chunking, ChunkOp
-from ..errors import UmoptError
+from ..errors import NoFit, UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..search.problem import LayoutProblem
 from ..search.solvers.multichunk import solve_chunks
@@ -126,9 +126,7 @@ def plan_chunks(
         if best is None or sol.iteration_ms < best[0].iteration_ms:
             best = (sol, Layout.of_order(order, m), how)
     if best is None and rows is None:
-        raise UmoptError(
-            "no plan fits the memory limit: fewer or shorter sequences per minibatch, or --recompute"
-        )
+        raise NoFit()
     if rows is not None and (best is None or rows.iteration_ms < best[0].iteration_ms):
         rows.knobs.update(turn=turn, order=kn.get("order", "rows"), mode=rows.layout.mode)
         rows.planning_ms = (time.perf_counter() - t0) * 1e3

@@ -14,19 +14,13 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import numpy as np
-
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
-from .chunks import plan_chunks
-from .peers import PEERS, unavailable
+from .method import Request
+from .methods import named
 from .plan import Plan
-from .planner import plan
 
-__all__ = ["METHODS", "CHUNKED_METHODS", "choose_layouts"]
-
-METHODS = ("umopt", *PEERS)  # who may plan the minibatches
-CHUNKED_METHODS = ("umopt", "pad", "pack")  # ...and where ranks hold several chunks
+__all__ = ["choose_layouts"]
 
 
 def choose_layouts(
@@ -41,35 +35,18 @@ def choose_layouts(
 ) -> dict[str, Plan]:
     """Each method's plan of the minibatch ``lengths`` on the layout it chooses among ``chunks``
     (counts of chunks per rank; see the module docstring), within the memory limit."""
-    L = np.asarray(lengths, dtype=np.int64)
-    S = profile.num_stages
+    one = Request(profile, lengths, recompute, dp, budget_ms=budget_ms, seed=seed)
     many = tuple(c for c in chunks if c > 1)
     out = {}
-    for m in methods:
-        if unavailable(profile, m):
-            raise UmoptError(unavailable(profile, m))
-        found: list[Optional[Plan]] = []
-        if 1 in chunks:
-            one = (
-                plan(profile, L, budget_ms=budget_ms, recompute=recompute, dp=dp, seed=seed)
-                if m == "umopt"
-                else PEERS[m](profile, L, S, recompute, dp)
-            )
-            found.append(one)
-        if many and m in CHUNKED_METHODS:
-            if m == "umopt":
-                try:
-                    found.append(
-                        plan_chunks(
-                            profile, L, many, recompute=recompute, dp=dp, budget_ms=budget_ms, seed=seed
-                        )
-                    )
-                except UmoptError:  # none within the memory limit
-                    pass
-            else:
-                found.append(PEERS[m](profile, L, S, recompute, dp, chunks=max(many)))
+    for name in methods:
+        m = named(name)
+        if m.unavailable(profile):
+            raise UmoptError(m.unavailable(profile))
+        found = [m.plan(one)] if 1 in chunks else []
+        if many and m.chunked:
+            found.append(m.plan(one.but(chunks=many)))
         fits = [p for p in found if p is not None]
         if not fits:
-            raise UmoptError(f"{m}: no plan of the first minibatch fits the memory limit")
-        out[m] = min(fits, key=lambda p: p.iteration_ms)
+            raise UmoptError(f"{name}: no plan of the first minibatch fits the memory limit")
+        out[name] = min(fits, key=lambda p: p.iteration_ms)
     return out

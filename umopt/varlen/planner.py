@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import UmoptError
+from ..errors import NoFit, UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..schedules.family import ONEF1B, family, ruled
 from ..search.problem import Candidate, Problem
@@ -346,9 +346,7 @@ def plan(
         best = _screen_orders(profile, L, recompute, dp, ways, None, budget_ms, t0)
     ms, g, layout, problem, how = best
     if g is None:
-        raise UmoptError(
-            "no plan fits the memory limit: fewer or shorter sequences per minibatch, or --recompute"
-        )
+        raise NoFit()
     # the polish stops short of the budget by what the plan's ops took last step to build
     tail_ms = float(kn.get("ops_ms", 0.2 * budget_ms))
     ms, g = _polish(problem, g, ms, t0 + (budget_ms - tail_ms) / 1e3, np.random.default_rng(seed))

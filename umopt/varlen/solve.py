@@ -22,14 +22,15 @@ import numpy as np
 
 from ..chunks import placement_name
 from ..costmodel import Chunking
-from ..errors import UmoptError
+from ..errors import NoFit, UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import LengthsSpec, Schedule, make_schedule
 from ..search.peers import TORCH_EXIT_S, load_torch_schedules
-from .chunks import plan_chunks
-from .peers import PEERS, packed_rows, pad, timed
+from .method import Request
+from .methods import METHODS, UMOPT
+from .peers import PEERS
 from .plan import Plan
-from .planner import plan, search
+from .planner import search
 
 __all__ = [
     "MinibatchReport",
@@ -86,25 +87,22 @@ def solve_minibatch(
     t0 = time.perf_counter()
     L = np.asarray(lengths, dtype=np.int64)
     _check(profile, L)
-    S = profile.num_stages
     many = tuple(c for c in chunks if c > 1)
-    fast = plan(profile, L, budget_ms=budget_ms, recompute=recompute, dp=dp, seed=seed)
-    peers = {name: timed(fn, profile, L, S, recompute, dp) for name, fn in PEERS.items()}
+    one = Request(profile, L, recompute, dp, budget_ms=budget_ms, seed=seed)
+    fast = UMOPT.plan(one)
+    if fast is None:
+        raise NoFit()
+    peers = {name: m.plan(one) for name, m in PEERS.items()}
     if many:  # torch's multi-chunk schedules at their best count (up to the largest), M and cut
         load_torch_schedules()  # imported before a plan's clock runs (seconds on a CPU)
-        for name, fn in (("pad", pad), ("pack", packed_rows)):
-            peers[f"{name}, {CHUNKED}"] = timed(fn, profile, L, S, recompute, dp, chunks=max(many))
+        for name, m in PEERS.items():
+            if m.chunked:
+                peers[f"{name}, {CHUNKED}"] = m.plan(one.but(chunks=many))
     margin = _MARGIN_S + (TORCH_EXIT_S if many else 0.0)
     left = time_limit - (time.perf_counter() - t0) - margin
     chunked = None
-    if many:
-        share = max(0.2, left / 2)
-        try:
-            chunked = plan_chunks(
-                profile, L, many, recompute=recompute, dp=dp, budget_ms=1e3 * share, seed=seed
-            )
-        except UmoptError:  # none within the memory limit: the one-chunk plans still compete
-            pass
+    if many:  # None: none within the memory limit, and the one-chunk plans still compete
+        chunked = UMOPT.plan(one.but(chunks=many, budget_ms=1e3 * max(0.2, left / 2)))
         left = time_limit - (time.perf_counter() - t0) - margin
     best, ran = fast, 0.0
     if left > 0.5:
@@ -205,53 +203,35 @@ def solve_stream(
     several chunks per rank too, each method keeping the layout its plan of the first minibatch
     chose (as a pipeline keeps its modules)."""
     t0 = time.perf_counter()
-    S = profile.num_stages
     many = tuple(c for c in chunks if c > 1)
     out = StreamReport(0, len(batches))
-    multi = (
-        {f"{m}, {CHUNKED}": fn for m, fn in (("umopt", None), ("pad", pad), ("pack", packed_rows))}
-        if many
-        else {}
-    )
+    # each method on one chunk per rank, then each that has them on several
+    columns = [(name, m, False) for name, m in METHODS.items()]
+    columns += [(f"{name}, {CHUNKED}", m, True) for name, m in METHODS.items() if many and m.chunked]
     if many:  # imported before the clock of any plan runs (seconds on a CPU)
         load_torch_schedules()
-    methods = ["umopt", *PEERS, *multi]
-    out.ms = {m: [] for m in methods}
-    out.planning_ms = {m: [] for m in methods}
-    previous = None
+    out.ms = {name: [] for name, _, _ in columns}
+    out.planning_ms = {name: [] for name, _, _ in columns}
     on: dict[str, Chunking] = {}  # each multi-chunk method's layout, once its first plan chose it
-    last: dict[str, Plan] = {}
+    last: dict[str, Plan] = {}  # each method's last plan, where umopt's planner starts from
     margin = _MARGIN_S + (TORCH_EXIT_S if many else 0.0)
     for k, L in enumerate(batches):
         L = np.asarray(L, dtype=np.int64)
         _check(profile, L)
         if k and time.perf_counter() - t0 > time_limit - margin:
             break
-        previous = plan(
-            profile, L, budget_ms=budget_ms, recompute=recompute, dp=dp, previous=previous, seed=k
-        )
-        got = {"umopt": previous}
-        got.update({name: timed(fn, profile, L, S, recompute, dp) for name, fn in PEERS.items()})
-        for name, fn in multi.items():
-            if fn is None:
-                try:
-                    got[name] = plan_chunks(
-                        profile, L, many, recompute=recompute, dp=dp, budget_ms=budget_ms,
-                        seed=k, on=on.get(name), previous=last.get(name),
-                    )  # fmt: skip
-                except UmoptError:  # none within the memory limit
-                    got[name] = None
-            else:
-                got[name] = timed(fn, profile, L, S, recompute, dp, chunks=max(many), on=on.get(name))
-            if got[name] is not None:
-                last[name] = got[name]
-                on.setdefault(name, got[name].chunking)
+        one = Request(profile, L, recompute, dp, budget_ms=budget_ms, seed=k)
         out.tokens.append(int(L.sum()))
-        for m in methods:
-            q = got[m]
-            out.ms[m].append(None if q is None else q.iteration_ms)
+        for name, m, several in columns:
+            q = m.plan(
+                one.but(previous=last.get(name), **({"chunks": many, "on": on.get(name)} if several else {}))
+            )
+            out.ms[name].append(None if q is None else q.iteration_ms)
             if q is not None:
-                out.planning_ms[m].append(q.planning_ms)
+                out.planning_ms[name].append(q.planning_ms)
+                last[name] = q
+                if several:
+                    on.setdefault(name, q.chunking)
         out.planned = k + 1
         if progress:
             progress(k + 1, len(batches))
