@@ -112,3 +112,14 @@ def test_no_package_of_umopt_imports_itself_back():
         f"packages on an import cycle: {sorted(map(sorted, cycles - KNOWN_PACKAGE_CYCLES))}"
     )
     assert "umopt.run" not in reach["umopt.measure"] and "umopt.search" not in reach["umopt.measure"]
+
+
+def test_every_package_of_umopt_is_installed():
+    """pyproject lists umopt's packages by name: one left out installs without it (an editable
+    install does not show it; ``pip install .`` does, at the first import)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "umopt").rglob("__init__.py")}
+    assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
