@@ -509,3 +509,56 @@ def test_one_stage_plans_sequences_too():
     got = plan(profile, L)
     _covers(got, L)
     assert all(PEERS[name].plan(Request(profile, L)) is not None for name in ("pad", "pack", "dynapipe"))
+
+
+NEW_PEER = """
+from umopt.varlen.method import Method, Request
+from umopt.varlen.peers.equal import best_shared
+from umopt.varlen.plan import Layout
+
+
+class Halves(Method):
+    name, position = "halves", 7
+
+    def _plan(self, r: Request):
+        order = r.lengths.argsort()
+        half = len(order) // 2
+        return best_shared(self.name, r.profile, r.lengths,
+                           [(Layout.of_order(order, "packed"), [[half, len(order) - half]], {})],
+                           r.stages, r.recompute, r.dp)
+"""
+
+
+def test_a_new_peer_is_one_class_in_one_file(tmp_path):
+    """docs/varlen.md's example: a copy of umopt with one file added to umopt/varlen/peers/ plans
+    with the new peer in ``umopt solve --lengths``'s table and takes it by name, nothing else
+    changed."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    pkg = tmp_path / "umopt"
+    shutil.copytree(root / "umopt", pkg, ignore=shutil.ignore_patterns("__pycache__", "profiles"))
+    shutil.copytree(root / "cli", pkg / "cli", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(root / "profiles", pkg / "profiles", ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "varlen" / "peers" / "halves.py").write_text(NEW_PEER)
+    code = (
+        "from umopt.cli import main; from umopt.varlen.methods import named; "
+        "from umopt.formats.profile import load_profile; from umopt.varlen.method import Request; "
+        "p = named('halves').plan(Request(load_profile('gpt-tokens-sim'), [30, 500, 90, 200, 60, 410]));"
+        "print('halves plan', p.method, len(p.ops[0]) // 2); "
+        f"main(['solve', 'gpt-tokens-sim', '-B', '8', '--lengths', 'chat', '--time-limit', '2', '-o', r'{tmp_path / 's.json'}'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path), "COLUMNS": "100"},
+        timeout=120,
+    )
+    assert "halves plan halves 2" in out.stdout, out.stdout + out.stderr
+    assert "│ halves " in out.stdout, out.stdout
+    assert json.loads((tmp_path / "s.json").read_text())["baselines"]["halves"]["microbatches"] == 2
