@@ -10,7 +10,7 @@ torch's schedules scored at their best v <= 4, M and cut (each stage or all laye
 by layer count), and umopt's search over per-virtual-stage
 partitions, placement and cut; the pick is the fastest), against the best torch schedule of the
 same kind (without W ops: ScheduleLoopedBFS and ScheduleInterleaved1F1B; with them any of the
-five) and umopt's one-chunk pick. Torch's orders come from torch itself (umopt.search.peers). Targets
+five) and umopt's one-chunk pick. Torch's orders come from torch itself (umopt.search.peers.schedules). Targets
 (issue 45): umopt's pick at least 1.05x the best torch schedule on every row, at least 1.15x
 umopt's single-chunk pick on transformer8-sim, within 60 s at S=8, B=64; every solve within its
 limit + 5% + 2 s (issue 58). "search adds": schedules the local search scored beyond the

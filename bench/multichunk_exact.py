@@ -21,7 +21,7 @@ from tables import print_table
 from umopt.costmodel import simulate
 from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile
-from umopt.search.peers import TORCH_MULTI, torch_ops
+from umopt.search.peers.schedules import TORCH_MULTI, torch_ops
 from umopt.search.problem import LayoutProblem
 from umopt.search.solvers.cpsat_chunks import solve_chunks_exact
 from umopt.search.solvers.multichunk import improve_order, solve_chunks

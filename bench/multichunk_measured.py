@@ -113,7 +113,7 @@ def main() -> None:
     from umopt.errors import UmoptError
     from umopt.formats.profile import load_profile
     from umopt.formats.schedule import make_schedule, save_schedule
-    from umopt.search.peers import score_peer
+    from umopt.search.peers.schedules import score_peer
     from umopt.search.problem import LayoutProblem
     from umopt.search.solve_chunks import solve_chunked
 

@@ -1,5 +1,5 @@
 """The global minibatch across data-parallel replicas, predicted: each assignment of the
-sequences to the replicas (umopt/varlen/replicas.py), every replica then planned by umopt's own
+sequences to the replicas (umopt/search/replicas.py), every replica then planned by umopt's own
 planner, so that only the assignment differs; the slowest replica's step against the bound no
 assignment beats.
 
@@ -37,9 +37,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tables import print_table, working  # noqa: E402
 
+from umopt.samplers import minibatches  # noqa: E402
+from umopt.search.replicas import ASSIGNERS, assign, delay_outliers, lower_bound_ms, plan_global  # noqa: E402
 from umopt.synthetic import synthetic_token_profile  # noqa: E402
-from umopt.varlen.replicas import ASSIGNERS, assign, delay_outliers, lower_bound_ms, plan_global  # noqa: E402
-from umopt.varlen.samplers import minibatches  # noqa: E402
 
 MODELS = {
     "tuned": {},
@@ -125,7 +125,7 @@ def sweep(args) -> list[str]:
     """The fill share umopt counts (1 - 2/S) against all of it, on synthetic profiles of 2 to 16
     stages (seed 7: minibatches the share was not chosen on), each sampler's 4 minibatches of
     D x 32 sequences; and Hydraulis beside them."""
-    from umopt.varlen import replicas
+    from umopt.search import replicas
 
     rule = replicas.fill_share
     out = []

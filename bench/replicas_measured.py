@@ -10,7 +10,7 @@ lengths on 2 stages (``umopt profile --lengths``) and its costs by tokens fitted
 (as bench/varlen_measured.py does; ``--no-fit`` leaves it out). Each sampler's ``--minibatches``
 global minibatches of 2 x ``--size`` sequences are drawn (seeded; lengths scaled by
 ``--max-length`` over the sampler's cap, keeping their spread). Each is split between the two
-replicas by umopt (:func:`umopt.varlen.replicas.assign`) and contiguously (torch's
+replicas by umopt (:func:`umopt.search.replicas.assign`) and contiguously (torch's
 DistributedSampler, Megatron-LM, DeepSpeed), each replica's share then planned by umopt's own
 planner, so only the assignment differs. Four processes build ``umopt.Pipeline`` once (each
 replica's two stages, ``dp_group`` the other replica's same stage), read each step's whole global
@@ -138,9 +138,9 @@ def main() -> None:
     from varlen_measured import fit_to_a_run
 
     from umopt.formats.profile import load_profile
-    from umopt.varlen.replicas import plan_global
-    from umopt.varlen.samplers import SAMPLERS, minibatches
-    from umopt.varlen.solve import plan_schedule
+    from umopt.samplers import SAMPLERS, minibatches
+    from umopt.search.replicas import plan_global
+    from umopt.search.solve_lengths import plan_schedule
 
     t_start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="umopt-replicas-"))

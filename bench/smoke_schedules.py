@@ -19,7 +19,7 @@ from umopt.costmodel import CostTables, rank_peak_memory, simulate
 from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile
 from umopt.formats.schedule import make_schedule, save_schedule
-from umopt.search.peers import torch_ops
+from umopt.search.peers.schedules import torch_ops
 
 
 def write(profile_path: str, B: int, out: Path, name: str, place: str, file: str) -> None:

@@ -9,7 +9,7 @@
 For every stage count and sampler, ``--minibatches`` minibatches of ``--size`` sequences (seeded)
 are planned one after another as in training: umopt's planner warm-started from the previous
 step's plan within ``--budget-ms``, and each peer (pad to the longest, packing into rows,
-sort-and-split, DynaPipe's DP, WLB-LLM's greedy; umopt/varlen/peers.py) at its best knobs, all
+sort-and-split, DynaPipe's DP, WLB-LLM's greedy; umopt/search/peers/) at its best knobs, all
 scored by the same simulator under one memory limit. Tokens per second are the real tokens (no
 padding) over the summed predicted iteration times, over the minibatches a method fits; umopt's
 ratio to a peer over the minibatches both fit. "best of peers" takes, per minibatch, the fastest
@@ -20,7 +20,7 @@ umopt's warm-started plans on this core (the first, cold, plan apart).
 first K minibatches of each row: how far the fast plan is from the best found.
 
 ``--chunks V`` adds several chunks per rank (the profile's stages cut into two layers each): umopt's
-multi-chunk plans (umopt/varlen/chunks.py, warm-started step to step) and padding and packing on
+multi-chunk plans (umopt/search/solvers/per_step_chunks.py, warm-started step to step) and padding and packing on
 torch's multi-chunk schedules at their best chunk count up to V, microbatches and cut, as rows
 "umopt, chunked", "pad, chunked", "pack, chunked" beside the one-chunk ones.
 
@@ -44,12 +44,12 @@ import numpy as np
 from tables import print_table, working
 
 from umopt.errors import UmoptError
+from umopt.samplers import minibatches
+from umopt.search.method import Request
+from umopt.search.peers import PEERS
+from umopt.search.solvers.per_step import plan, search
+from umopt.search.solvers.per_step_chunks import plan_chunks
 from umopt.synthetic import synthetic_token_profile
-from umopt.varlen.chunks import plan_chunks
-from umopt.varlen.method import Request
-from umopt.varlen.peers import PEERS
-from umopt.varlen.planner import plan, search
-from umopt.varlen.samplers import minibatches
 
 MODELS = {
     "tuned": {},

@@ -24,7 +24,7 @@ the mean step, and umopt against it.
 
 ``--chunks V``: the model profiled layer by layer (``umopt profile --chunks V``), and every method
 trains on the layout it chooses on the first minibatch, one chunk per rank or V
-(umopt/varlen/layouts.py, as ``umopt tune --lengths --chunks`` does): umopt's multi-chunk plans,
+(umopt/search/layouts.py, as ``umopt tune --lengths --chunks`` does): umopt's multi-chunk plans,
 padding and packing on torch's multi-chunk schedules, DynaPipe one chunk per rank; each layout
 its own copy of the model. The table's "chunks" column says which.
 
@@ -32,7 +32,7 @@ It takes about 6 minutes on 2 cores (profile, probe run, 2 samplers of 8 minibat
 with ``--chunks 2`` about 9.
 
 A fifth row, "umopt, planned ahead", plays umopt's plans made during the steps: rank 0 runs
-:class:`umopt.varlen.ahead.PlanAhead` (a process of its own), submits minibatch k + 1's lengths as
+:class:`umopt.run.ahead.PlanAhead` (a process of its own), submits minibatch k + 1's lengths as
 step k starts, and rank 1 reads each plan from the store, as in training.
 
 Targets (issue 57): at least 1.5x pad-to-longest and 1.10x packing in tokens per second,
@@ -58,7 +58,7 @@ MODEL = {"layers": 4, "d_model": 128, "heads": 4, "vocab": 1024}
 # with --device cuda: a model a GPU is not idle on, in bfloat16 (packed attention: varlen flash)
 MODEL_GPU = {"layers": 8, "d_model": 1024, "heads": 16, "vocab": 32768}
 METHODS = ("umopt", "pad", "pack", "dynapipe")
-AHEAD = "umopt, planned ahead"  # umopt's plans made during the steps, by umopt.varlen.ahead.PlanAhead
+AHEAD = "umopt, planned ahead"  # umopt's plans made during the steps, by umopt.run.ahead.PlanAhead
 
 
 def worker(args) -> None:
@@ -68,7 +68,7 @@ def worker(args) -> None:
 
     import umopt
     import umopt.errors
-    from umopt.varlen.ahead import PlanAhead
+    from umopt.run.ahead import PlanAhead
     from umopt.zoo import Layers, build_model
 
     torch.set_num_threads(1)
@@ -162,10 +162,10 @@ def worker(args) -> None:
 def plans_for(profile, batches, chunks: int = 1):
     """Every minibatch's plans (as schedules): umopt's warm-started, and each peer's, each method
     on the layout its plan of the first minibatch chose among one chunk per rank and ``chunks``."""
-    from umopt.varlen.layouts import choose_layouts
-    from umopt.varlen.method import Request
-    from umopt.varlen.methods import named
-    from umopt.varlen.solve import plan_schedule
+    from umopt.search.layouts import choose_layouts
+    from umopt.search.method import Request
+    from umopt.search.methods import named
+    from umopt.search.solve_lengths import plan_schedule
 
     on = {m: p.chunking for m, p in choose_layouts(profile, batches[0], METHODS, (1, chunks)).items()}
     out, last = [], {}
@@ -180,7 +180,7 @@ def fit_to_a_run(prof_path: Path, work: Path, sampler: str, max_length: int, siz
     """The profile's costs by tokens fitted to a probe run of umopt's and padding's plans (4 steps of the first
     sampler's lengths, drawn by `umopt run`'s own seeds, not the bench's minibatches), with the
     commands a user runs: umopt solve --lengths, umopt run --report, umopt calibrate."""
-    from umopt.varlen.samplers import SAMPLERS
+    from umopt.samplers import SAMPLERS
 
     spec = f"{sampler}/{SAMPLERS[sampler].cap / max_length:g}"
     umopt = [sys.executable, "-m", "umopt.cli"]
@@ -234,7 +234,7 @@ def main() -> None:
     from tables import print_table
 
     from umopt.formats.profile import load_profile
-    from umopt.varlen.samplers import SAMPLERS, minibatches
+    from umopt.samplers import SAMPLERS, minibatches
 
     work = Path(tempfile.mkdtemp(prefix="umopt-varlen-"))
     model_args = dict(MODEL_GPU if args.device == "cuda" else MODEL, seq_len=args.max_length)

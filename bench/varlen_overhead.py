@@ -30,10 +30,10 @@ from umopt.costmodel import ChunkOp, OpKind  # noqa: E402
 from umopt.formats.schedule import check_against_profile  # noqa: E402
 from umopt.run.links import messages  # noqa: E402
 from umopt.run.tokens import TokenRows  # noqa: E402
+from umopt.samplers import minibatches  # noqa: E402
+from umopt.search.solve_lengths import plan_schedule  # noqa: E402
+from umopt.search.solvers.per_step import plan  # noqa: E402
 from umopt.synthetic import synthetic_token_profile  # noqa: E402
-from umopt.varlen.planner import plan  # noqa: E402
-from umopt.varlen.samplers import minibatches  # noqa: E402
-from umopt.varlen.solve import plan_schedule  # noqa: E402
 
 
 def take_up(sched, me: int = 3) -> None:

@@ -164,7 +164,7 @@ def solve(
         check_writable(path)
     allreduce = allreduce_for(profile, dp, dp_gbps)
     if chunk_counts != (1,):
-        from umopt.search.peers import TORCH_EXIT_S
+        from umopt.search.peers.schedules import TORCH_EXIT_S
 
         if solver != "auto" or order != "auto":
             raise UmoptError("--chunks searches on its own: it takes no --solver or --order")

@@ -45,8 +45,8 @@ def solve_lengths(
 
     started = time.perf_counter()  # the time limit covers the whole command
     from umopt.fileio import check_writable
+    from umopt.samplers import cut_note, minibatches
     from umopt.search.solve import allreduce_for
-    from umopt.varlen.samplers import cut_note, minibatches
 
     if count < 1:
         raise UmoptError(f"--minibatches must be at least 1, got {count}")
@@ -98,7 +98,7 @@ def solve_lengths(
 
 def _replicas(profile, L, source, replicas, budget_ms, recompute, allreduce, output) -> None:
     from umopt.formats.replicas import save_replicas
-    from umopt.varlen.replicas import replicas_file, solve_global
+    from umopt.search.replicas import replicas_file, solve_global
 
     with _progress_bar("plan (replicas)") as bar:
         bar.add_task(
@@ -177,8 +177,8 @@ def _how(plan) -> str:
 
 def _one(profile, L, source, budget_ms, recompute, time_limit, seed, dp, output, plot, trace, chunks) -> None:
     from umopt.formats.schedule import save_schedule
-    from umopt.varlen.methods import METHODS
-    from umopt.varlen.solve import CHUNKED, schedule_of, solve_minibatch
+    from umopt.search.methods import METHODS
+    from umopt.search.solve_lengths import CHUNKED, schedule_of, solve_minibatch
 
     with _progress_bar("plan (lengths)") as bar:
         bar.add_task(f"{len(L)} sequences: fast plan, peers, then the long search", total=None)
@@ -261,7 +261,7 @@ def _tokens(plan, L) -> np.ndarray:
 
 
 def _stream(profile, batches, source, budget_ms, recompute, time_limit, dp, chunks) -> None:
-    from umopt.varlen.solve import solve_stream
+    from umopt.search.solve_lengths import solve_stream
 
     with _progress_bar("plan (stream)") as bar:
         task = bar.add_task("minibatches", total=len(batches))

@@ -87,10 +87,10 @@ def prepare(args: argparse.Namespace, model: str, model_args_of: Callable[..., d
 def train(args: argparse.Namespace) -> None:
     import umopt
     from umopt.formats.profile import load_profile
-    from umopt.varlen.ahead import PlanAhead
-    from umopt.varlen.method import Request
-    from umopt.varlen.peers import PEERS
-    from umopt.varlen.solve import plan_schedule
+    from umopt.run.ahead import PlanAhead
+    from umopt.search.method import Request
+    from umopt.search.peers import PEERS
+    from umopt.search.solve_lengths import plan_schedule
     from umopt.zoo import build_model
 
     dist.init_process_group("gloo")

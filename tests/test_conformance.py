@@ -112,8 +112,8 @@ def _partition(rng, total: int, mx: int) -> list[int]:
 def _lengths_tables(case: Case, rng, dp) -> CostTables:
     """A transformer's costs by tokens (bfloat16 on a GPU), for a minibatch drawn from the case's sampler."""
     from umopt.costmodel import tables_for_lengths
+    from umopt.samplers import minibatches
     from umopt.synthetic import synthetic_token_profile
-    from umopt.varlen.samplers import minibatches
 
     prof = synthetic_token_profile(case.S, blocks=2 * case.S, op_ms=0.05 + case.overhead, max_length=32768)
     stages = [

@@ -20,12 +20,12 @@ pytest.importorskip("transformers")
 
 import umopt  # noqa: E402
 from umopt.errors import UmoptError  # noqa: E402
+from umopt.search.method import Request  # noqa: E402
+from umopt.search.peers import PEERS  # noqa: E402
+from umopt.search.solve_lengths import plan_schedule  # noqa: E402
+from umopt.search.solvers.per_step import plan  # noqa: E402
+from umopt.search.solvers.per_step_chunks import plan_chunks  # noqa: E402
 from umopt.synthetic import synthetic_token_profile  # noqa: E402
-from umopt.varlen.chunks import plan_chunks  # noqa: E402
-from umopt.varlen.method import Request  # noqa: E402
-from umopt.varlen.peers import PEERS  # noqa: E402
-from umopt.varlen.planner import plan  # noqa: E402
-from umopt.varlen.solve import plan_schedule  # noqa: E402
 from umopt.zoo import Layers, build_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -22,7 +22,7 @@ from umopt.formats.schedule import make_schedule
 from umopt.run.comm import Comm, rounds
 from umopt.run.pipeline import Pipeline
 from umopt.schedules.multichunk import ChunkGenes, build_ops
-from umopt.search.peers import torch_ops
+from umopt.search.peers.schedules import torch_ops
 from umopt.search.problem import Candidate
 from umopt.synthetic import synthetic_profile
 

@@ -11,8 +11,8 @@ from conftest import run_cli as run
 
 from umopt.formats.profile import load_profile
 from umopt.measure.tokens import TokenPoint, fit, grid
+from umopt.search.solvers.per_step import plan
 from umopt.synthetic import synthetic_token_profile
-from umopt.varlen.planner import plan
 from umopt.zoo import build_model, pack, pad, run_layers
 
 

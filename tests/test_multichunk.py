@@ -14,7 +14,7 @@ from umopt.formats.profile import load_profile
 from umopt.formats.schedule import validate_ops
 from umopt.schedules.multichunk import ChunkGenes, build_ops, equal_genes
 from umopt.schedules.partition import equal_sizes
-from umopt.search.peers import torch_ops
+from umopt.search.peers.schedules import torch_ops
 from umopt.search.problem import LayoutProblem
 from umopt.synthetic import synthetic_profile
 
@@ -535,7 +535,7 @@ def test_umopt_run_plays_a_chunked_schedule_and_reports_it(tmp_path, capsys):
 
 
 def test_polishing_an_order_keeps_it_valid_and_never_slower():
-    from umopt.search.peers import score_peer
+    from umopt.search.peers.schedules import score_peer
     from umopt.search.solvers.multichunk import improve_order
 
     prof = _profile()
@@ -580,7 +580,7 @@ def test_the_exact_chunk_model_proves_tiny_instances_and_bounds_every_schedule(p
     schedule is valid and is what the simulator plays. Under a memory limit below that schedule's
     peak, what it finds fits."""
     from umopt.search.bounds.ranks import busiest_rank_bound
-    from umopt.search.peers import TORCH_MULTI
+    from umopt.search.peers.schedules import TORCH_MULTI
     from umopt.search.solvers.cpsat_chunks import solve_chunks_exact
 
     B = 4
@@ -871,7 +871,7 @@ def test_torch_is_scored_at_every_cut_a_user_would_try():
     """Each stage or all layers, in pieces by cost or by count: torch's best over them is never
     slower than over the two cuts alone, and names its cut."""
     from umopt.chunks import user_cuts
-    from umopt.search.peers import best_peers
+    from umopt.search.peers.schedules import best_peers
 
     prof = load_profile("transformer8-sim")
     cuts = user_cuts(prof, 2)
@@ -893,7 +893,7 @@ def test_a_chunked_solve_keeps_one_clock_and_says_what_it_cut_short():
     names what it cut short; the local search ran beyond the screening."""
     import time
 
-    from umopt.search.peers import load_torch_schedules
+    from umopt.search.peers.schedules import load_torch_schedules
     from umopt.search.solve_chunks import solve_chunked
 
     prof = load_profile("gpt-sim")
@@ -915,7 +915,7 @@ def test_a_chunked_solve_keeps_one_clock_and_says_what_it_cut_short():
 def test_a_chunked_solve_of_a_minibatch_above_the_profiles_largest_size_cuts_chunks_it_costs():
     """The equal candidates on the pick's layout asked for chunks of the whole minibatch (an
     IndexError after 58 s on a profile timed up to 32 solved with -B 64)."""
-    from umopt.search.peers import load_torch_schedules
+    from umopt.search.peers.schedules import load_torch_schedules
     from umopt.search.solve_chunks import solve_chunked
 
     load_torch_schedules()

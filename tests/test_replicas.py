@@ -1,4 +1,4 @@
-"""The global minibatch across data-parallel replicas (umopt/varlen/replicas.py): each assignment
+"""The global minibatch across data-parallel replicas (umopt/search/replicas.py): each assignment
 is a partition, the same on every call; umopt's balances the replicas' predicted steps (a replica
 with a very long sequence gets fewer others) and beats the contiguous split; no plan beats the
 lower bound; outlier delay trains every sequence once; ``umopt solve --dp`` writes a replicas file
@@ -19,9 +19,9 @@ from torch import nn
 
 import umopt
 from umopt.errors import UmoptError
+from umopt.samplers import minibatches
+from umopt.search.replicas import ASSIGNERS, assign, delay_outliers, lower_bound_ms, plan_global, work_of
 from umopt.synthetic import synthetic_token_profile
-from umopt.varlen.replicas import ASSIGNERS, assign, delay_outliers, lower_bound_ms, plan_global, work_of
-from umopt.varlen.samplers import minibatches
 from umopt.zoo import Layers, build_model, run_layers
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -75,7 +75,7 @@ def test_umopt_beats_the_contiguous_split_and_the_bound_holds(spec):
 
 def test_the_bound_is_one_pipelines_own_on_one_replica():
     """On one replica the bound is at most the planner's step and above the longest sequence's path."""
-    from umopt.varlen.planner import plan
+    from umopt.search.solvers.per_step import plan
 
     L = np.array([40, 900, 77, 3000, 12, 512, 1024, 64])
     bound = lower_bound_ms(PROFILE, L, 1)
@@ -166,8 +166,8 @@ def test_replicas_fed_their_shares_train_as_one_process_on_the_global_minibatch(
     """2 replicas x 2 stages: every rank reads the global minibatch and takes its share
     (``Pipeline.share``), each replica plays its own plan of it; the weights after two SGD steps
     are one process's on the whole global minibatch, the loss a mean over all its tokens."""
-    from umopt.varlen.planner import plan
-    from umopt.varlen.solve import plan_schedule
+    from umopt.search.solve_lengths import plan_schedule
+    from umopt.search.solvers.per_step import plan
 
     S, D = 2, 2
     rng = np.random.default_rng(5)
@@ -239,8 +239,8 @@ def test_umopt_run_dp_gives_each_replica_umopts_share(tmp_path, monkeypatch):
     from umopt.formats.schedule import save_schedule
     from umopt.run.launch import launch
     from umopt.run.options import RunOptions
-    from umopt.varlen.planner import plan
-    from umopt.varlen.solve import plan_schedule
+    from umopt.search.solve_lengths import plan_schedule
+    from umopt.search.solvers.per_step import plan
 
     monkeypatch.setenv(
         "PYTHONPATH", str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", "")

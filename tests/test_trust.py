@@ -17,11 +17,11 @@ from torch.nn import functional as F
 
 import umopt
 from umopt.errors import UmoptError
+from umopt.search.method import Request
+from umopt.search.peers import PEERS
+from umopt.search.solve_lengths import plan_schedule
+from umopt.search.solvers.per_step import plan
 from umopt.synthetic import synthetic_token_profile
-from umopt.varlen.method import Request
-from umopt.varlen.peers import PEERS
-from umopt.varlen.planner import plan
-from umopt.varlen.solve import plan_schedule
 from umopt.zoo import Layers, padded_rows, run_layers
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -320,7 +320,7 @@ def test_a_planning_process_that_dies_is_said_within_seconds():
     import signal
     import time
 
-    from umopt.varlen.ahead import PlanAhead
+    from umopt.run.ahead import PlanAhead
 
     with PlanAhead(PROFILE, budget_ms=10) as ahead:
         ahead.submit([3, 5, 7])

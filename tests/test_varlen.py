@@ -15,12 +15,12 @@ from umopt.costmodel import simulate, tables_for_lengths, tables_for_samples
 from umopt.errors import UmoptError
 from umopt.formats.profile import load_profile, save_profile
 from umopt.formats.schedule import load_schedule, validate_ops
+from umopt.samplers import SAMPLERS, minibatches
+from umopt.search.method import Request
+from umopt.search.peers import PEERS
 from umopt.search.problem import LayoutProblem
+from umopt.search.solvers.per_step import plan
 from umopt.synthetic import synthetic_token_profile
-from umopt.varlen.method import Request
-from umopt.varlen.peers import PEERS
-from umopt.varlen.planner import plan
-from umopt.varlen.samplers import SAMPLERS, minibatches
 
 
 @pytest.fixture(scope="module")
@@ -452,7 +452,7 @@ def test_calibrate_fits_costs_by_tokens_to_runs_of_sequences(tmp_path, capsys):
 
 
 def test_lengths_longer_than_the_profile_costs_are_cut_and_the_cut_is_said(tmp_path, capsys):
-    from umopt.varlen.samplers import cut_note
+    from umopt.samplers import cut_note
 
     lengths = tmp_path / "L.txt"
     lengths.write_text("500\n40000\n90\n1000\n")
@@ -474,7 +474,7 @@ def test_the_multi_chunk_planner_is_never_slower_than_its_modes_peer_and_its_sea
     the search is bounded by schedules evaluated, not by the clock."""
     import dataclasses
 
-    import umopt.varlen.chunks as chunked
+    import umopt.search.solvers.per_step_chunks as chunked
     from umopt.schedules.multichunk import build_ops, equal_genes
 
     profile = synthetic_token_profile(4, layers_per_stage=2)
@@ -512,9 +512,9 @@ def test_one_stage_plans_sequences_too():
 
 
 NEW_PEER = """
-from umopt.varlen.method import Method, Request
-from umopt.varlen.peers.equal import best_shared
-from umopt.varlen.plan import Layout
+from umopt.search.method import Method, Request
+from umopt.search.peers.equal import best_shared
+from umopt.search.plan import Layout
 
 
 class Halves(Method):
@@ -530,7 +530,7 @@ class Halves(Method):
 
 
 def test_a_new_peer_is_one_class_in_one_file(tmp_path):
-    """docs/varlen.md's example: a copy of umopt with one file added to umopt/varlen/peers/ plans
+    """docs/varlen.md's example: a copy of umopt with one file added to umopt/search/peers/ plans
     with the new peer in ``umopt solve --lengths``'s table and takes it by name, nothing else
     changed."""
     import shutil
@@ -543,10 +543,10 @@ def test_a_new_peer_is_one_class_in_one_file(tmp_path):
     shutil.copytree(root / "umopt", pkg, ignore=shutil.ignore_patterns("__pycache__", "profiles"))
     shutil.copytree(root / "cli", pkg / "cli", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(root / "profiles", pkg / "profiles", ignore=shutil.ignore_patterns("__pycache__"))
-    (pkg / "varlen" / "peers" / "halves.py").write_text(NEW_PEER)
+    (pkg / "search" / "peers" / "halves.py").write_text(NEW_PEER)
     code = (
-        "from umopt.cli import main; from umopt.varlen.methods import named; "
-        "from umopt.formats.profile import load_profile; from umopt.varlen.method import Request; "
+        "from umopt.cli import main; from umopt.search.methods import named; "
+        "from umopt.formats.profile import load_profile; from umopt.search.method import Request; "
         "p = named('halves').plan(Request(load_profile('gpt-tokens-sim'), [30, 500, 90, 200, 60, 410]));"
         "print('halves plan', p.method, len(p.ops[0]) // 2); "
         f"main(['solve', 'gpt-tokens-sim', '-B', '8', '--lengths', 'chat', '--time-limit', '2', '-o', r'{tmp_path / 's.json'}'])"

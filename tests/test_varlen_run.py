@@ -17,13 +17,13 @@ from torch.nn import functional as F
 
 import umopt
 from umopt.errors import UmoptError
+from umopt.search.method import Request
+from umopt.search.peers import PEERS
+from umopt.search.plan import Layout, score
 from umopt.search.problem import Candidate
+from umopt.search.solve_lengths import plan_schedule
+from umopt.search.solvers.per_step import plan
 from umopt.synthetic import synthetic_token_profile
-from umopt.varlen.method import Request
-from umopt.varlen.peers import PEERS
-from umopt.varlen.plan import Layout, score
-from umopt.varlen.planner import plan
-from umopt.varlen.solve import plan_schedule
 from umopt.zoo import Layers, build_model, run_layers
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -172,7 +172,7 @@ def test_a_packed_plan_needs_a_module_that_keeps_documents_apart():
 def test_plans_made_ahead_by_the_first_stage_reach_every_rank():
     """PlanAhead plans in a process of its own; only the rank holding the first stage passes the
     plans, the other reads each step's from the store ([Note: one plan a step, one maker])."""
-    from umopt.varlen.ahead import PlanAhead
+    from umopt.run.ahead import PlanAhead
 
     parts, stages = _model()
     batches = _minibatches(3)
@@ -409,7 +409,7 @@ def test_plans_with_several_chunks_per_rank_train_as_one_process(mode, recompute
     are one process's on both minibatches at once."""
     from umopt.chunks import chunking
     from umopt.schedules.multichunk import ChunkGenes, build_ops
-    from umopt.varlen.chunks import plan_chunks
+    from umopt.search.solvers.per_step_chunks import plan_chunks
 
     profile = synthetic_token_profile(
         2, blocks=2, max_length=ARGS["seq_len"], max_size=16, layers_per_stage=2
@@ -496,7 +496,7 @@ def test_a_plan_made_ahead_takes_at_most_half_the_last_steps_predicted_time():
     (at least a millisecond), so short steps do not wait for plans made in the whole budget."""
     from types import SimpleNamespace
 
-    from umopt.varlen.ahead import plan_budget
+    from umopt.run.ahead import plan_budget
 
     assert plan_budget(15.0, None) == 15.0  # the first plan: the whole budget
     assert plan_budget(15.0, SimpleNamespace(iteration_ms=4.8)) == pytest.approx(2.4)

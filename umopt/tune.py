@@ -44,17 +44,17 @@ from .measure.noise import OFF_PREDICTION
 from .probes import profile_for_chunks, profile_in_pipeline
 from .run.launch import launch
 from .run.options import RunOptions
-from .search.peers import TORCH_MULTI
+from .samplers import SAMPLERS, cut_note, minibatch_of_step
+from .search.layouts import choose_layouts
+from .search.methods import METHODS
+from .search.peers.schedules import TORCH_MULTI
+from .search.plan import Plan
 from .search.problem import Candidate
 from .search.solve import make_problem, solve
 from .search.solve_chunks import solve_chunked
+from .search.solve_lengths import plan_schedule
 from .search.solvers import SOLVERS
 from .search.zerobubble import zb_h1
-from .varlen.layouts import choose_layouts
-from .varlen.methods import METHODS
-from .varlen.plan import Plan
-from .varlen.samplers import SAMPLERS, cut_note, minibatch_of_step
-from .varlen.solve import plan_schedule
 from .words import count
 from .zoo import build_model
 
@@ -507,7 +507,7 @@ def tune_lengths(
     between umopt's plans and the best peer's (or the budget ends); with ``probes``, the costs by
     tokens are first fitted to a probe run of sequences (:func:`_fit_tokens_to_runs`). ``chunks``: the counts of
     chunks per rank each method may hold (above 1: the model profiled layer by layer); each method
-    trains on the layout its plan of the first minibatch chose (:mod:`umopt.varlen.layouts`)."""
+    trains on the layout its plan of the first minibatch chose (:mod:`umopt.search.layouts`)."""
     if "umopt" not in methods or len(methods) < 2:
         raise UmoptError("tune --lengths measures umopt's plans against at least one peer's")
     minibatch_of_step(lengths, 0, 1, max_length)  # an unknown sampler fails before any timing

@@ -36,14 +36,14 @@ class ReplicaPlan(_Strict):
 class ReplicasPredicted(_Strict):
     step_ms: float  # the slowest replica's plan
     replica_ms: list[float]
-    lower_bound_ms: float  # no assignment's step is shorter (umopt.varlen.replicas.lower_bound_ms)
+    lower_bound_ms: float  # no assignment's step is shorter (umopt.search.replicas.lower_bound_ms)
 
 
 class ReplicasFile(_Strict):
     format: Literal["umopt-replicas/1"]
     profile: ProfileRef
     lengths: Annotated[list[Annotated[int, Field(ge=1)]], Len(1)]  # the global minibatch
-    method: str  # who assigned the sequences (umopt.varlen.replicas.ASSIGNERS)
+    method: str  # who assigned the sequences (umopt.search.replicas.ASSIGNERS)
     replicas: Annotated[list[ReplicaPlan], Len(1)]
     predicted: ReplicasPredicted
     baselines: dict[str, float] = {}  # each other assignment's step, each replica planned by umopt

@@ -93,7 +93,7 @@ class LengthsRun(BaseModel):
     iteration figures are means over the measured steps (not medians), and the prediction is each
     step's plan's."""
 
-    method: str  # who planned the steps: umopt, or a peer (umopt.varlen.peers)
+    method: str  # who planned the steps: umopt, or a peer (umopt.search.peers)
     data: str  # where the sequences came from
     tokens: list[int]  # each measured step's real tokens (no padding), all replicas together
     predicted_step_ms: list[float]  # each measured step's plan's prediction (the slowest replica's)

@@ -8,12 +8,12 @@ schedule file was planned for times the replicas: a hint, any count is taken), e
 model's own sequences (``umopt.zoo``) of lengths drawn from ``--lengths SAMPLER`` (seeded by the
 step), else of the schedule file's own lengths every step. Every rank that holds sequences reads
 the whole global minibatch and takes its replica's share: by default the sequences that make the
-replicas' pipelines finish together (:func:`umopt.varlen.replicas.assign`, the same on every rank
+replicas' pipelines finish together (:func:`umopt.search.replicas.assign`, the same on every rank
 without a word exchanged), or by ``--assign`` a peer's (``contiguous``: the r-th of ``dp``
 contiguous parts, as torch's DistributedSampler).
 
 The first stage of each replica makes that replica's plans (one maker a step, see [Note: one plan
-a step, one maker] in umopt/run/pipeline.py): a :class:`umopt.varlen.ahead.PlanAhead` process per
+a step, one maker] in umopt/run/pipeline.py): a :class:`umopt.run.ahead.PlanAhead` process per
 planning method is sent step k + 1's lengths as step k starts, so a plan costs a step no time
 unless it is late, and then the wait is in the step's time (a late plan is the method's cost).
 """
@@ -28,9 +28,9 @@ from ..costmodel import Chunking
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule
-from ..varlen.ahead import PlanAhead
-from ..varlen.replicas import assign
-from ..varlen.samplers import minibatch_of_step
+from ..samplers import minibatch_of_step
+from ..search.replicas import assign
+from .ahead import PlanAhead
 
 __all__ = ["SequenceFeed", "sequence_source"]
 

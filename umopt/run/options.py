@@ -28,9 +28,9 @@ from ..formats.schedule import (
     require_pick_layout,
 )
 from ..measure.decide import is_equal
-from ..varlen.methods import METHODS, chunked_names
-from ..varlen.replicas import ASSIGNERS
-from ..varlen.samplers import minibatch_of_step
+from ..samplers import minibatch_of_step
+from ..search.methods import METHODS, chunked_names
+from ..search.replicas import ASSIGNERS
 from ..zoo import build_model, import_object, runnable
 from .checkpoint import MANIFEST, read_manifest
 from .steps import RUN_STEPS, RUN_WARMUP

@@ -41,7 +41,7 @@ from ..formats.schedule import (
     require_pick_layout,
 )
 from ..parts import IGNORE
-from ..varlen.replicas import assign as assign_replicas
+from ..search.replicas import assign as assign_replicas
 from .comm import Comm, PipelineBroken, TorchComm, describe
 from .failures import guarded
 from .links import StepLinks, directions, messages
@@ -88,7 +88,7 @@ def _warn_numerics(profile: Profile) -> None:
 # names the replica by its maker's rank. The maker cannot be more than a step ahead of any rank
 # (its step n ends only once every rank has played its part of step n), so it deletes step
 # n - PLAN_KEPT's key, read by then, and the store holds a few plans, not one per step of the
-# run. Planning itself is the maker's, ahead of the step (umopt.varlen.ahead.PlanAhead plans in a
+# run. Planning itself is the maker's, ahead of the step (umopt.run.ahead.PlanAhead plans in a
 # process of its own).
 PLAN_KEPT = 4
 
@@ -649,7 +649,7 @@ class Pipeline:
         """This replica's share of a global minibatch of sequences: with ``dp_group``, every
         replica reads the step's whole global minibatch (the same on each, e.g. from a sampler
         seeded by the step) and trains on the sequences this picks for it, by default those that
-        make the replicas' pipelines finish together (:func:`umopt.varlen.replicas.assign`, the
+        make the replicas' pipelines finish together (:func:`umopt.search.replicas.assign`, the
         same on every rank without a word exchanged; ``assign="contiguous"``: the r-th of D
         contiguous parts, as torch's DistributedSampler). Replica ``r`` is the ``r``-th rank of
         ``dp_group``. ``sequences`` and each of ``more`` (the targets, say) are lists of 1-d

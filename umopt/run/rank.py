@@ -54,7 +54,7 @@ from ..formats.schedule import Schedule
 from ..measure.decide import Decision, decide, is_equal
 from ..measure.memory import held_bytes, peak_during, state_tensors
 from ..parts import Layers, ModelParts, Sequences
-from ..varlen.samplers import cut_note
+from ..samplers import cut_note
 from ..zoo import build_model
 from . import checkpoint, faults
 from .comm import TorchComm

@@ -24,7 +24,7 @@ from ..schedules.family import ScheduleFamily, family, parse_order
 from .baselines import Baseline, gpipe_equal, onef1b_equal
 from .bounds import BackgroundBounds, Scope, fast_bound_ms, fast_job, reported_bounds, spec_bound
 from .choice import Choice, choose
-from .peers import PeerResult
+from .peers.schedules import PeerResult
 from .problem import Candidate, Problem, Progress, SolverResult
 from .solvers import SOLVERS
 from .solvers.auto import EXACT_MAX_TERMS

@@ -1,7 +1,7 @@
 """``umopt solve --chunks``: several chunks per rank, against every multi-chunk schedule torch ships.
 
 :func:`solve_chunked` runs the one-chunk solve (:func:`umopt.search.solve.solve`), scores torch's
-multi-chunk schedules at their best v, M and cut (:func:`umopt.search.peers.best_peers`), and searches
+multi-chunk schedules at their best v, M and cut (:func:`umopt.search.peers.schedules.best_peers`), and searches
 unequal per-virtual-stage partitions (:func:`umopt.search.solvers.multichunk.solve_chunks`: a screening,
 then a local search), then polishes the fastest multi-chunk order found, umopt's or torch's, op
 by op (:func:`umopt.search.solvers.multichunk.improve_order`). On small instances the exact model
@@ -23,7 +23,7 @@ from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule, make_schedule, validate_ops
 from .bounds.ranks import busiest_rank_bound
-from .peers import TORCH_MULTI, PeerResult, best_peers, equal_list_scheduled, load_torch_schedules
+from .peers.schedules import TORCH_MULTI, PeerResult, best_peers, equal_list_scheduled, load_torch_schedules
 from .problem import LayoutProblem, Progress
 from .solve import LayoutsReport, SolveReport, solve
 from .solvers.cpsat_chunks import MAX_CHUNK_MODEL, ExactChunks, chunk_model_size, solve_chunks_exact

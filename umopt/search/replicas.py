@@ -48,8 +48,8 @@ from ..formats.profile import AllReduceProfile, Profile
 from ..formats.replicas import REPLICAS_FORMAT, ReplicaPlan, ReplicasFile, ReplicasPredicted
 from ..formats.schedule import ProfileRef
 from .plan import Plan
-from .planner import plan
-from .solve import plan_schedule
+from .solve_lengths import plan_schedule
+from .solvers.per_step import plan
 
 PASSES = 3  # the local search's moves, at most this many per replica
 CANDIDATES, TARGETS = 16, 4  # a move's sequences (the worst's heaviest) and replicas (the least loaded)

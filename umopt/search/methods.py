@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import UmoptError
-from .chunks import plan_chunks
 from .method import Method, Request
 from .peers import PEERS
 from .plan import Plan
-from .planner import plan
+from .solvers.per_step import plan
+from .solvers.per_step_chunks import plan_chunks
 
 __all__ = ["METHODS", "UMOPT", "Umopt", "named", "chunked_names"]
 

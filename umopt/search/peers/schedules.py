@@ -18,14 +18,14 @@ import types
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..chunks import chunking, placement, user_cuts
-from ..costmodel import Chunking, ChunkOp, CostTables, OpKind, Timeline, rank_peak_memory, simulate
-from ..errors import UmoptError
-from ..formats.profile import Profile
-from ..schedules.multichunk import build_ops, equal_genes
-from ..schedules.partition import chunks as sample_ranges
-from ..schedules.partition import equal_sizes
-from .problem import LayoutProblem
+from ...chunks import chunking, placement, user_cuts
+from ...costmodel import Chunking, ChunkOp, CostTables, OpKind, Timeline, rank_peak_memory, simulate
+from ...errors import UmoptError
+from ...formats.profile import Profile
+from ...schedules.multichunk import build_ops, equal_genes
+from ...schedules.partition import chunks as sample_ranges
+from ...schedules.partition import equal_sizes
+from ..problem import LayoutProblem
 
 __all__ = [
     "TORCH_MULTI",

@@ -4,11 +4,11 @@ A data loader knows a minibatch's lengths before the step that trains on it (it 
 its plan can be made while the steps before it run, on a core the training does not use: the
 step then costs no planning time. :class:`PlanAhead` is that process: :meth:`~PlanAhead.submit`
 the lengths of a minibatch as soon as they are known, :meth:`~PlanAhead.next` the plans in the
-order submitted (each warm-started from the one before, as :func:`umopt.varlen.planner.plan`
+order submitted (each warm-started from the one before, as :func:`umopt.search.solvers.per_step.plan`
 does in a loop), as schedules ``umopt.Pipeline.step(plan=...)`` plays. ``method``: umopt's
-planner, or one of the peers' (:data:`umopt.varlen.methods.METHODS`: what ``umopt tune --lengths``
+planner, or one of the peers' (:data:`umopt.search.methods.METHODS`: what ``umopt tune --lengths``
 measures umopt against, planned the same way). ``on``: the pipeline's layout where ranks hold
-several chunks (every plan keeps it: umopt's multi-chunk planner, :func:`umopt.varlen.chunks.plan_chunks`,
+several chunks (every plan keeps it: umopt's multi-chunk planner, :func:`umopt.search.solvers.per_step_chunks.plan_chunks`,
 or padding and packing on torch's multi-chunk schedules)::
 
     with PlanAhead(profile) as ahead:
@@ -33,10 +33,10 @@ from ..costmodel import Chunking
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule, check_against_profile
-from .method import Method, Request
-from .methods import chunked_names, named
-from .plan import Plan
-from .solve import plan_schedule
+from ..search.method import Method, Request
+from ..search.methods import chunked_names, named
+from ..search.plan import Plan
+from ..search.solve_lengths import plan_schedule
 
 __all__ = ["PlanAhead", "plan_budget"]
 
@@ -102,7 +102,7 @@ def _serve(
 
 class PlanAhead:
     """A planning process for ``profile``'s pipeline (see the module docstring): ``budget_ms``
-    per plan, as :func:`umopt.varlen.planner.plan` (None: :data:`BUDGET_MS`, or with ``on``
+    per plan, as :func:`umopt.search.solvers.per_step.plan` (None: :data:`BUDGET_MS`, or with ``on``
     :data:`CHUNKED_BUDGET_MS`), at most half the last plan's predicted step (:data:`STEP_SHARE`)."""
 
     def __init__(

@@ -25,12 +25,12 @@ from ..costmodel import Chunking
 from ..errors import NoFit, UmoptError
 from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import LengthsSpec, Schedule, make_schedule
-from ..search.peers import TORCH_EXIT_S, load_torch_schedules
 from .method import Request
 from .methods import METHODS, UMOPT
 from .peers import PEERS
+from .peers.schedules import TORCH_EXIT_S, load_torch_schedules
 from .plan import Plan
-from .planner import search
+from .solvers.per_step import search
 
 __all__ = [
     "MinibatchReport",

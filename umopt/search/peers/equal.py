@@ -19,10 +19,10 @@ import numpy as np
 from ...costmodel import Chunking, sample_tokens
 from ...formats.profile import Profile
 from ...schedules.family import GPIPE, ONEF1B
-from ...search.baselines import gpipe_equal, onef1b_equal
-from ...search.peers import PeerResult, best_peers, equal_list_scheduled, load_torch_schedules
-from ...search.problem import Candidate, LayoutProblem, Problem, pack
+from ..baselines import gpipe_equal, onef1b_equal
 from ..plan import Layout, Plan, score
+from ..problem import Candidate, LayoutProblem, Problem, pack
+from .schedules import PeerResult, best_peers, equal_list_scheduled, load_torch_schedules
 
 __all__ = ["best_equal", "best_torch_multi", "best_shared"]
 
@@ -83,7 +83,7 @@ def best_torch_multi(
 ) -> Optional[Plan]:
     """torch's multi-chunk schedules (interleaved 1F1B, looped BFS; those with W ops need a split
     backward) on ``layout``'s samples, each at its best chunk count up to ``chunks``, microbatch
-    count and cut (what a torch user would try, :func:`umopt.search.peers.best_peers`; ``on``: that
+    count and cut (what a torch user would try, :func:`umopt.search.peers.schedules.best_peers`; ``on``: that
     cut and placement only): the fastest within the memory limit."""
     tokens, squares, docs, mode, rows = sample_tokens(
         lengths, layout.units, layout.mode, layout.row, layout.pad_to

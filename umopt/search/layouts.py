@@ -4,8 +4,8 @@ A pipeline's modules are built once, so a run of sequences of different lengths 
 layout (chunks per rank, their placement and layer cut) while its steps' plans change. Each
 method chooses its own as its users would: its plan of a first minibatch at each count of chunks
 per rank asked, the fastest predicted. umopt's plans with several chunks are
-:func:`umopt.varlen.chunks.plan_chunks`'s; padding's and packing's run torch's multi-chunk
-schedules at their best count, placement and cut (:mod:`umopt.varlen.peers`); the other peers
+:func:`umopt.search.solvers.per_step_chunks.plan_chunks`'s; padding's and packing's run torch's multi-chunk
+schedules at their best count, placement and cut (:mod:`umopt.search.peers`); the other peers
 have one chunk per rank only. ``umopt tune --lengths --chunks`` then measures every method on
 the layout it chose (each layout its own copy of the model).
 """

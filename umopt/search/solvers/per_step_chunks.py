@@ -3,7 +3,7 @@
 Each rank's layers are cut into chunks (virtual stages, looped or V-shaped), and every virtual
 stage gets its own partition of the minibatch's samples, costed by sample range on the layers'
 costs by tokens. The planner orders the sequences as the one-chunk planner does
-(:func:`umopt.varlen.planner.order_of`: each order way of :data:`umopt.varlen.planner.ORDERS`, in
+(:func:`umopt.search.solvers.per_step.order_of`: each order way of :data:`umopt.search.solvers.per_step.ORDERS`, in
 each mode), then runs the multi-chunk search of ``umopt solve --chunks``
 (:func:`umopt.search.solvers.multichunk.solve_chunks`: equal partitions of every shape and count
 screened, then per-virtual-stage moves and layer moves, the ranks' orders built by list
@@ -12,9 +12,9 @@ limit is the plan. Warm (the last step's plan given), only the last step's way a
 turn are tried: planning each step of a run then costs a third as much (the screening's floor is
 about 10 ms a way at 16 sequences on a CPU, taken from the ranks where they hold every core).
 
-Packing's plan on torch's multi-chunk schedules (:func:`umopt.varlen.peers.packed_rows`) is one
+Packing's plan on torch's multi-chunk schedules (:func:`umopt.search.peers.packed_rows`) is one
 of umopt's too: its rows' sequences in row order, each microbatch the sequences of its rows,
-without the rows' padding (:func:`_unpacked`); so is padding's (:func:`umopt.varlen.peers.pad`),
+without the rows' padding (:func:`_unpacked`); so is padding's (:func:`umopt.search.peers.pad`),
 each microbatch padded to its own longest instead of the minibatch's (:func:`_unpadded`). umopt's
 plan is never predicted slower than the peer of its mode, whatever the budget left the search,
 and is in the mode asked: padded means padded (a model that cannot pack gets no packed plan).
@@ -27,14 +27,14 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from ..costmodel import Chunking, ChunkOp
-from ..errors import NoFit, UmoptError
-from ..formats.profile import AllReduceProfile, Profile
-from ..search.problem import LayoutProblem
-from ..search.solvers.multichunk import solve_chunks
-from .peers import packed_rows, pad
-from .plan import Layout, Plan, score
-from .planner import ORDERS, modes_of, order_of, stage_weights
+from ...costmodel import Chunking, ChunkOp
+from ...errors import NoFit, UmoptError
+from ...formats.profile import AllReduceProfile, Profile
+from ..peers import packed_rows, pad
+from ..plan import Layout, Plan, score
+from ..problem import LayoutProblem
+from .multichunk import solve_chunks
+from .per_step import ORDERS, modes_of, order_of, stage_weights
 
 __all__ = ["plan_chunks"]
 

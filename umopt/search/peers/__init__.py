@@ -1,11 +1,11 @@
 """What people run on sequences of different lengths, from the tools' and papers' own descriptions,
 each at the knobs that serve it best, scored by the same cost model as umopt's plans: one
-:class:`~umopt.varlen.method.Method` per file (padding, packing, sorting and splitting, DynaPipe,
+:class:`~umopt.search.method.Method` per file (padding, packing, sorting and splitting, DynaPipe,
 WLB-LLM), their shared end in :mod:`.equal`. docs/varlen.md says what was chosen where the
 descriptions leave room.
 
 Every module of this package is imported here, so a peer's class, once its file is here, is in
-:data:`PEERS` (and :data:`umopt.varlen.methods.METHODS`) with nothing else to change.
+:data:`PEERS` (and :data:`umopt.search.methods.METHODS`) with nothing else to change.
 """
 
 from __future__ import annotations

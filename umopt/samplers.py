@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..errors import UmoptError
+from .errors import UmoptError
 
 __all__ = ["SAMPLERS", "Sampler", "sampler", "minibatches", "minibatch_of_step", "cut_note"]
 

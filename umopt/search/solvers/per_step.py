@@ -34,11 +34,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import NoFit, UmoptError
-from ..formats.profile import AllReduceProfile, Profile
-from ..schedules.family import ONEF1B, family, ruled
-from ..search.problem import Candidate, Problem
-from .plan import Layout, Plan, score
+from ...errors import NoFit, UmoptError
+from ...formats.profile import AllReduceProfile, Profile
+from ...schedules.family import ONEF1B, family, ruled
+from ..plan import Layout, Plan, score
+from ..problem import Candidate, Problem
 
 __all__ = ["ORDERS", "RAMPS", "plan", "search", "order_of"]
 
@@ -488,7 +488,7 @@ def search(
     """The long search: the GA (umopt's dual-chromosome search: per-stage forward and backward
     partitions, GPipe or 1F1B order with per-stage warm-ups) on the plan's order, started from it,
     for ``seconds``: how far the fast plan is from the best found."""
-    from ..search.solvers.ga import solve_ga
+    from .ga import solve_ga
 
     L = np.asarray(lengths)
     layout = start.layout

@@ -1,12 +1,12 @@
 """What a method of planning a minibatch of sequences of different lengths is: umopt's planner and
 every peer (padding, packing, DynaPipe, WLB-LLM ...) answer one :class:`Request` with a
-:class:`~umopt.varlen.plan.Plan` scored by the same cost model.
+:class:`~umopt.search.plan.Plan` scored by the same cost model.
 
 A method is a :class:`Method` subclass with a ``name``: what it needs of the profile (``needs``:
 padded or packed chunks), whether it plans several chunks per rank (``chunked``), whether it is
 the same training as the others (``counted``), where tables list it (``position``), and its
 ``plan``. Defining the class registers it: a new peer is one class in one file of
-:mod:`umopt.varlen.peers`, and :data:`umopt.varlen.methods.METHODS` lists it.
+:mod:`umopt.search.peers`, and :data:`umopt.search.methods.METHODS` lists it.
 """
 
 from __future__ import annotations
