@@ -7,8 +7,6 @@ import sys
 import click
 from rich.table import Table
 
-from umopt.errors import UmoptError
-
 from .app import BYTES, _int_list, _progress_bar, _require_torch, cli, model_options, out, warn
 
 
@@ -97,99 +95,40 @@ from .app import BYTES, _int_list, _progress_bar, _require_torch, cli, model_opt
 )
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Profile file to write.")
 def profile(
-    model,
-    model_args,
-    stages,
-    split,
-    sizes,
-    max_size,
-    device,
-    dtype,
-    threads,
-    warmup,
-    repeats,
-    optimizer,
-    link_latency_ms,
-    link_gbps,
-    memory_limit,
-    trace_dir,
-    seed,
-    concurrent,
-    probes,
-    probe_minibatch,
-    split_backward,
-    dp,
-    chunks,
-    lengths,
-    length_modes,
-    output,
-) -> None:
+    model, model_args, stages, split, sizes, max_size, device, dtype, threads, warmup, repeats, optimizer,
+    link_latency_ms, link_gbps, memory_limit, trace_dir, seed, concurrent, probes, probe_minibatch,
+    split_backward, dp, chunks, lengths, length_modes, output,
+) -> None:  # fmt: skip
     """Measure each stage's forward/backward time per chunk size, its memory and the links."""
     _require_torch()
     from umopt.fileio import check_writable
     from umopt.formats.profile import save_profile
     from umopt.measure import ProfileOptions
-    from umopt.probes import profile_in_pipeline
+    from umopt.probes import check_profile_ask, profile_asked
     from umopt.zoo import model_name, parse_model_args
 
-    if max_size < 1:
-        raise UmoptError(f"--max-size must be at least 1, got {max_size}")
-    if dp < 1:
-        raise UmoptError(f"--dp must be at least 1, got {dp}")
-    if not 1 <= chunks <= 4:
-        raise UmoptError(f"--chunks must be 1-4, got {chunks}")
-    if chunks > 1 and dp > 1:
-        raise UmoptError("--chunks with --dp is not supported yet")
-    if probe_minibatch < 2:
-        raise UmoptError(f"--probe-minibatch must be at least 2, got {probe_minibatch}")
-    check_writable(output)
     opts = ProfileOptions(
-        model=model_name(model),
-        model_args=parse_model_args(list(model_args)),
-        stages=stages,
-        split=_int_list(split, "--split"),
-        sizes=_int_list(sizes, "--sizes"),
-        max_size=max_size,
-        device=device,
-        dtype=dtype,
-        threads=threads,
-        warmup=warmup,
-        repeats=repeats,
-        optimizer=optimizer,
-        link_latency_ms=link_latency_ms,
-        link_gbps=link_gbps,
-        memory_limit_bytes=memory_limit,
-        trace_dir=trace_dir,
-        seed=seed,
-        concurrent=concurrent,
-        dp=dp,
-        split_backward=split_backward,
+        model=model_name(model), model_args=parse_model_args(list(model_args)), stages=stages,
+        split=_int_list(split, "--split"), sizes=_int_list(sizes, "--sizes"), max_size=max_size,
+        device=device, dtype=dtype, threads=threads, warmup=warmup, repeats=repeats, optimizer=optimizer,
+        link_latency_ms=link_latency_ms, link_gbps=link_gbps, memory_limit_bytes=memory_limit,
+        trace_dir=trace_dir, seed=seed, concurrent=concurrent, dp=dp, split_backward=split_backward,
         lengths=lengths,
         length_modes=tuple(m.strip() for m in length_modes.split(",")) if length_modes else None,
-    )
+    )  # fmt: skip
+    check_profile_ask(opts, chunks, probe_minibatch)
+    check_writable(output)
+    argv = (click.get_current_context().obj or {}).get("argv", ["umopt", *sys.argv[1:]])
     with _progress_bar("profile") as bar:
         task = bar.add_task("", total=None)
 
         def progress(done: float, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total or None, description=what)
 
-        ctx_obj = click.get_current_context().obj or {}
-        argv = ctx_obj.get("argv", ["umopt", *sys.argv[1:]])
-        if chunks > 1:
-            from umopt.probes import profile_for_chunks
-
-            prof = profile_for_chunks(
-                opts, chunks, progress, argv, probes=probes, probe_minibatch=probe_minibatch
-            )
-        else:
-            prof = profile_in_pipeline(
-                opts,
-                probes=probes,
-                probe_minibatch=probe_minibatch,
-                progress=progress,
-                argv=argv,
-                say=lambda m: bar.update(task, description=m),
-            )
+        prof = profile_asked(
+            opts, chunks, probes=probes, probe_minibatch=probe_minibatch, progress=progress, argv=argv,
+            say=lambda m: bar.update(task, description=m),
+        )  # fmt: skip
     save_profile(prof, output)
     _print_profile(prof, model)
     out.print(f"wrote {output}")

@@ -40,30 +40,7 @@ def show(schedule_path, profile_path, plot, trace) -> None:
         tl = check_against_profile(schedule, profile)
     except UmoptError as exc:
         raise UmoptError(f"{schedule_path}: {exc}") from None
-    table = Table(title=f"{schedule_path}: {len(tl.spans)} stages, minibatch {schedule.minibatch}")
-    has_w = any(op[0] == "W" for st in schedule.stages for op in st.ops)
-    kinds = ("F", "B", "W") if has_w else ("F", "B")
-    for col in ("stage", *(f"{k} chunks" for k in kinds), "busy ms", "peak memory"):
-        table.add_column(col, justify="right")
-    for s, st in enumerate(schedule.stages):
-        if schedule.chunks is None:  # in the order they run
-            sizes = [_sizes([op[2] - op[1] for op in st.ops if op[0] == kind]) for kind in kinds]
-        else:  # per virtual stage on the rank
-            mine = [j for j, r in enumerate(schedule.chunks.ranks) if r == s]
-            sizes = [
-                "  ".join(
-                    f"{j}: {_sizes([op[2] - op[1] for op in st.ops if op[0] == kind and op[3] == j])}"
-                    for j in mine
-                )
-                for kind in kinds
-            ]
-        table.add_row(
-            str(s),
-            *sizes,
-            f"{tl.busy_ms[s]:.3f}",
-            f"{tl.peak_memory_bytes[s] / 2**20:.1f} MiB",
-        )
-    out.print(table)
+    out.print(_stages_table(schedule, tl, schedule_path))
     if schedule.chunks is not None:
         ch = schedule.chunks
         out.print(
@@ -98,6 +75,34 @@ def show(schedule_path, profile_path, plot, trace) -> None:
     written = [p for p in (plot, trace) if p]
     if written:
         out.print(f"wrote {', '.join(written)}")
+
+
+def _stages_table(schedule, tl, title: str) -> Table:
+    """Each stage's chunks (per virtual stage where ranks hold several), busy time and peak memory."""
+    table = Table(title=f"{title}: {len(tl.spans)} stages, minibatch {schedule.minibatch}")
+    has_w = any(op[0] == "W" for st in schedule.stages for op in st.ops)
+    kinds = ("F", "B", "W") if has_w else ("F", "B")
+    for col in ("stage", *(f"{k} chunks" for k in kinds), "busy ms", "peak memory"):
+        table.add_column(col, justify="right")
+    for s, st in enumerate(schedule.stages):
+        if schedule.chunks is None:  # in the order they run
+            sizes = [_sizes([op[2] - op[1] for op in st.ops if op[0] == kind]) for kind in kinds]
+        else:  # per virtual stage on the rank
+            mine = [j for j, r in enumerate(schedule.chunks.ranks) if r == s]
+            sizes = [
+                "  ".join(
+                    f"{j}: {_sizes([op[2] - op[1] for op in st.ops if op[0] == kind and op[3] == j])}"
+                    for j in mine
+                )
+                for kind in kinds
+            ]
+        table.add_row(
+            str(s),
+            *sizes,
+            f"{tl.busy_ms[s]:.3f}",
+            f"{tl.peak_memory_bytes[s] / 2**20:.1f} MiB",
+        )
+    return table
 
 
 def _sizes(sizes: list[int]) -> str:

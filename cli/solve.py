@@ -3,18 +3,35 @@
 from __future__ import annotations
 
 import math
-import time
+from contextlib import contextmanager
 from typing import Optional
 
 import click
+import numpy as np
 from rich.table import Table
 
-from umopt.errors import UmoptError
+from .app import (
+    BYTES,
+    _ms,
+    _progress_bar,
+    cli,
+    command_start,
+    legend,
+    load_solve_profile,
+    out,
+    own_model_hint,
+    warn,
+)
 
-from .app import BYTES, _ms, _progress_bar, cli, command_start, load_solve_profile, out, own_model_hint
-
-# the least --time-limit a solve with --chunks keeps (see the check below)
-CHUNKS_MIN_TIME_LIMIT = 5.0
+_LEGEND = {
+    "ms": "predicted iteration",
+    "ktok/s": "the minibatch's real tokens (no padding) per second",
+    "umopt x": "umopt's plan's speedup over the row",
+    "M": "microbatches per stage, or per virtual stage with chunks (a range where they differ)",
+    "plan ms": "the time the method took to plan",
+    "chunked": "several chunks per rank (pad and pack: on torch's multi-chunk schedules at their best count, "
+    "microbatches and cut)",
+}
 
 
 @cli.command()
@@ -105,129 +122,83 @@ CHUNKS_MIN_TIME_LIMIT = 5.0
     help="Chrome-trace JSON of the predicted timelines (Perfetto).",
 )
 def solve(
-    profile_path,
-    minibatch,
-    recompute,
-    solver,
-    order,
-    time_limit,
-    seed,
-    memory_limit,
-    dp,
-    dp_gbps,
-    zero_bubble,
-    chunks,
-    lengths,
-    minibatches,
-    budget_ms,
-    output,
-    plot,
-    trace,
-) -> None:
+    profile_path, minibatch, recompute, solver, order, time_limit, seed, memory_limit, dp, dp_gbps,
+    zero_bubble, chunks, lengths, minibatches, budget_ms, output, plot, trace,
+) -> None:  # fmt: skip
     """Search unequal per-stage partitions for PROFILE (a path or a bundled profile's name)."""
-    started = command_start()  # the time limit covers the whole command
-    if not (0 < time_limit < math.inf):  # also NaN; checked before what is left of it is computed
-        raise UmoptError(f"--time-limit must be a positive number of seconds, got {time_limit}")
+    from umopt.search.ask import SolveAsk, answer, check_time_limit
     from umopt.search.solve_chunks import parse_chunks
 
+    started = command_start()  # the time limit covers the whole command
+    check_time_limit(time_limit)  # first: what is left of it is computed from it
     chunk_counts = parse_chunks(chunks)
     profile = load_solve_profile(profile_path, memory_limit)  # a wrong path is the first thing said
-    if lengths is not None:
-        from .solve_lengths import solve_lengths
+    ask = SolveAsk(
+        profile, minibatch, started, time_limit, recompute, solver, order, seed, dp, dp_gbps,
+        zero_bubble, chunk_counts, lengths, minibatches, budget_ms, output, plot, trace,
+    )  # fmt: skip
+    ask.check()
+    if ask.cut_note():
+        warn(ask.cut_note())
+    with _solving(ask) as progress:
+        report = answer(ask, progress)
+    PRINTERS[ask.kind](report, ask)
 
-        given = [
-            name
-            for name, on in (
-                ("--solver", solver != "auto"),
-                ("--order", order != "auto"),
-                ("--zero-bubble", zero_bubble),
-            )
-            if on
-        ]
-        if given:
-            raise UmoptError(f"--lengths plans on its own: it takes no {', '.join(given)}")
-        solve_lengths(
-            profile, lengths, minibatch, minibatches, budget_ms, recompute, time_limit, seed,
-            memory_limit, dp, dp_gbps, output, plot, trace, chunk_counts,
-        )  # fmt: skip
-        return
-    if output is None:
-        raise UmoptError("give -o/--output, the schedule file to write")
-    if minibatches != 1:
-        raise UmoptError("--minibatches plans a stream of sequences of different lengths: give --lengths")
-    from umopt.fileio import check_writable
+
+@contextmanager
+def _solving(ask):
+    """The progress bar of the solve ``ask`` asks for: its best so far, or what it is doing."""
+    title, doing = {
+        "sizes": (f"solve ({ask.solver})", None),
+        "chunks": ("solve (chunks)", None),
+        "minibatch": ("plan (lengths)", f"{ask.minibatch} sequences: fast plan, peers, then the long search"),
+        "stream": ("plan (stream)", None),
+        "replicas": ("plan (replicas)", f"{ask.minibatch} sequences among {ask.dp} replicas: every assignment, each replica planned"),
+    }[ask.kind]  # fmt: skip
+    with _progress_bar(title) as bar:
+        if doing is not None:
+            bar.add_task(doing, total=None)
+            yield None
+        else:
+            yield _best_so_far(bar)
+
+
+def _write(ask, panels, schedule, title: str) -> None:
+    """The picture (--plot), the trace (--trace), then the schedule file: a schedule file means
+    everything was written."""
     from umopt.formats.schedule import save_schedule
-    from umopt.search.solve import allreduce_for
-    from umopt.search.solve import solve as run_solve
 
-    for path in filter(None, (output, plot, trace)):
-        check_writable(path)
-    allreduce = allreduce_for(profile, dp, dp_gbps)
-    if chunk_counts != (1,):
-        from umopt.search.peers.schedules import TORCH_EXIT_S
+    if ask.plot:
+        from umopt.plot import gantt
 
-        if solver != "auto" or order != "auto":
-            raise UmoptError("--chunks searches on its own: it takes no --solver or --order")
-        if time_limit < CHUNKS_MIN_TIME_LIMIT:
-            raise UmoptError(
-                f"--chunks needs --time-limit {CHUNKS_MIN_TIME_LIMIT:g} or more (it imports torch's schedules, "
-                f"seconds on a CPU, and scores them before its own search), got {time_limit:g}"
-            )
-        _solve_chunked(
-            profile,
-            minibatch,
-            chunk_counts,
-            recompute,
-            # what is left of it, less the process's exit once torch's schedules are imported
-            max(0.5, time_limit - (time.perf_counter() - started) - TORCH_EXIT_S),
-            seed,
-            zero_bubble,
-            output,
-            plot,
-            trace,
-            allreduce,
-        )
-        return
-    with _progress_bar(f"solve ({solver})") as bar:
-        progress = _best_so_far(bar)
-        report = run_solve(
-            profile,
-            minibatch,
-            recompute=recompute,
-            solver=solver,
-            time_limit=max(0.5, time_limit - (time.perf_counter() - started)),  # what is left of it
-            seed=seed,
-            progress=progress,
-            order=order,
-            dp=allreduce,
-            zero_bubble=zero_bubble,
-        )
+        gantt(panels, ask.plot, title=f"{ask.profile.model.name}, {title}")
+    if ask.trace:
+        from umopt.trace import write_trace
+
+        write_trace([p[:2] for p in panels], ask.trace)
+    save_schedule(schedule, ask.output)
+
+
+def _print_sizes(report, ask) -> None:
+    """One chunk per rank by sizes: the table, the bounds, the next step."""
+    profile = ask.profile
     panels = (
         [(f"best equal GPipe (M={report.gpipe.microbatches})", report.gpipe_timeline)]
         if report.gpipe_timeline
         else []
     )
     panels.append((_pick_name(report), report.timeline))
-    if plot:
-        from umopt.plot import gantt
-
-        gantt(panels, plot, title=f"{profile.model.name}, {profile.num_stages} stages, minibatch {minibatch}")
-    if trace:
-        from umopt.trace import write_trace
-
-        write_trace(panels, trace)
-    save_schedule(report.schedule, output)  # last: a schedule file means everything was written
+    _write(ask, panels, report.schedule, f"{profile.num_stages} stages, minibatch {ask.minibatch}")
     _print_report(report)
-    if minibatch > profile.max_size:
+    if ask.minibatch > profile.max_size:
         out.print(
             f"chunks are at most {profile.max_size} samples: the profile was measured up to {profile.max_size} (umopt profile --max-size, "
-            f"or profile_stages' sample batch); profile to {min(minibatch, 2 * profile.max_size)} or more if larger chunks may run faster per sample",
+            f"or profile_stages' sample batch); profile to {min(ask.minibatch, 2 * profile.max_size)} or more if larger chunks may run faster per sample",
             markup=False,
             highlight=False,
         )
-    written = [output] + [p for p in (plot, trace) if p]
-    out.print(f"wrote {', '.join(written)}")
-    _print_next(report.schedule, output, profile)
+    out.print(f"wrote {', '.join(ask.files)}")
+    _print_next(report.schedule, ask.output, profile)
 
 
 def _print_next(schedule, output: str, profile) -> None:
@@ -291,56 +262,35 @@ _FOOTER = (
 
 
 def _best_so_far(bar):
-    """A solver's progress callback (share done, best ms so far) moving ``bar``."""
+    """A solver's progress callback (share done, best ms so far: None where a stream of plans has
+    no one best) moving ``bar``."""
     task = bar.add_task("", total=1.0)
     lowest = [math.inf]  # over every phase: a later phase's own best may be worse than an earlier one's
 
-    def progress(frac: float, best: float) -> None:
-        lowest[0] = min(lowest[0], best)
+    def progress(frac: float, best: Optional[float]) -> None:
+        lowest[0] = min(lowest[0], math.inf if best is None else best)
         bar.update(
             task,
             completed=frac,
-            description=f"best {lowest[0]:.3f} ms" if math.isfinite(lowest[0]) else "searching",
+            description=f"best {lowest[0]:.3f} ms"
+            if math.isfinite(lowest[0])
+            else ("searching" if best is not None else f"{frac:.0%} planned"),
         )
 
     return progress
 
 
-def _solve_chunked(
-    profile, minibatch, chunk_counts, recompute, time_limit, seed, zero_bubble, output, plot, trace, dp=None
-):
-    from umopt.formats.schedule import save_schedule
-    from umopt.search.solve_chunks import solve_chunked
-
-    with _progress_bar("solve (chunks)") as bar:
-        progress = _best_so_far(bar)
-        report = solve_chunked(
-            profile,
-            minibatch,
-            chunk_counts,
-            recompute=recompute,
-            time_limit=time_limit,
-            seed=seed,
-            zero_bubble=zero_bubble,
-            progress=progress,
-            dp=dp,
-        )
+def _print_chunked(report, ask) -> None:
+    """Several chunks per rank by sizes: every schedule tried against torch's, what was picked."""
     found = report.layouts
     panels = [
         ("umopt, one chunk per rank", found.one_chunk_timeline),
         (f"picked: {found.picked}", report.timeline),
     ]
-    if plot:
-        from umopt.plot import gantt
-
-        gantt(panels, plot, title=f"{profile.model.name}, {profile.num_stages} ranks, minibatch {minibatch}")
-    if trace:
-        from umopt.trace import write_trace
-
-        write_trace(panels, trace)
-    save_schedule(report.schedule, output)
+    _write(ask, panels, report.schedule, f"{ask.profile.num_stages} ranks, minibatch {ask.minibatch}")
     table = Table(
-        title=f"minibatch {minibatch}, {profile.num_stages} ranks" + (", recompute" if recompute else "")
+        title=f"minibatch {ask.minibatch}, {ask.profile.num_stages} ranks"
+        + (", recompute" if ask.recompute else "")
     )
     for col, justify in (
         ("schedule", "left"),
@@ -352,17 +302,29 @@ def _solve_chunked(
         table.add_column(col, justify=justify, no_wrap=True)
     torch_ms = [p.iteration_ms for p in found.peers.values() if p.iteration_ms is not None]
     best_torch = min(torch_ms, default=None)
-    picked_ms = report.timeline.iteration_ms
-
-    def row(name, v, m, ms):
+    picked_ms, marked = report.timeline.iteration_ms, False
+    for name, v, m, ms in _chunked_rows(report):
         ratio = "-" if best_torch is None or ms is None else f"{best_torch / ms:.3f}"
-        mark = " *" if ms is not None and abs(ms - picked_ms) < 1e-9 and not row.marked else ""
-        row.marked = row.marked or bool(mark)
+        mark = " *" if ms is not None and abs(ms - picked_ms) < 1e-9 and not marked else ""
+        marked = marked or bool(mark)
         table.add_row(name + mark, str(v or "-"), str(m or "-"), _ms(ms), ratio)
+    out.print(table)
+    out.print(
+        "v: model chunks per rank; M: microbatches per chunk; x best torch: speedup over the fastest of "
+        "torch's schedules, each at its best v, M and cut (each stage or all layers, in pieces by cost or by layer count); "
+        "*: the schedule written",
+        markup=False,
+        highlight=False,
+        style="dim",
+    )
+    _print_chunked_notes(report)
+    out.print(f"wrote {', '.join(ask.files)}")
+    _print_next(report.schedule, ask.output, ask.profile)
 
-    row.marked = False
-    sol = found.search
-    pick_row = (found.picked, report.schedule)
+
+def _chunked_rows(report) -> list[tuple]:
+    """The chunked solve's table rows, (name, v, M, ms): the equal schedules, torch's, umopt's."""
+    found, sol, picked_ms = report.layouts, report.layouts.search, report.timeline.iteration_ms
     rows = [
         ("GPipe equal", 1, report.gpipe.microbatches, report.gpipe.iteration_ms),
         ("1F1B equal", 1, report.onef1b.microbatches, report.onef1b.iteration_ms),
@@ -381,13 +343,9 @@ def _solve_chunked(
     ]
     if sol is not None:
         counts = sorted({len(p) for p in sol.genes.fwd})
+        M = str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
         rows.append(
-            (
-                f"umopt, {sol.shape.placement} ({sol.shape.cut} cut)",
-                sol.shape.chunks,
-                str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}",
-                sol.iteration_ms,
-            )
+            (f"umopt, {sol.shape.placement} ({sol.shape.cut} cut)", sol.shape.chunks, M, sol.iteration_ms)
         )
     if found.exact is not None:
         optimal = " (optimal)" if found.exact.optimal else ""
@@ -405,25 +363,14 @@ def _solve_chunked(
             if p.iteration_ms is not None
         ]
         if all(abs(ms - picked_ms) > 1e-9 for *_, ms in rows if ms is not None):
-            rows.append(
-                (
-                    "picked: " + pick_row[0].replace("umopt chunks", "umopt's search"),
-                    v,
-                    _chunks(pick_row[1]),
-                    picked_ms,
-                )
-            )
-    for r in rows:
-        row(*r)
-    out.print(table)
-    out.print(
-        "v: model chunks per rank; M: microbatches per chunk; x best torch: speedup over the fastest of "
-        "torch's schedules, each at its best v, M and cut (each stage or all layers, in pieces by cost or by layer count); "
-        "*: the schedule written",
-        markup=False,
-        highlight=False,
-        style="dim",
-    )
+            name = "picked: " + found.picked.replace("umopt chunks", "umopt's search")
+            rows.append((name, v, _chunks(report.schedule), picked_ms))
+    return rows
+
+
+def _print_chunked_notes(report) -> None:
+    """Below the chunked solve's table: the pick, umopt's search, what was cut short, the bound."""
+    found, sol, picked_ms = report.layouts, report.layouts.search, report.timeline.iteration_ms
     proven = ", optimal for its cut and placement" if report.schedule.solver.status == "optimal" else ""
     picked = found.picked.replace("umopt chunks", "umopt's search").replace(
         "polished from", "order polished from"
@@ -458,8 +405,6 @@ def _solve_chunked(
             markup=False,
             highlight=False,
         )
-    out.print(f"wrote {', '.join([output] + [p for p in (plot, trace) if p])}")
-    _print_next(report.schedule, output, profile)
 
 
 def _print_report(report) -> None:
@@ -467,16 +412,7 @@ def _print_report(report) -> None:
     from umopt.search.bounds import Scope, bound_for, scope_of
 
     tl = report.timeline
-    dp = report.schedule.dp
-    table = Table(
-        title=f"minibatch {report.schedule.minibatch}, {len(tl.spans)} stages"
-        + (", recompute" if report.schedule.recompute else "")
-        + (
-            f", x{dp.replicas} data-parallel (all-reduce {min(tl.allreduce_ms):.2f}-{max(tl.allreduce_ms):.2f} ms per stage)"
-            if dp
-            else ""
-        )
-    )
+    table = Table(title=_solve_title(report))
     table.add_column("schedule", no_wrap=True)
     for col in ("chunks", "ms", "x gpipe", "x 1f1b", "gap", "bubble"):
         table.add_column(col, justify="right", no_wrap=True)
@@ -532,6 +468,20 @@ def _print_report(report) -> None:
     _print_bounds_and_notes(report, scope, has_w)
 
 
+def _solve_title(report) -> str:
+    """The solve table's title: the minibatch, the stages, recompute, data parallelism."""
+    tl, dp = report.timeline, report.schedule.dp
+    return (
+        f"minibatch {report.schedule.minibatch}, {len(tl.spans)} stages"
+        + (", recompute" if report.schedule.recompute else "")
+        + (
+            f", x{dp.replicas} data-parallel (all-reduce {min(tl.allreduce_ms):.2f}-{max(tl.allreduce_ms):.2f} ms per stage)"
+            if dp
+            else ""
+        )
+    )
+
+
 def _print_bounds_and_notes(report, scope, has_w: bool) -> None:
     """Below the solve table: what its bound holds for, the other bounds and rivals, the notes."""
     from umopt.search.bounds import Scope
@@ -581,3 +531,214 @@ def _print_bounds_and_notes(report, scope, has_w: bool) -> None:
         )
     if report.result.notes:
         out.print(f"note: {'; '.join(report.result.notes)}")
+
+
+def _print_replicas(report, ask) -> None:
+    """A global minibatch across replicas: each assignment's step, beside the bound; the file."""
+    from umopt.formats.replicas import save_replicas
+    from umopt.search.replicas import replicas_file
+
+    L = ask.batches[0]
+    out.print(
+        f"global minibatch: {len(L)} sequences from {ask.source}, {int(L.sum()):,} tokens (longest {int(L.max()):,}), "
+        f"{ask.dp} replicas of {ask.profile.num_stages} stages",
+        markup=False,
+        highlight=False,
+    )
+    base = report.plans["contiguous"].step_ms
+    table = Table()
+    for col in ("assignment", "step ms", "ktok/s", "max/mean", "x contig.", "> bound", "assign ms"):
+        table.add_column(col, justify="left" if col == "assignment" else "right", no_wrap=True)
+    for name, g in report.plans.items():
+        table.add_row(
+            name + (" *" if name == report.pick else ""),
+            _ms(g.step_ms),
+            f"{g.tokens_per_s / 1e3:.1f}",
+            f"{g.step_ms / g.mean_ms:.3f}",
+            f"{base / g.step_ms:.3f}x",
+            f"{100 * (g.step_ms / report.lower_bound_ms - 1):.1f}%",
+            f"{1e3 * g.assignment.seconds:.1f}",
+        )
+    table.add_row("lower bound", _ms(report.lower_bound_ms), "", "", "", "", "")
+    out.print(table)
+    legend(
+        {
+            "assignment": "who gave each replica its sequences, each replica then planned by umopt's planner "
+            "(so the assignments compare, not the planners)",
+            "step ms": "the slowest replica's predicted step",
+            "max/mean": "the slowest replica over the mean one",
+            "x contig.": "the contiguous split's step over this one's (torch's DistributedSampler)",
+            "> bound": "above the lower bound no assignment beats: the larger of the mean replica's work spread "
+            "perfectly, with the least fill and drain, and the longest sequence's own path",
+            "assign ms": "the assignment's time, on this machine",
+        },
+        ["assignment", "step ms", "max/mean", "x contig.", "> bound", "assign ms"],
+    )
+    if ask.output:
+        save_replicas(replicas_file(report, ask.profile, ask.recompute, ask.allreduce), ask.output)
+        out.print(f"wrote {ask.output}: each replica's sequences and its plan", markup=False, highlight=False)
+
+
+def _microbatches(plan) -> str:
+    """F ops per (virtual) stage: one count, or the range where they differ."""
+    per: dict[tuple, int] = {}
+    for r, st in enumerate(plan.ops):
+        for op in st:
+            if op[0] == "F":
+                key = (r, op[3]) if len(op) > 3 else (r,)
+                per[key] = per.get(key, 0) + 1
+    counts = sorted(set(per.values()))
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
+
+
+def _how(plan) -> str:
+    k = plan.knobs
+    if plan.method.startswith("umopt"):
+        if plan.chunking is not None:
+            return f"x{k.get('chunks')} {k.get('placement', '')}, {k.get('cut', '')} cut, {k.get('order', '')} order"
+        return f"{k.get('order', '')} order, {k.get('family', '')}" + (" + W" if k.get("weights") else "")
+    if plan.chunking is not None:
+        torch_name = str(k.get("order", "")).removeprefix("Schedule")
+        how = f"padded to {plan.layout.pad_to}" if plan.layout.pad_to else f"rows of {plan.layout.row} tokens"
+        return f"{how}, {torch_name} x{k.get('chunks')}"
+    if plan.layout.pad_to:
+        return f"padded to {plan.layout.pad_to}"
+    if plan.layout.row:
+        return f"rows of {plan.layout.row} tokens ({len(plan.layout.units)} rows)"
+    return k.get("mode", plan.layout.mode) + (f", {k['microbatch_order']}" if "microbatch_order" in k else "")
+
+
+def _print_minibatch(report, ask) -> None:
+    """One minibatch by lengths: umopt's plans and every peer's, how each cut it; the files."""
+    from umopt.search.solve_lengths import schedule_of
+
+    L, profile = ask.batches[0], ask.profile
+    out.print(
+        f"minibatch: {len(L)} sequences from {ask.source}, {int(L.sum()):,} tokens "
+        f"(longest {int(L.max()):,}, mean {L.mean():.0f}), {profile.num_stages} stages",
+        markup=False,
+        highlight=False,
+    )
+    _print_minibatch_table(report, ask)
+    fitting = [(n, p) for n, p in report.peers.items() if p is not None]
+    panels = []
+    if fitting:
+        name, peer = min(fitting, key=lambda x: x[1].iteration_ms)
+        panels.append((f"best peer: {name}", peer.timeline, _tokens(peer, L)))
+    panels.append(("umopt", report.best.timeline, _tokens(report.best, L)))
+    schedule = schedule_of(report, profile, ask.recompute, ask.allreduce)
+    _write(ask, panels, schedule, f"{profile.num_stages} stages, {len(L)} sequences")
+    out.print(f"wrote {', '.join(ask.files)}", markup=False, highlight=False)
+    from umopt.zoo import runnable
+
+    if not runnable(profile.model.name):
+        out.print(own_model_hint(profile, lengths=True), markup=False, highlight=False)
+        return
+    source = ask.source if not ask.source.startswith("file ") else ask.source[5:]
+    out.print(
+        f"next: umopt run {ask.output} --lengths {source} "
+        "--methods umopt,pack (each step planned ahead; --data module:fn for your own sequences)",
+        markup=False,
+        highlight=False,
+    )
+
+
+def _print_minibatch_table(report, ask) -> None:
+    """The table of one minibatch's plans, and below it how each method cut the minibatch."""
+    from umopt.search.methods import METHODS
+    from umopt.search.solve_lengths import CHUNKED
+
+    rows = []
+    if report.chunked is not None:
+        rows.append((f"umopt, {CHUNKED}", report.chunked))
+    if report.best is not report.fast and report.best is not report.chunked:
+        rows.append((f"umopt, searched {report.search_s:.0f} s", report.best))
+    rows.append((f"umopt, fast plan ({ask.budget_ms:g} ms)", report.fast))
+    rows += [(name, p) for name, p in report.peers.items()]
+    pick = report.best
+    table = Table(title=None)
+    for col in ("method", "ms", "ktok/s", "umopt x", "M", "plan ms"):
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
+    hows = []
+    for name, p in rows:
+        if p is None:
+            table.add_row(name, "-", "-", "-", "-", "")
+            why = METHODS[name.split(",")[0]].unavailable(ask.profile) or "does not fit the memory limit"
+            hows.append(f"{name}: {why}")
+            continue
+        ratio = "" if p is pick else f"{p.iteration_ms / pick.iteration_ms:.2f}x"
+        ktok = f"{p.tokens_per_s / 1e3:.1f}"
+        table.add_row(name, _ms(p.iteration_ms), ktok, ratio, _microbatches(p), f"{p.planning_ms:.0f}")
+        hows.append(f"{name}: {_how(p)}")
+    out.print(table)
+    legend(
+        _LEGEND, [*(c.header for c in table.columns), *(["chunked"] if report.chunked is not None else [])]
+    )
+    out.print("how each method cut the minibatch:", markup=False, highlight=False)
+    for line in hows:  # below the table, where a narrow terminal keeps them whole
+        out.print(f"  {line}", markup=False, highlight=False)
+
+
+def _tokens(plan, L) -> np.ndarray:
+    """Each sample's real tokens (a row's: its sequences'), for the picture's labels."""
+    return np.array([sum(int(L[i]) for i in u) for u in plan.layout.units])
+
+
+def _print_stream(report, ask) -> None:
+    """A stream of minibatches by lengths: each method's tokens per second and planning times."""
+    batches, profile, source = ask.batches, ask.profile, ask.source
+    n = report.planned
+    cut = f" (planned the first {n}: the rest did not fit in --time-limit)" if n < report.asked else ""
+    out.print(
+        f"stream: {report.asked} minibatches of {len(batches[0])} sequences from {source}, "
+        f"{profile.num_stages} stages{cut}",
+        markup=False,
+        highlight=False,
+    )
+    table = Table()
+    for col in ("method", "fits", "ktok/s", "umopt vs it", "plan ms p50", "p95"):
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
+    # umopt's row: its faster layout over the stream (one chunk per rank, or several)
+    ours = [m for m in report.ms if m == "umopt" or m.startswith("umopt,")]
+    pick = max(ours, key=lambda m: report.tokens_per_s(m) or 0.0)
+    mine = report.fits(pick)
+    for method in report.ms:
+        fits = report.fits(method)
+        both = fits & mine
+        rate = report.tokens_per_s(method)
+        ratio = (
+            ""
+            if method == pick or not both
+            else f"{report.tokens_per_s(pick, both) / report.tokens_per_s(method, both):.2f}x"
+        )
+        ms = report.planning_ms[method]
+        table.add_row(
+            method + (" *" if method == pick and len(ours) > 1 else ""),
+            f"{len(fits)}/{n}",
+            "-" if rate is None else f"{rate / 1e3:.1f}",
+            ratio,
+            f"{np.percentile(ms, 50):.1f}" if ms else "-",
+            f"{np.percentile(ms, 95):.1f}" if ms else "-",
+        )
+    out.print(table)
+    legend(
+        {
+            "fits": "minibatches the method fits in the memory limit",
+            "ktok/s": "real tokens (no padding) per second over those",
+            "umopt vs it": "over the minibatches both fit"
+            + (" (with several chunks per rank, umopt's faster layout, *)" if len(ours) > 1 else ""),
+            "plan ms": "per minibatch, umopt's warm-started from the last",
+            "chunked": "several chunks per rank, each method keeping the layout its first plan chose",
+        },
+        [*(c.header for c in table.columns), *(["chunked"] if len(ours) > 1 else [])],
+    )
+
+
+# each kind of solve's printer (umopt.search.ask.SolveAsk.kind)
+PRINTERS = {
+    "sizes": _print_sizes,
+    "chunks": _print_chunked,
+    "minibatch": _print_minibatch,
+    "stream": _print_stream,
+    "replicas": _print_replicas,
+}

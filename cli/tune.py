@@ -5,8 +5,6 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from umopt.errors import UmoptError
-
 from .app import _require_torch, cli, err, model_options, out, warn
 
 
@@ -87,68 +85,37 @@ from .app import _require_torch, cli, err, model_options, out, warn
     "with --chunks pad and pack). Default: umopt,pad,pack,dynapipe; with --chunks umopt,pad,pack.",
 )
 def tune(
-    model,
-    model_args,
-    stages,
-    minibatch,
-    device,
-    steps,
-    rounds,
-    confidence,
-    budget,
-    time_limit,
-    out_dir,
-    probes,
-    dtype,
-    link_latency_ms,
-    link_gbps,
-    zero_bubble,
-    chunks,
-    lengths,
-    max_length,
-    methods,
-) -> None:
+    model, model_args, stages, minibatch, device, steps, rounds, confidence, budget, time_limit, out_dir,
+    probes, dtype, link_latency_ms, link_gbps, zero_bubble, chunks, lengths, max_length, methods,
+) -> None:  # fmt: skip
     """Profile, solve, run the candidates in turns and recommend what measured fastest."""
     given = dict(locals())  # the options, as the command line gave them
     _require_torch()
-    if lengths is not None:
-        if zero_bubble:
-            raise UmoptError("--lengths plans without W ops so far: leave out --zero-bubble")
-        _tune_lengths(given)
-        return
-    from umopt.search.solve_chunks import parse_chunks
-    from umopt.tune import DEFAULT
-    from umopt.tune import tune as run_tune
-    from umopt.zoo import model_name, parse_model_args
+    from umopt.tune import LengthsResult, tune_asked
 
-    args = (
-        parse_model_args(list(model_args))
-        if model
-        else (parse_model_args(list(model_args)) or DEFAULT["model_args"])
+    result, title = tune_asked(**given, say=lambda m: err.print(f"umopt tune: {m}", markup=False))
+    if isinstance(result, LengthsResult):
+        _print_lengths(result, title)
+    else:
+        _print_schedules(result, title)
+    for line in result.warnings:
+        warn(line)
+    if not isinstance(result, LengthsResult):
+        out.print(f"wrote {len(result.files)} files to {result.out_dir}/")
+        return
+    methods = "" if result.recommended == "umopt" else f" --methods {result.recommended}"
+    out.print(
+        f"wrote {len(result.files)} files to {result.out_dir}/; train with ({result.recommended}'s plans): "
+        f"umopt run {result.out_dir}/plan.json{methods} --profile {result.out_dir}/profile.json "
+        "--data package.module:fn (your sequences)",
+        markup=False,
+        highlight=False,
     )
-    result = run_tune(
-        model_name(model or DEFAULT["model"]),
-        args,
-        stages or DEFAULT["stages"],
-        minibatch or DEFAULT["minibatch"],
-        device=device,
-        steps=steps,
-        rounds=rounds,
-        confidence=confidence,
-        budget=budget,
-        out_dir=out_dir,
-        time_limit=time_limit,
-        probes=probes,
-        dtype=dtype,
-        link_latency_ms=link_latency_ms,
-        link_gbps=link_gbps,
-        zero_bubble=zero_bubble,
-        chunks=parse_chunks(chunks),
-        say=lambda m: err.print(f"umopt tune: {m}", markup=False),
-    )
-    table = Table(
-        title=f"{model or DEFAULT['model']}, {stages or DEFAULT['stages']} stages, minibatch {minibatch or DEFAULT['minibatch']}: speedups over equal GPipe"
-    )
+
+
+def _print_schedules(result, title: str) -> None:
+    """The schedules measured in turns, their speedups, the recommendation and the bound."""
+    table = Table(title=title)
     table.add_column("schedule", no_wrap=True)
     for col in ("M", "pred ms", "meas ms", "meas x", "pred x"):
         table.add_column(col, justify="right", no_wrap=True)
@@ -179,67 +146,35 @@ def tune(
     )
     for note in result.notes:
         out.print(f"note: {note}", markup=False, highlight=False)
+    _print_bound(result)
+
+
+def _print_bound(result) -> None:
+    """How far the fastest schedule predicted is from the lower bound."""
     fastest = min(result.rows, key=lambda r: r.predicted_ms)
-    if result.lower_bound_ms:
-        lb = result.lower_bound_ms
-        gap = (fastest.predicted_ms - lb) / lb
-        where = (
-            "is below it: a schedule with W ops, which the bound does not cover"
-            if gap < -1e-6
-            else "meets it: no schedule can be faster there"
-            if gap <= 1e-6
-            else f"is within {100 * gap:.1f}% of it (the bound is not always reachable)"
-        )
-        out.print(
-            f"lower bound {lb:.2f} ms for {result.bound_holds_for}: the fastest schedule predicted, "
-            f"{fastest.name} ({fastest.predicted_ms:.2f} ms), {where}",
-            markup=False,
-            highlight=False,
-        )
-    for line in result.warnings:
-        warn(line)
-    out.print(f"wrote {len(result.files)} files to {result.out_dir}/")
-
-
-def _tune_lengths(o: dict) -> None:
-    """``tune --lengths``: umopt's plans against the peers', in turns (``o``: tune's options)."""
-    import os
-
-    from umopt.tune import DEFAULT, tune_lengths
-    from umopt.zoo import model_name, parse_model_args
-
-    model = model_name(o["model"] or DEFAULT["model"])
-    args = parse_model_args(list(o["model_args"])) or (DEFAULT["model_args"] if not o["model"] else {})
-    if model == "gpt":
-        args = {**args, "seq_len": o["max_length"]}  # the model takes the longest sequence
-    lengths, stages, minibatch = (
-        o["lengths"],
-        o["stages"] or DEFAULT["stages"],
-        o["minibatch"] or DEFAULT["minibatch"],
+    if not result.lower_bound_ms:
+        return
+    lb = result.lower_bound_ms
+    gap = (fastest.predicted_ms - lb) / lb
+    where = (
+        "is below it: a schedule with W ops, which the bound does not cover"
+        if gap < -1e-6
+        else "meets it: no schedule can be faster there"
+        if gap <= 1e-6
+        else f"is within {100 * gap:.1f}% of it (the bound is not always reachable)"
     )
-    from umopt.search.solve_chunks import parse_chunks
-    from umopt.tune import LENGTHS_METHODS
-
-    chunks = tuple(sorted({1, *parse_chunks(o["chunks"])}))  # each method chooses its layout among them
-    given = o["methods"] or ",".join(LENGTHS_METHODS)
-    result = tune_lengths(
-        model,
-        args,
-        stages,
-        f"file:{lengths}" if os.path.isfile(lengths) else lengths,
-        minibatch,
-        o["max_length"],
-        methods=[m.strip() for m in given.split(",") if m.strip()],
-        chunks=chunks,
-        **{k: o[k] for k in ("device", "steps", "rounds", "confidence", "budget", "out_dir", "probes")},
-        **{k: o[k] for k in ("dtype", "link_latency_ms", "link_gbps")},
-        say=lambda m: err.print(f"umopt tune: {m}", markup=False),
+    out.print(
+        f"lower bound {lb:.2f} ms for {result.bound_holds_for}: the fastest schedule predicted, "
+        f"{fastest.name} ({fastest.predicted_ms:.2f} ms), {where}",
+        markup=False,
+        highlight=False,
     )
+
+
+def _print_lengths(result, title: str) -> None:
+    """``tune --lengths``: each method's tokens per second, measured and predicted; the pick."""
     umopt = next(r for r in result.rows if r.method == "umopt")
-    table = Table(
-        title=f"{model}, {stages} stages, {minibatch} sequences per minibatch from {lengths} "
-        f"(up to {o['max_length']} tokens)"
-    )
+    table = Table(title=title)
     table.add_column("method", no_wrap=True)
     for col in ("chunks", "ktok/s", "pred", "ms", "pred ms", "umopt x"):
         table.add_column(col, justify="right", no_wrap=True)
@@ -275,13 +210,3 @@ def _tune_lengths(o: dict) -> None:
             markup=False,
             highlight=False,
         )
-    for line in result.warnings:
-        warn(line)
-    methods = "" if result.recommended == "umopt" else f" --methods {result.recommended}"
-    out.print(
-        f"wrote {len(result.files)} files to {result.out_dir}/; train with ({result.recommended}'s plans): "
-        f"umopt run {result.out_dir}/plan.json{methods} --profile {result.out_dir}/profile.json "
-        "--data package.module:fn (your sequences)",
-        markup=False,
-        highlight=False,
-    )

@@ -123,3 +123,18 @@ def test_every_package_of_umopt_is_installed():
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "umopt").rglob("__init__.py")}
     assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
+
+
+def test_the_commands_parse_call_and_print():
+    """cli/ prints what the library decided: no function there over 60 lines (the decisions, checks
+    and solve paths live in umopt/, e.g. umopt.search.ask for ``umopt solve``)."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "cli"
+    long = [
+        f"{p.name}:{n.name} ({n.end_lineno - n.lineno + 1} lines)"
+        for p in sorted(root.glob("*.py"))
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 60
+    ]
+    assert not long, f"over 60 lines: {long}"

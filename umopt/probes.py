@@ -39,6 +39,8 @@ __all__ = [
     "probe_runs",
     "fit_to_probes",
     "profile_in_pipeline",
+    "check_profile_ask",
+    "profile_asked",
 ]
 
 # chunk sizes of the probe schedules: ops of different sizes, and schedules with different
@@ -261,4 +263,40 @@ def profile_for_chunks(
         )
     return layered.model_copy(
         update={"meta": layered.meta.model_copy(update={"probes": whole.meta.probes, "calibration": cal})}
+    )
+
+
+def check_profile_ask(opts: ProfileOptions, chunks: int = 1, probe_minibatch: int = PROBE_MINIBATCH) -> None:
+    """What ``umopt profile`` cannot measure as asked, refused in one line before anything runs."""
+    if opts.max_size < 1:
+        raise UmoptError(f"--max-size must be at least 1, got {opts.max_size}")
+    if opts.dp < 1:
+        raise UmoptError(f"--dp must be at least 1, got {opts.dp}")
+    if not 1 <= chunks <= 4:
+        raise UmoptError(f"--chunks must be 1-4, got {chunks}")
+    if chunks > 1 and opts.dp > 1:
+        raise UmoptError("--chunks with --dp is not supported yet")
+    if probe_minibatch < 2:
+        raise UmoptError(f"--probe-minibatch must be at least 2, got {probe_minibatch}")
+
+
+def profile_asked(
+    opts: ProfileOptions,
+    chunks: int = 1,
+    *,
+    probes: bool = True,
+    probe_minibatch: int = PROBE_MINIBATCH,
+    progress: Optional[ProgressFn] = None,
+    argv: Optional[list[str]] = None,
+    say=lambda _m: None,
+) -> Profile:
+    """``umopt profile``: the stages of ``opts`` measured (:func:`profile_in_pipeline`), or with
+    ``chunks`` above 1 their layers one by one (:func:`profile_for_chunks`)."""
+    check_profile_ask(opts, chunks, probe_minibatch)
+    if chunks > 1:
+        return profile_for_chunks(
+            opts, chunks, progress, argv, probes=probes, probe_minibatch=probe_minibatch
+        )
+    return profile_in_pipeline(
+        opts, probes=probes, probe_minibatch=probe_minibatch, progress=progress, argv=argv, say=say
     )

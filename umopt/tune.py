@@ -26,10 +26,11 @@ each step planned ahead by umopt's planner and, in turns on the same minibatches
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 from .chunks import placement_name
 from .costmodel import OpKind, simulate
@@ -69,6 +70,7 @@ __all__ = [
     "pick",
     "tune",
     "tune_lengths",
+    "tune_asked",
 ]
 
 # a small GPT on 2 stages: tune's whole loop within minutes on a laptop's cores
@@ -654,3 +656,51 @@ def _layout_name(p: Plan) -> str:
         return "one chunk per rank"
     S = len(set(p.chunking.ranks))
     return f"{len(p.chunking.ranks) // S} chunks per rank, {placement_name(p.chunking.ranks, S)}"
+
+
+def tune_asked(
+    model: Optional[str],
+    model_args: Sequence[str],
+    stages: Optional[int],
+    minibatch: Optional[int],
+    chunks: str = "1",
+    lengths: Optional[str] = None,
+    max_length: int = 256,
+    methods: Optional[str] = None,
+    zero_bubble: bool = False,
+    say: Callable[[str], None] = lambda _msg: None,
+    **options,
+) -> tuple[Union[TuneResult, LengthsResult], str]:
+    """``umopt tune`` as its options give it (None: :data:`DEFAULT`'s; ``model_args``
+    ``name=value`` strings; ``chunks`` ``--chunks``'s; ``methods`` a comma-separated list):
+    :func:`tune`, or with ``lengths`` (a sampler or a file of lengths) :func:`tune_lengths`, which
+    ``options`` (the keyword arguments both take) go to. Returns the result and its title (the
+    model, the stages, the minibatch)."""
+    from .search.solve_chunks import parse_chunks
+    from .zoo import model_name, parse_model_args
+
+    name = model_name(model or DEFAULT["model"])
+    args = parse_model_args(list(model_args)) or (DEFAULT["model_args"] if not model else {})
+    stages, minibatch = stages or DEFAULT["stages"], minibatch or DEFAULT["minibatch"]
+    if lengths is None:
+        title = (
+            f"{model or DEFAULT['model']}, {stages} stages, minibatch {minibatch}: speedups over equal GPipe"
+        )
+        result = tune(
+            name, args, stages, minibatch, zero_bubble=zero_bubble, chunks=parse_chunks(chunks), say=say,
+            **options,
+        )  # fmt: skip
+        return result, title
+    if zero_bubble:
+        raise UmoptError("--lengths plans without W ops so far: leave out --zero-bubble")
+    if name == "gpt":
+        args = {**args, "seq_len": max_length}  # the model takes the longest sequence
+    options.pop("time_limit", None)  # the steps' plans have their own budget
+    result = tune_lengths(
+        name, args, stages, f"file:{lengths}" if os.path.isfile(lengths) else lengths, minibatch, max_length,
+        methods=[m.strip() for m in (methods or ",".join(LENGTHS_METHODS)).split(",") if m.strip()],
+        chunks=tuple(sorted({1, *parse_chunks(chunks)})),  # each method chooses its layout among them
+        say=say, **options,
+    )  # fmt: skip
+    title = f"{name}, {stages} stages, {minibatch} sequences per minibatch from {lengths} (up to {max_length} tokens)"
+    return result, title
