@@ -540,7 +540,7 @@ def test_a_new_peer_is_one_class_in_one_file(tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     pkg = tmp_path / "umopt"
-    shutil.copytree(root / "umopt", pkg, ignore=shutil.ignore_patterns("__pycache__", "profiles"))
+    shutil.copytree(root / "umopt", pkg, ignore=shutil.ignore_patterns("__pycache__", "profiles", "cli"))
     shutil.copytree(root / "cli", pkg / "cli", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(root / "profiles", pkg / "profiles", ignore=shutil.ignore_patterns("__pycache__"))
     (pkg / "search" / "peers" / "halves.py").write_text(NEW_PEER)

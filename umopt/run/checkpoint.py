@@ -215,27 +215,24 @@ def write_set(
     """This stage's part of the checkpoint set of ``step`` (collective over the world, on the
     I/O group): its file (where ``writes``: replica 0), then, once every stage has written its
     own, the manifest (rank 0), then the old files go."""
-    import torch.distributed as dist
-
+    from .comm import TorchComm
     from .signals import waiting
+
+    comm = TorchComm.current()
 
     name = stage_file(s, step, run)
     if writes:
         time.sleep(delay_s)
         save_atomic(state, folder / name)
-    hashes: list = [None] * dist.get_world_size()
     with waiting(f"every stage's checkpoint file of step {step}", io=True):
-        dist.all_gather_object(hashes, file_sha256(folder / name) if writes else None, group=io_group)
-    if dist.get_rank() == 0:
+        hashes = comm.all_gather_object(file_sha256(folder / name) if writes else None, io_group)
+    if comm.rank == 0:
         named = [
             {"path": str(p), "sha256": hashlib.sha256(Path(p).read_bytes()).hexdigest()} for p in schedules
         ]
         write_manifest(folder, step, run, profile, optimizer, [h for h in hashes if h is not None], named)
     with waiting(f"the checkpoint manifest of step {step}", io=True):
-        if device.type == "cuda":
-            dist.barrier(group=io_group, device_ids=[device.index])
-        else:
-            dist.barrier(group=io_group)
+        comm.barrier(io_group, device)
     if writes:
         remove_stale(folder, s, name)
 

@@ -146,6 +146,14 @@ class Comm:
     def barrier(self, group: Any, device: torch.device) -> None:
         raise NotImplementedError
 
+    def all_gather_object(self, obj: Any, group: Any) -> list:
+        """Collective over ``group``: every rank's ``obj``, by rank."""
+        raise NotImplementedError
+
+    def broadcast_object(self, obj: Any, src: int, group: Any) -> Any:
+        """Collective over ``group``: ``src``'s ``obj`` on every rank."""
+        raise NotImplementedError
+
     def new_group(self, ranks: Sequence[int]) -> Any:
         """Collective over the world: a group of ``ranks``."""
         raise NotImplementedError
@@ -281,6 +289,18 @@ class TorchComm(Comm):
 
     _current: Optional["TorchComm"] = None
 
+    @staticmethod
+    def start(backend: str, timeout_s: float, device: torch.device, **where) -> None:
+        """This process joins the world (``where``: init_process_group's ``init_method``, ``rank``,
+        ``world_size``; none: env:// as under torchrun), bound to ``device`` where it is a GPU."""
+        bound = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **bound, **where)
+
+    @staticmethod
+    def end() -> None:
+        """This process leaves the world (see [Note: a failed rank leaves at once] for when not)."""
+        dist.destroy_process_group()
+
     @classmethod
     def current(cls) -> "TorchComm":
         """This process's Comm for the world it is in now (a new world gets a new one)."""
@@ -398,6 +418,20 @@ class TorchComm(Comm):
 
     def new_group(self, ranks: Sequence[int]) -> Any:
         return dist.new_group(sorted(ranks), timeout=self._timeout())
+
+    def world_group(self, timeout_s: float) -> Any:
+        """Collective over the world: a group of every rank with a timeout of its own."""
+        return dist.new_group(timeout=timedelta(seconds=timeout_s))
+
+    def all_gather_object(self, obj: Any, group: Any) -> list:
+        out: list = [None] * (self.world if group is None else len(self.group_ranks(group)))
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int, group: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
 
     def split(self, members: list[list[int]]) -> Any:
         """Collective over the world: a group for each of the disjoint ``members``; returns this

@@ -30,12 +30,10 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..costmodel import Chunking, OpKind, simulate
 from ..devices import (
@@ -199,7 +197,8 @@ class _Rank:
 
 def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
     opts = cfg.options
-    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = TorchComm.current()
+    rank, world = comm.rank, comm.world
     S, dp = cfg.num_stages, cfg.dp
     if world != S * dp:
         raise UmoptError(
@@ -208,18 +207,18 @@ def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
     replica, s = divmod(rank, S)  # rank r: stage r % S of replica r // S
     dp_group = None
     if dp > 1:  # a group per stage over its replicas: disjoint, so one split makes them all
-        dp_group = TorchComm.current().split([[k * S + j for k in range(dp)] for j in range(S)])
+        dp_group = comm.split([[k * S + j for k in range(dp)] for j in range(S)])
     if device.type == "cpu":
         torch.set_num_threads(opts.threads or cfg.profile.device.threads or 1)
     setup = _build(cfg.profile, cfg.schedules[0].chunks, s, device)
     opt = _optimizer(opts, setup.module)
     start_step = _resume(cfg, s, setup.module, opt, device) if opts.resume else 0
-    io_group = dist.new_group(timeout=timedelta(seconds=io_timeout_s()))  # [Note: two timeouts]
+    io_group = comm.world_group(io_timeout_s())  # [Note: two timeouts]
     with waiting(
         "the other ranks to build their stages" + (" and load the checkpoint" if opts.resume else ""), io=True
     ):
-        drawn = [secrets.token_hex(4) if rank == 0 else None]  # one name for this run's checkpoint files
-        dist.broadcast_object_list(drawn, src=0, group=io_group)
+        # one name for this run's checkpoint files
+        drawn = comm.broadcast_object(secrets.token_hex(4) if rank == 0 else None, 0, io_group)
     data_fn = data_function(opts.data) if opts.data else (lambda step, n: setup.make_batch(n, step))
     feed = _feed(cfg, setup, replica, s) if cfg.varlen else None
     return _Rank(
@@ -234,7 +233,7 @@ def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
         data_fn,
         StepTimer(device),
         io_group,
-        str(drawn[0]),
+        str(drawn),
         start_step,
         [replica * S + j for j in range(S)],
         dp_group,
@@ -478,7 +477,7 @@ def _step(
     # the slowest rank's time; and the slowest replica's plan's prediction (only makers have one)
     predicted = plan.predicted.iteration_ms if plan is not None else 0.0
     worst = torch.tensor([elapsed, predicted], dtype=torch.float64).to(rk.device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    TorchComm.current().all_reduce(worst, None, op="max")
     ms = float(worst[0].item())
     if play.last:
         play.losses.append(float(loss_sum))
@@ -684,9 +683,8 @@ def run_rank(cfg: RunConfig, device: torch.device) -> None:
         }
         if cfg.varlen:  # every step its own plan: the predicted busy time is those plans' too
             mine["op_pairs"], mine["busy_predicted_ms"] = _op_pairs(rk, play)
-        gathered: list = [None] * rk.world
         with waiting("the other ranks' measurements", io=True):  # rank 0 writes the last report meanwhile
-            dist.all_gather_object(gathered, mine, group=rk.io_group)
+            gathered = TorchComm.current().all_gather_object(mine, rk.io_group)
         if rk.rank == 0:  # replica 0's stages (the others ran the same ops on their own samples)
             name = selection.winner if selection is not None else play.name
             measured = Measured(
@@ -788,7 +786,7 @@ def _another_round(opts: RunOptions, turn: int, spent_s: float, device: torch.de
     more = torch.tensor(
         [turn < opts.max_rounds and spent_s * (turn + 1) / turn <= opts.budget], dtype=torch.int32
     ).to(device)
-    dist.broadcast(more, src=0)
+    TorchComm.current().broadcast(more, 0, None)
     return bool(more.item())
 
 
@@ -848,17 +846,12 @@ def init_distributed(backend: str, timeout_s: float) -> torch.device:
     )
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device, **where)
-    else:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **where)
+    TorchComm.start(backend, timeout_s, device, **where)
     return device
 
 
 def _barrier(device: torch.device, group=None) -> None:
-    if device.type == "cuda":
-        dist.barrier(group=group, device_ids=[device.index])
-    else:
-        dist.barrier(group=group)
+    TorchComm.current().barrier(group, device)
 
 
 # [Note: a failed rank leaves at once]
@@ -883,7 +876,7 @@ def main(options: Optional[RunOptions] = None) -> None:
         cfg = preflight(opts, verify_stages=[])  # each rank checks its own checkpoint file
         device = init_distributed(cfg.backend, step_timeout_s())
         run_rank(cfg, device)
-        dist.destroy_process_group()
+        TorchComm.end()
     except BaseException as exc:  # see [Note: a failed rank leaves at once]
         report_failure(exc)  # unless the Pipeline already did, before its links broke
         if not isinstance(exc, (UmoptError, KeyboardInterrupt)):
