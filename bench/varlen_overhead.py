@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tables import print_table  # noqa: E402
 
 from umopt.costmodel import ChunkOp, OpKind  # noqa: E402
-from umopt.formats.schedule import check_against_profile  # noqa: E402
+from umopt.predict import check_against_profile  # noqa: E402
 from umopt.run.links import messages  # noqa: E402
 from umopt.run.tokens import TokenRows  # noqa: E402
 from umopt.samplers import minibatches  # noqa: E402

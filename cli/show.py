@@ -30,7 +30,8 @@ def show(schedule_path, profile_path, plot, trace) -> None:
     """Validate SCHEDULE against its profile, re-simulate it and print its numbers."""
     from umopt.fileio import check_writable
     from umopt.formats.profile import load_profile
-    from umopt.formats.schedule import check_against_profile, load_schedule
+    from umopt.formats.schedule import load_schedule
+    from umopt.predict import check_against_profile
 
     for path in filter(None, (plot, trace)):
         check_writable(path)

@@ -12,8 +12,9 @@ import torch
 from umopt.cli import main
 
 from umopt.costmodel import CostTables, simulate
-from umopt.formats.schedule import check_against_profile, load_schedule, make_schedule, save_schedule
+from umopt.formats.schedule import load_schedule, make_schedule, save_schedule
 from umopt.measure.decide import is_equal
+from umopt.predict import check_against_profile
 from umopt.search.problem import Candidate
 
 

@@ -77,12 +77,6 @@ def test_no_module_of_umopt_imports_itself_back():
     assert not cycles, f"modules on an import cycle: {cycles}"
 
 
-# The one cycle between umopt's packages left (issue 69): the schedule file's model computes its
-# own cost tables and timeline (formats.schedule -> costmodel), and the cost model reads profiles
-# (costmodel -> chunks -> formats.profile). No other may appear.
-KNOWN_PACKAGE_CYCLES = {frozenset({"umopt.formats", "umopt.costmodel", "umopt.chunks"})}
-
-
 def test_no_package_of_umopt_imports_itself_back():
     """Between umopt's packages (a folder, or a module at its top) the data flows one way too:
     measuring a profile uses neither the runtime nor the search (the probe runs that do are
@@ -108,9 +102,7 @@ def test_no_package_of_umopt_imports_itself_back():
     cycles = {
         frozenset(q for q in reach if p in reach[q] and q in reach[p]) | {p} for p in reach if p in reach[p]
     }
-    assert cycles <= KNOWN_PACKAGE_CYCLES, (
-        f"packages on an import cycle: {sorted(map(sorted, cycles - KNOWN_PACKAGE_CYCLES))}"
-    )
+    assert not cycles, f"packages on an import cycle: {sorted(map(sorted, cycles))}"
     assert "umopt.run" not in reach["umopt.measure"] and "umopt.search" not in reach["umopt.measure"]
 
 

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 import umopt
 from umopt.errors import UmoptError
+from umopt.predict import schedule_tables
 from umopt.search.method import Request
 from umopt.search.peers import PEERS
 from umopt.search.plan import Layout, score
@@ -348,7 +349,9 @@ def test_umopt_run_plans_each_step_ahead_and_methods_take_turns_on_the_same_mini
         assert len(r.lengths.plans) == len(r.step_ms) == 4 and r.lengths.plans[0].lengths is not None
         assert [p.lengths.lengths for p in r.lengths.plans] == [[len(x) for x in xs] for xs, _ in data]
         # each step's prediction is its own plan's; the run's is their mean, its busy time their median
-        timelines = [simulate(p.tables(profile), p.op_lists(), p.minibatch) for p in r.lengths.plans]
+        timelines = [
+            simulate(schedule_tables(p, profile), p.op_lists(), p.minibatch) for p in r.lengths.plans
+        ]
         assert r.lengths.predicted_step_ms == pytest.approx([tl.iteration_ms for tl in timelines])
         assert len(set(r.lengths.predicted_step_ms)) == 4  # four plans, four predictions
         assert r.predicted_iteration_ms == pytest.approx(np.mean(r.lengths.predicted_step_ms))

@@ -11,11 +11,12 @@ per-op overhead is added once per op.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from .errors import UmoptError
+from .formats.ops import Chunking
 from .formats.profile import LayerProfile, LinkProfile, Profile, StageProfile, TokenCosts, TokenFit
 
 __all__ = [
@@ -31,19 +32,6 @@ __all__ = [
     "stages_from_layers",
     "min_max_cut",
 ]
-
-
-class Chunking(NamedTuple):
-    """How a multi-chunk pipeline cuts the model: virtual stage ``j`` holds the profile's layers
-    ``layers[j]`` (contiguous, in model order) and runs on rank ``ranks[j]`` (docs/formats.md,
-    "Several chunks per rank")."""
-
-    layers: tuple[tuple[int, int], ...]
-    ranks: tuple[int, ...]
-
-    @property
-    def num_virtual(self) -> int:
-        return len(self.ranks)
 
 
 PLACEMENTS = ("looped", "vshape")

@@ -13,13 +13,13 @@ linear interpolation between the profile's measured sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .chunks import Chunking, virtual_stages
+from .chunks import virtual_stages
 from .errors import UmoptError
+from .formats.ops import Chunking, ChunkOp, Op, OpKind, op_stage
 from .limits import MAX_MS
 
 if TYPE_CHECKING:  # (the formats import the cost model to check schedules)
@@ -39,55 +39,6 @@ __all__ = [
     "rank_peak_memory",
     "allreduce_ms",
 ]
-
-
-class OpKind(str, Enum):
-    """What an op computes: the forward (F), the backward (B; on a stage with W ops only the input
-    gradient) or the weight gradient (W). A ``str``, so it compares equal to, and is written to
-    schedule files as, its letter."""
-
-    F = "F"
-    B = "B"
-    W = "W"
-
-    # the letter on every Python version (3.11 changed how format() shows mixed-in enums)
-    __str__ = str.__str__
-    __format__ = str.__format__
-
-
-class Op(NamedTuple):
-    """One op of a stage: its kind on samples ``[lo, hi)``.
-
-    A tuple, so it reads and writes as ``["F", lo, hi]`` in schedule files and unpacks as
-    ``kind, lo, hi``."""
-
-    kind: OpKind
-    lo: int
-    hi: int
-
-    @property
-    def size(self) -> int:
-        return self.hi - self.lo
-
-
-class ChunkOp(NamedTuple):
-    """An op of a rank that holds several model chunks: as :class:`Op`, on virtual stage
-    ``stage`` (``["F", lo, hi, stage]`` in schedule files). On a one-chunk pipeline a rank's
-    plain :class:`Op` runs on the virtual stage of the rank's own index."""
-
-    kind: OpKind
-    lo: int
-    hi: int
-    stage: int
-
-    @property
-    def size(self) -> int:
-        return self.hi - self.lo
-
-
-def op_stage(op: Sequence, rank: int) -> int:
-    """The virtual stage an op of ``rank`` runs on."""
-    return op[3] if len(op) == 4 else rank
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A schedule holds one ordered op list per stage (``["F", lo, hi]`` and ``["B", lo
 profile it was made for (path and sha256), the prediction of the cost model for exactly those ops,
 the solver's status and bound, and the baselines. :func:`validate_ops` is the definition of a
 valid schedule (docs/formats.md, "Validity"); :func:`load_schedule` applies it, together with the
-format checks, and :func:`check_against_profile` refuses a schedule made for another profile.
+format checks, and :func:`umopt.predict.check_against_profile` refuses a schedule made for another profile.
 """
 
 from __future__ import annotations
@@ -19,19 +19,10 @@ from typing import Annotated, Any, Literal, Optional, Sequence
 from annotated_types import Len
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from ..costmodel import (
-    Chunking,
-    ChunkOp,
-    CostTables,
-    Op,
-    OpKind,
-    Timeline,
-    simulate,
-    tables_for_samples,
-)
 from ..errors import UmoptError
 from ..fileio import write_json
 from ..limits import MAX_MINIBATCH, MAX_STAGES
+from .ops import Chunking, ChunkOp, Op, OpKind
 from .profile import AllReduceProfile, Profile, load_model_file
 
 __all__ = [
@@ -44,7 +35,6 @@ __all__ = [
     "load_schedule",
     "save_schedule",
     "make_schedule",
-    "check_against_profile",
     "require_one_chunk",
     "require_pick_layout",
 ]
@@ -166,24 +156,6 @@ class LengthsSpec(_Strict):
     row: Optional[Annotated[int, Field(ge=1)]] = None
     pad_to: Optional[Annotated[int, Field(ge=1)]] = None
 
-    def tables(
-        self,
-        profile: Profile,
-        recompute: bool,
-        dp: Optional[AllReduceProfile],
-        chunks: Optional[Chunking] = None,
-    ) -> CostTables:
-        """The cost tables of these samples (see costmodel's [Note: costs by sample range]), per
-        virtual stage with ``chunks``."""
-        held = sorted(i for u in self.samples for i in u)
-        if self.row is None and held != list(range(len(self.lengths))):
-            raise UmoptError("lengths.samples must hold every sequence once")
-        if self.row is not None and set(held) != set(range(len(self.lengths))):
-            raise UmoptError("lengths.samples must hold every sequence (a long one may span rows)")
-        return tables_for_samples(
-            profile, self.lengths, self.samples, self.mode, self.row, self.pad_to, recompute, dp, chunks
-        )
-
 
 class Schedule(_Strict):
     format: Literal["umopt-schedule/1"]
@@ -202,7 +174,7 @@ class Schedule(_Strict):
     chunks: Optional[ChunksSpec] = None
     # a plan for sequences of different lengths (absent: every sample costs the same)
     lengths: Optional[LengthsSpec] = None
-    # the sha256 of the profile it was checked against (check_against_profile), where it was made:
+    # the sha256 of the profile it was checked against (umopt.predict), where it was made:
     # a plan made ahead is checked in the planning process, once, not by every rank in its step
     _checked: Optional[str] = PrivateAttr(default=None)
 
@@ -233,17 +205,6 @@ class Schedule(_Strict):
         return Chunking(
             tuple((st.layers[0], st.layers[1]) for st in profile.stages), tuple(range(len(self.stages)))
         )
-
-    def tables(self, profile: Profile) -> CostTables:
-        """The cost tables its prediction is made on: by sample count, or by the sequences each
-        sample holds."""
-        if self.lengths is not None:
-            if len(self.lengths.samples) != self.minibatch:
-                raise UmoptError(
-                    f"lengths.samples has {len(self.lengths.samples)} samples but the minibatch is {self.minibatch}"
-                )
-            return self.lengths.tables(profile, self.recompute, self.dp, self.chunking())
-        return CostTables.from_profile(profile, self.recompute, self.dp, self.chunking(), self.minibatch)
 
     def candidate_schedule(self, k: int) -> "Schedule":
         """Candidate ``k`` as a schedule of its own (same profile, minibatch, recompute, dp)."""
@@ -373,49 +334,6 @@ def _check_w(
     w_ranges.insert(j, (lo, hi))
 
 
-def check_against_profile(schedule: Schedule, profile: Profile, *, strict_hash: bool = True) -> Timeline:
-    """Validate ``schedule`` for ``profile`` and return its simulated timeline.
-
-    A schedule made for another profile (stage count, sha256), with invalid ops, deadlocking, or
-    over the profile's memory limit is refused with a one-line :class:`UmoptError`.
-    """
-    if len(schedule.stages) != profile.num_stages:
-        raise UmoptError(
-            f"schedule has {len(schedule.stages)} stages but profile {profile.path} has {profile.num_stages}"
-        )
-    chunks = schedule.chunking()
-    if strict_hash and schedule.profile.sha256 != profile.sha256:
-        raise UmoptError(
-            f"schedule was made for another profile (sha256 {schedule.profile.sha256[:12]}..., this one {profile.sha256[:12]}...)"
-        )
-    ops = schedule.op_lists()
-    tables = schedule.tables(profile)
-    # by sequences, a chunk's costs are those of the sequences it holds, whatever its size
-    largest = profile.max_size if schedule.lengths is None else schedule.minibatch
-    validate_ops(ops, schedule.minibatch, largest, schedule.recompute, chunks)
-    timeline = simulate(tables, ops, schedule.minibatch)
-    limit = profile.memory_limit_bytes
-    for name, tl in [("", timeline)] + [
-        (f"candidate {c.name}: ", _candidate_timeline(c, schedule, profile, tables))
-        for c in schedule.candidates
-    ]:
-        if limit is not None:
-            for s, peak in enumerate(tl.peak_memory_bytes):
-                if peak > limit:
-                    raise UmoptError(
-                        f"{name}{'rank' if chunks else 'stage'} {s} needs {peak} bytes at its peak, over the memory limit of {limit}"
-                    )
-    schedule._checked = profile.sha256
-    return timeline
-
-
-def checked(schedule: Schedule, profile: Profile) -> None:
-    """``schedule`` checked against ``profile`` (:func:`check_against_profile`), unless it was
-    already, where it was made (its mark travels with it, pickled to another process)."""
-    if schedule._checked != profile.sha256:
-        check_against_profile(schedule, profile)
-
-
 def require_one_chunk(schedule: Schedule, where: str) -> None:
     """Refuse, in one line, a schedule with several chunks per rank where only one is played."""
     if schedule.chunks is not None:
@@ -436,31 +354,12 @@ def require_pick_layout(schedule: Schedule, instead: str) -> None:
         )
 
 
-def _candidate_timeline(
-    c: ScheduleCandidate, schedule: Schedule, profile: Profile, tables: CostTables
-) -> Timeline:
-    if len(c.stages) != len(schedule.stages):
-        raise UmoptError(
-            f"candidate {c.name} has {len(c.stages)} stages, the schedule {len(schedule.stages)}"
-        )
-    ops = c.op_lists()
-    try:
-        if c.chunking() != schedule.chunking():
-            tables = CostTables.from_profile(
-                profile, schedule.recompute, schedule.dp, c.chunking(), schedule.minibatch
-            )
-        validate_ops(ops, schedule.minibatch, profile.max_size, schedule.recompute, c.chunking())
-        return simulate(tables, ops, schedule.minibatch)
-    except UmoptError as exc:
-        raise UmoptError(f"candidate {c.name}: {exc}") from None
-
-
 def make_schedule(
     profile: Profile,
     minibatch: int,
     recompute: bool,
     ops: Sequence[Sequence[Op]],
-    timeline: Timeline,
+    timeline: Any,  # the cost model's Timeline of exactly ``ops``
     solver: dict,
     baselines: dict,
     dp: Optional[AllReduceProfile] = None,

@@ -37,6 +37,7 @@ from ..costmodel import simulate
 from ..errors import UmoptError
 from ..formats.profile import CalibrationMeta, Profile, TokenCosts, TokenFit
 from ..formats.report import RunReport, as_report
+from ..predict import schedule_tables
 
 __all__ = ["TokenRefit", "calibrate_tokens"]
 
@@ -265,7 +266,7 @@ def _fit_iteration(profile: Profile, reports: list[RunReport]) -> tuple[Profile,
     def predicted(p: Profile) -> np.ndarray:
         return np.array(
             [
-                simulate(plan.tables(p), plan.op_lists(), plan.minibatch, record=False).iteration_ms
+                simulate(schedule_tables(plan, p), plan.op_lists(), plan.minibatch, record=False).iteration_ms
                 for plan, _ in steps
             ]
         )

@@ -32,7 +32,8 @@ import numpy as np
 from ..costmodel import Chunking
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, Profile
-from ..formats.schedule import Schedule, check_against_profile
+from ..formats.schedule import Schedule
+from ..predict import check_against_profile
 from ..search.method import Method, Request
 from ..search.methods import chunked_names, named
 from ..search.plan import Plan

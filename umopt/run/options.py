@@ -23,11 +23,11 @@ from ..fileio import check_writable
 from ..formats.profile import Profile, load_profile, pydantic_error_line
 from ..formats.schedule import (
     Schedule,
-    check_against_profile,
     load_schedule,
     require_pick_layout,
 )
 from ..measure.decide import is_equal
+from ..predict import check_against_profile
 from ..samplers import minibatch_of_step
 from ..search.methods import METHODS, chunked_names
 from ..search.replicas import ASSIGNERS

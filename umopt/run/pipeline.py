@@ -35,12 +35,11 @@ from ..formats.profile import Profile, load_profile
 from ..formats.report import Selection
 from ..formats.schedule import (
     Schedule,
-    check_against_profile,
-    checked,
     load_schedule,
     require_pick_layout,
 )
 from ..parts import IGNORE
+from ..predict import check_against_profile, checked
 from ..search.replicas import assign as assign_replicas
 from .comm import Comm, PipelineBroken, TorchComm, describe
 from .failures import guarded

@@ -52,6 +52,7 @@ from ..formats.schedule import Schedule
 from ..measure.decide import Decision, decide, is_equal
 from ..measure.memory import held_bytes, peak_during, state_tensors
 from ..parts import Layers, ModelParts, Sequences
+from ..predict import schedule_tables
 from ..samplers import cut_note
 from ..zoo import build_model
 from . import checkpoint, faults
@@ -713,7 +714,7 @@ def _op_pairs(rk: _Rank, play: _Play) -> tuple[list[tuple[str, int, str, float, 
     out, busy = [], []
     for plan, measured in play.step_ops:
         assert plan.lengths is not None
-        timeline = simulate(plan.tables(rk.cfg.profile), plan.op_lists(), plan.minibatch)
+        timeline = simulate(schedule_tables(plan, rk.cfg.profile), plan.op_lists(), plan.minibatch)
         for sp, ms in zip(timeline.spans[rk.s], measured):
             out.append((plan.lengths.mode, int(sp.chunk), str(sp.kind), sp.end - sp.start, ms))
         busy.append(timeline.busy_ms[rk.s])

@@ -25,6 +25,7 @@ from ..formats.report import LengthsRun, MeasuredPredicted, PeakMemory, RunRepor
 from ..formats.schedule import Schedule
 from ..measure.decide import Decision
 from ..measure.noise import run_warnings
+from ..predict import schedule_tables
 from .options import RunConfig
 
 __all__ = ["Measured", "run_allreduce", "write_report"]
@@ -101,7 +102,7 @@ def write_report(
     tl = measured_timeline(m.per_rank)
     allreduce = run_allreduce(cfg, m.schedule)
     if m.lengths is not None:  # the last step's plan, as the planner costed it
-        tables = m.schedule.tables(cfg.profile)
+        tables = schedule_tables(m.schedule, cfg.profile)
     else:
         tables = CostTables.from_profile(
             cfg.profile, m.schedule.recompute, allreduce, m.schedule.chunking(), m.schedule.minibatch
