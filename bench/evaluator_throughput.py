@@ -15,9 +15,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from umopt import population_sim
 from umopt.costmodel import CostTables, simulate
-from umopt.schedules import gpipe_ops
+from umopt.schedules import gpipe_ops, population_sim
 from umopt.schedules.partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
 from umopt.schedules.population_sim import evaluate_1f1b, evaluate_gpipe
 from umopt.synthetic import synthetic_profile
