@@ -19,36 +19,37 @@ def calibrate(profile_path, reports, output) -> None:
     from umopt.fileio import check_writable
     from umopt.formats.profile import load_profile, save_profile
     from umopt.formats.report import load_report
-    from umopt.measure.calibrate import calibrate as fit
-    from umopt.measure.calibrate import size_ratios
+    from umopt.measure.calibrate import calibrate_runs
 
     check_writable(output)
     profile = load_profile(profile_path)
-    loaded = [load_report(r) for r in reports]
-    if any(r.lengths is not None for r in loaded):  # runs of sequences: their costs by tokens
-        _by_tokens(profile, loaded, list(reports), output)
-        return
-    calibrated = fit(profile, loaded, list(reports))
+    fitted = calibrate_runs(profile, [load_report(r) for r in reports], list(reports))
+    if fitted.refits:
+        _print_tokens(profile, fitted)
+    else:
+        _print_sizes(fitted)
+    save_profile(fitted.profile, output)
+    out.print(f"wrote {output}")
+
+
+def _print_sizes(fitted) -> None:
+    """Runs of one length: measured over profiled by chunk size, and the runtime's own costs."""
     table = Table(title="measured / profiled, by chunk size (median over ops)")
     for col in ("stage", "kind", "ratios"):
         table.add_column(col)
-    for (s, kind), seen in sorted(size_ratios(loaded, profile.num_stages).items()):
+    for (s, kind), seen in sorted(fitted.ratios.items()):
         table.add_row(str(s), kind, "  ".join(f"{b}: {r:.2f}" for b, r in seen.items()))
     out.print(table)
-    cal = calibrated.meta.calibration
+    cal = fitted.profile.meta.calibration
     out.print(
         f"the runtime's own costs: {cal.op_overhead_ms:.3f} ms per op, {cal.message_overhead_ms:.3f} ms per message, "
         f"{cal.step_overhead_ms:+.2f} ms per iteration; predictions within {100 * (cal.residual_rms or 0.0):.1f}% (rms) of these runs"
     )
-    save_profile(calibrated, output)
-    out.print(f"wrote {output}")
 
 
-def _by_tokens(profile, loaded, names, output) -> None:
-    from umopt.formats.profile import save_profile
-    from umopt.measure.calibrate_tokens import calibrate_tokens
-
-    calibrated, refits = calibrate_tokens(profile, loaded, names)
+def _print_tokens(profile, fitted) -> None:
+    """Runs of sequences: each refit of the costs by tokens, what was dropped, a step's own cost."""
+    calibrated, refits = fitted.profile, fitted.refits
     table = Table(title="costs by tokens: measured = ratio x predicted + per op, over the runs' ops")
     for col in ("stage", "mode", "fit", "ops", "ratio", "per op ms", "error before", "after"):
         table.add_column(col, justify="left" if col in ("mode", "fit") else "right", no_wrap=True)
@@ -87,5 +88,3 @@ def _by_tokens(profile, loaded, names, output) -> None:
         markup=False,
         highlight=False,
     )
-    save_profile(calibrated, output)
-    out.print(f"wrote {output}")

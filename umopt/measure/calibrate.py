@@ -39,9 +39,40 @@ from ..costmodel import OpKind
 from ..errors import UmoptError
 from ..formats.profile import AllReduceProfile, CalibrationMeta, Profile
 from ..formats.report import RunReport, as_report
+from .calibrate_tokens import calibrate_tokens
 from .noise import monotone_fit
 
-__all__ = ["calibrate", "size_ratios", "fit_overheads", "Overheads", "run_ratios"]
+__all__ = [
+    "calibrate",
+    "calibrate_runs",
+    "Calibrated",
+    "size_ratios",
+    "fit_overheads",
+    "Overheads",
+    "run_ratios",
+]
+
+
+@dataclass
+class Calibrated:
+    """``umopt calibrate``'s answer: the fitted profile, with what was fitted: the op times by size
+    (``ratios``, measured over profiled per (stage, kind) and size), or the costs by tokens
+    (``refits``, each stage's, mode's and kind's fit)."""
+
+    profile: Profile
+    ratios: dict[tuple[int, str], dict[int, float]]
+    refits: list  # umopt.measure.calibrate_tokens.TokenRefit
+
+
+def calibrate_runs(profile: Profile, reports: Sequence[RunReport], names: list[str]) -> Calibrated:
+    """``profile`` fitted to runs, whichever kind they are: runs of sequences of different lengths
+    refit its costs by tokens (:func:`umopt.measure.calibrate_tokens.calibrate_tokens`), runs of
+    one length scale its op times by size (:func:`calibrate`)."""
+    if any(r.lengths is not None for r in reports):
+        fitted, refits = calibrate_tokens(profile, list(reports), names)
+        return Calibrated(fitted, {}, refits)
+    fitted = calibrate(profile, list(reports), names)
+    return Calibrated(fitted, size_ratios(list(reports), profile.num_stages), [])
 
 
 def _check_report(rep: RunReport, name: str, profile: Profile) -> None:
