@@ -133,8 +133,9 @@ def test_the_commands_parse_call_and_print():
 
 
 def test_the_benches_and_examples_import_what_exists():
-    """Every ``from umopt... import name`` of bench/ and examples/ names a module and a name that
-    exist: a move in umopt/ that left one behind fails here, not on the next GPU."""
+    """Every ``from umopt... import name`` of bench/, examples/ and the docs' snippets names a
+    module and a name that exist: a move in umopt/ that left one behind fails here, not on the next
+    GPU or in a reader's hands."""
     import ast
     import importlib
 
@@ -153,6 +154,20 @@ def test_the_benches_and_examples_import_what_exists():
                     for a in node.names
                     if not hasattr(module, a.name) and not _is_module(f"{node.module}.{a.name}")
                 ]
+    import re
+
+    for path in sorted([*(root / "docs").glob("*.md"), root / "README.md"]):  # the docs' snippets too
+        for module, names in re.findall(r"^\s*from (umopt[\w.]*) import ([\w, ]+)$", path.read_text(), re.M):
+            try:
+                found = importlib.import_module(module)
+            except ImportError as exc:
+                missing.append(f"{path.name}: {module} ({exc})")
+                continue
+            missing += [
+                f"{path.name}: {module}.{n.strip()}"
+                for n in names.split(",")
+                if not hasattr(found, n.strip())
+            ]
     assert not missing, f"imports of things that are not there: {missing}"
 
 
