@@ -231,11 +231,24 @@ def test_ranks_handed_plans_that_play_otherwise_stop_before_the_first_op_on_ever
     layers = _layers()
     stages = [Layers(copy.deepcopy(layers[:2])), Layers(copy.deepcopy(layers[2:]))]
 
+    raised = _each_rank(2, _one_step(stages, a, seqs, (a, b)))
+    assert all(isinstance(e, UmoptError) for e in raised.values()), raised
+    assert all("stage 1 was handed another plan for step 0 than rank 0" in str(e) for e in raised.values())
+    assert all(p.grad is None for st in stages for p in st.parameters())  # no op ran
+    # the same plan given to every rank, or given to the maker alone, plays
+    for given in ((a, a), (a, None)):
+        stages = [Layers(copy.deepcopy(layers[:2])), Layers(copy.deepcopy(layers[2:]))]
+        assert _each_rank(2, _one_step(stages, a, seqs, given)) == {0: None, 1: None}
+
+
+def _one_step(stages, schedule, seqs, plans):
+    """A rank's body: a Pipeline of its stage on ``schedule``, one step with its own of ``plans``."""
+
     def body(comm):
         r = comm.rank
         pipe = umopt.Pipeline(
             stages[r],
-            a,
+            schedule,
             profile=PROFILE,
             loss_fn=nn.CrossEntropyLoss(),
             dtype="float32",
@@ -243,31 +256,9 @@ def test_ranks_handed_plans_that_play_otherwise_stop_before_the_first_op_on_ever
             select=False,
         )
         kw = {"inputs": [x for x, _ in seqs]} if r == 0 else {"targets": [y for _, y in seqs]}
-        pipe.step(plan=a if r == 0 else b, **kw)
+        pipe.step(plan=plans[r], **kw)
 
-    raised = _each_rank(2, body)
-    assert all(isinstance(e, UmoptError) for e in raised.values()), raised
-    assert all("stage 1 was handed another plan for step 0 than rank 0" in str(e) for e in raised.values())
-    assert all(p.grad is None for st in stages for p in st.parameters())  # no op ran
-    # the same plan given to every rank, or given to the maker alone, plays
-    for given in ((a, a), (a, None)):
-        stages = [Layers(copy.deepcopy(layers[:2])), Layers(copy.deepcopy(layers[2:]))]
-
-        def body(comm, given=given):
-            r = comm.rank
-            pipe = umopt.Pipeline(
-                stages[r],
-                a,
-                profile=PROFILE,
-                loss_fn=nn.CrossEntropyLoss(),
-                dtype="float32",
-                _comm=comm,
-                select=False,
-            )
-            kw = {"inputs": [x for x, _ in seqs]} if r == 0 else {"targets": [y for _, y in seqs]}
-            pipe.step(plan=given[r], **kw)
-
-        assert _each_rank(2, body) == {0: None, 1: None}
+    return body
 
 
 def test_a_plan_waited_for_inside_the_step_counts_there_and_one_that_fails_ends_every_rank():
