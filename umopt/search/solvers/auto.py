@@ -31,6 +31,7 @@ from ..bounds import IN_ORDER_MAX_CELLS, BackgroundBounds, Scope, pair_bound_run
 from ..problem import Problem, Progress, SolverResult
 from .cpsat import solve_cpsat
 from .dp import solve_dp
+from .entry import entry
 from .equal import solve_equal
 from .exact import model_terms, models_exactly
 from .ga import solve_ga
@@ -49,6 +50,7 @@ class _PairBounds:
     in_order_ms: Optional[float] = None  # proven on the 1F1B family, when the pairs ended
 
 
+@entry
 def solve_auto(
     problem: Problem,
     *,
@@ -56,7 +58,6 @@ def solve_auto(
     seed: int = 0,
     progress: Optional[Progress] = None,
     order: Optional[ScheduleFamily] = None,
-    **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
     fast = _fast_starts(problem, order, t0, time_limit)
@@ -110,7 +111,6 @@ def solve_auto(
         best.candidate,
         status,
         lower_bound_ms=bound,
-        seconds=time.perf_counter() - t0,
         evaluated=sum(r.evaluated for r in results),
         bound_scope=scope,
         lower_bound_1f1b_ms=bound_1f1b,

@@ -49,6 +49,7 @@ from ..bounds import (
     start_bound_ms,
 )
 from ..problem import Candidate, Problem, Progress, SolverResult
+from .entry import entry
 from .exact import (
     candidate_chunks,
     chunk_fits,
@@ -444,6 +445,7 @@ def _partition(is_set, chunk_vars: dict) -> list[int]:
     return [hi - lo for lo, hi in sorted(c for c, v in chunk_vars.items() if is_set(v))]
 
 
+@entry
 def solve_cpsat(
     problem: Problem,
     *,
@@ -452,7 +454,6 @@ def solve_cpsat(
     progress: Optional[Progress] = None,
     hint: Optional[Candidate] = None,
     order: Optional[ScheduleFamily] = None,
-    **_,
 ) -> SolverResult:
     """``order`` GPIPE: the GPipe-order model; None (auto): the free-order model (any op order)."""
     return with_clock(
@@ -527,7 +528,6 @@ def _solve_cpsat(
         cand,
         "optimal" if proven else "feasible",
         lower_bound_ms=min(bound, cand.iteration_ms),
-        seconds=time.perf_counter() - t0,
         evaluated=warm_scored,
         bound_scope=(Scope.GPIPE if order is GPIPE else Scope.ANY).value,
         engine_status=solver.status_name(status),

@@ -9,14 +9,14 @@ cost model. It shows what per-stage partitions add over a good shared one.
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import numpy as np
 
 from ...errors import UmoptError
 from ...schedules.family import GPIPE, ScheduleFamily
-from ..problem import Candidate, Problem, Progress, SolverResult, pack
+from ..problem import Candidate, Problem, SolverResult, pack
+from .entry import entry
 
 __all__ = ["shared_partition", "solve_dp"]
 
@@ -65,16 +65,12 @@ def shared_partition(problem: Problem) -> list[int]:
     return sorted(parts, reverse=True)
 
 
+@entry
 def solve_dp(
     problem: Problem,
     *,
-    time_limit: float = 0.0,
-    seed: int = 0,
-    progress: Optional[Progress] = None,
     order: Optional[ScheduleFamily] = None,
-    **_,
 ) -> SolverResult:
-    t0 = time.perf_counter()
     S = problem.num_stages
     sizes = shared_partition(problem)
     orders = [sizes, sizes[::-1]]
@@ -83,4 +79,4 @@ def solve_dp(
     # the partition is chosen for GPipe order; asked for another family, the same chunks run in its order
     cand = Candidate.uniform(orders[k], S, (order or GPIPE).name)
     cand.iteration_ms = cand.simulate(problem).iteration_ms
-    return SolverResult("dp", cand, "feasible", seconds=time.perf_counter() - t0, evaluated=len(orders))
+    return SolverResult("dp", cand, "feasible", evaluated=len(orders))

@@ -46,6 +46,7 @@ from ...schedules.family import ScheduleFamily, family, ruled
 from ...schedules.partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
 from ..baselines import best_equal, feasible_m
 from ..problem import Candidate, Problem, Progress, SolverResult
+from .entry import entry
 from .local import hill_climb, iterated_climb
 
 __all__ = ["solve_ga"]
@@ -343,6 +344,7 @@ class _Population:
         )
 
 
+@entry
 def solve_ga(
     problem: Problem,
     *,
@@ -361,7 +363,6 @@ def solve_ga(
     polish_kicks: Optional[int] = None,
     stop: Optional[Callable[[float], bool]] = None,
     weights: bool = False,
-    **_,
 ) -> SolverResult:
     """The GA within ``time_limit`` seconds. ``stop(best ms)``, asked every generation and every
     kick of the polish, ends the search early when True (``auto``: a bound proved it optimal).
@@ -407,7 +408,6 @@ def solve_ga(
         "ga",
         cand,
         "feasible",
-        seconds=time.perf_counter() - t0,
         evaluated=run.scorer.count + polished + n,
         generations=gen,
         restarts=restarts,

@@ -19,6 +19,7 @@ from ...schedules.family import GPIPE, ScheduleFamily
 from ...schedules.partition import equal_sizes
 from ..baselines import feasible_m, gpipe_equal
 from ..problem import Candidate, Problem, Progress, SolverResult, pack
+from .entry import entry
 
 __all__ = ["solve_greedy"]
 
@@ -33,15 +34,14 @@ def _family(problem: Problem) -> list[list[int]]:
     return out
 
 
+@entry
 def solve_greedy(
     problem: Problem,
     *,
     time_limit: float = 10.0,
-    seed: int = 0,
     progress: Optional[Progress] = None,
     max_sweeps: int = 20,
     order: Optional[ScheduleFamily] = None,
-    **_,
 ) -> SolverResult:
     t0 = time.perf_counter()
     start = gpipe_equal(problem)
@@ -86,4 +86,4 @@ def solve_greedy(
     fam = order or GPIPE
     cand = Candidate(fs, bs, fam.name)
     cand.iteration_ms = best_it if fam is GPIPE else cand.simulate(problem).iteration_ms
-    return SolverResult("greedy", cand, "feasible", seconds=time.perf_counter() - t0, evaluated=evaluated)
+    return SolverResult("greedy", cand, "feasible", evaluated=evaluated)

@@ -24,6 +24,7 @@ from ...costmodel import Op, OpKind
 from ...schedules.family import GPIPE, ScheduleFamily
 from ..bounds import Scope, heads_and_tails, int_tables, linear_cuts, start_bound_ms
 from ..problem import Candidate, Problem, Progress, SolverResult
+from .entry import entry
 from .exact import candidate_chunks, chunk_fits, chunk_set, chunks_ending_at, start_or_skip, with_clock
 
 __all__ = ["MIP_TOLERANCE_MS", "engine", "solve_milp", "build_milp", "build_free_milp", "order_pairs"]
@@ -293,6 +294,7 @@ def _solver(time_limit: float, warm: bool):
     )
 
 
+@entry
 def solve_milp(
     problem: Problem,
     *,
@@ -301,7 +303,6 @@ def solve_milp(
     progress: Optional[Progress] = None,
     hint: Optional[Candidate] = None,
     order: Optional[ScheduleFamily] = None,
-    **_,
 ) -> SolverResult:
     """``order`` GPIPE: the GPipe-order model; None (auto): the free-order model where it is small
     enough and no memory limit is set, else the GPipe-order one (``extra["note"]`` says so)."""
@@ -384,7 +385,6 @@ def _solve_milp(
         cand,
         "optimal" if optimal else "feasible",
         lower_bound_ms=min(bound, cand.iteration_ms),
-        seconds=time.perf_counter() - t0,
         evaluated=warm_scored,
         bound_scope=(Scope.GPIPE if order is GPIPE else Scope.ANY).value,
         engine_status=status,

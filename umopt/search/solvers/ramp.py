@@ -18,7 +18,6 @@ the GA as a start.
 
 from __future__ import annotations
 
-import time
 from typing import Optional, Sequence
 
 import numpy as np
@@ -27,7 +26,8 @@ from ...errors import UmoptError
 from ...schedules.family import ScheduleFamily, ruled
 from ...schedules.partition import equal_sizes
 from ..baselines import best_equal
-from ..problem import Candidate, Problem, Progress, SolverResult, pack
+from ..problem import Candidate, Problem, SolverResult, pack
+from .entry import entry
 
 __all__ = ["ramped_partitions", "solve_ramp"]
 
@@ -60,16 +60,12 @@ def ramped_partitions(minibatch: int, max_size: int, equal_counts: Sequence[int]
     return [list(p) for p in sorted(found)]
 
 
+@entry
 def solve_ramp(
     problem: Problem,
     *,
-    time_limit: float = 0.0,
-    seed: int = 0,
-    progress: Optional[Progress] = None,
     order: Optional[ScheduleFamily] = None,
-    **_,
 ) -> SolverResult:
-    t0 = time.perf_counter()
     S = problem.num_stages
     # every family's best equal partition stands in for all of them (the baselines scored them all)
     equal = sorted({best_equal(problem, f).microbatches for f in ruled()} - {None})
@@ -87,4 +83,4 @@ def solve_ramp(
         )
     cand.iteration_ms = cand.simulate(problem).iteration_ms
     evaluated = len(parts) * len(scored)
-    return SolverResult("ramp", cand, "feasible", seconds=time.perf_counter() - t0, evaluated=evaluated)
+    return SolverResult("ramp", cand, "feasible", evaluated=evaluated)
