@@ -18,7 +18,7 @@ import numpy as np
 from ..costmodel import Chunking, CostTables, Op, Timeline, simulate, tables_for_lengths
 from ..formats.profile import AllReduceProfile, Profile
 from ..schedules import pipedream_warmup, place_weights
-from ..schedules.family import FREE, GPIPE, family
+from ..schedules.family import FREE, GPIPE, ScheduleFamily, family
 from ..schedules.partition import partitions_from_ops
 
 __all__ = ["Problem", "LayoutProblem", "Candidate", "SolverResult", "Progress", "ticking", "pack"]
@@ -171,15 +171,20 @@ class Candidate:
         )
 
     @property
+    def family(self) -> ScheduleFamily:
+        """Its schedule family (``order`` is the family's name, as the files write it)."""
+        return family(self.order)
+
+    @property
     def warmups(self) -> list[int]:
         """Each stage's 1F1B warm-up forwards (PipeDream-flush's unless set)."""
         return list(self.warmup) if self.warmup is not None else pipedream_warmup(len(self.fsizes))
 
     def ops(self) -> list[list[Op]]:
-        if not family(self.order).by_rule:
+        if not self.family.by_rule:
             assert self.explicit_ops is not None
             return [list(o) for o in self.explicit_ops]
-        ops = family(self.order).stage_ops(self.fsizes, self.bsizes, self.warmup)
+        ops = self.family.stage_ops(self.fsizes, self.bsizes, self.warmup)
         return ops if self.wcap is None else place_weights(ops, self.wcap)
 
     def simulate(self, problem: Problem) -> Timeline:

@@ -20,7 +20,7 @@ from ..formats.profile import AllReduceProfile, Profile
 from ..formats.schedule import Schedule, make_schedule, validate_ops
 from ..limits import check_problem_size
 from ..measure.decide import is_equal
-from ..schedules.family import ScheduleFamily, family, parse_order
+from ..schedules.family import ScheduleFamily, parse_order
 from .baselines import Baseline, gpipe_equal, onef1b_equal
 from .bounds import BackgroundBounds, Scope, fast_bound_ms, fast_job, reported_bounds, spec_bound
 from .choice import Choice, choose
@@ -312,7 +312,7 @@ def _solver_block(
             if choice.gain is not None
             else {}
         ),
-        **({"warmup": cand.warmup} if family(cand.order).warmups and cand.warmup is not None else {}),
+        **({"warmup": cand.warmup} if cand.family.warmups and cand.warmup is not None else {}),
         # with --zero-bubble on a small instance: no schedule with a W op per B chunk is faster
         **({"lower_bound_w_ms": result.lower_bound_w_ms} if result.lower_bound_w_ms is not None else {}),
     }

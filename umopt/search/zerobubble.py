@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 from ..costmodel import Op, OpKind, Timeline, simulate
 from ..errors import UmoptError
 from ..schedules import onef1b_schedule, with_weight_ops
-from ..schedules.family import ScheduleFamily, family
+from ..schedules.family import ScheduleFamily
 from ..schedules.partition import equal_sizes
 from .baselines import feasible_m
 from .problem import Candidate, Problem
@@ -223,7 +223,7 @@ def search_with_weight_ops(
     ops climbed (moves the caps cannot express); None if nothing fits the memory limit."""
     require_split(problem)
     deadline = time.perf_counter() + seconds
-    ruled = [c for c in seeds if family(c.order).by_rule]
+    ruled = [c for c in seeds if c.family.by_rule]
     found = solve_ga(
         problem, time_limit=0.8 * seconds, seed=seed, seeds=ruled, weights=True, order=order
     ).candidate

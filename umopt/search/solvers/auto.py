@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...errors import UmoptError
-from ...schedules.family import ScheduleFamily, family
+from ...schedules.family import ScheduleFamily
 from ...schedules.partition import backwards_in_sample_order
 from ..bounds import IN_ORDER_MAX_CELLS, BackgroundBounds, Scope, pair_bound_runs, pairs_job
 from ..problem import Problem, Progress, SolverResult
@@ -239,7 +239,7 @@ def _exact_pass(
 ) -> SolverResult:
     """The CP-SAT model, started from the best schedule found that it searches among, for its
     share of the time (at least; more if the GA's final polish ran over)."""
-    scope = [r for r in results if order is None or family(r.candidate.order) is order]
+    scope = [r for r in results if order is None or r.candidate.family is order]
     start = min(scope, key=lambda r: r.candidate.iteration_ms)
     # its share even if the GA's final polish ran over
     cp_time = max(EXACT_SHARE * left, time_limit - (time.perf_counter() - t0))

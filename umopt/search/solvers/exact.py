@@ -8,7 +8,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from ...errors import UmoptError
-from ...schedules.family import GPIPE, ScheduleFamily, family
+from ...schedules.family import GPIPE, ScheduleFamily
 from ..baselines import gpipe_equal
 from ..problem import Candidate, Problem, Progress, SolverResult, ticking
 
@@ -136,7 +136,7 @@ def warm_start(
         warm = solve_ga(problem, time_limit=share * time_limit, seed=seed, order=order, stop=stalled)
         hint, scored = warm.candidate, warm.evaluated
         time_limit -= time.perf_counter() - started
-    base = hint if order is not GPIPE or family(hint.order) is GPIPE else gpipe_equal(problem).candidate
+    base = hint if order is not GPIPE or hint.family is GPIPE else gpipe_equal(problem).candidate
     if base is None or not base.fits(base.simulate(problem), problem):
         raise UmoptError(f"{name}: no schedule to start from fits the memory limit (try --recompute)")
     return base, time_limit, scored

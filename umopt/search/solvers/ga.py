@@ -42,7 +42,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ...schedules import pipedream_warmup
-from ...schedules.family import ScheduleFamily, family, ruled
+from ...schedules.family import ScheduleFamily, ruled
 from ...schedules.partition import ends_to_sizes, equal_sizes, repair_ends, sizes_to_ends
 from ..baselines import best_equal, feasible_m
 from ..problem import Candidate, Problem, Progress, SolverResult
@@ -65,7 +65,7 @@ def _to_ends(
     f_ends = np.array([[sizes_to_ends(p, B) for p in c.fsizes] for c in cands])
     b_ends = np.array([[sizes_to_ends(p, B) for p in c.bsizes] for c in cands])
     warm = np.array([c.warmups for c in cands], dtype=np.int64)
-    return f_ends, b_ends, np.array([families.index(family(c.order)) for c in cands]), warm
+    return f_ends, b_ends, np.array([families.index(c.family) for c in cands]), warm
 
 
 def _to_candidate(
@@ -447,7 +447,7 @@ class _Run:
         """The best equal schedules and the caller's seeds (up to half), the rest random equal
         partitions, mutated."""
         problem, rng, P, S, B, rec = self.problem, self.rng, self.P, self.S, self.B, self.rec
-        start = [c for c in seeds if family(c.order) in self.families]
+        start = [c for c in seeds if c.family in self.families]
         for fam in self.families:  # the best equal schedules first, the last family's leading
             base = best_equal(problem, fam)
             if base.candidate is not None:

@@ -28,7 +28,6 @@ from typing import Callable, Iterator, NamedTuple, Optional
 import numpy as np
 
 from ...costmodel import simulate, stage_peak_memory
-from ...schedules.family import family
 from ...schedules.partition import ends_to_sizes, sizes_to_ends
 from ..problem import Candidate, Problem, pack
 
@@ -145,7 +144,7 @@ def _all_moves(
             for a, z in zip(starts, ends):
                 if z > a:  # split in half: the first half has (size // 2) samples
                     add(sd, [s], -1, int(a + (z - a + 1) // 2 - 1))
-    if free_warmup and family(cand.order).warmups:
+    if free_warmup and cand.family.warmups:
         for s in range(S):
             n = len(cand.fsizes[s])
             for w in (min(warm[s], n) - 1, min(warm[s], n) + 1):
@@ -235,7 +234,7 @@ def score_batch(problem: Problem, cands: list[Candidate]) -> tuple[np.ndarray, n
     bsizes = (lambda: pack([c.bsizes for c in cands])) if problem.recompute else (lambda: None)
     split = {c.wcap is None for c in cands} == {False}
     wcap = np.array([c.wcap for c in cands]) if split else None
-    families = {family(c.order) for c in cands}
+    families = {c.family for c in cands}
     fam = families.pop() if len(families) == 1 else None
     if fam is not None and fam.by_rule and (split or all(c.wcap is None for c in cands)):
         n_warm = np.array([c.warmups for c in cands]) if fam.warmups else None
@@ -266,7 +265,7 @@ def hill_climb(
 ) -> tuple[Candidate, int]:
     """Climb from ``cand`` (GPipe or 1F1B order); returns the best candidate found and how many
     schedules were scored."""
-    if not family(cand.order).by_rule:
+    if not cand.family.by_rule:
         raise ValueError(f"the climb moves partitions of GPipe or 1F1B order, not {cand.order!r}")
     (it,), (tie,) = score_batch(problem, [cand])
     scored = 1
@@ -284,7 +283,7 @@ def hill_climb(
                 break
             cut = slice(a, a + _SLICE)
             wc_cut = None if n_caps is None else n_caps[cut]
-            its_a, sc = family(cand.order).score(
+            its_a, sc = cand.family.score(
                 problem.tables,
                 fs[cut],
                 None if bs is None else bs[cut],
@@ -301,7 +300,7 @@ def hill_climb(
         f = [[int(x) for x in row if x] for row in fs[k]]
         b = [[int(x) for x in row if x] for row in bs[k]] if bs is not None else f
         w = [int(x) for x in n_warm[k]]
-        warmup = None if not family(cand.order).warmups else cand.warmup if w == cand.warmups else w
+        warmup = None if not cand.family.warmups else cand.warmup if w == cand.warmups else w
         wcap = None if n_caps is None else [int(x) for x in n_caps[k]]
         cand, it, tie = Candidate(f, b, cand.order, warmup=warmup, wcap=wcap), float(its[k]), float(ties[k])
     cand.iteration_ms = it
@@ -324,7 +323,7 @@ def _kick(
             options = _cap_moves(wcap[s], max(b[s]), B)
             wcap[s] = options[int(rng.integers(len(options)))]
             continue
-        if free_warmup and family(cand.order).warmups and rng.random() < 0.2:
+        if free_warmup and cand.family.warmups and rng.random() < 0.2:
             n = len(f[s])
             w = min(n_warm[s], n) + int(rng.choice([-1, 1]))
             n_warm[s] = _warmup(w, n, B)
@@ -333,7 +332,7 @@ def _kick(
         options = list(moves(part[s], mx))
         if options:
             part[s] = options[int(rng.integers(len(options)))]
-    return Candidate(f, b, cand.order, warmup=n_warm if family(cand.order).warmups else None, wcap=wcap)
+    return Candidate(f, b, cand.order, warmup=n_warm if cand.family.warmups else None, wcap=wcap)
 
 
 def iterated_climb(
