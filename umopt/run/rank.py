@@ -54,6 +54,7 @@ from ..measure.memory import held_bytes, peak_during, state_tensors
 from ..parts import Layers, ModelParts, Sequences
 from ..predict import schedule_tables
 from ..samplers import cut_note
+from ..search.methods import METHODS, UMOPT
 from ..zoo import build_model
 from . import checkpoint, faults
 from .comm import TorchComm
@@ -765,7 +766,7 @@ def _decision(plays: list[_Play], steps: int, confidence: float) -> Decision:
     # the equal schedules are the reference (sequences of different lengths: the peers' plans);
     # with none among them, the first (the solve's pick)
     if plays[0].method is not None:
-        equal = [p.name for p in plays if p.method != "umopt"]
+        equal = [p.name for p in plays if METHODS[p.method] is not UMOPT]
     else:
         equal = [p.name for p in plays if is_equal(p.schedule.op_lists())] or [plays[0].name]
     return decide(rounds, equal, confidence=confidence)
