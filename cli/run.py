@@ -113,10 +113,11 @@ _EACH = "; with several schedules a path with {name} in it, the schedule file's 
 @click.option(
     "--assign",
     default=None,
-    metavar="A",
+    metavar="A[,A]",
     help="With --dp and a plan for sequences of different lengths: who gives each replica its share of "
     "each step's global minibatch, umopt (default: the sequences that make the replicas finish together) "
-    "or a peer (contiguous, as torch's DistributedSampler; round-robin, tokens, wlb, hydraulis).",
+    "or a peer (contiguous, as torch's DistributedSampler; round-robin, tokens, wlb, hydraulis); one for "
+    "every method, or one per method of --methods, comma-separated.",
 )
 @click.option("--report", default=None, help="Write report.json here" + _EACH)
 @click.option("--trace", default=None, help="Write a Chrome trace of measured and predicted ops here" + _EACH)
@@ -236,13 +237,21 @@ def _print_lengths(reports: list[RunReport]) -> None:
     """Steps of sequences of different lengths, each planned by its method: tokens per second."""
     first = reports[0]
     umopt = next((r for r in reports if r.lengths.method == "umopt"), None)
+    assigns = {r.lengths.assign for r in reports}
+    each = len(assigns) > 1  # methods on shares of their own: a column says whose
 
     table = Table(
         title=f"{first.stages} ranks x {first.dp}, {first.backend}: sequences of different lengths "
         f"({first.lengths.data}), {count(first.rounds, 'round')}, {count(first.steps, 'measured step')} each"
-        + (f", each replica's share assigned by {first.lengths.assign}" if first.lengths.assign else "")
+        + (
+            f", each replica's share assigned by {first.lengths.assign}"
+            if first.lengths.assign and not each
+            else ""
+        )
     )
     table.add_column("method", no_wrap=True)
+    if each:
+        table.add_column("assigned by", no_wrap=True)
     for col in ("chunks", "ktok/s", "pred", "ms", "pred ms", "meas/pred"):
         table.add_column(col, justify="right", no_wrap=True)
     if umopt is not None and len(reports) > 1:
@@ -251,6 +260,7 @@ def _print_lengths(reports: list[RunReport]) -> None:
         ln = r.lengths
         row = [
             ln.method,
+            *([ln.assign or ""] if each else []),
             str(r.chunks_per_rank()),  # on the layout the method's steps ran on
             f"{ln.tokens_per_s / 1e3:.2f}",
             f"{ln.predicted_tokens_per_s / 1e3:.2f}",
@@ -263,7 +273,9 @@ def _print_lengths(reports: list[RunReport]) -> None:
         table.add_row(*row)
     out.print(table)
     out.print(
-        "method: who planned each step; chunks: per rank, in the method's layout; ktok/s: real tokens (no padding) per second over the measured "
+        "method: who planned each step"
+        + ("; assigned by: who gave each replica its share of the global minibatch" if each else "")
+        + "; chunks: per rank, in the method's layout; ktok/s: real tokens (no padding) per second over the measured "
         "steps; ms: the mean step; pred: each step's plan as the cost model costs it; umopt x: umopt's "
         "tokens per second over the row's; every method of a round trained on the same minibatches",
         markup=False,

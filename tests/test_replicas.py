@@ -228,17 +228,13 @@ def test_replicas_fed_their_shares_train_as_one_process_on_the_global_minibatch(
             torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)
 
 
-def test_umopt_run_dp_gives_each_replica_umopts_share(tmp_path, monkeypatch):
-    """``umopt run PLAN --dp 2 --data fn``: 4 gloo processes; each replica trains on its share by
-    umopt's assignment (replica 0's plans are of exactly its share's lengths), the report says who
-    assigned, and the gradients are one process's on the whole global minibatch."""
+def _gpt_plan(tmp_path, monkeypatch):
+    """A 2-stage profile of userzoo.gpt_sequences' GPT (SMALL's costs) and umopt's plan of its
+    first minibatch: what ``umopt run --dp 2 --data userzoo:gpt_sequences`` plays."""
     from userzoo import gpt_sequences
 
     from umopt.formats.profile import load_profile, save_profile
-    from umopt.formats.report import load_report
     from umopt.formats.schedule import save_schedule
-    from umopt.run.launch import launch
-    from umopt.run.options import RunOptions
     from umopt.search.solve_lengths import plan_schedule
     from umopt.search.solvers.per_step import plan
 
@@ -261,6 +257,20 @@ def test_umopt_run_dp_gives_each_replica_umopts_share(tmp_path, monkeypatch):
     save_schedule(
         plan_schedule(plan(prof, np.array([len(x) for x in x0])), prof), str(tmp_path / "plan.json")
     )
+    return prof, small, len(x0)
+
+
+def test_umopt_run_dp_gives_each_replica_umopts_share(tmp_path, monkeypatch):
+    """``umopt run PLAN --dp 2 --data fn``: 4 gloo processes; each replica trains on its share by
+    umopt's assignment (replica 0's plans are of exactly its share's lengths), the report says who
+    assigned, and the gradients are one process's on the whole global minibatch."""
+    from userzoo import gpt_sequences
+
+    from umopt.formats.report import load_report
+    from umopt.run.launch import launch
+    from umopt.run.options import RunOptions
+
+    prof, small, B = _gpt_plan(tmp_path, monkeypatch)
     opts = RunOptions(
         schedules=[str(tmp_path / "plan.json")],
         steps=1,
@@ -272,7 +282,7 @@ def test_umopt_run_dp_gives_each_replica_umopts_share(tmp_path, monkeypatch):
     )
     launch(opts, quiet=True)
     report = load_report(tmp_path / "r.json")
-    xs, ys = gpt_sequences(0, 2 * len(x0))
+    xs, ys = gpt_sequences(0, 2 * B)
     L = [len(x) for x in xs]
     share = assign(prof, L, 2, "umopt").replicas
     assert report.lengths.assign == "umopt" and report.dp == 2
@@ -290,3 +300,42 @@ def test_umopt_run_dp_gives_each_replica_umopts_share(tmp_path, monkeypatch):
     assert set(got) == set(want)
     for k, w in want.items():
         torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)
+
+
+def test_methods_in_turns_each_train_on_their_own_assignments_shares(tmp_path, monkeypatch):
+    """``umopt run PLAN --dp 2 --methods umopt,pack --assign umopt,contiguous`` (what ``umopt tune
+    --lengths --dp`` plays): on the same global minibatches, each method's replica 0 plans and
+    trains exactly its own assignment's share; the table says who assigned each. One assignment
+    per method or one for all, else a one-line error."""
+    from userzoo import gpt_sequences
+
+    from umopt.formats.report import load_report
+    from umopt.run.launch import launch
+    from umopt.run.options import RunOptions, preflight
+
+    prof, _, B = _gpt_plan(tmp_path, monkeypatch)
+    opts = RunOptions(
+        schedules=[str(tmp_path / "plan.json")],
+        steps=1,
+        warmup=0,
+        dp=2,
+        methods=["umopt", "pack"],
+        assign="umopt,contiguous",
+        data="userzoo:gpt_sequences",
+        report=str(tmp_path / "r_{name}.json"),
+    )
+    launch(opts, quiet=True)
+    xs, _ = gpt_sequences(0, 2 * B)
+    L = [len(x) for x in xs]
+    for method, how in (("umopt", "umopt"), ("pack", "contiguous")):
+        report = load_report(tmp_path / f"r_{method}.json")
+        share = assign(prof, L, 2, how).replicas[0]
+        assert report.lengths.assign == how and report.lengths.tokens == [sum(L)]
+        assert sorted(report.lengths.plans[0].lengths.lengths) == sorted(L[i] for i in share), method
+    assert assign(prof, L, 2, "umopt").replicas[0] != assign(prof, L, 2, "contiguous").replicas[0]
+    for given, msg in (
+        ("umopt,contiguous,tokens", "--assign names 3 assignments for 2 methods"),
+        ("umopt,sorted", "--assign: unknown 'sorted'"),
+    ):
+        with pytest.raises(UmoptError, match=msg):
+            preflight(opts.model_copy(update={"assign": given, "report": None}))

@@ -1,4 +1,5 @@
-"""Where a stage runs: its device, the autocast it runs under, and the tensors crossing its edges.
+"""Where a stage runs: its device (on a CPU, the cores its replica keeps to), the autocast it
+runs under, and the tensors crossing its edges.
 
 The profiler and the runtime share these, so that what one measures is what the other runs: the
 same autocast dtype, and message buffers of the dtype that really crosses each link (under
@@ -20,6 +21,7 @@ from torch import nn
 from .errors import UmoptError
 
 __all__ = [
+    "replica_cores",
     "DTYPES",
     "autocast",
     "TensorSpec",
@@ -175,6 +177,25 @@ def _release(layer: nn.Module, kept: set[int]) -> None:
         for name, b in list(m._buffers.items()):
             if b is not None and id(b) not in kept:
                 m._buffers[name] = b.to("meta")
+
+
+def replica_cores(replica: int, dp: int, world: int) -> Optional[set[int]]:
+    """The cores a CPU rank of ``replica`` keeps to where the ranks outnumber this machine's
+    cores (None: no pinning). [Note: a replica's cores] With D replicas on fewer cores than
+    ranks, the OS hands a replica that is done its cores for the others: the slowest replica then
+    runs on more than its share, which hides what makes it slow (measured on 2 cores, 2 replicas
+    x 2 stages: 0.996x and 1.014x against 1.09x and 1.08x predicted; docs/varlen.md). Each
+    replica kept to cores of its own is a machine of its own, as on a cluster; its stages take
+    turns on them, alike for every schedule a run measures."""
+    if dp < 2 or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if world <= len(cores):
+        return None
+    if dp >= len(cores):
+        return {cores[replica % len(cores)]}
+    per = len(cores) // dp
+    return set(cores[replica * per : (replica + 1) * per])
 
 
 def rank_device(backend: str) -> torch.device:

@@ -10,7 +10,8 @@ step), else of the schedule file's own lengths every step. Every rank that holds
 the whole global minibatch and takes its replica's share: by default the sequences that make the
 replicas' pipelines finish together (:func:`umopt.search.replicas.assign`, the same on every rank
 without a word exchanged), or by ``--assign`` a peer's (``contiguous``: the r-th of ``dp``
-contiguous parts, as torch's DistributedSampler).
+contiguous parts, as torch's DistributedSampler); methods that take turns may each have their own
+(``umopt tune --lengths --dp``: umopt's against the peers' as their frameworks split).
 
 The first stage of each replica makes that replica's plans (one maker a step, see [Note: one plan
 a step, one maker] in umopt/run/pipeline.py): a :class:`umopt.run.ahead.PlanAhead` process per
@@ -104,7 +105,8 @@ class SequenceFeed:
     """One rank's sequences and (where it makes them) plans, step by step (the module docstring).
 
     ``layouts``: the planning methods whose plans this rank makes (empty: it makes none), each
-    with its pipeline's layout where its ranks hold several chunks (every plan of it keeps it)."""
+    with its pipeline's layout where its ranks hold several chunks (every plan of it keeps it);
+    ``assigns``: each method's assignment of the global minibatch to the replicas (default umopt's)."""
 
     def __init__(
         self,
@@ -116,39 +118,46 @@ class SequenceFeed:
         recompute: bool,
         allreduce: Optional[AllReduceProfile],
         layouts: Optional[dict[str, Optional[Chunking]]] = None,
-        assign: str = "umopt",
+        assigns: Optional[dict[str, str]] = None,
     ):
         self.source, self.asked, self.dp, self.replica = source, asked, dp, replica
-        self.assign = assign
+        self.assigns = assigns or {}
         self.profile, self.recompute, self.allreduce = profile, recompute, allreduce
         self.layouts = layouts or {}
         self.methods = tuple(self.layouts)
-        self._steps: dict[int, Sequences] = {}
+        self._steps: dict[int, Sequences] = {}  # each step's global minibatch
+        self._shares: dict[tuple[int, str], list[int]] = {}  # (step, assignment): this replica's
         self._ahead: dict[str, PlanAhead] = {}
         self._queued: dict[str, list[int]] = {m: [] for m in self.methods}  # steps submitted, not taken
         self._early: dict[tuple[int, str], Schedule] = {}  # plans taken as soon as they were made
         self.tokens: dict[int, int] = {}  # each step's real tokens, all replicas together
 
-    def batch(self, step: int) -> Sequences:
-        """This replica's sequences of ``step``."""
+    def batch(self, step: int, method: str) -> Sequences:
+        """This replica's sequences of ``step`` as ``method``'s assignment gives them."""
         if step not in self._steps:
             xs, ys = self.source(step, self.asked)
             if len(xs) < self.dp:
                 raise UmoptError(f"step {step}'s minibatch has {len(xs)} sequences for {self.dp} replicas")
             self.tokens[step] = sum(int(x.shape[0]) for x in xs)
-            lengths = [int(x.shape[0]) for x in xs]
-            cut = (
-                assign(self.profile, lengths, self.dp, self.assign).replicas[self.replica]
-                if self.dp > 1
-                else range(len(xs))
-            )
-            self._steps[step] = ([xs[i] for i in cut], [ys[i] for i in cut])
+            self._steps[step] = (xs, ys)
             for old in [k for k in self._steps if k <= step - _KEPT]:
                 del self._steps[old]
-        return self._steps[step]
+                for key in [key for key in self._shares if key[0] == old]:
+                    del self._shares[key]
+        xs, ys = self._steps[step]
+        how = self.assigns.get(method, "umopt")
+        if (step, how) not in self._shares:
+            lengths = [int(x.shape[0]) for x in xs]
+            self._shares[(step, how)] = (
+                assign(self.profile, lengths, self.dp, how).replicas[self.replica]
+                if self.dp > 1
+                else list(range(len(xs)))
+            )
+        mine = self._shares[(step, how)]
+        return [xs[i] for i in mine], [ys[i] for i in mine]
 
-    def lengths(self, step: int) -> list[int]:
-        return [int(x.shape[0]) for x in self.batch(step)[0]]
+    def lengths(self, step: int, method: str) -> list[int]:
+        return [int(x.shape[0]) for x in self.batch(step, method)[0]]
 
     def plan(self, step: int, method: str, following: Optional[tuple[int, str]]) -> Schedule:
         """``method``'s plan of ``step``, after sending ``following`` (the step after it, and who
@@ -195,7 +204,7 @@ class SequenceFeed:
                 method=method,
                 on=self.layouts[method],
             )
-        self._ahead[method].submit(self.lengths(step))
+        self._ahead[method].submit(self.lengths(step, method))
         self._queued[method].append(step)
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ from ..predict import check_against_profile
 from ..samplers import minibatch_of_step
 from ..search.methods import METHODS, chunked_names
 from ..search.replicas import ASSIGNERS
+from ..words import count
 from ..zoo import build_model, import_object, runnable
 from .checkpoint import MANIFEST, read_manifest
 from .steps import RUN_STEPS, RUN_WARMUP
@@ -63,9 +64,9 @@ class RunOptions(BaseModel):
     data: Optional[str] = None
     lengths: Optional[str] = None  # a plan for sequences of different lengths: each step's drawn so
     methods: Optional[list[str]] = None  # ... and who plans each step (several take turns)
-    assign: Optional[str] = (
-        None  # ... and who gives each data-parallel replica its share of the global minibatch
-    )
+    # ... and who gives each data-parallel replica its share of the global minibatch: one name for
+    # every method, or one per method, comma-separated (each method's steps on its own shares)
+    assign: Optional[str] = None
     report: Optional[str] = None
     trace: Optional[str] = None
     plot: Optional[str] = None
@@ -99,6 +100,7 @@ class RunConfig:
     # sequences of different lengths the method that plans its steps (its file once per method)
     names: list[str] = field(default_factory=list)
     methods: list[str] = field(default_factory=list)  # per schedule, its planning method (else empty)
+    assigns: list[str] = field(default_factory=list)  # per schedule, who gives each replica its share
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -180,7 +182,12 @@ def preflight(opts: RunOptions, verify_stages: Optional[list[int]] = None) -> Ru
             f"--backend nccl needs one GPU per stage and replica: {S} stages x {dp}, {torch.cuda.device_count()} GPUs here"
         )
     cfg = RunConfig(
-        schedules, profile, opts.model_copy(update={"dp": dp, "backend": backend}), names, methods
+        schedules,
+        profile,
+        opts.model_copy(update={"dp": dp, "backend": backend}),
+        names,
+        methods,
+        _assigns(opts, methods),
     )
     # every output checked before a process starts, not found unwritable after the run
     outputs = [
@@ -266,12 +273,28 @@ def _methods(opts: RunOptions, schedules: list[Schedule], profile: Profile) -> l
             )
     if len(set(methods)) < len(methods):
         raise UmoptError("--methods names a method twice")
-    if opts.assign is not None and opts.assign not in ASSIGNERS:
-        raise UmoptError(f"--assign: unknown {opts.assign!r}: one of {', '.join(ASSIGNERS)}")
     why = next((METHODS[m].unavailable(profile) for m in methods if METHODS[m].unavailable(profile)), None)
     if why:
         raise UmoptError(f"--methods: {why}")
     return methods
+
+
+def _assigns(opts: RunOptions, methods: list[str]) -> list[str]:
+    """Per method, who gives each replica its share of a step's global minibatch: ``--assign``'s
+    one name for all of them (default umopt), or one per method in their order."""
+    if not methods:
+        return []
+    given = [a.strip() for a in (opts.assign or "umopt").split(",")]
+    bad = next((a for a in given if a not in ASSIGNERS), None)
+    if bad is not None:
+        raise UmoptError(f"--assign: unknown {bad!r}: one of {', '.join(ASSIGNERS)}")
+    if len(given) == 1:
+        return given * len(methods)
+    if len(given) != len(methods):
+        raise UmoptError(
+            f"--assign names {len(given)} assignments for {count(len(methods), 'method')}: one for all, or one per method"
+        )
+    return given
 
 
 def lengths_spec(given: str) -> str:

@@ -43,6 +43,7 @@ from ..devices import (
     numerics_differences,
     rank_device,
     reference_ms,
+    replica_cores,
     to_device,
 )
 from ..errors import UmoptError, first_line
@@ -212,6 +213,9 @@ def _set_up(cfg: RunConfig, device: torch.device) -> _Rank:
         dp_group = comm.split([[k * S + j for k in range(dp)] for j in range(S)])
     if device.type == "cpu":
         torch.set_num_threads(opts.threads or cfg.profile.device.threads or 1)
+        cores = replica_cores(replica, dp, world)
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
     setup = _build(cfg.profile, cfg.schedules[0].chunks, s, device)
     opt = _optimizer(opts, setup.module)
     start_step = _resume(cfg, s, setup.module, opt, device) if opts.resume else 0
@@ -267,7 +271,7 @@ def _feed(cfg: RunConfig, setup: StageSetup, replica: int, s: int) -> Optional[S
         sched.recompute,
         run_allreduce(cfg, sched),
         {m: sc.chunking() for m, sc in zip(cfg.methods, cfg.schedules)} if s == 0 else {},
-        opts.assign or "umopt",
+        dict(zip(cfg.methods, cfg.assigns)),
     )
 
 
@@ -408,7 +412,7 @@ def _step(
     if rk.cfg.varlen:
         turn = turn or _Turn(it, None)
         if rk.feed is not None:
-            xs, ys = rk.feed.batch(turn.data)
+            xs, ys = rk.feed.batch(turn.data, play.method or "umopt")
             inputs, targets = (xs if play.first else None), (ys if play.last else None)
             if rk.feed.methods:  # this replica's plan maker: the plan, the next one sent ahead
                 feed, data = rk.feed, turn.data
@@ -746,7 +750,7 @@ def _lengths_run(cfg: RunConfig, play: _Play, op_pairs: list) -> LengthsRun:
         cut=cut_note(lengths_spec(opts.lengths), cfg.profile.lengths.max_length)
         if opts.lengths and cfg.profile.lengths is not None
         else None,
-        assign=(opts.assign or "umopt") if cfg.dp > 1 else None,
+        assign=dict(zip(cfg.methods, cfg.assigns)).get(play.method or "umopt") if cfg.dp > 1 else None,
     )
 
 
