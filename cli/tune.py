@@ -84,9 +84,25 @@ from .app import _require_torch, cli, err, model_options, out, warn
     help="With --lengths: who plans the steps, umopt and peers (pad, pack, pack-split, sort-split, dynapipe, wlb; "
     "with --chunks pad and pack). Default: umopt,pad,pack,dynapipe; with --chunks umopt,pad,pack.",
 )
+@click.option(
+    "--dp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="With --lengths: data-parallel replicas of the pipeline (stages x dp processes); -B is then the "
+    "global minibatch, umopt's steps train on umopt's assignment of it, the peers' on --peer-assign's.",
+)
+@click.option(
+    "--peer-assign",
+    default="contiguous",
+    show_default=True,
+    help="With --dp: how the peers' replicas get their shares (contiguous, as torch's DistributedSampler, "
+    "Megatron-LM and DeepSpeed split; round-robin, tokens, wlb, hydraulis).",
+)
 def tune(
     model, model_args, stages, minibatch, device, steps, rounds, confidence, budget, time_limit, out_dir,
-    probes, dtype, link_latency_ms, link_gbps, zero_bubble, chunks, lengths, max_length, methods,
+    probes, dtype, link_latency_ms, link_gbps, zero_bubble, chunks, lengths, max_length, methods, dp,
+    peer_assign,
 ) -> None:  # fmt: skip
     """Profile, solve, run the candidates in turns and recommend what measured fastest."""
     given = dict(locals())  # the options, as the command line gave them
@@ -104,6 +120,9 @@ def tune(
         out.print(f"wrote {len(result.files)} files to {result.out_dir}/")
         return
     methods = "" if result.recommended == "umopt" else f" --methods {result.recommended}"
+    won = next(r for r in result.rows if r.method == result.recommended)
+    if result.dp > 1:
+        methods += f" --dp {result.dp}" + ("" if won.assign == "umopt" else f" --assign {won.assign}")
     out.print(
         f"wrote {len(result.files)} files to {result.out_dir}/; train with ({result.recommended}'s plans): "
         f"umopt run {result.out_dir}/plan.json{methods} --profile {result.out_dir}/profile.json "
@@ -176,12 +195,15 @@ def _print_lengths(result, title: str) -> None:
     umopt = next(r for r in result.rows if r.method == "umopt")
     table = Table(title=title)
     table.add_column("method", no_wrap=True)
+    if result.dp > 1:
+        table.add_column("assigned by", no_wrap=True)
     for col in ("chunks", "ktok/s", "pred", "ms", "pred ms", "umopt x"):
         table.add_column(col, justify="right", no_wrap=True)
     for row in result.rows:
         mark = " *" if row.method == result.recommended else ""
         table.add_row(
             row.method + mark,
+            *([row.assign or ""] if result.dp > 1 else []),
             str(row.chunks),
             f"{row.tokens_per_s / 1e3:.2f}",
             f"{row.predicted_tokens_per_s / 1e3:.2f}",
@@ -191,7 +213,9 @@ def _print_lengths(result, title: str) -> None:
         )
     out.print(table)
     out.print(
-        "method: who planned each step (the same minibatches for all); chunks: per rank, the layout the method "
+        "method: who planned each step (the same minibatches for all)"
+        + ("; assigned by: who gave each replica its share of each global minibatch" if result.dp > 1 else "")
+        + "; chunks: per rank, the layout the method "
         "chose on the first minibatch; ktok/s: real tokens (no padding) "
         "per second, measured over the measured steps, and pred as the cost model costs each step's plan; "
         "ms: the mean step; umopt x: umopt's tokens per second over the row's",

@@ -110,6 +110,23 @@ def test_tune_refuses_cuda_without_cuda(tmp_path, capsys):
     assert "--device cuda asked for, but torch sees no CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--lengths", "chat", "-B", "10", "--dp", "3"], "-B 10 sequences do not split among 3 replicas"),
+        (["--lengths", "chat", "--dp", "2", "--peer-assign", "sorted"], "--peer-assign: unknown 'sorted'"),
+        (["--dp", "2"], "--dp is for --lengths so far"),
+    ],
+)
+def test_tune_refuses_replicas_it_cannot_split_in_one_line(tmp_path, capsys, argv, msg):
+    """Before anything is profiled or written: exit 2, one line naming the problem."""
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", *argv, "--out", str(tmp_path / "t")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and msg in err and "Traceback" not in err
+    assert not (tmp_path / "t").exists()
+
+
 def _quickstart_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
     section = text.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
@@ -209,3 +226,52 @@ def test_tune_with_lengths_measures_umopt_plans_against_a_peers_on_the_same_mini
     assert f"({winner}'s plans)" in train and (
         "--methods" not in train if winner == "umopt" else f"--methods {winner}" in train
     )
+
+
+@pytest.mark.slow
+def test_tune_with_lengths_across_replicas_measures_each_as_it_would_train(tmp_path, capsys, monkeypatch):
+    """``umopt tune --lengths --dp 2``: 2 stages x 2 replicas (4 processes), -B the global
+    minibatch; umopt's steps on umopt's assignment, packing's on the contiguous split (as torch's
+    DistributedSampler gives it), the same global minibatches; the table says who assigned each,
+    and the line to train with carries --dp (and a peer's assignment where a peer won)."""
+    import sys
+
+    import umopt.tune
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_varlen_run import ARGS, _run_profile
+
+    monkeypatch.setattr(umopt.tune, "_profile", lambda *a, **k: _run_profile(tmp_path))
+    out = tmp_path / "tune"
+    args = [f"--model-arg={k}={v}" for k, v in ARGS.items() if k != "seq_len"]
+    argv = [
+        "tune",
+        "--model",
+        "gpt",
+        *args,
+        "--lengths",
+        "chat",
+        "--max-length",
+        "48",
+        "-B",
+        "12",
+        "--dp",
+        "2",
+    ]
+    argv += ["--methods", "umopt,pack", "--steps", "1", "--rounds", "2", "--no-probes", "--budget", "1"]
+    main([*argv, "--out", str(out)])
+    cap = capsys.readouterr()
+    said, shown = " ".join(cap.err.split()), " ".join(cap.out.split())
+    assert "across 2 replicas (each replica's share: umopt's steps by umopt's assignment" in said
+    assert "2 stages x 2 replicas" in shown
+    reports = {m: json.loads((out / f"report_{m}.json").read_text()) for m in ("umopt", "pack")}
+    assert reports["umopt"]["dp"] == 2 and reports["pack"]["dp"] == 2
+    assert reports["umopt"]["lengths"]["assign"] == "umopt"
+    assert reports["pack"]["lengths"]["assign"] == "contiguous"
+    # the same global minibatches (12 sequences a step), each replica's plan of its own 6 or so
+    assert reports["umopt"]["lengths"]["tokens"] == reports["pack"]["lengths"]["tokens"]
+    assert len(json.loads((out / "plan_umopt.json").read_text())["lengths"]["lengths"]) == 6
+    assert "assigned by" in shown and "contiguous" in shown
+    winner = reports["umopt"]["decision"]["winner"]
+    train = shown.split("train with", 1)[1]
+    assert "--dp 2" in train and ("--assign contiguous" in train) == (winner != "umopt")

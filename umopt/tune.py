@@ -34,6 +34,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from .chunks import placement_name
 from .costmodel import OpKind, simulate
+from .devices import replica_cores
 from .errors import UmoptError
 from .fileio import check_writable
 from .formats.profile import Profile, load_profile, save_profile
@@ -51,6 +52,7 @@ from .search.methods import METHODS
 from .search.peers.schedules import TORCH_MULTI
 from .search.plan import Plan
 from .search.problem import Candidate
+from .search.replicas import ASSIGNERS
 from .search.solve import make_problem, solve
 from .search.solve_chunks import solve_chunked
 from .search.solve_lengths import plan_schedule
@@ -466,6 +468,7 @@ class LengthsRow:
     report: str
     plot: str
     chunks: int = 1  # per rank, in the layout the method chose
+    assign: Optional[str] = None  # with several replicas: who gave each its share of the global minibatch
 
 
 @dataclass
@@ -477,6 +480,7 @@ class LengthsResult:
     decided: bool
     warnings: list[str]
     files: list[str]
+    dp: int = 1  # data-parallel replicas of the pipeline
 
 
 def tune_lengths(
@@ -501,6 +505,8 @@ def tune_lengths(
     link_latency_ms: Optional[float] = None,
     link_gbps: Optional[float] = None,
     chunks: Sequence[int] = (1,),
+    dp: int = 1,
+    peer_assign: str = "contiguous",
     say: Callable[[str], None] = lambda _msg: None,
 ) -> LengthsResult:
     """Profile by tokens, then train on minibatches of ``size`` sequences drawn from ``lengths``
@@ -509,10 +515,15 @@ def tune_lengths(
     between umopt's plans and the best peer's (or the budget ends); with ``probes``, the costs by
     tokens are first fitted to a probe run of sequences (:func:`_fit_tokens_to_runs`). ``chunks``: the counts of
     chunks per rank each method may hold (above 1: the model profiled layer by layer); each method
-    trains on the layout its plan of the first minibatch chose (:mod:`umopt.search.layouts`)."""
+    trains on the layout its plan of the first minibatch chose (:mod:`umopt.search.layouts`).
+    ``dp``: data-parallel replicas of the pipeline (``stages`` x ``dp`` processes), ``size`` then
+    the global minibatch: umopt's steps on umopt's assignment of it to the replicas, each peer's
+    on ``peer_assign``'s (default contiguous, as torch's DistributedSampler, Megatron-LM and
+    DeepSpeed split it; :mod:`umopt.search.replicas`), so each is measured as it would train."""
     if "umopt" not in methods or len(methods) < 2:
         raise UmoptError("tune --lengths measures umopt's plans against at least one peer's")
     minibatch_of_step(lengths, 0, 1, max_length)  # an unknown sampler fails before any timing
+    _check_replicas(size, dp, peer_assign)
     name, _, by = lengths.partition("/")
     if name in SAMPLERS and not by and SAMPLERS[name].cap > max_length:
         k = SAMPLERS[name].cap / max_length
@@ -528,7 +539,7 @@ def tune_lengths(
         model=model,
         model_args=model_args,
         stages=stages,
-        max_size=min(64, size),
+        max_size=min(64, size // dp),
         device=device,
         dtype=dtype,
         seed=seed,
@@ -537,13 +548,15 @@ def tune_lengths(
         lengths=max_length,
     )
     chunks = _counts_the_layers_allow(opts, chunks, say)
-    out, prof = _profiled(opts, out_dir, probes, min(size, 32), max(chunks), say)
+    out, prof = _profiled(opts, out_dir, probes, min(size // dp, 32), max(chunks), say)
     for m in [m for m in methods if METHODS[m].unavailable(prof)]:
         say(f"{m} left out: {METHODS[m].unavailable(prof)}")
         methods = [k for k in methods if k != m]
     if len(methods) < 2:
         raise UmoptError("tune --lengths: no peer's plans can train this model to measure umopt's against")
-    first = minibatch_of_step(lengths, 0, size, max_length)
+    # a plan file is of one replica's share (``umopt run`` asks its sequences x dp a step): the
+    # first global minibatch's first D-th chooses the layouts and warm-starts the planners
+    first = minibatch_of_step(lengths, 0, size, max_length)[: size // dp]
     if probes:
         prof = _fit_tokens_to_runs(prof, out, lengths, first, say)
     chosen = choose_layouts(prof, first, methods, chunks)
@@ -554,8 +567,20 @@ def tune_lengths(
             "layouts, each method's fastest on the first minibatch: "
             + ", ".join(f"{m} {_layout_name(p)}" for m, p in chosen.items())
         )
+    assigns = ["umopt" if m == "umopt" else peer_assign for m in methods]
+    if replica_cores(0, dp, stages * dp) is not None:
+        say(
+            f"{stages * dp} processes on {count(len(os.sched_getaffinity(0)), 'core')}: each replica kept to cores of "
+            "its own, a machine of its own as on a cluster (its stages take turns there, so every method's steps "
+            "measure above their predictions alike)"
+        )
+    replicas = (
+        f" across {dp} replicas (each replica's share: umopt's steps by umopt's assignment, the peers' by {peer_assign})"
+        if dp > 1
+        else ""
+    )
     say(
-        f"training on minibatches of {size} sequences from {lengths}, each step planned by "
+        f"training on minibatches of {size} sequences from {lengths}{replicas}, each step planned by "
         f"{', '.join(methods)} in turns (rounds of {count(steps, 'step')}, until decided at "
         f"{100 * confidence:.0f}% confidence: at least {count(rounds, 'round')}, at most {budget:g} s)"
     )
@@ -571,6 +596,8 @@ def tune_lengths(
         report=str(out / "report_{name}.json"),
         plot=str(out / "measured_{name}.png"),
         select=False,
+        dp=dp,
+        assign=",".join(assigns) if dp > 1 else None,
     )
     result = launch(options, quiet=True)
     rows, warnings = [], list(prof.meta.warnings)
@@ -587,6 +614,7 @@ def tune_lengths(
                 rep,
                 str(out / f"measured_{method}.png"),
                 r.chunks_per_rank(),
+                r.lengths.assign,
             )
         )
         off = r.measured_over_predicted - 1
@@ -604,10 +632,21 @@ def tune_lengths(
         decision.decided,
         warnings,
         sorted(str(p) for p in out.iterdir()),
+        dp,
     )
 
 
 PROBE_STEPS = 4  # measured steps of the probe run of sequences (after one warm-up)
+
+
+def _check_replicas(size: int, dp: int, peer_assign: str) -> None:
+    """``--dp``: a global minibatch of whole replicas' shares; an assignment there is."""
+    if dp < 1:
+        raise UmoptError(f"--dp must be at least 1, got {dp}")
+    if size % dp:
+        raise UmoptError(f"-B {size} sequences do not split among {dp} replicas: give a multiple of --dp")
+    if peer_assign not in ASSIGNERS:
+        raise UmoptError(f"--peer-assign: unknown {peer_assign!r}: one of {', '.join(ASSIGNERS)}")
 
 
 def _fit_tokens_to_runs(prof: Profile, out: Path, lengths: str, first, say) -> Profile:
@@ -668,6 +707,8 @@ def tune_asked(
     max_length: int = 256,
     methods: Optional[str] = None,
     zero_bubble: bool = False,
+    dp: int = 1,
+    peer_assign: str = "contiguous",
     say: Callable[[str], None] = lambda _msg: None,
     **options,
 ) -> tuple[Union[TuneResult, LengthsResult], str]:
@@ -683,6 +724,8 @@ def tune_asked(
     args = parse_model_args(list(model_args)) or (DEFAULT["model_args"] if not model else {})
     stages, minibatch = stages or DEFAULT["stages"], minibatch or DEFAULT["minibatch"]
     if lengths is None:
+        if dp != 1:
+            raise UmoptError("--dp is for --lengths so far (tune measures one pipeline of equal samples)")
         title = (
             f"{model or DEFAULT['model']}, {stages} stages, minibatch {minibatch}: speedups over equal GPipe"
         )
@@ -700,7 +743,9 @@ def tune_asked(
         name, args, stages, f"file:{lengths}" if os.path.isfile(lengths) else lengths, minibatch, max_length,
         methods=[m.strip() for m in (methods or ",".join(LENGTHS_METHODS)).split(",") if m.strip()],
         chunks=tuple(sorted({1, *parse_chunks(chunks)})),  # each method chooses its layout among them
-        say=say, **options,
+        dp=dp, peer_assign=peer_assign, say=say, **options,
     )  # fmt: skip
     title = f"{name}, {stages} stages, {minibatch} sequences per minibatch from {lengths} (up to {max_length} tokens)"
+    if dp > 1:
+        title = f"{name}, {stages} stages x {dp} replicas, {minibatch} sequences per global minibatch from {lengths} (up to {max_length} tokens)"
     return result, title
