@@ -132,6 +132,15 @@ def tune(
     )
 
 
+def _state(result) -> str:
+    """What the turns left open when the budget ended, if anything."""
+    if result.decided:
+        return ""
+    if result.pick_sure:
+        return "; the pick is decided, not every other pair when the budget ended"
+    return "; not decided when the budget ended (more --budget or --steps decides)"
+
+
 def _print_schedules(result, title: str) -> None:
     """The schedules measured in turns, their speedups, the recommendation and the bound."""
     table = Table(title=title)
@@ -157,7 +166,7 @@ def _print_schedules(result, title: str) -> None:
         highlight=False,
         style="dim",
     )
-    state = "" if result.decided else "; not decided when the budget ended (more --budget or --steps decides)"
+    state = _state(result)
     out.print(
         f"recommended (*): {result.recommended}, {result.reason}{state}; written as {result.out_dir}/recommended.json",
         markup=False,
@@ -223,7 +232,7 @@ def _print_lengths(result, title: str) -> None:
         highlight=False,
         style="dim",
     )
-    state = "" if result.decided else "; not decided when the budget ended (more --budget or --steps decides)"
+    state = _state(result)
     out.print(f"recommended (*): {result.recommended}, {result.reason}{state}", markup=False, highlight=False)
     most = max(result.rows, key=lambda r: r.tokens_per_s)
     if most.method != result.recommended:

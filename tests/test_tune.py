@@ -275,3 +275,27 @@ def test_tune_with_lengths_across_replicas_measures_each_as_it_would_train(tmp_p
     winner = reports["umopt"]["decision"]["winner"]
     train = shown.split("train with", 1)[1]
     assert "--dp 2" in train and ("--assign contiguous" in train) == (winner != "umopt")
+
+
+def test_tunes_last_line_says_a_sure_pick_is_sure_when_only_the_others_are_open(capsys):
+    """umopt decided faster than the best peer at 99.8% while two peers were not told apart: the
+    pick is said to be decided, not "not decided" (which read as if the recommendation were unsure);
+    a pick that is the reference by default stays "not decided"."""
+    from cli.tune import _state
+
+    from umopt.measure.decide import decide
+    from umopt.tune import LengthsResult, _pick_sure
+
+    rounds = {
+        "umopt": [90.0, 91.0, 89.0, 90.5, 90.2, 89.8],
+        "pack": [100.0, 99.0, 101.0, 100.5, 99.5, 100.2],
+        "dynapipe": [96.0, 104.0, 99.0, 106.0, 97.0, 103.0],  # about pack's, too noisy to tell apart
+    }
+    d = decide(rounds, equal=["pack", "dynapipe"])
+    assert d.winner == "umopt" and not d.decided
+    result = LengthsResult([], "", d.winner, d.reason, d.decided, [], [], pick_sure=_pick_sure(d))
+    assert _state(result) == "; the pick is decided, not every other pair when the budget ended"
+    close = decide({"umopt": [100.0, 99.0, 101.0], "pack": [99.0, 101.0, 100.0]}, equal=["pack"])
+    assert close.winner == "pack" and not _pick_sure(close)
+    result = LengthsResult([], "", close.winner, close.reason, close.decided, [], [], pick_sure=_pick_sure(close))
+    assert "not decided when the budget ended" in _state(result)

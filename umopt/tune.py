@@ -108,10 +108,11 @@ class TuneResult:
     recommended: str  # the name of the row written as recommended.json
     reason: str
     confidence: float  # of the decision (umopt.measure.decide): the winner faster, or no candidate worth it
-    decided: bool  # reached the asked confidence before the budget ended
+    decided: bool  # reached the asked confidence before the budget ended, every pair told apart
     warnings: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # why the solve recommended what it did, where it matters
+    pick_sure: bool = False  # the pick reached the asked confidence (what may be left open: the others)
 
     def row(self, name: str) -> TuneRow:
         return next(r for r in self.rows if r.name == name)
@@ -365,6 +366,7 @@ def tune(
         warnings,
         sorted(str(p) for p in out.iterdir()),
         notes,
+        _pick_sure(decision),
     )
 
 
@@ -477,10 +479,11 @@ class LengthsResult:
     out_dir: str
     recommended: str  # the method that measured fastest at the confidence (else the best peer)
     reason: str
-    decided: bool
+    decided: bool  # every pair told apart at the asked confidence before the budget ended
     warnings: list[str]
     files: list[str]
     dp: int = 1  # data-parallel replicas of the pipeline
+    pick_sure: bool = False  # the pick reached the asked confidence (what may be left open: the others)
 
 
 def tune_lengths(
@@ -633,7 +636,14 @@ def tune_lengths(
         warnings,
         sorted(str(p) for p in out.iterdir()),
         dp,
+        _pick_sure(decision),
     )
+
+
+def _pick_sure(decision: Decision) -> bool:
+    """Whether the pick itself is decided: a candidate recommended only ever is (it beat the
+    reference at the confidence); the reference is once no candidate is worth it."""
+    return decision.decided or decision.winner != decision.reference
 
 
 PROBE_STEPS = 4  # measured steps of the probe run of sequences (after one warm-up)
