@@ -573,6 +573,7 @@ def test_a_balanced_split_leaves_every_stage_room_for_its_chunks():
         min_max_cut([1.0] * 4, 2, 3)
 
 
+@pytest.mark.slow  # (the suite within 10 minutes: CI runs the slow ones too)
 @pytest.mark.parametrize("place,weights", [("looped", False), ("vshape", True)])
 def test_the_exact_chunk_model_proves_tiny_instances_and_bounds_every_schedule(place, weights):
     """2 ranks, 2 chunks each, 4 samples: CP-SAT proves its schedule optimal for the cut and

@@ -302,6 +302,7 @@ def test_umopt_run_dp_gives_each_replica_umopts_share(tmp_path, monkeypatch):
         torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # (the suite within 10 minutes: CI runs the slow ones too)
 def test_methods_in_turns_each_train_on_their_own_assignments_shares(tmp_path, monkeypatch):
     """``umopt run PLAN --dp 2 --methods umopt,pack --assign umopt,contiguous`` (what ``umopt tune
     --lengths --dp`` plays): on the same global minibatches, each method's replica 0 plans and

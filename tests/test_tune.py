@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FAST_LINK = ["--link-latency-ms", "0.05", "--link-gbps", "10"]
 
 
+@pytest.mark.slow  # (the suite within 10 minutes: CI runs the slow ones too)
 def test_tune_end_to_end_on_a_tiny_model(tmp_path, capsys):
     """Profile (backward split into B and W, probe runs), solve, then every schedule measured in
     turns: the equal GPipe and 1F1B, umopt's with and without W ops, ZB-H1's equal schedule."""
