@@ -282,7 +282,7 @@ def test_tunes_last_line_says_a_sure_pick_is_sure_when_only_the_others_are_open(
     """umopt decided faster than the best peer at 99.8% while two peers were not told apart: the
     pick is said to be decided, not "not decided" (which read as if the recommendation were unsure);
     a pick that is the reference by default stays "not decided"."""
-    from cli.tune import _state
+    from umopt.cli.tune import _state
 
     from umopt.measure.decide import decide
     from umopt.tune import LengthsResult, _pick_sure
@@ -298,5 +298,7 @@ def test_tunes_last_line_says_a_sure_pick_is_sure_when_only_the_others_are_open(
     assert _state(result) == "; the pick is decided, not every other pair when the budget ended"
     close = decide({"umopt": [100.0, 99.0, 101.0], "pack": [99.0, 101.0, 100.0]}, equal=["pack"])
     assert close.winner == "pack" and not _pick_sure(close)
-    result = LengthsResult([], "", close.winner, close.reason, close.decided, [], [], pick_sure=_pick_sure(close))
+    result = LengthsResult(
+        [], "", close.winner, close.reason, close.decided, [], [], pick_sure=_pick_sure(close)
+    )
     assert "not decided when the budget ended" in _state(result)
