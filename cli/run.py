@@ -143,6 +143,7 @@ def run(schedules, **options) -> None:
     profile) take turns on the same processes, --rounds times, so that what drifts on the machine
     meets them all alike. Under torchrun (several machines) each process is one rank."""
     _require_torch()
+    from umopt.devices import replica_cores
     from umopt.measure.noise import run_warnings
     from umopt.run.launch import launch
     from umopt.run.options import RunOptions
@@ -167,6 +168,14 @@ def run(schedules, **options) -> None:
         result = launch(opts, progress=progress)
     for line in dict.fromkeys(line for r in result.reports for line in run_warnings(r)):  # each once
         warn(line)
+    first = result.reports[0]
+    if first.backend == "gloo" and replica_cores(0, first.dp, first.stages * first.dp) is not None:
+        err.print(
+            f"umopt run: {first.stages * first.dp} processes on fewer cores: each replica was kept to cores of its "
+            "own, a machine of its own as on a cluster (docs/run.md)",
+            markup=False,
+            highlight=False,
+        )
     if result.reports[0].lengths is not None:
         _print_lengths(result.reports)
         return

@@ -741,6 +741,7 @@ def test_data_parallel_replicas_of_a_chunked_pipeline_train_as_one_process(tmp_p
     gradients on the global minibatch."""
     import torch
 
+    from umopt.devices import replica_cores
     from umopt.formats.profile import Profile, save_profile
     from umopt.zoo import build_model
 
@@ -758,6 +759,9 @@ def test_data_parallel_replicas_of_a_chunked_pipeline_train_as_one_process(tmp_p
     assert code == 0, err
     rep = json.loads(report.read_text())
     assert rep["dp"] == 2 and len(rep["allreduce_ms"]["measured"]) == 2
+    # on fewer cores than its 4 ranks (this 2-core CI machine) each replica kept to its own, and said
+    pinned = replica_cores(0, 2, 4) is not None
+    assert pinned == ("each replica was kept to cores of its own" in " ".join(err.split()))
     parts = build_model("mlp", mlp, seed=0)
     model = torch.nn.Sequential(*parts.layers)
     x, y = parts.make_batch(2 * B, 0)
