@@ -285,7 +285,7 @@ def test_tunes_last_line_says_a_sure_pick_is_sure_when_only_the_others_are_open(
     from umopt.cli.tune import _state
 
     from umopt.measure.decide import decide
-    from umopt.tune import LengthsResult, _pick_sure
+    from umopt.tune import LengthsResult
 
     rounds = {
         "umopt": [90.0, 91.0, 89.0, 90.5, 90.2, 89.8],
@@ -294,11 +294,11 @@ def test_tunes_last_line_says_a_sure_pick_is_sure_when_only_the_others_are_open(
     }
     d = decide(rounds, equal=["pack", "dynapipe"])
     assert d.winner == "umopt" and not d.decided
-    result = LengthsResult([], "", d.winner, d.reason, d.decided, [], [], pick_sure=_pick_sure(d))
+    result = LengthsResult([], "", d.winner, d.reason, d.decided, [], [], pick_sure=d.pick_sure)
     assert _state(result) == "; the pick is decided, not every other pair when the budget ended"
     close = decide({"umopt": [100.0, 99.0, 101.0], "pack": [99.0, 101.0, 100.0]}, equal=["pack"])
-    assert close.winner == "pack" and not _pick_sure(close)
+    assert close.winner == "pack" and not close.pick_sure
     result = LengthsResult(
-        [], "", close.winner, close.reason, close.decided, [], [], pick_sure=_pick_sure(close)
+        [], "", close.winner, close.reason, close.decided, [], [], pick_sure=close.pick_sure
     )
     assert "not decided when the budget ended" in _state(result)

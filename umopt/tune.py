@@ -52,7 +52,7 @@ from .search.methods import METHODS
 from .search.peers.schedules import TORCH_MULTI
 from .search.plan import Plan
 from .search.problem import Candidate
-from .search.replicas import ASSIGNERS
+from .search.replicas import check_assignment
 from .search.solve import make_problem, solve
 from .search.solve_chunks import solve_chunked
 from .search.solve_lengths import plan_schedule
@@ -366,7 +366,7 @@ def tune(
         warnings,
         sorted(str(p) for p in out.iterdir()),
         notes,
-        _pick_sure(decision),
+        decision.pick_sure,
     )
 
 
@@ -636,14 +636,8 @@ def tune_lengths(
         warnings,
         sorted(str(p) for p in out.iterdir()),
         dp,
-        _pick_sure(decision),
+        decision.pick_sure,
     )
-
-
-def _pick_sure(decision: Decision) -> bool:
-    """Whether the pick itself is decided: a candidate recommended only ever is (it beat the
-    reference at the confidence); the reference is once no candidate is worth it."""
-    return decision.decided or decision.winner != decision.reference
 
 
 PROBE_STEPS = 4  # measured steps of the probe run of sequences (after one warm-up)
@@ -655,8 +649,7 @@ def _check_replicas(size: int, dp: int, peer_assign: str) -> None:
         raise UmoptError(f"--dp must be at least 1, got {dp}")
     if size % dp:
         raise UmoptError(f"-B {size} sequences do not split among {dp} replicas: give a multiple of --dp")
-    if peer_assign not in ASSIGNERS:
-        raise UmoptError(f"--peer-assign: unknown {peer_assign!r}: one of {', '.join(ASSIGNERS)}")
+    check_assignment(peer_assign, "--peer-assign")
 
 
 def _fit_tokens_to_runs(prof: Profile, out: Path, lengths: str, first, say) -> Profile:

@@ -54,6 +54,12 @@ class Decision:
     comparisons: tuple[Comparison, ...]
     reason: str
 
+    @property
+    def pick_sure(self) -> bool:
+        """Whether the pick itself is decided, whatever else is open: a candidate is kept only
+        once it beat the reference at the confidence; the reference once no candidate is worth it."""
+        return self.decided or self.winner != self.reference
+
 
 def compare(
     name: str, reference_ms: Sequence[float], candidate_ms: Sequence[float], margin: float = MARGIN

@@ -30,7 +30,7 @@ from ..measure.decide import is_equal
 from ..predict import check_against_profile
 from ..samplers import minibatch_of_step
 from ..search.methods import METHODS, chunked_names
-from ..search.replicas import ASSIGNERS
+from ..search.replicas import check_assignment
 from ..words import count
 from ..zoo import build_model, import_object, runnable
 from .checkpoint import MANIFEST, read_manifest
@@ -285,9 +285,8 @@ def _assigns(opts: RunOptions, methods: list[str]) -> list[str]:
     if not methods:
         return []
     given = [a.strip() for a in (opts.assign or "umopt").split(",")]
-    bad = next((a for a in given if a not in ASSIGNERS), None)
-    if bad is not None:
-        raise UmoptError(f"--assign: unknown {bad!r}: one of {', '.join(ASSIGNERS)}")
+    for a in given:
+        check_assignment(a, "--assign")
     if len(given) == 1:
         return given * len(methods)
     if len(given) != len(methods):

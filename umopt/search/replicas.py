@@ -60,6 +60,7 @@ __all__ = [
     "GlobalPlan",
     "GlobalReport",
     "assign",
+    "check_assignment",
     "delay_outliers",
     "fill_share",
     "lower_bound_ms",
@@ -264,6 +265,12 @@ ASSIGNERS: dict[str, Callable] = {
     "wlb": lambda W, P, D, L, profile: _wlb(W, P, D, L, profile),
     "hydraulis": lambda W, P, D, L, profile: _hydraulis(W, P, D, L),
 }
+
+
+def check_assignment(name: str, flag: str) -> None:
+    """``flag``'s ``name`` is one of :data:`ASSIGNERS`, else a one-line error naming both."""
+    if name not in ASSIGNERS:
+        raise UmoptError(f"{flag}: unknown {name!r}: one of {', '.join(ASSIGNERS)}")
 
 
 def assign(profile: Profile, lengths, replicas: int, method: str = "umopt") -> Assignment:
