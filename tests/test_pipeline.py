@@ -245,6 +245,7 @@ def test_a_users_own_stages_profiled_solved_and_trained(tmp_path):
             torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # (the suite within 10 minutes: CI runs the slow ones too)
 def test_an_exported_schedule_runs_on_torchs_runtime_as_one_process(tmp_path, capsys):
     from conftest import run_cli
 

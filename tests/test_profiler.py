@@ -25,6 +25,7 @@ from umopt.zoo import build_model
 FAST_LINK = ["--link-latency-ms", "0.05", "--link-gbps", "10"]
 
 
+@pytest.mark.slow  # (the suite within 10 minutes: CI runs the slow ones too)
 def test_small_mlp_profile_is_complete_and_sane(tmp_path, capsys):
     out = tmp_path / "mlp.json"
     code, stdout, err = run(
@@ -241,6 +242,7 @@ def test_float16_is_refused_for_training_with_the_way_out(tmp_path, capsys):
     )
 
 
+@pytest.mark.slow  # (the suite within 10 minutes: CI runs the slow ones too)
 def test_profile_stages_in_a_script_without_a_main_guard_says_what_to_add(tmp_path):
     import subprocess
     import sys

@@ -133,6 +133,7 @@ def test_gradients_equal_single_process(tmp_path, S, order, recompute, seed):
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # (the suite within 10 minutes: CI runs the slow ones too)
 def test_three_steps_and_resume_match_single_process_training(tmp_path):
     profile = mlp_profile(tmp_path, 3)
     path, _ = write_schedule(tmp_path, profile, "1f1b", False, 7)

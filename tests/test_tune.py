@@ -284,7 +284,7 @@ def test_tunes_last_line_says_a_sure_pick_is_sure_when_only_the_others_are_open(
     a pick that is the reference by default stays "not decided"."""
     from umopt.cli.tune import _state
 
-    from umopt.measure.decide import decide
+    from umopt.measure.decide import decide, pick_sure
     from umopt.tune import LengthsResult
 
     rounds = {
@@ -294,11 +294,18 @@ def test_tunes_last_line_says_a_sure_pick_is_sure_when_only_the_others_are_open(
     }
     d = decide(rounds, equal=["pack", "dynapipe"])
     assert d.winner == "umopt" and not d.decided
-    result = LengthsResult([], "", d.winner, d.reason, d.decided, [], [], pick_sure=d.pick_sure)
+    result = LengthsResult([], "", d.winner, d.reason, d.decided, [], [], pick_sure=pick_sure(d))
     assert _state(result) == "; the pick is decided, not every other pair when the budget ended"
     close = decide({"umopt": [100.0, 99.0, 101.0], "pack": [99.0, 101.0, 100.0]}, equal=["pack"])
-    assert close.winner == "pack" and not close.pick_sure
+    assert close.winner == "pack" and not pick_sure(close)
     result = LengthsResult(
-        [], "", close.winner, close.reason, close.decided, [], [], pick_sure=close.pick_sure
+        [], "", close.winner, close.reason, close.decided, [], [], pick_sure=pick_sure(close)
     )
     assert "not decided when the budget ended" in _state(result)
+    # tune --lengths reads the decision from the run's report: the same rule on its record
+    from umopt.formats.report import Decision as Recorded
+
+    recorded = Recorded(
+        winner="umopt", reference="pack", confidence=0.998, decided=False, confidence_asked=0.95, reason=""
+    )
+    assert pick_sure(recorded) and not pick_sure(recorded.model_copy(update={"winner": "pack"}))

@@ -41,7 +41,7 @@ from .formats.profile import Profile, load_profile, save_profile
 from .formats.schedule import Schedule, make_schedule, save_schedule
 from .measure import ProfileOptions, check_profile_options
 from .measure.calibrate_tokens import calibrate_tokens
-from .measure.decide import CONFIDENCE, Decision, decide
+from .measure.decide import CONFIDENCE, Decision, decide, pick_sure
 from .measure.noise import OFF_PREDICTION
 from .probes import profile_for_chunks, profile_in_pipeline
 from .run.launch import launch
@@ -366,7 +366,7 @@ def tune(
         warnings,
         sorted(str(p) for p in out.iterdir()),
         notes,
-        decision.pick_sure,
+        pick_sure(decision),
     )
 
 
@@ -636,7 +636,7 @@ def tune_lengths(
         warnings,
         sorted(str(p) for p in out.iterdir()),
         dp,
-        decision.pick_sure,
+        pick_sure(decision),
     )
 
 

@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 
 from ..words import count
 
-__all__ = ["CONFIDENCE", "MARGIN", "Comparison", "Decision", "compare", "decide", "is_equal"]
+__all__ = ["CONFIDENCE", "MARGIN", "Comparison", "Decision", "compare", "decide", "is_equal", "pick_sure"]
 
 CONFIDENCE = 0.95
 MARGIN = 0.01
@@ -54,11 +54,12 @@ class Decision:
     comparisons: tuple[Comparison, ...]
     reason: str
 
-    @property
-    def pick_sure(self) -> bool:
-        """Whether the pick itself is decided, whatever else is open: a candidate is kept only
-        once it beat the reference at the confidence; the reference once no candidate is worth it."""
-        return self.decided or self.winner != self.reference
+
+def pick_sure(decision) -> bool:
+    """Whether a decision's pick is decided, whatever else is open (a :class:`Decision`, or a run
+    report's record of one): a candidate is kept only once it beat the reference at the
+    confidence; the reference once no candidate is worth it."""
+    return decision.decided or decision.winner != decision.reference
 
 
 def compare(
