@@ -166,6 +166,22 @@ def test_tune_with_chunks_measures_torch_multi_chunk_schedules_beside_one_chunk(
     assert "recommended (*):" in stdout and (out / "recommended.json").exists()
 
 
+def _tune_lengths_argv(tmp_path, monkeypatch, layers: bool) -> list[str]:
+    """``umopt tune --lengths chat --max-length 48`` of test_varlen_run's GPT, its profile by
+    tokens a synthetic one of the same model (profiling by tokens is
+    tests/test_lengths_profile.py's), layer by layer where ``layers``."""
+    import sys
+
+    import umopt.tune
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_varlen_run import ARGS, _run_profile
+
+    monkeypatch.setattr(umopt.tune, "_profile", lambda *a, **k: _run_profile(tmp_path, layers=layers))
+    args = [f"--model-arg={k}={v}" for k, v in ARGS.items() if k != "seq_len"]
+    return ["tune", "--model", "gpt", *args, "--lengths", "chat", "--max-length", "48"]
+
+
 @pytest.mark.slow
 def test_tune_with_lengths_measures_umopt_plans_against_a_peers_on_the_same_minibatches(
     tmp_path, capsys, monkeypatch
@@ -176,28 +192,8 @@ def test_tune_with_lengths_measures_umopt_plans_against_a_peers_on_the_same_mini
     tokens), each on the layout its plan of the first minibatch chose
     among one chunk per rank and two (``--chunks 2``; DynaPipe has one only), each layout its own
     model copy; a sampler longer than --max-length is scaled to it."""
-    import sys
-
-    import umopt.tune
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_varlen_run import ARGS, _run_profile
-
-    monkeypatch.setattr(umopt.tune, "_profile", lambda *a, **k: _run_profile(tmp_path, layers=True))
     out = tmp_path / "tune"
-    args = [f"--model-arg={k}={v}" for k, v in ARGS.items() if k != "seq_len"]
-    argv = [
-        "tune",
-        "--model",
-        "gpt",
-        *args,
-        "--lengths",
-        "chat",
-        "--max-length",
-        "48",
-        "-B",
-        "8",
-    ]
+    argv = _tune_lengths_argv(tmp_path, monkeypatch, layers=True) + ["-B", "8"]
     argv += ["--methods", "umopt,pack,dynapipe", "--chunks", "2", "--steps", "1", "--rounds", "2"]
     main([*argv, "--budget", "1", "--out", str(out)])
     cap = capsys.readouterr()
@@ -235,30 +231,8 @@ def test_tune_with_lengths_across_replicas_measures_each_as_it_would_train(tmp_p
     minibatch; umopt's steps on umopt's assignment, packing's on the contiguous split (as torch's
     DistributedSampler gives it), the same global minibatches; the table says who assigned each,
     and the line to train with carries --dp (and a peer's assignment where a peer won)."""
-    import sys
-
-    import umopt.tune
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_varlen_run import ARGS, _run_profile
-
-    monkeypatch.setattr(umopt.tune, "_profile", lambda *a, **k: _run_profile(tmp_path))
     out = tmp_path / "tune"
-    args = [f"--model-arg={k}={v}" for k, v in ARGS.items() if k != "seq_len"]
-    argv = [
-        "tune",
-        "--model",
-        "gpt",
-        *args,
-        "--lengths",
-        "chat",
-        "--max-length",
-        "48",
-        "-B",
-        "12",
-        "--dp",
-        "2",
-    ]
+    argv = _tune_lengths_argv(tmp_path, monkeypatch, layers=False) + ["-B", "12", "--dp", "2"]
     argv += ["--methods", "umopt,pack", "--steps", "1", "--rounds", "2", "--no-probes", "--budget", "1"]
     main([*argv, "--out", str(out)])
     cap = capsys.readouterr()
